@@ -1,0 +1,33 @@
+//! # ferry-core
+//!
+//! The vocabulary and the contracts of ferry, with no sockets and no runtime, so that everything here
+//! is testable without I/O:
+//!
+//! - [`Error`], the one error type, with [`Error::is_retryable`];
+//! - the value types: [`Access`], [`Op`], [`Durability`], [`TransportKind`], [`TransferDesc`],
+//!   [`Notification`];
+//! - [`memory`]: what can be registered ([`MemoryBlock`]) and where memory comes from ([`MemoryRegistry`]);
+//! - [`region`]: the region table (unguessable keys, overflow-safe bounds, access checks) and the fence
+//!   that makes deregistration final;
+//! - [`transport`]: the [`Transport`], [`DataLink`] and [`Notifier`] contracts;
+//! - [`codec`]: the wire protocol as a sans-IO codec;
+//! - [`options`]: HIXL-style option strings.
+#![deny(missing_docs)]
+
+pub mod codec;
+pub mod error;
+pub mod memory;
+pub mod options;
+pub mod region;
+pub mod transport;
+pub mod types;
+
+pub use error::{Error, ErrorCode, Result};
+pub use memory::{MemoryBlock, MemoryRegistry, OwnedBuffer, RawMemory};
+pub use options::BufferPool;
+pub use region::{Fence, Lease, RegionEntry, RegionTable, Resolved};
+pub use transport::{
+    Availability, DataLink, EngineContext, LinkSlot, LinkSlots, Notifier, RegionChange, TransferItem, TransferRequest,
+    Transport,
+};
+pub use types::*;

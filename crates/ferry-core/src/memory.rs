@@ -1,0 +1,139 @@
+//! Memory that the engine can register, and where it comes from.
+//!
+//! The engine never hands out `&[u8]` or `&mut [u8]` over registered memory: remote peers write into
+//! it concurrently with local code, so the bytes are reached through raw pointers, one bounded copy or
+//! system call at a time, under a [`Lease`](crate::region::Lease) of the region's fence.
+//!
+//! A [`MemoryBlock`] is anything that owns (or borrows, `unsafe`ly) a contiguous range of host-addressable
+//! bytes: a boxed buffer, an engine allocation backed by a memfd, a mapped Vulkan allocation, a mapped
+//! persistent file. A [`MemoryRegistry`] hands out blocks the engine did not allocate itself; the Vulkan
+//! crate is one.
+
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+use crate::types::Durability;
+
+/// A contiguous range of memory the engine may register.
+///
+/// # Safety
+///
+/// Implementors promise that [`as_ptr`](MemoryBlock::as_ptr) points to [`len`](MemoryBlock::len) bytes that
+/// stay valid for reads and writes through raw pointers, from any thread, for as long as the block is
+/// alive, and that the pointer never changes.
+pub unsafe trait MemoryBlock: Send + Sync + 'static {
+    /// The first byte.
+    fn as_ptr(&self) -> *mut u8;
+    /// Length in bytes.
+    fn len(&self) -> usize;
+    /// Whether the block is empty (never true for a registered block).
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// A short description for logs and `Region::kind`: "host", "host (memfd)", "vulkan host-visible"…
+    fn kind(&self) -> &str;
+    /// Whether writes to this block can be made persistent (see [`Durability`]).
+    fn persistent(&self) -> bool {
+        false
+    }
+    /// Called after a peer wrote `[offset, offset + len)`, before the write is acknowledged. Device
+    /// memory behind a staging buffer copies to the device here; persistent memory flushes here when
+    /// `durability` is [`Durability::Persistent`].
+    fn commit_written(&self, offset: usize, len: usize, durability: Durability) -> Result<()> {
+        let _ = (offset, len);
+        match durability {
+            Durability::Completed => Ok(()),
+            Durability::Persistent => Err(Error::InvalidArgument(format!(
+                "a persistent write needs a persistent region; this one is {}",
+                self.kind()
+            ))),
+        }
+    }
+    /// Called before a peer reads `[offset, offset + len)`. Device memory behind a staging buffer copies
+    /// from the device here.
+    fn prepare_read(&self, offset: usize, len: usize) -> Result<()> {
+        let _ = (offset, len);
+        Ok(())
+    }
+}
+
+/// A source of memory the engine did not allocate itself (a GPU allocator, a persistent-memory pool).
+pub trait MemoryRegistry: Send + Sync {
+    /// A name for logs and errors.
+    fn name(&self) -> &str;
+    /// Allocates `len` bytes.
+    fn allocate(&self, len: usize) -> Result<Arc<dyn MemoryBlock>>;
+}
+
+/// A buffer the caller hands over: a `Vec<u8>` or boxed slice, owned by the region from then on.
+pub struct OwnedBuffer {
+    ptr: *mut u8,
+    len: usize,
+    // Keeps the allocation alive; never touched through a reference after construction.
+    _storage: Box<[u8]>,
+}
+
+impl OwnedBuffer {
+    /// Takes ownership of `storage`.
+    pub fn new(storage: impl Into<Box<[u8]>>) -> Self {
+        let mut storage: Box<[u8]> = storage.into();
+        let ptr = storage.as_mut_ptr();
+        let len = storage.len();
+        OwnedBuffer { ptr, len, _storage: storage }
+    }
+}
+
+// SAFETY: the pointer is into a heap allocation owned by `self`, never reallocated or moved (moving the
+// Box moves only the pointer), and only accessed through raw pointers, which is sound from any thread.
+unsafe impl Send for OwnedBuffer {}
+// SAFETY: as above; shared access goes through raw pointers only.
+unsafe impl Sync for OwnedBuffer {}
+
+// SAFETY: `ptr` points to the `len` bytes of `_storage`, which lives as long as `self` and does not move.
+unsafe impl MemoryBlock for OwnedBuffer {
+    fn as_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn kind(&self) -> &str {
+        "host (owned buffer)"
+    }
+}
+
+/// Memory the caller owns and promises to keep alive while it is registered.
+pub struct RawMemory {
+    ptr: *mut u8,
+    len: usize,
+}
+
+impl RawMemory {
+    /// Describes `len` bytes at `ptr`.
+    ///
+    /// # Safety
+    ///
+    /// `ptr` must be valid for reads and writes of `len` bytes until the region made from this block is
+    /// deregistered (or dropped) and that call has returned, and nothing may free or unmap it before.
+    pub unsafe fn new(ptr: *mut u8, len: usize) -> Self {
+        RawMemory { ptr, len }
+    }
+}
+
+// SAFETY: the caller of `RawMemory::new` promised validity from any thread for the registration's life.
+unsafe impl Send for RawMemory {}
+// SAFETY: as above.
+unsafe impl Sync for RawMemory {}
+
+// SAFETY: validity is the promise made to `RawMemory::new`.
+unsafe impl MemoryBlock for RawMemory {
+    fn as_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn kind(&self) -> &str {
+        "host (caller-owned)"
+    }
+}

@@ -1,0 +1,409 @@
+//! The region table: which memory a peer may reach, and the fence that makes deregistration final.
+//!
+//! Every remote operation names a region by its [`RegionKey`] and an offset; [`RegionTable::resolve`]
+//! checks the key, the bounds (overflow-safe) and the access before the first payload byte is read from
+//! the network or written to memory. Local descriptors name addresses; [`RegionTable::find_local`] finds
+//! the region that holds them wholly.
+//!
+//! Memory is touched only under a [`Lease`] of the region's [`Fence`], one bounded copy or non-blocking
+//! system call at a time. Deregistration closes the fence and waits for the leases out, which takes
+//! microseconds, so that after it returns no byte of the region is touched again.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use crate::error::{Error, Result};
+use crate::memory::MemoryBlock;
+use crate::types::{Access, RegionAd, RegionKey, TransportKind};
+
+const CLOSED: usize = 1 << (usize::BITS - 1);
+
+/// Counts the memory accesses in progress on a region and refuses new ones once closed.
+#[derive(Debug, Default)]
+pub struct Fence {
+    state: AtomicUsize,
+}
+
+impl Fence {
+    /// Starts an access; `None` once the region is being deregistered.
+    pub fn enter(&self) -> Option<Lease<'_>> {
+        let prev = self.state.fetch_add(1, Ordering::Acquire);
+        if prev & CLOSED != 0 {
+            self.state.fetch_sub(1, Ordering::Release);
+            return None;
+        }
+        Some(Lease { fence: self })
+    }
+
+    /// Whether the fence is closed.
+    pub fn is_closed(&self) -> bool {
+        self.state.load(Ordering::Acquire) & CLOSED != 0
+    }
+
+    /// Refuses new accesses and waits until the ones in progress have ended. Leases are held for one
+    /// bounded copy or non-blocking system call, so this spins for microseconds at most.
+    pub fn close_and_wait(&self) {
+        self.state.fetch_or(CLOSED, Ordering::AcqRel);
+        let mut spins = 0u32;
+        while self.state.load(Ordering::Acquire) & !CLOSED != 0 {
+            spins += 1;
+            if spins < 64 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+        }
+    }
+}
+
+/// Permission to touch a region's memory until dropped.
+#[derive(Debug)]
+pub struct Lease<'a> {
+    fence: &'a Fence,
+}
+
+impl Drop for Lease<'_> {
+    fn drop(&mut self) {
+        self.fence.state.fetch_sub(1, Ordering::Release);
+    }
+}
+
+/// A registered region: its memory, key, access and fence.
+pub struct RegionEntry {
+    key: RegionKey,
+    access: Access,
+    block: Arc<dyn MemoryBlock>,
+    fence: Fence,
+    transport_keys: Vec<(TransportKind, Vec<u8>)>,
+}
+
+impl std::fmt::Debug for RegionEntry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RegionEntry")
+            .field("key", &self.key)
+            .field("addr", &format_args!("{:#x}", self.addr()))
+            .field("len", &self.len())
+            .field("access", &self.access)
+            .field("kind", &self.block.kind())
+            .finish()
+    }
+}
+
+impl RegionEntry {
+    /// A region over `block`, not yet in any table.
+    pub fn new(key: RegionKey, access: Access, block: Arc<dyn MemoryBlock>) -> Result<Self> {
+        if block.is_empty() {
+            return Err(Error::InvalidArgument("cannot register an empty region".into()));
+        }
+        Ok(RegionEntry { key, access, block, fence: Fence::default(), transport_keys: Vec::new() })
+    }
+
+    /// Adds a transport's remote key (an RDMA rkey, for example) to what peers are told.
+    pub fn with_transport_key(mut self, kind: TransportKind, key: Vec<u8>) -> Self {
+        self.transport_keys.push((kind, key));
+        self
+    }
+
+    /// The key peers name.
+    pub fn key(&self) -> RegionKey {
+        self.key
+    }
+    /// What peers may do.
+    pub fn access(&self) -> Access {
+        self.access
+    }
+    /// The first byte's address in this process.
+    pub fn addr(&self) -> u64 {
+        self.block.as_ptr() as u64
+    }
+    /// Length in bytes.
+    pub fn len(&self) -> u64 {
+        self.block.len() as u64
+    }
+    /// Never true: empty regions are refused.
+    pub fn is_empty(&self) -> bool {
+        self.block.is_empty()
+    }
+    /// The memory.
+    pub fn block(&self) -> &Arc<dyn MemoryBlock> {
+        &self.block
+    }
+    /// The fence guarding the memory.
+    pub fn fence(&self) -> &Fence {
+        &self.fence
+    }
+    /// What peers are told about this region.
+    pub fn advert(&self) -> RegionAd {
+        RegionAd {
+            key: self.key,
+            addr: self.addr(),
+            len: self.len(),
+            access: self.access,
+            persistent: self.block.persistent(),
+            transport_keys: self.transport_keys.clone(),
+        }
+    }
+
+    /// Checks that `[offset, offset + len)` lies inside the region (overflow-safe, `len > 0`).
+    pub fn check_range(&self, offset: u64, len: u64) -> Result<()> {
+        if len == 0 {
+            return Err(Error::InvalidArgument("zero-length range".into()));
+        }
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len() => Ok(()),
+            Some(end) => Err(Error::OutOfBounds(format!(
+                "range [{offset}, {end}) crosses the end of region {:?} ({} bytes)",
+                self.key,
+                self.len()
+            ))),
+            None => Err(Error::OutOfBounds(format!("offset {offset} + length {len} overflows"))),
+        }
+    }
+
+    /// A raw pointer to `offset`, after [`check_range`](Self::check_range) passed for the range used.
+    ///
+    /// The pointer may be used only while a [`Lease`] of this region's fence is held.
+    pub fn ptr_at(&self, offset: u64) -> *mut u8 {
+        debug_assert!(offset <= self.len());
+        // `offset <= len` and the block is `len` bytes long, so the result stays in (or one past) it.
+        self.block.as_ptr().wrapping_add(offset as usize)
+    }
+
+    /// Copies `src` into the region at `offset` under a lease. Fails if the region is being
+    /// deregistered or the range is outside it.
+    pub fn copy_in(&self, offset: u64, src: &[u8]) -> Result<()> {
+        self.check_range(offset, src.len() as u64)?;
+        let _lease = self.fence.enter().ok_or_else(|| self.gone())?;
+        // SAFETY: the range is inside the block (checked above), the block is valid while the entry
+        // lives, the lease keeps deregistration from completing, and `src` cannot overlap region memory
+        // handed out as a slice because the engine never hands out such slices.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr_at(offset), src.len()) };
+        Ok(())
+    }
+
+    /// Copies from the region at `offset` into `dst` under a lease.
+    pub fn copy_out(&self, offset: u64, dst: &mut [u8]) -> Result<()> {
+        self.check_range(offset, dst.len() as u64)?;
+        let _lease = self.fence.enter().ok_or_else(|| self.gone())?;
+        // SAFETY: as in `copy_in`, with source and destination swapped.
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr_at(offset), dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+
+    /// The error for an access to a region that is being deregistered.
+    pub fn gone(&self) -> Error {
+        Error::PermissionDenied(format!("region {:?} has been deregistered", self.key))
+    }
+}
+
+/// A range resolved against the table: the region and the offset inside it.
+#[derive(Debug, Clone)]
+pub struct Resolved {
+    /// The region.
+    pub region: Arc<RegionEntry>,
+    /// Offset of the first byte inside the region.
+    pub offset: u64,
+    /// Length in bytes.
+    pub len: u64,
+}
+
+/// The regions registered with one engine, by key and by address.
+#[derive(Debug, Default)]
+pub struct RegionTable {
+    by_key: HashMap<RegionKey, Arc<RegionEntry>>,
+    by_addr: BTreeMap<u64, RegionKey>,
+    total_bytes: u64,
+}
+
+impl RegionTable {
+    /// An empty table.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Number of regions.
+    pub fn len(&self) -> usize {
+        self.by_key.len()
+    }
+
+    /// Whether no region is registered.
+    pub fn is_empty(&self) -> bool {
+        self.by_key.is_empty()
+    }
+
+    /// Bytes registered in all.
+    pub fn total_bytes(&self) -> u64 {
+        self.total_bytes
+    }
+
+    /// Adds a region. Regions may not overlap: an address must name one region.
+    pub fn insert(&mut self, entry: Arc<RegionEntry>) -> Result<()> {
+        let (start, len) = (entry.addr(), entry.len());
+        let end = start
+            .checked_add(len)
+            .ok_or_else(|| Error::InvalidArgument("region end overflows the address space".into()))?;
+        if self.by_key.contains_key(&entry.key()) {
+            return Err(Error::InvalidArgument(format!("key {:?} is already registered", entry.key())));
+        }
+        if let Some((_, k)) = self.by_addr.range(..end).next_back() {
+            let other = &self.by_key[k];
+            if other.addr() + other.len() > start {
+                return Err(Error::InvalidArgument(format!(
+                    "[{start:#x}, {end:#x}) overlaps the registered region at {:#x} ({} bytes); deregister it first",
+                    other.addr(),
+                    other.len()
+                )));
+            }
+        }
+        self.by_addr.insert(start, entry.key());
+        self.total_bytes += len;
+        self.by_key.insert(entry.key(), entry);
+        Ok(())
+    }
+
+    /// Removes a region; the caller then closes its fence.
+    pub fn remove(&mut self, key: RegionKey) -> Option<Arc<RegionEntry>> {
+        let entry = self.by_key.remove(&key)?;
+        self.by_addr.remove(&entry.addr());
+        self.total_bytes -= entry.len();
+        Some(entry)
+    }
+
+    /// The region under `key`.
+    pub fn get(&self, key: RegionKey) -> Option<&Arc<RegionEntry>> {
+        self.by_key.get(&key)
+    }
+
+    /// All regions, as peers see them.
+    pub fn adverts(&self) -> Vec<RegionAd> {
+        self.by_addr.values().map(|k| self.by_key[k].advert()).collect()
+    }
+
+    /// The target-side check of a remote operation: the key exists, `[offset, offset + len)` lies in
+    /// the region, and the region grants `access`.
+    pub fn resolve(&self, key: RegionKey, offset: u64, len: u64, access: Access) -> Result<Resolved> {
+        let region = self
+            .by_key
+            .get(&key)
+            .ok_or_else(|| Error::PermissionDenied(format!("no region is registered under key {key:?}")))?;
+        if !region.access().contains(access) {
+            return Err(Error::PermissionDenied(format!(
+                "region {key:?} grants {} but the operation needs {access}",
+                region.access()
+            )));
+        }
+        region.check_range(offset, len)?;
+        Ok(Resolved { region: region.clone(), offset, len })
+    }
+
+    /// The initiator-side lookup of a local address range: the region that holds it wholly.
+    pub fn find_local(&self, addr: u64, len: u64) -> Result<Resolved> {
+        if len == 0 {
+            return Err(Error::InvalidArgument("zero-length descriptor".into()));
+        }
+        let region = self
+            .by_addr
+            .range(..=addr)
+            .next_back()
+            .map(|(_, k)| &self.by_key[k])
+            .ok_or_else(|| Error::OutOfBounds(format!("local address {addr:#x} is in no registered region")))?;
+        let offset = addr - region.addr();
+        if offset >= region.len() {
+            return Err(Error::OutOfBounds(format!("local address {addr:#x} is in no registered region")));
+        }
+        region.check_range(offset, len)?;
+        Ok(Resolved { region: region.clone(), offset, len })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::OwnedBuffer;
+    use proptest::prelude::*;
+
+    fn entry(len: usize, access: Access) -> Arc<RegionEntry> {
+        let block: Arc<dyn MemoryBlock> = Arc::new(OwnedBuffer::new(vec![0u8; len]));
+        Arc::new(RegionEntry::new(RegionKey::random().unwrap(), access, block).unwrap())
+    }
+
+    #[test]
+    fn resolve_checks_key_access_and_bounds() {
+        let mut t = RegionTable::new();
+        let r = entry(4096, Access::READ);
+        let key = r.key();
+        t.insert(r).unwrap();
+        assert!(t.resolve(key, 0, 4096, Access::READ).is_ok());
+        assert!(matches!(t.resolve(key, 0, 4096, Access::WRITE), Err(Error::PermissionDenied(_))));
+        assert!(matches!(t.resolve(RegionKey(key.0 ^ 1), 0, 1, Access::READ), Err(Error::PermissionDenied(_))));
+        assert!(matches!(t.resolve(key, 4000, 97, Access::READ), Err(Error::OutOfBounds(_))));
+        assert!(matches!(t.resolve(key, 4096, 1, Access::READ), Err(Error::OutOfBounds(_))));
+        assert!(matches!(t.resolve(key, 1, u64::MAX, Access::READ), Err(Error::OutOfBounds(_))));
+        assert!(matches!(t.resolve(key, 0, 0, Access::READ), Err(Error::InvalidArgument(_))));
+    }
+
+    #[test]
+    fn fence_refuses_after_close() {
+        let f = Fence::default();
+        {
+            let _l = f.enter().unwrap();
+        }
+        f.close_and_wait();
+        assert!(f.enter().is_none());
+    }
+
+    #[test]
+    fn copy_after_deregistration_fails() {
+        let r = entry(16, Access::READ_WRITE);
+        r.copy_in(0, &[1, 2, 3]).unwrap();
+        let mut out = [0u8; 3];
+        r.copy_out(0, &mut out).unwrap();
+        assert_eq!(out, [1, 2, 3]);
+        r.fence().close_and_wait();
+        assert!(matches!(r.copy_in(0, &[9]), Err(Error::PermissionDenied(_))));
+    }
+
+    proptest! {
+        #[test]
+        fn resolve_accepts_exactly_the_ranges_inside(
+            lens in proptest::collection::vec(1usize..5000, 1..8),
+            pick in any::<usize>(),
+            offset in any::<u64>(),
+            len in any::<u64>(),
+            small in any::<bool>(),
+        ) {
+            let mut t = RegionTable::new();
+            let entries: Vec<_> = lens.iter().map(|&l| entry(l, Access::READ_WRITE)).collect();
+            for e in &entries { t.insert(e.clone()).unwrap(); }
+            let e = &entries[pick % entries.len()];
+            let (offset, len) = if small { (offset % 6000, len % 6000) } else { (offset, len) };
+            let inside = len > 0 && offset.checked_add(len).is_some_and(|end| end <= e.len());
+            prop_assert_eq!(t.resolve(e.key(), offset, len, Access::WRITE).is_ok(), inside);
+            // The same range by address finds the same region iff inside.
+            if offset < e.len() {
+                let found = t.find_local(e.addr() + offset, len);
+                prop_assert_eq!(found.is_ok(), inside);
+                if let Ok(r) = found { prop_assert_eq!(r.region.key(), e.key()); prop_assert_eq!(r.offset, offset); }
+            }
+        }
+
+        #[test]
+        fn remove_keeps_indexes_consistent(n in 1usize..10, remove_mask in any::<u16>()) {
+            let mut t = RegionTable::new();
+            let entries: Vec<_> = (0..n).map(|i| entry(64 + i, Access::READ)).collect();
+            for e in &entries { t.insert(e.clone()).unwrap(); }
+            let mut expect_bytes = 0;
+            for (i, e) in entries.iter().enumerate() {
+                if remove_mask & (1 << i) != 0 {
+                    prop_assert!(t.remove(e.key()).is_some());
+                    prop_assert!(t.find_local(e.addr(), 1).is_err());
+                } else {
+                    expect_bytes += e.len();
+                }
+            }
+            prop_assert_eq!(t.total_bytes(), expect_bytes);
+            prop_assert_eq!(t.adverts().len(), t.len());
+        }
+    }
+}

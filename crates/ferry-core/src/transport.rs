@@ -1,0 +1,210 @@
+//! The contracts between the engine and its transports.
+//!
+//! The engine owns the region table and the notification queue; transports move bytes. A transport
+//! is told about every region as it is registered (so that an RDMA transport can register it with its
+//! NIC and return an rkey, which travels in the region's advert), says whether it is usable on this
+//! host, and builds a [`DataLink`] per peer. The engine picks, per peer, the best transport both ends
+//! offer and reports which one it picked.
+//!
+//! On the target side a transport serves remote operations against the [`EngineContext`]: it resolves
+//! every operation in the region table before touching memory and delivers notifications to the
+//! [`Notifier`].
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, RwLock};
+
+use futures::future::BoxFuture;
+
+use crate::error::{Error, Result};
+use crate::region::{RegionEntry, RegionTable, Resolved};
+use crate::types::{Durability, Notification, Op, RegionKey, TransportKind};
+
+/// Whether a transport can be used on this host, and why not.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Availability {
+    /// Which transport.
+    pub kind: TransportKind,
+    /// Whether it is compiled in.
+    pub compiled: bool,
+    /// Whether it can be used here.
+    pub usable: bool,
+    /// Why it cannot be used, or what it uses.
+    pub detail: String,
+    /// Devices it found (RDMA devices, for example).
+    pub devices: Vec<String>,
+}
+
+/// A data path a link can use.
+pub trait Transport: Send + Sync + 'static {
+    /// Which transport this is.
+    fn kind(&self) -> TransportKind;
+    /// Whether it is usable on this host.
+    fn availability(&self) -> Availability;
+    /// Called for every region the engine registers, before peers learn of it. Returns the key peers
+    /// need to reach the region through this transport (an RDMA rkey), if any.
+    fn register_region(&self, region: &RegionEntry) -> Result<Option<Vec<u8>>> {
+        let _ = region;
+        Ok(None)
+    }
+    /// Called when a region is deregistered, after its fence closed.
+    fn deregister_region(&self, key: RegionKey) {
+        let _ = key;
+    }
+}
+
+/// One element of a transfer, resolved on both sides.
+#[derive(Debug, Clone)]
+pub struct TransferItem {
+    /// Local memory.
+    pub local: Resolved,
+    /// The remote region's key.
+    pub remote_key: RegionKey,
+    /// Offset inside the remote region.
+    pub remote_offset: u64,
+}
+
+impl TransferItem {
+    /// Length in bytes.
+    pub fn len(&self) -> u64 {
+        self.local.len
+    }
+    /// Never true: zero-length descriptors are refused when resolved.
+    pub fn is_empty(&self) -> bool {
+        self.local.len == 0
+    }
+}
+
+/// A batch of one-sided operations towards one peer.
+#[derive(Debug, Clone)]
+pub struct TransferRequest {
+    /// Read or write.
+    pub op: Op,
+    /// What a write's completion promises.
+    pub durability: Durability,
+    /// The descriptors, in the caller's order.
+    pub items: Vec<TransferItem>,
+}
+
+/// The data path to one peer.
+pub trait DataLink: Send + Sync + 'static {
+    /// Which transport carries it.
+    fn kind(&self) -> TransportKind;
+    /// Runs a batch; completes when every descriptor has been applied at its destination.
+    /// The future owns what it needs: dropping it abandons the result, not the memory safety.
+    fn transfer(&self, request: TransferRequest) -> BoxFuture<'static, Result<()>>;
+    /// Sends a notification; completes when the peer queued it. Ordered after every transfer that
+    /// completed before it was called.
+    fn notify(&self, notification: Notification) -> BoxFuture<'static, Result<()>>;
+    /// Tells the peer a region was registered or deregistered here.
+    fn announce(&self, change: RegionChange) -> BoxFuture<'static, Result<()>>;
+    /// Closes the link; outstanding operations fail with `PeerClosed`.
+    fn close(&self) -> BoxFuture<'static, ()>;
+    /// Whether the link is closed (by either side, or by a failure).
+    fn is_closed(&self) -> bool;
+}
+
+/// A change to the region table that connected peers are told about.
+#[derive(Debug, Clone)]
+pub enum RegionChange {
+    /// A region was registered.
+    Added(crate::types::RegionAd),
+    /// A region was deregistered.
+    Removed(RegionKey),
+}
+
+/// Where transports deliver notifications that arrive for this engine.
+pub trait Notifier: Send + Sync + 'static {
+    /// Queues a notification from the link `link`; `ResourceExhausted` when that link already has the
+    /// maximum pending.
+    fn deliver(&self, link: u64, from_engine: u64, from_addr: &str, notification: Notification) -> Result<()>;
+    /// The link is gone: its pending notifications stay, but no longer count against a live link.
+    fn link_closed(&self, link: u64);
+}
+
+/// Counts links against the engine's maximum (HIXL: 512).
+#[derive(Debug)]
+pub struct LinkSlots {
+    used: AtomicUsize,
+    max: usize,
+}
+
+impl LinkSlots {
+    /// A counter allowing `max` links.
+    pub fn new(max: usize) -> Self {
+        LinkSlots { used: AtomicUsize::new(0), max }
+    }
+
+    /// Takes a slot, or fails with `ResourceExhausted`.
+    pub fn acquire(self: &Arc<Self>) -> Result<LinkSlot> {
+        let mut cur = self.used.load(Ordering::Acquire);
+        loop {
+            if cur >= self.max {
+                return Err(Error::ResourceExhausted(format!(
+                    "the engine already has {cur} links, its maximum (raise max_links or disconnect a peer)"
+                )));
+            }
+            match self.used.compare_exchange(cur, cur + 1, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => return Ok(LinkSlot { slots: self.clone() }),
+                Err(actual) => cur = actual,
+            }
+        }
+    }
+
+    /// Links in use.
+    pub fn used(&self) -> usize {
+        self.used.load(Ordering::Acquire)
+    }
+}
+
+/// One link's slot; released on drop.
+#[derive(Debug)]
+pub struct LinkSlot {
+    slots: Arc<LinkSlots>,
+}
+
+impl Drop for LinkSlot {
+    fn drop(&mut self) {
+        self.slots.used.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// What the target side of every transport serves from.
+pub struct EngineContext {
+    /// This engine's random id.
+    pub engine_id: u64,
+    /// Identifies this host (for choosing shared memory).
+    pub host_id: u64,
+    /// The registered regions.
+    pub regions: RwLock<RegionTable>,
+    /// The notification queue.
+    pub notifier: Arc<dyn Notifier>,
+    /// Links in use, incoming and outgoing.
+    pub links: Arc<LinkSlots>,
+    /// Transports usable here, best first.
+    pub transports: Vec<TransportKind>,
+}
+
+impl EngineContext {
+    /// Resolves a remote operation against the region table (see [`RegionTable::resolve`]).
+    pub fn resolve(&self, key: RegionKey, offset: u64, len: u64, op: Op) -> Result<Resolved> {
+        self.regions
+            .read()
+            .map_err(|_| Error::Protocol("region table lock poisoned".into()))?
+            .resolve(key, offset, len, op.required_access())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn link_slots_cap_and_release() {
+        let slots = Arc::new(LinkSlots::new(2));
+        let a = slots.acquire().unwrap();
+        let _b = slots.acquire().unwrap();
+        assert!(matches!(slots.acquire(), Err(Error::ResourceExhausted(_))));
+        drop(a);
+        assert!(slots.acquire().is_ok());
+    }
+}

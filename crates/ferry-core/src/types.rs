@@ -1,0 +1,300 @@
+//! The small value types every layer shares.
+
+use std::fmt;
+
+use crate::error::{Error, Result};
+
+/// What a peer may do to a registered region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Access(u8);
+
+impl Access {
+    /// Peers may read the region.
+    pub const READ: Access = Access(0b01);
+    /// Peers may write the region.
+    pub const WRITE: Access = Access(0b10);
+    /// Peers may read and write the region.
+    pub const READ_WRITE: Access = Access(0b11);
+
+    /// Whether every permission in `other` is also in `self`.
+    pub fn contains(self, other: Access) -> bool {
+        self.0 & other.0 == other.0
+    }
+
+    /// The wire byte.
+    pub fn bits(self) -> u8 {
+        self.0
+    }
+
+    /// Parses the wire byte; unknown bits are a protocol error.
+    pub fn from_bits(bits: u8) -> Result<Access> {
+        if bits & !0b11 != 0 || bits == 0 {
+            return Err(Error::Protocol(format!("invalid access bits {bits:#04x}")));
+        }
+        Ok(Access(bits))
+    }
+}
+
+impl fmt::Display for Access {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let r = if self.contains(Access::READ) { "r" } else { "-" };
+        let w = if self.contains(Access::WRITE) { "w" } else { "-" };
+        write!(f, "{r}{w}")
+    }
+}
+
+/// The direction of a one-sided transfer, seen from the initiator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Op {
+    /// Copy remote memory into local memory.
+    Read,
+    /// Copy local memory into remote memory.
+    Write,
+}
+
+impl Op {
+    /// The access the target region needs for this operation.
+    pub fn required_access(self) -> Access {
+        match self {
+            Op::Read => Access::READ,
+            Op::Write => Access::WRITE,
+        }
+    }
+}
+
+impl fmt::Display for Op {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Op::Read => "read",
+            Op::Write => "write",
+        })
+    }
+}
+
+/// What a completed WRITE promises about the bytes at the target (seed 002).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Durability {
+    /// The bytes are in the target's memory and visible to its CPU. Not necessarily persistent.
+    #[default]
+    Completed,
+    /// The bytes are in the target's persistence domain. Only for persistent regions.
+    Persistent,
+}
+
+/// The data paths ferry knows, best first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum TransportKind {
+    /// Same-host shared memory.
+    Shm,
+    /// RDMA verbs (RC queue pairs, one-sided READ and WRITE).
+    Rdma,
+    /// TCP streams: available everywhere, and the control channel of every link.
+    Tcp,
+}
+
+impl TransportKind {
+    /// The stable lower-case name used by the CLI, logs and JSON.
+    pub fn name(self) -> &'static str {
+        match self {
+            TransportKind::Shm => "shm",
+            TransportKind::Rdma => "rdma",
+            TransportKind::Tcp => "tcp",
+        }
+    }
+
+    /// The wire byte.
+    pub fn to_u8(self) -> u8 {
+        match self {
+            TransportKind::Shm => 1,
+            TransportKind::Rdma => 2,
+            TransportKind::Tcp => 3,
+        }
+    }
+
+    /// Parses the wire byte; `None` for kinds this version does not know (they are ignored, not fatal).
+    pub fn from_u8(v: u8) -> Option<Self> {
+        match v {
+            1 => Some(TransportKind::Shm),
+            2 => Some(TransportKind::Rdma),
+            3 => Some(TransportKind::Tcp),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for TransportKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for TransportKind {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "shm" => Ok(TransportKind::Shm),
+            "rdma" => Ok(TransportKind::Rdma),
+            "tcp" => Ok(TransportKind::Tcp),
+            other => Err(Error::InvalidArgument(format!(
+                "unknown transport {other:?}: expected tcp, rdma or shm"
+            ))),
+        }
+    }
+}
+
+/// The unguessable name of a registered region: 64 random bits drawn from the OS.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RegionKey(pub u64);
+
+impl RegionKey {
+    /// Draws a fresh random key.
+    pub fn random() -> Result<Self> {
+        let mut b = [0u8; 8];
+        getrandom::fill(&mut b)
+            .map_err(|e| Error::Io { kind: std::io::ErrorKind::Other, message: format!("drawing a region key from the OS: {e}") })?;
+        Ok(RegionKey(u64::from_le_bytes(b)))
+    }
+}
+
+impl fmt::Debug for RegionKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "RegionKey({:016x})", self.0)
+    }
+}
+
+/// A region as a peer advertises it: where it is in the owner's address space, how long, with which
+/// access, under which key, and any transport-specific keys (an RDMA rkey, for example).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RegionAd {
+    /// The key operations must name.
+    pub key: RegionKey,
+    /// The region's first byte in the owner's address space (for address-based descriptors).
+    pub addr: u64,
+    /// Length in bytes.
+    pub len: u64,
+    /// What peers may do.
+    pub access: Access,
+    /// Whether writes to it can be made persistent.
+    pub persistent: bool,
+    /// Transport-specific remote keys, at most one per transport kind.
+    pub transport_keys: Vec<(TransportKind, Vec<u8>)>,
+}
+
+impl RegionAd {
+    /// Whether `[addr, addr + len)` lies wholly inside this region (overflow-safe).
+    pub fn contains(&self, addr: u64, len: u64) -> bool {
+        match (addr.checked_sub(self.addr), addr.checked_add(len), self.addr.checked_add(self.len)) {
+            (Some(_), Some(end), Some(region_end)) => end <= region_end,
+            _ => false,
+        }
+    }
+}
+
+/// One element of a batched transfer: `len` bytes between a local and a remote address, as in
+/// HIXL's `TransferOpDesc{local_addr, remote_addr, len}`. Both addresses must lie, with `len`, inside
+/// regions registered on their side.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct TransferDesc {
+    /// Address in this process, inside a region registered with the local engine.
+    pub local_addr: u64,
+    /// Address in the peer's process, inside a region the peer registered and advertised.
+    pub remote_addr: u64,
+    /// Number of bytes; must be non-zero.
+    pub len: u64,
+}
+
+impl TransferDesc {
+    /// A descriptor moving `len` bytes between `local_addr` and `remote_addr`.
+    pub fn new(local_addr: u64, remote_addr: u64, len: u64) -> Self {
+        TransferDesc { local_addr, remote_addr, len }
+    }
+}
+
+/// A message delivered to the peer's notification queue (HIXL `NotifyDesc{name, msg}`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Notification {
+    /// Short name, at most [`MAX_NOTIFY_FIELD_CHARS`] characters.
+    pub name: String,
+    /// Body, at most [`MAX_NOTIFY_FIELD_CHARS`] characters.
+    pub msg: String,
+}
+
+impl Notification {
+    /// Builds a notification; the limits are checked when it is sent.
+    pub fn new(name: impl Into<String>, msg: impl Into<String>) -> Self {
+        Notification { name: name.into(), msg: msg.into() }
+    }
+
+    /// Checks HIXL's limits: each field at most 1024 characters.
+    pub fn validate(&self) -> Result<()> {
+        for (field, value) in [("name", &self.name), ("msg", &self.msg)] {
+            let chars = value.chars().count();
+            if chars > MAX_NOTIFY_FIELD_CHARS {
+                return Err(Error::InvalidArgument(format!(
+                    "notification {field} has {chars} characters; the limit is {MAX_NOTIFY_FIELD_CHARS}"
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A notification as received, with the engine it came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReceivedNotification {
+    /// The sending engine's id.
+    pub from_engine: u64,
+    /// The sender's address as this engine saw it.
+    pub from_addr: String,
+    /// What was sent.
+    pub notification: Notification,
+}
+
+/// HIXL: a notification's name and message each hold at most this many characters.
+pub const MAX_NOTIFY_FIELD_CHARS: usize = 1024;
+/// HIXL: at most this many notifications wait undrained per link.
+pub const DEFAULT_MAX_PENDING_NOTIFICATIONS: usize = 4096;
+/// HIXL: at most this many links per engine.
+pub const DEFAULT_MAX_LINKS: usize = 512;
+/// HIXL: descriptors smaller than this go through the staging pool.
+pub const SMALL_TRANSFER_THRESHOLD: u64 = 256 * 1024;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn access_bits() {
+        assert!(Access::READ_WRITE.contains(Access::READ));
+        assert!(!Access::READ.contains(Access::WRITE));
+        assert!(Access::from_bits(0).is_err());
+        assert!(Access::from_bits(4).is_err());
+        assert_eq!(Access::from_bits(3).unwrap(), Access::READ_WRITE);
+    }
+
+    #[test]
+    fn region_contains_is_overflow_safe() {
+        let ad = RegionAd {
+            key: RegionKey(1),
+            addr: u64::MAX - 10,
+            len: 10,
+            access: Access::READ,
+            persistent: false,
+            transport_keys: vec![],
+        };
+        assert!(ad.contains(u64::MAX - 10, 10));
+        assert!(!ad.contains(u64::MAX - 10, 11));
+        assert!(!ad.contains(u64::MAX, u64::MAX));
+        assert!(!ad.contains(0, 1));
+    }
+
+    #[test]
+    fn notification_limits_count_chars() {
+        assert!(Notification::new("é".repeat(1024), "").validate().is_ok());
+        assert!(matches!(
+            Notification::new("a".repeat(1025), "").validate(),
+            Err(Error::InvalidArgument(_))
+        ));
+        assert!(Notification::new("", "b".repeat(1025)).validate().is_err());
+    }
+}
