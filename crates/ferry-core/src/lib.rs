@@ -25,7 +25,7 @@ pub mod types;
 pub use error::{Error, ErrorCode, Result};
 pub use memory::{MemoryBlock, MemoryRegistry, OwnedBuffer, RawMemory};
 pub use options::BufferPool;
-pub use region::{Fence, Lease, RegionEntry, RegionTable, Resolved};
+pub use region::{Fence, Lease, RegionEntry, RegionTable, RemoteRegions, Resolved};
 pub use transport::{
     Availability, DataLink, EngineContext, LinkSlot, LinkSlots, Notifier, RegionChange, TransferItem, TransferRequest,
     Transport,

@@ -407,3 +407,76 @@ mod tests {
         }
     }
 }
+
+/// A peer's regions as it advertised them, by address: the initiator-side lookup of remote
+/// descriptors. The target checks again; this table only lets the initiator refuse early and find keys.
+#[derive(Debug, Default, Clone)]
+pub struct RemoteRegions {
+    by_addr: BTreeMap<u64, RegionAd>,
+}
+
+impl RemoteRegions {
+    /// A table of `ads`.
+    pub fn new(ads: impl IntoIterator<Item = RegionAd>) -> Self {
+        let mut t = RemoteRegions::default();
+        for ad in ads {
+            t.insert(ad);
+        }
+        t
+    }
+
+    /// Adds or replaces a region.
+    pub fn insert(&mut self, ad: RegionAd) {
+        self.by_addr.retain(|_, a| a.key != ad.key);
+        self.by_addr.insert(ad.addr, ad);
+    }
+
+    /// Removes the region under `key`.
+    pub fn remove(&mut self, key: RegionKey) {
+        self.by_addr.retain(|_, a| a.key != key);
+    }
+
+    /// All regions, by address.
+    pub fn iter(&self) -> impl Iterator<Item = &RegionAd> {
+        self.by_addr.values()
+    }
+
+    /// Number of regions.
+    pub fn len(&self) -> usize {
+        self.by_addr.len()
+    }
+
+    /// Whether the peer advertised no region.
+    pub fn is_empty(&self) -> bool {
+        self.by_addr.is_empty()
+    }
+
+    /// The region holding `[addr, addr + len)` wholly, and the offset of `addr` in it.
+    pub fn find(&self, addr: u64, len: u64, access: Access) -> Result<(&RegionAd, u64)> {
+        if len == 0 {
+            return Err(Error::InvalidArgument("zero-length descriptor".into()));
+        }
+        let ad = self
+            .by_addr
+            .range(..=addr)
+            .next_back()
+            .map(|(_, a)| a)
+            .filter(|a| addr - a.addr < a.len)
+            .ok_or_else(|| {
+                Error::OutOfBounds(format!("remote address {addr:#x} is in no region the peer registered"))
+            })?;
+        if !ad.contains(addr, len) {
+            return Err(Error::OutOfBounds(format!(
+                "remote range [{addr:#x}, +{len}) crosses the end of the peer's region at {:#x} ({} bytes)",
+                ad.addr, ad.len
+            )));
+        }
+        if !ad.access.contains(access) {
+            return Err(Error::PermissionDenied(format!(
+                "the peer's region at {:#x} grants {} but the operation needs {access}",
+                ad.addr, ad.access
+            )));
+        }
+        Ok((ad, addr - ad.addr))
+    }
+}

@@ -95,15 +95,13 @@ pub trait DataLink: Send + Sync + 'static {
     /// Sends a notification; completes when the peer queued it. Ordered after every transfer that
     /// completed before it was called.
     fn notify(&self, notification: Notification) -> BoxFuture<'static, Result<()>>;
-    /// Tells the peer a region was registered or deregistered here.
-    fn announce(&self, change: RegionChange) -> BoxFuture<'static, Result<()>>;
     /// Closes the link; outstanding operations fail with `PeerClosed`.
     fn close(&self) -> BoxFuture<'static, ()>;
     /// Whether the link is closed (by either side, or by a failure).
     fn is_closed(&self) -> bool;
 }
 
-/// A change to the region table that connected peers are told about.
+/// A change to the region table that connected peers are told about (over each link's control stream).
 #[derive(Debug, Clone)]
 pub enum RegionChange {
     /// A region was registered.

@@ -1,1 +1,43 @@
+//! # ferry-tcp
+//!
+//! The TCP transport: available everywhere, the fallback data path, and the control channel of every
+//! link whatever carries its data.
+//!
+//! - [`TcpServer`] accepts links and serves remote operations against the engine's region table.
+//! - [`TcpLink`] is the initiator's side: several streams per peer, pipelined batches with a bounded
+//!   number of bytes in flight, small descriptors coalesced through the [`StagingPool`], large ones
+//!   split across streams.
+//! - Payloads move straight between sockets and registered memory (`read(2)`/`send(2)` on region
+//!   memory under its fence), never through an intermediate copy.
+#![deny(missing_docs)]
 
+mod io;
+mod link;
+mod server;
+mod staging;
+
+pub use link::{LinkConfig, LocalIdentity, TcpLink};
+pub use server::{MAX_STREAMS_PER_LINK, ServerConfig, TcpServer};
+pub use staging::{StagingBuf, StagingPool};
+
+use ferry_core::{Availability, Transport, TransportKind};
+
+/// The TCP transport's registration hooks: TCP needs no per-region setup.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct TcpTransport;
+
+impl Transport for TcpTransport {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Tcp
+    }
+
+    fn availability(&self) -> Availability {
+        Availability {
+            kind: TransportKind::Tcp,
+            compiled: true,
+            usable: true,
+            detail: "always available: the fallback data path and the control channel".into(),
+            devices: Vec::new(),
+        }
+    }
+}

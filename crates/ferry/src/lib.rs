@@ -1,1 +1,46 @@
+//! # ferry
+//!
+//! Moves bytes between registered memory of processes on different hosts, over pluggable transports,
+//! with the contract of the HIXL/ADXL transfer engine:
+//!
+//! | HIXL/ADXL | ferry |
+//! |---|---|
+//! | `Initialize(ip:port, options)` | [`Engine::builder`]`().listen(..).build().await` |
+//! | `RegisterMem` / `DeregisterMem` | [`Engine::register`], [`Engine::alloc_host`], [`Engine::register_raw`]; drop the [`Region`] |
+//! | `Connect` / `Disconnect` | [`Engine::connect`] / [`Engine::disconnect`] |
+//! | `TransferSync` | [`Engine::transfer`] |
+//! | `TransferAsync` / `GetTransferStatus` | [`Engine::transfer_async`] → [`TransferHandle::status`], or await it |
+//! | `SendNotify` / `GetNotifies` | [`Engine::notify`] / [`Engine::take_notifications`], [`Engine::notifications`] |
+//! | `MallocMem` / `FreeMem` | [`Engine::alloc_host`] / drop |
+//! | `GetCapability` | [`capabilities`] |
+//!
+//! Every wait has a timeout, every failure is an [`Error`] variant that says what to do, and a peer
+//! reaches only memory registered for it: descriptors are checked against the region table on both
+//! sides before a byte moves.
+//!
+//! Transports are cargo features: `tcp` (default). TCP is also every link's control channel.
+#![deny(missing_docs)]
 
+mod capabilities;
+mod engine;
+mod host;
+mod notify;
+mod peer;
+mod region;
+mod transfer;
+
+pub use capabilities::{Capabilities, TransportInfo, capabilities};
+pub use engine::{DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_INFLIGHT_BYTES, DEFAULT_STREAMS, Engine, EngineBuilder};
+pub use ferry_core::{
+    Access, BufferPool, Durability, Error, ErrorCode, MemoryBlock, MemoryRegistry, Notification, Op, ReceivedNotification,
+    RegionKey, RemoteRegions, Result, TransferDesc, TransportKind,
+};
+pub use host::HostAllocation;
+pub use peer::Peer;
+pub use region::Region;
+pub use transfer::{TransferHandle, TransferStatus};
+
+/// The wire protocol, for tools and tests that speak it directly.
+pub mod codec {
+    pub use ferry_core::codec::*;
+}

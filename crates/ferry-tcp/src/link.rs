@@ -1,0 +1,657 @@
+//! The initiator's side of a link: several TCP streams to one peer, carrying pipelined batches.
+//!
+//! A batch is cut into pieces: descriptors under 256 KiB are coalesced through the staging pool into one
+//! frame per piece, larger ones go as one frame each and are split across the streams when they are
+//! large enough to gain from it. Each piece takes its size from a per-link byte budget, goes to the
+//! stream with the fewest bytes outstanding, and completes when the target acknowledges it (writes) or
+//! its data has landed (reads). Stream 0 also carries notifications and the target's region updates.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use ferry_core::codec::{Frame, Hello, HelloAck, Limits, Segment};
+use ferry_core::{
+    DataLink, Durability, Error, Notification, Op, RegionEntry, RemoteRegions, Resolved, Result, TransferItem,
+    TransferRequest, TransportKind,
+};
+use futures::future::BoxFuture;
+use tokio::net::TcpStream;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
+use tokio::task::AbortHandle;
+
+use crate::io::{FrameReader, FrameWriter, Landed};
+use crate::staging::{StagingBuf, StagingPool};
+
+/// Payloads below this are copied into the frame buffer rather than sent from the region.
+const INLINE_PAYLOAD: u64 = 16 << 10;
+/// Large descriptors are split into pieces of at least this size.
+const MIN_SPLIT: u64 = 256 << 10;
+/// And at most this size.
+const MAX_PIECE: u64 = 16 << 20;
+/// Most segments in one coalesced frame.
+const MAX_SEGMENTS: usize = 4096;
+/// The in-flight byte budget counts in units of this size.
+const BUDGET_UNIT: u64 = 4096;
+
+/// How a link is set up.
+#[derive(Debug, Clone)]
+pub struct LinkConfig {
+    /// Number of TCP streams (at least 1).
+    pub streams: usize,
+    /// Most bytes in flight on the link at once.
+    pub max_inflight_bytes: u64,
+    /// Decoder limits.
+    pub limits: Limits,
+    /// The staging pool for small descriptors, if on.
+    pub pool: Option<Arc<StagingPool>>,
+}
+
+/// What the initiator says about itself in its hello.
+#[derive(Debug, Clone)]
+pub struct LocalIdentity {
+    /// Engine id.
+    pub engine_id: u64,
+    /// Host id.
+    pub host_id: u64,
+    /// Usable transports, best first.
+    pub transports: Vec<TransportKind>,
+}
+
+enum ReadDest {
+    Direct { region: Arc<RegionEntry>, offset: u64, len: u64 },
+    Scatter { parts: Vec<Resolved>, staging: Option<StagingBuf> },
+}
+
+struct Pending {
+    done: oneshot::Sender<Result<()>>,
+    read: Option<ReadDest>,
+    bytes: u64,
+    _budget: Option<OwnedSemaphorePermit>,
+}
+
+enum Outgoing {
+    Frame(Frame),
+    Write { id: u64, durability: Durability, remote_key: ferry_core::RegionKey, remote_offset: u64, local: Resolved },
+    WriteStaged { id: u64, durability: Durability, segments: Vec<Segment>, staged: StagingBuf },
+    Shutdown,
+}
+
+struct Stream {
+    tx: mpsc::UnboundedSender<Outgoing>,
+    pending: Mutex<HashMap<u64, Pending>>,
+    outstanding: AtomicU64,
+}
+
+struct Shared {
+    peer: String,
+    remote_engine: u64,
+    remote_host: u64,
+    remote_transports: Vec<TransportKind>,
+    remote_regions: RwLock<RemoteRegions>,
+    region_updates: tokio::sync::Notify,
+    streams: Vec<Stream>,
+    next_id: AtomicU64,
+    closed: AtomicBool,
+    budget: Arc<Semaphore>,
+    budget_units: u32,
+    pool: Option<Arc<StagingPool>>,
+    tasks: Mutex<Vec<AbortHandle>>,
+}
+
+/// A link to one peer over TCP.
+#[derive(Clone)]
+pub struct TcpLink {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for TcpLink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpLink").field("peer", &self.shared.peer).field("streams", &self.shared.streams.len()).finish()
+    }
+}
+
+async fn open_stream(
+    addr: SocketAddr,
+    hello: Hello,
+    limits: Limits,
+) -> Result<(FrameReader, FrameWriter, HelloAck)> {
+    let peer = addr.to_string();
+    let stream = TcpStream::connect(addr).await.map_err(|e| Error::io(format_args!("connecting to {addr}"), e))?;
+    stream.set_nodelay(true).map_err(|e| Error::io("setting TCP_NODELAY", e))?;
+    let (r, w) = stream.into_split();
+    let mut reader = FrameReader::new(r, limits, peer.clone());
+    let mut writer = FrameWriter::new(w, peer.clone());
+    writer.push(&Frame::Hello(hello), 0)?;
+    writer.flush().await?;
+    match reader.next().await? {
+        Some(d) => match d.frame {
+            Frame::HelloAck(ack) => Ok((reader, writer, ack)),
+            other => Err(Error::Protocol(format!("{peer} answered the hello with {other:?}"))),
+        },
+        None => Err(Error::PeerClosed(format!("{peer} closed the connection during the handshake"))),
+    }
+}
+
+impl TcpLink {
+    /// Connects to the engine listening at `addr`: the control stream first, then the others.
+    /// The caller bounds the whole call with its connect timeout.
+    pub async fn dial(addr: SocketAddr, me: &LocalIdentity, config: &LinkConfig) -> Result<TcpLink> {
+        let streams = config.streams.clamp(1, 64);
+        let mut token = [0u8; 8];
+        getrandom::fill(&mut token).map_err(|e| Error::Io {
+            kind: std::io::ErrorKind::Other,
+            message: format!("drawing a link token: {e}"),
+        })?;
+        let hello = |i: usize| Hello {
+            engine_id: me.engine_id,
+            link_token: u64::from_le_bytes(token),
+            stream_index: i as u16,
+            stream_count: streams as u16,
+            transports: me.transports.clone(),
+            host_id: me.host_id,
+        };
+        let (r0, w0, ack) = open_stream(addr, hello(0), config.limits).await?;
+        if let Some((code, msg)) = ack.refusal {
+            return Err(Error::from_wire(code, msg));
+        }
+        let mut halves = vec![(r0, w0)];
+        let rest = futures::future::try_join_all((1..streams).map(|i| open_stream(addr, hello(i), config.limits))).await?;
+        for (r, w, a) in rest {
+            if let Some((code, msg)) = a.refusal {
+                return Err(Error::from_wire(code, msg));
+            }
+            halves.push((r, w));
+        }
+        let budget_units = (config.max_inflight_bytes / BUDGET_UNIT).clamp(1, u32::MAX as u64 >> 4) as u32;
+        let mut txs = Vec::new();
+        let mut rxs = Vec::new();
+        for _ in 0..streams {
+            let (tx, rx) = mpsc::unbounded_channel();
+            txs.push(tx);
+            rxs.push(rx);
+        }
+        let shared = Arc::new(Shared {
+            peer: addr.to_string(),
+            remote_engine: ack.engine_id,
+            remote_host: ack.host_id,
+            remote_transports: ack.transports,
+            remote_regions: RwLock::new(RemoteRegions::new(ack.regions)),
+            region_updates: tokio::sync::Notify::new(),
+            streams: txs
+                .into_iter()
+                .map(|tx| Stream { tx, pending: Mutex::new(HashMap::new()), outstanding: AtomicU64::new(0) })
+                .collect(),
+            next_id: AtomicU64::new(1),
+            closed: AtomicBool::new(false),
+            budget: Arc::new(Semaphore::new(budget_units as usize)),
+            budget_units,
+            pool: config.pool.clone(),
+            tasks: Mutex::new(Vec::new()),
+        });
+        let mut handles = Vec::new();
+        for (i, ((reader, writer), rx)) in halves.into_iter().zip(rxs).enumerate() {
+            handles.push(tokio::spawn(write_loop(shared.clone(), i, writer, rx)).abort_handle());
+            handles.push(tokio::spawn(read_loop(shared.clone(), i, reader)).abort_handle());
+        }
+        if let Ok(mut t) = shared.tasks.lock() {
+            t.extend(handles);
+        }
+        tracing::debug!(peer = %shared.peer, streams, "tcp link up");
+        Ok(TcpLink { shared })
+    }
+
+    /// The peer's engine id.
+    pub fn remote_engine(&self) -> u64 {
+        self.shared.remote_engine
+    }
+
+    /// The peer's host id.
+    pub fn remote_host(&self) -> u64 {
+        self.shared.remote_host
+    }
+
+    /// Transports the peer offered, best first.
+    pub fn remote_transports(&self) -> &[TransportKind] {
+        &self.shared.remote_transports
+    }
+
+    /// Number of TCP streams.
+    pub fn stream_count(&self) -> usize {
+        self.shared.streams.len()
+    }
+
+    /// A snapshot of the peer's regions.
+    pub fn remote_regions(&self) -> RemoteRegions {
+        self.shared.remote_regions.read().map(|r| r.clone()).unwrap_or_default()
+    }
+
+    /// Runs `f` on the peer's region table.
+    pub fn with_remote_regions<T>(&self, f: impl FnOnce(&RemoteRegions) -> T) -> Result<T> {
+        let guard = self
+            .shared
+            .remote_regions
+            .read()
+            .map_err(|_| Error::Protocol("remote region table lock poisoned".into()))?;
+        Ok(f(&guard))
+    }
+
+    /// Waits until the peer's region table changes, or `timeout` passes.
+    pub async fn region_update(&self, timeout: Duration) {
+        let _ = tokio::time::timeout(timeout, self.shared.region_updates.notified()).await;
+    }
+
+    /// Tears the link down at once, without telling the peer: outstanding operations fail with
+    /// `PeerClosed`. For drop paths, where nothing can be awaited.
+    pub fn abort(&self) {
+        self.shared.fail_all(Error::PeerClosed(format!("the link to {} was dropped", self.shared.peer)));
+        if let Ok(tasks) = self.shared.tasks.lock() {
+            for t in tasks.iter() {
+                t.abort();
+            }
+        }
+    }
+
+    /// Sends a ping and waits for nothing: a cheap way to find out that the peer is gone.
+    pub fn ping(&self) -> Result<()> {
+        self.shared.send(0, Outgoing::Frame(Frame::Ping { nonce: 0 }))
+    }
+}
+
+impl Shared {
+    fn closed_error(&self) -> Error {
+        Error::PeerClosed(format!("the link to {} is closed", self.peer))
+    }
+
+    fn send(&self, stream: usize, out: Outgoing) -> Result<()> {
+        if self.closed.load(Ordering::Acquire) {
+            return Err(self.closed_error());
+        }
+        self.streams[stream].tx.send(out).map_err(|_| self.closed_error())
+    }
+
+    fn least_loaded(&self) -> usize {
+        (0..self.streams.len()).min_by_key(|&i| self.streams[i].outstanding.load(Ordering::Relaxed)).unwrap_or(0)
+    }
+
+    /// Registers a pending operation on `stream`, then queues `out`. Returns the completion.
+    fn submit(
+        &self,
+        stream: usize,
+        id: u64,
+        bytes: u64,
+        read: Option<ReadDest>,
+        budget: Option<OwnedSemaphorePermit>,
+        out: Outgoing,
+    ) -> Result<oneshot::Receiver<Result<()>>> {
+        let (done, rx) = oneshot::channel();
+        let s = &self.streams[stream];
+        s.pending
+            .lock()
+            .map_err(|_| Error::Protocol("pending table lock poisoned".into()))?
+            .insert(id, Pending { done, read, bytes, _budget: budget });
+        s.outstanding.fetch_add(bytes, Ordering::Relaxed);
+        if let Err(e) = self.send(stream, out) {
+            self.complete(stream, id, Err(e.clone()));
+            return Err(e);
+        }
+        // A close racing with the insert fails everything pending, including this one.
+        if self.closed.load(Ordering::Acquire) {
+            self.fail_all(self.closed_error());
+        }
+        Ok(rx)
+    }
+
+    fn take_pending(&self, stream: usize, id: u64) -> Option<Pending> {
+        let s = &self.streams[stream];
+        let p = s.pending.lock().ok()?.remove(&id)?;
+        s.outstanding.fetch_sub(p.bytes, Ordering::Relaxed);
+        Some(p)
+    }
+
+    fn complete(&self, stream: usize, id: u64, result: Result<()>) {
+        if let Some(p) = self.take_pending(stream, id) {
+            let _ = p.done.send(result);
+        }
+    }
+
+    fn fail_all(&self, error: Error) {
+        self.closed.store(true, Ordering::Release);
+        for s in &self.streams {
+            let drained: Vec<Pending> = match s.pending.lock() {
+                Ok(mut p) => p.drain().map(|(_, v)| v).collect(),
+                Err(_) => Vec::new(),
+            };
+            for p in drained {
+                s.outstanding.fetch_sub(p.bytes, Ordering::Relaxed);
+                let _ = p.done.send(Err(error.clone()));
+            }
+        }
+        self.region_updates.notify_waiters();
+    }
+
+    async fn budget(&self, bytes: u64) -> Result<OwnedSemaphorePermit> {
+        let units = bytes.div_ceil(BUDGET_UNIT).clamp(1, self.budget_units as u64) as u32;
+        self.budget.clone().acquire_many_owned(units).await.map_err(|_| self.closed_error())
+    }
+
+    fn next_id(&self) -> u64 {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+}
+
+/// One frame's worth of a batch.
+enum Piece {
+    Direct(TransferItem),
+    Coalesced(Vec<TransferItem>),
+}
+
+fn plan(items: Vec<TransferItem>, streams: usize, pool: Option<&StagingPool>) -> Vec<Piece> {
+    let mut pieces = Vec::new();
+    let mut small = Vec::new();
+    for item in items {
+        let len = item.len();
+        if pool.is_some() && len < ferry_core::SMALL_TRANSFER_THRESHOLD {
+            small.push(item);
+            continue;
+        }
+        let piece_len = len.div_ceil(streams as u64).clamp(MIN_SPLIT, MAX_PIECE);
+        if len <= piece_len {
+            pieces.push(Piece::Direct(item));
+            continue;
+        }
+        let mut off = 0;
+        while off < len {
+            let n = piece_len.min(len - off);
+            pieces.push(Piece::Direct(TransferItem {
+                local: Resolved { region: item.local.region.clone(), offset: item.local.offset + off, len: n },
+                remote_key: item.remote_key,
+                remote_offset: item.remote_offset + off,
+            }));
+            off += n;
+        }
+    }
+    if let Some(pool) = pool {
+        if !small.is_empty() {
+            let total: u64 = small.iter().map(|i| i.len()).sum();
+            // Spread coalesced frames over the streams, but never beyond a staging buffer.
+            let target = total.div_ceil(streams as u64).clamp(64 << 10, pool.buffer_bytes() as u64);
+            let mut group = Vec::new();
+            let mut group_len = 0;
+            for item in small {
+                if !group.is_empty() && (group_len + item.len() > target || group.len() == MAX_SEGMENTS) {
+                    pieces.push(Piece::Coalesced(std::mem::take(&mut group)));
+                    group_len = 0;
+                }
+                group_len += item.len();
+                group.push(item);
+            }
+            if !group.is_empty() {
+                pieces.push(Piece::Coalesced(group));
+            }
+        }
+    }
+    pieces
+}
+
+fn segments(items: &[TransferItem]) -> Vec<Segment> {
+    items.iter().map(|i| Segment { key: i.remote_key, offset: i.remote_offset, len: i.len() }).collect()
+}
+
+async fn run_transfer(shared: Arc<Shared>, request: TransferRequest) -> Result<()> {
+    if shared.closed.load(Ordering::Acquire) {
+        return Err(shared.closed_error());
+    }
+    let pieces = plan(request.items, shared.streams.len(), shared.pool.as_deref());
+    let mut completions = Vec::with_capacity(pieces.len());
+    for piece in pieces {
+        let bytes = match &piece {
+            Piece::Direct(i) => i.len(),
+            Piece::Coalesced(g) => g.iter().map(|i| i.len()).sum(),
+        };
+        let budget = shared.budget(bytes).await?;
+        let stream = shared.least_loaded();
+        let id = shared.next_id();
+        let rx = match (request.op, piece) {
+            (Op::Write, Piece::Direct(item)) => shared.submit(
+                stream,
+                id,
+                bytes,
+                None,
+                Some(budget),
+                Outgoing::Write {
+                    id,
+                    durability: request.durability,
+                    remote_key: item.remote_key,
+                    remote_offset: item.remote_offset,
+                    local: item.local,
+                },
+            )?,
+            (Op::Write, Piece::Coalesced(group)) => {
+                let Some(pool) = shared.pool.as_ref() else {
+                    return Err(Error::Protocol("coalesced piece without a staging pool".into()));
+                };
+                let mut staged = pool.acquire().await;
+                for item in &group {
+                    let start = staged.data.len();
+                    staged.data.resize(start + item.len() as usize, 0);
+                    item.local.region.copy_out(item.local.offset, &mut staged.data[start..])?;
+                }
+                let segments = segments(&group);
+                shared.submit(
+                    stream,
+                    id,
+                    bytes,
+                    None,
+                    Some(budget),
+                    Outgoing::WriteStaged { id, durability: request.durability, segments, staged },
+                )?
+            }
+            (Op::Read, Piece::Direct(item)) => shared.submit(
+                stream,
+                id,
+                bytes,
+                Some(ReadDest::Direct { region: item.local.region.clone(), offset: item.local.offset, len: bytes }),
+                Some(budget),
+                Outgoing::Frame(Frame::Read { id, key: item.remote_key, offset: item.remote_offset, len: bytes }),
+            )?,
+            (Op::Read, Piece::Coalesced(group)) => {
+                let staging = match shared.pool.as_ref() {
+                    Some(pool) => Some(pool.acquire().await),
+                    None => None,
+                };
+                let segments = segments(&group);
+                let parts = group.into_iter().map(|i| i.local).collect();
+                shared.submit(
+                    stream,
+                    id,
+                    bytes,
+                    Some(ReadDest::Scatter { parts, staging }),
+                    Some(budget),
+                    Outgoing::Frame(Frame::ReadBatch { id, segments }),
+                )?
+            }
+        };
+        completions.push(rx);
+    }
+    for rx in completions {
+        rx.await.map_err(|_| shared.closed_error())??;
+    }
+    Ok(())
+}
+
+async fn write_loop(
+    shared: Arc<Shared>,
+    stream: usize,
+    mut writer: FrameWriter,
+    mut rx: mpsc::UnboundedReceiver<Outgoing>,
+) {
+    let result: Result<()> = async {
+        while let Some(first) = rx.recv().await {
+            let mut next = Some(first);
+            while let Some(out) = next.take() {
+                match out {
+                    Outgoing::Shutdown => {
+                        writer.flush().await?;
+                        return Ok(());
+                    }
+                    Outgoing::Frame(f) => writer.push(&f, 0)?,
+                    Outgoing::Write { id, durability, remote_key, remote_offset, local } => {
+                        let frame = Frame::Write { id, key: remote_key, offset: remote_offset, durability };
+                        writer.push(&frame, local.len)?;
+                        let intact = if local.len <= INLINE_PAYLOAD {
+                            writer.push_region(&local.region, local.offset, local.len as usize)
+                        } else {
+                            writer.write_region(&local.region, local.offset, local.len).await?
+                        };
+                        if !intact {
+                            shared.complete(stream, id, Err(local.region.gone()));
+                        }
+                    }
+                    Outgoing::WriteStaged { id, durability, segments, staged } => {
+                        writer.push(&Frame::WriteBatch { id, durability, segments }, staged.data.len() as u64)?;
+                        if staged.data.len() as u64 <= INLINE_PAYLOAD {
+                            writer.push_bytes(&staged.data);
+                        } else {
+                            writer.write_bytes(&staged.data).await?;
+                        }
+                    }
+                }
+                if writer.queued() >= 256 << 10 {
+                    writer.flush().await?;
+                }
+                next = rx.try_recv().ok();
+            }
+            writer.flush().await?;
+        }
+        Ok(())
+    }
+    .await;
+    if let Err(e) = result {
+        tracing::debug!(peer = %shared.peer, stream, error = %e, "tcp link writer stopped");
+        shared.fail_all(e);
+    }
+    writer.shutdown().await;
+}
+
+async fn read_loop(shared: Arc<Shared>, stream: usize, mut reader: FrameReader) {
+    let error = loop {
+        let decoded = match reader.next().await {
+            Ok(Some(d)) => d,
+            Ok(None) => break Error::PeerClosed(format!("{} closed the connection", shared.peer)),
+            Err(e) => break e,
+        };
+        match decoded.frame {
+            Frame::Ack { id, error } => {
+                shared.complete(stream, id, error.map_or(Ok(()), |(code, msg)| Err(Error::from_wire(code, msg))))
+            }
+            Frame::ReadData { id } => {
+                if let Err(e) = land_read(&shared, stream, id, decoded.payload_len, &mut reader).await {
+                    break e;
+                }
+            }
+            Frame::RegionAdded(ad) if stream == 0 => {
+                if let Ok(mut t) = shared.remote_regions.write() {
+                    t.insert(ad);
+                }
+                shared.region_updates.notify_waiters();
+            }
+            Frame::RegionRemoved { key } if stream == 0 => {
+                if let Ok(mut t) = shared.remote_regions.write() {
+                    t.remove(key);
+                }
+                shared.region_updates.notify_waiters();
+            }
+            Frame::Pong { .. } => {}
+            Frame::Goodbye => break Error::PeerClosed(format!("{} closed the link", shared.peer)),
+            other => break Error::Protocol(format!("{} sent an unexpected {other:?}", shared.peer)),
+        }
+    };
+    tracing::debug!(peer = %shared.peer, stream, %error, "tcp link reader stopped");
+    shared.fail_all(error);
+}
+
+/// Puts a read's data where it belongs. Errors returned here break the stream; errors of the read
+/// itself (a region deregistered meanwhile) complete the read.
+async fn land_read(shared: &Shared, stream: usize, id: u64, payload_len: u64, reader: &mut FrameReader) -> Result<()> {
+    let Some(pending) = shared.take_pending(stream, id) else {
+        return reader.discard(payload_len).await;
+    };
+    let result = match pending.read {
+        Some(ReadDest::Direct { region, offset, len }) if len == payload_len => {
+            match reader.read_into(&region, offset, len).await? {
+                Landed::Written => Ok(()),
+                Landed::RegionGone => Err(region.gone()),
+            }
+        }
+        Some(ReadDest::Scatter { parts, staging }) if parts.iter().map(|p| p.len).sum::<u64>() == payload_len => {
+            let mut staging = staging;
+            let mut scratch = Vec::new();
+            let buf = match staging.as_mut() {
+                Some(s) => &mut s.data,
+                None => &mut scratch,
+            };
+            buf.resize(payload_len as usize, 0);
+            reader.read_exact(buf).await?;
+            let mut at = 0usize;
+            let mut result = Ok(());
+            for p in &parts {
+                let n = p.len as usize;
+                if let Err(e) = p.region.copy_in(p.offset, &buf[at..at + n]) {
+                    result = Err(e);
+                }
+                at += n;
+            }
+            result
+        }
+        _ => return Err(Error::Protocol(format!("{} sent {payload_len} bytes for read {id} of another size", shared.peer))),
+    };
+    let _ = pending.done.send(result);
+    Ok(())
+}
+
+impl DataLink for TcpLink {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Tcp
+    }
+
+    fn transfer(&self, request: TransferRequest) -> BoxFuture<'static, Result<()>> {
+        Box::pin(run_transfer(self.shared.clone(), request))
+    }
+
+    fn notify(&self, notification: Notification) -> BoxFuture<'static, Result<()>> {
+        let shared = self.shared.clone();
+        Box::pin(async move {
+            notification.validate()?;
+            let id = shared.next_id();
+            let frame = Frame::Notify { id, name: notification.name, msg: notification.msg };
+            let rx = shared.submit(0, id, 0, None, None, Outgoing::Frame(frame))?;
+            rx.await.map_err(|_| shared.closed_error())?
+        })
+    }
+
+    fn close(&self) -> BoxFuture<'static, ()> {
+        let shared = self.shared.clone();
+        Box::pin(async move {
+            let _ = shared.send(0, Outgoing::Frame(Frame::Goodbye));
+            for s in &shared.streams {
+                let _ = s.tx.send(Outgoing::Shutdown);
+            }
+            shared.fail_all(Error::PeerClosed(format!("the link to {} was closed locally", shared.peer)));
+            // Writers flush and shut down on their own; readers end when the peer closes. Give them a
+            // moment, then make sure nothing lingers.
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            if let Ok(tasks) = shared.tasks.lock() {
+                for t in tasks.iter() {
+                    t.abort();
+                }
+            }
+        })
+    }
+
+    fn is_closed(&self) -> bool {
+        self.shared.closed.load(Ordering::Acquire)
+    }
+}

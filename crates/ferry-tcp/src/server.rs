@@ -1,0 +1,413 @@
+//! The target's side: accepts links, checks every operation against the region table, and moves
+//! payloads between the socket and registered memory.
+//!
+//! Each accepted stream has a reader (this task) and a writer task fed through a bounded queue, so a
+//! peer that sends requests without reading the answers is slowed down, not buffered without bound.
+//! A frame that fails to decode ends that stream (and, for stream 0, its link); every other link keeps
+//! being served. A refused operation's payload is read and dropped, so the stream stays usable.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use ferry_core::codec::{Frame, HelloAck, Limits, Segment};
+use ferry_core::{Durability, EngineContext, Error, LinkSlot, Notification, Op, RegionChange, Resolved, Result};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+use tokio::task::AbortHandle;
+
+use crate::io::{FrameReader, FrameWriter, Landed};
+
+/// Most streams one link may open.
+pub const MAX_STREAMS_PER_LINK: u16 = 64;
+/// Answers queued per stream before the reader waits for the writer.
+const REPLY_QUEUE: usize = 1024;
+
+/// How the server behaves.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// Decoder limits.
+    pub limits: Limits,
+    /// How long a new connection may take to say hello.
+    pub handshake_timeout: Duration,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig { limits: Limits::default(), handshake_timeout: Duration::from_secs(10) }
+    }
+}
+
+enum Reply {
+    Frame(Frame),
+    ReadData { id: u64, parts: Vec<Resolved> },
+}
+
+struct AcceptedLink {
+    id: u64,
+    peer_engine: u64,
+    control: mpsc::Sender<Reply>,
+    streams: Mutex<Vec<AbortHandle>>,
+    _slot: LinkSlot,
+}
+
+struct Shared {
+    ctx: Arc<EngineContext>,
+    config: ServerConfig,
+    links: Mutex<HashMap<u64, Arc<AcceptedLink>>>,
+    next_link: AtomicU64,
+}
+
+/// A listening TCP endpoint serving remote operations on the engine's regions.
+pub struct TcpServer {
+    local_addr: SocketAddr,
+    shared: Arc<Shared>,
+    accept: AbortHandle,
+}
+
+impl std::fmt::Debug for TcpServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpServer").field("local_addr", &self.local_addr).finish()
+    }
+}
+
+impl TcpServer {
+    /// Binds `addr` and starts accepting.
+    pub async fn bind(addr: SocketAddr, ctx: Arc<EngineContext>, config: ServerConfig) -> Result<TcpServer> {
+        let listener = TcpListener::bind(addr).await.map_err(|e| Error::io(format_args!("listening on {addr}"), e))?;
+        let local_addr = listener.local_addr().map_err(|e| Error::io("reading the bound address", e))?;
+        let shared = Arc::new(Shared { ctx, config, links: Mutex::new(HashMap::new()), next_link: AtomicU64::new(1) });
+        let accept = tokio::spawn(accept_loop(listener, shared.clone())).abort_handle();
+        tracing::info!(%local_addr, "listening");
+        Ok(TcpServer { local_addr, shared, accept })
+    }
+
+    /// The address it listens on.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// Number of accepted links.
+    pub fn link_count(&self) -> usize {
+        self.shared.links.lock().map(|l| l.len()).unwrap_or(0)
+    }
+
+    /// Tells every accepted link about a change to the region table.
+    pub fn announce(&self, change: &RegionChange) {
+        let frame = match change {
+            RegionChange::Added(ad) => Frame::RegionAdded(ad.clone()),
+            RegionChange::Removed(key) => Frame::RegionRemoved { key: *key },
+        };
+        let links: Vec<_> = self.shared.links.lock().map(|l| l.values().cloned().collect()).unwrap_or_default();
+        for link in links {
+            // A full control queue means the peer is not reading; it will learn of the change from the
+            // target's refusal instead.
+            let _ = link.control.try_send(Reply::Frame(frame.clone()));
+        }
+    }
+
+    /// Stops accepting and closes every accepted link.
+    pub fn shutdown(&self) {
+        self.accept.abort();
+        let links: Vec<_> =
+            self.shared.links.lock().map(|mut l| l.drain().map(|(_, v)| v).collect()).unwrap_or_default();
+        for link in links {
+            close_link(&self.shared, &link);
+        }
+    }
+}
+
+impl Drop for TcpServer {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+fn close_link(shared: &Shared, link: &AcceptedLink) {
+    if let Ok(streams) = link.streams.lock() {
+        for s in streams.iter() {
+            s.abort();
+        }
+    }
+    shared.ctx.notifier.link_closed(link.id);
+}
+
+async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
+    loop {
+        match listener.accept().await {
+            Ok((stream, peer)) => {
+                let shared = shared.clone();
+                tokio::spawn(async move {
+                    if let Err(e) = serve_stream(stream, peer, shared).await {
+                        tracing::debug!(%peer, error = %e, "stream ended");
+                    }
+                });
+            }
+            Err(e) => {
+                // Out of descriptors or similar: back off instead of spinning.
+                tracing::warn!(error = %e, "accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+async fn serve_stream(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>) -> Result<()> {
+    stream.set_nodelay(true).map_err(|e| Error::io("setting TCP_NODELAY", e))?;
+    let (r, w) = stream.into_split();
+    let mut reader = FrameReader::new(r, shared.config.limits, peer.to_string());
+    let mut writer = FrameWriter::new(w, peer.to_string());
+    let hello = match tokio::time::timeout(shared.config.handshake_timeout, reader.next()).await {
+        Err(_) => return Err(Error::Timeout(format!("{peer} did not say hello in time"))),
+        Ok(Ok(Some(d))) => match d.frame {
+            Frame::Hello(h) => h,
+            other => return Err(Error::Protocol(format!("{peer} opened with {other:?} instead of a hello"))),
+        },
+        Ok(Ok(None)) => return Ok(()),
+        Ok(Err(e)) => return Err(e),
+    };
+    let ctx = &shared.ctx;
+    let refuse = |e: Error| HelloAck {
+        engine_id: ctx.engine_id,
+        refusal: Some((e.code(), e.message().to_string())),
+        transports: ctx.transports.clone(),
+        host_id: ctx.host_id,
+        regions: Vec::new(),
+    };
+    let (tx, rx) = mpsc::channel(REPLY_QUEUE);
+    let (link, is_control) = if hello.stream_index == 0 {
+        let admitted = if hello.stream_count == 0 || hello.stream_count > MAX_STREAMS_PER_LINK {
+            Err(Error::InvalidArgument(format!(
+                "{} streams asked for; 1 to {MAX_STREAMS_PER_LINK} are allowed",
+                hello.stream_count
+            )))
+        } else {
+            ctx.links.acquire()
+        };
+        let slot = match admitted {
+            Ok(slot) => slot,
+            Err(e) => {
+                tracing::warn!(%peer, error = %e, "link refused");
+                writer.push(&Frame::HelloAck(refuse(e)), 0)?;
+                writer.flush().await?;
+                return Ok(());
+            }
+        };
+        let link = Arc::new(AcceptedLink {
+            id: shared.next_link.fetch_add(1, Ordering::Relaxed),
+            peer_engine: hello.engine_id,
+            control: tx.clone(),
+            streams: Mutex::new(Vec::new()),
+            _slot: slot,
+        });
+        let regions = ctx.regions.read().map(|t| t.adverts()).unwrap_or_default();
+        let inserted = match shared.links.lock() {
+            Ok(mut links) if !links.contains_key(&hello.link_token) => {
+                links.insert(hello.link_token, link.clone());
+                true
+            }
+            _ => false,
+        };
+        if !inserted {
+            writer.push(&Frame::HelloAck(refuse(Error::Protocol("link token reused".into()))), 0)?;
+            writer.flush().await?;
+            return Ok(());
+        }
+        let ack = HelloAck {
+            engine_id: ctx.engine_id,
+            refusal: None,
+            transports: ctx.transports.clone(),
+            host_id: ctx.host_id,
+            regions,
+        };
+        writer.push(&Frame::HelloAck(ack), 0)?;
+        tracing::info!(%peer, engine = format_args!("{:016x}", hello.engine_id), streams = hello.stream_count, "link accepted");
+        (link, true)
+    } else {
+        let link = shared.links.lock().ok().and_then(|l| l.get(&hello.link_token).cloned());
+        let Some(link) = link.filter(|l| l.peer_engine == hello.engine_id) else {
+            writer.push(&Frame::HelloAck(refuse(Error::Protocol("unknown link token".into()))), 0)?;
+            writer.flush().await?;
+            return Ok(());
+        };
+        writer.push(
+            &Frame::HelloAck(HelloAck {
+                engine_id: ctx.engine_id,
+                refusal: None,
+                transports: ctx.transports.clone(),
+                host_id: ctx.host_id,
+                regions: Vec::new(),
+            }),
+            0,
+        )?;
+        (link, false)
+    };
+    writer.flush().await?;
+    let writer_task = tokio::spawn(reply_loop(writer, rx));
+    if let Ok(mut s) = link.streams.lock() {
+        s.push(writer_task.abort_handle());
+    }
+    let peer_name = peer.to_string();
+    let result = serve_requests(&shared, &link, &peer_name, &mut reader, &tx).await;
+    drop(tx);
+    if is_control {
+        let token = hello.link_token;
+        let removed = shared.links.lock().ok().and_then(|mut l| l.remove(&token));
+        if let Some(link) = removed {
+            close_link(&shared, &link);
+        }
+        tracing::info!(%peer, "link closed");
+    }
+    result
+}
+
+async fn serve_requests(
+    shared: &Shared,
+    link: &AcceptedLink,
+    peer: &str,
+    reader: &mut FrameReader,
+    tx: &mpsc::Sender<Reply>,
+) -> Result<()> {
+    let ctx = &shared.ctx;
+    let send = |reply: Reply| async move {
+        tx.send(reply).await.map_err(|_| Error::PeerClosed(format!("{peer}: reply queue closed")))
+    };
+    let ack = |id: u64, r: Result<()>| Reply::Frame(Frame::Ack { id, error: r.err().map(|e| (e.code(), e.message().to_string())) });
+    while let Some(decoded) = reader.next().await? {
+        let payload = decoded.payload_len;
+        match decoded.frame {
+            Frame::Write { id, key, offset, durability } => {
+                let result = match resolve_write(ctx, key, offset, payload, durability) {
+                    Ok(r) => land(reader, &r, durability).await?,
+                    Err(e) => {
+                        reader.discard(payload).await?;
+                        Err(e)
+                    }
+                };
+                send(ack(id, result)).await?;
+            }
+            Frame::WriteBatch { id, durability, segments } => {
+                let resolved: Result<Vec<Resolved>> =
+                    segments.iter().map(|s| resolve_write(ctx, s.key, s.offset, s.len, durability)).collect();
+                let result = match resolved {
+                    Ok(parts) => {
+                        let mut result = Ok(());
+                        for r in &parts {
+                            let landed = land(reader, r, durability).await?;
+                            if result.is_ok() {
+                                result = landed;
+                            }
+                        }
+                        result
+                    }
+                    Err(e) => {
+                        reader.discard(payload).await?;
+                        Err(e)
+                    }
+                };
+                send(ack(id, result)).await?;
+            }
+            Frame::Read { id, key, offset, len } => {
+                let seg = [Segment { key, offset, len }];
+                send(match resolve_reads(ctx, &seg, shared.config.limits.max_payload) {
+                    Ok(parts) => Reply::ReadData { id, parts },
+                    Err(e) => ack(id, Err(e)),
+                })
+                .await?;
+            }
+            Frame::ReadBatch { id, segments } => {
+                send(match resolve_reads(ctx, &segments, shared.config.limits.max_payload) {
+                    Ok(parts) => Reply::ReadData { id, parts },
+                    Err(e) => ack(id, Err(e)),
+                })
+                .await?;
+            }
+            Frame::Notify { id, name, msg } => {
+                let n = Notification { name, msg };
+                let result = n.validate().and_then(|()| ctx.notifier.deliver(link.id, link.peer_engine, peer, n));
+                send(ack(id, result)).await?;
+            }
+            Frame::Ping { nonce } => send(Reply::Frame(Frame::Pong { nonce })).await?,
+            Frame::Goodbye => return Ok(()),
+            other => return Err(Error::Protocol(format!("{peer} sent {other:?}, which a target does not accept"))),
+        }
+    }
+    Ok(())
+}
+
+fn resolve_write(ctx: &EngineContext, key: ferry_core::RegionKey, offset: u64, len: u64, durability: Durability) -> Result<Resolved> {
+    let r = ctx.resolve(key, offset, len, Op::Write)?;
+    if durability == Durability::Persistent && !r.region.block().persistent() {
+        return Err(Error::InvalidArgument(format!(
+            "a persistent write needs a persistent region; region {key:?} is {}",
+            r.region.block().kind()
+        )));
+    }
+    Ok(r)
+}
+
+fn resolve_reads(ctx: &EngineContext, segments: &[Segment], max_payload: u64) -> Result<Vec<Resolved>> {
+    let mut total = 0u64;
+    let mut parts = Vec::with_capacity(segments.len());
+    for s in segments {
+        let r = ctx.resolve(s.key, s.offset, s.len, Op::Read)?;
+        total = total.saturating_add(s.len);
+        if total > max_payload {
+            return Err(Error::InvalidArgument(format!("a read of over {max_payload} bytes in one request")));
+        }
+        parts.push(r);
+    }
+    for r in &parts {
+        r.region.block().prepare_read(r.offset as usize, r.len as usize)?;
+    }
+    Ok(parts)
+}
+
+/// Reads one resolved payload part into its region and commits it. The outer error breaks the stream;
+/// the inner result is the operation's.
+async fn land(reader: &mut FrameReader, r: &Resolved, durability: Durability) -> Result<Result<()>> {
+    Ok(match reader.read_into(&r.region, r.offset, r.len).await? {
+        Landed::Written => r.region.block().commit_written(r.offset as usize, r.len as usize, durability),
+        Landed::RegionGone => Err(r.region.gone()),
+    })
+}
+
+async fn reply_loop(mut writer: FrameWriter, mut rx: mpsc::Receiver<Reply>) {
+    let result: Result<()> = async {
+        while let Some(first) = rx.recv().await {
+            let mut next = Some(first);
+            while let Some(reply) = next.take() {
+                match reply {
+                    Reply::Frame(f) => writer.push(&f, 0)?,
+                    Reply::ReadData { id, parts } => {
+                        let total = parts.iter().map(|p| p.len).sum();
+                        writer.push(&Frame::ReadData { id }, total)?;
+                        for p in &parts {
+                            let intact = if p.len <= 16 << 10 {
+                                writer.push_region(&p.region, p.offset, p.len as usize)
+                            } else {
+                                writer.write_region(&p.region, p.offset, p.len).await?
+                            };
+                            if !intact {
+                                tracing::warn!(region = ?p.region.key(), "region deregistered while being read: zeros sent");
+                            }
+                        }
+                    }
+                }
+                if writer.queued() >= 256 << 10 {
+                    writer.flush().await?;
+                }
+                next = rx.try_recv().ok();
+            }
+            writer.flush().await?;
+        }
+        Ok(())
+    }
+    .await;
+    if let Err(e) = result {
+        tracing::debug!(error = %e, "reply writer stopped");
+    }
+    writer.shutdown().await;
+}

@@ -1,0 +1,87 @@
+//! The staging pool: HIXL's `"BUFFER_NUM:BUFFER_SIZE_MB"` buffers through which small descriptors are
+//! coalesced into one frame.
+//!
+//! Buffers are allocated on first use and reused after; a caller waits for a free one, so the pool
+//! bounds the memory that staging can take to `count × size`.
+
+use std::sync::{Arc, Mutex};
+
+use ferry_core::BufferPool;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+/// A bounded set of reusable staging buffers.
+#[derive(Debug)]
+pub struct StagingPool {
+    free: Mutex<Vec<Vec<u8>>>,
+    permits: Arc<Semaphore>,
+    buffer_bytes: usize,
+}
+
+impl StagingPool {
+    /// A pool as configured; `None` when the pool is turned off.
+    pub fn new(config: BufferPool) -> Option<Arc<Self>> {
+        if config.is_off() {
+            return None;
+        }
+        Some(Arc::new(StagingPool {
+            free: Mutex::new(Vec::new()),
+            permits: Arc::new(Semaphore::new(config.count)),
+            buffer_bytes: config.buffer_bytes(),
+        }))
+    }
+
+    /// Size of each buffer.
+    pub fn buffer_bytes(&self) -> usize {
+        self.buffer_bytes
+    }
+
+    /// Waits for a free buffer, emptied and with room for `buffer_bytes`.
+    pub async fn acquire(self: &Arc<Self>) -> StagingBuf {
+        // The semaphore is never closed, so acquiring only waits.
+        let permit = self.permits.clone().acquire_owned().await.ok();
+        let mut data = self.free.lock().map(|mut f| f.pop()).ok().flatten().unwrap_or_default();
+        data.clear();
+        data.reserve_exact(self.buffer_bytes);
+        StagingBuf { data, pool: self.clone(), _permit: permit }
+    }
+}
+
+/// A buffer on loan from the pool; goes back on drop.
+#[derive(Debug)]
+pub struct StagingBuf {
+    /// The bytes staged so far.
+    pub data: Vec<u8>,
+    pool: Arc<StagingPool>,
+    _permit: Option<OwnedSemaphorePermit>,
+}
+
+impl Drop for StagingBuf {
+    fn drop(&mut self) {
+        let data = std::mem::take(&mut self.data);
+        if let Ok(mut free) = self.pool.free.lock() {
+            free.push(data);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[tokio::test]
+    async fn pool_bounds_and_reuses() {
+        let pool = StagingPool::new("2:1".parse().unwrap()).unwrap();
+        let a = pool.acquire().await;
+        let b = pool.acquire().await;
+        assert!(a.data.capacity() >= 1 << 20);
+        let third = tokio::time::timeout(Duration::from_millis(50), pool.acquire()).await;
+        assert!(third.is_err(), "a third buffer must wait");
+        let ptr = a.data.as_ptr();
+        drop(a);
+        let c = pool.acquire().await;
+        assert_eq!(c.data.as_ptr(), ptr, "buffers are reused");
+        drop((b, c));
+        assert!(StagingPool::new(BufferPool::OFF).is_none());
+    }
+}

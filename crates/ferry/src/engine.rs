@@ -1,0 +1,570 @@
+//! The engine: registration, links, transfers and notifications, with HIXL/ADXL's contract.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use ferry_core::codec::Limits;
+use ferry_core::{
+    Access, BufferPool, DataLink, Durability, EngineContext, Error, LinkSlots, MemoryBlock, MemoryRegistry, Notification,
+    Op, OwnedBuffer, RawMemory, ReceivedNotification, RegionChange, RegionEntry, RegionKey, RegionTable, Result,
+    TransferDesc, TransferItem, TransferRequest, Transport, TransportKind,
+};
+use ferry_tcp::{LinkConfig, LocalIdentity, ServerConfig, StagingPool, TcpLink, TcpServer};
+use futures::Stream;
+
+use crate::host::HostAllocation;
+use crate::notify::NotificationQueue;
+use crate::peer::{Peer, PeerInner};
+use crate::region::Region;
+use crate::transfer::{TransferHandle, TransferStatus};
+
+/// Default number of TCP streams per link.
+pub const DEFAULT_STREAMS: usize = 2;
+/// Default bound on bytes in flight per link.
+pub const DEFAULT_MAX_INFLIGHT_BYTES: u64 = 64 << 20;
+/// HIXL's default connect timeout.
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_millis(1000);
+
+/// Configures and starts an [`Engine`] (HIXL `Initialize`).
+#[derive(Debug, Clone)]
+pub struct EngineBuilder {
+    listen: Option<String>,
+    buffer_pool: BufferPool,
+    buffer_pool_error: Option<Error>,
+    max_links: usize,
+    max_pending_notifications: usize,
+    streams: usize,
+    max_inflight_bytes: u64,
+    limits: Limits,
+    handshake_timeout: Duration,
+}
+
+impl Default for EngineBuilder {
+    fn default() -> Self {
+        EngineBuilder {
+            listen: None,
+            buffer_pool: BufferPool::DEFAULT,
+            buffer_pool_error: None,
+            max_links: ferry_core::DEFAULT_MAX_LINKS,
+            max_pending_notifications: ferry_core::DEFAULT_MAX_PENDING_NOTIFICATIONS,
+            streams: DEFAULT_STREAMS,
+            max_inflight_bytes: DEFAULT_MAX_INFLIGHT_BYTES,
+            limits: Limits::default(),
+            handshake_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+impl EngineBuilder {
+    /// Listens on `addr` ("ip:port"; port 0 lets the OS choose). Without it the engine is a client only.
+    pub fn listen(mut self, addr: impl Into<String>) -> Self {
+        self.listen = Some(addr.into());
+        self
+    }
+
+    /// HIXL's staging pool option, `"BUFFER_NUM:BUFFER_SIZE_MB"`: `"4:8"` by default, `"0:0"` off.
+    /// An invalid value makes [`build`](Self::build) fail with `InvalidArgument`.
+    pub fn buffer_pool(mut self, spec: &str) -> Self {
+        match spec.parse() {
+            Ok(p) => {
+                self.buffer_pool = p;
+                self.buffer_pool_error = None;
+            }
+            Err(e) => self.buffer_pool_error = Some(e),
+        }
+        self
+    }
+
+    /// Most links, incoming and outgoing together (default 512).
+    pub fn max_links(mut self, n: usize) -> Self {
+        self.max_links = n;
+        self
+    }
+
+    /// Most undrained notifications per link (default 4096).
+    pub fn max_pending_notifications(mut self, n: usize) -> Self {
+        self.max_pending_notifications = n;
+        self
+    }
+
+    /// TCP streams per outgoing link (default 2, at most 64).
+    pub fn streams(mut self, n: usize) -> Self {
+        self.streams = n;
+        self
+    }
+
+    /// Most bytes in flight per link (default 64 MiB).
+    pub fn max_inflight_bytes(mut self, n: u64) -> Self {
+        self.max_inflight_bytes = n;
+        self
+    }
+
+    /// Largest payload a peer may send in one frame (default 1 GiB).
+    pub fn max_frame_payload(mut self, n: u64) -> Self {
+        self.limits.max_payload = n;
+        self
+    }
+
+    /// How long a new incoming connection may take to say hello (default 10 s).
+    pub fn handshake_timeout(mut self, t: Duration) -> Self {
+        self.handshake_timeout = t;
+        self
+    }
+
+    fn validate(&self) -> Result<()> {
+        if let Some(e) = &self.buffer_pool_error {
+            return Err(e.clone());
+        }
+        if self.max_links == 0 {
+            return Err(Error::InvalidArgument("max_links must be at least 1".into()));
+        }
+        if self.max_pending_notifications == 0 {
+            return Err(Error::InvalidArgument("max_pending_notifications must be at least 1".into()));
+        }
+        if !(1..=ferry_tcp::MAX_STREAMS_PER_LINK as usize).contains(&self.streams) {
+            return Err(Error::InvalidArgument(format!(
+                "streams must be 1 to {}, not {}",
+                ferry_tcp::MAX_STREAMS_PER_LINK,
+                self.streams
+            )));
+        }
+        if self.max_inflight_bytes < 1 << 20 {
+            return Err(Error::InvalidArgument("max_inflight_bytes must be at least 1 MiB".into()));
+        }
+        Ok(())
+    }
+
+    /// Starts the engine: validates the options and, with a listen address, starts serving.
+    pub async fn build(self) -> Result<Engine> {
+        self.validate()?;
+        let transports: Vec<Box<dyn Transport>> = crate::capabilities::compiled_transports()
+            .into_iter()
+            .filter(|t| t.availability().usable)
+            .collect();
+        if transports.is_empty() {
+            return Err(Error::Unsupported("no data transport is compiled in and usable: enable the `tcp` feature".into()));
+        }
+        let notifications = NotificationQueue::new(self.max_pending_notifications);
+        let ctx = Arc::new(EngineContext {
+            engine_id: random_u64()?,
+            host_id: host_id(),
+            regions: RwLock::new(RegionTable::new()),
+            notifier: notifications.clone(),
+            links: Arc::new(LinkSlots::new(self.max_links)),
+            transports: transports.iter().map(|t| t.kind()).collect(),
+        });
+        let server = match &self.listen {
+            Some(addr) => {
+                let addr = resolve(addr).await?;
+                let config = ServerConfig { limits: self.limits, handshake_timeout: self.handshake_timeout };
+                Some(TcpServer::bind(addr, ctx.clone(), config).await?)
+            }
+            None => None,
+        };
+        let pool = StagingPool::new(self.buffer_pool);
+        Ok(Engine {
+            inner: Arc::new(Inner {
+                ctx,
+                server,
+                transports,
+                peers: Mutex::new(HashMap::new()),
+                notifications,
+                pool,
+                options: self,
+            }),
+        })
+    }
+}
+
+/// Moves bytes between this process's registered memory and that of connected peers.
+///
+/// ```no_run
+/// # async fn demo() -> ferry::Result<()> {
+/// use std::time::Duration;
+/// use ferry::{Access, Engine, Op, TransferDesc};
+///
+/// let target = Engine::builder().listen("127.0.0.1:0").build().await?;
+/// let dst = target.alloc_host(1 << 20, Access::READ_WRITE)?;
+///
+/// let initiator = Engine::builder().build().await?;
+/// let src = initiator.register(vec![7u8; 1 << 20], Access::READ_WRITE)?;
+/// let peer = initiator.connect(&target.local_addr().unwrap().to_string(), Duration::from_secs(1)).await?;
+/// initiator
+///     .transfer(&peer, Op::Write, &[TransferDesc::new(src.addr(), dst.addr(), 1 << 20)], Duration::from_secs(5))
+///     .await?;
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct Engine {
+    inner: Arc<Inner>,
+}
+
+pub(crate) struct Inner {
+    ctx: Arc<EngineContext>,
+    server: Option<TcpServer>,
+    transports: Vec<Box<dyn Transport>>,
+    peers: Mutex<HashMap<SocketAddr, Peer>>,
+    notifications: Arc<NotificationQueue>,
+    pool: Option<Arc<StagingPool>>,
+    options: EngineBuilder,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("id", &format_args!("{:016x}", self.inner.ctx.engine_id))
+            .field("listen", &self.local_addr())
+            .finish()
+    }
+}
+
+impl Engine {
+    /// Starts configuring an engine.
+    pub fn builder() -> EngineBuilder {
+        EngineBuilder::default()
+    }
+
+    /// This engine's random id.
+    pub fn id(&self) -> u64 {
+        self.inner.ctx.engine_id
+    }
+
+    /// The address it listens on, if it listens.
+    pub fn local_addr(&self) -> Option<SocketAddr> {
+        self.inner.server.as_ref().map(|s| s.local_addr())
+    }
+
+    /// Transports usable by this engine, best first.
+    pub fn transports(&self) -> Vec<TransportKind> {
+        self.inner.ctx.transports.clone()
+    }
+
+    // ---- memory -------------------------------------------------------------------------------------
+
+    /// Registers a buffer the engine takes ownership of.
+    pub fn register(&self, buffer: impl Into<Box<[u8]>>, access: Access) -> Result<Region> {
+        self.register_block(Arc::new(OwnedBuffer::new(buffer)), access)
+    }
+
+    /// Registers `len` bytes at `ptr`, which the caller keeps.
+    ///
+    /// # Safety
+    ///
+    /// The memory must stay valid for reads and writes until the returned region is dropped or
+    /// deregistered and that has returned; peers may write into it at any time until then.
+    pub unsafe fn register_raw(&self, ptr: *mut u8, len: usize, access: Access) -> Result<Region> {
+        // SAFETY: forwarded to our caller.
+        self.register_block(Arc::new(unsafe { RawMemory::new(ptr, len) }), access)
+    }
+
+    /// Allocates `len` bytes of page-aligned host memory and registers it (HIXL `MallocMem`).
+    pub fn alloc_host(&self, len: usize, access: Access) -> Result<Region> {
+        self.register_block(Arc::new(HostAllocation::new(len)?), access)
+    }
+
+    /// Allocates from `registry` (a GPU allocator, for example) and registers the result.
+    pub fn alloc_from(&self, registry: &dyn MemoryRegistry, len: usize, access: Access) -> Result<Region> {
+        self.register_block(registry.allocate(len)?, access)
+    }
+
+    /// Registers any memory block. Connected peers are told at once.
+    pub fn register_block(&self, block: Arc<dyn MemoryBlock>, access: Access) -> Result<Region> {
+        let inner = &self.inner;
+        let mut entry = RegionEntry::new(RegionKey::random()?, access, block)?;
+        for t in &inner.transports {
+            if let Some(key) = t.register_region(&entry)? {
+                entry = entry.with_transport_key(t.kind(), key);
+            }
+        }
+        let entry = Arc::new(entry);
+        inner.ctx.regions.write().map_err(|_| poisoned())?.insert(entry.clone())?;
+        if let Some(server) = &inner.server {
+            server.announce(&RegionChange::Added(entry.advert()));
+        }
+        tracing::debug!(region = ?entry, "registered");
+        Ok(Region { entry, engine: Arc::downgrade(&self.inner) })
+    }
+
+    /// Deregisters a region (HIXL `DeregisterMem`); the same as dropping it. Once this returns, no byte
+    /// of the region is touched again.
+    pub fn deregister(&self, region: Region) {
+        drop(region);
+    }
+
+    // ---- links --------------------------------------------------------------------------------------
+
+    /// Connects to the engine listening at `remote` ("host:port"), within `timeout`
+    /// (HIXL `Connect`, default 1000 ms).
+    pub async fn connect(&self, remote: &str, timeout: Duration) -> Result<Peer> {
+        let fut = async {
+            let addr = resolve(remote).await?;
+            if let Some(p) = self.peer_at(addr) {
+                if !p.is_closed() {
+                    return Err(Error::AlreadyConnected(format!("{remote} ({addr}) is already connected")));
+                }
+                self.forget(addr);
+            }
+            let slot = self.inner.ctx.links.acquire()?;
+            let me = LocalIdentity {
+                engine_id: self.inner.ctx.engine_id,
+                host_id: self.inner.ctx.host_id,
+                transports: self.inner.ctx.transports.clone(),
+            };
+            let config = LinkConfig {
+                streams: self.inner.options.streams,
+                max_inflight_bytes: self.inner.options.max_inflight_bytes,
+                limits: self.inner.options.limits,
+                pool: self.inner.pool.clone(),
+            };
+            let control = TcpLink::dial(addr, &me, &config).await?;
+            let transport = self.choose_transport(control.remote_transports());
+            let data: Arc<dyn DataLink> = match transport {
+                Some(TransportKind::Tcp) => Arc::new(control.clone()),
+                Some(other) => {
+                    control.abort();
+                    return Err(Error::Unsupported(format!("transport {other} has no link implementation in this build")));
+                }
+                None => {
+                    control.abort();
+                    return Err(Error::Unsupported(format!(
+                        "{remote} offers {:?} and this engine {:?}: no transport in common",
+                        control.remote_transports(),
+                        self.inner.ctx.transports
+                    )));
+                }
+            };
+            let peer = Peer {
+                inner: Arc::new(PeerInner { addr, name: remote.to_string(), control, data, _slot: slot }),
+            };
+            let mut peers = self.inner.peers.lock().map_err(|_| poisoned())?;
+            if peers.get(&addr).is_some_and(|p| !p.is_closed()) {
+                peer.inner.control.abort();
+                return Err(Error::AlreadyConnected(format!("{remote} ({addr}) is already connected")));
+            }
+            peers.insert(addr, peer.clone());
+            tracing::info!(peer = %addr, transport = %peer.transport(), "connected");
+            Ok(peer)
+        };
+        match tokio::time::timeout(timeout, fut).await {
+            Ok(r) => r,
+            Err(_) => Err(Error::Timeout(format!("connecting to {remote} took longer than {timeout:?}"))),
+        }
+    }
+
+    fn choose_transport(&self, theirs: &[TransportKind]) -> Option<TransportKind> {
+        self.inner.ctx.transports.iter().copied().find(|k| theirs.contains(k))
+    }
+
+    /// The connected peer at `addr`, if any.
+    pub fn peer_at(&self, addr: SocketAddr) -> Option<Peer> {
+        self.inner.peers.lock().ok()?.get(&addr).cloned()
+    }
+
+    /// Every connected peer.
+    pub fn peers(&self) -> Vec<Peer> {
+        self.inner.peers.lock().map(|p| p.values().cloned().collect()).unwrap_or_default()
+    }
+
+    fn forget(&self, addr: SocketAddr) -> Option<Peer> {
+        self.inner.peers.lock().ok()?.remove(&addr)
+    }
+
+    /// Closes the link to `peer` (HIXL `Disconnect`), waiting at most `timeout`.
+    pub async fn disconnect(&self, peer: &Peer, timeout: Duration) -> Result<()> {
+        let Some(p) = self.forget(peer.addr()).filter(|p| Arc::ptr_eq(&p.inner, &peer.inner)) else {
+            return Err(Error::NotConnected(format!("{} is not connected", peer.addr())));
+        };
+        if tokio::time::timeout(timeout, p.inner.data.close()).await.is_err() {
+            p.inner.control.abort();
+        }
+        let _ = tokio::time::timeout(timeout, p.inner.control.close()).await;
+        p.inner.control.abort();
+        tracing::info!(peer = %p.addr(), "disconnected");
+        Ok(())
+    }
+
+    // ---- transfers ----------------------------------------------------------------------------------
+
+    fn resolve_request(&self, peer: &Peer, op: Op, descs: &[TransferDesc], durability: Durability) -> Result<TransferRequest> {
+        if descs.is_empty() {
+            return Err(Error::InvalidArgument("a transfer needs at least one descriptor".into()));
+        }
+        if !self.peer_at(peer.addr()).is_some_and(|p| Arc::ptr_eq(&p.inner, &peer.inner)) {
+            return Err(Error::NotConnected(format!("{} is not connected to this engine", peer.addr())));
+        }
+        if peer.is_closed() {
+            return Err(Error::PeerClosed(format!("the link to {} is down; connect again", peer.addr())));
+        }
+        if op == Op::Read && durability == Durability::Persistent {
+            return Err(Error::InvalidArgument("durability applies to writes, not reads".into()));
+        }
+        let local = self.inner.ctx.regions.read().map_err(|_| poisoned())?;
+        let items = peer.inner.control.with_remote_regions(|remote| {
+            descs
+                .iter()
+                .enumerate()
+                .map(|(i, d)| {
+                    let at = |e: Error| prefix(e, &format!("descriptor {i}"));
+                    let local = local.find_local(d.local_addr, d.len).map_err(at)?;
+                    let (ad, remote_offset) = remote.find(d.remote_addr, d.len, op.required_access()).map_err(at)?;
+                    if durability == Durability::Persistent && !ad.persistent {
+                        return Err(at(Error::InvalidArgument(format!(
+                            "a persistent write needs a persistent region; the peer's region at {:#x} is not",
+                            ad.addr
+                        ))));
+                    }
+                    Ok(TransferItem { local, remote_key: ad.key, remote_offset })
+                })
+                .collect::<Result<Vec<_>>>()
+        })??;
+        Ok(TransferRequest { op, durability, items })
+    }
+
+    /// Runs a batch of one-sided operations on `peer` and waits for all of them, at most `timeout`
+    /// (HIXL `TransferSync`). Writes complete when the bytes are in the target's memory.
+    pub async fn transfer(&self, peer: &Peer, op: Op, descs: &[TransferDesc], timeout: Duration) -> Result<()> {
+        self.transfer_durable(peer, op, descs, Durability::Completed, timeout).await
+    }
+
+    /// [`transfer`](Self::transfer) with an explicit durability for writes.
+    pub async fn transfer_durable(
+        &self,
+        peer: &Peer,
+        op: Op,
+        descs: &[TransferDesc],
+        durability: Durability,
+        timeout: Duration,
+    ) -> Result<()> {
+        let request = self.resolve_request(peer, op, descs, durability)?;
+        run_with_timeout(peer, request, timeout).await
+    }
+
+    /// Starts a batch and returns at once (HIXL `TransferAsync`): poll the handle's
+    /// [`status`](TransferHandle::status), or await it. Descriptors are checked before this returns.
+    pub fn transfer_async(&self, peer: &Peer, op: Op, descs: &[TransferDesc], timeout: Duration) -> Result<TransferHandle> {
+        let request = self.resolve_request(peer, op, descs, Durability::Completed)?;
+        let status = Arc::new(AtomicU8::new(0));
+        let peer = peer.clone();
+        let st = status.clone();
+        let task = tokio::spawn(async move {
+            let result = run_with_timeout(&peer, request, timeout).await;
+            st.store(TransferStatus::of(&result), Ordering::Release);
+            result
+        });
+        Ok(TransferHandle { status, task })
+    }
+
+    // ---- notifications ------------------------------------------------------------------------------
+
+    /// Sends a notification to `peer` (HIXL `SendNotify`): name and message at most 1024 characters
+    /// each; refused with `ResourceExhausted` when 4096 wait undrained at the peer. It is never seen
+    /// before the data of transfers that completed before it was sent.
+    pub async fn notify(&self, peer: &Peer, notification: Notification, timeout: Duration) -> Result<()> {
+        notification.validate()?;
+        if !self.peer_at(peer.addr()).is_some_and(|p| Arc::ptr_eq(&p.inner, &peer.inner)) {
+            return Err(Error::NotConnected(format!("{} is not connected to this engine", peer.addr())));
+        }
+        match tokio::time::timeout(timeout, peer.inner.data.notify(notification)).await {
+            Ok(r) => r,
+            Err(_) => Err(Error::Timeout(format!("notifying {} took longer than {timeout:?}", peer.addr()))),
+        }
+    }
+
+    /// Takes every notification received so far (HIXL `GetNotifies`).
+    pub fn take_notifications(&self) -> Vec<ReceivedNotification> {
+        self.inner.notifications.take_all()
+    }
+
+    /// Notifications as they arrive. Each is delivered once, to one consumer.
+    pub fn notifications(&self) -> impl Stream<Item = ReceivedNotification> + Send + 'static {
+        self.inner.notifications.stream()
+    }
+
+    /// Number of registered regions.
+    pub fn region_count(&self) -> usize {
+        self.inner.ctx.regions.read().map(|t| t.len()).unwrap_or(0)
+    }
+
+    /// Links in use, incoming and outgoing.
+    pub fn link_count(&self) -> usize {
+        self.inner.ctx.links.used()
+    }
+}
+
+async fn run_with_timeout(peer: &Peer, request: TransferRequest, timeout: Duration) -> Result<()> {
+    let n = request.items.len();
+    match tokio::time::timeout(timeout, peer.inner.data.transfer(request)).await {
+        Ok(r) => r,
+        Err(_) => Err(Error::Timeout(format!(
+            "a batch of {n} descriptors to {} did not complete within {timeout:?}",
+            peer.addr()
+        ))),
+    }
+}
+
+impl Inner {
+    pub(crate) fn remove_region(&self, key: RegionKey) {
+        let removed = self.ctx.regions.write().ok().and_then(|mut t| t.remove(key));
+        if let Some(entry) = removed {
+            entry.fence().close_and_wait();
+            for t in &self.transports {
+                t.deregister_region(key);
+            }
+            if let Some(server) = &self.server {
+                server.announce(&RegionChange::Removed(key));
+            }
+            tracing::debug!(region = ?entry, "deregistered");
+        }
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        if let Ok(peers) = self.peers.lock() {
+            for p in peers.values() {
+                p.inner.control.abort();
+            }
+        }
+        if let Some(server) = &self.server {
+            server.shutdown();
+        }
+    }
+}
+
+fn prefix(e: Error, what: &str) -> Error {
+    let msg = format!("{what}: {}", e.message());
+    match e {
+        Error::InvalidArgument(_) => Error::InvalidArgument(msg),
+        Error::OutOfBounds(_) => Error::OutOfBounds(msg),
+        Error::PermissionDenied(_) => Error::PermissionDenied(msg),
+        other => other,
+    }
+}
+
+fn poisoned() -> Error {
+    Error::Protocol("an engine lock was poisoned by a panic".into())
+}
+
+async fn resolve(addr: &str) -> Result<SocketAddr> {
+    if let Ok(a) = addr.parse() {
+        return Ok(a);
+    }
+    let mut addrs = tokio::net::lookup_host(addr)
+        .await
+        .map_err(|e| Error::io(format_args!("resolving {addr:?} (expected host:port)"), e))?;
+    addrs.next().ok_or_else(|| Error::InvalidArgument(format!("{addr:?} resolves to no address")))
+}
+
+fn random_u64() -> Result<u64> {
+    Ok(RegionKey::random()?.0)
+}
+
+/// Identifies this host: the kernel's boot id, so that two engines on one host agree.
+fn host_id() -> u64 {
+    let text = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+    // FNV-1a: stable across processes, unlike std's randomly keyed hasher.
+    text.trim().bytes().fold(0xcbf29ce484222325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100000001b3))
+}

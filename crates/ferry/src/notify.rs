@@ -1,0 +1,98 @@
+//! The notification queue: what peers sent with `notify`, until the application drains it.
+//!
+//! HIXL's limits hold per link: at most 4096 notifications wait undrained; the next one is refused with
+//! `ResourceExhausted`, which the sender receives as the result of its `notify`.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+
+use ferry_core::{Error, Notification, Notifier, ReceivedNotification, Result};
+use futures::Stream;
+
+#[derive(Default)]
+struct State {
+    items: VecDeque<(u64, ReceivedNotification)>,
+    per_link: HashMap<u64, usize>,
+}
+
+/// Notifications received and not yet taken.
+pub(crate) struct NotificationQueue {
+    state: Mutex<State>,
+    wake: tokio::sync::Notify,
+    max_per_link: usize,
+}
+
+impl NotificationQueue {
+    pub(crate) fn new(max_per_link: usize) -> Arc<Self> {
+        Arc::new(NotificationQueue { state: Mutex::default(), wake: tokio::sync::Notify::new(), max_per_link })
+    }
+
+    fn pop(&self) -> Option<ReceivedNotification> {
+        let mut s = self.state.lock().ok()?;
+        let (link, n) = s.items.pop_front()?;
+        if let Some(c) = s.per_link.get_mut(&link) {
+            *c -= 1;
+        }
+        Some(n)
+    }
+
+    fn has_items(&self) -> bool {
+        self.state.lock().map(|s| !s.items.is_empty()).unwrap_or(false)
+    }
+
+    pub(crate) fn take_all(&self) -> Vec<ReceivedNotification> {
+        match self.state.lock() {
+            Ok(mut s) => {
+                s.per_link.values_mut().for_each(|c| *c = 0);
+                s.items.drain(..).map(|(_, n)| n).collect()
+            }
+            Err(_) => Vec::new(),
+        }
+    }
+
+    pub(crate) fn stream(self: &Arc<Self>) -> impl Stream<Item = ReceivedNotification> + Send + 'static {
+        futures::stream::unfold(self.clone(), |q| async move {
+            loop {
+                {
+                    let notified = q.wake.notified();
+                    tokio::pin!(notified);
+                    notified.as_mut().enable();
+                    if !q.has_items() {
+                        notified.await;
+                        continue;
+                    }
+                }
+                if let Some(n) = q.pop() {
+                    return Some((n, q));
+                }
+            }
+        })
+    }
+}
+
+impl Notifier for NotificationQueue {
+    fn deliver(&self, link: u64, from_engine: u64, from_addr: &str, notification: Notification) -> Result<()> {
+        let mut s = self.state.lock().map_err(|_| Error::Protocol("notification queue lock poisoned".into()))?;
+        let pending = s.per_link.entry(link).or_default();
+        if *pending >= self.max_per_link {
+            return Err(Error::ResourceExhausted(format!(
+                "{} notifications from this link wait undrained, the maximum; the receiver must take them first",
+                self.max_per_link
+            )));
+        }
+        *pending += 1;
+        s.items.push_back((
+            link,
+            ReceivedNotification { from_engine, from_addr: from_addr.to_string(), notification },
+        ));
+        drop(s);
+        self.wake.notify_waiters();
+        Ok(())
+    }
+
+    fn link_closed(&self, link: u64) {
+        if let Ok(mut s) = self.state.lock() {
+            s.per_link.remove(&link);
+        }
+    }
+}

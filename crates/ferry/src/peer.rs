@@ -1,0 +1,73 @@
+//! A connected peer.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use ferry_core::{DataLink, RemoteRegions, TransportKind};
+use ferry_tcp::TcpLink;
+
+/// A link to a remote engine, made by [`Engine::connect`](crate::Engine::connect). Cheap to clone.
+#[derive(Clone)]
+pub struct Peer {
+    pub(crate) inner: Arc<PeerInner>,
+}
+
+pub(crate) struct PeerInner {
+    pub(crate) addr: SocketAddr,
+    pub(crate) name: String,
+    pub(crate) control: TcpLink,
+    pub(crate) data: Arc<dyn DataLink>,
+    pub(crate) _slot: ferry_core::LinkSlot,
+}
+
+impl std::fmt::Debug for Peer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Peer")
+            .field("addr", &self.inner.addr)
+            .field("transport", &self.transport())
+            .finish()
+    }
+}
+
+impl Peer {
+    /// The address the peer listens on.
+    pub fn addr(&self) -> SocketAddr {
+        self.inner.addr
+    }
+
+    /// The name it was connected by.
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    /// The data path the engine picked for this peer.
+    pub fn transport(&self) -> TransportKind {
+        self.inner.data.kind()
+    }
+
+    /// The peer's engine id.
+    pub fn engine_id(&self) -> u64 {
+        self.inner.control.remote_engine()
+    }
+
+    /// The regions the peer has advertised, as of now. Registrations it makes later arrive by
+    /// themselves.
+    pub fn regions(&self) -> RemoteRegions {
+        self.inner.control.remote_regions()
+    }
+
+    /// Waits until the peer's advertised regions change, or `timeout` passes.
+    pub async fn regions_changed(&self, timeout: std::time::Duration) {
+        self.inner.control.region_update(timeout).await
+    }
+
+    /// Whether the link is down (closed by either side, or the peer died).
+    pub fn is_closed(&self) -> bool {
+        self.inner.data.is_closed() || ferry_core::DataLink::is_closed(&self.inner.control)
+    }
+
+    /// Number of TCP streams of the control link.
+    pub fn tcp_streams(&self) -> usize {
+        self.inner.control.stream_count()
+    }
+}

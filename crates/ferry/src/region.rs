@@ -1,0 +1,108 @@
+//! The application's handle on a registered region.
+
+use std::sync::{Arc, Weak};
+
+use ferry_core::{Access, RegionEntry, RegionKey, Result};
+
+use crate::engine::Inner;
+
+/// Memory registered with an engine. Dropping it (or [`Engine::deregister`](crate::Engine::deregister))
+/// removes it: peers are told, the fence closes, and once that returns no byte of it is touched again.
+///
+/// Peers may write into the region at any time, so it offers copies ([`write_at`](Region::write_at),
+/// [`read_at`](Region::read_at)) rather than slices; [`as_slice`](Region::as_slice) is `unsafe`.
+pub struct Region {
+    pub(crate) entry: Arc<RegionEntry>,
+    pub(crate) engine: Weak<Inner>,
+}
+
+impl std::fmt::Debug for Region {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.entry.fmt(f)
+    }
+}
+
+impl Region {
+    /// The first byte's address, as descriptors name it.
+    pub fn addr(&self) -> u64 {
+        self.entry.addr()
+    }
+
+    /// The address of the byte at `offset`, for building descriptors.
+    pub fn addr_at(&self, offset: u64) -> u64 {
+        self.entry.addr() + offset
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> u64 {
+        self.entry.len()
+    }
+
+    /// Never true: empty regions cannot be registered.
+    pub fn is_empty(&self) -> bool {
+        self.entry.is_empty()
+    }
+
+    /// The key peers name this region by.
+    pub fn key(&self) -> RegionKey {
+        self.entry.key()
+    }
+
+    /// What peers may do.
+    pub fn access(&self) -> Access {
+        self.entry.access()
+    }
+
+    /// Where the memory comes from ("host (memfd)", "host (owned buffer)", …).
+    pub fn kind(&self) -> &str {
+        self.entry.block().kind()
+    }
+
+    /// Whether writes to it can be made persistent.
+    pub fn is_persistent(&self) -> bool {
+        self.entry.block().persistent()
+    }
+
+    /// Copies `src` into the region at `offset`.
+    pub fn write_at(&self, offset: u64, src: &[u8]) -> Result<()> {
+        self.entry.copy_in(offset, src)
+    }
+
+    /// Copies from the region at `offset` into `dst`.
+    pub fn read_at(&self, offset: u64, dst: &mut [u8]) -> Result<()> {
+        self.entry.copy_out(offset, dst)
+    }
+
+    /// Copies the whole region out.
+    pub fn to_vec(&self) -> Result<Vec<u8>> {
+        let mut v = vec![0u8; self.len() as usize];
+        self.read_at(0, &mut v)?;
+        Ok(v)
+    }
+
+    /// The region's bytes as a slice.
+    ///
+    /// # Safety
+    ///
+    /// No peer may write into the region while the slice lives (for example, the application's own
+    /// protocol says the writer is done, with a notification), and the region must not be dropped.
+    pub unsafe fn as_slice(&self) -> &[u8] {
+        // SAFETY: the block is `len` valid bytes while the region lives; the caller promised that no
+        // write happens while the slice exists.
+        unsafe { std::slice::from_raw_parts(self.entry.block().as_ptr(), self.len() as usize) }
+    }
+
+    /// The first byte, for code that manages concurrency itself.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.entry.block().as_ptr()
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        match self.engine.upgrade() {
+            Some(engine) => engine.remove_region(self.entry.key()),
+            None => self.entry.fence().close_and_wait(),
+        }
+    }
+}
