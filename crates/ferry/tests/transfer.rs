@@ -1,0 +1,73 @@
+//! Writes and reads of many sizes and batch shapes, every byte checked.
+
+mod common;
+
+use common::*;
+use ferry::{Engine, Op, TransferDesc, TransferStatus};
+
+async fn round_trip(builder: ferry::EngineBuilder, sizes: &[usize], batch: usize) {
+    let (target, initiator, peer) = pair_with(builder).await;
+    for &size in sizes {
+        let total = size * batch;
+        let dst = target.alloc_host(total, rw()).unwrap();
+        wait_for_region(&peer, &dst).await;
+        let src = initiator.register(pattern(total, size as u8), rw()).unwrap();
+        let descs: Vec<_> =
+            (0..batch).map(|i| TransferDesc::new(src.addr_at((i * size) as u64), dst.addr_at((i * size) as u64), size as u64)).collect();
+        initiator.transfer(&peer, Op::Write, &descs, T).await.unwrap();
+        assert_eq!(dst.to_vec().unwrap(), pattern(total, size as u8), "write of {batch} x {size}");
+
+        let back = initiator.alloc_host(total, rw()).unwrap();
+        let descs: Vec<_> =
+            (0..batch).map(|i| TransferDesc::new(back.addr_at((i * size) as u64), dst.addr_at((i * size) as u64), size as u64)).collect();
+        initiator.transfer(&peer, Op::Read, &descs, T).await.unwrap();
+        assert_eq!(back.to_vec().unwrap(), pattern(total, size as u8), "read of {batch} x {size}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn single_descriptors_of_many_sizes() {
+    round_trip(Engine::builder(), &[1, 7, 4096, 65_535, 256 << 10, (1 << 20) + 3, 9 << 20], 1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_coalesced_through_the_pool() {
+    round_trip(Engine::builder(), &[1, 64, 4096, 100_000], 300).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_without_a_pool() {
+    round_trip(Engine::builder().buffer_pool("0:0"), &[3, 4096, 300_000], 40).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_streams_and_mixed_sizes() {
+    let (target, initiator, peer) = pair_with(Engine::builder().streams(5)).await;
+    assert_eq!(peer.tcp_streams(), 5);
+    let sizes = [10usize, 300_000, 5, 4 << 20, 8191, 1 << 20, 70_000];
+    let total: usize = sizes.iter().sum();
+    let dst = target.alloc_host(total, rw()).unwrap();
+    wait_for_region(&peer, &dst).await;
+    let src = initiator.register(pattern(total, 9), rw()).unwrap();
+    let mut off = 0u64;
+    let mut descs = Vec::new();
+    for s in sizes {
+        descs.push(TransferDesc::new(src.addr_at(off), dst.addr_at(off), s as u64));
+        off += s as u64;
+    }
+    initiator.transfer(&peer, Op::Write, &descs, T).await.unwrap();
+    assert_eq!(dst.to_vec().unwrap(), pattern(total, 9));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn async_transfer_reports_status_and_resolves() {
+    let (target, initiator, peer) = pair().await;
+    let dst = target.alloc_host(8 << 20, rw()).unwrap();
+    wait_for_region(&peer, &dst).await;
+    let src = initiator.register(pattern(8 << 20, 1), rw()).unwrap();
+    let handle = initiator.transfer_async(&peer, Op::Write, &[TransferDesc::new(src.addr(), dst.addr(), 8 << 20)], T).unwrap();
+    let s = handle.status();
+    assert!(matches!(s, TransferStatus::Waiting | TransferStatus::Completed), "{s:?}");
+    handle.await.unwrap();
+    assert_eq!(dst.to_vec().unwrap(), pattern(8 << 20, 1));
+}
