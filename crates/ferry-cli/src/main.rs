@@ -1,1 +1,61 @@
-fn main(){}
+//! `ferry`: benchmark, serve and inspect ferry engines.
+//!
+//! - `ferry bench` measures transfers between two engines (in this process over loopback, or against
+//!   a `ferry serve` elsewhere) and prints a table, or JSON lines with `--json`.
+//! - `ferry serve` runs a target engine with one registered region until interrupted.
+//! - `ferry info` says what this build can do on this host.
+
+mod bench;
+mod info;
+mod serve;
+mod units;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "ferry", version, about = "Move bytes between registered memory of processes, and measure it")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Measure transfer throughput and latency.
+    Bench(bench::Args),
+    /// Run a target engine that registers memory and serves until interrupted.
+    Serve(serve::Args),
+    /// Show the transports and devices this build can use here.
+    Info(info::Args),
+}
+
+fn main() -> std::process::ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async {
+        match cli.command {
+            Command::Bench(a) => bench::run(a).await,
+            Command::Serve(a) => serve::run(a).await,
+            Command::Info(a) => info::run(a),
+        }
+    });
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

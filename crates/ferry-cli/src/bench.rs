@@ -1,0 +1,275 @@
+//! `ferry bench`: throughput and latency of batched transfers, in the manner of `ib_write_bw` and
+//! `nixlbench`.
+//!
+//! Each case keeps `depth` batches in flight for `duration` after a short warm-up and reports GB/s
+//! (10^9 bytes per second), descriptors per second, and the p50/p99 latency of one batch. Without
+//! `--peer`, two engines run in this process and talk over 127.0.0.1.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use ferry::{Access, Engine, Op, Peer, Region, TransferDesc, TransportKind};
+use futures::stream::{FuturesUnordered, StreamExt};
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Serialize;
+
+use crate::units::{format_size, parse_duration, parse_size};
+
+const TIMEOUT: Duration = Duration::from_secs(30);
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Data path to measure.
+    #[arg(long, default_value = "tcp")]
+    transport: String,
+    /// Operation; both when omitted.
+    #[arg(long, value_parser = ["write", "read"])]
+    op: Option<String>,
+    /// Bytes per descriptor (4KiB, 1MiB…); a sweep of 4KiB, 64KiB, 1MiB, 16MiB when omitted.
+    #[arg(long, value_parser = parse_size)]
+    size: Option<u64>,
+    /// Descriptors per batch; a few batch sizes when omitted.
+    #[arg(long)]
+    batch: Option<usize>,
+    /// TCP streams per link.
+    #[arg(long, default_value_t = ferry::DEFAULT_STREAMS)]
+    streams: usize,
+    /// Batches kept in flight.
+    #[arg(long, default_value_t = 8)]
+    depth: usize,
+    /// How long each case runs (after a warm-up of a tenth of it).
+    #[arg(long, value_parser = parse_duration)]
+    duration: Option<Duration>,
+    /// A `ferry serve` to measure against, "host:port"; two engines in this process when omitted.
+    #[arg(long)]
+    peer: Option<String>,
+    /// The staging pool, "BUFFER_NUM:BUFFER_SIZE_MB".
+    #[arg(long, default_value = "4:8")]
+    buffer_pool: String,
+    /// One JSON object per case and line, instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, Clone, Serialize)]
+struct CaseResult {
+    transport: String,
+    op: String,
+    size: u64,
+    batch: usize,
+    streams: usize,
+    depth: usize,
+    gb_per_s: f64,
+    ops_per_s: f64,
+    p50_us: f64,
+    p99_us: f64,
+    transfers: u64,
+    peak_rss_bytes: u64,
+    registered_bytes: u64,
+}
+
+struct Case {
+    op: Op,
+    size: u64,
+    batch: usize,
+}
+
+fn cases(args: &Args) -> Vec<Case> {
+    let ops = match args.op.as_deref() {
+        Some("read") => vec![Op::Read],
+        Some(_) => vec![Op::Write],
+        None => vec![Op::Write, Op::Read],
+    };
+    let sizes = args.size.map_or_else(|| vec![4 << 10, 64 << 10, 1 << 20, 16 << 20], |s| vec![s]);
+    let mut out = Vec::new();
+    for &op in &ops {
+        for &size in &sizes {
+            let batches = match args.batch {
+                Some(b) => vec![b],
+                None if size <= 64 << 10 => vec![1, 32, 256],
+                None if size <= 1 << 20 => vec![1, 8],
+                None => vec![1],
+            };
+            for batch in batches {
+                out.push(Case { op, size, batch });
+            }
+        }
+    }
+    out
+}
+
+/// The two ends of a bench: the initiator, its peer, and the target memory to aim at.
+struct Setup {
+    initiator: Engine,
+    peer: Peer,
+    /// Keeps the in-process target alive.
+    _target: Option<(Engine, Region)>,
+    remote_addr: u64,
+    remote_len: u64,
+}
+
+async fn setup(args: &Args, max_bytes: u64) -> anyhow::Result<Setup> {
+    let initiator = Engine::builder()
+        .streams(args.streams)
+        .buffer_pool(&args.buffer_pool)
+        .build()
+        .await
+        .context("starting the initiator engine")?;
+    let (target, addr) = match &args.peer {
+        Some(addr) => (None, addr.clone()),
+        None => {
+            let target = Engine::builder().listen("127.0.0.1:0").build().await.context("starting the target engine")?;
+            let region = target.alloc_host(max_bytes as usize, Access::READ_WRITE).context("allocating target memory")?;
+            let addr = target.local_addr().context("target has no address")?.to_string();
+            (Some((target, region)), addr)
+        }
+    };
+    let peer = initiator.connect(&addr, Duration::from_secs(5)).await.with_context(|| format!("connecting to {addr}"))?;
+    let want: TransportKind = args.transport.parse()?;
+    if peer.transport() != want {
+        bail!("asked for {want} but the link to {addr} uses {}", peer.transport());
+    }
+    let remote = peer
+        .regions()
+        .iter()
+        .filter(|r| r.access == Access::READ_WRITE)
+        .max_by_key(|r| r.len)
+        .cloned()
+        .with_context(|| format!("{addr} advertises no readable and writable region"))?;
+    if remote.len < max_bytes {
+        bail!("the peer's largest region has {} bytes; this run needs {max_bytes}", remote.len);
+    }
+    Ok(Setup { initiator, peer, _target: target, remote_addr: remote.addr, remote_len: remote.len })
+}
+
+pub async fn run(args: Args) -> anyhow::Result<()> {
+    let cases = cases(&args);
+    if args.depth == 0 || args.batch == Some(0) {
+        bail!("--depth and --batch must be at least 1");
+    }
+    let duration = args.duration.unwrap_or(if cases.len() > 1 { Duration::from_secs(1) } else { Duration::from_secs(3) });
+    let max_bytes = cases.iter().map(|c| c.size * c.batch as u64).max().unwrap_or(1);
+    let setup = setup(&args, max_bytes).await?;
+    let local = setup.initiator.alloc_host(max_bytes as usize, Access::READ_WRITE).context("allocating local memory")?;
+    let registered = max_bytes * if args.peer.is_some() { 1 } else { 2 };
+
+    let bar = if args.json { ProgressBar::hidden() } else { ProgressBar::new(cases.len() as u64) };
+    bar.set_style(
+        ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}").unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let mut results = Vec::new();
+    for case in &cases {
+        bar.set_message(format!("{} {} x{}", case.op, format_size(case.size), case.batch));
+        let r = run_case(&args, &setup, &local, case, duration, registered).await?;
+        if args.json {
+            println!("{}", serde_json::to_string(&r)?);
+        }
+        results.push(r);
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    if !args.json {
+        print_table(&results);
+    }
+    debug_assert!(setup.remote_len >= max_bytes);
+    Ok(())
+}
+
+async fn run_case(
+    args: &Args,
+    s: &Setup,
+    local: &Region,
+    case: &Case,
+    duration: Duration,
+    registered: u64,
+) -> anyhow::Result<CaseResult> {
+    let descs: Vec<TransferDesc> = (0..case.batch as u64)
+        .map(|i| TransferDesc::new(local.addr_at(i * case.size), s.remote_addr + i * case.size, case.size))
+        .collect();
+    let one = || {
+        let started = Instant::now();
+        let fut = s.initiator.transfer(&s.peer, case.op, &descs, TIMEOUT);
+        async move { fut.await.map(|()| started.elapsed()) }
+    };
+    let warmup = duration / 10;
+    let mut inflight = FuturesUnordered::new();
+    let mut latencies: Vec<u32> = Vec::new();
+    let begin = Instant::now();
+    let mut measuring_since = None;
+    let mut transfers = 0u64;
+    for _ in 0..args.depth {
+        inflight.push(one());
+    }
+    while let Some(done) = inflight.next().await {
+        let elapsed = done.with_context(|| format!("{} of {} x {}", case.op, case.batch, format_size(case.size)))?;
+        let now = Instant::now();
+        match measuring_since {
+            None if now - begin >= warmup => measuring_since = Some(now),
+            Some(_) => {
+                transfers += 1;
+                latencies.push(elapsed.as_micros().min(u32::MAX as u128) as u32);
+            }
+            None => {}
+        }
+        let measuring_for = measuring_since.map_or(Duration::ZERO, |t| now - t);
+        if measuring_for < duration {
+            inflight.push(one());
+        }
+    }
+    let secs = measuring_since.map_or(0.0, |t| t.elapsed().as_secs_f64()).max(1e-9);
+    latencies.sort_unstable();
+    let pct = |p: f64| -> f64 {
+        if latencies.is_empty() {
+            return 0.0;
+        }
+        let i = ((latencies.len() as f64 * p).ceil() as usize).clamp(1, latencies.len()) - 1;
+        latencies[i] as f64
+    };
+    let bytes = transfers as f64 * case.batch as f64 * case.size as f64;
+    Ok(CaseResult {
+        transport: s.peer.transport().to_string(),
+        op: case.op.to_string(),
+        size: case.size,
+        batch: case.batch,
+        streams: s.peer.tcp_streams(),
+        depth: args.depth,
+        gb_per_s: bytes / secs / 1e9,
+        ops_per_s: transfers as f64 * case.batch as f64 / secs,
+        p50_us: pct(0.50),
+        p99_us: pct(0.99),
+        transfers,
+        peak_rss_bytes: peak_rss(),
+        registered_bytes: registered,
+    })
+}
+
+fn print_table(results: &[CaseResult]) {
+    println!(
+        "{:<9} {:<6} {:>7} {:>6} {:>8} {:>9} {:>12} {:>10} {:>10}",
+        "transport", "op", "size", "batch", "streams", "GB/s", "ops/s", "p50 us", "p99 us"
+    );
+    for r in results {
+        println!(
+            "{:<9} {:<6} {:>7} {:>6} {:>8} {:>9.3} {:>12.0} {:>10.1} {:>10.1}",
+            r.transport,
+            r.op,
+            format_size(r.size),
+            r.batch,
+            r.streams,
+            r.gb_per_s,
+            r.ops_per_s,
+            r.p50_us,
+            r.p99_us
+        );
+    }
+}
+
+/// The process's peak resident set (VmHWM), in bytes; 0 where /proc is not there.
+fn peak_rss() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(0, |kb| kb * 1024)
+}
