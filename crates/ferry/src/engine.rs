@@ -13,7 +13,7 @@ use ferry_core::{
     TransferDesc, TransferItem, TransferRequest, Transport, TransportKind,
 };
 use ferry_tcp::{LinkConfig, LocalIdentity, ServerConfig, StagingPool, TcpLink, TcpServer};
-use futures::Stream;
+use futures::stream::BoxStream;
 
 use crate::host::HostAllocation;
 use crate::notify::NotificationQueue;
@@ -479,7 +479,7 @@ impl Engine {
     }
 
     /// Notifications as they arrive. Each is delivered once, to one consumer.
-    pub fn notifications(&self) -> impl Stream<Item = ReceivedNotification> + Send + 'static {
+    pub fn notifications(&self) -> BoxStream<'static, ReceivedNotification> {
         self.inner.notifications.stream()
     }
 

@@ -7,7 +7,8 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 
 use ferry_core::{Error, Notification, Notifier, ReceivedNotification, Result};
-use futures::Stream;
+use futures::StreamExt;
+use futures::stream::BoxStream;
 
 #[derive(Default)]
 struct State {
@@ -50,7 +51,7 @@ impl NotificationQueue {
         }
     }
 
-    pub(crate) fn stream(self: &Arc<Self>) -> impl Stream<Item = ReceivedNotification> + Send + 'static {
+    pub(crate) fn stream(self: &Arc<Self>) -> BoxStream<'static, ReceivedNotification> {
         futures::stream::unfold(self.clone(), |q| async move {
             loop {
                 {
@@ -67,6 +68,7 @@ impl NotificationQueue {
                 }
             }
         })
+        .boxed()
     }
 }
 

@@ -38,3 +38,85 @@ pub async fn wait_for_region(peer: &Peer, region: &Region) {
 pub fn rw() -> Access {
     Access::READ_WRITE
 }
+
+/// A hand-driven protocol client, for sending what a well-behaved engine never would.
+pub mod raw {
+    use bytes::BytesMut;
+    use ferry::codec::{self, Decoded, Frame, Hello, HelloAck, Limits};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpStream;
+
+    pub struct RawClient {
+        pub stream: TcpStream,
+        buf: BytesMut,
+    }
+
+    impl RawClient {
+        pub async fn connect(addr: std::net::SocketAddr) -> RawClient {
+            let stream = TcpStream::connect(addr).await.unwrap();
+            stream.set_nodelay(true).unwrap();
+            RawClient { stream, buf: BytesMut::new() }
+        }
+
+        /// Connects and completes the handshake as stream 0 of a one-stream link.
+        pub async fn handshake(addr: std::net::SocketAddr) -> (RawClient, HelloAck) {
+            let mut c = RawClient::connect(addr).await;
+            let token = rand_token();
+            c.send(
+                &Frame::Hello(Hello {
+                    engine_id: 42,
+                    link_token: token,
+                    stream_index: 0,
+                    stream_count: 1,
+                    transports: vec![ferry::TransportKind::Tcp],
+                    host_id: 0,
+                }),
+                &[],
+            )
+            .await;
+            match c.recv().await.expect("hello ack").frame {
+                Frame::HelloAck(ack) => (c, ack),
+                other => panic!("expected a hello ack, got {other:?}"),
+            }
+        }
+
+        pub async fn send(&mut self, frame: &Frame, payload: &[u8]) {
+            let mut out = BytesMut::new();
+            codec::encode(frame, payload.len() as u64, &mut out).unwrap();
+            out.extend_from_slice(payload);
+            self.stream.write_all(&out).await.unwrap();
+        }
+
+        pub async fn send_raw(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+            self.stream.write_all(bytes).await
+        }
+
+        /// The next frame, or `None` when the server closed the connection.
+        pub async fn recv(&mut self) -> Option<Decoded> {
+            loop {
+                if let Some((d, used)) = codec::decode(&self.buf, &Limits::default()).unwrap() {
+                    let _ = self.buf.split_to(used);
+                    return Some(d);
+                }
+                let n = self.stream.read_buf(&mut self.buf).await.ok()?;
+                if n == 0 {
+                    return None;
+                }
+            }
+        }
+
+        /// Reads `n` payload bytes following a frame.
+        pub async fn recv_payload(&mut self, n: usize) -> Vec<u8> {
+            while self.buf.len() < n {
+                let r = self.stream.read_buf(&mut self.buf).await.unwrap();
+                assert!(r > 0, "closed mid-payload");
+            }
+            self.buf.split_to(n).to_vec()
+        }
+    }
+
+    fn rand_token() -> u64 {
+        use std::time::{SystemTime, UNIX_EPOCH};
+        SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_nanos() as u64 ^ std::process::id() as u64
+    }
+}

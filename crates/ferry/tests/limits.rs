@@ -1,0 +1,159 @@
+//! HIXL's limits and return codes: links, notifications, names, connects that cannot succeed.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use ferry::{Engine, Error, Notification};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_513th_link_is_refused() {
+    raise_fd_limit(4096);
+    let target = target().await;
+    let addr = target.local_addr().unwrap().to_string();
+    let mut clients = Vec::new();
+    for _ in 0..512 {
+        let e = Engine::builder().streams(1).build().await.unwrap();
+        let p = e.connect(&addr, T).await.unwrap();
+        clients.push((e, p));
+    }
+    assert_eq!(target.link_count(), 512);
+    let extra = Engine::builder().streams(1).build().await.unwrap();
+    let err = extra.connect(&addr, T).await.unwrap_err();
+    assert!(matches!(err, Error::ResourceExhausted(_)), "{err:?}");
+    // Once one link goes, a new one fits.
+    let (e, p) = clients.pop().unwrap();
+    e.disconnect(&p, T).await.unwrap();
+    let deadline = Instant::now() + T;
+    loop {
+        match extra.connect(&addr, T).await {
+            Ok(_) => break,
+            Err(Error::ResourceExhausted(_)) if Instant::now() < deadline => tokio::time::sleep(Duration::from_millis(20)).await,
+            Err(e) => panic!("{e:?}"),
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn outgoing_links_count_too() {
+    let a = target().await;
+    let b = target().await;
+    let client = Engine::builder().max_links(1).build().await.unwrap();
+    client.connect(&a.local_addr().unwrap().to_string(), T).await.unwrap();
+    let err = client.connect(&b.local_addr().unwrap().to_string(), T).await.unwrap_err();
+    assert!(matches!(err, Error::ResourceExhausted(_)), "{err:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_4097th_pending_notification_is_refused() {
+    let (target, initiator, peer) = pair().await;
+    for i in 0..4096 {
+        initiator.notify(&peer, Notification::new("n", i.to_string()), T).await.unwrap();
+    }
+    let err = initiator.notify(&peer, Notification::new("n", "one too many"), T).await.unwrap_err();
+    assert!(matches!(err, Error::ResourceExhausted(_)), "{err:?}");
+    let got = target.take_notifications();
+    assert_eq!(got.len(), 4096);
+    assert!(got.iter().enumerate().all(|(i, n)| n.notification.msg == i.to_string()), "in order");
+    assert_eq!(got[0].from_engine, initiator.id());
+    // Drained: accepted again.
+    initiator.notify(&peer, Notification::new("n", "after drain"), T).await.unwrap();
+    assert_eq!(target.take_notifications()[0].notification.msg, "after drain");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn notification_fields_over_1024_characters_are_refused() {
+    let (target, initiator, peer) = pair().await;
+    let err = initiator.notify(&peer, Notification::new("a".repeat(1025), ""), T).await.unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument(_)), "{err:?}");
+    let err = initiator.notify(&peer, Notification::new("", "m".repeat(1025)), T).await.unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument(_)), "{err:?}");
+    initiator.notify(&peer, Notification::new("ü".repeat(1024), "m".repeat(1024)), T).await.unwrap();
+    let got = target.take_notifications();
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].notification.name.chars().count(), 1024);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connect_to_a_closed_port_fails_fast() {
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let client = Engine::builder().build().await.unwrap();
+    let started = Instant::now();
+    let err = client.connect(&format!("127.0.0.1:{port}"), Duration::from_millis(50)).await.unwrap_err();
+    assert!(started.elapsed() < Duration::from_secs(2));
+    assert!(
+        matches!(&err, Error::Io { kind: std::io::ErrorKind::ConnectionRefused, .. } | Error::Timeout(_)),
+        "{err:?}"
+    );
+    assert!(err.is_retryable());
+    assert_eq!(client.link_count(), 0, "a failed connect holds no link slot");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connect_to_a_name_that_does_not_resolve() {
+    let client = Engine::builder().build().await.unwrap();
+    let err = client.connect("no-such-host.invalid:9955", Duration::from_secs(5)).await.unwrap_err();
+    assert!(matches!(err, Error::Io { .. } | Error::Timeout(_)), "{err:?}");
+    let err = client.connect("not an address", Duration::from_secs(5)).await.unwrap_err();
+    assert!(matches!(err, Error::Io { .. }), "{err:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_listener_times_out() {
+    // Accepts connections and never answers.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let _hold = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((s, _)) = listener.accept().await {
+            held.push(s);
+        }
+    });
+    let client = Engine::builder().build().await.unwrap();
+    let started = Instant::now();
+    let err = client.connect(&addr.to_string(), Duration::from_millis(200)).await.unwrap_err();
+    assert!(matches!(err, Error::Timeout(_)), "{err:?}");
+    assert!(started.elapsed() < Duration::from_secs(3));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn already_connected_and_not_connected() {
+    let (target, initiator, peer) = pair().await;
+    let addr = target.local_addr().unwrap().to_string();
+    assert!(matches!(initiator.connect(&addr, T).await, Err(Error::AlreadyConnected(_))));
+    initiator.disconnect(&peer, T).await.unwrap();
+    assert!(matches!(initiator.disconnect(&peer, T).await, Err(Error::NotConnected(_))));
+    assert!(matches!(
+        initiator.notify(&peer, Notification::new("x", "y"), T).await,
+        Err(Error::NotConnected(_))
+    ));
+    // And connecting again works.
+    initiator.connect(&addr, T).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invalid_options_are_refused() {
+    for bad in ["4", "0:8", "x:y", "65:8"] {
+        let err = Engine::builder().buffer_pool(bad).build().await.unwrap_err();
+        assert!(matches!(err, Error::InvalidArgument(_)), "{bad}: {err:?}");
+    }
+    assert!(Engine::builder().buffer_pool("0:0").build().await.is_ok());
+    assert!(matches!(Engine::builder().streams(0).build().await, Err(Error::InvalidArgument(_))));
+    assert!(matches!(Engine::builder().streams(65).build().await, Err(Error::InvalidArgument(_))));
+    assert!(matches!(Engine::builder().max_links(0).build().await, Err(Error::InvalidArgument(_))));
+}
+
+fn raise_fd_limit(want: u64) {
+    // SAFETY: getrlimit/setrlimit on a valid, stack-owned struct.
+    unsafe {
+        let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 && lim.rlim_cur < want {
+            lim.rlim_cur = want.min(lim.rlim_max);
+            libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+        }
+    }
+}

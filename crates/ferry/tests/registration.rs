@@ -1,0 +1,110 @@
+//! Registration after connect, deregistration with fencing (invariant 2), engine-allocated memory.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use common::*;
+use ferry::{Access, Error, Op, TransferDesc};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn regions_registered_after_connect_reach_the_peer() {
+    let (target, initiator, peer) = pair().await;
+    assert!(peer.regions().is_empty());
+    let late = target.alloc_host(1 << 20, rw()).unwrap();
+    wait_for_region(&peer, &late).await;
+    let src = initiator.register(pattern(1 << 20, 4), rw()).unwrap();
+    initiator.transfer(&peer, Op::Write, &[TransferDesc::new(src.addr(), late.addr(), 1 << 20)], T).await.unwrap();
+    assert_eq!(late.to_vec().unwrap(), pattern(1 << 20, 4));
+
+    // Deregistration reaches the peer too, and the address is refused from then on.
+    let addr = late.addr();
+    target.deregister(late);
+    let deadline = tokio::time::Instant::now() + T;
+    while peer.regions().iter().any(|r| r.addr == addr) {
+        assert!(tokio::time::Instant::now() < deadline);
+        peer.regions_changed(Duration::from_millis(50)).await;
+    }
+    let err = initiator.transfer(&peer, Op::Write, &[TransferDesc::new(src.addr(), addr, 16)], T).await.unwrap_err();
+    assert!(matches!(err, Error::OutOfBounds(_)), "{err:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_byte_is_touched_after_deregister_returns() {
+    let (target, initiator, peer) = pair().await;
+    const LEN: usize = 4 << 20;
+    let mut backing = vec![0u8; LEN];
+    // SAFETY: `backing` outlives the region: it is dropped at the end of the test, after the region.
+    let region = unsafe { target.register_raw(backing.as_mut_ptr(), LEN, Access::READ_WRITE) }.unwrap();
+    wait_for_region(&peer, &region).await;
+    let remote = region.addr();
+    let src = initiator.alloc_host(LEN, rw()).unwrap();
+    src.write_at(0, &pattern(LEN, 1)).unwrap();
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = {
+        let (initiator, peer, stop) = (initiator.clone(), peer.clone(), stop.clone());
+        let descs: Vec<_> = (0..4).map(|i| TransferDesc::new(src.addr_at(i << 20), remote + (i << 20), 1 << 20)).collect();
+        tokio::spawn(async move {
+            let (mut ok, mut refused) = (0, 0);
+            while !stop.load(Ordering::Relaxed) {
+                match initiator.transfer(&peer, Op::Write, &descs, T).await {
+                    Ok(()) => ok += 1,
+                    Err(Error::PermissionDenied(_) | Error::OutOfBounds(_)) => refused += 1,
+                    Err(e) => panic!("unexpected {e:?}"),
+                }
+            }
+            (ok, refused)
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    target.deregister(region);
+    let snapshot = backing.clone();
+    // Writes keep coming for a while; none may land.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stop.store(true, Ordering::Relaxed);
+    let (ok, refused) = writer.await.unwrap();
+    assert!(ok > 0, "some writes landed before deregistration");
+    assert!(refused > 0, "some writes were refused after it");
+    assert!(backing == snapshot, "memory was written after deregister returned");
+    // The link survived.
+    let fresh = target.alloc_host(4096, rw()).unwrap();
+    wait_for_region(&peer, &fresh).await;
+    initiator.transfer(&peer, Op::Write, &[TransferDesc::new(src.addr(), fresh.addr(), 4096)], T).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn host_allocations_are_page_aligned_and_zeroed() {
+    let e = target().await;
+    let page = 4096;
+    for len in [1usize, 4095, 4096, 1 << 20] {
+        let r = e.alloc_host(len, rw()).unwrap();
+        assert_eq!(r.addr() % page, 0);
+        assert_eq!(r.len(), len as u64);
+        assert_eq!(r.kind(), "host (memfd)");
+        assert!(r.to_vec().unwrap().iter().all(|&b| b == 0));
+    }
+    assert!(matches!(e.alloc_host(0, rw()), Err(Error::InvalidArgument(_))));
+    assert!(matches!(e.register(Vec::new(), rw()), Err(Error::InvalidArgument(_))));
+    let r = e.alloc_host(8192, rw()).unwrap();
+    // SAFETY: the second registration is refused, so nothing keeps this pointer.
+    let overlap = unsafe { e.register_raw(r.as_ptr().add(4096), 100, rw()) };
+    assert!(matches!(overlap, Err(Error::InvalidArgument(_))));
+    assert_eq!(e.region_count(), 1);
+    drop(r);
+    assert_eq!(e.region_count(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn region_copies_check_bounds() {
+    let e = target().await;
+    let r = e.register(vec![0u8; 100], Access::READ).unwrap();
+    assert!(matches!(r.write_at(99, &[1, 2]), Err(Error::OutOfBounds(_))));
+    assert!(matches!(r.read_at(u64::MAX, &mut [0u8; 2]), Err(Error::OutOfBounds(_))));
+    r.write_at(98, &[1, 2]).unwrap();
+    let mut two = [0u8; 2];
+    r.read_at(98, &mut two).unwrap();
+    assert_eq!(two, [1, 2]);
+}
