@@ -58,8 +58,15 @@ async fn main() -> ferry::Result<()> {
     let mut notifications = decode.notifications();
     let checker = tokio::spawn(async move {
         for expected in 0..LAYERS {
-            let n = notifications.next().await.ok_or_else(|| ferry::Error::PeerClosed("no more notifications".into()))?;
-            let layer: usize = n.notification.msg.parse().map_err(|_| ferry::Error::Protocol("bad layer".into()))?;
+            let n = notifications
+                .next()
+                .await
+                .ok_or_else(|| ferry::Error::PeerClosed("no more notifications".into()))?;
+            let layer: usize = n
+                .notification
+                .msg
+                .parse()
+                .map_err(|_| ferry::Error::Protocol("bad layer".into()))?;
             assert_eq!(layer, expected, "layers arrive in order");
             let mut got = vec![0u8; BLOCK_BYTES];
             for kv in 0..2 {
@@ -93,7 +100,9 @@ async fn main() -> ferry::Result<()> {
             }
         }
         prefill.transfer(&peer, Op::Write, &descs, TIMEOUT).await?;
-        prefill.notify(&peer, Notification::new("kv-layer-ready", layer.to_string()), TIMEOUT).await?;
+        prefill
+            .notify(&peer, Notification::new("kv-layer-ready", layer.to_string()), TIMEOUT)
+            .await?;
     }
     let elapsed = started.elapsed();
     tokio::time::timeout(TIMEOUT, checker)

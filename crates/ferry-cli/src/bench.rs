@@ -80,7 +80,9 @@ fn cases(args: &Args) -> Vec<Case> {
         Some(_) => vec![Op::Write],
         None => vec![Op::Write, Op::Read],
     };
-    let sizes = args.size.map_or_else(|| vec![4 << 10, 64 << 10, 1 << 20, 16 << 20], |s| vec![s]);
+    let sizes = args
+        .size
+        .map_or_else(|| vec![4 << 10, 64 << 10, 1 << 20, 16 << 20], |s| vec![s]);
     let mut out = Vec::new();
     for &op in &ops {
         for &size in &sizes {
@@ -118,13 +120,22 @@ async fn setup(args: &Args, max_bytes: u64) -> anyhow::Result<Setup> {
     let (target, addr) = match &args.peer {
         Some(addr) => (None, addr.clone()),
         None => {
-            let target = Engine::builder().listen("127.0.0.1:0").build().await.context("starting the target engine")?;
-            let region = target.alloc_host(max_bytes as usize, Access::READ_WRITE).context("allocating target memory")?;
+            let target = Engine::builder()
+                .listen("127.0.0.1:0")
+                .build()
+                .await
+                .context("starting the target engine")?;
+            let region = target
+                .alloc_host(max_bytes as usize, Access::READ_WRITE)
+                .context("allocating target memory")?;
             let addr = target.local_addr().context("target has no address")?.to_string();
             (Some((target, region)), addr)
         }
     };
-    let peer = initiator.connect(&addr, Duration::from_secs(5)).await.with_context(|| format!("connecting to {addr}"))?;
+    let peer = initiator
+        .connect(&addr, Duration::from_secs(5))
+        .await
+        .with_context(|| format!("connecting to {addr}"))?;
     let want: TransportKind = args.transport.parse()?;
     if peer.transport() != want {
         bail!("asked for {want} but the link to {addr} uses {}", peer.transport());
@@ -137,9 +148,18 @@ async fn setup(args: &Args, max_bytes: u64) -> anyhow::Result<Setup> {
         .cloned()
         .with_context(|| format!("{addr} advertises no readable and writable region"))?;
     if remote.len < max_bytes {
-        bail!("the peer's largest region has {} bytes; this run needs {max_bytes}", remote.len);
+        bail!(
+            "the peer's largest region has {} bytes; this run needs {max_bytes}",
+            remote.len
+        );
     }
-    Ok(Setup { initiator, peer, _target: target, remote_addr: remote.addr, remote_len: remote.len })
+    Ok(Setup {
+        initiator,
+        peer,
+        _target: target,
+        remote_addr: remote.addr,
+        remote_len: remote.len,
+    })
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
@@ -147,13 +167,24 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     if args.depth == 0 || args.batch == Some(0) {
         bail!("--depth and --batch must be at least 1");
     }
-    let duration = args.duration.unwrap_or(if cases.len() > 1 { Duration::from_secs(1) } else { Duration::from_secs(3) });
+    let duration = args.duration.unwrap_or(if cases.len() > 1 {
+        Duration::from_secs(1)
+    } else {
+        Duration::from_secs(3)
+    });
     let max_bytes = cases.iter().map(|c| c.size * c.batch as u64).max().unwrap_or(1);
     let setup = setup(&args, max_bytes).await?;
-    let local = setup.initiator.alloc_host(max_bytes as usize, Access::READ_WRITE).context("allocating local memory")?;
+    let local = setup
+        .initiator
+        .alloc_host(max_bytes as usize, Access::READ_WRITE)
+        .context("allocating local memory")?;
     let registered = max_bytes * if args.peer.is_some() { 1 } else { 2 };
 
-    let bar = if args.json { ProgressBar::hidden() } else { ProgressBar::new(cases.len() as u64) };
+    let bar = if args.json {
+        ProgressBar::hidden()
+    } else {
+        ProgressBar::new(cases.len() as u64)
+    };
     bar.set_style(
         ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}").unwrap_or_else(|_| ProgressStyle::default_bar()),
     );

@@ -13,7 +13,11 @@ mod units;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "ferry", version, about = "Move bytes between registered memory of processes, and measure it")]
+#[command(
+    name = "ferry",
+    version,
+    about = "Move bytes between registered memory of processes, and measure it"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -31,9 +35,7 @@ enum Command {
 
 fn main() -> std::process::ExitCode {
     tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
-        )
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();

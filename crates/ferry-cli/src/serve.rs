@@ -16,12 +16,22 @@ pub struct Args {
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
-    let engine = Engine::builder().listen(&args.listen).build().await.context("starting the engine")?;
+    let engine = Engine::builder()
+        .listen(&args.listen)
+        .build()
+        .await
+        .context("starting the engine")?;
     let len = usize::try_from(args.region_size).context("region size does not fit this machine")?;
-    let region = engine.alloc_host(len, Access::READ_WRITE).context("allocating the region")?;
+    let region = engine
+        .alloc_host(len, Access::READ_WRITE)
+        .context("allocating the region")?;
     let addr = engine.local_addr().context("the engine has no listen address")?;
     // One line a script can wait for.
-    println!("listening on {addr} region {:#x} {}", region.addr(), format_size(region.len()));
+    println!(
+        "listening on {addr} region {:#x} {}",
+        region.addr(),
+        format_size(region.len())
+    );
     tokio::signal::ctrl_c().await.context("waiting for Ctrl-C")?;
     drop(region);
     Ok(())

@@ -4,7 +4,10 @@ use std::time::Duration;
 
 /// Parses a byte size such as `64`, `4KiB`, `1MiB`, `1 GiB`, `16M` (SI and binary units).
 pub fn parse_size(s: &str) -> Result<u64, String> {
-    let size: bytesize::ByteSize = s.trim().parse().map_err(|e| format!("{s:?} is not a size such as 4KiB or 1MiB: {e}"))?;
+    let size: bytesize::ByteSize = s
+        .trim()
+        .parse()
+        .map_err(|e| format!("{s:?} is not a size such as 4KiB or 1MiB: {e}"))?;
     match size.as_u64() {
         0 => Err("a size must be at least one byte".into()),
         n => Ok(n),
@@ -20,7 +23,7 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
 pub fn format_size(n: u64) -> String {
     const UNITS: [(u64, &str); 3] = [(1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")];
     for (unit, name) in UNITS {
-        if n >= unit && n % unit == 0 {
+        if n >= unit && n.is_multiple_of(unit) {
             return format!("{}{name}", n / unit);
         }
     }

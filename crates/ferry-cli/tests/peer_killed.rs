@@ -27,12 +27,18 @@ fn serve() -> Serve {
         .spawn()
         .expect("start ferry serve");
     let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
     // "listening on 127.0.0.1:PORT region 0xADDR 256MiB"
     let words: Vec<&str> = line.split_whitespace().collect();
     assert_eq!(words.get(..2), Some(&["listening", "on"][..]), "{line}");
     let region = u64::from_str_radix(words[4].trim_start_matches("0x"), 16).unwrap();
-    Serve { child, addr: words[2].to_string(), region }
+    Serve {
+        child,
+        addr: words[2].to_string(),
+        region,
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -41,8 +47,13 @@ async fn peer_killed_mid_batch() {
     let engine = Engine::builder().build().await.unwrap();
     let peer = engine.connect(&target.addr, Duration::from_secs(5)).await.unwrap();
     let src = engine.alloc_host(256 << 20, Access::READ_WRITE).unwrap();
-    let descs: Vec<_> = (0..64u64).map(|i| TransferDesc::new(src.addr_at(i << 22), target.region + (i << 22), 4 << 20)).collect();
-    engine.transfer(&peer, Op::Write, &descs[..1], Duration::from_secs(10)).await.unwrap();
+    let descs: Vec<_> = (0..64u64)
+        .map(|i| TransferDesc::new(src.addr_at(i << 22), target.region + (i << 22), 4 << 20))
+        .collect();
+    engine
+        .transfer(&peer, Op::Write, &descs[..1], Duration::from_secs(10))
+        .await
+        .unwrap();
 
     let timeout = Duration::from_secs(10);
     let started = Instant::now();
@@ -60,16 +71,34 @@ async fn peer_killed_mid_batch() {
     tokio::time::sleep(Duration::from_millis(150)).await;
     target.child.kill().unwrap();
     target.child.wait().unwrap();
-    let err = tokio::time::timeout(timeout + Duration::from_secs(5), batch).await.expect("the transfer hung").unwrap();
+    let err = tokio::time::timeout(timeout + Duration::from_secs(5), batch)
+        .await
+        .expect("the transfer hung")
+        .unwrap();
     assert!(matches!(err, Error::PeerClosed(_) | Error::Timeout(_)), "{err:?}");
     assert!(err.is_retryable());
     assert!(started.elapsed() < timeout + Duration::from_secs(5));
     assert!(peer.is_closed());
-    let again = engine.transfer(&peer, Op::Write, &[TransferDesc::new(src.addr(), target.region, 1)], timeout).await;
+    let again = engine
+        .transfer(
+            &peer,
+            Op::Write,
+            &[TransferDesc::new(src.addr(), target.region, 1)],
+            timeout,
+        )
+        .await;
     assert!(matches!(again, Err(Error::PeerClosed(_))), "{again:?}");
 
     // A restarted target is reachable again from the same engine.
     let target = serve();
     let peer = engine.connect(&target.addr, Duration::from_secs(5)).await.unwrap();
-    engine.transfer(&peer, Op::Write, &[TransferDesc::new(src.addr(), target.region, 4096)], timeout).await.unwrap();
+    engine
+        .transfer(
+            &peer,
+            Op::Write,
+            &[TransferDesc::new(src.addr(), target.region, 4096)],
+            timeout,
+        )
+        .await
+        .unwrap();
 }

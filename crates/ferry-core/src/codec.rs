@@ -37,7 +37,10 @@ pub struct Limits {
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits { max_body: 1 << 20, max_payload: 1 << 30 }
+        Limits {
+            max_body: 1 << 20,
+            max_payload: 1 << 30,
+        }
     }
 }
 
@@ -262,13 +265,22 @@ pub fn encode(frame: &Frame, payload_len: u64, out: &mut BytesMut) -> Result<()>
         }
         Frame::RegionAdded(r) => put_region(out, r)?,
         Frame::RegionRemoved { key } => out.put_u64_le(key.0),
-        Frame::Write { id, key, offset, durability } => {
+        Frame::Write {
+            id,
+            key,
+            offset,
+            durability,
+        } => {
             out.put_u64_le(*id);
             out.put_u64_le(key.0);
             out.put_u64_le(*offset);
             out.put_u8(durability_byte(*durability));
         }
-        Frame::WriteBatch { id, durability, segments } => {
+        Frame::WriteBatch {
+            id,
+            durability,
+            segments,
+        } => {
             out.put_u64_le(*id);
             out.put_u8(durability_byte(*durability));
             put_segments(out, segments)?;
@@ -317,10 +329,14 @@ pub struct Header {
 /// Decodes and checks the fixed header at the start of `buf`; `Ok(None)` if fewer than
 /// [`HEADER_LEN`] bytes are present.
 pub fn decode_header(buf: &[u8], limits: &Limits) -> Result<Option<Header>> {
-    let Some(h) = buf.get(..HEADER_LEN) else { return Ok(None) };
+    let Some(h) = buf.get(..HEADER_LEN) else {
+        return Ok(None);
+    };
     let magic = u16::from_le_bytes([h[0], h[1]]);
     if magic != MAGIC {
-        return Err(Error::Protocol(format!("bad magic {magic:#06x}: the peer does not speak ferry")));
+        return Err(Error::Protocol(format!(
+            "bad magic {magic:#06x}: the peer does not speak ferry"
+        )));
     }
     if h[2] != VERSION {
         return Err(Error::Protocol(format!(
@@ -335,7 +351,10 @@ pub fn decode_header(buf: &[u8], limits: &Limits) -> Result<Option<Header>> {
     let body_len = u32::from_le_bytes([h[4], h[5], h[6], h[7]]);
     let payload_len = u64::from_le_bytes([h[8], h[9], h[10], h[11], h[12], h[13], h[14], h[15]]);
     if body_len > limits.max_body {
-        return Err(Error::Protocol(format!("frame body of {body_len} bytes exceeds the limit of {}", limits.max_body)));
+        return Err(Error::Protocol(format!(
+            "frame body of {body_len} bytes exceeds the limit of {}",
+            limits.max_body
+        )));
     }
     if payload_len > limits.max_payload {
         return Err(Error::Protocol(format!(
@@ -346,7 +365,11 @@ pub fn decode_header(buf: &[u8], limits: &Limits) -> Result<Option<Header>> {
     if payload_len != 0 && !Frame::carries_payload(kind) {
         return Err(Error::Protocol(format!("frame kind {kind} may not carry a payload")));
     }
-    Ok(Some(Header { kind, body_len, payload_len }))
+    Ok(Some(Header {
+        kind,
+        body_len,
+        payload_len,
+    }))
 }
 
 /// Decodes one frame from the start of `buf`.
@@ -354,9 +377,13 @@ pub fn decode_header(buf: &[u8], limits: &Limits) -> Result<Option<Header>> {
 /// Returns `Ok(None)` when more bytes are needed, or the frame and the number of bytes it used (header
 /// and body; the payload is not part of `buf`'s consumption).
 pub fn decode(buf: &[u8], limits: &Limits) -> Result<Option<(Decoded, usize)>> {
-    let Some(header) = decode_header(buf, limits)? else { return Ok(None) };
+    let Some(header) = decode_header(buf, limits)? else {
+        return Ok(None);
+    };
     let total = HEADER_LEN + header.body_len as usize;
-    let Some(body) = buf.get(HEADER_LEN..total) else { return Ok(None) };
+    let Some(body) = buf.get(HEADER_LEN..total) else {
+        return Ok(None);
+    };
     let mut r = Reader { buf: body };
     let frame = match header.kind {
         kind::HELLO => Frame::Hello(Hello {
@@ -377,10 +404,18 @@ pub fn decode(buf: &[u8], limits: &Limits) -> Result<Option<(Decoded, usize)>> {
             for _ in 0..n {
                 regions.push(r.region()?);
             }
-            Frame::HelloAck(HelloAck { engine_id, refusal, transports, host_id, regions })
+            Frame::HelloAck(HelloAck {
+                engine_id,
+                refusal,
+                transports,
+                host_id,
+                regions,
+            })
         }
         kind::REGION_ADDED => Frame::RegionAdded(r.region()?),
-        kind::REGION_REMOVED => Frame::RegionRemoved { key: RegionKey(r.u64()?) },
+        kind::REGION_REMOVED => Frame::RegionRemoved {
+            key: RegionKey(r.u64()?),
+        },
         kind::WRITE => Frame::Write {
             id: r.u64()?,
             key: RegionKey(r.u64()?),
@@ -392,25 +427,54 @@ pub fn decode(buf: &[u8], limits: &Limits) -> Result<Option<(Decoded, usize)>> {
             let durability = r.durability()?;
             let segments = r.segments()?;
             check_batch_payload(&segments, header.payload_len)?;
-            Frame::WriteBatch { id, durability, segments }
+            Frame::WriteBatch {
+                id,
+                durability,
+                segments,
+            }
         }
-        kind::READ => Frame::Read { id: r.u64()?, key: RegionKey(r.u64()?), offset: r.u64()?, len: r.u64()? },
-        kind::READ_BATCH => Frame::ReadBatch { id: r.u64()?, segments: r.segments()? },
+        kind::READ => Frame::Read {
+            id: r.u64()?,
+            key: RegionKey(r.u64()?),
+            offset: r.u64()?,
+            len: r.u64()?,
+        },
+        kind::READ_BATCH => Frame::ReadBatch {
+            id: r.u64()?,
+            segments: r.segments()?,
+        },
         kind::READ_DATA => Frame::ReadData { id: r.u64()? },
-        kind::ACK => Frame::Ack { id: r.u64()?, error: r.error()? },
-        kind::NOTIFY => Frame::Notify { id: r.u64()?, name: r.string()?, msg: r.string()? },
+        kind::ACK => Frame::Ack {
+            id: r.u64()?,
+            error: r.error()?,
+        },
+        kind::NOTIFY => Frame::Notify {
+            id: r.u64()?,
+            name: r.string()?,
+            msg: r.string()?,
+        },
         kind::PING => Frame::Ping { nonce: r.u64()? },
         kind::PONG => Frame::Pong { nonce: r.u64()? },
         kind::GOODBYE => Frame::Goodbye,
         other => return Err(Error::Protocol(format!("unknown frame kind {other}"))),
     };
     if !r.buf.is_empty() {
-        return Err(Error::Protocol(format!("{} trailing bytes in frame kind {}", r.buf.len(), header.kind)));
+        return Err(Error::Protocol(format!(
+            "{} trailing bytes in frame kind {}",
+            r.buf.len(),
+            header.kind
+        )));
     }
     if matches!(frame, Frame::Write { .. }) && header.payload_len == 0 {
         return Err(Error::Protocol("a write frame must carry a payload".into()));
     }
-    Ok(Some((Decoded { frame, payload_len: header.payload_len }, total)))
+    Ok(Some((
+        Decoded {
+            frame,
+            payload_len: header.payload_len,
+        },
+        total,
+    )))
 }
 
 fn check_batch_payload(segments: &[Segment], payload_len: u64) -> Result<()> {
@@ -495,7 +559,8 @@ fn put_region(out: &mut BytesMut, r: &RegionAd) -> Result<()> {
     out.put_u64_le(r.len);
     out.put_u8(r.access.bits());
     out.put_u8(u8::from(r.persistent));
-    let n = u8::try_from(r.transport_keys.len()).map_err(|_| Error::InvalidArgument("too many transport keys".into()))?;
+    let n =
+        u8::try_from(r.transport_keys.len()).map_err(|_| Error::InvalidArgument("too many transport keys".into()))?;
     out.put_u8(n);
     for (kind, key) in &r.transport_keys {
         out.put_u8(kind.to_u8());
@@ -511,7 +576,10 @@ struct Reader<'a> {
 impl<'a> Reader<'a> {
     fn take(&mut self, n: usize) -> Result<&'a [u8]> {
         if self.buf.len() < n {
-            return Err(Error::Protocol(format!("frame body truncated: needed {n} more bytes, {} left", self.buf.len())));
+            return Err(Error::Protocol(format!(
+                "frame body truncated: needed {n} more bytes, {} left",
+                self.buf.len()
+            )));
         }
         let (head, rest) = self.buf.split_at(n);
         self.buf = rest;
@@ -538,7 +606,9 @@ impl<'a> Reader<'a> {
     fn count(&mut self, min_elem: usize) -> Result<usize> {
         let n = self.u32()? as usize;
         if n.saturating_mul(min_elem) > self.buf.len() {
-            return Err(Error::Protocol(format!("count {n} exceeds what the frame body can hold")));
+            return Err(Error::Protocol(format!(
+                "count {n} exceeds what the frame body can hold"
+            )));
         }
         Ok(n)
     }
@@ -568,7 +638,11 @@ impl<'a> Reader<'a> {
     fn transports(&mut self) -> Result<Vec<TransportKind>> {
         let n = self.u8()? as usize;
         // Unknown kinds come from newer peers: skip them rather than refuse the link.
-        Ok(self.take(n)?.iter().filter_map(|&b| TransportKind::from_u8(b)).collect())
+        Ok(self
+            .take(n)?
+            .iter()
+            .filter_map(|&b| TransportKind::from_u8(b))
+            .collect())
     }
     fn segments(&mut self) -> Result<Vec<Segment>> {
         let n = self.count(SEGMENT_LEN)?;
@@ -607,9 +681,18 @@ impl<'a> Reader<'a> {
             }
         }
         if len == 0 || addr.checked_add(len).is_none() {
-            return Err(Error::Protocol(format!("region advert with invalid range {addr:#x}+{len}")));
+            return Err(Error::Protocol(format!(
+                "region advert with invalid range {addr:#x}+{len}"
+            )));
         }
-        Ok(RegionAd { key, addr, len, access, persistent, transport_keys })
+        Ok(RegionAd {
+            key,
+            addr,
+            len,
+            access,
+            persistent,
+            transport_keys,
+        })
     }
 }
 
@@ -624,7 +707,11 @@ mod tests {
 
     fn arb_transports() -> impl Strategy<Value = Vec<TransportKind>> {
         proptest::collection::vec(
-            prop_oneof![Just(TransportKind::Tcp), Just(TransportKind::Rdma), Just(TransportKind::Shm)],
+            prop_oneof![
+                Just(TransportKind::Tcp),
+                Just(TransportKind::Rdma),
+                Just(TransportKind::Shm)
+            ],
             0..4,
         )
     }
@@ -634,8 +721,14 @@ mod tests {
     }
 
     fn arb_region() -> impl Strategy<Value = RegionAd> {
-        (arb_key(), 0u64..1 << 48, 1u64..1 << 40, 1u8..=3, any::<bool>(), proptest::collection::vec(
-            proptest::collection::vec(any::<u8>(), 0..16), 0..2))
+        (
+            arb_key(),
+            0u64..1 << 48,
+            1u64..1 << 40,
+            1u8..=3,
+            any::<bool>(),
+            proptest::collection::vec(proptest::collection::vec(any::<u8>(), 0..16), 0..2),
+        )
             .prop_map(|(key, addr, len, access, persistent, keys)| RegionAd {
                 key,
                 addr,
@@ -660,25 +753,67 @@ mod tests {
     /// Frames with the payload length they must be encoded with.
     fn arb_frame() -> impl Strategy<Value = (Frame, u64)> {
         prop_oneof![
-            (any::<u64>(), any::<u64>(), any::<u16>(), any::<u16>(), arb_transports(), any::<u64>()).prop_map(
-                |(engine_id, link_token, stream_index, stream_count, transports, host_id)| (
-                    Frame::Hello(Hello { engine_id, link_token, stream_index, stream_count, transports, host_id }),
-                    0
-                )
-            ),
-            (any::<u64>(), arb_error(), arb_transports(), any::<u64>(), proptest::collection::vec(arb_region(), 0..5))
+            (
+                any::<u64>(),
+                any::<u64>(),
+                any::<u16>(),
+                any::<u16>(),
+                arb_transports(),
+                any::<u64>()
+            )
+                .prop_map(
+                    |(engine_id, link_token, stream_index, stream_count, transports, host_id)| (
+                        Frame::Hello(Hello {
+                            engine_id,
+                            link_token,
+                            stream_index,
+                            stream_count,
+                            transports,
+                            host_id
+                        }),
+                        0
+                    )
+                ),
+            (
+                any::<u64>(),
+                arb_error(),
+                arb_transports(),
+                any::<u64>(),
+                proptest::collection::vec(arb_region(), 0..5)
+            )
                 .prop_map(|(engine_id, refusal, transports, host_id, regions)| (
-                    Frame::HelloAck(HelloAck { engine_id, refusal, transports, host_id, regions }),
+                    Frame::HelloAck(HelloAck {
+                        engine_id,
+                        refusal,
+                        transports,
+                        host_id,
+                        regions
+                    }),
                     0
                 )),
             arb_region().prop_map(|r| (Frame::RegionAdded(r), 0)),
             arb_key().prop_map(|key| (Frame::RegionRemoved { key }, 0)),
             (any::<u64>(), arb_key(), any::<u64>(), arb_durability(), 1u64..1 << 30).prop_map(
-                |(id, key, offset, durability, len)| (Frame::Write { id, key, offset, durability }, len)
+                |(id, key, offset, durability, len)| (
+                    Frame::Write {
+                        id,
+                        key,
+                        offset,
+                        durability
+                    },
+                    len
+                )
             ),
             (any::<u64>(), arb_durability(), arb_segments()).prop_map(|(id, durability, segments)| {
                 let len = segments.iter().map(|s| s.len).sum();
-                (Frame::WriteBatch { id, durability, segments }, len)
+                (
+                    Frame::WriteBatch {
+                        id,
+                        durability,
+                        segments,
+                    },
+                    len,
+                )
             }),
             (any::<u64>(), arb_key(), any::<u64>(), any::<u64>())
                 .prop_map(|(id, key, offset, len)| (Frame::Read { id, key, offset, len }, 0)),
@@ -756,7 +891,10 @@ mod tests {
 
     #[test]
     fn header_limits_and_versions() {
-        let limits = Limits { max_body: 64, max_payload: 1024 };
+        let limits = Limits {
+            max_body: 64,
+            max_payload: 1024,
+        };
         let mut ok = BytesMut::new();
         encode(&Frame::ReadData { id: 1 }, 1024, &mut ok).unwrap();
         assert!(decode(&ok, &limits).unwrap().is_some());
@@ -783,8 +921,21 @@ mod tests {
     #[test]
     fn batch_payload_must_match_segments() {
         let mut buf = BytesMut::new();
-        let segments = vec![Segment { key: RegionKey(1), offset: 0, len: 10 }];
-        encode(&Frame::WriteBatch { id: 1, durability: Durability::Completed, segments }, 11, &mut buf).unwrap();
+        let segments = vec![Segment {
+            key: RegionKey(1),
+            offset: 0,
+            len: 10,
+        }];
+        encode(
+            &Frame::WriteBatch {
+                id: 1,
+                durability: Durability::Completed,
+                segments,
+            },
+            11,
+            &mut buf,
+        )
+        .unwrap();
         assert!(matches!(decode(&buf, &Limits::default()), Err(Error::Protocol(_))));
     }
 }

@@ -79,7 +79,11 @@ impl OwnedBuffer {
         let mut storage: Box<[u8]> = storage.into();
         let ptr = storage.as_mut_ptr();
         let len = storage.len();
-        OwnedBuffer { ptr, len, _storage: storage }
+        OwnedBuffer {
+            ptr,
+            len,
+            _storage: storage,
+        }
     }
 }
 

@@ -46,8 +46,14 @@ impl std::str::FromStr for BufferPool {
             ))
         };
         let (n, m) = s.split_once(':').ok_or_else(|| bad("has no ':'"))?;
-        let count: usize = n.trim().parse().map_err(|_| bad("has a buffer count that is not a number"))?;
-        let size_mb: usize = m.trim().parse().map_err(|_| bad("has a buffer size that is not a number"))?;
+        let count: usize = n
+            .trim()
+            .parse()
+            .map_err(|_| bad("has a buffer count that is not a number"))?;
+        let size_mb: usize = m
+            .trim()
+            .parse()
+            .map_err(|_| bad("has a buffer size that is not a number"))?;
         match (count, size_mb) {
             (0, 0) => Ok(BufferPool::OFF),
             (0, _) | (_, 0) => Err(bad("turns only one half off")),
@@ -67,8 +73,13 @@ mod tests {
     fn parses_hixl_forms() {
         assert_eq!("4:8".parse::<BufferPool>().unwrap(), BufferPool::DEFAULT);
         assert!("0:0".parse::<BufferPool>().unwrap().is_off());
-        for bad in ["", "4", "4:", ":8", "0:8", "4:0", "a:b", "-1:8", "65:1", "1:1025", "4:8:1"] {
-            assert!(matches!(bad.parse::<BufferPool>(), Err(Error::InvalidArgument(_))), "{bad}");
+        for bad in [
+            "", "4", "4:", ":8", "0:8", "4:0", "a:b", "-1:8", "65:1", "1:1025", "4:8:1",
+        ] {
+            assert!(
+                matches!(bad.parse::<BufferPool>(), Err(Error::InvalidArgument(_))),
+                "{bad}"
+            );
         }
     }
 

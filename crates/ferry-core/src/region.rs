@@ -96,7 +96,13 @@ impl RegionEntry {
         if block.is_empty() {
             return Err(Error::InvalidArgument("cannot register an empty region".into()));
         }
-        Ok(RegionEntry { key, access, block, fence: Fence::default(), transport_keys: Vec::new() })
+        Ok(RegionEntry {
+            key,
+            access,
+            block,
+            fence: Fence::default(),
+            transport_keys: Vec::new(),
+        })
     }
 
     /// Adds a transport's remote key (an RDMA rkey, for example) to what peers are told.
@@ -244,7 +250,10 @@ impl RegionTable {
             .checked_add(len)
             .ok_or_else(|| Error::InvalidArgument("region end overflows the address space".into()))?;
         if self.by_key.contains_key(&entry.key()) {
-            return Err(Error::InvalidArgument(format!("key {:?} is already registered", entry.key())));
+            return Err(Error::InvalidArgument(format!(
+                "key {:?} is already registered",
+                entry.key()
+            )));
         }
         if let Some((_, k)) = self.by_addr.range(..end).next_back() {
             let other = &self.by_key[k];
@@ -294,7 +303,11 @@ impl RegionTable {
             )));
         }
         region.check_range(offset, len)?;
-        Ok(Resolved { region: region.clone(), offset, len })
+        Ok(Resolved {
+            region: region.clone(),
+            offset,
+            len,
+        })
     }
 
     /// The initiator-side lookup of a local address range: the region that holds it wholly.
@@ -310,10 +323,16 @@ impl RegionTable {
             .ok_or_else(|| Error::OutOfBounds(format!("local address {addr:#x} is in no registered region")))?;
         let offset = addr - region.addr();
         if offset >= region.len() {
-            return Err(Error::OutOfBounds(format!("local address {addr:#x} is in no registered region")));
+            return Err(Error::OutOfBounds(format!(
+                "local address {addr:#x} is in no registered region"
+            )));
         }
         region.check_range(offset, len)?;
-        Ok(Resolved { region: region.clone(), offset, len })
+        Ok(Resolved {
+            region: region.clone(),
+            offset,
+            len,
+        })
     }
 }
 
@@ -335,12 +354,30 @@ mod tests {
         let key = r.key();
         t.insert(r).unwrap();
         assert!(t.resolve(key, 0, 4096, Access::READ).is_ok());
-        assert!(matches!(t.resolve(key, 0, 4096, Access::WRITE), Err(Error::PermissionDenied(_))));
-        assert!(matches!(t.resolve(RegionKey(key.0 ^ 1), 0, 1, Access::READ), Err(Error::PermissionDenied(_))));
-        assert!(matches!(t.resolve(key, 4000, 97, Access::READ), Err(Error::OutOfBounds(_))));
-        assert!(matches!(t.resolve(key, 4096, 1, Access::READ), Err(Error::OutOfBounds(_))));
-        assert!(matches!(t.resolve(key, 1, u64::MAX, Access::READ), Err(Error::OutOfBounds(_))));
-        assert!(matches!(t.resolve(key, 0, 0, Access::READ), Err(Error::InvalidArgument(_))));
+        assert!(matches!(
+            t.resolve(key, 0, 4096, Access::WRITE),
+            Err(Error::PermissionDenied(_))
+        ));
+        assert!(matches!(
+            t.resolve(RegionKey(key.0 ^ 1), 0, 1, Access::READ),
+            Err(Error::PermissionDenied(_))
+        ));
+        assert!(matches!(
+            t.resolve(key, 4000, 97, Access::READ),
+            Err(Error::OutOfBounds(_))
+        ));
+        assert!(matches!(
+            t.resolve(key, 4096, 1, Access::READ),
+            Err(Error::OutOfBounds(_))
+        ));
+        assert!(matches!(
+            t.resolve(key, 1, u64::MAX, Access::READ),
+            Err(Error::OutOfBounds(_))
+        ));
+        assert!(matches!(
+            t.resolve(key, 0, 0, Access::READ),
+            Err(Error::InvalidArgument(_))
+        ));
     }
 
     #[test]

@@ -129,7 +129,10 @@ pub struct LinkSlots {
 impl LinkSlots {
     /// A counter allowing `max` links.
     pub fn new(max: usize) -> Self {
-        LinkSlots { used: AtomicUsize::new(0), max }
+        LinkSlots {
+            used: AtomicUsize::new(0),
+            max,
+        }
     }
 
     /// Takes a slot, or fails with `ResourceExhausted`.
@@ -141,7 +144,10 @@ impl LinkSlots {
                     "the engine already has {cur} links, its maximum (raise max_links or disconnect a peer)"
                 )));
             }
-            match self.used.compare_exchange(cur, cur + 1, Ordering::AcqRel, Ordering::Acquire) {
+            match self
+                .used
+                .compare_exchange(cur, cur + 1, Ordering::AcqRel, Ordering::Acquire)
+            {
                 Ok(_) => return Ok(LinkSlot { slots: self.clone() }),
                 Err(actual) => cur = actual,
             }

@@ -150,8 +150,10 @@ impl RegionKey {
     /// Draws a fresh random key.
     pub fn random() -> Result<Self> {
         let mut b = [0u8; 8];
-        getrandom::fill(&mut b)
-            .map_err(|e| Error::Io { kind: std::io::ErrorKind::Other, message: format!("drawing a region key from the OS: {e}") })?;
+        getrandom::fill(&mut b).map_err(|e| Error::Io {
+            kind: std::io::ErrorKind::Other,
+            message: format!("drawing a region key from the OS: {e}"),
+        })?;
         Ok(RegionKey(u64::from_le_bytes(b)))
     }
 }
@@ -183,7 +185,11 @@ pub struct RegionAd {
 impl RegionAd {
     /// Whether `[addr, addr + len)` lies wholly inside this region (overflow-safe).
     pub fn contains(&self, addr: u64, len: u64) -> bool {
-        match (addr.checked_sub(self.addr), addr.checked_add(len), self.addr.checked_add(self.len)) {
+        match (
+            addr.checked_sub(self.addr),
+            addr.checked_add(len),
+            self.addr.checked_add(self.len),
+        ) {
             (Some(_), Some(end), Some(region_end)) => end <= region_end,
             _ => false,
         }
@@ -206,7 +212,11 @@ pub struct TransferDesc {
 impl TransferDesc {
     /// A descriptor moving `len` bytes between `local_addr` and `remote_addr`.
     pub fn new(local_addr: u64, remote_addr: u64, len: u64) -> Self {
-        TransferDesc { local_addr, remote_addr, len }
+        TransferDesc {
+            local_addr,
+            remote_addr,
+            len,
+        }
     }
 }
 
@@ -222,7 +232,10 @@ pub struct Notification {
 impl Notification {
     /// Builds a notification; the limits are checked when it is sent.
     pub fn new(name: impl Into<String>, msg: impl Into<String>) -> Self {
-        Notification { name: name.into(), msg: msg.into() }
+        Notification {
+            name: name.into(),
+            msg: msg.into(),
+        }
     }
 
     /// Checks HIXL's limits: each field at most 1024 characters.

@@ -45,7 +45,12 @@ pub struct FrameReader {
 impl FrameReader {
     /// Wraps the read half of a stream.
     pub fn new(half: OwnedReadHalf, limits: Limits, peer: String) -> Self {
-        FrameReader { half, buf: BytesMut::with_capacity(READ_AHEAD), limits, peer }
+        FrameReader {
+            half,
+            buf: BytesMut::with_capacity(READ_AHEAD),
+            limits,
+            peer,
+        }
     }
 
     fn closed(&self) -> Error {
@@ -63,9 +68,9 @@ impl FrameReader {
 
     fn io_error(&self, e: std::io::Error) -> Error {
         match e.kind() {
-            std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::UnexpectedEof => {
-                Error::PeerClosed(format!("{}: {e}", self.peer))
-            }
+            std::io::ErrorKind::ConnectionReset
+            | std::io::ErrorKind::BrokenPipe
+            | std::io::ErrorKind::UnexpectedEof => Error::PeerClosed(format!("{}: {e}", self.peer)),
             _ => Error::io(format_args!("reading from {}", self.peer), e),
         }
     }
@@ -80,7 +85,11 @@ impl FrameReader {
             self.buf.reserve(READ_AHEAD);
             let n = self.half.read_buf(&mut self.buf).await.map_err(|e| self.io_error(e))?;
             if n == 0 {
-                return if self.buf.is_empty() { Ok(None) } else { Err(self.closed()) };
+                return if self.buf.is_empty() {
+                    Ok(None)
+                } else {
+                    Err(self.closed())
+                };
             }
         }
     }
@@ -108,7 +117,9 @@ impl FrameReader {
                 Landed::Written => {
                     let at = offset + done;
                     let res = raw_io(stream, Interest::READABLE, || {
-                        let Some(_lease) = region.fence().enter() else { return Ok(None) };
+                        let Some(_lease) = region.fence().enter() else {
+                            return Ok(None);
+                        };
                         // SAFETY: `[at, at + want)` lies inside the region (resolved by the caller, and
                         // `done + want <= len`); the lease keeps the memory registered for the duration of
                         // this non-blocking call; the kernel writes through the raw pointer, no Rust
@@ -144,7 +155,10 @@ impl FrameReader {
         let from_buf = self.buf.len().min(dst.len());
         dst[..from_buf].copy_from_slice(&self.buf[..from_buf]);
         self.buf.advance(from_buf);
-        self.half.read_exact(&mut dst[from_buf..]).await.map_err(|e| self.io_error(e))?;
+        self.half
+            .read_exact(&mut dst[from_buf..])
+            .await
+            .map_err(|e| self.io_error(e))?;
         Ok(())
     }
 
@@ -172,7 +186,11 @@ pub struct FrameWriter {
 impl FrameWriter {
     /// Wraps the write half of a stream.
     pub fn new(half: OwnedWriteHalf, peer: String) -> Self {
-        FrameWriter { half, buf: BytesMut::with_capacity(64 << 10), peer }
+        FrameWriter {
+            half,
+            buf: BytesMut::with_capacity(64 << 10),
+            peer,
+        }
     }
 
     fn io_error(&self, e: std::io::Error) -> Error {
@@ -246,11 +264,14 @@ impl FrameWriter {
             let n = if intact {
                 let stream: &TcpStream = self.half.as_ref();
                 let res = raw_io(stream, Interest::WRITABLE, || {
-                    let Some(_lease) = region.fence().enter() else { return Ok(None) };
+                    let Some(_lease) = region.fence().enter() else {
+                        return Ok(None);
+                    };
                     // SAFETY: `[at, at + want)` lies inside the region (resolved by the caller); the lease
                     // keeps it registered for this non-blocking call; the kernel reads through the raw
                     // pointer and no Rust reference to region memory is made.
-                    let r = unsafe { libc::send(stream.as_raw_fd(), region.ptr_at(at).cast(), want, libc::MSG_NOSIGNAL) };
+                    let r =
+                        unsafe { libc::send(stream.as_raw_fd(), region.ptr_at(at).cast(), want, libc::MSG_NOSIGNAL) };
                     cvt(r).map(Some)
                 })
                 .await
@@ -274,7 +295,11 @@ impl FrameWriter {
 }
 
 fn cvt(r: libc::ssize_t) -> std::io::Result<usize> {
-    if r < 0 { Err(std::io::Error::last_os_error()) } else { Ok(r as usize) }
+    if r < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Ok(r as usize)
+    }
 }
 
 /// Runs a non-blocking system call when the stream is ready, retrying on `WouldBlock`.

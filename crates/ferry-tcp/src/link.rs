@@ -61,8 +61,15 @@ pub struct LocalIdentity {
 }
 
 enum ReadDest {
-    Direct { region: Arc<RegionEntry>, offset: u64, len: u64 },
-    Scatter { parts: Vec<Resolved>, staging: Option<StagingBuf> },
+    Direct {
+        region: Arc<RegionEntry>,
+        offset: u64,
+        len: u64,
+    },
+    Scatter {
+        parts: Vec<Resolved>,
+        staging: Option<StagingBuf>,
+    },
 }
 
 struct Pending {
@@ -74,8 +81,19 @@ struct Pending {
 
 enum Outgoing {
     Frame(Frame),
-    Write { id: u64, durability: Durability, remote_key: ferry_core::RegionKey, remote_offset: u64, local: Resolved },
-    WriteStaged { id: u64, durability: Durability, segments: Vec<Segment>, staged: StagingBuf },
+    Write {
+        id: u64,
+        durability: Durability,
+        remote_key: ferry_core::RegionKey,
+        remote_offset: u64,
+        local: Resolved,
+    },
+    WriteStaged {
+        id: u64,
+        durability: Durability,
+        segments: Vec<Segment>,
+        staged: StagingBuf,
+    },
     Shutdown,
 }
 
@@ -109,18 +127,21 @@ pub struct TcpLink {
 
 impl std::fmt::Debug for TcpLink {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TcpLink").field("peer", &self.shared.peer).field("streams", &self.shared.streams.len()).finish()
+        f.debug_struct("TcpLink")
+            .field("peer", &self.shared.peer)
+            .field("streams", &self.shared.streams.len())
+            .finish()
     }
 }
 
-async fn open_stream(
-    addr: SocketAddr,
-    hello: Hello,
-    limits: Limits,
-) -> Result<(FrameReader, FrameWriter, HelloAck)> {
+async fn open_stream(addr: SocketAddr, hello: Hello, limits: Limits) -> Result<(FrameReader, FrameWriter, HelloAck)> {
     let peer = addr.to_string();
-    let stream = TcpStream::connect(addr).await.map_err(|e| Error::io(format_args!("connecting to {addr}"), e))?;
-    stream.set_nodelay(true).map_err(|e| Error::io("setting TCP_NODELAY", e))?;
+    let stream = TcpStream::connect(addr)
+        .await
+        .map_err(|e| Error::io(format_args!("connecting to {addr}"), e))?;
+    stream
+        .set_nodelay(true)
+        .map_err(|e| Error::io("setting TCP_NODELAY", e))?;
     let (r, w) = stream.into_split();
     let mut reader = FrameReader::new(r, limits, peer.clone());
     let mut writer = FrameWriter::new(w, peer.clone());
@@ -131,7 +152,9 @@ async fn open_stream(
             Frame::HelloAck(ack) => Ok((reader, writer, ack)),
             other => Err(Error::Protocol(format!("{peer} answered the hello with {other:?}"))),
         },
-        None => Err(Error::PeerClosed(format!("{peer} closed the connection during the handshake"))),
+        None => Err(Error::PeerClosed(format!(
+            "{peer} closed the connection during the handshake"
+        ))),
     }
 }
 
@@ -158,7 +181,8 @@ impl TcpLink {
             return Err(Error::from_wire(code, msg));
         }
         let mut halves = vec![(r0, w0)];
-        let rest = futures::future::try_join_all((1..streams).map(|i| open_stream(addr, hello(i), config.limits))).await?;
+        let rest =
+            futures::future::try_join_all((1..streams).map(|i| open_stream(addr, hello(i), config.limits))).await?;
         for (r, w, a) in rest {
             if let Some((code, msg)) = a.refusal {
                 return Err(Error::from_wire(code, msg));
@@ -182,7 +206,11 @@ impl TcpLink {
             region_updates: tokio::sync::Notify::new(),
             streams: txs
                 .into_iter()
-                .map(|tx| Stream { tx, pending: Mutex::new(HashMap::new()), outstanding: AtomicU64::new(0) })
+                .map(|tx| Stream {
+                    tx,
+                    pending: Mutex::new(HashMap::new()),
+                    outstanding: AtomicU64::new(0),
+                })
                 .collect(),
             next_id: AtomicU64::new(1),
             closed: AtomicBool::new(false),
@@ -246,7 +274,10 @@ impl TcpLink {
     /// Tears the link down at once, without telling the peer: outstanding operations fail with
     /// `PeerClosed`. For drop paths, where nothing can be awaited.
     pub fn abort(&self) {
-        self.shared.fail_all(Error::PeerClosed(format!("the link to {} was dropped", self.shared.peer)));
+        self.shared.fail_all(Error::PeerClosed(format!(
+            "the link to {} was dropped",
+            self.shared.peer
+        )));
         if let Ok(tasks) = self.shared.tasks.lock() {
             for t in tasks.iter() {
                 t.abort();
@@ -273,7 +304,9 @@ impl Shared {
     }
 
     fn least_loaded(&self) -> usize {
-        (0..self.streams.len()).min_by_key(|&i| self.streams[i].outstanding.load(Ordering::Relaxed)).unwrap_or(0)
+        (0..self.streams.len())
+            .min_by_key(|&i| self.streams[i].outstanding.load(Ordering::Relaxed))
+            .unwrap_or(0)
     }
 
     /// Registers a pending operation on `stream`, then queues `out`. Returns the completion.
@@ -291,7 +324,15 @@ impl Shared {
         s.pending
             .lock()
             .map_err(|_| Error::Protocol("pending table lock poisoned".into()))?
-            .insert(id, Pending { done, read, bytes, _budget: budget });
+            .insert(
+                id,
+                Pending {
+                    done,
+                    read,
+                    bytes,
+                    _budget: budget,
+                },
+            );
         s.outstanding.fetch_add(bytes, Ordering::Relaxed);
         if let Err(e) = self.send(stream, out) {
             self.complete(stream, id, Err(e.clone()));
@@ -334,7 +375,11 @@ impl Shared {
 
     async fn budget(&self, bytes: u64) -> Result<OwnedSemaphorePermit> {
         let units = bytes.div_ceil(BUDGET_UNIT).clamp(1, self.budget_units as u64) as u32;
-        self.budget.clone().acquire_many_owned(units).await.map_err(|_| self.closed_error())
+        self.budget
+            .clone()
+            .acquire_many_owned(units)
+            .await
+            .map_err(|_| self.closed_error())
     }
 
     fn next_id(&self) -> u64 {
@@ -366,38 +411,49 @@ fn plan(items: Vec<TransferItem>, streams: usize, pool: Option<&StagingPool>) ->
         while off < len {
             let n = piece_len.min(len - off);
             pieces.push(Piece::Direct(TransferItem {
-                local: Resolved { region: item.local.region.clone(), offset: item.local.offset + off, len: n },
+                local: Resolved {
+                    region: item.local.region.clone(),
+                    offset: item.local.offset + off,
+                    len: n,
+                },
                 remote_key: item.remote_key,
                 remote_offset: item.remote_offset + off,
             }));
             off += n;
         }
     }
-    if let Some(pool) = pool {
-        if !small.is_empty() {
-            let total: u64 = small.iter().map(|i| i.len()).sum();
-            // Spread coalesced frames over the streams, but never beyond a staging buffer.
-            let target = total.div_ceil(streams as u64).clamp(64 << 10, pool.buffer_bytes() as u64);
-            let mut group = Vec::new();
-            let mut group_len = 0;
-            for item in small {
-                if !group.is_empty() && (group_len + item.len() > target || group.len() == MAX_SEGMENTS) {
-                    pieces.push(Piece::Coalesced(std::mem::take(&mut group)));
-                    group_len = 0;
-                }
-                group_len += item.len();
-                group.push(item);
+    if let Some(pool) = pool.filter(|_| !small.is_empty()) {
+        let total: u64 = small.iter().map(|i| i.len()).sum();
+        // Spread coalesced frames over the streams, but never beyond a staging buffer.
+        let target = total
+            .div_ceil(streams as u64)
+            .clamp(64 << 10, pool.buffer_bytes() as u64);
+        let mut group = Vec::new();
+        let mut group_len = 0;
+        for item in small {
+            if !group.is_empty() && (group_len + item.len() > target || group.len() == MAX_SEGMENTS) {
+                pieces.push(Piece::Coalesced(std::mem::take(&mut group)));
+                group_len = 0;
             }
-            if !group.is_empty() {
-                pieces.push(Piece::Coalesced(group));
-            }
+            group_len += item.len();
+            group.push(item);
+        }
+        if !group.is_empty() {
+            pieces.push(Piece::Coalesced(group));
         }
     }
     pieces
 }
 
 fn segments(items: &[TransferItem]) -> Vec<Segment> {
-    items.iter().map(|i| Segment { key: i.remote_key, offset: i.remote_offset, len: i.len() }).collect()
+    items
+        .iter()
+        .map(|i| Segment {
+            key: i.remote_key,
+            offset: i.remote_offset,
+            len: i.len(),
+        })
+        .collect()
 }
 
 async fn run_transfer(shared: Arc<Shared>, request: TransferRequest) -> Result<()> {
@@ -437,7 +493,9 @@ async fn run_transfer(shared: Arc<Shared>, request: TransferRequest) -> Result<(
                 for item in &group {
                     let start = staged.data.len();
                     staged.data.resize(start + item.len() as usize, 0);
-                    item.local.region.copy_out(item.local.offset, &mut staged.data[start..])?;
+                    item.local
+                        .region
+                        .copy_out(item.local.offset, &mut staged.data[start..])?;
                 }
                 let segments = segments(&group);
                 shared.submit(
@@ -446,16 +504,30 @@ async fn run_transfer(shared: Arc<Shared>, request: TransferRequest) -> Result<(
                     bytes,
                     None,
                     Some(budget),
-                    Outgoing::WriteStaged { id, durability: request.durability, segments, staged },
+                    Outgoing::WriteStaged {
+                        id,
+                        durability: request.durability,
+                        segments,
+                        staged,
+                    },
                 )?
             }
             (Op::Read, Piece::Direct(item)) => shared.submit(
                 stream,
                 id,
                 bytes,
-                Some(ReadDest::Direct { region: item.local.region.clone(), offset: item.local.offset, len: bytes }),
+                Some(ReadDest::Direct {
+                    region: item.local.region.clone(),
+                    offset: item.local.offset,
+                    len: bytes,
+                }),
                 Some(budget),
-                Outgoing::Frame(Frame::Read { id, key: item.remote_key, offset: item.remote_offset, len: bytes }),
+                Outgoing::Frame(Frame::Read {
+                    id,
+                    key: item.remote_key,
+                    offset: item.remote_offset,
+                    len: bytes,
+                }),
             )?,
             (Op::Read, Piece::Coalesced(group)) => {
                 let staging = match shared.pool.as_ref() {
@@ -498,8 +570,19 @@ async fn write_loop(
                         return Ok(());
                     }
                     Outgoing::Frame(f) => writer.push(&f, 0)?,
-                    Outgoing::Write { id, durability, remote_key, remote_offset, local } => {
-                        let frame = Frame::Write { id, key: remote_key, offset: remote_offset, durability };
+                    Outgoing::Write {
+                        id,
+                        durability,
+                        remote_key,
+                        remote_offset,
+                        local,
+                    } => {
+                        let frame = Frame::Write {
+                            id,
+                            key: remote_key,
+                            offset: remote_offset,
+                            durability,
+                        };
                         writer.push(&frame, local.len)?;
                         let intact = if local.len <= INLINE_PAYLOAD {
                             writer.push_region(&local.region, local.offset, local.len as usize)
@@ -510,8 +593,20 @@ async fn write_loop(
                             shared.complete(stream, id, Err(local.region.gone()));
                         }
                     }
-                    Outgoing::WriteStaged { id, durability, segments, staged } => {
-                        writer.push(&Frame::WriteBatch { id, durability, segments }, staged.data.len() as u64)?;
+                    Outgoing::WriteStaged {
+                        id,
+                        durability,
+                        segments,
+                        staged,
+                    } => {
+                        writer.push(
+                            &Frame::WriteBatch {
+                                id,
+                                durability,
+                                segments,
+                            },
+                            staged.data.len() as u64,
+                        )?;
                         if staged.data.len() as u64 <= INLINE_PAYLOAD {
                             writer.push_bytes(&staged.data);
                         } else {
@@ -544,9 +639,11 @@ async fn read_loop(shared: Arc<Shared>, stream: usize, mut reader: FrameReader) 
             Err(e) => break e,
         };
         match decoded.frame {
-            Frame::Ack { id, error } => {
-                shared.complete(stream, id, error.map_or(Ok(()), |(code, msg)| Err(Error::from_wire(code, msg))))
-            }
+            Frame::Ack { id, error } => shared.complete(
+                stream,
+                id,
+                error.map_or(Ok(()), |(code, msg)| Err(Error::from_wire(code, msg))),
+            ),
             Frame::ReadData { id } => {
                 if let Err(e) = land_read(&shared, stream, id, decoded.payload_len, &mut reader).await {
                     break e;
@@ -606,7 +703,12 @@ async fn land_read(shared: &Shared, stream: usize, id: u64, payload_len: u64, re
             }
             result
         }
-        _ => return Err(Error::Protocol(format!("{} sent {payload_len} bytes for read {id} of another size", shared.peer))),
+        _ => {
+            return Err(Error::Protocol(format!(
+                "{} sent {payload_len} bytes for read {id} of another size",
+                shared.peer
+            )));
+        }
     };
     let _ = pending.done.send(result);
     Ok(())
@@ -626,7 +728,11 @@ impl DataLink for TcpLink {
         Box::pin(async move {
             notification.validate()?;
             let id = shared.next_id();
-            let frame = Frame::Notify { id, name: notification.name, msg: notification.msg };
+            let frame = Frame::Notify {
+                id,
+                name: notification.name,
+                msg: notification.msg,
+            };
             let rx = shared.submit(0, id, 0, None, None, Outgoing::Frame(frame))?;
             rx.await.map_err(|_| shared.closed_error())?
         })
@@ -639,7 +745,10 @@ impl DataLink for TcpLink {
             for s in &shared.streams {
                 let _ = s.tx.send(Outgoing::Shutdown);
             }
-            shared.fail_all(Error::PeerClosed(format!("the link to {} was closed locally", shared.peer)));
+            shared.fail_all(Error::PeerClosed(format!(
+                "the link to {} was closed locally",
+                shared.peer
+            )));
             // Writers flush and shut down on their own; readers end when the peer closes. Give them a
             // moment, then make sure nothing lingers.
             tokio::time::sleep(Duration::from_millis(20)).await;

@@ -36,7 +36,10 @@ pub struct ServerConfig {
 
 impl Default for ServerConfig {
     fn default() -> Self {
-        ServerConfig { limits: Limits::default(), handshake_timeout: Duration::from_secs(10) }
+        ServerConfig {
+            limits: Limits::default(),
+            handshake_timeout: Duration::from_secs(10),
+        }
     }
 }
 
@@ -69,19 +72,34 @@ pub struct TcpServer {
 
 impl std::fmt::Debug for TcpServer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TcpServer").field("local_addr", &self.local_addr).finish()
+        f.debug_struct("TcpServer")
+            .field("local_addr", &self.local_addr)
+            .finish()
     }
 }
 
 impl TcpServer {
     /// Binds `addr` and starts accepting.
     pub async fn bind(addr: SocketAddr, ctx: Arc<EngineContext>, config: ServerConfig) -> Result<TcpServer> {
-        let listener = TcpListener::bind(addr).await.map_err(|e| Error::io(format_args!("listening on {addr}"), e))?;
-        let local_addr = listener.local_addr().map_err(|e| Error::io("reading the bound address", e))?;
-        let shared = Arc::new(Shared { ctx, config, links: Mutex::new(HashMap::new()), next_link: AtomicU64::new(1) });
+        let listener = TcpListener::bind(addr)
+            .await
+            .map_err(|e| Error::io(format_args!("listening on {addr}"), e))?;
+        let local_addr = listener
+            .local_addr()
+            .map_err(|e| Error::io("reading the bound address", e))?;
+        let shared = Arc::new(Shared {
+            ctx,
+            config,
+            links: Mutex::new(HashMap::new()),
+            next_link: AtomicU64::new(1),
+        });
         let accept = tokio::spawn(accept_loop(listener, shared.clone())).abort_handle();
         tracing::info!(%local_addr, "listening");
-        Ok(TcpServer { local_addr, shared, accept })
+        Ok(TcpServer {
+            local_addr,
+            shared,
+            accept,
+        })
     }
 
     /// The address it listens on.
@@ -100,7 +118,12 @@ impl TcpServer {
             RegionChange::Added(ad) => Frame::RegionAdded(ad.clone()),
             RegionChange::Removed(key) => Frame::RegionRemoved { key: *key },
         };
-        let links: Vec<_> = self.shared.links.lock().map(|l| l.values().cloned().collect()).unwrap_or_default();
+        let links: Vec<_> = self
+            .shared
+            .links
+            .lock()
+            .map(|l| l.values().cloned().collect())
+            .unwrap_or_default();
         for link in links {
             // A full control queue means the peer is not reading; it will learn of the change from the
             // target's refusal instead.
@@ -111,8 +134,12 @@ impl TcpServer {
     /// Stops accepting and closes every accepted link.
     pub fn shutdown(&self) {
         self.accept.abort();
-        let links: Vec<_> =
-            self.shared.links.lock().map(|mut l| l.drain().map(|(_, v)| v).collect()).unwrap_or_default();
+        let links: Vec<_> = self
+            .shared
+            .links
+            .lock()
+            .map(|mut l| l.drain().map(|(_, v)| v).collect())
+            .unwrap_or_default();
         for link in links {
             close_link(&self.shared, &link);
         }
@@ -155,7 +182,9 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
 }
 
 async fn serve_stream(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>) -> Result<()> {
-    stream.set_nodelay(true).map_err(|e| Error::io("setting TCP_NODELAY", e))?;
+    stream
+        .set_nodelay(true)
+        .map_err(|e| Error::io("setting TCP_NODELAY", e))?;
     let (r, w) = stream.into_split();
     let mut reader = FrameReader::new(r, shared.config.limits, peer.to_string());
     let mut writer = FrameWriter::new(w, peer.to_string());
@@ -163,7 +192,11 @@ async fn serve_stream(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>) 
         Err(_) => return Err(Error::Timeout(format!("{peer} did not say hello in time"))),
         Ok(Ok(Some(d))) => match d.frame {
             Frame::Hello(h) => h,
-            other => return Err(Error::Protocol(format!("{peer} opened with {other:?} instead of a hello"))),
+            other => {
+                return Err(Error::Protocol(format!(
+                    "{peer} opened with {other:?} instead of a hello"
+                )));
+            }
         },
         Ok(Ok(None)) => return Ok(()),
         Ok(Err(e)) => return Err(e),
@@ -228,7 +261,10 @@ async fn serve_stream(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>) 
     } else {
         let link = shared.links.lock().ok().and_then(|l| l.get(&hello.link_token).cloned());
         let Some(link) = link.filter(|l| l.peer_engine == hello.engine_id) else {
-            writer.push(&Frame::HelloAck(refuse(Error::Protocol("unknown link token".into()))), 0)?;
+            writer.push(
+                &Frame::HelloAck(refuse(Error::Protocol("unknown link token".into()))),
+                0,
+            )?;
             writer.flush().await?;
             return Ok(());
         };
@@ -272,13 +308,25 @@ async fn serve_requests(
 ) -> Result<()> {
     let ctx = &shared.ctx;
     let send = |reply: Reply| async move {
-        tx.send(reply).await.map_err(|_| Error::PeerClosed(format!("{peer}: reply queue closed")))
+        tx.send(reply)
+            .await
+            .map_err(|_| Error::PeerClosed(format!("{peer}: reply queue closed")))
     };
-    let ack = |id: u64, r: Result<()>| Reply::Frame(Frame::Ack { id, error: r.err().map(|e| (e.code(), e.message().to_string())) });
+    let ack = |id: u64, r: Result<()>| {
+        Reply::Frame(Frame::Ack {
+            id,
+            error: r.err().map(|e| (e.code(), e.message().to_string())),
+        })
+    };
     while let Some(decoded) = reader.next().await? {
         let payload = decoded.payload_len;
         match decoded.frame {
-            Frame::Write { id, key, offset, durability } => {
+            Frame::Write {
+                id,
+                key,
+                offset,
+                durability,
+            } => {
                 let result = match resolve_write(ctx, key, offset, payload, durability) {
                     Ok(r) => land(reader, &r, durability).await?,
                     Err(e) => {
@@ -288,9 +336,15 @@ async fn serve_requests(
                 };
                 send(ack(id, result)).await?;
             }
-            Frame::WriteBatch { id, durability, segments } => {
-                let resolved: Result<Vec<Resolved>> =
-                    segments.iter().map(|s| resolve_write(ctx, s.key, s.offset, s.len, durability)).collect();
+            Frame::WriteBatch {
+                id,
+                durability,
+                segments,
+            } => {
+                let resolved: Result<Vec<Resolved>> = segments
+                    .iter()
+                    .map(|s| resolve_write(ctx, s.key, s.offset, s.len, durability))
+                    .collect();
                 let result = match resolved {
                     Ok(parts) => {
                         let mut result = Ok(());
@@ -326,18 +380,30 @@ async fn serve_requests(
             }
             Frame::Notify { id, name, msg } => {
                 let n = Notification { name, msg };
-                let result = n.validate().and_then(|()| ctx.notifier.deliver(link.id, link.peer_engine, peer, n));
+                let result = n
+                    .validate()
+                    .and_then(|()| ctx.notifier.deliver(link.id, link.peer_engine, peer, n));
                 send(ack(id, result)).await?;
             }
             Frame::Ping { nonce } => send(Reply::Frame(Frame::Pong { nonce })).await?,
             Frame::Goodbye => return Ok(()),
-            other => return Err(Error::Protocol(format!("{peer} sent {other:?}, which a target does not accept"))),
+            other => {
+                return Err(Error::Protocol(format!(
+                    "{peer} sent {other:?}, which a target does not accept"
+                )));
+            }
         }
     }
     Ok(())
 }
 
-fn resolve_write(ctx: &EngineContext, key: ferry_core::RegionKey, offset: u64, len: u64, durability: Durability) -> Result<Resolved> {
+fn resolve_write(
+    ctx: &EngineContext,
+    key: ferry_core::RegionKey,
+    offset: u64,
+    len: u64,
+    durability: Durability,
+) -> Result<Resolved> {
     let r = ctx.resolve(key, offset, len, Op::Write)?;
     if durability == Durability::Persistent && !r.region.block().persistent() {
         return Err(Error::InvalidArgument(format!(
@@ -355,7 +421,9 @@ fn resolve_reads(ctx: &EngineContext, segments: &[Segment], max_payload: u64) ->
         let r = ctx.resolve(s.key, s.offset, s.len, Op::Read)?;
         total = total.saturating_add(s.len);
         if total > max_payload {
-            return Err(Error::InvalidArgument(format!("a read of over {max_payload} bytes in one request")));
+            return Err(Error::InvalidArgument(format!(
+                "a read of over {max_payload} bytes in one request"
+            )));
         }
         parts.push(r);
     }
@@ -369,7 +437,10 @@ fn resolve_reads(ctx: &EngineContext, segments: &[Segment], max_payload: u64) ->
 /// the inner result is the operation's.
 async fn land(reader: &mut FrameReader, r: &Resolved, durability: Durability) -> Result<Result<()>> {
     Ok(match reader.read_into(&r.region, r.offset, r.len).await? {
-        Landed::Written => r.region.block().commit_written(r.offset as usize, r.len as usize, durability),
+        Landed::Written => r
+            .region
+            .block()
+            .commit_written(r.offset as usize, r.len as usize, durability),
         Landed::RegionGone => Err(r.region.gone()),
     })
 }

@@ -42,7 +42,11 @@ impl StagingPool {
         let mut data = self.free.lock().map(|mut f| f.pop()).ok().flatten().unwrap_or_default();
         data.clear();
         data.reserve_exact(self.buffer_bytes);
-        StagingBuf { data, pool: self.clone(), _permit: permit }
+        StagingBuf {
+            data,
+            pool: self.clone(),
+            _permit: permit,
+        }
     }
 }
 

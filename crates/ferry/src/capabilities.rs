@@ -33,7 +33,12 @@ pub struct TransportInfo {
 
 impl From<Availability> for TransportInfo {
     fn from(a: Availability) -> Self {
-        TransportInfo { name: a.kind.name(), compiled: a.compiled, usable: a.usable, detail: a.detail }
+        TransportInfo {
+            name: a.kind.name(),
+            compiled: a.compiled,
+            usable: a.usable,
+            detail: a.detail,
+        }
     }
 }
 
@@ -46,23 +51,35 @@ impl Capabilities {
 
 /// The transports compiled into this build, best first.
 pub(crate) fn compiled_transports() -> Vec<Box<dyn Transport>> {
-    #[allow(unused_mut)]
-    let mut v: Vec<Box<dyn Transport>> = Vec::new();
-    #[cfg(feature = "tcp")]
-    v.push(Box::new(ferry_tcp::TcpTransport));
+    let mut v: Vec<Box<dyn Transport>> = Vec::with_capacity(3);
+    if cfg!(feature = "tcp") {
+        v.push(Box::new(ferry_tcp::TcpTransport));
+    }
     v
 }
 
 fn not_compiled(kind: TransportKind, why: &str) -> Availability {
-    Availability { kind, compiled: false, usable: false, detail: why.to_string(), devices: Vec::new() }
+    Availability {
+        kind,
+        compiled: false,
+        usable: false,
+        detail: why.to_string(),
+        devices: Vec::new(),
+    }
 }
 
 /// What this build can do on this host.
 pub fn capabilities() -> Capabilities {
     let mut transports: Vec<Availability> = compiled_transports().iter().map(|t| t.availability()).collect();
     for (kind, why) in [
-        (TransportKind::Shm, "not in this build: ferry has no shared-memory transport yet"),
-        (TransportKind::Rdma, "not in this build: ferry has no RDMA transport yet"),
+        (
+            TransportKind::Shm,
+            "not in this build: ferry has no shared-memory transport yet",
+        ),
+        (
+            TransportKind::Rdma,
+            "not in this build: ferry has no RDMA transport yet",
+        ),
         (TransportKind::Tcp, "not in this build: enable the `tcp` feature"),
     ] {
         if !transports.iter().any(|t| t.kind == kind) {
@@ -70,7 +87,11 @@ pub fn capabilities() -> Capabilities {
         }
     }
     transports.sort_by_key(|t| t.kind);
-    let rdma_devices = transports.iter().filter(|t| t.kind == TransportKind::Rdma).flat_map(|t| t.devices.clone()).collect();
+    let rdma_devices = transports
+        .iter()
+        .filter(|t| t.kind == TransportKind::Rdma)
+        .flat_map(|t| t.devices.clone())
+        .collect();
     Capabilities {
         version: env!("CARGO_PKG_VERSION"),
         protocol_version: ferry_core::codec::VERSION,

@@ -8,9 +8,9 @@ use std::time::Duration;
 
 use ferry_core::codec::Limits;
 use ferry_core::{
-    Access, BufferPool, DataLink, Durability, EngineContext, Error, LinkSlots, MemoryBlock, MemoryRegistry, Notification,
-    Op, OwnedBuffer, RawMemory, ReceivedNotification, RegionChange, RegionEntry, RegionKey, RegionTable, Result,
-    TransferDesc, TransferItem, TransferRequest, Transport, TransportKind,
+    Access, BufferPool, DataLink, Durability, EngineContext, Error, LinkSlots, MemoryBlock, MemoryRegistry,
+    Notification, Op, OwnedBuffer, RawMemory, ReceivedNotification, RegionChange, RegionEntry, RegionKey, RegionTable,
+    Result, TransferDesc, TransferItem, TransferRequest, Transport, TransportKind,
 };
 use ferry_tcp::{LinkConfig, LocalIdentity, ServerConfig, StagingPool, TcpLink, TcpServer};
 use futures::stream::BoxStream;
@@ -122,7 +122,9 @@ impl EngineBuilder {
             return Err(Error::InvalidArgument("max_links must be at least 1".into()));
         }
         if self.max_pending_notifications == 0 {
-            return Err(Error::InvalidArgument("max_pending_notifications must be at least 1".into()));
+            return Err(Error::InvalidArgument(
+                "max_pending_notifications must be at least 1".into(),
+            ));
         }
         if !(1..=ferry_tcp::MAX_STREAMS_PER_LINK as usize).contains(&self.streams) {
             return Err(Error::InvalidArgument(format!(
@@ -132,7 +134,9 @@ impl EngineBuilder {
             )));
         }
         if self.max_inflight_bytes < 1 << 20 {
-            return Err(Error::InvalidArgument("max_inflight_bytes must be at least 1 MiB".into()));
+            return Err(Error::InvalidArgument(
+                "max_inflight_bytes must be at least 1 MiB".into(),
+            ));
         }
         Ok(())
     }
@@ -145,7 +149,9 @@ impl EngineBuilder {
             .filter(|t| t.availability().usable)
             .collect();
         if transports.is_empty() {
-            return Err(Error::Unsupported("no data transport is compiled in and usable: enable the `tcp` feature".into()));
+            return Err(Error::Unsupported(
+                "no data transport is compiled in and usable: enable the `tcp` feature".into(),
+            ));
         }
         let notifications = NotificationQueue::new(self.max_pending_notifications);
         let ctx = Arc::new(EngineContext {
@@ -159,7 +165,10 @@ impl EngineBuilder {
         let server = match &self.listen {
             Some(addr) => {
                 let addr = resolve(addr).await?;
-                let config = ServerConfig { limits: self.limits, handshake_timeout: self.handshake_timeout };
+                let config = ServerConfig {
+                    limits: self.limits,
+                    handshake_timeout: self.handshake_timeout,
+                };
                 Some(TcpServer::bind(addr, ctx.clone(), config).await?)
             }
             None => None,
@@ -280,12 +289,20 @@ impl Engine {
             }
         }
         let entry = Arc::new(entry);
-        inner.ctx.regions.write().map_err(|_| poisoned())?.insert(entry.clone())?;
+        inner
+            .ctx
+            .regions
+            .write()
+            .map_err(|_| poisoned())?
+            .insert(entry.clone())?;
         if let Some(server) = &inner.server {
             server.announce(&RegionChange::Added(entry.advert()));
         }
         tracing::debug!(region = ?entry, "registered");
-        Ok(Region { entry, engine: Arc::downgrade(&self.inner) })
+        Ok(Region {
+            entry,
+            engine: Arc::downgrade(&self.inner),
+        })
     }
 
     /// Deregisters a region (HIXL `DeregisterMem`); the same as dropping it. Once this returns, no byte
@@ -303,7 +320,9 @@ impl Engine {
             let addr = resolve(remote).await?;
             if let Some(p) = self.peer_at(addr) {
                 if !p.is_closed() {
-                    return Err(Error::AlreadyConnected(format!("{remote} ({addr}) is already connected")));
+                    return Err(Error::AlreadyConnected(format!(
+                        "{remote} ({addr}) is already connected"
+                    )));
                 }
                 self.forget(addr);
             }
@@ -325,7 +344,9 @@ impl Engine {
                 Some(TransportKind::Tcp) => Arc::new(control.clone()),
                 Some(other) => {
                     control.abort();
-                    return Err(Error::Unsupported(format!("transport {other} has no link implementation in this build")));
+                    return Err(Error::Unsupported(format!(
+                        "transport {other} has no link implementation in this build"
+                    )));
                 }
                 None => {
                     control.abort();
@@ -337,12 +358,20 @@ impl Engine {
                 }
             };
             let peer = Peer {
-                inner: Arc::new(PeerInner { addr, name: remote.to_string(), control, data, _slot: slot }),
+                inner: Arc::new(PeerInner {
+                    addr,
+                    name: remote.to_string(),
+                    control,
+                    data,
+                    _slot: slot,
+                }),
             };
             let mut peers = self.inner.peers.lock().map_err(|_| poisoned())?;
             if peers.get(&addr).is_some_and(|p| !p.is_closed()) {
                 peer.inner.control.abort();
-                return Err(Error::AlreadyConnected(format!("{remote} ({addr}) is already connected")));
+                return Err(Error::AlreadyConnected(format!(
+                    "{remote} ({addr}) is already connected"
+                )));
             }
             peers.insert(addr, peer.clone());
             tracing::info!(peer = %addr, transport = %peer.transport(), "connected");
@@ -350,7 +379,9 @@ impl Engine {
         };
         match tokio::time::timeout(timeout, fut).await {
             Ok(r) => r,
-            Err(_) => Err(Error::Timeout(format!("connecting to {remote} took longer than {timeout:?}"))),
+            Err(_) => Err(Error::Timeout(format!(
+                "connecting to {remote} took longer than {timeout:?}"
+            ))),
         }
     }
 
@@ -365,7 +396,11 @@ impl Engine {
 
     /// Every connected peer.
     pub fn peers(&self) -> Vec<Peer> {
-        self.inner.peers.lock().map(|p| p.values().cloned().collect()).unwrap_or_default()
+        self.inner
+            .peers
+            .lock()
+            .map(|p| p.values().cloned().collect())
+            .unwrap_or_default()
     }
 
     fn forget(&self, addr: SocketAddr) -> Option<Peer> {
@@ -388,15 +423,32 @@ impl Engine {
 
     // ---- transfers ----------------------------------------------------------------------------------
 
-    fn resolve_request(&self, peer: &Peer, op: Op, descs: &[TransferDesc], durability: Durability) -> Result<TransferRequest> {
+    fn resolve_request(
+        &self,
+        peer: &Peer,
+        op: Op,
+        descs: &[TransferDesc],
+        durability: Durability,
+    ) -> Result<TransferRequest> {
         if descs.is_empty() {
-            return Err(Error::InvalidArgument("a transfer needs at least one descriptor".into()));
+            return Err(Error::InvalidArgument(
+                "a transfer needs at least one descriptor".into(),
+            ));
         }
-        if !self.peer_at(peer.addr()).is_some_and(|p| Arc::ptr_eq(&p.inner, &peer.inner)) {
-            return Err(Error::NotConnected(format!("{} is not connected to this engine", peer.addr())));
+        if !self
+            .peer_at(peer.addr())
+            .is_some_and(|p| Arc::ptr_eq(&p.inner, &peer.inner))
+        {
+            return Err(Error::NotConnected(format!(
+                "{} is not connected to this engine",
+                peer.addr()
+            )));
         }
         if peer.is_closed() {
-            return Err(Error::PeerClosed(format!("the link to {} is down; connect again", peer.addr())));
+            return Err(Error::PeerClosed(format!(
+                "the link to {} is down; connect again",
+                peer.addr()
+            )));
         }
         if op == Op::Read && durability == Durability::Persistent {
             return Err(Error::InvalidArgument("durability applies to writes, not reads".into()));
@@ -416,7 +468,11 @@ impl Engine {
                             ad.addr
                         ))));
                     }
-                    Ok(TransferItem { local, remote_key: ad.key, remote_offset })
+                    Ok(TransferItem {
+                        local,
+                        remote_key: ad.key,
+                        remote_offset,
+                    })
                 })
                 .collect::<Result<Vec<_>>>()
         })??;
@@ -426,7 +482,8 @@ impl Engine {
     /// Runs a batch of one-sided operations on `peer` and waits for all of them, at most `timeout`
     /// (HIXL `TransferSync`). Writes complete when the bytes are in the target's memory.
     pub async fn transfer(&self, peer: &Peer, op: Op, descs: &[TransferDesc], timeout: Duration) -> Result<()> {
-        self.transfer_durable(peer, op, descs, Durability::Completed, timeout).await
+        self.transfer_durable(peer, op, descs, Durability::Completed, timeout)
+            .await
     }
 
     /// [`transfer`](Self::transfer) with an explicit durability for writes.
@@ -444,7 +501,13 @@ impl Engine {
 
     /// Starts a batch and returns at once (HIXL `TransferAsync`): poll the handle's
     /// [`status`](TransferHandle::status), or await it. Descriptors are checked before this returns.
-    pub fn transfer_async(&self, peer: &Peer, op: Op, descs: &[TransferDesc], timeout: Duration) -> Result<TransferHandle> {
+    pub fn transfer_async(
+        &self,
+        peer: &Peer,
+        op: Op,
+        descs: &[TransferDesc],
+        timeout: Duration,
+    ) -> Result<TransferHandle> {
         let request = self.resolve_request(peer, op, descs, Durability::Completed)?;
         let status = Arc::new(AtomicU8::new(0));
         let peer = peer.clone();
@@ -464,12 +527,21 @@ impl Engine {
     /// before the data of transfers that completed before it was sent.
     pub async fn notify(&self, peer: &Peer, notification: Notification, timeout: Duration) -> Result<()> {
         notification.validate()?;
-        if !self.peer_at(peer.addr()).is_some_and(|p| Arc::ptr_eq(&p.inner, &peer.inner)) {
-            return Err(Error::NotConnected(format!("{} is not connected to this engine", peer.addr())));
+        if !self
+            .peer_at(peer.addr())
+            .is_some_and(|p| Arc::ptr_eq(&p.inner, &peer.inner))
+        {
+            return Err(Error::NotConnected(format!(
+                "{} is not connected to this engine",
+                peer.addr()
+            )));
         }
         match tokio::time::timeout(timeout, peer.inner.data.notify(notification)).await {
             Ok(r) => r,
-            Err(_) => Err(Error::Timeout(format!("notifying {} took longer than {timeout:?}", peer.addr()))),
+            Err(_) => Err(Error::Timeout(format!(
+                "notifying {} took longer than {timeout:?}",
+                peer.addr()
+            ))),
         }
     }
 
@@ -555,7 +627,9 @@ async fn resolve(addr: &str) -> Result<SocketAddr> {
     let mut addrs = tokio::net::lookup_host(addr)
         .await
         .map_err(|e| Error::io(format_args!("resolving {addr:?} (expected host:port)"), e))?;
-    addrs.next().ok_or_else(|| Error::InvalidArgument(format!("{addr:?} resolves to no address")))
+    addrs
+        .next()
+        .ok_or_else(|| Error::InvalidArgument(format!("{addr:?} resolves to no address")))
 }
 
 fn random_u64() -> Result<u64> {
@@ -566,5 +640,7 @@ fn random_u64() -> Result<u64> {
 fn host_id() -> u64 {
     let text = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
     // FNV-1a: stable across processes, unlike std's randomly keyed hasher.
-    text.trim().bytes().fold(0xcbf29ce484222325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100000001b3))
+    text.trim()
+        .bytes()
+        .fold(0xcbf29ce484222325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100000001b3))
 }

@@ -39,12 +39,23 @@ impl HostAllocation {
         }
         // SAFETY: a fresh shared mapping of `len` bytes of our memfd; the kernel picks the address.
         let ptr = unsafe {
-            libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd.as_raw_fd(), 0)
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
         };
         if ptr == libc::MAP_FAILED {
             return Err(os_error("mapping the memfd"));
         }
-        Ok(HostAllocation { ptr: ptr.cast(), len, fd })
+        Ok(HostAllocation {
+            ptr: ptr.cast(),
+            len,
+            fd,
+        })
     }
 
     /// The memfd behind the allocation, for sharing with another process.

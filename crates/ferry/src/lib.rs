@@ -32,8 +32,8 @@ mod transfer;
 pub use capabilities::{Capabilities, TransportInfo, capabilities};
 pub use engine::{DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_INFLIGHT_BYTES, DEFAULT_STREAMS, Engine, EngineBuilder};
 pub use ferry_core::{
-    Access, BufferPool, Durability, Error, ErrorCode, MemoryBlock, MemoryRegistry, Notification, Op, ReceivedNotification,
-    RegionKey, RemoteRegions, Result, TransferDesc, TransportKind,
+    Access, BufferPool, Durability, Error, ErrorCode, MemoryBlock, MemoryRegistry, Notification, Op,
+    ReceivedNotification, RegionKey, RemoteRegions, Result, TransferDesc, TransportKind,
 };
 pub use host::HostAllocation;
 pub use peer::Peer;

@@ -25,7 +25,11 @@ pub(crate) struct NotificationQueue {
 
 impl NotificationQueue {
     pub(crate) fn new(max_per_link: usize) -> Arc<Self> {
-        Arc::new(NotificationQueue { state: Mutex::default(), wake: tokio::sync::Notify::new(), max_per_link })
+        Arc::new(NotificationQueue {
+            state: Mutex::default(),
+            wake: tokio::sync::Notify::new(),
+            max_per_link,
+        })
     }
 
     fn pop(&self) -> Option<ReceivedNotification> {
@@ -74,7 +78,10 @@ impl NotificationQueue {
 
 impl Notifier for NotificationQueue {
     fn deliver(&self, link: u64, from_engine: u64, from_addr: &str, notification: Notification) -> Result<()> {
-        let mut s = self.state.lock().map_err(|_| Error::Protocol("notification queue lock poisoned".into()))?;
+        let mut s = self
+            .state
+            .lock()
+            .map_err(|_| Error::Protocol("notification queue lock poisoned".into()))?;
         let pending = s.per_link.entry(link).or_default();
         if *pending >= self.max_per_link {
             return Err(Error::ResourceExhausted(format!(
@@ -85,7 +92,11 @@ impl Notifier for NotificationQueue {
         *pending += 1;
         s.items.push_back((
             link,
-            ReceivedNotification { from_engine, from_addr: from_addr.to_string(), notification },
+            ReceivedNotification {
+                from_engine,
+                from_addr: from_addr.to_string(),
+                notification,
+            },
         ));
         drop(s);
         self.wake.notify_waiters();

@@ -25,14 +25,29 @@ async fn initiator_refuses_bad_remote_ranges_before_sending() {
     wait_for_region(&peer, &dst).await;
     wait_for_region(&peer, &ro).await;
     let src = initiator.register(pattern(8192, 3), rw()).unwrap();
-    let cases: Vec<(TransferDesc, fn(&Error) -> bool)> = vec![
-        (TransferDesc::new(src.addr(), dst.addr() + 4096, 1), |e| matches!(e, Error::OutOfBounds(_))),
-        (TransferDesc::new(src.addr(), dst.addr() + 4000, 97), |e| matches!(e, Error::OutOfBounds(_))),
-        (TransferDesc::new(src.addr(), dst.addr(), 0), |e| matches!(e, Error::InvalidArgument(_))),
-        (TransferDesc::new(src.addr(), dst.addr() + 1, u64::MAX), |e| matches!(e, Error::OutOfBounds(_) | Error::InvalidArgument(_))),
-        (TransferDesc::new(src.addr(), ro.addr(), 16), |e| matches!(e, Error::PermissionDenied(_))),
-        (TransferDesc::new(src.addr() + 8192, dst.addr(), 1), |e| matches!(e, Error::OutOfBounds(_))),
-        (TransferDesc::new(12, dst.addr(), 1), |e| matches!(e, Error::OutOfBounds(_))),
+    type Expect = fn(&Error) -> bool;
+    let cases: Vec<(TransferDesc, Expect)> = vec![
+        (TransferDesc::new(src.addr(), dst.addr() + 4096, 1), |e| {
+            matches!(e, Error::OutOfBounds(_))
+        }),
+        (TransferDesc::new(src.addr(), dst.addr() + 4000, 97), |e| {
+            matches!(e, Error::OutOfBounds(_))
+        }),
+        (TransferDesc::new(src.addr(), dst.addr(), 0), |e| {
+            matches!(e, Error::InvalidArgument(_))
+        }),
+        (TransferDesc::new(src.addr(), dst.addr() + 1, u64::MAX), |e| {
+            matches!(e, Error::OutOfBounds(_) | Error::InvalidArgument(_))
+        }),
+        (TransferDesc::new(src.addr(), ro.addr(), 16), |e| {
+            matches!(e, Error::PermissionDenied(_))
+        }),
+        (TransferDesc::new(src.addr() + 8192, dst.addr(), 1), |e| {
+            matches!(e, Error::OutOfBounds(_))
+        }),
+        (TransferDesc::new(12, dst.addr(), 1), |e| {
+            matches!(e, Error::OutOfBounds(_))
+        }),
     ];
     for (i, (desc, expected)) in cases.into_iter().enumerate() {
         let err = initiator.transfer(&peer, Op::Write, &[desc], T).await.unwrap_err();
@@ -41,12 +56,21 @@ async fn initiator_refuses_bad_remote_ranges_before_sending() {
     // A good descriptor in a batch with a bad one: the batch is refused whole, nothing is written.
     let good = TransferDesc::new(src.addr(), dst.addr(), 100);
     let bad = TransferDesc::new(src.addr(), dst.addr() + 4090, 100);
-    assert!(matches!(initiator.transfer(&peer, Op::Write, &[good, bad], T).await, Err(Error::OutOfBounds(_))));
-    assert_eq!(dst.to_vec().unwrap(), vec![0u8; 4096], "nothing written by refused operations");
+    assert!(matches!(
+        initiator.transfer(&peer, Op::Write, &[good, bad], T).await,
+        Err(Error::OutOfBounds(_))
+    ));
+    assert_eq!(
+        dst.to_vec().unwrap(),
+        vec![0u8; 4096],
+        "nothing written by refused operations"
+    );
     assert_eq!(ro.to_vec().unwrap(), vec![0u8; 4096]);
     // Persistent durability on a plain region is refused before sending.
     assert!(matches!(
-        initiator.transfer_durable(&peer, Op::Write, &[good], Durability::Persistent, T).await,
+        initiator
+            .transfer_durable(&peer, Op::Write, &[good], Durability::Persistent, T)
+            .await,
         Err(Error::InvalidArgument(_))
     ));
     // The link still works.
@@ -66,35 +90,95 @@ async fn target_refuses_bad_operations_and_stays_usable() {
     assert!(ack.refusal.is_none());
     assert_eq!(ack.regions.len(), 2);
     let key = dst.key();
-    let w = |id, key, offset| Frame::Write { id, key, offset, durability: Durability::Completed };
+    let w = |id, key, offset| Frame::Write {
+        id,
+        key,
+        offset,
+        durability: Durability::Completed,
+    };
     let payload = [0xAAu8; 200];
     let refused: Vec<(Frame, &[u8], ErrorCode)> = vec![
         (w(1, key, 4000), &payload, ErrorCode::OutOfBounds),
         (w(2, key, 4096), &payload[..1], ErrorCode::OutOfBounds),
         (w(3, key, u64::MAX - 10), &payload[..100], ErrorCode::OutOfBounds),
-        (w(4, RegionKey(key.0 ^ 0x5a5a), 0), &payload, ErrorCode::PermissionDenied),
+        (
+            w(4, RegionKey(key.0 ^ 0x5a5a), 0),
+            &payload,
+            ErrorCode::PermissionDenied,
+        ),
         (w(5, ro.key(), 0), &payload, ErrorCode::PermissionDenied),
         (w(6, gone_key, 0), &payload, ErrorCode::PermissionDenied),
-        (Frame::Write { id: 7, key, offset: 0, durability: Durability::Persistent }, &payload, ErrorCode::InvalidArgument),
+        (
+            Frame::Write {
+                id: 7,
+                key,
+                offset: 0,
+                durability: Durability::Persistent,
+            },
+            &payload,
+            ErrorCode::InvalidArgument,
+        ),
         (
             Frame::WriteBatch {
                 id: 8,
                 durability: Durability::Completed,
-                segments: vec![Segment { key, offset: 0, len: 100 }, Segment { key, offset: 4050, len: 100 }],
+                segments: vec![
+                    Segment {
+                        key,
+                        offset: 0,
+                        len: 100,
+                    },
+                    Segment {
+                        key,
+                        offset: 4050,
+                        len: 100,
+                    },
+                ],
             },
             &payload,
             ErrorCode::OutOfBounds,
         ),
-        (Frame::Read { id: 9, key, offset: 4095, len: 2 }, &[], ErrorCode::OutOfBounds),
-        (Frame::Read { id: 10, key: RegionKey(1), offset: 0, len: 2 }, &[], ErrorCode::PermissionDenied),
-        (Frame::Read { id: 11, key, offset: 0, len: 0 }, &[], ErrorCode::InvalidArgument),
+        (
+            Frame::Read {
+                id: 9,
+                key,
+                offset: 4095,
+                len: 2,
+            },
+            &[],
+            ErrorCode::OutOfBounds,
+        ),
+        (
+            Frame::Read {
+                id: 10,
+                key: RegionKey(1),
+                offset: 0,
+                len: 2,
+            },
+            &[],
+            ErrorCode::PermissionDenied,
+        ),
+        (
+            Frame::Read {
+                id: 11,
+                key,
+                offset: 0,
+                len: 0,
+            },
+            &[],
+            ErrorCode::InvalidArgument,
+        ),
     ];
     for (frame, payload, code) in refused {
         c.send(&frame, payload).await;
         let reply = c.recv().await.expect("an answer, not a closed connection");
         assert_eq!(ack_code(&reply.frame), Some(code), "{frame:?}");
     }
-    assert_eq!(dst.to_vec().unwrap(), vec![0u8; 4096], "no refused operation wrote a byte");
+    assert_eq!(
+        dst.to_vec().unwrap(),
+        vec![0u8; 4096],
+        "no refused operation wrote a byte"
+    );
     assert_eq!(ro.to_vec().unwrap(), vec![5u8; 4096]);
     // Same connection, well-formed operations: served.
     c.send(&w(20, key, 10), &[1, 2, 3]).await;
@@ -102,7 +186,16 @@ async fn target_refuses_bad_operations_and_stays_usable() {
     let mut expect = vec![0u8; 4096];
     expect[10..13].copy_from_slice(&[1, 2, 3]);
     assert_eq!(dst.to_vec().unwrap(), expect);
-    c.send(&Frame::Read { id: 21, key: ro.key(), offset: 4000, len: 96 }, &[]).await;
+    c.send(
+        &Frame::Read {
+            id: 21,
+            key: ro.key(),
+            offset: 4000,
+            len: 96,
+        },
+        &[],
+    )
+    .await;
     let d = c.recv().await.unwrap();
     assert_eq!(d.frame, Frame::ReadData { id: 21 });
     assert_eq!(c.recv_payload(96).await, vec![5u8; 96]);
@@ -111,14 +204,22 @@ async fn target_refuses_bad_operations_and_stays_usable() {
 /// Sends `bytes` on a fresh connection and expects it answered or closed within the bound.
 async fn expect_closed_or_answered(target: &Engine, bytes: Vec<u8>, handshake_first: bool) {
     let addr = target.local_addr().unwrap();
-    let mut c = if handshake_first { RawClient::handshake(addr).await.0 } else { RawClient::connect(addr).await };
+    let mut c = if handshake_first {
+        RawClient::handshake(addr).await.0
+    } else {
+        RawClient::connect(addr).await
+    };
     let _ = c.send_raw(&bytes).await;
     let outcome = tokio::time::timeout(Duration::from_secs(5), async {
         // Whatever comes back, the connection must end: a bad frame is fatal to its stream.
         while c.recv().await.is_some() {}
     })
     .await;
-    assert!(outcome.is_ok(), "the server neither answered nor closed after {} bad bytes", bytes.len());
+    assert!(
+        outcome.is_ok(),
+        "the server neither answered nor closed after {} bad bytes",
+        bytes.len()
+    );
 }
 
 fn header(version: u8, kind: u8, body_len: u32, payload_len: u64) -> Vec<u8> {
@@ -133,32 +234,54 @@ fn header(version: u8, kind: u8, body_len: u32, payload_len: u64) -> Vec<u8> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_frames_end_only_their_connection() {
-    let target = Engine::builder().listen("127.0.0.1:0").handshake_timeout(Duration::from_secs(2)).build().await.unwrap();
+    let target = Engine::builder()
+        .listen("127.0.0.1:0")
+        .handshake_timeout(Duration::from_secs(2))
+        .build()
+        .await
+        .unwrap();
     let dst = target.alloc_host(1 << 20, rw()).unwrap();
     // A well-behaved peer, connected throughout.
     let initiator = Engine::builder().build().await.unwrap();
-    let peer = initiator.connect(&target.local_addr().unwrap().to_string(), T).await.unwrap();
+    let peer = initiator
+        .connect(&target.local_addr().unwrap().to_string(), T)
+        .await
+        .unwrap();
     let src = initiator.register(pattern(1 << 20, 7), rw()).unwrap();
 
     let mut garbage = vec![0xffu8; 64];
     garbage[..4].copy_from_slice(b"GET ");
     let bad_inputs: Vec<(Vec<u8>, bool)> = vec![
-        (garbage, false),                                   // not ferry at all
-        (header(9, 1, 0, 0), false),                        // unknown version
-        (header(1, 1, u32::MAX, 0), false),                 // oversized body
-        (header(1, 5, 25, u64::MAX), true),                 // oversized payload
-        (header(1, 77, 0, 0), true),                        // unknown kind
+        (garbage, false),                                     // not ferry at all
+        (header(9, 1, 0, 0), false),                          // unknown version
+        (header(1, 1, u32::MAX, 0), false),                   // oversized body
+        (header(1, 5, 25, u64::MAX), true),                   // oversized payload
+        (header(1, 77, 0, 0), true),                          // unknown kind
         ([header(1, 5, 3, 0), vec![1, 2, 3]].concat(), true), // truncated body
-        (header(1, 12, 8, 0)[..10].to_vec(), false),        // truncated header, then silence
-        ([header(1, 8, 12, 0), 7u64.to_le_bytes().to_vec(), u32::MAX.to_le_bytes().to_vec()].concat(), true), // absurd count
-        ([header(1, 10, 10, 0), vec![0; 8], 99u16.to_le_bytes().to_vec()].concat(), true), // unknown error code
-        (header(1, 2, 0, 0), true),                          // a hello ack sent to a target
+        (header(1, 12, 8, 0)[..10].to_vec(), false),          // truncated header, then silence
+        (
+            [
+                header(1, 8, 12, 0),
+                7u64.to_le_bytes().to_vec(),
+                u32::MAX.to_le_bytes().to_vec(),
+            ]
+            .concat(),
+            true,
+        ), // absurd count
+        (
+            [header(1, 10, 10, 0), vec![0; 8], 99u16.to_le_bytes().to_vec()].concat(),
+            true,
+        ), // unknown error code
+        (header(1, 2, 0, 0), true),                           // a hello ack sent to a target
     ];
     for (bytes, handshake_first) in bad_inputs {
         expect_closed_or_answered(&target, bytes, handshake_first).await;
         // The good peer is still served, with every byte right.
         dst.write_at(0, &[0u8; 4096]).unwrap();
-        initiator.transfer(&peer, Op::Write, &[TransferDesc::new(src.addr(), dst.addr(), 4096)], T).await.unwrap();
+        initiator
+            .transfer(&peer, Op::Write, &[TransferDesc::new(src.addr(), dst.addr(), 4096)], T)
+            .await
+            .unwrap();
         let mut got = vec![0u8; 4096];
         dst.read_at(0, &mut got).unwrap();
         assert_eq!(got, pattern(1 << 20, 7)[..4096]);
@@ -172,7 +295,12 @@ async fn local_descriptor_outside_any_region() {
     wait_for_region(&peer, &dst).await;
     let unregistered = vec![1u8; 4096];
     let err = initiator
-        .transfer(&peer, Op::Write, &[TransferDesc::new(unregistered.as_ptr() as u64, dst.addr(), 16)], T)
+        .transfer(
+            &peer,
+            Op::Write,
+            &[TransferDesc::new(unregistered.as_ptr() as u64, dst.addr(), 16)],
+            T,
+        )
         .await
         .unwrap_err();
     assert!(matches!(err, Error::OutOfBounds(_)), "{err:?}");

@@ -8,7 +8,9 @@ use ferry::{Access, Engine, Peer, Region};
 pub const T: Duration = Duration::from_secs(10);
 
 pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 8) as u8).collect()
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 8) as u8)
+        .collect()
 }
 
 pub async fn target() -> Engine {
@@ -18,7 +20,10 @@ pub async fn target() -> Engine {
 pub async fn pair_with(builder: ferry::EngineBuilder) -> (Engine, Engine, Peer) {
     let target = target().await;
     let initiator = builder.build().await.unwrap();
-    let peer = initiator.connect(&target.local_addr().unwrap().to_string(), T).await.unwrap();
+    let peer = initiator
+        .connect(&target.local_addr().unwrap().to_string(), T)
+        .await
+        .unwrap();
     (target, initiator, peer)
 }
 
@@ -30,7 +35,11 @@ pub async fn pair() -> (Engine, Engine, Peer) {
 pub async fn wait_for_region(peer: &Peer, region: &Region) {
     let deadline = tokio::time::Instant::now() + T;
     while !peer.regions().iter().any(|r| r.key == region.key()) {
-        assert!(tokio::time::Instant::now() < deadline, "peer never learned of region {:?}", region.key());
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "peer never learned of region {:?}",
+            region.key()
+        );
         peer.regions_changed(Duration::from_millis(50)).await;
     }
 }
@@ -55,7 +64,10 @@ pub mod raw {
         pub async fn connect(addr: std::net::SocketAddr) -> RawClient {
             let stream = TcpStream::connect(addr).await.unwrap();
             stream.set_nodelay(true).unwrap();
-            RawClient { stream, buf: BytesMut::new() }
+            RawClient {
+                stream,
+                buf: BytesMut::new(),
+            }
         }
 
         /// Connects and completes the handshake as stream 0 of a one-stream link.

@@ -29,7 +29,9 @@ async fn the_513th_link_is_refused() {
     loop {
         match extra.connect(&addr, T).await {
             Ok(_) => break,
-            Err(Error::ResourceExhausted(_)) if Instant::now() < deadline => tokio::time::sleep(Duration::from_millis(20)).await,
+            Err(Error::ResourceExhausted(_)) if Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(20)).await
+            }
             Err(e) => panic!("{e:?}"),
         }
     }
@@ -41,7 +43,10 @@ async fn outgoing_links_count_too() {
     let b = target().await;
     let client = Engine::builder().max_links(1).build().await.unwrap();
     client.connect(&a.local_addr().unwrap().to_string(), T).await.unwrap();
-    let err = client.connect(&b.local_addr().unwrap().to_string(), T).await.unwrap_err();
+    let err = client
+        .connect(&b.local_addr().unwrap().to_string(), T)
+        .await
+        .unwrap_err();
     assert!(matches!(err, Error::ResourceExhausted(_)), "{err:?}");
 }
 
@@ -49,27 +54,48 @@ async fn outgoing_links_count_too() {
 async fn the_4097th_pending_notification_is_refused() {
     let (target, initiator, peer) = pair().await;
     for i in 0..4096 {
-        initiator.notify(&peer, Notification::new("n", i.to_string()), T).await.unwrap();
+        initiator
+            .notify(&peer, Notification::new("n", i.to_string()), T)
+            .await
+            .unwrap();
     }
-    let err = initiator.notify(&peer, Notification::new("n", "one too many"), T).await.unwrap_err();
+    let err = initiator
+        .notify(&peer, Notification::new("n", "one too many"), T)
+        .await
+        .unwrap_err();
     assert!(matches!(err, Error::ResourceExhausted(_)), "{err:?}");
     let got = target.take_notifications();
     assert_eq!(got.len(), 4096);
-    assert!(got.iter().enumerate().all(|(i, n)| n.notification.msg == i.to_string()), "in order");
+    assert!(
+        got.iter().enumerate().all(|(i, n)| n.notification.msg == i.to_string()),
+        "in order"
+    );
     assert_eq!(got[0].from_engine, initiator.id());
     // Drained: accepted again.
-    initiator.notify(&peer, Notification::new("n", "after drain"), T).await.unwrap();
+    initiator
+        .notify(&peer, Notification::new("n", "after drain"), T)
+        .await
+        .unwrap();
     assert_eq!(target.take_notifications()[0].notification.msg, "after drain");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn notification_fields_over_1024_characters_are_refused() {
     let (target, initiator, peer) = pair().await;
-    let err = initiator.notify(&peer, Notification::new("a".repeat(1025), ""), T).await.unwrap_err();
+    let err = initiator
+        .notify(&peer, Notification::new("a".repeat(1025), ""), T)
+        .await
+        .unwrap_err();
     assert!(matches!(err, Error::InvalidArgument(_)), "{err:?}");
-    let err = initiator.notify(&peer, Notification::new("", "m".repeat(1025)), T).await.unwrap_err();
+    let err = initiator
+        .notify(&peer, Notification::new("", "m".repeat(1025)), T)
+        .await
+        .unwrap_err();
     assert!(matches!(err, Error::InvalidArgument(_)), "{err:?}");
-    initiator.notify(&peer, Notification::new("ü".repeat(1024), "m".repeat(1024)), T).await.unwrap();
+    initiator
+        .notify(&peer, Notification::new("ü".repeat(1024), "m".repeat(1024)), T)
+        .await
+        .unwrap();
     let got = target.take_notifications();
     assert_eq!(got.len(), 1);
     assert_eq!(got[0].notification.name.chars().count(), 1024);
@@ -83,10 +109,19 @@ async fn connect_to_a_closed_port_fails_fast() {
     };
     let client = Engine::builder().build().await.unwrap();
     let started = Instant::now();
-    let err = client.connect(&format!("127.0.0.1:{port}"), Duration::from_millis(50)).await.unwrap_err();
+    let err = client
+        .connect(&format!("127.0.0.1:{port}"), Duration::from_millis(50))
+        .await
+        .unwrap_err();
     assert!(started.elapsed() < Duration::from_secs(2));
     assert!(
-        matches!(&err, Error::Io { kind: std::io::ErrorKind::ConnectionRefused, .. } | Error::Timeout(_)),
+        matches!(
+            &err,
+            Error::Io {
+                kind: std::io::ErrorKind::ConnectionRefused,
+                ..
+            } | Error::Timeout(_)
+        ),
         "{err:?}"
     );
     assert!(err.is_retryable());
@@ -96,9 +131,15 @@ async fn connect_to_a_closed_port_fails_fast() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connect_to_a_name_that_does_not_resolve() {
     let client = Engine::builder().build().await.unwrap();
-    let err = client.connect("no-such-host.invalid:9955", Duration::from_secs(5)).await.unwrap_err();
+    let err = client
+        .connect("no-such-host.invalid:9955", Duration::from_secs(5))
+        .await
+        .unwrap_err();
     assert!(matches!(err, Error::Io { .. } | Error::Timeout(_)), "{err:?}");
-    let err = client.connect("not an address", Duration::from_secs(5)).await.unwrap_err();
+    let err = client
+        .connect("not an address", Duration::from_secs(5))
+        .await
+        .unwrap_err();
     assert!(matches!(err, Error::Io { .. }), "{err:?}");
 }
 
@@ -115,7 +156,10 @@ async fn silent_listener_times_out() {
     });
     let client = Engine::builder().build().await.unwrap();
     let started = Instant::now();
-    let err = client.connect(&addr.to_string(), Duration::from_millis(200)).await.unwrap_err();
+    let err = client
+        .connect(&addr.to_string(), Duration::from_millis(200))
+        .await
+        .unwrap_err();
     assert!(matches!(err, Error::Timeout(_)), "{err:?}");
     assert!(started.elapsed() < Duration::from_secs(3));
 }
@@ -124,9 +168,15 @@ async fn silent_listener_times_out() {
 async fn already_connected_and_not_connected() {
     let (target, initiator, peer) = pair().await;
     let addr = target.local_addr().unwrap().to_string();
-    assert!(matches!(initiator.connect(&addr, T).await, Err(Error::AlreadyConnected(_))));
+    assert!(matches!(
+        initiator.connect(&addr, T).await,
+        Err(Error::AlreadyConnected(_))
+    ));
     initiator.disconnect(&peer, T).await.unwrap();
-    assert!(matches!(initiator.disconnect(&peer, T).await, Err(Error::NotConnected(_))));
+    assert!(matches!(
+        initiator.disconnect(&peer, T).await,
+        Err(Error::NotConnected(_))
+    ));
     assert!(matches!(
         initiator.notify(&peer, Notification::new("x", "y"), T).await,
         Err(Error::NotConnected(_))
@@ -142,15 +192,27 @@ async fn invalid_options_are_refused() {
         assert!(matches!(err, Error::InvalidArgument(_)), "{bad}: {err:?}");
     }
     assert!(Engine::builder().buffer_pool("0:0").build().await.is_ok());
-    assert!(matches!(Engine::builder().streams(0).build().await, Err(Error::InvalidArgument(_))));
-    assert!(matches!(Engine::builder().streams(65).build().await, Err(Error::InvalidArgument(_))));
-    assert!(matches!(Engine::builder().max_links(0).build().await, Err(Error::InvalidArgument(_))));
+    assert!(matches!(
+        Engine::builder().streams(0).build().await,
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        Engine::builder().streams(65).build().await,
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        Engine::builder().max_links(0).build().await,
+        Err(Error::InvalidArgument(_))
+    ));
 }
 
 fn raise_fd_limit(want: u64) {
     // SAFETY: getrlimit/setrlimit on a valid, stack-owned struct.
     unsafe {
-        let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+        let mut lim = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
         if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 && lim.rlim_cur < want {
             lim.rlim_cur = want.min(lim.rlim_max);
             libc::setrlimit(libc::RLIMIT_NOFILE, &lim);

@@ -34,7 +34,10 @@ async fn notifications_never_overtake_data() {
                 assert_eq!(i, expected, "notifications arrive in order");
                 let mut got = vec![0u8; SLOT];
                 d.read_at((i * SLOT) as u64, &mut got).unwrap();
-                assert!(got == pattern(SLOT, i as u8), "notification {i} arrived before its data");
+                assert!(
+                    got == pattern(SLOT, i as u8),
+                    "notification {i} arrived before its data"
+                );
             }
             let _ = dst_addr;
             dst
@@ -43,15 +46,29 @@ async fn notifications_never_overtake_data() {
 
     for i in 0..ITERATIONS {
         let base = (i * SLOT) as u64;
-        let mut descs = vec![TransferDesc::new(src.addr_at(base), dst_addr_at(&peer, base), LARGE as u64)];
+        let mut descs = vec![TransferDesc::new(
+            src.addr_at(base),
+            dst_addr_at(&peer, base),
+            LARGE as u64,
+        )];
         for s in 0..SMALLS {
             let off = base + (LARGE + s * SMALL) as u64;
-            descs.push(TransferDesc::new(src.addr_at(off), dst_addr_at(&peer, off), SMALL as u64));
+            descs.push(TransferDesc::new(
+                src.addr_at(off),
+                dst_addr_at(&peer, off),
+                SMALL as u64,
+            ));
         }
         initiator.transfer(&peer, Op::Write, &descs, T).await.unwrap();
-        initiator.notify(&peer, Notification::new("done", i.to_string()), T).await.unwrap();
+        initiator
+            .notify(&peer, Notification::new("done", i.to_string()), T)
+            .await
+            .unwrap();
     }
-    tokio::time::timeout(T, checker).await.expect("checker finished").unwrap();
+    tokio::time::timeout(T, checker)
+        .await
+        .expect("checker finished")
+        .unwrap();
 }
 
 fn dst_addr_at(peer: &ferry::Peer, offset: u64) -> u64 {

@@ -16,7 +16,15 @@ async fn regions_registered_after_connect_reach_the_peer() {
     let late = target.alloc_host(1 << 20, rw()).unwrap();
     wait_for_region(&peer, &late).await;
     let src = initiator.register(pattern(1 << 20, 4), rw()).unwrap();
-    initiator.transfer(&peer, Op::Write, &[TransferDesc::new(src.addr(), late.addr(), 1 << 20)], T).await.unwrap();
+    initiator
+        .transfer(
+            &peer,
+            Op::Write,
+            &[TransferDesc::new(src.addr(), late.addr(), 1 << 20)],
+            T,
+        )
+        .await
+        .unwrap();
     assert_eq!(late.to_vec().unwrap(), pattern(1 << 20, 4));
 
     // Deregistration reaches the peer too, and the address is refused from then on.
@@ -27,7 +35,10 @@ async fn regions_registered_after_connect_reach_the_peer() {
         assert!(tokio::time::Instant::now() < deadline);
         peer.regions_changed(Duration::from_millis(50)).await;
     }
-    let err = initiator.transfer(&peer, Op::Write, &[TransferDesc::new(src.addr(), addr, 16)], T).await.unwrap_err();
+    let err = initiator
+        .transfer(&peer, Op::Write, &[TransferDesc::new(src.addr(), addr, 16)], T)
+        .await
+        .unwrap_err();
     assert!(matches!(err, Error::OutOfBounds(_)), "{err:?}");
 }
 
@@ -46,7 +57,9 @@ async fn no_byte_is_touched_after_deregister_returns() {
     let stop = Arc::new(AtomicBool::new(false));
     let writer = {
         let (initiator, peer, stop) = (initiator.clone(), peer.clone(), stop.clone());
-        let descs: Vec<_> = (0..4).map(|i| TransferDesc::new(src.addr_at(i << 20), remote + (i << 20), 1 << 20)).collect();
+        let descs: Vec<_> = (0..4)
+            .map(|i| TransferDesc::new(src.addr_at(i << 20), remote + (i << 20), 1 << 20))
+            .collect();
         tokio::spawn(async move {
             let (mut ok, mut refused) = (0, 0);
             while !stop.load(Ordering::Relaxed) {
@@ -72,7 +85,15 @@ async fn no_byte_is_touched_after_deregister_returns() {
     // The link survived.
     let fresh = target.alloc_host(4096, rw()).unwrap();
     wait_for_region(&peer, &fresh).await;
-    initiator.transfer(&peer, Op::Write, &[TransferDesc::new(src.addr(), fresh.addr(), 4096)], T).await.unwrap();
+    initiator
+        .transfer(
+            &peer,
+            Op::Write,
+            &[TransferDesc::new(src.addr(), fresh.addr(), 4096)],
+            T,
+        )
+        .await
+        .unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -12,22 +12,49 @@ async fn round_trip(builder: ferry::EngineBuilder, sizes: &[usize], batch: usize
         let dst = target.alloc_host(total, rw()).unwrap();
         wait_for_region(&peer, &dst).await;
         let src = initiator.register(pattern(total, size as u8), rw()).unwrap();
-        let descs: Vec<_> =
-            (0..batch).map(|i| TransferDesc::new(src.addr_at((i * size) as u64), dst.addr_at((i * size) as u64), size as u64)).collect();
+        let descs: Vec<_> = (0..batch)
+            .map(|i| {
+                TransferDesc::new(
+                    src.addr_at((i * size) as u64),
+                    dst.addr_at((i * size) as u64),
+                    size as u64,
+                )
+            })
+            .collect();
         initiator.transfer(&peer, Op::Write, &descs, T).await.unwrap();
-        assert_eq!(dst.to_vec().unwrap(), pattern(total, size as u8), "write of {batch} x {size}");
+        assert_eq!(
+            dst.to_vec().unwrap(),
+            pattern(total, size as u8),
+            "write of {batch} x {size}"
+        );
 
         let back = initiator.alloc_host(total, rw()).unwrap();
-        let descs: Vec<_> =
-            (0..batch).map(|i| TransferDesc::new(back.addr_at((i * size) as u64), dst.addr_at((i * size) as u64), size as u64)).collect();
+        let descs: Vec<_> = (0..batch)
+            .map(|i| {
+                TransferDesc::new(
+                    back.addr_at((i * size) as u64),
+                    dst.addr_at((i * size) as u64),
+                    size as u64,
+                )
+            })
+            .collect();
         initiator.transfer(&peer, Op::Read, &descs, T).await.unwrap();
-        assert_eq!(back.to_vec().unwrap(), pattern(total, size as u8), "read of {batch} x {size}");
+        assert_eq!(
+            back.to_vec().unwrap(),
+            pattern(total, size as u8),
+            "read of {batch} x {size}"
+        );
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn single_descriptors_of_many_sizes() {
-    round_trip(Engine::builder(), &[1, 7, 4096, 65_535, 256 << 10, (1 << 20) + 3, 9 << 20], 1).await;
+    round_trip(
+        Engine::builder(),
+        &[1, 7, 4096, 65_535, 256 << 10, (1 << 20) + 3, 9 << 20],
+        1,
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -65,9 +92,19 @@ async fn async_transfer_reports_status_and_resolves() {
     let dst = target.alloc_host(8 << 20, rw()).unwrap();
     wait_for_region(&peer, &dst).await;
     let src = initiator.register(pattern(8 << 20, 1), rw()).unwrap();
-    let handle = initiator.transfer_async(&peer, Op::Write, &[TransferDesc::new(src.addr(), dst.addr(), 8 << 20)], T).unwrap();
+    let handle = initiator
+        .transfer_async(
+            &peer,
+            Op::Write,
+            &[TransferDesc::new(src.addr(), dst.addr(), 8 << 20)],
+            T,
+        )
+        .unwrap();
     let s = handle.status();
-    assert!(matches!(s, TransferStatus::Waiting | TransferStatus::Completed), "{s:?}");
+    assert!(
+        matches!(s, TransferStatus::Waiting | TransferStatus::Completed),
+        "{s:?}"
+    );
     handle.await.unwrap();
     assert_eq!(dst.to_vec().unwrap(), pattern(8 << 20, 1));
 }
