@@ -1,1 +1,47 @@
-fn main(){}
+//! `cargo xtask`: the workspace's dev tool (the alias lives in `.cargo/config.toml`).
+//!
+//! - `cargo xtask test` runs everything CI runs, in CI's order, and stops at the first failure.
+//! - `cargo xtask bench` runs `ferry bench` side by side with the peers a user would pick instead
+//!   (iperf3, ucx_perftest, sockperf) in one run and prints medians and ratios.
+//!
+//! Why Rust and not shell scripts: the same toolchain runs it everywhere (CI, a laptop, the bench
+//! host), and the parts that are easy to get wrong in shell (timeouts on every process, killing peer
+//! servers on every exit path, parsing the peers' output) are ordinary code with unit tests.
+
+mod bench;
+mod peers;
+mod test;
+mod util;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "cargo xtask", about = "Dev tasks for the ferry workspace")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run everything CI runs (prerequisites, fmt, clippy, deny, tests, example), stopping at the first failure.
+    Test(test::Args),
+    /// Benchmark ferry against iperf3, ucx_perftest and sockperf in one run and print ratios.
+    Bench(bench::Args),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Test(args) => test::run(&args),
+        Command::Bench(args) => match bench::run(&args) {
+            Ok(code) => code,
+            Err(e) => {
+                eprintln!("xtask bench: error: {e:#}");
+                ExitCode::FAILURE
+            }
+        },
+    }
+}

@@ -75,6 +75,12 @@ impl FrameReader {
         }
     }
 
+    /// Whether a whole frame (header and body) is already buffered, or a malformed one that will fail
+    /// at once: either way `next` will not wait for the network.
+    pub fn has_frame(&self) -> bool {
+        !matches!(codec::decode(&self.buf, &self.limits), Ok(None))
+    }
+
     /// The next frame; `Ok(None)` on a clean end of stream between frames.
     pub async fn next(&mut self) -> Result<Option<Decoded>> {
         loop {

@@ -1,8 +1,11 @@
 //! The target's side: accepts links, checks every operation against the region table, and moves
 //! payloads between the socket and registered memory.
 //!
-//! Each accepted stream has a reader (this task) and a writer task fed through a bounded queue, so a
-//! peer that sends requests without reading the answers is slowed down, not buffered without bound.
+//! Each accepted stream is served by one task that reads a request, applies it and writes the answer
+//! itself: no hand-off between tasks on the request path, and a peer that sends requests without
+//! reading the answers stalls only its own stream (its answers wait in the kernel, not in memory).
+//! Answers are flushed when no further complete request is buffered, so pipelined requests share a
+//! system call. Region updates for stream 0 arrive through a small queue the task also watches.
 //! A frame that fails to decode ends that stream (and, for stream 0, its link); every other link keeps
 //! being served. A refused operation's payload is read and dropped, so the stream stays usable.
 
@@ -22,8 +25,9 @@ use crate::io::{FrameReader, FrameWriter, Landed};
 
 /// Most streams one link may open.
 pub const MAX_STREAMS_PER_LINK: u16 = 64;
-/// Answers queued per stream before the reader waits for the writer.
-const REPLY_QUEUE: usize = 1024;
+/// Region updates queued per link; a peer that does not read its control stream loses the excess
+/// and learns of the change from the target's refusal instead.
+const ANNOUNCE_QUEUE: usize = 1024;
 
 /// How the server behaves.
 #[derive(Debug, Clone)]
@@ -43,15 +47,10 @@ impl Default for ServerConfig {
     }
 }
 
-enum Reply {
-    Frame(Frame),
-    ReadData { id: u64, parts: Vec<Resolved> },
-}
-
 struct AcceptedLink {
     id: u64,
     peer_engine: u64,
-    control: mpsc::Sender<Reply>,
+    announcements: mpsc::Sender<Frame>,
     streams: Mutex<Vec<AbortHandle>>,
     _slot: LinkSlot,
 }
@@ -125,9 +124,7 @@ impl TcpServer {
             .map(|l| l.values().cloned().collect())
             .unwrap_or_default();
         for link in links {
-            // A full control queue means the peer is not reading; it will learn of the change from the
-            // target's refusal instead.
-            let _ = link.control.try_send(Reply::Frame(frame.clone()));
+            let _ = link.announcements.try_send(frame.clone());
         }
     }
 
@@ -209,7 +206,7 @@ async fn serve_stream(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>) 
         host_id: ctx.host_id,
         regions: Vec::new(),
     };
-    let (tx, rx) = mpsc::channel(REPLY_QUEUE);
+    let (announce_tx, announcements) = mpsc::channel(ANNOUNCE_QUEUE);
     let (link, is_control) = if hello.stream_index == 0 {
         let admitted = if hello.stream_count == 0 || hello.stream_count > MAX_STREAMS_PER_LINK {
             Err(Error::InvalidArgument(format!(
@@ -231,7 +228,7 @@ async fn serve_stream(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>) 
         let link = Arc::new(AcceptedLink {
             id: shared.next_link.fetch_add(1, Ordering::Relaxed),
             peer_engine: hello.engine_id,
-            control: tx.clone(),
+            announcements: announce_tx,
             streams: Mutex::new(Vec::new()),
             _slot: slot,
         });
@@ -281,13 +278,21 @@ async fn serve_stream(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>) 
         (link, false)
     };
     writer.flush().await?;
-    let writer_task = tokio::spawn(reply_loop(writer, rx));
-    if let Ok(mut s) = link.streams.lock() {
-        s.push(writer_task.abort_handle());
-    }
     let peer_name = peer.to_string();
-    let result = serve_requests(&shared, &link, &peer_name, &mut reader, &tx).await;
-    drop(tx);
+    let serving = serve_requests(
+        shared.clone(),
+        link.clone(),
+        peer_name,
+        reader,
+        writer,
+        is_control.then_some(announcements),
+    );
+    // Closing the link aborts every stream's task through these handles.
+    let task = tokio::spawn(serving);
+    if let Ok(mut s) = link.streams.lock() {
+        s.push(task.abort_handle());
+    }
+    let result = task.await.unwrap_or_else(|e| Err(Error::PeerClosed(format!("{peer}: stream task ended: {e}"))));
     if is_control {
         let token = hello.link_token;
         let removed = shared.links.lock().ok().and_then(|mut l| l.remove(&token));
@@ -300,56 +305,55 @@ async fn serve_stream(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>) 
 }
 
 async fn serve_requests(
-    shared: &Shared,
-    link: &AcceptedLink,
-    peer: &str,
-    reader: &mut FrameReader,
-    tx: &mpsc::Sender<Reply>,
+    shared: Arc<Shared>,
+    link: Arc<AcceptedLink>,
+    peer: String,
+    mut reader: FrameReader,
+    mut writer: FrameWriter,
+    mut announcements: Option<mpsc::Receiver<Frame>>,
 ) -> Result<()> {
     let ctx = &shared.ctx;
-    let send = |reply: Reply| async move {
-        tx.send(reply)
-            .await
-            .map_err(|_| Error::PeerClosed(format!("{peer}: reply queue closed")))
-    };
-    let ack = |id: u64, r: Result<()>| {
-        Reply::Frame(Frame::Ack {
-            id,
-            error: r.err().map(|e| (e.code(), e.message().to_string())),
-        })
-    };
-    while let Some(decoded) = reader.next().await? {
+    let ack = |id: u64, r: Result<()>| Frame::Ack { id, error: r.err().map(|e| (e.code(), e.message().to_string())) };
+    loop {
+        // Answer what is already in hand before waiting for more.
+        if !reader.has_frame() {
+            writer.flush().await?;
+        }
+        let next = match announcements.as_mut() {
+            Some(changes) => tokio::select! {
+                biased;
+                change = changes.recv() => {
+                    match change {
+                        Some(frame) => writer.push(&frame, 0)?,
+                        None => announcements = None,
+                    }
+                    continue;
+                }
+                next = reader.next() => next?,
+            },
+            None => reader.next().await?,
+        };
+        let Some(decoded) = next else { return Ok(()) };
         let payload = decoded.payload_len;
         match decoded.frame {
-            Frame::Write {
-                id,
-                key,
-                offset,
-                durability,
-            } => {
+            Frame::Write { id, key, offset, durability } => {
                 let result = match resolve_write(ctx, key, offset, payload, durability) {
-                    Ok(r) => land(reader, &r, durability).await?,
+                    Ok(r) => land(&mut reader, &r, durability).await?,
                     Err(e) => {
                         reader.discard(payload).await?;
                         Err(e)
                     }
                 };
-                send(ack(id, result)).await?;
+                writer.push(&ack(id, result), 0)?;
             }
-            Frame::WriteBatch {
-                id,
-                durability,
-                segments,
-            } => {
-                let resolved: Result<Vec<Resolved>> = segments
-                    .iter()
-                    .map(|s| resolve_write(ctx, s.key, s.offset, s.len, durability))
-                    .collect();
+            Frame::WriteBatch { id, durability, segments } => {
+                let resolved: Result<Vec<Resolved>> =
+                    segments.iter().map(|s| resolve_write(ctx, s.key, s.offset, s.len, durability)).collect();
                 let result = match resolved {
                     Ok(parts) => {
                         let mut result = Ok(());
                         for r in &parts {
-                            let landed = land(reader, r, durability).await?;
+                            let landed = land(&mut reader, r, durability).await?;
                             if result.is_ok() {
                                 result = landed;
                             }
@@ -361,37 +365,49 @@ async fn serve_requests(
                         Err(e)
                     }
                 };
-                send(ack(id, result)).await?;
+                writer.push(&ack(id, result), 0)?;
             }
             Frame::Read { id, key, offset, len } => {
                 let seg = [Segment { key, offset, len }];
-                send(match resolve_reads(ctx, &seg, shared.config.limits.max_payload) {
-                    Ok(parts) => Reply::ReadData { id, parts },
-                    Err(e) => ack(id, Err(e)),
-                })
-                .await?;
+                match resolve_reads(ctx, &seg, shared.config.limits.max_payload) {
+                    Ok(parts) => send_read_data(&mut writer, id, &parts).await?,
+                    Err(e) => writer.push(&ack(id, Err(e)), 0)?,
+                }
             }
-            Frame::ReadBatch { id, segments } => {
-                send(match resolve_reads(ctx, &segments, shared.config.limits.max_payload) {
-                    Ok(parts) => Reply::ReadData { id, parts },
-                    Err(e) => ack(id, Err(e)),
-                })
-                .await?;
-            }
+            Frame::ReadBatch { id, segments } => match resolve_reads(ctx, &segments, shared.config.limits.max_payload) {
+                Ok(parts) => send_read_data(&mut writer, id, &parts).await?,
+                Err(e) => writer.push(&ack(id, Err(e)), 0)?,
+            },
             Frame::Notify { id, name, msg } => {
                 let n = Notification { name, msg };
-                let result = n
-                    .validate()
-                    .and_then(|()| ctx.notifier.deliver(link.id, link.peer_engine, peer, n));
-                send(ack(id, result)).await?;
+                let result = n.validate().and_then(|()| ctx.notifier.deliver(link.id, link.peer_engine, &peer, n));
+                writer.push(&ack(id, result), 0)?;
             }
-            Frame::Ping { nonce } => send(Reply::Frame(Frame::Pong { nonce })).await?,
-            Frame::Goodbye => return Ok(()),
-            other => {
-                return Err(Error::Protocol(format!(
-                    "{peer} sent {other:?}, which a target does not accept"
-                )));
+            Frame::Ping { nonce } => writer.push(&Frame::Pong { nonce }, 0)?,
+            Frame::Goodbye => {
+                writer.shutdown().await;
+                return Ok(());
             }
+            other => return Err(Error::Protocol(format!("{peer} sent {other:?}, which a target does not accept"))),
+        }
+        if writer.queued() >= 256 << 10 {
+            writer.flush().await?;
+        }
+    }
+}
+
+/// Answers a read: the header, then each part straight from its region.
+async fn send_read_data(writer: &mut FrameWriter, id: u64, parts: &[Resolved]) -> Result<()> {
+    let total = parts.iter().map(|p| p.len).sum();
+    writer.push(&Frame::ReadData { id }, total)?;
+    for p in parts {
+        let intact = if p.len <= 16 << 10 {
+            writer.push_region(&p.region, p.offset, p.len as usize)
+        } else {
+            writer.write_region(&p.region, p.offset, p.len).await?
+        };
+        if !intact {
+            tracing::warn!(region = ?p.region.key(), "region deregistered while being read: zeros sent");
         }
     }
     Ok(())
@@ -443,42 +459,4 @@ async fn land(reader: &mut FrameReader, r: &Resolved, durability: Durability) ->
             .commit_written(r.offset as usize, r.len as usize, durability),
         Landed::RegionGone => Err(r.region.gone()),
     })
-}
-
-async fn reply_loop(mut writer: FrameWriter, mut rx: mpsc::Receiver<Reply>) {
-    let result: Result<()> = async {
-        while let Some(first) = rx.recv().await {
-            let mut next = Some(first);
-            while let Some(reply) = next.take() {
-                match reply {
-                    Reply::Frame(f) => writer.push(&f, 0)?,
-                    Reply::ReadData { id, parts } => {
-                        let total = parts.iter().map(|p| p.len).sum();
-                        writer.push(&Frame::ReadData { id }, total)?;
-                        for p in &parts {
-                            let intact = if p.len <= 16 << 10 {
-                                writer.push_region(&p.region, p.offset, p.len as usize)
-                            } else {
-                                writer.write_region(&p.region, p.offset, p.len).await?
-                            };
-                            if !intact {
-                                tracing::warn!(region = ?p.region.key(), "region deregistered while being read: zeros sent");
-                            }
-                        }
-                    }
-                }
-                if writer.queued() >= 256 << 10 {
-                    writer.flush().await?;
-                }
-                next = rx.try_recv().ok();
-            }
-            writer.flush().await?;
-        }
-        Ok(())
-    }
-    .await;
-    if let Err(e) = result {
-        tracing::debug!(error = %e, "reply writer stopped");
-    }
-    writer.shutdown().await;
 }

@@ -1,0 +1,551 @@
+//! `cargo xtask bench`: ferry's own benchmark side by side with the peers a user would pick instead.
+//!
+//! Why this shape: the machines are shared and noisy, so an absolute number from another run says
+//! little. Every figure here is measured in the same run as the figure it is compared with, the
+//! measurements alternate (ferry, peer, ferry, peer, ...) for `--rounds` rounds so drift hits both
+//! sides alike, and the report shows medians and their ratio against a target. A missed target is a
+//! finding, not a failure: the exit status is 0 unless a measurement could not be taken at all.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{Context, Result, anyhow};
+use serde_json::{Value, json};
+
+use crate::peers::{self, FerryCase, FerryResult};
+use crate::util::{cargo, ensure_debian_packages, parse_duration, run_captured, run_step};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Rounds of alternating ferry/peer runs; the report uses the median over rounds.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+    rounds: u32,
+    /// How long each ferry case and each time-based peer runs (e.g. 3s, 500ms).
+    #[arg(long, default_value = "3s")]
+    duration: String,
+    /// Print one JSON object per comparison on stdout (the table then goes to stderr).
+    #[arg(long)]
+    json: bool,
+    /// Use this ferry binary instead of building `ferry-cli` in release mode.
+    #[arg(long, value_name = "PATH")]
+    ferry_bin: Option<PathBuf>,
+}
+
+/// Peer tools and the Debian packages that carry them.
+const PEER_PACKAGES: &[(&str, &str)] = &[
+    ("iperf3", "iperf3"),
+    ("sockperf", "sockperf"),
+    ("ucx_perftest", "ucx-utils"),
+];
+
+#[derive(Clone, Copy)]
+enum Metric {
+    GbPerS,
+    P50Us,
+    /// `peak_rss_bytes - registered_bytes`, in MiB.
+    RssOverheadMiB,
+}
+
+#[derive(Clone, Copy)]
+enum Probe {
+    Ferry(FerryCase, Metric),
+    Iperf3 {
+        streams: u32,
+    },
+    Ucx,
+    /// One-way p50 as sockperf prints it.
+    Sockperf,
+}
+
+struct Measure {
+    key: &'static str,
+    probe: Probe,
+}
+
+const fn ferry(key: &'static str, case: FerryCase, metric: Metric) -> Measure {
+    Measure {
+        key,
+        probe: Probe::Ferry(case, metric),
+    }
+}
+
+const fn write(size: &'static str, batch: u32, streams: Option<u32>, depth: Option<u32>) -> FerryCase {
+    FerryCase {
+        op: "write",
+        size,
+        batch,
+        streams,
+        depth,
+    }
+}
+
+const WRITE_1MIB: FerryCase = write("1MiB", 1, None, None);
+
+/// One round, in order: each ferry case right before or after the peer it is compared with.
+const MEASURES: &[Measure] = &[
+    ferry(
+        "ferry write 1MiB, 1 stream",
+        write("1MiB", 1, Some(1), None),
+        Metric::GbPerS,
+    ),
+    Measure {
+        key: "iperf3, 1 stream",
+        probe: Probe::Iperf3 { streams: 1 },
+    },
+    ferry("ferry write 1MiB", WRITE_1MIB, Metric::GbPerS),
+    Measure {
+        key: "iperf3 -P 2",
+        probe: Probe::Iperf3 { streams: 2 },
+    },
+    Measure {
+        key: "ucx_perftest put_bw 1MiB",
+        probe: Probe::Ucx,
+    },
+    ferry("ferry write 4KiB x256", write("4KiB", 256, None, None), Metric::GbPerS),
+    ferry("ferry 64 B p50", write("64", 1, Some(1), Some(1)), Metric::P50Us),
+    Measure {
+        key: "sockperf p50 (one-way)",
+        probe: Probe::Sockperf,
+    },
+    ferry(
+        "ferry 16MiB RSS overhead",
+        write("16MiB", 1, None, None),
+        Metric::RssOverheadMiB,
+    ),
+    ferry(
+        "ferry read 1MiB",
+        FerryCase {
+            op: "read",
+            ..WRITE_1MIB
+        },
+        Metric::GbPerS,
+    ),
+];
+
+#[derive(Clone, Copy)]
+enum Unit {
+    GbPerS,
+    Micros,
+    MiB,
+}
+
+impl Unit {
+    fn name(self) -> &'static str {
+        match self {
+            Unit::GbPerS => "GB/s",
+            Unit::Micros => "us",
+            Unit::MiB => "MiB",
+        }
+    }
+
+    fn show(self, value: f64) -> String {
+        match self {
+            Unit::GbPerS => format!("{value:.2} GB/s"),
+            Unit::Micros => format!("{value:.1} us"),
+            Unit::MiB => format!("{value:.1} MiB"),
+        }
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Target {
+    RatioAtLeast(f64),
+    RatioAtMost(f64),
+    /// The ferry figure itself must not exceed this (no peer).
+    FerryAtMost(f64),
+    Info,
+}
+
+impl Target {
+    fn show(self, unit: Unit) -> String {
+        match self {
+            Target::RatioAtLeast(t) => format!(">= {t:.2}"),
+            Target::RatioAtMost(t) => format!("<= {t:.2}"),
+            Target::FerryAtMost(t) => format!("<= {t:.0} {}", unit.name()),
+            Target::Info => "info".into(),
+        }
+    }
+
+    fn met(self, ferry: f64, ratio: Option<f64>) -> Option<bool> {
+        match self {
+            Target::RatioAtLeast(t) => ratio.map(|r| r >= t),
+            Target::RatioAtMost(t) => ratio.map(|r| r <= t),
+            Target::FerryAtMost(t) => Some(ferry <= t),
+            Target::Info => None,
+        }
+    }
+}
+
+struct Comparison {
+    id: &'static str,
+    name: &'static str,
+    ferry: &'static str,
+    peer: Option<&'static str>,
+    /// Multiplies the peer's median (2 turns sockperf's one-way latency into a round trip).
+    peer_scale: f64,
+    unit: Unit,
+    target: Target,
+}
+
+const COMPARISONS: &[Comparison] = &[
+    Comparison {
+        id: "a",
+        name: "write 1MiB, 1 stream / iperf3",
+        ferry: "ferry write 1MiB, 1 stream",
+        peer: Some("iperf3, 1 stream"),
+        peer_scale: 1.0,
+        unit: Unit::GbPerS,
+        target: Target::RatioAtLeast(0.9),
+    },
+    Comparison {
+        id: "b",
+        name: "write 1MiB, 2 streams / iperf3 -P 2",
+        ferry: "ferry write 1MiB",
+        peer: Some("iperf3 -P 2"),
+        peer_scale: 1.0,
+        unit: Unit::GbPerS,
+        target: Target::RatioAtLeast(0.9),
+    },
+    Comparison {
+        id: "c",
+        name: "write 1MiB, 2 streams / ucx_perftest put_bw",
+        ferry: "ferry write 1MiB",
+        peer: Some("ucx_perftest put_bw 1MiB"),
+        peer_scale: 1.0,
+        unit: Unit::GbPerS,
+        target: Target::RatioAtLeast(2.0),
+    },
+    Comparison {
+        id: "d",
+        name: "write 4KiB x256 batch / write 1MiB",
+        ferry: "ferry write 4KiB x256",
+        peer: Some("ferry write 1MiB"),
+        peer_scale: 1.0,
+        unit: Unit::GbPerS,
+        target: Target::RatioAtLeast(0.5),
+    },
+    Comparison {
+        id: "e",
+        name: "64 B p50 round trip / sockperf RTT p50",
+        ferry: "ferry 64 B p50",
+        peer: Some("sockperf p50 (one-way)"),
+        peer_scale: 2.0,
+        unit: Unit::Micros,
+        target: Target::RatioAtMost(2.0),
+    },
+    Comparison {
+        id: "f",
+        name: "16MiB write: peak RSS - registered",
+        ferry: "ferry 16MiB RSS overhead",
+        peer: None,
+        peer_scale: 1.0,
+        unit: Unit::MiB,
+        target: Target::FerryAtMost(64.0),
+    },
+    Comparison {
+        id: "g",
+        name: "read 1MiB / write 1MiB",
+        ferry: "ferry read 1MiB",
+        peer: Some("ferry write 1MiB"),
+        peer_scale: 1.0,
+        unit: Unit::GbPerS,
+        target: Target::Info,
+    },
+];
+
+/// Samples per measurement, over rounds, and the first error of each.
+#[derive(Default)]
+struct Samples {
+    values: BTreeMap<&'static str, Vec<f64>>,
+    errors: BTreeMap<&'static str, String>,
+}
+
+struct Bench<'a> {
+    args: &'a Args,
+    ferry_bin: PathBuf,
+    duration: Duration,
+    /// The `UCX_TLS` value that worked, once one has.
+    ucx_tls: Option<&'static str>,
+}
+
+pub fn run(args: &Args) -> Result<ExitCode> {
+    let duration = parse_duration(&args.duration)?;
+    ensure_debian_packages(PEER_PACKAGES)?;
+    let ferry_bin = match &args.ferry_bin {
+        Some(path) => path.clone(),
+        None => build_ferry()?,
+    };
+    if !ferry_bin.is_file() {
+        return Err(anyhow!("the ferry binary {} does not exist", ferry_bin.display()));
+    }
+    let mut bench = Bench {
+        args,
+        ferry_bin,
+        duration,
+        ucx_tls: None,
+    };
+    let mut samples = Samples::default();
+    for round in 1..=args.rounds {
+        for measure in MEASURES {
+            match bench.measure(measure.probe) {
+                Ok(value) => {
+                    eprintln!("[round {round}/{}] {}: {value:.3}", args.rounds, measure.key);
+                    samples.values.entry(measure.key).or_default().push(value);
+                }
+                Err(e) => {
+                    eprintln!("[round {round}/{}] {}: error: {e:#}", args.rounds, measure.key);
+                    samples.errors.entry(measure.key).or_insert_with(|| format!("{e:#}"));
+                }
+            }
+        }
+    }
+    let rows: Vec<Row> = COMPARISONS.iter().map(|c| Row::new(c, &samples, &bench)).collect();
+    let table = render_table(&rows, &bench);
+    if args.json {
+        eprint!("{table}");
+        for row in &rows {
+            println!("{}", row.json);
+        }
+    } else {
+        print!("{table}");
+    }
+    Ok(if rows.iter().any(|r| r.status == "ERROR") {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
+/// Builds `ferry-cli` in release mode and returns the path of its `ferry` binary.
+fn build_ferry() -> Result<PathBuf> {
+    run_step(
+        cargo().args(["build", "--release", "-p", "ferry-cli"]),
+        Duration::from_secs(45 * 60),
+    )?;
+    let out = run_captured(
+        cargo().args(["metadata", "--format-version", "1", "--no-deps"]),
+        Duration::from_secs(120),
+    )?;
+    let meta: Value = serde_json::from_str(&out.stdout).context("cargo metadata output is not JSON")?;
+    let target = meta["target_directory"]
+        .as_str()
+        .ok_or_else(|| anyhow!("cargo metadata has no target_directory"))?;
+    let bin = PathBuf::from(target).join("release").join("ferry");
+    if !bin.is_file() {
+        return Err(anyhow!(
+            "{} is missing after building ferry-cli (is its binary named `ferry`?)",
+            bin.display()
+        ));
+    }
+    Ok(bin)
+}
+
+impl Bench<'_> {
+    fn measure(&mut self, probe: Probe) -> Result<f64> {
+        match probe {
+            Probe::Ferry(case, metric) => {
+                let r: FerryResult = peers::ferry(&self.ferry_bin, &case, &self.args.duration, self.duration)?;
+                Ok(match metric {
+                    Metric::GbPerS => r.gb_per_s,
+                    Metric::P50Us => r.p50_us,
+                    Metric::RssOverheadMiB => (r.peak_rss_bytes - r.registered_bytes) / f64::from(1u32 << 20),
+                })
+            }
+            Probe::Iperf3 { streams } => peers::iperf3(streams, self.duration),
+            Probe::Sockperf => peers::sockperf_p50(self.duration),
+            Probe::Ucx => self.ucx(),
+        }
+    }
+
+    /// ucx_perftest with the first `UCX_TLS` choice that works, remembered for later rounds.
+    fn ucx(&mut self) -> Result<f64> {
+        if let Some(tls) = self.ucx_tls {
+            return peers::ucx_put_bw(tls);
+        }
+        let mut errors = Vec::new();
+        for &tls in peers::UCX_TLS_CHOICES {
+            match peers::ucx_put_bw(tls) {
+                Ok(v) => {
+                    self.ucx_tls = Some(tls);
+                    return Ok(v);
+                }
+                Err(e) => errors.push(format!("UCX_TLS={tls}: {e:#}")),
+            }
+        }
+        Err(anyhow!(
+            "ucx_perftest failed with every UCX_TLS choice: {}",
+            errors.join("; ")
+        ))
+    }
+
+    fn command_of(&self, key: &str) -> String {
+        let Some(measure) = MEASURES.iter().find(|m| m.key == key) else {
+            return String::new();
+        };
+        match measure.probe {
+            Probe::Ferry(case, _) => case.describe(&self.args.duration),
+            Probe::Iperf3 { streams } => peers::iperf3_describe(streams, self.duration),
+            Probe::Ucx => peers::ucx_describe(self.ucx_tls.unwrap_or(peers::UCX_TLS_CHOICES[0])),
+            Probe::Sockperf => peers::sockperf_describe(self.duration),
+        }
+    }
+}
+
+fn median(values: &[f64]) -> Option<f64> {
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    match n {
+        0 => None,
+        _ if n % 2 == 1 => Some(v[n / 2]),
+        _ => Some((v[n / 2 - 1] + v[n / 2]) / 2.0),
+    }
+}
+
+struct Row {
+    cells: [String; 6],
+    status: &'static str,
+    json: Value,
+}
+
+impl Row {
+    fn new(c: &Comparison, samples: &Samples, bench: &Bench) -> Self {
+        let ferry_samples = samples.values.get(c.ferry).cloned().unwrap_or_default();
+        let peer_samples: Vec<f64> = c
+            .peer
+            .and_then(|p| samples.values.get(p))
+            .map(|v| v.iter().map(|x| x * c.peer_scale).collect())
+            .unwrap_or_default();
+        let ferry = median(&ferry_samples);
+        let peer = median(&peer_samples);
+        let ratio = match (ferry, peer) {
+            (Some(f), Some(p)) if p > 0.0 => Some(f / p),
+            _ => None,
+        };
+        let error = [Some(c.ferry), c.peer]
+            .into_iter()
+            .flatten()
+            .find_map(|k| samples.errors.get(k).map(|e| format!("{k}: {e}")));
+        let complete = ferry.is_some() && (c.peer.is_none() || peer.is_some());
+        let met = ferry.filter(|_| complete).and_then(|f| c.target.met(f, ratio));
+        let status = match (complete, met) {
+            (false, _) => "ERROR",
+            (true, Some(true)) => "ok",
+            (true, Some(false)) => "MISSED",
+            (true, None) => "info",
+        };
+        let show = |v: Option<f64>| v.map_or_else(|| "-".to_owned(), |v| c.unit.show(v));
+        let cells = [
+            format!("{}. {}", c.id, c.name),
+            show(ferry),
+            if c.peer.is_some() { show(peer) } else { "-".into() },
+            ratio.map_or_else(|| "-".to_owned(), |r| format!("{r:.2}")),
+            c.target.show(c.unit),
+            status.to_owned(),
+        ];
+        let json = json!({
+            "id": c.id,
+            "comparison": c.name,
+            "unit": c.unit.name(),
+            "ferry": ferry,
+            "peer": peer,
+            "ratio": ratio,
+            "target": c.target.show(c.unit),
+            "ok": met,
+            "status": status,
+            "rounds": bench.args.rounds,
+            "ferry_samples": ferry_samples,
+            "peer_samples": peer_samples,
+            "ferry_command": bench.command_of(c.ferry),
+            "peer_command": c.peer.map(|p| bench.command_of(p)),
+            "ucx_tls": if c.peer.is_some_and(|p| p.starts_with("ucx")) { bench.ucx_tls } else { None },
+            "error": error,
+        });
+        Row { cells, status, json }
+    }
+}
+
+fn render_table(rows: &[Row], bench: &Bench) -> String {
+    let header = ["comparison", "ferry", "peer", "ratio", "target", "ok"];
+    let mut widths = header.map(str::len);
+    for row in rows {
+        for (w, cell) in widths.iter_mut().zip(&row.cells) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let line = |cells: [&str; 6]| {
+        let mut s = format!("{:<w$}", cells[0], w = widths[0]);
+        for (cell, w) in cells.iter().zip(widths).skip(1) {
+            s.push_str(&format!("  {cell:>w$}"));
+        }
+        s.trim_end().to_owned() + "\n"
+    };
+    let mut out = format!(
+        "\nferry vs peers: medians over {} round(s) of {}, alternating ferry and peer in one run\n\n",
+        bench.args.rounds, bench.args.duration
+    );
+    out += &line(header);
+    for row in rows {
+        out += &line(row.cells.each_ref().map(String::as_str));
+    }
+    out += "\nnotes:\n";
+    out += "  e. sockperf prints one-way latency (RTT/2); the peer column is 2 x its p50, a round trip, like ferry's p50.\n";
+    out += &format!(
+        "  c. ucx_perftest ran with UCX_TLS={}; its figure is the Final row's \"overall\" bandwidth (MB = 2^20 B),\n     not the \"average\" column, which covers only the last report interval.\n",
+        bench.ucx_tls.unwrap_or("(none worked)")
+    );
+    out += "  ferry GB/s = 10^9 B/s; iperf3 = end.sum_received.bits_per_second / 8e9.\n";
+    out += "commands:\n";
+    for m in MEASURES {
+        out += &format!("  {:<26} {}\n", m.key, bench.command_of(m.key));
+    }
+    let missed: Vec<&str> = rows
+        .iter()
+        .filter(|r| r.status == "MISSED")
+        .map(|r| r.cells[0].as_str())
+        .collect();
+    if !missed.is_empty() {
+        out += &format!("\nMISSED targets: {}\n", missed.join("; "));
+    }
+    for row in rows.iter().filter(|r| r.status == "ERROR") {
+        out += &format!(
+            "\nERROR {}: {}\n",
+            row.cells[0],
+            row.json["error"].as_str().unwrap_or("no samples")
+        );
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn medians() {
+        assert_eq!(median(&[]), None);
+        assert_eq!(median(&[3.0, 1.0, 2.0]), Some(2.0));
+        assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), Some(2.5));
+    }
+
+    #[test]
+    fn every_comparison_names_measures() {
+        for c in COMPARISONS {
+            assert!(MEASURES.iter().any(|m| m.key == c.ferry), "{}", c.ferry);
+            if let Some(p) = c.peer {
+                assert!(MEASURES.iter().any(|m| m.key == p), "{p}");
+            }
+        }
+    }
+
+    #[test]
+    fn targets() {
+        assert_eq!(Target::RatioAtLeast(0.9).met(1.0, Some(0.95)), Some(true));
+        assert_eq!(Target::RatioAtLeast(0.9).met(1.0, Some(0.85)), Some(false));
+        assert_eq!(Target::RatioAtMost(2.0).met(1.0, Some(2.5)), Some(false));
+        assert_eq!(Target::FerryAtMost(64.0).met(10.0, None), Some(true));
+        assert_eq!(Target::Info.met(1.0, Some(1.0)), None);
+    }
+}

@@ -1,0 +1,359 @@
+//! One run of each tool `cargo xtask bench` measures, and the parser for what it prints.
+//!
+//! Why parsers live apart from the runs: each peer prints its own format (iperf3 JSON, a ucx_perftest
+//! table, sockperf percentile lines) with traps that are easy to misread — ucx_perftest's "average"
+//! bandwidth covers only its last report interval, sockperf's latency is one-way (RTT/2). The parsers
+//! are unit-tested against output captured from real runs.
+
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use anyhow::{Context, Result, anyhow, bail};
+use serde_json::Value;
+
+use crate::util::{ServerGuard, describe, free_port, run_captured};
+
+/// How long a peer server may take to start listening.
+const LISTEN_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Slack on top of the measured duration before a client is killed.
+const SLACK: Duration = Duration::from_secs(60);
+
+/// `seconds` rounded up to whole seconds, at least 1 (iperf3 and sockperf take integers).
+pub fn whole_seconds(duration: Duration) -> u64 {
+    duration.as_secs_f64().ceil().max(1.0) as u64
+}
+
+/// One `ferry bench` case, as on its command line.
+#[derive(Clone, Copy)]
+pub struct FerryCase {
+    pub op: &'static str,
+    pub size: &'static str,
+    pub batch: u32,
+    pub streams: Option<u32>,
+    pub depth: Option<u32>,
+}
+
+impl FerryCase {
+    fn args(&self, duration: &str) -> Vec<String> {
+        let mut args: Vec<String> = ["bench", "--op", self.op, "--size", self.size]
+            .map(String::from)
+            .to_vec();
+        args.extend(["--batch".into(), self.batch.to_string()]);
+        if let Some(streams) = self.streams {
+            args.extend(["--streams".into(), streams.to_string()]);
+        }
+        if let Some(depth) = self.depth {
+            args.extend(["--depth".into(), depth.to_string()]);
+        }
+        args.extend(["--duration".into(), duration.into(), "--json".into()]);
+        args
+    }
+
+    /// The command line, for the report.
+    pub fn describe(&self, duration: &str) -> String {
+        format!("ferry {}", self.args(duration).join(" "))
+    }
+}
+
+/// The figures of one `ferry bench --json` case that the comparisons use.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct FerryResult {
+    pub gb_per_s: f64,
+    pub p50_us: f64,
+    pub peak_rss_bytes: f64,
+    pub registered_bytes: f64,
+}
+
+/// Runs `ferry bench` for one case and returns its JSON figures.
+pub fn ferry(bin: &Path, case: &FerryCase, duration_arg: &str, duration: Duration) -> Result<FerryResult> {
+    let mut cmd = Command::new(bin);
+    cmd.args(case.args(duration_arg));
+    let what = describe(&cmd);
+    let out = run_captured(&mut cmd, duration * 4 + SLACK)?;
+    if !out.status.success() {
+        bail!("`{what}` failed ({}): {}", out.status, tail(&out.combined()));
+    }
+    let size = parse_size(case.size)?;
+    parse_ferry(&out.stdout, case.op, size).with_context(|| format!("reading the output of `{what}`"))
+}
+
+/// Picks the JSON line for (`op`, `size`) from `ferry bench --json` output.
+pub fn parse_ferry(stdout: &str, op: &str, size: u64) -> Result<FerryResult> {
+    let mut seen = Vec::new();
+    for line in stdout.lines().map(str::trim).filter(|l| l.starts_with('{')) {
+        let v: Value = serde_json::from_str(line).with_context(|| format!("not JSON: {line}"))?;
+        if v["op"].as_str() == Some(op) && v["size"].as_u64() == Some(size) {
+            let num = |key: &str| {
+                v[key]
+                    .as_f64()
+                    .ok_or_else(|| anyhow!("key `{key}` missing or not a number: {line}"))
+            };
+            return Ok(FerryResult {
+                gb_per_s: num("gb_per_s")?,
+                p50_us: num("p50_us")?,
+                peak_rss_bytes: num("peak_rss_bytes")?,
+                registered_bytes: num("registered_bytes")?,
+            });
+        }
+        seen.push(line.to_owned());
+    }
+    bail!("no JSON line with op={op} size={size}; lines seen: {seen:?}")
+}
+
+/// Parses `64`, `4KiB`, `1MiB`, `16MiB`, `1GiB` into bytes.
+pub fn parse_size(text: &str) -> Result<u64> {
+    let split = text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let number: u64 = number.parse().with_context(|| format!("`{text}` is not a size"))?;
+    let scale = match unit {
+        "" | "B" => 1,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        other => bail!("unknown unit `{other}` in size `{text}`"),
+    };
+    Ok(number * scale)
+}
+
+/// The iperf3 client command for `streams` parallel streams, without the port.
+pub fn iperf3_describe(streams: u32, duration: Duration) -> String {
+    let parallel = if streams > 1 {
+        format!(" -P {streams}")
+    } else {
+        String::new()
+    };
+    format!(
+        "iperf3 -c 127.0.0.1 -p PORT{parallel} -l 1M -t {} -J (server: iperf3 -s -1 -B 127.0.0.1 -p PORT)",
+        whole_seconds(duration)
+    )
+}
+
+/// Runs an iperf3 server (one test) and client over loopback; returns GB/s received (10^9 B/s).
+pub fn iperf3(streams: u32, duration: Duration) -> Result<f64> {
+    let port = free_port()?.to_string();
+    let mut server = ServerGuard::spawn(
+        "iperf3",
+        Command::new("iperf3").args(["-s", "-1", "-B", "127.0.0.1", "-p", &port]),
+    )?;
+    server.wait_listening(port.parse()?, LISTEN_TIMEOUT)?;
+    let mut cmd = Command::new("iperf3");
+    cmd.args([
+        "-c",
+        "127.0.0.1",
+        "-p",
+        &port,
+        "-l",
+        "1M",
+        "-t",
+        &whole_seconds(duration).to_string(),
+        "-J",
+    ]);
+    if streams > 1 {
+        cmd.args(["-P", &streams.to_string()]);
+    }
+    let what = describe(&cmd);
+    let out = run_captured(&mut cmd, duration + SLACK)?;
+    let parsed = parse_iperf3(&out.stdout).with_context(|| format!("reading the output of `{what}`"));
+    if !out.status.success() && parsed.is_err() {
+        bail!("`{what}` failed ({}): {}", out.status, tail(&out.combined()));
+    }
+    drop(server);
+    parsed
+}
+
+/// `end.sum_received.bits_per_second` of `iperf3 -J` output, in GB/s (10^9 B/s).
+pub fn parse_iperf3(stdout: &str) -> Result<f64> {
+    let v: Value = serde_json::from_str(stdout).context("iperf3 -J output is not JSON")?;
+    if let Some(err) = v["error"].as_str() {
+        bail!("iperf3: {err}");
+    }
+    let bits = v["end"]["sum_received"]["bits_per_second"]
+        .as_f64()
+        .ok_or_else(|| anyhow!("no end.sum_received.bits_per_second in iperf3 output"))?;
+    Ok(bits / 8e9)
+}
+
+/// The UCX transport lists tried in order for ucx_perftest over TCP.
+pub const UCX_TLS_CHOICES: &[&str] = &["tcp,self", "tcp"];
+
+/// Iterations of 1 MiB puts per ucx_perftest run.
+pub const UCX_ITERS: &str = "2000";
+
+pub fn ucx_describe(tls: &str) -> String {
+    format!(
+        "UCX_TLS={tls} ucx_perftest 127.0.0.1 -p PORT -t ucp_put_bw -s 1048576 -n {UCX_ITERS} (server: ucx_perftest -p PORT)"
+    )
+}
+
+/// Runs ucx_perftest `ucp_put_bw` with 1 MiB messages over loopback with `UCX_TLS=tls`; returns GB/s.
+pub fn ucx_put_bw(tls: &str) -> Result<f64> {
+    let port = free_port()?.to_string();
+    let mut server_cmd = Command::new("ucx_perftest");
+    server_cmd.env("UCX_TLS", tls).args(["-p", &port]);
+    let mut server = ServerGuard::spawn("ucx_perftest", &mut server_cmd)?;
+    server.wait_listening(port.parse()?, LISTEN_TIMEOUT)?;
+    let mut cmd = Command::new("ucx_perftest");
+    cmd.env("UCX_TLS", tls).args([
+        "127.0.0.1",
+        "-p",
+        &port,
+        "-t",
+        "ucp_put_bw",
+        "-s",
+        "1048576",
+        "-n",
+        UCX_ITERS,
+    ]);
+    let what = describe(&cmd);
+    let out = run_captured(&mut cmd, Duration::from_secs(120) + SLACK)?;
+    if !out.status.success() {
+        bail!("`{what}` failed ({}): {}", out.status, tail(&out.combined()));
+    }
+    drop(server);
+    parse_ucx_put_bw(&out.stdout).with_context(|| format!("reading the output of `{what}`"))
+}
+
+/// The `Final:` row of ucx_perftest's table, bandwidth "overall" column (MB/s with MB = 2^20 B), in
+/// GB/s (10^9 B/s). The row's "average" column is the moment average over the last report interval
+/// only (ucx_perftest prints `bandwidth.moment_average` there), so the whole run is "overall".
+pub fn parse_ucx_put_bw(stdout: &str) -> Result<f64> {
+    let line = stdout
+        .lines()
+        .rev()
+        .find(|l| l.trim_start().starts_with("Final:"))
+        .ok_or_else(|| anyhow!("no `Final:` line in ucx_perftest output"))?;
+    // Final: iters, latency p50, latency avg, latency overall, bw avg, bw overall, rate avg, rate overall
+    let fields: Vec<&str> = line.split_whitespace().collect();
+    let overall_mb: f64 = fields
+        .get(6)
+        .ok_or_else(|| anyhow!("short `Final:` line: {line}"))?
+        .parse()
+        .with_context(|| format!("bandwidth column of `{line}`"))?;
+    Ok(overall_mb * (1u64 << 20) as f64 / 1e9)
+}
+
+pub fn sockperf_describe(duration: Duration) -> String {
+    format!(
+        "sockperf ping-pong --tcp -i 127.0.0.1 -p PORT -m 64 -t {} (server: sockperf server --tcp -i 127.0.0.1 -p PORT)",
+        whole_seconds(duration)
+    )
+}
+
+/// Runs sockperf TCP ping-pong with 64-byte messages over loopback; returns its p50 in microseconds,
+/// which sockperf reports one-way (RTT/2).
+pub fn sockperf_p50(duration: Duration) -> Result<f64> {
+    let port = free_port()?.to_string();
+    let mut server = ServerGuard::spawn(
+        "sockperf",
+        Command::new("sockperf").args(["server", "--tcp", "-i", "127.0.0.1", "-p", &port]),
+    )?;
+    server.wait_listening(port.parse()?, LISTEN_TIMEOUT)?;
+    let mut cmd = Command::new("sockperf");
+    cmd.args(["ping-pong", "--tcp", "-i", "127.0.0.1", "-p", &port, "-m", "64"]);
+    cmd.args(["-t", &whole_seconds(duration).to_string()]);
+    let what = describe(&cmd);
+    let out = run_captured(&mut cmd, duration + SLACK)?;
+    if !out.status.success() {
+        bail!("`{what}` failed ({}): {}", out.status, tail(&out.combined()));
+    }
+    drop(server);
+    parse_sockperf_p50(&out.combined()).with_context(|| format!("reading the output of `{what}`"))
+}
+
+/// The value of sockperf's `percentile 50.000 =` line, in microseconds (one-way).
+pub fn parse_sockperf_p50(output: &str) -> Result<f64> {
+    let line = output
+        .lines()
+        .find(|l| l.contains("percentile 50.000"))
+        .ok_or_else(|| anyhow!("no `percentile 50.000 =` line in sockperf output"))?;
+    let value = line.rsplit('=').next().unwrap_or_default().trim();
+    value.parse().with_context(|| format!("p50 value of `{line}`"))
+}
+
+/// The last lines of a failed command's output, for error messages.
+fn tail(text: &str) -> String {
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(8)..].join("\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ferry_json_lines() {
+        let out = "warming up\n{\"transport\":\"tcp\",\"op\":\"write\",\"size\":1048576,\"batch\":1,\"streams\":2,\"depth\":8,\"gb_per_s\":4.5,\"ops_per_s\":4291.5,\"p50_us\":400.0,\"p99_us\":900.5,\"peak_rss_bytes\":90000000,\"registered_bytes\":33554432}\n";
+        let r = parse_ferry(out, "write", 1 << 20).ok();
+        assert_eq!(
+            r,
+            Some(FerryResult {
+                gb_per_s: 4.5,
+                p50_us: 400.0,
+                peak_rss_bytes: 9e7,
+                registered_bytes: 33554432.0
+            })
+        );
+        assert!(parse_ferry(out, "read", 1 << 20).is_err());
+        assert!(parse_ferry(out, "write", 4096).is_err());
+    }
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("64").ok(), Some(64));
+        assert_eq!(parse_size("4KiB").ok(), Some(4096));
+        assert_eq!(parse_size("16MiB").ok(), Some(16 << 20));
+        assert!(parse_size("1MB").is_err());
+    }
+
+    #[test]
+    fn iperf3_json() {
+        let out = r#"{"start":{},"intervals":[],"end":{"sum_sent":{"bits_per_second":42.0e9},"sum_received":{"bits_per_second":42.657e9}}}"#;
+        let gb = parse_iperf3(out).ok().unwrap_or_default();
+        assert!((gb - 5.332125).abs() < 1e-6, "{gb}");
+        assert!(parse_iperf3(r#"{"start":{},"error":"unable to connect to server"}"#).is_err());
+    }
+
+    /// Captured from `UCX_TLS=tcp,self ucx_perftest 127.0.0.1 -p P -t ucp_put_bw -s 1048576 -n 2000`
+    /// (UCX 1.13.1, Debian bookworm).
+    const UCX_OUT: &str = "\
++--------------+--------------+------------------------------+---------------------+-----------------------+
+|              |              |       overhead (usec)        |   bandwidth (MB/s)  |  message rate (msg/s) |
++--------------+--------------+----------+---------+---------+----------+----------+-----------+-----------+
+|    Stage     | # iterations | 50.0%ile | average | overall |  average |  overall |  average  |  overall  |
++--------------+--------------+----------+---------+---------+----------+----------+-----------+-----------+
+[thread 0]              1389      0.140   719.922   719.922     1389.04    1389.04        1389        1389
+Final:                  2000      0.140  2549.087  1278.732      392.30     782.02         392         782
+";
+
+    #[test]
+    fn ucx_final_overall_column() {
+        let gb = parse_ucx_put_bw(UCX_OUT).ok().unwrap_or_default();
+        assert!((gb - 782.02 * 1048576.0 / 1e9).abs() < 1e-9, "{gb}");
+        assert!(parse_ucx_put_bw("Waiting for connection...\n").is_err());
+    }
+
+    /// Captured from `sockperf ping-pong --tcp -i 127.0.0.1 -p P -m 64 -t 2` (sockperf 3.7).
+    const SOCKPERF_OUT: &str = "\
+sockperf: \x1b[2;35m====> avg-latency=34.902 (std-dev=18.347)\x1b[0m
+sockperf: Summary: Latency is 34.902 usec
+sockperf: ---> percentile 99.000 =  107.885
+sockperf: ---> percentile 90.000 =   35.217
+sockperf: ---> percentile 50.000 =   33.144
+sockperf: ---> percentile 25.000 =   32.533
+";
+
+    #[test]
+    fn sockperf_percentile_50() {
+        assert_eq!(parse_sockperf_p50(SOCKPERF_OUT).ok(), Some(33.144));
+        assert!(parse_sockperf_p50("sockperf: Test ended\n").is_err());
+    }
+
+    #[test]
+    fn whole_seconds_round_up() {
+        assert_eq!(whole_seconds(Duration::from_millis(500)), 1);
+        assert_eq!(whole_seconds(Duration::from_millis(2500)), 3);
+        assert_eq!(whole_seconds(Duration::from_secs(3)), 3);
+    }
+}

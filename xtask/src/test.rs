@@ -1,0 +1,119 @@
+//! `cargo xtask test`: everything CI runs, in CI's order, so a green local run means a green CI run.
+//!
+//! Why one command: CI (`.ci/run`, the GitHub workflow) and a developer run exactly the same steps, and
+//! nothing is skipped silently — a missing prerequisite is installed (root on Debian) or the step
+//! fails with the command that installs it. Steps stop at the first failure, which is named, and the
+//! last line is always `xtask test: N passed, M failed` for a log reader to grep.
+
+use std::process::{Command, ExitCode};
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+
+use crate::util::{cargo, ensure_debian_packages, run_step, succeeds};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Skip the lint steps (fmt, clippy, deny) and their prerequisites, for quick local runs.
+    #[arg(long)]
+    no_lint: bool,
+}
+
+/// Debian packages the tests need, as `(binary, package)`: none beyond a stock CI image today.
+const DEBIAN_PACKAGES: &[(&str, &str)] = &[];
+
+const MINUTE: Duration = Duration::from_secs(60);
+
+struct Step {
+    name: &'static str,
+    lint: bool,
+    run: fn(&Args) -> Result<()>,
+}
+
+const STEPS: &[Step] = &[
+    Step {
+        name: "prerequisites",
+        lint: false,
+        run: prerequisites,
+    },
+    Step {
+        name: "fmt",
+        lint: true,
+        run: |_| run_step(cargo().args(["fmt", "--all", "--", "--check"]), 10 * MINUTE),
+    },
+    Step {
+        name: "clippy",
+        lint: true,
+        run: |_| {
+            run_step(
+                cargo().args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]),
+                45 * MINUTE,
+            )
+        },
+    },
+    Step {
+        name: "deny",
+        lint: true,
+        run: |_| {
+            run_step(
+                cargo().args(["deny", "check", "bans", "licenses", "sources"]),
+                10 * MINUTE,
+            )
+        },
+    },
+    // Release: the tests move many MiB, which takes minutes unoptimised.
+    Step {
+        name: "test",
+        lint: false,
+        run: |_| run_step(cargo().args(["test", "--workspace", "--release"]), 60 * MINUTE),
+    },
+    Step {
+        name: "example kv_cache_handoff",
+        lint: false,
+        run: |_| {
+            run_step(
+                cargo().args(["run", "--release", "--example", "kv_cache_handoff", "-p", "ferry"]),
+                20 * MINUTE,
+            )
+        },
+    },
+];
+
+pub fn run(args: &Args) -> ExitCode {
+    let steps: Vec<&Step> = STEPS.iter().filter(|s| !(args.no_lint && s.lint)).collect();
+    let mut passed = 0;
+    for (i, step) in steps.iter().enumerate() {
+        eprintln!("==> xtask test [{}/{}]: {}", i + 1, steps.len(), step.name);
+        if let Err(e) = (step.run)(args) {
+            eprintln!("xtask test: step `{}` failed: {e:#}", step.name);
+            println!("xtask test: {passed} passed, 1 failed");
+            return ExitCode::FAILURE;
+        }
+        passed += 1;
+    }
+    println!("xtask test: {passed} passed, 0 failed");
+    ExitCode::SUCCESS
+}
+
+/// Installs what the steps need when it is missing: Debian packages, rustfmt/clippy, cargo-deny.
+fn prerequisites(args: &Args) -> Result<()> {
+    ensure_debian_packages(DEBIAN_PACKAGES)?;
+    if args.no_lint {
+        return Ok(());
+    }
+    if !succeeds(cargo().args(["fmt", "--version"])) || !succeeds(cargo().args(["clippy", "--version"])) {
+        run_step(
+            Command::new("rustup").args(["component", "add", "rustfmt", "clippy"]),
+            10 * MINUTE,
+        )
+        .context("rustfmt or clippy is missing; installing with `rustup component add rustfmt clippy`")?;
+    }
+    if !succeeds(cargo().args(["deny", "--version"])) {
+        run_step(cargo().args(["install", "--locked", "cargo-deny"]), 45 * MINUTE)
+            .context("cargo-deny is missing; installing with `cargo install --locked cargo-deny`")?;
+        if !succeeds(cargo().args(["deny", "--version"])) {
+            bail!("`cargo deny --version` still fails after `cargo install --locked cargo-deny`");
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,330 @@
+//! Running commands with a deadline, peer servers that are always killed, and Debian prerequisites.
+//!
+//! Why: a benchmark or CI step that hangs burns the whole CI budget and says nothing, and a peer server
+//! left behind holds a port and skews the next measurement. So every process here runs with a
+//! timeout, every background server sits in a guard whose `Drop` kills it, and a missing tool is
+//! either installed (root on Debian, as in CI) or reported with the exact command that installs it.
+
+use std::fs::File;
+use std::io::Read;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+
+/// How often a running child is polled for exit.
+const POLL: Duration = Duration::from_millis(20);
+
+/// The workspace root: xtask lives one level below it.
+pub fn workspace_root() -> PathBuf {
+    let manifest_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+    manifest_dir.parent().unwrap_or(manifest_dir).to_path_buf()
+}
+
+/// The `cargo` that runs us (so `+toolchain` overrides carry over), or `cargo` from `PATH`.
+pub fn cargo() -> Command {
+    let program = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let mut cmd = Command::new(program);
+    cmd.current_dir(workspace_root());
+    cmd
+}
+
+/// A command as a user would type it, with the environment variables we set in front.
+pub fn describe(cmd: &Command) -> String {
+    let mut parts: Vec<String> = cmd
+        .get_envs()
+        .filter_map(|(k, v)| v.map(|v| format!("{}={}", k.to_string_lossy(), v.to_string_lossy())))
+        .collect();
+    let program = Path::new(cmd.get_program()).file_name().unwrap_or(cmd.get_program());
+    parts.push(program.to_string_lossy().into_owned());
+    parts.extend(cmd.get_args().map(|a| a.to_string_lossy().into_owned()));
+    parts.join(" ")
+}
+
+/// What a finished child printed.
+pub struct Output {
+    pub status: ExitStatus,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+impl Output {
+    /// Both streams, for error messages.
+    pub fn combined(&self) -> String {
+        format!("{}{}", self.stdout, self.stderr)
+    }
+}
+
+/// Waits for `child` until `timeout`; kills it when the time is up.
+fn wait_with_deadline(child: &mut Child, timeout: Duration, what: &str) -> Result<ExitStatus> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(status) = child.try_wait().with_context(|| format!("waiting for `{what}`"))? {
+            return Ok(status);
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            bail!("`{what}` did not finish within {}s and was killed", timeout.as_secs());
+        }
+        thread::sleep(POLL);
+    }
+}
+
+/// Runs `cmd` with stdin closed and stdout/stderr captured; fails only if it cannot start or times out
+/// (the caller judges the exit status, since some peers exit non-zero with useful output).
+pub fn run_captured(cmd: &mut Command, timeout: Duration) -> Result<Output> {
+    let what = describe(cmd);
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("cannot start `{what}`"))?;
+    let stdout = child.stdout.take().map(reader_thread);
+    let stderr = child.stderr.take().map(reader_thread);
+    let status = wait_with_deadline(&mut child, timeout, &what);
+    let stdout = stdout.and_then(|t| t.join().ok()).unwrap_or_default();
+    let stderr = stderr.and_then(|t| t.join().ok()).unwrap_or_default();
+    Ok(Output {
+        status: status?,
+        stdout,
+        stderr,
+    })
+}
+
+fn reader_thread(mut pipe: impl Read + Send + 'static) -> thread::JoinHandle<String> {
+    thread::spawn(move || {
+        let mut bytes = Vec::new();
+        let _ = pipe.read_to_end(&mut bytes);
+        String::from_utf8_lossy(&bytes).into_owned()
+    })
+}
+
+/// Runs `cmd` with the terminal's stdout/stderr (so cargo's own output shows) and fails unless it
+/// exits 0 within `timeout`.
+pub fn run_step(cmd: &mut Command, timeout: Duration) -> Result<()> {
+    let what = describe(cmd);
+    eprintln!("+ {what}");
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .spawn()
+        .with_context(|| format!("cannot start `{what}`"))?;
+    let status = wait_with_deadline(&mut child, timeout, &what)?;
+    if !status.success() {
+        bail!("`{what}` failed ({status})");
+    }
+    Ok(())
+}
+
+/// Whether `cmd` starts and exits 0 (used to probe for tools such as `cargo deny --version`).
+pub fn succeeds(cmd: &mut Command) -> bool {
+    run_captured(cmd, Duration::from_secs(60)).is_ok_and(|o| o.status.success())
+}
+
+/// A free TCP port on 127.0.0.1, found by binding port 0 and letting the listener go.
+pub fn free_port() -> Result<u16> {
+    let listener = TcpListener::bind("127.0.0.1:0").context("binding 127.0.0.1:0 to find a free port")?;
+    Ok(listener.local_addr().context("reading the bound address")?.port())
+}
+
+/// A background server (a benchmark peer). Dropping the guard kills it, on every exit path.
+pub struct ServerGuard {
+    child: Child,
+    what: String,
+    log: PathBuf,
+}
+
+impl ServerGuard {
+    /// Starts `cmd` in the background with its output going to a log file in the temp directory.
+    pub fn spawn(name: &str, cmd: &mut Command) -> Result<Self> {
+        let what = describe(cmd);
+        let log = std::env::temp_dir().join(format!("ferry-xtask-{name}-{}.log", std::process::id()));
+        let out = File::create(&log).with_context(|| format!("creating {}", log.display()))?;
+        let err = out.try_clone().context("duplicating the log file handle")?;
+        let child = cmd
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(err)
+            .spawn()
+            .with_context(|| format!("cannot start server `{what}`"))?;
+        Ok(Self { child, what, log })
+    }
+
+    /// Waits until something listens on TCP `port` (read from /proc/net/tcp{,6}, so no probe
+    /// connection disturbs servers that accept exactly one client), or fails if the server exits.
+    pub fn wait_listening(&mut self, port: u16, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.child.try_wait().context("polling a server")? {
+                bail!("server `{}` exited early ({status}): {}", self.what, self.log_tail());
+            }
+            if is_listening(port) {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                bail!(
+                    "server `{}` did not listen on port {port} within {}s: {}",
+                    self.what,
+                    timeout.as_secs(),
+                    self.log_tail()
+                );
+            }
+            thread::sleep(POLL);
+        }
+    }
+
+    fn log_tail(&self) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(10)..].join("\n")
+    }
+}
+
+impl Drop for ServerGuard {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+        }
+        let _ = self.child.wait();
+        let _ = std::fs::remove_file(&self.log);
+    }
+}
+
+/// Whether a socket listens on TCP `port` (any address), per /proc/net/tcp and /proc/net/tcp6.
+fn is_listening(port: u16) -> bool {
+    ["/proc/net/tcp", "/proc/net/tcp6"]
+        .iter()
+        .filter_map(|p| std::fs::read_to_string(p).ok())
+        .any(|table| listening_in_proc_table(&table, port))
+}
+
+/// Parses the text of /proc/net/tcp{,6}: `local_address` is `HEXADDR:HEXPORT`, state `0A` is LISTEN.
+pub fn listening_in_proc_table(table: &str, port: u16) -> bool {
+    table.lines().skip(1).any(|line| {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let (Some(local), Some(state)) = (fields.get(1), fields.get(3)) else {
+            return false;
+        };
+        let local_port = local.rsplit(':').next().and_then(|p| u16::from_str_radix(p, 16).ok());
+        *state == "0A" && local_port == Some(port)
+    })
+}
+
+/// Whether `name` is an executable file in a `PATH` directory.
+pub fn have_binary(name: &str) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    let Some(path) = std::env::var_os("PATH") else {
+        return false;
+    };
+    std::env::split_paths(&path)
+        .any(|dir| std::fs::metadata(dir.join(name)).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0))
+}
+
+fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|o| o.status.success() && String::from_utf8_lossy(&o.stdout).trim() == "0")
+}
+
+/// `apt-get update` runs at most once per xtask process.
+static APT_UPDATED: AtomicBool = AtomicBool::new(false);
+
+/// Makes sure each `(binary, debian_package)` is present: when some binary is missing and we are root
+/// on Debian, installs the packages with apt-get; otherwise fails naming the exact command to run.
+pub fn ensure_debian_packages(needs: &[(&str, &str)]) -> Result<()> {
+    let mut packages: Vec<&str> = needs
+        .iter()
+        .filter(|(bin, _)| !have_binary(bin))
+        .map(|&(_, pkg)| pkg)
+        .collect();
+    packages.sort_unstable();
+    packages.dedup();
+    if packages.is_empty() {
+        return Ok(());
+    }
+    let install = format!(
+        "DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends {}",
+        packages.join(" ")
+    );
+    let debian = Path::new("/etc/debian_version").exists();
+    if !debian || !is_root() {
+        let on = if debian { "as root" } else { "on Debian/Ubuntu, as root" };
+        bail!(
+            "missing Debian packages {}; install them ({on}) with: apt-get update && {install}",
+            packages.join(", ")
+        );
+    }
+    let timeout = Duration::from_secs(20 * 60);
+    if !APT_UPDATED.swap(true, Ordering::SeqCst) {
+        run_step(Command::new("apt-get").args(["update", "-qq"]), timeout).context("apt-get update")?;
+    }
+    let mut cmd = Command::new("apt-get");
+    cmd.env("DEBIAN_FRONTEND", "noninteractive")
+        .args(["install", "-y", "-qq", "--no-install-recommends"])
+        .args(&packages);
+    run_step(&mut cmd, timeout).with_context(|| format!("installing {}", packages.join(", ")))?;
+    for (bin, pkg) in needs {
+        if !have_binary(bin) {
+            bail!("`{bin}` is still missing after installing the Debian package {pkg}");
+        }
+    }
+    Ok(())
+}
+
+/// Parses a duration such as `3s`, `500ms`, `2m` or `3` (seconds).
+pub fn parse_duration(text: &str) -> Result<Duration> {
+    let text = text.trim();
+    let split = text
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let number: f64 = number
+        .parse()
+        .with_context(|| format!("`{text}` is not a duration such as 3s or 500ms"))?;
+    let seconds = match unit.trim() {
+        "" | "s" => number,
+        "ms" => number / 1e3,
+        "m" | "min" => number * 60.0,
+        other => bail!("unknown unit `{other}` in duration `{text}` (use ms, s or m)"),
+    };
+    if !(seconds.is_finite() && seconds > 0.0) {
+        bail!("duration `{text}` must be positive");
+    }
+    Ok(Duration::from_secs_f64(seconds))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("3s").ok(), Some(Duration::from_secs(3)));
+        assert_eq!(parse_duration("500ms").ok(), Some(Duration::from_millis(500)));
+        assert_eq!(parse_duration("2m").ok(), Some(Duration::from_secs(120)));
+        assert_eq!(parse_duration("4").ok(), Some(Duration::from_secs(4)));
+        assert!(parse_duration("0s").is_err());
+        assert!(parse_duration("3h").is_err());
+        assert!(parse_duration("s").is_err());
+    }
+
+    #[test]
+    fn proc_net_tcp_listen() {
+        let table = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n   0: 0100007F:3B6F 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 1 1\n   1: 0100007F:9C40 0100007F:3B6F 01 00000000:00000000 00:00000000 00000000     0        0 2 1\n";
+        assert!(listening_in_proc_table(table, 0x3B6F));
+        assert!(!listening_in_proc_table(table, 0x9C40));
+        let table6 = "  sl  local_address                         remote_address                        st\n   0: 00000000000000000000000000000000:1451 00000000000000000000000000000000:0000 0A 0\n";
+        assert!(listening_in_proc_table(table6, 5201));
+    }
+
+    #[test]
+    fn free_port_is_nonzero() {
+        assert!(free_port().is_ok_and(|p| p != 0));
+    }
+}
