@@ -49,6 +49,10 @@ pub struct Args {
     /// One JSON object per case and line, instead of a table.
     #[arg(long)]
     json: bool,
+    /// Memory of the in-process target: host (memfd) or vulkan (GPU memory, the best path the device
+    /// offers; `FERRY_VULKAN_DEVICE` picks the device; needs the `vulkan` feature).
+    #[arg(long, default_value = "host", value_parser = ["host", "vulkan"])]
+    target_mem: String,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -118,6 +122,10 @@ async fn setup(args: &Args, max_bytes: u64) -> anyhow::Result<Setup> {
         .await
         .context("starting the initiator engine")?;
     let (target, addr) = match &args.peer {
+        Some(_) if args.target_mem != "host" => bail!(
+            "--target-mem applies to the in-process target; a `ferry serve` peer allocates its own memory \
+             (drop --peer or --target-mem)"
+        ),
         Some(addr) => (None, addr.clone()),
         None => {
             let target = Engine::builder()
@@ -125,9 +133,7 @@ async fn setup(args: &Args, max_bytes: u64) -> anyhow::Result<Setup> {
                 .build()
                 .await
                 .context("starting the target engine")?;
-            let region = target
-                .alloc_host(max_bytes as usize, Access::READ_WRITE)
-                .context("allocating target memory")?;
+            let region = target_region(&target, args, max_bytes as usize)?;
             let addr = target.local_addr().context("target has no address")?.to_string();
             (Some((target, region)), addr)
         }
@@ -160,6 +166,31 @@ async fn setup(args: &Args, max_bytes: u64) -> anyhow::Result<Setup> {
         remote_addr: remote.addr,
         remote_len: remote.len,
     })
+}
+
+/// The in-process target's memory, as `--target-mem` asks.
+fn target_region(target: &Engine, args: &Args, len: usize) -> anyhow::Result<Region> {
+    if args.target_mem != "vulkan" {
+        return target
+            .alloc_host(len, Access::READ_WRITE)
+            .context("allocating target memory");
+    }
+    #[cfg(feature = "vulkan")]
+    {
+        let ctx = ferry_vulkan::VulkanContext::from_env().context("opening a Vulkan device for --target-mem vulkan")?;
+        let registry = ferry_vulkan::VulkanRegistry::new(ctx);
+        let region = target
+            .alloc_from(&registry, len, Access::READ_WRITE)
+            .context("allocating Vulkan target memory")?;
+        if !args.json {
+            eprintln!("target memory: {} on {}", region.kind(), registry.context().name());
+        }
+        Ok(region)
+    }
+    #[cfg(not(feature = "vulkan"))]
+    bail!(
+        "--target-mem vulkan needs a ferry built with the `vulkan` feature (cargo build -p ferry-cli --features vulkan)"
+    )
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {

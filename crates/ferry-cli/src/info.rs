@@ -19,7 +19,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         println!("{:<6} {:<9} {:<7} {}", t.name, yes(t.compiled), yes(t.usable), t.detail);
     }
     println!("rdma devices:   {}", list(&caps.rdma_devices));
-    println!("vulkan devices: {}", list(&caps.vulkan_devices));
+    let vulkan: Vec<String> = caps.vulkan_devices.iter().map(|d| d.to_string()).collect();
+    println!("vulkan devices: {}", list(&vulkan));
     Ok(())
 }
 

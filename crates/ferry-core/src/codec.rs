@@ -174,6 +174,24 @@ pub enum Frame {
     },
     /// Orderly close of the link.
     Goodbye,
+    /// Asks the target to set up another data path (an RDMA queue pair, say) for this link.
+    TransportSetup {
+        /// Request id, echoed in the reply.
+        id: u64,
+        /// Which transport.
+        kind: TransportKind,
+        /// The transport's own setup data (queue pair number, GID…).
+        blob: Vec<u8>,
+    },
+    /// The target's answer to [`Frame::TransportSetup`].
+    TransportSetupReply {
+        /// The request's id.
+        id: u64,
+        /// `None` when the data path is ready on the target's side.
+        error: Option<(ErrorCode, String)>,
+        /// The target's setup data.
+        blob: Vec<u8>,
+    },
 }
 
 mod kind {
@@ -191,6 +209,8 @@ mod kind {
     pub const PING: u8 = 12;
     pub const PONG: u8 = 13;
     pub const GOODBYE: u8 = 14;
+    pub const TRANSPORT_SETUP: u8 = 15;
+    pub const TRANSPORT_SETUP_REPLY: u8 = 16;
 }
 
 impl Frame {
@@ -210,6 +230,8 @@ impl Frame {
             Frame::Ping { .. } => kind::PING,
             Frame::Pong { .. } => kind::PONG,
             Frame::Goodbye => kind::GOODBYE,
+            Frame::TransportSetup { .. } => kind::TRANSPORT_SETUP,
+            Frame::TransportSetupReply { .. } => kind::TRANSPORT_SETUP_REPLY,
         }
     }
 
@@ -307,6 +329,16 @@ pub fn encode(frame: &Frame, payload_len: u64, out: &mut BytesMut) -> Result<()>
         }
         Frame::Ping { nonce } | Frame::Pong { nonce } => out.put_u64_le(*nonce),
         Frame::Goodbye => {}
+        Frame::TransportSetup { id, kind, blob } => {
+            out.put_u64_le(*id);
+            out.put_u8(kind.to_u8());
+            put_bytes(out, blob)?;
+        }
+        Frame::TransportSetupReply { id, error, blob } => {
+            out.put_u64_le(*id);
+            put_error(out, error)?;
+            put_bytes(out, blob)?;
+        }
     }
     let body_len = out.len() - body_start;
     let body_len = u32::try_from(body_len)
@@ -345,7 +377,7 @@ pub fn decode_header(buf: &[u8], limits: &Limits) -> Result<Option<Header>> {
         )));
     }
     let kind = h[3];
-    if !(kind::HELLO..=kind::GOODBYE).contains(&kind) {
+    if !(kind::HELLO..=kind::TRANSPORT_SETUP_REPLY).contains(&kind) {
         return Err(Error::Protocol(format!("unknown frame kind {kind}")));
     }
     let body_len = u32::from_le_bytes([h[4], h[5], h[6], h[7]]);
@@ -456,6 +488,22 @@ pub fn decode(buf: &[u8], limits: &Limits) -> Result<Option<(Decoded, usize)>> {
         kind::PING => Frame::Ping { nonce: r.u64()? },
         kind::PONG => Frame::Pong { nonce: r.u64()? },
         kind::GOODBYE => Frame::Goodbye,
+        kind::TRANSPORT_SETUP => {
+            let id = r.u64()?;
+            let kind = r.u8()?;
+            let kind =
+                TransportKind::from_u8(kind).ok_or_else(|| Error::Protocol(format!("unknown transport {kind}")))?;
+            Frame::TransportSetup {
+                id,
+                kind,
+                blob: r.bytes()?.to_vec(),
+            }
+        }
+        kind::TRANSPORT_SETUP_REPLY => Frame::TransportSetupReply {
+            id: r.u64()?,
+            error: r.error()?,
+            blob: r.bytes()?.to_vec(),
+        },
         other => return Err(Error::Protocol(format!("unknown frame kind {other}"))),
     };
     if !r.buf.is_empty() {
@@ -824,6 +872,16 @@ mod tests {
             any::<u64>().prop_map(|nonce| (Frame::Ping { nonce }, 0)),
             any::<u64>().prop_map(|nonce| (Frame::Pong { nonce }, 0)),
             Just((Frame::Goodbye, 0)),
+            (
+                any::<u64>(),
+                arb_transports(),
+                proptest::collection::vec(any::<u8>(), 0..64)
+            )
+                .prop_filter_map("one transport", |(id, kinds, blob)| kinds
+                    .first()
+                    .map(|&kind| (Frame::TransportSetup { id, kind, blob }, 0))),
+            (any::<u64>(), arb_error(), proptest::collection::vec(any::<u8>(), 0..64))
+                .prop_map(|(id, error, blob)| (Frame::TransportSetupReply { id, error, blob }, 0)),
         ]
     }
 
@@ -852,7 +910,7 @@ mod tests {
 
         #[test]
         fn arbitrary_bodies_behind_a_valid_header_never_panic(
-            kind in 1u8..=14,
+            kind in 1u8..=16,
             body in proptest::collection::vec(any::<u8>(), 0..512),
             payload_len in prop_oneof![Just(0u64), any::<u64>(), 0u64..4096],
         ) {

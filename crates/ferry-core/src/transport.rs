@@ -46,10 +46,40 @@ pub trait Transport: Send + Sync + 'static {
         let _ = region;
         Ok(None)
     }
-    /// Called when a region is deregistered, after its fence closed.
+    /// Called when a region is deregistered, after its fence closed. Returns once the transport will
+    /// not touch the region again (an RDMA transport deregisters it from the NIC here).
     fn deregister_region(&self, key: RegionKey) {
         let _ = key;
     }
+    /// Initiator side: builds a data link to a peer whose control link is `control`, exchanging
+    /// setup data over it. Transports without a link of their own (TCP, which is the control link)
+    /// answer `Unsupported`.
+    fn connect<'a>(&'a self, control: &'a dyn SetupExchange) -> BoxFuture<'a, Result<Arc<dyn DataLink>>> {
+        let _ = control;
+        Box::pin(async move {
+            Err(Error::Unsupported(format!(
+                "{} builds no separate data link",
+                self.kind()
+            )))
+        })
+    }
+    /// Target side: answers an initiator's setup data for link `link`. The returned state lives as long
+    /// as the link (a queue pair, say) and is dropped when it closes.
+    fn accept(&self, link: u64, blob: &[u8]) -> Result<(Vec<u8>, Box<dyn std::any::Any + Send + Sync>)> {
+        let _ = (link, blob);
+        Err(Error::Unsupported(format!(
+            "{} accepts no separate data link",
+            self.kind()
+        )))
+    }
+}
+
+/// A control link over which a transport exchanges its setup data with the peer.
+pub trait SetupExchange: Send + Sync {
+    /// Sends `blob` for transport `kind` and returns the peer's answer.
+    fn exchange(&self, kind: TransportKind, blob: Vec<u8>) -> BoxFuture<'_, Result<Vec<u8>>>;
+    /// A handle the data link may keep: notifications and liveness go over the control link.
+    fn control_link(&self) -> Arc<dyn DataLink>;
 }
 
 /// One element of a transfer, resolved on both sides.
@@ -61,6 +91,11 @@ pub struct TransferItem {
     pub remote_key: RegionKey,
     /// Offset inside the remote region.
     pub remote_offset: u64,
+    /// The remote address of the first byte (region address + offset), for transports that address
+    /// remote memory directly.
+    pub remote_addr: u64,
+    /// The remote region's key for the link's transport (an RDMA rkey), if it advertised one.
+    pub remote_transport_key: Option<Vec<u8>>,
 }
 
 impl TransferItem {
@@ -186,6 +221,8 @@ pub struct EngineContext {
     pub links: Arc<LinkSlots>,
     /// Transports usable here, best first.
     pub transports: Vec<TransportKind>,
+    /// The transports themselves, for answering a peer's setup of a data link.
+    pub acceptors: Vec<Arc<dyn Transport>>,
 }
 
 impl EngineContext {

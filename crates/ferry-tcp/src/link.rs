@@ -117,6 +117,7 @@ struct Shared {
     budget_units: u32,
     pool: Option<Arc<StagingPool>>,
     tasks: Mutex<Vec<AbortHandle>>,
+    setups: Mutex<HashMap<u64, oneshot::Sender<Result<Vec<u8>>>>>,
 }
 
 /// A link to one peer over TCP.
@@ -218,6 +219,7 @@ impl TcpLink {
             budget_units,
             pool: config.pool.clone(),
             tasks: Mutex::new(Vec::new()),
+            setups: Mutex::new(HashMap::new()),
         });
         let mut handles = Vec::new();
         for (i, ((reader, writer), rx)) in halves.into_iter().zip(rxs).enumerate() {
@@ -229,6 +231,11 @@ impl TcpLink {
         }
         tracing::debug!(peer = %shared.peer, streams, "tcp link up");
         Ok(TcpLink { shared })
+    }
+
+    /// The peer's address.
+    pub fn peer(&self) -> &str {
+        &self.shared.peer
     }
 
     /// The peer's engine id.
@@ -370,6 +377,13 @@ impl Shared {
                 let _ = p.done.send(Err(error.clone()));
             }
         }
+        let setups: Vec<_> = match self.setups.lock() {
+            Ok(mut m) => m.drain().map(|(_, v)| v).collect(),
+            Err(_) => Vec::new(),
+        };
+        for s in setups {
+            let _ = s.send(Err(error.clone()));
+        }
         self.region_updates.notify_waiters();
     }
 
@@ -418,6 +432,8 @@ fn plan(items: Vec<TransferItem>, streams: usize, pool: Option<&StagingPool>) ->
                 },
                 remote_key: item.remote_key,
                 remote_offset: item.remote_offset + off,
+                remote_addr: item.remote_addr + off,
+                remote_transport_key: item.remote_transport_key.clone(),
             }));
             off += n;
         }
@@ -661,6 +677,12 @@ async fn read_loop(shared: Arc<Shared>, stream: usize, mut reader: FrameReader) 
                 }
                 shared.region_updates.notify_waiters();
             }
+            Frame::TransportSetupReply { id, error, blob } if stream == 0 => {
+                let waiter = shared.setups.lock().ok().and_then(|mut m| m.remove(&id));
+                if let Some(w) = waiter {
+                    let _ = w.send(error.map_or(Ok(blob), |(code, msg)| Err(Error::from_wire(code, msg))));
+                }
+            }
             Frame::Pong { .. } => {}
             Frame::Goodbye => break Error::PeerClosed(format!("{} closed the link", shared.peer)),
             other => break Error::Protocol(format!("{} sent an unexpected {other:?}", shared.peer)),
@@ -712,6 +734,30 @@ async fn land_read(shared: &Shared, stream: usize, id: u64, payload_len: u64, re
     };
     let _ = pending.done.send(result);
     Ok(())
+}
+
+impl ferry_core::SetupExchange for TcpLink {
+    fn exchange(&self, kind: TransportKind, blob: Vec<u8>) -> BoxFuture<'_, Result<Vec<u8>>> {
+        Box::pin(async move {
+            let shared = &self.shared;
+            let id = shared.next_id();
+            let (tx, rx) = oneshot::channel();
+            shared
+                .setups
+                .lock()
+                .map_err(|_| Error::Protocol("setup table lock poisoned".into()))?
+                .insert(id, tx);
+            if let Err(e) = shared.send(0, Outgoing::Frame(Frame::TransportSetup { id, kind, blob })) {
+                let _ = shared.setups.lock().map(|mut m| m.remove(&id));
+                return Err(e);
+            }
+            rx.await.map_err(|_| shared.closed_error())?
+        })
+    }
+
+    fn control_link(&self) -> Arc<dyn DataLink> {
+        Arc::new(self.clone())
+    }
 }
 
 impl DataLink for TcpLink {

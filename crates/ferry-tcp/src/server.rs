@@ -52,6 +52,8 @@ struct AcceptedLink {
     peer_engine: u64,
     announcements: mpsc::Sender<Frame>,
     streams: Mutex<Vec<AbortHandle>>,
+    /// State of other data paths set up for this link (an RDMA queue pair), dropped with it.
+    transport_state: Mutex<Vec<Box<dyn std::any::Any + Send + Sync>>>,
     _slot: LinkSlot,
 }
 
@@ -155,6 +157,9 @@ fn close_link(shared: &Shared, link: &AcceptedLink) {
             s.abort();
         }
     }
+    if let Ok(mut state) = link.transport_state.lock() {
+        state.clear();
+    }
     shared.ctx.notifier.link_closed(link.id);
 }
 
@@ -230,6 +235,7 @@ async fn serve_stream(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>) 
             peer_engine: hello.engine_id,
             announcements: announce_tx,
             streams: Mutex::new(Vec::new()),
+            transport_state: Mutex::new(Vec::new()),
             _slot: slot,
         });
         let regions = ctx.regions.read().map(|t| t.adverts()).unwrap_or_default();
@@ -292,7 +298,9 @@ async fn serve_stream(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>) 
     if let Ok(mut s) = link.streams.lock() {
         s.push(task.abort_handle());
     }
-    let result = task.await.unwrap_or_else(|e| Err(Error::PeerClosed(format!("{peer}: stream task ended: {e}"))));
+    let result = task
+        .await
+        .unwrap_or_else(|e| Err(Error::PeerClosed(format!("{peer}: stream task ended: {e}"))));
     if is_control {
         let token = hello.link_token;
         let removed = shared.links.lock().ok().and_then(|mut l| l.remove(&token));
@@ -313,7 +321,10 @@ async fn serve_requests(
     mut announcements: Option<mpsc::Receiver<Frame>>,
 ) -> Result<()> {
     let ctx = &shared.ctx;
-    let ack = |id: u64, r: Result<()>| Frame::Ack { id, error: r.err().map(|e| (e.code(), e.message().to_string())) };
+    let ack = |id: u64, r: Result<()>| Frame::Ack {
+        id,
+        error: r.err().map(|e| (e.code(), e.message().to_string())),
+    };
     loop {
         // Answer what is already in hand before waiting for more.
         if !reader.has_frame() {
@@ -336,7 +347,12 @@ async fn serve_requests(
         let Some(decoded) = next else { return Ok(()) };
         let payload = decoded.payload_len;
         match decoded.frame {
-            Frame::Write { id, key, offset, durability } => {
+            Frame::Write {
+                id,
+                key,
+                offset,
+                durability,
+            } => {
                 let result = match resolve_write(ctx, key, offset, payload, durability) {
                     Ok(r) => land(&mut reader, &r, durability).await?,
                     Err(e) => {
@@ -346,9 +362,15 @@ async fn serve_requests(
                 };
                 writer.push(&ack(id, result), 0)?;
             }
-            Frame::WriteBatch { id, durability, segments } => {
-                let resolved: Result<Vec<Resolved>> =
-                    segments.iter().map(|s| resolve_write(ctx, s.key, s.offset, s.len, durability)).collect();
+            Frame::WriteBatch {
+                id,
+                durability,
+                segments,
+            } => {
+                let resolved: Result<Vec<Resolved>> = segments
+                    .iter()
+                    .map(|s| resolve_write(ctx, s.key, s.offset, s.len, durability))
+                    .collect();
                 let result = match resolved {
                     Ok(parts) => {
                         let mut result = Ok(());
@@ -374,21 +396,52 @@ async fn serve_requests(
                     Err(e) => writer.push(&ack(id, Err(e)), 0)?,
                 }
             }
-            Frame::ReadBatch { id, segments } => match resolve_reads(ctx, &segments, shared.config.limits.max_payload) {
-                Ok(parts) => send_read_data(&mut writer, id, &parts).await?,
-                Err(e) => writer.push(&ack(id, Err(e)), 0)?,
-            },
+            Frame::ReadBatch { id, segments } => {
+                match resolve_reads(ctx, &segments, shared.config.limits.max_payload) {
+                    Ok(parts) => send_read_data(&mut writer, id, &parts).await?,
+                    Err(e) => writer.push(&ack(id, Err(e)), 0)?,
+                }
+            }
             Frame::Notify { id, name, msg } => {
                 let n = Notification { name, msg };
-                let result = n.validate().and_then(|()| ctx.notifier.deliver(link.id, link.peer_engine, &peer, n));
+                let result = n
+                    .validate()
+                    .and_then(|()| ctx.notifier.deliver(link.id, link.peer_engine, &peer, n));
                 writer.push(&ack(id, result), 0)?;
             }
             Frame::Ping { nonce } => writer.push(&Frame::Pong { nonce }, 0)?,
+            Frame::TransportSetup { id, kind, blob } if announcements.is_some() => {
+                let answer = ctx
+                    .acceptors
+                    .iter()
+                    .find(|t| t.kind() == kind)
+                    .ok_or_else(|| Error::Unsupported(format!("this engine has no usable {kind} transport")))
+                    .and_then(|t| t.accept(link.id, &blob));
+                let reply = match answer {
+                    Ok((blob, state)) => {
+                        if let Ok(mut s) = link.transport_state.lock() {
+                            s.push(state);
+                        }
+                        tracing::info!(%peer, transport = %kind, "data path set up");
+                        Frame::TransportSetupReply { id, error: None, blob }
+                    }
+                    Err(e) => Frame::TransportSetupReply {
+                        id,
+                        error: Some((e.code(), e.message().to_string())),
+                        blob: Vec::new(),
+                    },
+                };
+                writer.push(&reply, 0)?;
+            }
             Frame::Goodbye => {
                 writer.shutdown().await;
                 return Ok(());
             }
-            other => return Err(Error::Protocol(format!("{peer} sent {other:?}, which a target does not accept"))),
+            other => {
+                return Err(Error::Protocol(format!(
+                    "{peer} sent {other:?}, which a target does not accept"
+                )));
+            }
         }
         if writer.queued() >= 256 << 10 {
             writer.flush().await?;

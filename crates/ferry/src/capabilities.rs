@@ -1,5 +1,7 @@
 //! What this build can do on this host (HIXL `GetCapability`), callable before any engine exists.
 
+use std::sync::Arc;
+
 use ferry_core::{Availability, Transport, TransportKind};
 use serde::Serialize;
 
@@ -14,7 +16,11 @@ pub struct Capabilities {
     pub transports: Vec<TransportInfo>,
     /// RDMA devices found (empty without the `rdma` feature).
     pub rdma_devices: Vec<String>,
-    /// Vulkan devices found (empty without the `vulkan` feature).
+    /// Vulkan devices found, with their memory types and allocation paths.
+    #[cfg(feature = "vulkan")]
+    pub vulkan_devices: Vec<ferry_vulkan::VulkanDeviceInfo>,
+    /// Vulkan devices found (always empty: this build has no `vulkan` feature).
+    #[cfg(not(feature = "vulkan"))]
     pub vulkan_devices: Vec<String>,
 }
 
@@ -49,11 +55,64 @@ impl Capabilities {
     }
 }
 
+/// Options of the transports that have any (HIXL's RDMA traffic class and service level, say).
+#[derive(Debug, Clone)]
+pub struct TransportOptions {
+    /// RDMA device name; the first usable one when `None`.
+    pub rdma_device: Option<String>,
+    /// RDMA traffic class: 0..=255, a multiple of 4 (HIXL default 132).
+    pub rdma_traffic_class: u8,
+    /// RDMA service level: 0..=7 (HIXL default 4).
+    pub rdma_service_level: u8,
+    /// Busy-poll RDMA completions instead of waiting for the completion channel.
+    pub rdma_busy_poll: bool,
+}
+
+impl Default for TransportOptions {
+    fn default() -> Self {
+        TransportOptions {
+            rdma_device: None,
+            rdma_traffic_class: 132,
+            rdma_service_level: 4,
+            rdma_busy_poll: false,
+        }
+    }
+}
+
+impl TransportOptions {
+    /// Checks HIXL's ranges, whether or not the transport is compiled in.
+    pub fn validate(&self) -> ferry_core::Result<()> {
+        if !self.rdma_traffic_class.is_multiple_of(4) {
+            return Err(ferry_core::Error::InvalidArgument(format!(
+                "RDMA traffic class {} is not a multiple of 4 (0..=255)",
+                self.rdma_traffic_class
+            )));
+        }
+        if self.rdma_service_level > 7 {
+            return Err(ferry_core::Error::InvalidArgument(format!(
+                "RDMA service level {} is not in 0..=7",
+                self.rdma_service_level
+            )));
+        }
+        Ok(())
+    }
+}
+
 /// The transports compiled into this build, best first.
-pub(crate) fn compiled_transports() -> Vec<Box<dyn Transport>> {
-    let mut v: Vec<Box<dyn Transport>> = Vec::with_capacity(3);
+pub(crate) fn compiled_transports(options: &TransportOptions) -> Vec<Arc<dyn Transport>> {
+    let mut v: Vec<Arc<dyn Transport>> = Vec::with_capacity(3);
+    #[cfg(feature = "rdma")]
+    v.push(Arc::new(ferry_rdma::RdmaTransport::new(ferry_rdma::RdmaOptions {
+        device: options.rdma_device.clone(),
+        traffic_class: options.rdma_traffic_class,
+        service_level: options.rdma_service_level,
+        busy_poll: options.rdma_busy_poll,
+        ..Default::default()
+    })));
+    #[cfg(not(feature = "rdma"))]
+    let _ = options;
     if cfg!(feature = "tcp") {
-        v.push(Box::new(ferry_tcp::TcpTransport));
+        v.push(Arc::new(ferry_tcp::TcpTransport));
     }
     v
 }
@@ -70,16 +129,16 @@ fn not_compiled(kind: TransportKind, why: &str) -> Availability {
 
 /// What this build can do on this host.
 pub fn capabilities() -> Capabilities {
-    let mut transports: Vec<Availability> = compiled_transports().iter().map(|t| t.availability()).collect();
+    let mut transports: Vec<Availability> = compiled_transports(&TransportOptions::default())
+        .iter()
+        .map(|t| t.availability())
+        .collect();
     for (kind, why) in [
         (
             TransportKind::Shm,
             "not in this build: ferry has no shared-memory transport yet",
         ),
-        (
-            TransportKind::Rdma,
-            "not in this build: ferry has no RDMA transport yet",
-        ),
+        (TransportKind::Rdma, "not in this build: enable the `rdma` feature"),
         (TransportKind::Tcp, "not in this build: enable the `tcp` feature"),
     ] {
         if !transports.iter().any(|t| t.kind == kind) {
@@ -97,6 +156,21 @@ pub fn capabilities() -> Capabilities {
         protocol_version: ferry_core::codec::VERSION,
         transports: transports.into_iter().map(Into::into).collect(),
         rdma_devices,
-        vulkan_devices: Vec::new(),
+        vulkan_devices: vulkan_devices(),
     }
+}
+
+/// The Vulkan devices and what ferry can do with them; none (with the reason logged) without a loader
+/// or driver.
+#[cfg(feature = "vulkan")]
+fn vulkan_devices() -> Vec<ferry_vulkan::VulkanDeviceInfo> {
+    ferry_vulkan::probe().unwrap_or_else(|e| {
+        tracing::info!(reason = %e, "no Vulkan devices");
+        Vec::new()
+    })
+}
+
+#[cfg(not(feature = "vulkan"))]
+fn vulkan_devices() -> Vec<String> {
+    Vec::new()
 }

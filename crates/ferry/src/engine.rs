@@ -15,6 +15,7 @@ use ferry_core::{
 use ferry_tcp::{LinkConfig, LocalIdentity, ServerConfig, StagingPool, TcpLink, TcpServer};
 use futures::stream::BoxStream;
 
+use crate::capabilities::TransportOptions;
 use crate::host::HostAllocation;
 use crate::notify::NotificationQueue;
 use crate::peer::{Peer, PeerInner};
@@ -40,6 +41,7 @@ pub struct EngineBuilder {
     max_inflight_bytes: u64,
     limits: Limits,
     handshake_timeout: Duration,
+    transport_options: TransportOptions,
 }
 
 impl Default for EngineBuilder {
@@ -54,6 +56,7 @@ impl Default for EngineBuilder {
             max_inflight_bytes: DEFAULT_MAX_INFLIGHT_BYTES,
             limits: Limits::default(),
             handshake_timeout: Duration::from_secs(10),
+            transport_options: TransportOptions::default(),
         }
     }
 }
@@ -114,7 +117,33 @@ impl EngineBuilder {
         self
     }
 
+    /// HIXL's RDMA traffic class, 0..=255 and a multiple of 4 (default 132).
+    pub fn rdma_traffic_class(mut self, tc: u8) -> Self {
+        self.transport_options.rdma_traffic_class = tc;
+        self
+    }
+
+    /// HIXL's RDMA service level, 0..=7 (default 4).
+    pub fn rdma_service_level(mut self, sl: u8) -> Self {
+        self.transport_options.rdma_service_level = sl;
+        self
+    }
+
+    /// The RDMA device to use ("rxe0", "mlx5_0"); the first with an active port by default.
+    pub fn rdma_device(mut self, name: impl Into<String>) -> Self {
+        self.transport_options.rdma_device = Some(name.into());
+        self
+    }
+
+    /// Busy-poll RDMA completions (lower latency, one core spinning) instead of sleeping on the
+    /// completion channel.
+    pub fn rdma_busy_poll(mut self, on: bool) -> Self {
+        self.transport_options.rdma_busy_poll = on;
+        self
+    }
+
     fn validate(&self) -> Result<()> {
+        self.transport_options.validate()?;
         if let Some(e) = &self.buffer_pool_error {
             return Err(e.clone());
         }
@@ -144,9 +173,15 @@ impl EngineBuilder {
     /// Starts the engine: validates the options and, with a listen address, starts serving.
     pub async fn build(self) -> Result<Engine> {
         self.validate()?;
-        let transports: Vec<Box<dyn Transport>> = crate::capabilities::compiled_transports()
+        let transports: Vec<Arc<dyn Transport>> = crate::capabilities::compiled_transports(&self.transport_options)
             .into_iter()
-            .filter(|t| t.availability().usable)
+            .filter(|t| {
+                let a = t.availability();
+                if !a.usable {
+                    tracing::info!(transport = %a.kind, reason = %a.detail, "transport unavailable");
+                }
+                a.usable
+            })
             .collect();
         if transports.is_empty() {
             return Err(Error::Unsupported(
@@ -161,6 +196,7 @@ impl EngineBuilder {
             notifier: notifications.clone(),
             links: Arc::new(LinkSlots::new(self.max_links)),
             transports: transports.iter().map(|t| t.kind()).collect(),
+            acceptors: transports.clone(),
         });
         let server = match &self.listen {
             Some(addr) => {
@@ -214,7 +250,7 @@ pub struct Engine {
 pub(crate) struct Inner {
     ctx: Arc<EngineContext>,
     server: Option<TcpServer>,
-    transports: Vec<Box<dyn Transport>>,
+    transports: Vec<Arc<dyn Transport>>,
     peers: Mutex<HashMap<SocketAddr, Peer>>,
     notifications: Arc<NotificationQueue>,
     pool: Option<Arc<StagingPool>>,
@@ -339,22 +375,11 @@ impl Engine {
                 pool: self.inner.pool.clone(),
             };
             let control = TcpLink::dial(addr, &me, &config).await?;
-            let transport = self.choose_transport(control.remote_transports());
-            let data: Arc<dyn DataLink> = match transport {
-                Some(TransportKind::Tcp) => Arc::new(control.clone()),
-                Some(other) => {
+            let data = match self.data_link(&control).await {
+                Ok(data) => data,
+                Err(e) => {
                     control.abort();
-                    return Err(Error::Unsupported(format!(
-                        "transport {other} has no link implementation in this build"
-                    )));
-                }
-                None => {
-                    control.abort();
-                    return Err(Error::Unsupported(format!(
-                        "{remote} offers {:?} and this engine {:?}: no transport in common",
-                        control.remote_transports(),
-                        self.inner.ctx.transports
-                    )));
+                    return Err(e);
                 }
             };
             let peer = Peer {
@@ -385,8 +410,33 @@ impl Engine {
         }
     }
 
-    fn choose_transport(&self, theirs: &[TransportKind]) -> Option<TransportKind> {
-        self.inner.ctx.transports.iter().copied().find(|k| theirs.contains(k))
+    /// Picks the best data path both ends offer; a transport that fails to set up falls back to the
+    /// next one, and the log says why.
+    async fn data_link(&self, control: &TcpLink) -> Result<Arc<dyn DataLink>> {
+        let theirs = control.remote_transports();
+        let mut refusals = Vec::new();
+        for t in self.inner.transports.iter().filter(|t| theirs.contains(&t.kind())) {
+            if t.kind() == TransportKind::Tcp {
+                if !refusals.is_empty() {
+                    tracing::warn!(peer = %control.peer(), reasons = ?refusals, "falling back to tcp");
+                }
+                return Ok(Arc::new(control.clone()));
+            }
+            match t.connect(control).await {
+                Ok(link) => return Ok(link),
+                Err(e) => refusals.push(format!("{}: {e}", t.kind())),
+            }
+        }
+        Err(Error::Unsupported(format!(
+            "{} offers {theirs:?} and this engine {:?}: no transport in common{}",
+            control.peer(),
+            self.inner.ctx.transports,
+            if refusals.is_empty() {
+                String::new()
+            } else {
+                format!(" ({})", refusals.join("; "))
+            }
+        )))
     }
 
     /// The connected peer at `addr`, if any.
@@ -453,6 +503,7 @@ impl Engine {
         if op == Op::Read && durability == Durability::Persistent {
             return Err(Error::InvalidArgument("durability applies to writes, not reads".into()));
         }
+        let transport = peer.transport();
         let local = self.inner.ctx.regions.read().map_err(|_| poisoned())?;
         let items = peer.inner.control.with_remote_regions(|remote| {
             descs
@@ -468,10 +519,17 @@ impl Engine {
                             ad.addr
                         ))));
                     }
+                    let remote_transport_key = ad
+                        .transport_keys
+                        .iter()
+                        .find(|(k, _)| *k == transport)
+                        .map(|(_, key)| key.clone());
                     Ok(TransferItem {
                         local,
                         remote_key: ad.key,
                         remote_offset,
+                        remote_addr: d.remote_addr,
+                        remote_transport_key,
                     })
                 })
                 .collect::<Result<Vec<_>>>()

@@ -29,7 +29,7 @@ mod peer;
 mod region;
 mod transfer;
 
-pub use capabilities::{Capabilities, TransportInfo, capabilities};
+pub use capabilities::{Capabilities, TransportInfo, TransportOptions, capabilities};
 pub use engine::{DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_INFLIGHT_BYTES, DEFAULT_STREAMS, Engine, EngineBuilder};
 pub use ferry_core::{
     Access, BufferPool, Durability, Error, ErrorCode, MemoryBlock, MemoryRegistry, Notification, Op,

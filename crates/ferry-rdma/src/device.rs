@@ -1,0 +1,129 @@
+//! Finding an RDMA device, its port and the GID to use.
+//!
+//! The GID is chosen by type, never by a fixed index: RoCEv2 over IPv4 first (an IPv4-mapped address),
+//! then any RoCEv2 GID, then the port's first valid GID (InfiniBand). Soft-RoCE, for example, puts its
+//! RoCEv2/IPv4 GID at index 1.
+
+use std::net::Ipv6Addr;
+use std::sync::Arc;
+
+use ferry_core::{Error, Result};
+use sideway::ibverbs::address::GidType;
+use sideway::ibverbs::device::{DeviceInfo, DeviceList};
+use sideway::ibverbs::device_context::{DeviceContext, PortState};
+
+/// An opened device and the port, GID and limits this transport uses on it.
+pub struct OpenDevice {
+    /// Device name ("rxe0", "mlx5_0").
+    pub name: String,
+    /// The verbs context.
+    pub context: Arc<DeviceContext>,
+    /// Port number (from 1).
+    pub port: u8,
+    /// GID index chosen by type.
+    pub gid_index: u8,
+    /// The GID at that index.
+    pub gid: Ipv6Addr,
+    /// Whether the GID is RoCEv2.
+    pub roce_v2: bool,
+    /// Port LID (0 on RoCE).
+    pub lid: u16,
+    /// Active MTU as the verbs enum value.
+    pub mtu: u8,
+    /// Largest message the port carries.
+    pub max_msg: u64,
+    /// Scatter-gather entries per work request.
+    pub max_sge: u32,
+    /// Work requests per queue.
+    pub max_qp_wr: u32,
+}
+
+impl std::fmt::Debug for OpenDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OpenDevice")
+            .field("name", &self.name)
+            .field("port", &self.port)
+            .field("gid_index", &self.gid_index)
+            .field("gid", &self.gid)
+            .finish()
+    }
+}
+
+fn unsupported(what: impl std::fmt::Display) -> Error {
+    Error::Unsupported(format!("RDMA: {what}"))
+}
+
+/// Names of the RDMA devices this host has; `Unsupported` when libibverbs cannot be loaded.
+pub fn device_names() -> Result<Vec<String>> {
+    let list = DeviceList::new()
+        .map_err(|e| unsupported(format_args!("cannot list devices ({e}); is libibverbs1 installed?")))?;
+    Ok(list.iter().map(|d| d.name()).collect())
+}
+
+/// Opens `wanted` (or the first device with an active port) and picks its port and GID.
+pub fn open(wanted: Option<&str>) -> Result<OpenDevice> {
+    let list = DeviceList::new()
+        .map_err(|e| unsupported(format_args!("cannot list devices ({e}); is libibverbs1 installed?")))?;
+    if list.is_empty() {
+        return Err(unsupported(
+            "no RDMA device on this host (load rdma_rxe and add one: rdma link add rxe0 type rxe netdev IF)",
+        ));
+    }
+    let mut reasons = Vec::new();
+    for dev in list.iter() {
+        let name = dev.name();
+        if wanted.is_some_and(|w| w != name) {
+            continue;
+        }
+        match open_one(&dev) {
+            Ok(d) => return Ok(d),
+            Err(e) => reasons.push(format!("{name}: {e}")),
+        }
+    }
+    match wanted {
+        Some(w) if reasons.is_empty() => Err(unsupported(format_args!("no RDMA device named {w}"))),
+        _ => Err(unsupported(reasons.join("; "))),
+    }
+}
+
+fn open_one(dev: &sideway::ibverbs::device::Device<'_>) -> Result<OpenDevice> {
+    let name = dev.name();
+    let context = dev
+        .open()
+        .map_err(|e| unsupported(format_args!("opening {name}: {e}")))?;
+    let attr = context
+        .query_device()
+        .map_err(|e| unsupported(format_args!("querying {name}: {e}")))?;
+    let gids = context
+        .query_gid_table()
+        .map_err(|e| unsupported(format_args!("reading {name}'s GID table: {e}")))?;
+    for port in 1..=attr.phys_port_cnt() {
+        let Ok(p) = context.query_port(port) else { continue };
+        if p.port_state() != PortState::Active {
+            continue;
+        }
+        let on_port: Vec<_> = gids.iter().filter(|g| g.port_num() == port as u32).collect();
+        let is_v4 = |g: &Ipv6Addr| g.to_ipv4_mapped().is_some();
+        let chosen = on_port
+            .iter()
+            .find(|g| g.gid_type() == GidType::RoceV2 && is_v4(&Ipv6Addr::from(g.gid())))
+            .or_else(|| on_port.iter().find(|g| g.gid_type() == GidType::RoceV2))
+            .or_else(|| on_port.iter().find(|g| !g.gid().is_zero()));
+        let Some(g) = chosen else { continue };
+        let gid_index = u8::try_from(g.gid_index()).map_err(|_| unsupported("GID index above 255"))?;
+        return Ok(OpenDevice {
+            name,
+            port,
+            gid_index,
+            gid: Ipv6Addr::from(g.gid()),
+            roce_v2: g.gid_type() == GidType::RoceV2,
+            lid: p.lid(),
+            mtu: p.active_mtu() as u8,
+            max_msg: u64::from(p.attr.max_msg_sz),
+            max_sge: u32::try_from(attr.max_sge()).unwrap_or(1).max(1),
+            max_qp_wr: u32::try_from(attr.max_qp_wr()).unwrap_or(64).max(16),
+            context,
+        });
+    }
+    Err(unsupported(format_args!("{name} has no active port with a usable GID")))
+}

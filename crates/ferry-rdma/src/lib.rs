@@ -1,0 +1,276 @@
+//! # ferry-rdma
+//!
+//! ferry's RDMA verbs transport, on `sideway` (which loads libibverbs at run time, so this crate builds
+//! on hosts without RDMA packages and reports the transport unavailable there).
+//!
+//! - One protection domain on the chosen device; every region the engine registers is registered with
+//!   the NIC, and its rkey travels in the region's advert.
+//! - One RC queue pair per link, connected over the engine's TCP control link (QPN, PSN, GID, MTU
+//!   exchanged); the GID is chosen by type (RoCEv2 over IPv4 first), never by a fixed index; the traffic
+//!   class and service level are HIXL's options.
+//! - One-sided READ and WRITE with scatter-gather and selective signalling ([`link`]); completions in
+//!   tokio through the completion channel, or busy polling.
+#![deny(missing_docs)]
+
+mod device;
+pub mod link;
+mod mr;
+mod qp;
+pub mod wire;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use ferry_core::{
+    Access, Availability, DataLink, Error, RegionEntry, RegionKey, Result, SetupExchange, Transport, TransportKind,
+};
+use futures::future::BoxFuture;
+use sideway::ibverbs::AccessFlags;
+use sideway::ibverbs::protection_domain::ProtectionDomain;
+
+pub use device::{OpenDevice, device_names};
+pub use link::RdmaLink;
+pub use mr::Registered;
+
+/// RDMA options, with HIXL's defaults and ranges.
+#[derive(Debug, Clone)]
+pub struct RdmaOptions {
+    /// Device to use ("rxe0", "mlx5_0"); the first with an active port when `None`.
+    pub device: Option<String>,
+    /// IP traffic class of the queue pairs: 0..=255, a multiple of 4 (the low two bits are ECN).
+    pub traffic_class: u8,
+    /// Service level: 0..=7.
+    pub service_level: u8,
+    /// Poll the completion queue in a loop instead of waiting on the completion channel.
+    pub busy_poll: bool,
+    /// Send queue depth (work requests outstanding per link).
+    pub max_send_wr: u32,
+}
+
+impl Default for RdmaOptions {
+    fn default() -> Self {
+        RdmaOptions {
+            device: None,
+            traffic_class: 132,
+            service_level: 4,
+            busy_poll: false,
+            max_send_wr: 256,
+        }
+    }
+}
+
+impl RdmaOptions {
+    /// Checks HIXL's ranges.
+    pub fn validate(&self) -> Result<()> {
+        if !self.traffic_class.is_multiple_of(4) {
+            return Err(Error::InvalidArgument(format!(
+                "RDMA traffic class {} is not a multiple of 4 (0..=255)",
+                self.traffic_class
+            )));
+        }
+        if self.service_level > 7 {
+            return Err(Error::InvalidArgument(format!(
+                "RDMA service level {} is not in 0..=7",
+                self.service_level
+            )));
+        }
+        if self.max_send_wr == 0 {
+            return Err(Error::InvalidArgument(
+                "RDMA send queue depth must be at least 1".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// What every link on the device shares.
+pub(crate) struct RdmaShared {
+    pub device: OpenDevice,
+    pub pd: Arc<ProtectionDomain>,
+    pub options: RdmaOptions,
+    regions: Mutex<HashMap<RegionKey, Arc<Registered>>>,
+}
+
+impl RdmaShared {
+    pub fn registered(&self, key: RegionKey) -> Result<Arc<Registered>> {
+        self.regions
+            .lock()
+            .map_err(|_| Error::Protocol("RDMA region table lock poisoned".into()))?
+            .get(&key)
+            .cloned()
+            .ok_or_else(|| Error::PermissionDenied(format!("region {key:?} is not registered with the NIC")))
+    }
+}
+
+/// The RDMA transport; unusable (with the reason) where no device could be opened.
+pub struct RdmaTransport {
+    state: std::result::Result<Arc<RdmaShared>, Error>,
+}
+
+impl RdmaTransport {
+    /// Opens the device the options name (or the first usable one). Never fails: a host without RDMA
+    /// gets a transport that says why it is unavailable.
+    pub fn new(options: RdmaOptions) -> Self {
+        let state = options.validate().and_then(|()| {
+            let device = device::open(options.device.as_deref())?;
+            let pd = device.context.alloc_pd().map_err(|e| Error::Unsupported(format!("RDMA: allocating a protection domain on {}: {e}", device.name)))?;
+            tracing::info!(device = %device.name, port = device.port, gid_index = device.gid_index, gid = %device.gid, "RDMA device open");
+            Ok(Arc::new(RdmaShared { device, pd, options, regions: Mutex::new(HashMap::new()) }))
+        });
+        RdmaTransport { state }
+    }
+
+    fn shared(&self) -> Result<&Arc<RdmaShared>> {
+        self.state.as_ref().map_err(Clone::clone)
+    }
+}
+
+impl Transport for RdmaTransport {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Rdma
+    }
+
+    fn availability(&self) -> Availability {
+        let devices = device_names().unwrap_or_default();
+        match &self.state {
+            Ok(s) => Availability {
+                kind: TransportKind::Rdma,
+                compiled: true,
+                usable: true,
+                detail: format!(
+                    "{} port {} GID {} (index {}, {})",
+                    s.device.name,
+                    s.device.port,
+                    s.device.gid,
+                    s.device.gid_index,
+                    if s.device.roce_v2 { "RoCEv2" } else { "IB/RoCEv1" }
+                ),
+                devices,
+            },
+            Err(e) => Availability {
+                kind: TransportKind::Rdma,
+                compiled: true,
+                usable: false,
+                detail: e.message().to_string(),
+                devices,
+            },
+        }
+    }
+
+    fn register_region(&self, region: &RegionEntry) -> Result<Option<Vec<u8>>> {
+        let shared = self.shared()?;
+        let mut flags = AccessFlags::LocalWrite;
+        if region.access().contains(Access::READ) {
+            flags |= AccessFlags::RemoteRead;
+        }
+        if region.access().contains(Access::WRITE) {
+            flags |= AccessFlags::RemoteWrite;
+        }
+        // SAFETY: the engine keeps the region's memory alive until `deregister_region` returns, which
+        // deregisters the memory region first.
+        let mr = unsafe { shared.pd.reg_mr(region.addr() as usize, region.len() as usize, flags) }.map_err(|e| {
+            Error::ResourceExhausted(format!(
+                "registering {} bytes with {}: {e}",
+                region.len(),
+                shared.device.name
+            ))
+        })?;
+        let reg = Arc::new(Registered::new(mr));
+        let rkey = reg.rkey();
+        shared
+            .regions
+            .lock()
+            .map_err(|_| Error::Protocol("RDMA region table lock poisoned".into()))?
+            .insert(region.key(), reg);
+        Ok(Some(wire::encode_rkey(rkey)))
+    }
+
+    fn deregister_region(&self, key: RegionKey) {
+        let Ok(shared) = self.shared() else { return };
+        let Some(reg) = shared.regions.lock().ok().and_then(|mut r| r.remove(&key)) else {
+            return;
+        };
+        // Work requests posted before deregistration finish (or fail, when their link dies) within the
+        // queue pairs' retry timeout; wait for them before the NIC forgets the memory.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while reg.in_use() > 0 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        if reg.in_use() > 0 {
+            tracing::error!(region = ?key, "deregistering a region that RDMA work requests still use");
+        }
+    }
+
+    fn connect<'a>(&'a self, control: &'a dyn SetupExchange) -> BoxFuture<'a, Result<Arc<dyn DataLink>>> {
+        Box::pin(async move {
+            let shared = self.shared()?.clone();
+            let rc = qp::Rc::create(&shared.device, &shared.pd, &shared.options)?;
+            let answer = control.exchange(TransportKind::Rdma, rc.local.encode()).await?;
+            let remote = wire::QpEndpoint::decode(&answer)?;
+            rc.connect(&shared.device, &remote, &shared.options)?;
+            let control = control.control_link();
+            let link = RdmaLink::start(rc, shared, control, format!("qpn {:#x}", remote.qpn))?;
+            Ok(Arc::new(link) as Arc<dyn DataLink>)
+        })
+    }
+
+    fn accept(&self, link: u64, blob: &[u8]) -> Result<(Vec<u8>, Box<dyn std::any::Any + Send + Sync>)> {
+        let shared = self.shared()?;
+        let remote = wire::QpEndpoint::decode(blob)?;
+        let rc = qp::Rc::create(&shared.device, &shared.pd, &shared.options)?;
+        rc.connect(&shared.device, &remote, &shared.options)?;
+        tracing::debug!(
+            link,
+            local_qpn = rc.local.qpn,
+            remote_qpn = remote.qpn,
+            "RDMA queue pair accepted"
+        );
+        Ok((rc.local.encode(), Box::new(rc)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn options_follow_hixl_ranges() {
+        assert!(RdmaOptions::default().validate().is_ok());
+        for tc in [1u8, 2, 3, 133, 255] {
+            let o = RdmaOptions {
+                traffic_class: tc,
+                ..Default::default()
+            };
+            assert!(matches!(o.validate(), Err(Error::InvalidArgument(_))), "{tc}");
+        }
+        assert!(
+            RdmaOptions {
+                traffic_class: 252,
+                ..Default::default()
+            }
+            .validate()
+            .is_ok()
+        );
+        assert!(matches!(
+            RdmaOptions {
+                service_level: 8,
+                ..Default::default()
+            }
+            .validate(),
+            Err(Error::InvalidArgument(_))
+        ));
+    }
+
+    #[test]
+    fn no_device_is_unsupported_not_a_panic() {
+        let t = RdmaTransport::new(RdmaOptions {
+            device: Some("no-such-device".into()),
+            ..Default::default()
+        });
+        let a = t.availability();
+        assert!(!a.usable);
+        assert!(a.compiled);
+        assert!(!a.detail.is_empty());
+    }
+}

@@ -1,0 +1,402 @@
+//! The initiator's RDMA data path to one peer: one-sided READ and WRITE on an RC queue pair.
+//!
+//! A batch becomes work requests: descriptors whose remote ranges follow each other are merged into
+//! one request with a scatter-gather list, anything longer than the port's largest message is split,
+//! and only the last request of every group of [`SIGNAL_EVERY`] asks for a completion (an RC send queue
+//! completes in order, so one completion vouches for the requests before it). The send queue's depth
+//! bounds the requests outstanding.
+//!
+//! Completions arrive through the completion channel's descriptor in tokio's `AsyncFd` (or by busy
+//! polling, an option). Pending work lives in the link, not in the future that posted it: dropping
+//! that future abandons the result only; the region stays registered with the NIC until the
+//! completion arrives, and the queue pair stays usable for the next batch.
+
+use std::collections::HashMap;
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use ferry_core::{DataLink, Error, Notification, Op, Result, TransferItem, TransferRequest, TransportKind};
+use futures::future::BoxFuture;
+use rdma_mummy_sys::ibv_sge;
+use sideway::ibverbs::completion::{CompletionQueue, PollCompletionQueueError, WorkCompletionStatus};
+use sideway::ibverbs::queue_pair::{PostSendGuard, QueuePair, SetScatterGatherEntry, WorkRequestFlags};
+use tokio::io::unix::AsyncFd;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, oneshot};
+use tokio::task::AbortHandle;
+
+use crate::mr::Registered;
+use crate::qp::Rc;
+use crate::wire::decode_rkey;
+use crate::{RdmaShared, wire::QpEndpoint};
+
+/// Only every this many work requests asks for a completion.
+pub const SIGNAL_EVERY: usize = 16;
+/// No single work request moves more than this, whatever the port allows.
+const MAX_WR_BYTES: u64 = 1 << 30;
+
+struct Pending {
+    done: oneshot::Sender<Result<()>>,
+    /// Regions the group's requests touch; their NIC registration waits for this completion.
+    touched: Vec<Arc<Registered>>,
+    _slots: OwnedSemaphorePermit,
+}
+
+struct Inner {
+    rc: Rc,
+    shared: Arc<RdmaShared>,
+    control: Arc<dyn DataLink>,
+    peer: String,
+    pending: Mutex<HashMap<u64, Pending>>,
+    slots: Arc<Semaphore>,
+    next_wr: AtomicU64,
+    closed: AtomicBool,
+    poller: Mutex<Option<AbortHandle>>,
+}
+
+/// The RDMA data link to one peer.
+#[derive(Clone)]
+pub struct RdmaLink {
+    inner: Arc<Inner>,
+}
+
+/// One work request: a remote range and the local pieces that fill or receive it.
+struct WorkRequest {
+    rkey: u32,
+    remote_addr: u64,
+    sges: Vec<ibv_sge>,
+    touched: Vec<Arc<Registered>>,
+}
+
+impl RdmaLink {
+    /// Wraps a connected queue pair and starts its completion task.
+    pub(crate) fn start(rc: Rc, shared: Arc<RdmaShared>, control: Arc<dyn DataLink>, peer: String) -> Result<Self> {
+        let slots = Arc::new(Semaphore::new(rc.max_send_wr as usize));
+        let inner = Arc::new(Inner {
+            rc,
+            shared,
+            control,
+            peer,
+            pending: Mutex::new(HashMap::new()),
+            slots,
+            next_wr: AtomicU64::new(1),
+            closed: AtomicBool::new(false),
+            poller: Mutex::new(None),
+        });
+        let task = tokio::spawn(poll_completions(Arc::downgrade(&inner)));
+        if let Ok(mut p) = inner.poller.lock() {
+            *p = Some(task.abort_handle());
+        }
+        Ok(RdmaLink { inner })
+    }
+
+    /// This side's queue pair address.
+    pub fn local_endpoint(&self) -> QpEndpoint {
+        self.inner.rc.local
+    }
+}
+
+impl Inner {
+    fn fail_all(&self, error: Error) {
+        self.closed.store(true, Ordering::Release);
+        let drained: Vec<Pending> = match self.pending.lock() {
+            Ok(mut p) => p.drain().map(|(_, v)| v).collect(),
+            Err(_) => Vec::new(),
+        };
+        for p in drained {
+            for r in &p.touched {
+                r.release();
+            }
+            let _ = p.done.send(Err(error.clone()));
+        }
+    }
+
+    fn complete(&self, wr_id: u64, result: Result<()>) {
+        let p = self.pending.lock().ok().and_then(|mut m| m.remove(&wr_id));
+        if let Some(p) = p {
+            for r in &p.touched {
+                r.release();
+            }
+            let _ = p.done.send(result);
+        }
+    }
+
+    /// Turns a batch into work requests, merging remote-contiguous descriptors and splitting long ones.
+    fn plan(&self, items: &[TransferItem]) -> Result<Vec<WorkRequest>> {
+        let max_msg = self.shared.device.max_msg.clamp(4096, MAX_WR_BYTES);
+        let max_sge = self.rc.max_sge as usize;
+        let mut wrs: Vec<WorkRequest> = Vec::new();
+        for item in items {
+            let key = item.remote_transport_key.as_deref().ok_or_else(|| {
+                Error::PermissionDenied(format!(
+                    "{} advertised no RDMA key for the region at {:#x}",
+                    self.peer, item.remote_addr
+                ))
+            })?;
+            let rkey = decode_rkey(key)?;
+            let region = self.shared.registered(item.local.region.key())?;
+            let mut done = 0u64;
+            while done < item.len() {
+                let n = (item.len() - done).min(max_msg);
+                let laddr = item.local.region.addr() + item.local.offset + done;
+                let raddr = item.remote_addr + done;
+                let sge = ibv_sge {
+                    addr: laddr,
+                    length: n as u32,
+                    lkey: region.lkey(),
+                };
+                let merged = wrs.last_mut().is_some_and(|w| {
+                    let len: u64 = w.sges.iter().map(|s| u64::from(s.length)).sum();
+                    let fits = w.rkey == rkey && w.remote_addr + len == raddr && len + n <= max_msg;
+                    if fits && w.sges.len() < max_sge {
+                        w.sges.push(sge);
+                        w.touched.push(region.clone());
+                        true
+                    } else {
+                        false
+                    }
+                });
+                if !merged {
+                    wrs.push(WorkRequest {
+                        rkey,
+                        remote_addr: raddr,
+                        sges: vec![sge],
+                        touched: vec![region.clone()],
+                    });
+                }
+                done += n;
+            }
+        }
+        Ok(wrs)
+    }
+
+    /// Posts one signalled group of work requests and returns its completion.
+    async fn post_group(&self, op: Op, group: Vec<WorkRequest>) -> Result<oneshot::Receiver<Result<()>>> {
+        let slots = self
+            .slots
+            .clone()
+            .acquire_many_owned(group.len() as u32)
+            .await
+            .map_err(|_| Error::PeerClosed(format!("the RDMA link to {} is closed", self.peer)))?;
+        if self.closed.load(Ordering::Acquire) {
+            return Err(Error::PeerClosed(format!("the RDMA link to {} is closed", self.peer)));
+        }
+        let first = self.next_wr.fetch_add(group.len() as u64, Ordering::Relaxed);
+        let signalled = first + group.len() as u64 - 1;
+        let (done, rx) = oneshot::channel();
+        let touched: Vec<Arc<Registered>> = group.iter().flat_map(|w| w.touched.iter().cloned()).collect();
+        for r in &touched {
+            r.acquire();
+        }
+        self.pending
+            .lock()
+            .map_err(|_| Error::Protocol("pending table lock poisoned".into()))?
+            .insert(
+                signalled,
+                Pending {
+                    done,
+                    touched,
+                    _slots: slots,
+                },
+            );
+        let posted = {
+            let mut qp = self
+                .rc
+                .qp
+                .lock()
+                .map_err(|_| Error::Protocol("queue pair lock poisoned".into()))?;
+            let mut guard = qp.start_post_send();
+            for (i, wr) in group.iter().enumerate() {
+                let id = first + i as u64;
+                let flags = if id == signalled {
+                    WorkRequestFlags::Signaled
+                } else {
+                    WorkRequestFlags::none()
+                };
+                let handle = guard.construct_wr(id, flags);
+                let handle = match op {
+                    Op::Write => handle.setup_write(wr.rkey, wr.remote_addr),
+                    Op::Read => handle.setup_read(wr.rkey, wr.remote_addr),
+                };
+                // SAFETY: every SGE names memory inside a region registered with this NIC (lkey from its
+                // registration), kept registered by `acquire` until the group's completion arrives.
+                unsafe { handle.setup_sge_list(&wr.sges) };
+            }
+            guard.post()
+        };
+        if let Err(e) = posted {
+            let err = Error::Io {
+                kind: std::io::ErrorKind::Other,
+                message: format!("posting to {}: {e}", self.peer),
+            };
+            self.complete(signalled, Err(err.clone()));
+            return Err(err);
+        }
+        Ok(rx)
+    }
+
+    /// Polls every completion present; returns how many there were.
+    fn drain(&self) -> usize {
+        let mut n = 0;
+        loop {
+            let poller = match self.rc.cq.start_poll() {
+                Ok(p) => p,
+                Err(PollCompletionQueueError::CompletionQueueEmpty) => return n,
+                Err(e) => {
+                    self.fail_all(Error::Io {
+                        kind: std::io::ErrorKind::Other,
+                        message: format!("polling: {e}"),
+                    });
+                    return n;
+                }
+            };
+            for wc in poller {
+                n += 1;
+                let status = wc.status();
+                if status == WorkCompletionStatus::Success as u32 {
+                    self.complete(wc.wr_id(), Ok(()));
+                } else {
+                    let err = completion_error(WorkCompletionStatus::from(status), &self.peer);
+                    tracing::warn!(peer = %self.peer, error = %err, "RDMA work request failed; the link is down");
+                    self.complete(wc.wr_id(), Err(err.clone()));
+                    // An RC queue pair in error flushes everything after: the link is done.
+                    self.fail_all(err);
+                }
+            }
+        }
+    }
+}
+
+fn completion_error(status: WorkCompletionStatus, peer: &str) -> Error {
+    match status {
+        WorkCompletionStatus::RemoteAccessError => Error::PermissionDenied(format!(
+            "{peer}'s NIC refused the access (region deregistered or bad key)"
+        )),
+        WorkCompletionStatus::RetryCounterExceededError
+        | WorkCompletionStatus::ResponderNotReadyRetryCounterExceededError => {
+            Error::PeerClosed(format!("{peer} stopped answering on the RDMA link"))
+        }
+        WorkCompletionStatus::WorkRequestFlushedError => Error::PeerClosed(format!("the RDMA link to {peer} failed")),
+        other => Error::Io {
+            kind: std::io::ErrorKind::Other,
+            message: format!("RDMA completion from {peer}: {other:?}"),
+        },
+    }
+}
+
+/// Keeps the completion channel (and so its descriptor) open for as long as tokio watches it.
+struct ChannelFd(Arc<sideway::ibverbs::completion::CompletionChannel>);
+
+impl AsRawFd for ChannelFd {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0.as_raw_fd()
+    }
+}
+
+async fn poll_completions(link: std::sync::Weak<Inner>) {
+    let Some(inner) = link.upgrade() else { return };
+    let busy = inner.shared.options.busy_poll;
+    // SAFETY: `ChannelFd` owns an `Arc` of the channel, so the descriptor stays open and the same for
+    // the whole life of the `AsyncFd`.
+    let fd = match unsafe {
+        AsyncFd::register_with_interest(ChannelFd(inner.rc.channel.clone()), tokio::io::Interest::READABLE)
+    } {
+        Ok(fd) => fd,
+        Err(e) => {
+            inner.fail_all(Error::io("watching the completion channel", e.into_parts().1));
+            return;
+        }
+    };
+    drop(inner);
+    loop {
+        let Some(inner) = link.upgrade() else { return };
+        inner.drain();
+        if busy {
+            drop(inner);
+            tokio::task::yield_now().await;
+            continue;
+        }
+        // SAFETY: the CQ is alive (owned by `inner`); arming it has no other precondition.
+        unsafe { rdma_mummy_sys::ibv_req_notify_cq(inner.rc.cq.cq().as_ptr(), 0) };
+        // A completion between the drain and the arming raised no event: drain once more.
+        if inner.drain() > 0 {
+            continue;
+        }
+        drop(inner);
+        let mut ready = match fd.readable().await {
+            Ok(r) => r,
+            Err(e) => {
+                if let Some(inner) = link.upgrade() {
+                    inner.fail_all(Error::io("waiting on the completion channel", e));
+                }
+                return;
+            }
+        };
+        let Some(inner) = link.upgrade() else { return };
+        let mut cq = std::ptr::null_mut();
+        let mut ctx = std::ptr::null_mut();
+        // SAFETY: the channel is alive and non-blocking; on success the event is acknowledged below.
+        let got =
+            unsafe { rdma_mummy_sys::ibv_get_cq_event(inner.rc.channel.comp_channel().as_ptr(), &mut cq, &mut ctx) };
+        if got == 0 {
+            // SAFETY: `cq` is the queue the event was for (ours); one event is acknowledged.
+            unsafe { rdma_mummy_sys::ibv_ack_cq_events(cq, 1) };
+        } else {
+            ready.clear_ready();
+        }
+    }
+}
+
+async fn run(inner: Arc<Inner>, request: TransferRequest) -> Result<()> {
+    if inner.closed.load(Ordering::Acquire) || inner.control.is_closed() {
+        return Err(Error::PeerClosed(format!("the link to {} is down", inner.peer)));
+    }
+    let mut wrs = inner.plan(&request.items)?;
+    let depth = (inner.rc.max_send_wr as usize).max(1);
+    let group_len = SIGNAL_EVERY.min(depth);
+    let mut completions = Vec::new();
+    while !wrs.is_empty() {
+        let rest = wrs.split_off(group_len.min(wrs.len()));
+        completions.push(inner.post_group(request.op, wrs).await?);
+        wrs = rest;
+    }
+    for rx in completions {
+        rx.await
+            .map_err(|_| Error::PeerClosed(format!("the RDMA link to {} closed", inner.peer)))??;
+    }
+    Ok(())
+}
+
+impl DataLink for RdmaLink {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Rdma
+    }
+
+    fn transfer(&self, request: TransferRequest) -> BoxFuture<'static, Result<()>> {
+        Box::pin(run(self.inner.clone(), request))
+    }
+
+    /// Notifications go over the control link: its TCP stream is opened after the RDMA writes
+    /// completed, and an RC write completes at the initiator only once the target's NIC has placed
+    /// the data, so the notification cannot be seen first.
+    fn notify(&self, notification: Notification) -> BoxFuture<'static, Result<()>> {
+        self.inner.control.notify(notification)
+    }
+
+    fn close(&self) -> BoxFuture<'static, ()> {
+        let inner = self.inner.clone();
+        Box::pin(async move {
+            inner.fail_all(Error::PeerClosed(format!(
+                "the link to {} was closed locally",
+                inner.peer
+            )));
+            if let Some(task) = inner.poller.lock().ok().and_then(|mut p| p.take()) {
+                task.abort();
+            }
+        })
+    }
+
+    fn is_closed(&self) -> bool {
+        self.inner.closed.load(Ordering::Acquire) || self.inner.control.is_closed()
+    }
+}

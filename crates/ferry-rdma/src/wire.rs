@@ -1,0 +1,94 @@
+//! What two ends exchange over the control link to connect their queue pairs.
+
+use std::net::Ipv6Addr;
+
+use ferry_core::{Error, Result};
+
+/// One side's queue pair address.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QpEndpoint {
+    /// Queue pair number.
+    pub qpn: u32,
+    /// First packet sequence number it will send.
+    pub psn: u32,
+    /// Its GID (RoCEv2: an IPv4-mapped IPv6 address).
+    pub gid: Ipv6Addr,
+    /// Port LID (0 on RoCE).
+    pub lid: u16,
+    /// Active path MTU, as the verbs enum value (1 = 256 … 5 = 4096).
+    pub mtu: u8,
+}
+
+const LEN: usize = 4 + 4 + 16 + 2 + 1 + 1;
+const VERSION: u8 = 1;
+
+impl QpEndpoint {
+    /// The wire form: little-endian fixed fields, then a version byte.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut v = Vec::with_capacity(LEN);
+        v.extend_from_slice(&self.qpn.to_le_bytes());
+        v.extend_from_slice(&self.psn.to_le_bytes());
+        v.extend_from_slice(&self.gid.octets());
+        v.extend_from_slice(&self.lid.to_le_bytes());
+        v.push(self.mtu);
+        v.push(VERSION);
+        v
+    }
+
+    /// Parses what `encode` wrote; anything else is a protocol error.
+    pub fn decode(b: &[u8]) -> Result<Self> {
+        if b.len() != LEN || b[LEN - 1] != VERSION {
+            return Err(Error::Protocol(format!(
+                "RDMA setup data of {} bytes is not version {VERSION}",
+                b.len()
+            )));
+        }
+        let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+        let mut gid = [0u8; 16];
+        gid.copy_from_slice(&b[8..24]);
+        let mtu = b[26];
+        if !(1..=5).contains(&mtu) {
+            return Err(Error::Protocol(format!("RDMA path MTU code {mtu} is out of range")));
+        }
+        Ok(QpEndpoint {
+            qpn: u32_at(0) & 0xff_ffff,
+            psn: u32_at(4) & 0xff_ffff,
+            gid: Ipv6Addr::from(gid),
+            lid: u16::from_le_bytes([b[24], b[25]]),
+            mtu,
+        })
+    }
+}
+
+/// An rkey as carried in a region advert.
+pub fn encode_rkey(rkey: u32) -> Vec<u8> {
+    rkey.to_le_bytes().to_vec()
+}
+
+/// Parses an advertised rkey.
+pub fn decode_rkey(b: &[u8]) -> Result<u32> {
+    let a: [u8; 4] = b
+        .try_into()
+        .map_err(|_| Error::Protocol(format!("an rkey of {} bytes", b.len())))?;
+    Ok(u32::from_le_bytes(a))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn round_trip(qpn in 0u32..1 << 24, psn in 0u32..1 << 24, gid in any::<[u8; 16]>(), lid in any::<u16>(), mtu in 1u8..=5) {
+            let e = QpEndpoint { qpn, psn, gid: Ipv6Addr::from(gid), lid, mtu };
+            prop_assert_eq!(QpEndpoint::decode(&e.encode()).unwrap(), e);
+        }
+
+        #[test]
+        fn arbitrary_bytes_never_panic(b in proptest::collection::vec(any::<u8>(), 0..64)) {
+            let _ = QpEndpoint::decode(&b);
+            let _ = decode_rkey(&b);
+        }
+    }
+}

@@ -1,0 +1,158 @@
+//! Command slots: a command pool, one command buffer and a fence, reused copy after copy.
+//!
+//! Several TCP streams commit ranges of the same staged region at once, each from its own thread. A
+//! command pool may be used by one thread at a time, so each slot has its own pool: recording in
+//! different slots runs in parallel, and only `vkQueueSubmit` takes the queue's lock. Slots are created
+//! on demand up to [`MAX_SLOTS`] and go back to the free list only once their fence has signalled; a slot
+//! whose copy never finished (a hung or lost device) is parked, with the buffers it copies between, so
+//! that neither its command buffer nor those buffers are ever freed under the GPU.
+
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Duration;
+
+use ash::vk;
+use ferry_core::{Error, Result};
+
+use crate::buffer::DeviceBuffer;
+use crate::error::vk_error;
+
+/// Most slots one context creates.
+pub(crate) const MAX_SLOTS: usize = 16;
+
+/// How long a copy may take before it is reported as [`Error::Timeout`].
+pub(crate) const COPY_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// One command pool with one command buffer and its fence.
+#[derive(Debug)]
+pub(crate) struct Slot {
+    pub pool: vk::CommandPool,
+    pub cmd: vk::CommandBuffer,
+    pub fence: vk::Fence,
+}
+
+#[derive(Default)]
+struct State {
+    free: Vec<Slot>,
+    created: usize,
+    /// Slots whose fence never signalled, with the buffers their copy uses.
+    parked: Vec<(Slot, Vec<Arc<DeviceBuffer>>)>,
+}
+
+/// The slots of one context.
+#[derive(Default)]
+pub(crate) struct SlotPool {
+    state: Mutex<State>,
+    returned: Condvar,
+}
+
+impl SlotPool {
+    pub fn new() -> Self {
+        SlotPool::default()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // Every update of `State` is a push, a pop or an increment: a panic cannot leave it inconsistent.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A free slot, a new one if fewer than [`MAX_SLOTS`] exist, or `None`.
+    pub fn try_acquire(&self, device: &ash::Device, family: u32) -> Result<Option<Slot>> {
+        let mut st = self.lock();
+        if let Some(s) = st.free.pop() {
+            return Ok(Some(s));
+        }
+        if st.created >= MAX_SLOTS {
+            return Ok(None);
+        }
+        st.created += 1;
+        drop(st);
+        match create_slot(device, family) {
+            Ok(s) => Ok(Some(s)),
+            Err(e) => {
+                self.lock().created -= 1;
+                Err(e)
+            }
+        }
+    }
+
+    /// A slot, waiting (at most [`COPY_TIMEOUT`]) for one to come back when all are in use.
+    pub fn acquire(&self, device: &ash::Device, family: u32) -> Result<Slot> {
+        if let Some(s) = self.try_acquire(device, family)? {
+            return Ok(s);
+        }
+        let st = self.lock();
+        let (mut st, waited) = self
+            .returned
+            .wait_timeout_while(st, COPY_TIMEOUT, |st| st.free.is_empty())
+            .unwrap_or_else(|p| p.into_inner());
+        match st.free.pop() {
+            Some(s) => Ok(s),
+            None if waited.timed_out() => Err(Error::Timeout(format!(
+                "all {MAX_SLOTS} Vulkan command slots stayed busy for {COPY_TIMEOUT:?}"
+            ))),
+            None => Err(Error::Timeout("no Vulkan command slot came back".into())),
+        }
+    }
+
+    /// Returns a slot whose fence has signalled (or that was never submitted).
+    pub fn release(&self, slot: Slot) {
+        self.lock().free.push(slot);
+        self.returned.notify_one();
+    }
+
+    /// Keeps a slot whose copy did not finish, and the buffers it uses, until the context goes.
+    pub fn park(&self, slot: Slot, keep: Vec<Arc<DeviceBuffer>>) {
+        tracing::error!("a Vulkan copy did not finish; its command slot and buffers are kept alive");
+        self.lock().parked.push((slot, keep));
+    }
+
+    /// Destroys every slot.
+    ///
+    /// # Safety
+    ///
+    /// The device must be idle and no slot may be in use.
+    pub unsafe fn destroy(&self, device: &ash::Device) {
+        let mut st = self.lock();
+        let parked: Vec<Slot> = st.parked.drain(..).map(|(s, _)| s).collect();
+        for s in st.free.drain(..).chain(parked) {
+            // SAFETY: the caller promised the device is idle, so no slot's command buffer is pending;
+            // destroying the pool frees its command buffer.
+            unsafe {
+                device.destroy_fence(s.fence, None);
+                device.destroy_command_pool(s.pool, None);
+            }
+        }
+    }
+}
+
+fn create_slot(device: &ash::Device, family: u32) -> Result<Slot> {
+    let info = vk::CommandPoolCreateInfo::default()
+        .queue_family_index(family)
+        .flags(vk::CommandPoolCreateFlags::TRANSIENT);
+    // SAFETY: a live device and a queue family it was created with.
+    let pool = unsafe { device.create_command_pool(&info, None) }.map_err(|e| vk_error("vkCreateCommandPool", e))?;
+    let alloc = vk::CommandBufferAllocateInfo::default()
+        .command_pool(pool)
+        .level(vk::CommandBufferLevel::PRIMARY)
+        .command_buffer_count(1);
+    // SAFETY: `pool` was just created and is used by this thread only.
+    let cmd = match unsafe { device.allocate_command_buffers(&alloc) } {
+        Ok(v) if !v.is_empty() => v[0],
+        other => {
+            // SAFETY: the pool is unused.
+            unsafe { device.destroy_command_pool(pool, None) };
+            let e = other.err().unwrap_or(vk::Result::ERROR_UNKNOWN);
+            return Err(vk_error("vkAllocateCommandBuffers", e));
+        }
+    };
+    // SAFETY: a plain, unsignalled fence on a live device.
+    let fence = match unsafe { device.create_fence(&vk::FenceCreateInfo::default(), None) } {
+        Ok(f) => f,
+        Err(e) => {
+            // SAFETY: the pool and its buffer are unused.
+            unsafe { device.destroy_command_pool(pool, None) };
+            return Err(vk_error("vkCreateFence", e));
+        }
+    };
+    Ok(Slot { pool, cmd, fence })
+}

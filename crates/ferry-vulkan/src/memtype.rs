@@ -1,0 +1,385 @@
+//! Which memory type an allocation comes from, and which allocation paths a device can offer.
+//!
+//! This is the decision logic of the crate, kept free of Vulkan calls so that layouts no machine here
+//! has (an NVIDIA GPU with RDMA-capable types, a discrete GPU with a small BAR heap) are tested too.
+//! A [`MemoryLayout`] is the device's list of memory types and heaps; a [`TypeWish`] says which
+//! property flags an allocation must have, which it would like and which it would rather avoid.
+
+use ash::vk;
+use serde::Serialize;
+
+/// Flags no allocation of this crate may use: protected memory needs protected queues, lazily
+/// allocated memory exists only for transient attachments.
+const FORBIDDEN: vk::MemoryPropertyFlags = vk::MemoryPropertyFlags::from_raw(
+    vk::MemoryPropertyFlags::PROTECTED.as_raw() | vk::MemoryPropertyFlags::LAZILY_ALLOCATED.as_raw(),
+);
+
+/// One memory type as the device reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct MemType {
+    /// Property flags.
+    pub flags: vk::MemoryPropertyFlags,
+    /// The heap it allocates from.
+    pub heap: u32,
+}
+
+/// One memory heap.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Heap {
+    /// Size in bytes.
+    pub size: u64,
+    /// Heap flags.
+    pub flags: vk::MemoryHeapFlags,
+}
+
+/// A device's memory types and heaps.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct MemoryLayout {
+    /// Memory types, by index.
+    pub types: Vec<MemType>,
+    /// Heaps, by index.
+    pub heaps: Vec<Heap>,
+}
+
+/// What an allocation asks of its memory type.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct TypeWish {
+    /// Every one of these flags.
+    pub required: vk::MemoryPropertyFlags,
+    /// As many of these as possible.
+    pub preferred: vk::MemoryPropertyFlags,
+    /// As few of these as possible (weighs more than `preferred`).
+    pub avoided: vk::MemoryPropertyFlags,
+}
+
+/// Path 1: the seed's choice, the first memory type that is RDMA-capable.
+pub(crate) const RDMA_WISH: TypeWish = TypeWish {
+    required: vk::MemoryPropertyFlags::RDMA_CAPABLE_NV,
+    preferred: vk::MemoryPropertyFlags::empty(),
+    avoided: vk::MemoryPropertyFlags::empty(),
+};
+
+/// Path 2: device memory the host can map, coherent if there is such a type.
+pub(crate) const HOST_VISIBLE_WISH: TypeWish = TypeWish {
+    required: vk::MemoryPropertyFlags::from_raw(
+        vk::MemoryPropertyFlags::DEVICE_LOCAL.as_raw() | vk::MemoryPropertyFlags::HOST_VISIBLE.as_raw(),
+    ),
+    preferred: vk::MemoryPropertyFlags::HOST_COHERENT,
+    avoided: vk::MemoryPropertyFlags::empty(),
+};
+
+/// Path 3, the device side: device-local memory, preferably the kind the host cannot see (VRAM
+/// outside the BAR).
+pub(crate) const DEVICE_ONLY_WISH: TypeWish = TypeWish {
+    required: vk::MemoryPropertyFlags::DEVICE_LOCAL,
+    preferred: vk::MemoryPropertyFlags::empty(),
+    avoided: vk::MemoryPropertyFlags::HOST_VISIBLE,
+};
+
+/// Path 3, the host side: mappable memory in system RAM, cached so that the CPU reads it fast when a
+/// peer reads from the region.
+pub(crate) const STAGING_WISH: TypeWish = TypeWish {
+    required: vk::MemoryPropertyFlags::HOST_VISIBLE,
+    preferred: vk::MemoryPropertyFlags::from_raw(
+        vk::MemoryPropertyFlags::HOST_COHERENT.as_raw() | vk::MemoryPropertyFlags::HOST_CACHED.as_raw(),
+    ),
+    avoided: vk::MemoryPropertyFlags::DEVICE_LOCAL,
+};
+
+/// Host buffers imported with `VK_EXT_external_memory_host`: any type the import allows, mappable if
+/// possible.
+pub(crate) const IMPORT_WISH: TypeWish = TypeWish {
+    required: vk::MemoryPropertyFlags::empty(),
+    preferred: vk::MemoryPropertyFlags::HOST_VISIBLE,
+    avoided: vk::MemoryPropertyFlags::empty(),
+};
+
+/// How a region's bytes live on the device and reach the host.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum AllocationPath {
+    /// Path 1: `VK_NV_external_memory_rdma` memory with a remote address for RDMA NICs. TCP reaches it
+    /// through its mapping where the type is host-visible, else through staging copies.
+    RdmaCapable,
+    /// Path 2: device memory that is also host-visible, mapped and registered through its mapping:
+    /// TCP moves bytes into it with no extra copy.
+    HostVisible,
+    /// Path 3: device-local memory reached through a host-visible staging buffer and copies on a
+    /// transfer queue.
+    Staged,
+}
+
+impl AllocationPath {
+    /// The name used in options, logs and `ferry info`: "rdma", "host-visible", "staged".
+    pub fn name(self) -> &'static str {
+        match self {
+            AllocationPath::RdmaCapable => "rdma",
+            AllocationPath::HostVisible => "host-visible",
+            AllocationPath::Staged => "staged",
+        }
+    }
+}
+
+impl std::fmt::Display for AllocationPath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for AllocationPath {
+    type Err = ferry_core::Error;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "rdma" | "rdma-capable" | "1" => Ok(AllocationPath::RdmaCapable),
+            "host-visible" | "hostvisible" | "mapped" | "2" => Ok(AllocationPath::HostVisible),
+            "staged" | "device-local" | "3" => Ok(AllocationPath::Staged),
+            other => Err(ferry_core::Error::InvalidArgument(format!(
+                "unknown Vulkan allocation path {other:?}: expected rdma, host-visible or staged"
+            ))),
+        }
+    }
+}
+
+/// Which allocation paths a device can serve.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct PathSupport {
+    /// Path 1: `VK_NV_external_memory_rdma` is enabled and a memory type is RDMA-capable.
+    pub rdma: bool,
+    /// Path 2: a memory type is both device-local and host-visible.
+    pub host_visible: bool,
+    /// Path 3: there is device-local memory and host-visible memory to stage through.
+    pub staged: bool,
+}
+
+impl PathSupport {
+    /// Whether `path` is available.
+    pub fn offers(&self, path: AllocationPath) -> bool {
+        match path {
+            AllocationPath::RdmaCapable => self.rdma,
+            AllocationPath::HostVisible => self.host_visible,
+            AllocationPath::Staged => self.staged,
+        }
+    }
+}
+
+impl MemoryLayout {
+    /// Copies the layout out of Vulkan's fixed-size arrays.
+    pub fn from_vk(p: &vk::PhysicalDeviceMemoryProperties) -> Self {
+        let types = p
+            .memory_types
+            .iter()
+            .take(p.memory_type_count as usize)
+            .map(|t| MemType {
+                flags: t.property_flags,
+                heap: t.heap_index,
+            })
+            .collect();
+        let heaps = p
+            .memory_heaps
+            .iter()
+            .take(p.memory_heap_count as usize)
+            .map(|h| Heap {
+                size: h.size,
+                flags: h.flags,
+            })
+            .collect();
+        MemoryLayout { types, heaps }
+    }
+
+    /// The best memory type among those in the bit mask `allowed` (from a buffer's memory
+    /// requirements) for `wish`: all required flags, fewest avoided flags, most preferred flags, then
+    /// the lowest index (the order drivers list their preference in).
+    pub fn pick(&self, allowed: u32, wish: &TypeWish) -> Option<u32> {
+        self.types
+            .iter()
+            .enumerate()
+            .filter(|&(i, t)| {
+                i < 32 && allowed & (1 << i) != 0 && t.flags.contains(wish.required) && (t.flags & FORBIDDEN).is_empty()
+            })
+            .min_by_key(|&(i, t)| {
+                let avoided = (t.flags & wish.avoided).as_raw().count_ones();
+                let preferred = (t.flags & wish.preferred).as_raw().count_ones();
+                (avoided, u32::MAX - preferred, i)
+            })
+            .map(|(i, _)| i as u32)
+    }
+
+    /// Whether some type (any allowed) satisfies `wish`.
+    pub fn has(&self, wish: &TypeWish) -> bool {
+        self.pick(u32::MAX, wish).is_some()
+    }
+
+    /// The heap of memory type `index`.
+    pub fn heap_of(&self, index: u32) -> Option<u32> {
+        self.types.get(index as usize).map(|t| t.heap)
+    }
+
+    /// The flags of memory type `index`.
+    pub fn flags_of(&self, index: u32) -> vk::MemoryPropertyFlags {
+        self.types
+            .get(index as usize)
+            .map_or(vk::MemoryPropertyFlags::empty(), |t| t.flags)
+    }
+
+    /// The seed's heap for RDMA: that of the first RDMA-capable memory type.
+    pub fn rdma_heap(&self) -> Option<u32> {
+        self.types
+            .iter()
+            .find(|t| t.flags.contains(vk::MemoryPropertyFlags::RDMA_CAPABLE_NV))
+            .map(|t| t.heap)
+    }
+
+    /// Which paths this layout supports, given whether the RDMA extension and feature are enabled.
+    pub fn paths(&self, rdma_enabled: bool) -> PathSupport {
+        PathSupport {
+            rdma: rdma_enabled && self.has(&RDMA_WISH),
+            host_visible: self.has(&HOST_VISIBLE_WISH),
+            staged: self.has(&DEVICE_ONLY_WISH) && self.has(&STAGING_WISH),
+        }
+    }
+}
+
+/// Whether `size` more bytes fit into a heap with `budget` bytes of which `usage` are in use.
+pub(crate) fn fits_budget(size: u64, budget: u64, usage: u64) -> bool {
+    budget.checked_sub(usage).is_some_and(|free| size <= free)
+}
+
+/// The names of the flags set in `flags`, for `ferry info`.
+pub(crate) fn flag_names(flags: vk::MemoryPropertyFlags) -> Vec<&'static str> {
+    use vk::MemoryPropertyFlags as F;
+    [
+        (F::DEVICE_LOCAL, "device-local"),
+        (F::HOST_VISIBLE, "host-visible"),
+        (F::HOST_COHERENT, "host-coherent"),
+        (F::HOST_CACHED, "host-cached"),
+        (F::LAZILY_ALLOCATED, "lazily-allocated"),
+        (F::PROTECTED, "protected"),
+        (F::DEVICE_COHERENT_AMD, "device-coherent-amd"),
+        (F::DEVICE_UNCACHED_AMD, "device-uncached-amd"),
+        (F::RDMA_CAPABLE_NV, "rdma-capable"),
+    ]
+    .into_iter()
+    .filter(|(f, _)| flags.contains(*f))
+    .map(|(_, n)| n)
+    .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use vk::MemoryPropertyFlags as F;
+
+    fn layout(types: &[(F, u32)], heaps: &[u64]) -> MemoryLayout {
+        MemoryLayout {
+            types: types.iter().map(|&(flags, heap)| MemType { flags, heap }).collect(),
+            heaps: heaps
+                .iter()
+                .map(|&size| Heap {
+                    size,
+                    flags: vk::MemoryHeapFlags::DEVICE_LOCAL,
+                })
+                .collect(),
+        }
+    }
+
+    /// lavapipe: one heap, one type with everything.
+    fn lavapipe() -> MemoryLayout {
+        layout(
+            &[(F::DEVICE_LOCAL | F::HOST_VISIBLE | F::HOST_COHERENT | F::HOST_CACHED, 0)],
+            &[2 << 30],
+        )
+    }
+
+    /// A discrete NVIDIA GPU with the RDMA extension: VRAM, system memory, a BAR window, and
+    /// RDMA-capable VRAM.
+    fn nvidia() -> MemoryLayout {
+        layout(
+            &[
+                (F::empty(), 1),
+                (F::DEVICE_LOCAL, 0),
+                (F::HOST_VISIBLE | F::HOST_COHERENT, 1),
+                (F::HOST_VISIBLE | F::HOST_COHERENT | F::HOST_CACHED, 1),
+                (F::DEVICE_LOCAL | F::HOST_VISIBLE | F::HOST_COHERENT, 2),
+                (F::DEVICE_LOCAL | F::RDMA_CAPABLE_NV, 0),
+            ],
+            &[80 << 30, 64 << 30, 256 << 20],
+        )
+    }
+
+    #[test]
+    fn lavapipe_offers_paths_two_and_three_from_its_one_type() {
+        let l = lavapipe();
+        assert_eq!(
+            l.paths(false),
+            PathSupport {
+                rdma: false,
+                host_visible: true,
+                staged: true
+            }
+        );
+        assert_eq!(l.pick(1, &HOST_VISIBLE_WISH), Some(0));
+        assert_eq!(l.pick(1, &DEVICE_ONLY_WISH), Some(0));
+        assert_eq!(l.pick(1, &STAGING_WISH), Some(0));
+        assert_eq!(l.pick(1, &RDMA_WISH), None);
+        assert_eq!(l.pick(0, &HOST_VISIBLE_WISH), None, "no allowed type, no pick");
+    }
+
+    #[test]
+    fn nvidia_layout_picks_the_intended_type_for_each_role() {
+        let l = nvidia();
+        assert!(l.paths(true).rdma);
+        assert!(!l.paths(false).rdma, "RDMA needs the extension enabled");
+        assert_eq!(l.pick(u32::MAX, &RDMA_WISH), Some(5));
+        assert_eq!(l.rdma_heap(), Some(0));
+        assert_eq!(l.pick(u32::MAX, &HOST_VISIBLE_WISH), Some(4), "the BAR window");
+        assert_eq!(l.pick(u32::MAX, &DEVICE_ONLY_WISH), Some(1), "VRAM outside the BAR");
+        assert_eq!(l.pick(u32::MAX, &STAGING_WISH), Some(3), "cached system memory");
+        // A buffer whose requirements exclude type 1 falls back to the next device-only type, then to
+        // the BAR window.
+        assert_eq!(l.pick(!(1 << 1), &DEVICE_ONLY_WISH), Some(5));
+        assert_eq!(l.pick(!(1 << 1 | 1 << 5), &DEVICE_ONLY_WISH), Some(4));
+        assert_eq!(l.heap_of(4), Some(2));
+        assert_eq!(l.heap_of(40), None);
+    }
+
+    #[test]
+    fn forbidden_flags_are_never_picked() {
+        let l = layout(
+            &[
+                (F::DEVICE_LOCAL | F::PROTECTED, 0),
+                (F::DEVICE_LOCAL | F::LAZILY_ALLOCATED, 0),
+            ],
+            &[1 << 30],
+        );
+        assert_eq!(l.pick(u32::MAX, &DEVICE_ONLY_WISH), None);
+        assert!(!l.paths(false).staged);
+    }
+
+    #[test]
+    fn budget_check_counts_what_is_in_use() {
+        assert!(fits_budget(10, 100, 90));
+        assert!(!fits_budget(11, 100, 90));
+        assert!(!fits_budget(1, 100, 120), "usage past the budget leaves nothing");
+        assert!(fits_budget(0, 0, 0));
+    }
+
+    #[test]
+    fn path_names_round_trip() {
+        for p in [
+            AllocationPath::RdmaCapable,
+            AllocationPath::HostVisible,
+            AllocationPath::Staged,
+        ] {
+            assert_eq!(p.name().parse::<AllocationPath>().ok(), Some(p));
+        }
+        assert!("gpu".parse::<AllocationPath>().is_err());
+    }
+
+    #[test]
+    fn flag_names_list_the_set_flags() {
+        assert_eq!(
+            flag_names(F::DEVICE_LOCAL | F::RDMA_CAPABLE_NV),
+            vec!["device-local", "rdma-capable"]
+        );
+    }
+}

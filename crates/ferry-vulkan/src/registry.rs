@@ -1,0 +1,251 @@
+//! [`VulkanRegistry`]: where the engine gets GPU memory from, and which of the three paths it takes.
+//!
+//! Without an override the registry tries the paths best first and falls through when one is not
+//! offered or does not fit: RDMA-capable memory (path 1, the seed's procedure: an RDMA-capable type,
+//! the heap budget, the exportable check, export allocation, the remote address), then host-visible
+//! device memory (path 2), then device-local memory behind a staging buffer (path 3). A forced path
+//! that the device cannot serve is [`Error::Unsupported`], never a silent substitute.
+
+use std::sync::Arc;
+
+use ash::vk;
+use ferry_core::{Error, MemoryBlock, MemoryRegistry, Result};
+
+use crate::block::VulkanBlock;
+use crate::buffer::{BufferSpec, DeviceBuffer, MapMode};
+use crate::context::VulkanContext;
+use crate::memtype::{AllocationPath, DEVICE_ONLY_WISH, HOST_VISIBLE_WISH, RDMA_WISH, STAGING_WISH, fits_budget};
+
+/// Allocates Vulkan memory for ferry regions. See the [module docs](self).
+#[derive(Debug, Clone)]
+pub struct VulkanRegistry {
+    ctx: Arc<VulkanContext>,
+    path: Option<AllocationPath>,
+    exportable: bool,
+    name: String,
+}
+
+impl VulkanRegistry {
+    /// A registry on `ctx` that picks the path itself and makes memory exportable where it can.
+    pub fn new(ctx: Arc<VulkanContext>) -> Self {
+        let name = format!("vulkan ({})", ctx.name());
+        VulkanRegistry {
+            ctx,
+            path: None,
+            exportable: true,
+            name,
+        }
+    }
+
+    /// Uses only `path`, or chooses automatically with `None`.
+    pub fn with_path(mut self, path: Option<AllocationPath>) -> Self {
+        self.path = path;
+        self
+    }
+
+    /// Whether device memory is allocated exportable as an opaque fd (default: yes, where the device
+    /// can export; exportable memory is always a dedicated allocation).
+    pub fn exportable(mut self, on: bool) -> Self {
+        self.exportable = on;
+        self
+    }
+
+    /// The context.
+    pub fn context(&self) -> &Arc<VulkanContext> {
+        &self.ctx
+    }
+
+    /// Allocates `len` bytes, keeping the typed block (for [`VulkanBlock::path`], device copies,
+    /// export); register it with `Engine::register_block(block.clone(), access)`.
+    pub fn allocate_block(&self, len: usize) -> Result<Arc<VulkanBlock>> {
+        if len == 0 {
+            return Err(Error::InvalidArgument("cannot allocate zero bytes".into()));
+        }
+        let size = len as u64;
+        if size > self.ctx.max_allocation_size() {
+            return Err(Error::ResourceExhausted(format!(
+                "{len} bytes exceed maxMemoryAllocationSize ({}) of {}",
+                self.ctx.max_allocation_size(),
+                self.ctx.name()
+            )));
+        }
+        let offered = self.ctx.paths();
+        if let Some(path) = self.path {
+            if !offered.offers(path) {
+                return Err(Error::Unsupported(format!(
+                    "the {path} allocation path is not available on {}{}",
+                    self.ctx.name(),
+                    if path == AllocationPath::RdmaCapable && !self.ctx.nv_rdma() {
+                        " (VK_NV_external_memory_rdma and its feature are not offered)"
+                    } else {
+                        ""
+                    }
+                )));
+            }
+            return self.allocate_path(path, len).map(Arc::new);
+        }
+        let mut last = Error::Unsupported(format!("{} offers no allocation path", self.ctx.name()));
+        for path in [
+            AllocationPath::RdmaCapable,
+            AllocationPath::HostVisible,
+            AllocationPath::Staged,
+        ] {
+            if !offered.offers(path) {
+                continue;
+            }
+            match self.allocate_path(path, len) {
+                Ok(block) => return Ok(Arc::new(block)),
+                Err(e @ (Error::ResourceExhausted(_) | Error::Unsupported(_))) => {
+                    tracing::debug!(%path, error = %e, "Vulkan allocation path not taken");
+                    last = e;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Err(last)
+    }
+
+    fn allocate_path(&self, path: AllocationPath, len: usize) -> Result<VulkanBlock> {
+        let size = len as u64;
+        let block = match path {
+            AllocationPath::RdmaCapable => self.allocate_rdma(len)?,
+            AllocationPath::HostVisible => {
+                let device = DeviceBuffer::allocate(
+                    &self.ctx,
+                    &BufferSpec {
+                        size,
+                        wish: HOST_VISIBLE_WISH,
+                        export: self.opaque_fd(),
+                        map: MapMode::Required,
+                        role: "host-visible region",
+                    },
+                )?;
+                VulkanBlock::mapped(path, "vulkan host-visible", device, len)?
+            }
+            AllocationPath::Staged => {
+                let device = DeviceBuffer::allocate(
+                    &self.ctx,
+                    &BufferSpec {
+                        size,
+                        wish: DEVICE_ONLY_WISH,
+                        export: self.opaque_fd(),
+                        map: MapMode::Never,
+                        role: "device-local region",
+                    },
+                )?;
+                let staging = self.staging(size)?;
+                VulkanBlock::staged(path, "vulkan device-local (staged)", device, staging, len)?
+            }
+        };
+        tracing::debug!(kind = block_kind(&block), len, "Vulkan region allocated");
+        Ok(block)
+    }
+
+    /// Path 1, step by step as in the `VK_NV_external_memory_rdma` example.
+    fn allocate_rdma(&self, len: usize) -> Result<VulkanBlock> {
+        let size = len as u64;
+        let rdma = vk::ExternalMemoryHandleTypeFlags::RDMA_ADDRESS_NV;
+        // The heap of the first RDMA-capable type, and its budget.
+        let heap = self
+            .ctx
+            .layout()
+            .rdma_heap()
+            .ok_or_else(|| Error::Unsupported(format!("{} has no RDMA-capable memory type", self.ctx.name())))?;
+        let (budget, usage) = self.ctx.heap_budget(heap)?;
+        if !fits_budget(size, budget, usage) {
+            return Err(Error::ResourceExhausted(format!(
+                "{size} bytes of RDMA-capable memory do not fit the budget of heap {heap} ({usage} of {budget} bytes in use)"
+            )));
+        }
+        // The exportable check.
+        let props = self.ctx.external_features(rdma);
+        if !props
+            .external_memory_features
+            .contains(vk::ExternalMemoryFeatureFlags::EXPORTABLE)
+        {
+            return Err(Error::Unsupported(format!(
+                "{} cannot export buffers as RDMA addresses",
+                self.ctx.name()
+            )));
+        }
+        // Also exportable as an opaque fd where the two handle types may be combined.
+        let mut export = rdma;
+        let fd = self.opaque_fd();
+        if !fd.is_empty() && props.compatible_handle_types.contains(fd) {
+            export |= fd;
+        }
+        let device = DeviceBuffer::allocate(
+            &self.ctx,
+            &BufferSpec {
+                size,
+                wish: RDMA_WISH,
+                export,
+                map: MapMode::IfHostVisible,
+                role: "RDMA-capable region",
+            },
+        )?;
+        let address = device.remote_address()?;
+        tracing::info!(
+            address = format_args!("{address:#x}"),
+            len,
+            "RDMA-capable Vulkan memory"
+        );
+        let block = if device.mapped().is_null() {
+            let staging = self.staging(size)?;
+            VulkanBlock::staged(
+                AllocationPath::RdmaCapable,
+                "vulkan rdma-capable (staged)",
+                device,
+                staging,
+                len,
+            )?
+        } else {
+            VulkanBlock::mapped(AllocationPath::RdmaCapable, "vulkan rdma-capable (mapped)", device, len)?
+        };
+        Ok(block.with_rdma_address(address))
+    }
+
+    fn staging(&self, size: u64) -> Result<DeviceBuffer> {
+        DeviceBuffer::allocate(
+            &self.ctx,
+            &BufferSpec {
+                size,
+                wish: STAGING_WISH,
+                export: vk::ExternalMemoryHandleTypeFlags::empty(),
+                map: MapMode::Required,
+                role: "staging buffer",
+            },
+        )
+    }
+
+    /// OPAQUE_FD where export is on, the extension enabled, and the device can export such buffers.
+    fn opaque_fd(&self) -> vk::ExternalMemoryHandleTypeFlags {
+        let fd = vk::ExternalMemoryHandleTypeFlags::OPAQUE_FD;
+        let exportable = self.exportable
+            && self.ctx.ext.memory_fd.is_some()
+            && self
+                .ctx
+                .external_features(fd)
+                .external_memory_features
+                .contains(vk::ExternalMemoryFeatureFlags::EXPORTABLE);
+        if exportable {
+            fd
+        } else {
+            vk::ExternalMemoryHandleTypeFlags::empty()
+        }
+    }
+}
+
+fn block_kind(b: &VulkanBlock) -> &str {
+    b.kind()
+}
+
+impl MemoryRegistry for VulkanRegistry {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn allocate(&self, len: usize) -> Result<Arc<dyn MemoryBlock>> {
+        Ok(self.allocate_block(len)?)
+    }
+}

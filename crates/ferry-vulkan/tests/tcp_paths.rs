@@ -1,0 +1,138 @@
+//! A peer writes into and reads from Vulkan memory over TCP; the GPU side is checked with device
+//! copies (vkCmdCopyBuffer), every byte compared on the host.
+
+mod common;
+
+use common::*;
+use ferry::{Access, MemoryBlock, Op, TransferDesc};
+use ferry_vulkan::{AllocationPath, VulkanRegistry};
+
+/// Spans several staging chunks and TCP pieces, and ends off any page or chunk boundary.
+const LEN: usize = (9 << 20) + 4097;
+
+/// Descriptors of uneven sizes that cover `[0, LEN)`: a single byte, small ones coalesced through the
+/// engine's staging pool, and large ones split across streams.
+fn descs(local: u64, remote: u64) -> Vec<TransferDesc> {
+    let cuts = [0usize, 1, 4097, 70_000, 400_000, 5 << 20, LEN];
+    cuts.windows(2)
+        .map(|w| TransferDesc::new(local + w[0] as u64, remote + w[0] as u64, (w[1] - w[0]) as u64))
+        .collect()
+}
+
+fn expected_kind(path: AllocationPath) -> &'static str {
+    match path {
+        AllocationPath::HostVisible => "vulkan host-visible",
+        AllocationPath::Staged => "vulkan device-local (staged)",
+        AllocationPath::RdmaCapable => "vulkan rdma-capable",
+    }
+}
+
+async fn write_lands_on_device(path: AllocationPath) {
+    let Some(ctx) = context("write into Vulkan memory over TCP") else {
+        return;
+    };
+    let registry = VulkanRegistry::new(ctx.clone()).with_path(Some(path));
+    let block = registry.allocate_block(LEN).unwrap();
+    assert_eq!(block.path(), path);
+    assert_eq!(block.is_staged(), path == AllocationPath::Staged);
+    let (target, initiator, peer) = pair().await;
+    let region = target.register_block(block.clone(), Access::READ_WRITE).unwrap();
+    assert_eq!(region.kind(), expected_kind(path));
+    wait_for_region(&peer, &region).await;
+
+    let want = pattern(LEN, 7);
+    let src = initiator.register(want.clone(), Access::READ_WRITE).unwrap();
+    initiator
+        .transfer(&peer, Op::Write, &descs(src.addr(), region.addr()), T)
+        .await
+        .unwrap();
+
+    // The device buffer itself (not the staging buffer) must hold the bytes: copy it on the GPU into
+    // a buffer of its own and read that on the host.
+    let check = VulkanRegistry::new(ctx.clone())
+        .with_path(Some(AllocationPath::HostVisible))
+        .allocate_block(LEN)
+        .unwrap();
+    ctx.copy(&*block, 0, &*check, 0, LEN as u64).unwrap();
+    let mut got = vec![0u8; LEN];
+    check.download(0, &mut got).unwrap();
+    assert_bytes(&got, &want, &format!("{path} write, after a device copy"));
+}
+
+async fn read_sees_device_writes(path: AllocationPath) {
+    let Some(ctx) = context("read from Vulkan memory over TCP") else {
+        return;
+    };
+    let registry = VulkanRegistry::new(ctx.clone()).with_path(Some(path));
+    let block = registry.allocate_block(LEN).unwrap();
+    let (target, initiator, peer) = pair().await;
+    let region = target.register_block(block.clone(), Access::READ_WRITE).unwrap();
+    wait_for_region(&peer, &region).await;
+
+    // Only the device writes the region: a host-visible source, copied on the GPU into it.
+    let want = pattern(LEN, 99);
+    let source = VulkanRegistry::new(ctx.clone())
+        .with_path(Some(AllocationPath::HostVisible))
+        .allocate_block(LEN)
+        .unwrap();
+    source.upload(0, &want).unwrap();
+    ctx.copy(&*source, 0, &*block, 0, LEN as u64).unwrap();
+
+    let back = initiator.alloc_host(LEN, Access::READ_WRITE).unwrap();
+    initiator
+        .transfer(&peer, Op::Read, &descs(back.addr(), region.addr()), T)
+        .await
+        .unwrap();
+    assert_bytes(
+        &back.to_vec().unwrap(),
+        &want,
+        &format!("{path} read of device-written bytes"),
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn write_into_host_visible_memory_lands_on_device() {
+    write_lands_on_device(AllocationPath::HostVisible).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn write_into_staged_memory_lands_on_device() {
+    write_lands_on_device(AllocationPath::Staged).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn read_from_host_visible_memory_sees_device_copy() {
+    read_sees_device_writes(AllocationPath::HostVisible).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn read_from_staged_memory_sees_device_copy() {
+    read_sees_device_writes(AllocationPath::Staged).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn alloc_from_picks_the_best_offered_path() {
+    let Some(ctx) = context("automatic path choice") else {
+        return;
+    };
+    let registry = VulkanRegistry::new(ctx.clone());
+    let target = ferry::Engine::builder().build().await.unwrap();
+    let region = target.alloc_from(&registry, 1 << 20, Access::READ_WRITE).unwrap();
+    let paths = ctx.paths();
+    let want = if paths.rdma {
+        "vulkan rdma-capable"
+    } else if paths.host_visible {
+        "vulkan host-visible"
+    } else {
+        "vulkan device-local (staged)"
+    };
+    assert!(region.kind().starts_with(want), "{} on {:?}", region.kind(), paths);
+    // Bytes written through the region's copy-in land in the (mapped or staged) host side.
+    let block = registry.allocate_block(4096).unwrap();
+    assert_eq!(block.len(), 4096);
+    block.upload(100, b"ferry").unwrap();
+    let mut out = [0u8; 5];
+    block.download(100, &mut out).unwrap();
+    assert_eq!(&out, b"ferry");
+    assert!(block.upload(4092, b"ferry").is_err(), "past the end");
+}
