@@ -19,8 +19,20 @@ pub struct Args {
     no_lint: bool,
 }
 
-/// Debian packages the tests need, as `(binary, package)`: none beyond a stock CI image today.
-const DEBIAN_PACKAGES: &[(&str, &str)] = &[];
+/// Debian packages the build and the tests need, as `(binary or absolute path, package)`.
+const DEBIAN_PACKAGES: &[(&str, &str)] = &[
+    // ferry-rdma's verbs binding builds its loader shim with cmake and generates bindings with libclang.
+    ("cmake", "cmake"),
+    ("/usr/lib/llvm-14/lib/libclang.so", "libclang-dev"),
+    // ferry-rdma's tests find no device on the host and fall back to TCP; the library must load.
+    ("/usr/lib/x86_64-linux-gnu/libibverbs.so.1", "libibverbs1"),
+    // ferry-vulkan's tests run on lavapipe, Mesa's CPU Vulkan driver.
+    ("/usr/lib/x86_64-linux-gnu/libvulkan.so.1", "libvulkan1"),
+    ("/usr/share/vulkan/icd.d/lvp_icd.x86_64.json", "mesa-vulkan-drivers"),
+    // The netem fault tests build network namespaces and shape a veth pair.
+    ("ip", "iproute2"),
+    ("tc", "iproute2"),
+];
 
 const MINUTE: Duration = Duration::from_secs(60);
 
@@ -65,7 +77,15 @@ const STEPS: &[Step] = &[
     Step {
         name: "test",
         lint: false,
-        run: |_| run_step(cargo().args(["test", "--workspace", "--release"]), 60 * MINUTE),
+        // FERRY_REQUIRE_ALL turns "skipped: prerequisite missing" into a failure: nothing passes by skipping.
+        run: |_| {
+            run_step(
+                cargo()
+                    .args(["test", "--workspace", "--release"])
+                    .env("FERRY_REQUIRE_ALL", "1"),
+                60 * MINUTE,
+            )
+        },
     },
     Step {
         name: "example kv_cache_handoff",

@@ -216,6 +216,16 @@ pub fn listening_in_proc_table(table: &str, port: u16) -> bool {
 }
 
 /// Whether `name` is an executable file in a `PATH` directory.
+/// Whether a prerequisite is there: an absolute path names a file that must exist, anything else a
+/// binary on `PATH`.
+fn present(probe: &str) -> bool {
+    if probe.starts_with('/') {
+        Path::new(probe).exists()
+    } else {
+        have_binary(probe)
+    }
+}
+
 pub fn have_binary(name: &str) -> bool {
     use std::os::unix::fs::PermissionsExt;
     let Some(path) = std::env::var_os("PATH") else {
@@ -240,7 +250,7 @@ static APT_UPDATED: AtomicBool = AtomicBool::new(false);
 pub fn ensure_debian_packages(needs: &[(&str, &str)]) -> Result<()> {
     let mut packages: Vec<&str> = needs
         .iter()
-        .filter(|(bin, _)| !have_binary(bin))
+        .filter(|(probe, _)| !present(probe))
         .map(|&(_, pkg)| pkg)
         .collect();
     packages.sort_unstable();

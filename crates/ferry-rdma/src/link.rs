@@ -351,6 +351,15 @@ async fn run(inner: Arc<Inner>, request: TransferRequest) -> Result<()> {
     if inner.closed.load(Ordering::Acquire) || inner.control.is_closed() {
         return Err(Error::PeerClosed(format!("the link to {} is down", inner.peer)));
     }
+    if request.op == Op::Write {
+        // Memory behind a staging buffer (device-local GPU memory) is brought to the host first.
+        for item in &request.items {
+            item.local
+                .region
+                .block()
+                .prepare_read(item.local.offset as usize, item.local.len as usize)?;
+        }
+    }
     let mut wrs = inner.plan(&request.items)?;
     let depth = (inner.rc.max_send_wr as usize).max(1);
     let group_len = SIGNAL_EVERY.min(depth);

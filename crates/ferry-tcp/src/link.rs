@@ -476,6 +476,15 @@ async fn run_transfer(shared: Arc<Shared>, request: TransferRequest) -> Result<(
     if shared.closed.load(Ordering::Acquire) {
         return Err(shared.closed_error());
     }
+    if request.op == Op::Write {
+        // Memory behind a staging buffer (device-local GPU memory) is brought to the host first.
+        for item in &request.items {
+            item.local
+                .region
+                .block()
+                .prepare_read(item.local.offset as usize, item.local.len as usize)?;
+        }
+    }
     let pieces = plan(request.items, shared.streams.len(), shared.pool.as_deref());
     let mut completions = Vec::with_capacity(pieces.len());
     for piece in pieces {
@@ -701,7 +710,9 @@ async fn land_read(shared: &Shared, stream: usize, id: u64, payload_len: u64, re
     let result = match pending.read {
         Some(ReadDest::Direct { region, offset, len }) if len == payload_len => {
             match reader.read_into(&region, offset, len).await? {
-                Landed::Written => Ok(()),
+                Landed::Written => region
+                    .block()
+                    .commit_written(offset as usize, len as usize, Durability::Completed),
                 Landed::RegionGone => Err(region.gone()),
             }
         }
@@ -718,7 +729,12 @@ async fn land_read(shared: &Shared, stream: usize, id: u64, payload_len: u64, re
             let mut result = Ok(());
             for p in &parts {
                 let n = p.len as usize;
-                if let Err(e) = p.region.copy_in(p.offset, &buf[at..at + n]) {
+                let landed = p.region.copy_in(p.offset, &buf[at..at + n]).and_then(|()| {
+                    p.region
+                        .block()
+                        .commit_written(p.offset as usize, n, Durability::Completed)
+                });
+                if let Err(e) = landed {
                     result = Err(e);
                 }
                 at += n;

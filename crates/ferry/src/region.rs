@@ -2,7 +2,7 @@
 
 use std::sync::{Arc, Weak};
 
-use ferry_core::{Access, RegionEntry, RegionKey, Result};
+use ferry_core::{Access, Durability, RegionEntry, RegionKey, Result};
 
 use crate::engine::Inner;
 
@@ -63,13 +63,19 @@ impl Region {
         self.entry.block().persistent()
     }
 
-    /// Copies `src` into the region at `offset`.
+    /// Copies `src` into the region at `offset` (and on to the device, for staged GPU memory).
     pub fn write_at(&self, offset: u64, src: &[u8]) -> Result<()> {
-        self.entry.copy_in(offset, src)
+        self.entry.copy_in(offset, src)?;
+        self.entry
+            .block()
+            .commit_written(offset as usize, src.len(), Durability::Completed)
     }
 
-    /// Copies from the region at `offset` into `dst`.
+    /// Copies from the region at `offset` into `dst` (fetching from the device first, for staged GPU
+    /// memory).
     pub fn read_at(&self, offset: u64, dst: &mut [u8]) -> Result<()> {
+        self.entry.check_range(offset, dst.len() as u64)?;
+        self.entry.block().prepare_read(offset as usize, dst.len())?;
         self.entry.copy_out(offset, dst)
     }
 
