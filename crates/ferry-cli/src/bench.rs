@@ -115,7 +115,9 @@ struct Setup {
 }
 
 async fn setup(args: &Args, max_bytes: u64) -> anyhow::Result<Setup> {
+    let want: TransportKind = args.transport.parse()?;
     let initiator = Engine::builder()
+        .transports([want])
         .streams(args.streams)
         .buffer_pool(&args.buffer_pool)
         .build()
@@ -129,6 +131,7 @@ async fn setup(args: &Args, max_bytes: u64) -> anyhow::Result<Setup> {
         Some(addr) => (None, addr.clone()),
         None => {
             let target = Engine::builder()
+                .transports([want])
                 .listen("127.0.0.1:0")
                 .build()
                 .await
@@ -142,7 +145,6 @@ async fn setup(args: &Args, max_bytes: u64) -> anyhow::Result<Setup> {
         .connect(&addr, Duration::from_secs(5))
         .await
         .with_context(|| format!("connecting to {addr}"))?;
-    let want: TransportKind = args.transport.parse()?;
     if peer.transport() != want {
         bail!("asked for {want} but the link to {addr} uses {}", peer.transport());
     }

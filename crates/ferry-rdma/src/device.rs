@@ -53,17 +53,28 @@ fn unsupported(what: impl std::fmt::Display) -> Error {
     Error::Unsupported(format!("RDMA: {what}"))
 }
 
+fn list_error(e: impl std::fmt::Display) -> Error {
+    if !std::path::Path::new("/sys/class/infiniband").exists() {
+        unsupported(format_args!(
+            "no RDMA device: the kernel has none (no /sys/class/infiniband; on Soft-RoCE: modprobe rdma_rxe and \
+             rdma link add rxe0 type rxe netdev IF) ({e})"
+        ))
+    } else {
+        unsupported(format_args!(
+            "cannot list devices ({e}); is libibverbs1 (and ibverbs-providers) installed?"
+        ))
+    }
+}
+
 /// Names of the RDMA devices this host has; `Unsupported` when libibverbs cannot be loaded.
 pub fn device_names() -> Result<Vec<String>> {
-    let list = DeviceList::new()
-        .map_err(|e| unsupported(format_args!("cannot list devices ({e}); is libibverbs1 installed?")))?;
+    let list = DeviceList::new().map_err(list_error)?;
     Ok(list.iter().map(|d| d.name()).collect())
 }
 
 /// Opens `wanted` (or the first device with an active port) and picks its port and GID.
 pub fn open(wanted: Option<&str>) -> Result<OpenDevice> {
-    let list = DeviceList::new()
-        .map_err(|e| unsupported(format_args!("cannot list devices ({e}); is libibverbs1 installed?")))?;
+    let list = DeviceList::new().map_err(list_error)?;
     if list.is_empty() {
         return Err(unsupported(
             "no RDMA device on this host (load rdma_rxe and add one: rdma link add rxe0 type rxe netdev IF)",

@@ -42,6 +42,7 @@ pub struct EngineBuilder {
     limits: Limits,
     handshake_timeout: Duration,
     transport_options: TransportOptions,
+    allowed: Option<Vec<TransportKind>>,
 }
 
 impl Default for EngineBuilder {
@@ -57,6 +58,7 @@ impl Default for EngineBuilder {
             limits: Limits::default(),
             handshake_timeout: Duration::from_secs(10),
             transport_options: TransportOptions::default(),
+            allowed: None,
         }
     }
 }
@@ -114,6 +116,14 @@ impl EngineBuilder {
     /// How long a new incoming connection may take to say hello (default 10 s).
     pub fn handshake_timeout(mut self, t: Duration) -> Self {
         self.handshake_timeout = t;
+        self
+    }
+
+    /// Restricts the data paths this engine offers to `kinds` (all usable ones by default). TCP stays
+    /// the control channel either way; without it in the list, a peer with no other path in common
+    /// is refused with `Unsupported` instead of falling back.
+    pub fn transports(mut self, kinds: impl IntoIterator<Item = TransportKind>) -> Self {
+        self.allowed = Some(kinds.into_iter().collect());
         self
     }
 
@@ -175,6 +185,7 @@ impl EngineBuilder {
         self.validate()?;
         let transports: Vec<Arc<dyn Transport>> = crate::capabilities::compiled_transports(&self.transport_options)
             .into_iter()
+            .filter(|t| self.allowed.as_ref().is_none_or(|a| a.contains(&t.kind())))
             .filter(|t| {
                 let a = t.availability();
                 if !a.usable {
@@ -184,9 +195,10 @@ impl EngineBuilder {
             })
             .collect();
         if transports.is_empty() {
-            return Err(Error::Unsupported(
-                "no data transport is compiled in and usable: enable the `tcp` feature".into(),
-            ));
+            return Err(Error::Unsupported(format!(
+                "no data transport is compiled in, usable here and allowed ({:?}); see `ferry info`",
+                self.allowed
+            )));
         }
         let notifications = NotificationQueue::new(self.max_pending_notifications);
         let ctx = Arc::new(EngineContext {

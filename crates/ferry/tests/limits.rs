@@ -219,3 +219,23 @@ fn raise_fd_limit(want: u64) {
         }
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restricting_to_an_unavailable_transport_is_unsupported() {
+    // This test binary is built without the `rdma` feature (or runs on a host without a device).
+    let caps = ferry::capabilities();
+    if !caps.usable(ferry::TransportKind::Rdma) {
+        let err = Engine::builder()
+            .transports([ferry::TransportKind::Rdma])
+            .build()
+            .await
+            .unwrap_err();
+        assert!(matches!(err, Error::Unsupported(_)), "{err:?}");
+    }
+    let tcp_only = Engine::builder()
+        .transports([ferry::TransportKind::Tcp])
+        .build()
+        .await
+        .unwrap();
+    assert_eq!(tcp_only.transports(), vec![ferry::TransportKind::Tcp]);
+}
