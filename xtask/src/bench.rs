@@ -38,6 +38,9 @@ const PEER_PACKAGES: &[(&str, &str)] = &[
     ("iperf3", "iperf3"),
     ("sockperf", "sockperf"),
     ("ucx_perftest", "ucx-utils"),
+    // `--target-mem vulkan` runs on lavapipe where there is no GPU.
+    ("/usr/lib/x86_64-linux-gnu/libvulkan.so.1", "libvulkan1"),
+    ("/usr/share/vulkan/icd.d/lvp_icd.x86_64.json", "mesa-vulkan-drivers"),
 ];
 
 #[derive(Clone, Copy)]
@@ -78,6 +81,7 @@ const fn write(size: &'static str, batch: u32, streams: Option<u32>, depth: Opti
         batch,
         streams,
         depth,
+        target_mem: None,
     }
 }
 
@@ -113,6 +117,14 @@ const MEASURES: &[Measure] = &[
         "ferry 16MiB RSS overhead",
         write("16MiB", 1, None, None),
         Metric::RssOverheadMiB,
+    ),
+    ferry(
+        "ferry write 1MiB into Vulkan memory",
+        FerryCase {
+            target_mem: Some("vulkan"),
+            ..WRITE_1MIB
+        },
+        Metric::GbPerS,
     ),
     ferry(
         "ferry read 1MiB",
@@ -245,6 +257,15 @@ const COMPARISONS: &[Comparison] = &[
         target: Target::FerryAtMost(64.0),
     },
     Comparison {
+        id: "h",
+        name: "write 1MiB into Vulkan (host-visible) / into host memory",
+        ferry: "ferry write 1MiB into Vulkan memory",
+        peer: Some("ferry write 1MiB"),
+        peer_scale: 1.0,
+        unit: Unit::GbPerS,
+        target: Target::RatioAtLeast(0.9),
+    },
+    Comparison {
         id: "g",
         name: "read 1MiB / write 1MiB",
         ferry: "ferry read 1MiB",
@@ -321,7 +342,7 @@ pub fn run(args: &Args) -> Result<ExitCode> {
 /// Builds `ferry-cli` in release mode and returns the path of its `ferry` binary.
 fn build_ferry() -> Result<PathBuf> {
     run_step(
-        cargo().args(["build", "--release", "-p", "ferry-cli"]),
+        cargo().args(["build", "--release", "-p", "ferry-cli", "--features", "vulkan"]),
         Duration::from_secs(45 * 60),
     )?;
     let out = run_captured(

@@ -33,6 +33,8 @@ pub struct FerryCase {
     pub batch: u32,
     pub streams: Option<u32>,
     pub depth: Option<u32>,
+    /// `--target-mem`: where the in-process target's region lives ("host" when `None`).
+    pub target_mem: Option<&'static str>,
 }
 
 impl FerryCase {
@@ -46,6 +48,9 @@ impl FerryCase {
         }
         if let Some(depth) = self.depth {
             args.extend(["--depth".into(), depth.to_string()]);
+        }
+        if let Some(mem) = self.target_mem {
+            args.extend(["--target-mem".into(), mem.into()]);
         }
         args.extend(["--duration".into(), duration.into(), "--json".into()]);
         args
