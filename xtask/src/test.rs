@@ -58,7 +58,7 @@ const STEPS: &[Step] = &[
         lint: true,
         run: |_| {
             run_step(
-                cargo().args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]),
+                cargo().args(["clippy", "--workspace", "--all-targets", "--all-features", "--", "-D", "warnings"]),
                 45 * MINUTE,
             )
         },
