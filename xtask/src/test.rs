@@ -58,7 +58,15 @@ const STEPS: &[Step] = &[
         lint: true,
         run: |_| {
             run_step(
-                cargo().args(["clippy", "--workspace", "--all-targets", "--all-features", "--", "-D", "warnings"]),
+                cargo().args([
+                    "clippy",
+                    "--workspace",
+                    "--all-targets",
+                    "--all-features",
+                    "--",
+                    "-D",
+                    "warnings",
+                ]),
                 45 * MINUTE,
             )
         },

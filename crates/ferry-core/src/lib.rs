@@ -27,7 +27,7 @@ pub use memory::{MemoryBlock, MemoryRegistry, OwnedBuffer, RawMemory};
 pub use options::BufferPool;
 pub use region::{Fence, Lease, RegionEntry, RegionTable, RemoteRegions, Resolved};
 pub use transport::{
-    Availability, DataLink, EngineContext, LinkSlot, LinkSlots, Notifier, RegionChange, SetupExchange, TransferItem,
-    TransferRequest, Transport,
+    AcceptSetup, Availability, DataLink, EngineContext, LinkSlot, LinkSlots, Notifier, RegionChange, SetupExchange,
+    TransferItem, TransferRequest, Transport,
 };
 pub use types::*;

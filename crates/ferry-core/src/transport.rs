@@ -63,15 +63,29 @@ pub trait Transport: Send + Sync + 'static {
             )))
         })
     }
-    /// Target side: answers an initiator's setup data for link `link`. The returned state lives as long
-    /// as the link (a queue pair, say) and is dropped when it closes.
-    fn accept(&self, link: u64, blob: &[u8]) -> Result<(Vec<u8>, Box<dyn std::any::Any + Send + Sync>)> {
-        let _ = (link, blob);
+    /// Target side: answers an initiator's setup data. The returned state lives as long as the link
+    /// (a queue pair, say) and is dropped when it closes.
+    fn accept(&self, setup: AcceptSetup<'_>) -> Result<(Vec<u8>, Box<dyn std::any::Any + Send + Sync>)> {
+        let _ = setup;
         Err(Error::Unsupported(format!(
             "{} accepts no separate data link",
             self.kind()
         )))
     }
+}
+
+/// What a target-side transport gets when a peer sets up a data link.
+pub struct AcceptSetup<'a> {
+    /// The link's id (the one notifications are counted under).
+    pub link: u64,
+    /// The initiator's setup data.
+    pub blob: &'a [u8],
+    /// Where notifications that arrive over the new data path go.
+    pub notifier: Arc<dyn Notifier>,
+    /// The initiator's engine id.
+    pub peer_engine: u64,
+    /// The initiator's address.
+    pub peer_addr: &'a str,
 }
 
 /// A control link over which a transport exchanges its setup data with the peer.

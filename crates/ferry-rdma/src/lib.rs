@@ -12,10 +12,13 @@
 //!   tokio through the completion channel, or busy polling.
 #![deny(missing_docs)]
 
+mod completions;
 mod device;
 pub mod link;
+mod messages;
 mod mr;
 mod qp;
+mod responder;
 pub mod wire;
 
 use std::collections::HashMap;
@@ -23,7 +26,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use ferry_core::{
-    Access, Availability, DataLink, Error, RegionEntry, RegionKey, Result, SetupExchange, Transport, TransportKind,
+    AcceptSetup, Access, Availability, DataLink, Error, RegionEntry, RegionKey, Result, SetupExchange, Transport,
+    TransportKind,
 };
 use futures::future::BoxFuture;
 use sideway::ibverbs::AccessFlags;
@@ -206,27 +210,42 @@ impl Transport for RdmaTransport {
         Box::pin(async move {
             let shared = self.shared()?.clone();
             let rc = qp::Rc::create(&shared.device, &shared.pd, &shared.options)?;
+            let slots = messages::MessageSlots::new(&shared.pd)?;
             let answer = control.exchange(TransportKind::Rdma, rc.local.encode()).await?;
             let remote = wire::QpEndpoint::decode(&answer)?;
             rc.connect(&shared.device, &remote, &shared.options)?;
             let control = control.control_link();
-            let link = RdmaLink::start(rc, shared, control, format!("qpn {:#x}", remote.qpn))?;
+            let peer = format!("RDMA peer (qpn {:#x}, gid {})", remote.qpn, remote.gid);
+            let link = RdmaLink::start(rc, slots, shared, control, peer)?;
             Ok(Arc::new(link) as Arc<dyn DataLink>)
         })
     }
 
-    fn accept(&self, link: u64, blob: &[u8]) -> Result<(Vec<u8>, Box<dyn std::any::Any + Send + Sync>)> {
+    fn accept(&self, setup: AcceptSetup<'_>) -> Result<(Vec<u8>, Box<dyn std::any::Any + Send + Sync>)> {
         let shared = self.shared()?;
-        let remote = wire::QpEndpoint::decode(blob)?;
+        let remote = wire::QpEndpoint::decode(setup.blob)?;
         let rc = qp::Rc::create(&shared.device, &shared.pd, &shared.options)?;
+        let slots = messages::MessageSlots::new(&shared.pd)?;
+        // Receives go up before the initiator learns our address, so its first message finds one.
+        slots.post_all_recvs(&rc)?;
         rc.connect(&shared.device, &remote, &shared.options)?;
         tracing::debug!(
-            link,
+            link = setup.link,
             local_qpn = rc.local.qpn,
             remote_qpn = remote.qpn,
             "RDMA queue pair accepted"
         );
-        Ok((rc.local.encode(), Box::new(rc)))
+        let local = rc.local.encode();
+        let accepted = responder::start(
+            rc,
+            slots,
+            setup.notifier,
+            setup.link,
+            setup.peer_engine,
+            setup.peer_addr.to_string(),
+            shared.options.busy_poll,
+        );
+        Ok((local, Box::new(accepted)))
     }
 }
 

@@ -7,24 +7,26 @@
 //! bounds the requests outstanding.
 //!
 //! Completions arrive through the completion channel's descriptor in tokio's `AsyncFd` (or by busy
-//! polling, an option). Pending work lives in the link, not in the future that posted it: dropping
-//! that future abandons the result only; the region stays registered with the NIC until the
-//! completion arrives, and the queue pair stays usable for the next batch.
+//! polling, an option; see [`crate::completions`]). Pending work lives in the link, not in the future
+//! that posted it: dropping that future abandons the result only; the region stays registered with
+//! the NIC until the completion arrives, and the queue pair stays usable for the next batch.
+//!
+//! Notifications are SENDs on the same queue pair ([`crate::messages`]), answered by the target.
 
 use std::collections::HashMap;
-use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use ferry_core::{DataLink, Error, Notification, Op, Result, TransferItem, TransferRequest, TransportKind};
 use futures::future::BoxFuture;
 use rdma_mummy_sys::ibv_sge;
-use sideway::ibverbs::completion::{CompletionQueue, PollCompletionQueueError, WorkCompletionStatus};
+use sideway::ibverbs::completion::WorkCompletionStatus;
 use sideway::ibverbs::queue_pair::{PostSendGuard, QueuePair, SetScatterGatherEntry, WorkRequestFlags};
-use tokio::io::unix::AsyncFd;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, oneshot};
 use tokio::task::AbortHandle;
 
+use crate::completions::{self, Completions};
+use crate::messages::{Message, MessageSlots, TAG_DATA, TAG_MASK, TAG_RECV, TAG_SEND};
 use crate::mr::Registered;
 use crate::qp::Rc;
 use crate::wire::decode_rkey;
@@ -44,6 +46,10 @@ struct Pending {
 
 struct Inner {
     rc: Rc,
+    // After `rc`: the queue pair is destroyed before the buffers it may write go away.
+    messages: MessageSlots,
+    notifications: Mutex<HashMap<u64, oneshot::Sender<Result<()>>>>,
+    next_notification: AtomicU64,
     shared: Arc<RdmaShared>,
     control: Arc<dyn DataLink>,
     peer: String,
@@ -70,10 +76,20 @@ struct WorkRequest {
 
 impl RdmaLink {
     /// Wraps a connected queue pair and starts its completion task.
-    pub(crate) fn start(rc: Rc, shared: Arc<RdmaShared>, control: Arc<dyn DataLink>, peer: String) -> Result<Self> {
+    pub(crate) fn start(
+        rc: Rc,
+        messages: MessageSlots,
+        shared: Arc<RdmaShared>,
+        control: Arc<dyn DataLink>,
+        peer: String,
+    ) -> Result<Self> {
+        messages.post_all_recvs(&rc)?;
         let slots = Arc::new(Semaphore::new(rc.max_send_wr as usize));
         let inner = Arc::new(Inner {
             rc,
+            messages,
+            notifications: Mutex::new(HashMap::new()),
+            next_notification: AtomicU64::new(1),
             shared,
             control,
             peer,
@@ -83,7 +99,7 @@ impl RdmaLink {
             closed: AtomicBool::new(false),
             poller: Mutex::new(None),
         });
-        let task = tokio::spawn(poll_completions(Arc::downgrade(&inner)));
+        let task = tokio::spawn(completions::run(Arc::downgrade(&inner)));
         if let Ok(mut p) = inner.poller.lock() {
             *p = Some(task.abort_handle());
         }
@@ -109,6 +125,14 @@ impl Inner {
             }
             let _ = p.done.send(Err(error.clone()));
         }
+        let waiting: Vec<_> = match self.notifications.lock() {
+            Ok(mut n) => n.drain().map(|(_, v)| v).collect(),
+            Err(_) => Vec::new(),
+        };
+        for w in waiting {
+            let _ = w.send(Err(error.clone()));
+        }
+        self.messages.close();
     }
 
     fn complete(&self, wr_id: u64, result: Result<()>) {
@@ -234,37 +258,6 @@ impl Inner {
         }
         Ok(rx)
     }
-
-    /// Polls every completion present; returns how many there were.
-    fn drain(&self) -> usize {
-        let mut n = 0;
-        loop {
-            let poller = match self.rc.cq.start_poll() {
-                Ok(p) => p,
-                Err(PollCompletionQueueError::CompletionQueueEmpty) => return n,
-                Err(e) => {
-                    self.fail_all(Error::Io {
-                        kind: std::io::ErrorKind::Other,
-                        message: format!("polling: {e}"),
-                    });
-                    return n;
-                }
-            };
-            for wc in poller {
-                n += 1;
-                let status = wc.status();
-                if status == WorkCompletionStatus::Success as u32 {
-                    self.complete(wc.wr_id(), Ok(()));
-                } else {
-                    let err = completion_error(WorkCompletionStatus::from(status), &self.peer);
-                    tracing::warn!(peer = %self.peer, error = %err, "RDMA work request failed; the link is down");
-                    self.complete(wc.wr_id(), Err(err.clone()));
-                    // An RC queue pair in error flushes everything after: the link is done.
-                    self.fail_all(err);
-                }
-            }
-        }
-    }
 }
 
 fn completion_error(status: WorkCompletionStatus, peer: &str) -> Error {
@@ -284,67 +277,88 @@ fn completion_error(status: WorkCompletionStatus, peer: &str) -> Error {
     }
 }
 
-/// Keeps the completion channel (and so its descriptor) open for as long as tokio watches it.
-struct ChannelFd(Arc<sideway::ibverbs::completion::CompletionChannel>);
+impl Completions for Inner {
+    fn rc(&self) -> &Rc {
+        &self.rc
+    }
 
-impl AsRawFd for ChannelFd {
-    fn as_raw_fd(&self) -> RawFd {
-        self.0.as_raw_fd()
+    fn busy_poll(&self) -> bool {
+        self.shared.options.busy_poll
+    }
+
+    fn completed(&self, wr_id: u64, status: u32, byte_len: u32) {
+        let slot = (wr_id & !TAG_MASK) as usize;
+        if status != WorkCompletionStatus::Success as u32 {
+            let err = completion_error(WorkCompletionStatus::from(status), &self.peer);
+            tracing::warn!(peer = %self.peer, error = %err, "RDMA work request failed; the link is down");
+            if wr_id & TAG_MASK == TAG_DATA {
+                self.complete(wr_id, Err(err.clone()));
+            }
+            // An RC queue pair in error flushes everything after: the link is done.
+            self.fail_all(err);
+            return;
+        }
+        match wr_id & TAG_MASK {
+            TAG_DATA => self.complete(wr_id, Ok(())),
+            TAG_SEND => self.messages.send_done(slot),
+            TAG_RECV => {
+                let reply = self.messages.received(slot, byte_len as usize);
+                if let Err(e) = self.messages.post_recv(&self.rc, slot) {
+                    self.fail_all(e);
+                    return;
+                }
+                match reply {
+                    Ok(Message::Reply { id, error }) => {
+                        let waiter = self.notifications.lock().ok().and_then(|mut n| n.remove(&id));
+                        if let Some(w) = waiter {
+                            let _ = w.send(error.map_or(Ok(()), |(code, msg)| Err(Error::from_wire(code, msg))));
+                        }
+                    }
+                    Ok(other) => {
+                        self.fail_all(Error::Protocol(format!("{} sent {other:?} to an initiator", self.peer)))
+                    }
+                    Err(e) => self.fail_all(e),
+                }
+            }
+            _ => self.fail_all(Error::Protocol(format!("a completion with unknown id {wr_id:#x}"))),
+        }
+    }
+
+    fn failed(&self, error: Error) {
+        self.fail_all(error);
     }
 }
 
-async fn poll_completions(link: std::sync::Weak<Inner>) {
-    let Some(inner) = link.upgrade() else { return };
-    let busy = inner.shared.options.busy_poll;
-    // SAFETY: `ChannelFd` owns an `Arc` of the channel, so the descriptor stays open and the same for
-    // the whole life of the `AsyncFd`.
-    let fd = match unsafe {
-        AsyncFd::register_with_interest(ChannelFd(inner.rc.channel.clone()), tokio::io::Interest::READABLE)
-    } {
-        Ok(fd) => fd,
-        Err(e) => {
-            inner.fail_all(Error::io("watching the completion channel", e.into_parts().1));
-            return;
-        }
-    };
-    drop(inner);
-    loop {
-        let Some(inner) = link.upgrade() else { return };
-        inner.drain();
-        if busy {
-            drop(inner);
-            tokio::task::yield_now().await;
-            continue;
-        }
-        // SAFETY: the CQ is alive (owned by `inner`); arming it has no other precondition.
-        unsafe { rdma_mummy_sys::ibv_req_notify_cq(inner.rc.cq.cq().as_ptr(), 0) };
-        // A completion between the drain and the arming raised no event: drain once more.
-        if inner.drain() > 0 {
-            continue;
-        }
-        drop(inner);
-        let mut ready = match fd.readable().await {
-            Ok(r) => r,
-            Err(e) => {
-                if let Some(inner) = link.upgrade() {
-                    inner.fail_all(Error::io("waiting on the completion channel", e));
-                }
-                return;
-            }
-        };
-        let Some(inner) = link.upgrade() else { return };
-        let mut cq = std::ptr::null_mut();
-        let mut ctx = std::ptr::null_mut();
-        // SAFETY: the channel is alive and non-blocking; on success the event is acknowledged below.
-        let got =
-            unsafe { rdma_mummy_sys::ibv_get_cq_event(inner.rc.channel.comp_channel().as_ptr(), &mut cq, &mut ctx) };
-        if got == 0 {
-            // SAFETY: `cq` is the queue the event was for (ours); one event is acknowledged.
-            unsafe { rdma_mummy_sys::ibv_ack_cq_events(cq, 1) };
-        } else {
-            ready.clear_ready();
+impl Drop for Inner {
+    fn drop(&mut self) {
+        if let Some(task) = self.poller.lock().ok().and_then(|mut p| p.take()) {
+            task.abort();
         }
     }
+}
+
+async fn notify(inner: Arc<Inner>, notification: Notification) -> Result<()> {
+    notification.validate()?;
+    if inner.closed.load(Ordering::Acquire) {
+        return Err(Error::PeerClosed(format!("the RDMA link to {} is closed", inner.peer)));
+    }
+    let id = inner.next_notification.fetch_add(1, Ordering::Relaxed);
+    let (tx, rx) = oneshot::channel();
+    inner
+        .notifications
+        .lock()
+        .map_err(|_| Error::Protocol("notification table lock poisoned".into()))?
+        .insert(id, tx);
+    if let Err(e) = inner
+        .messages
+        .send(&inner.rc, &Message::Notify { id, notification })
+        .await
+    {
+        let _ = inner.notifications.lock().map(|mut n| n.remove(&id));
+        return Err(e);
+    }
+    rx.await
+        .map_err(|_| Error::PeerClosed(format!("the RDMA link to {} closed", inner.peer)))?
 }
 
 async fn run(inner: Arc<Inner>, request: TransferRequest) -> Result<()> {
@@ -385,11 +399,8 @@ impl DataLink for RdmaLink {
         Box::pin(run(self.inner.clone(), request))
     }
 
-    /// Notifications go over the control link: its TCP stream is opened after the RDMA writes
-    /// completed, and an RC write completes at the initiator only once the target's NIC has placed
-    /// the data, so the notification cannot be seen first.
     fn notify(&self, notification: Notification) -> BoxFuture<'static, Result<()>> {
-        self.inner.control.notify(notification)
+        Box::pin(notify(self.inner.clone(), notification))
     }
 
     fn close(&self) -> BoxFuture<'static, ()> {

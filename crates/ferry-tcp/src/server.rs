@@ -416,7 +416,15 @@ async fn serve_requests(
                     .iter()
                     .find(|t| t.kind() == kind)
                     .ok_or_else(|| Error::Unsupported(format!("this engine has no usable {kind} transport")))
-                    .and_then(|t| t.accept(link.id, &blob));
+                    .and_then(|t| {
+                        t.accept(ferry_core::AcceptSetup {
+                            link: link.id,
+                            blob: &blob,
+                            notifier: ctx.notifier.clone(),
+                            peer_engine: link.peer_engine,
+                            peer_addr: &peer,
+                        })
+                    });
                 let reply = match answer {
                     Ok((blob, state)) => {
                         if let Ok(mut s) = link.transport_state.lock() {
