@@ -3,6 +3,8 @@
 //! - `cargo xtask test` runs everything CI runs, in CI's order, and stops at the first failure.
 //! - `cargo xtask bench` runs `ferry bench` side by side with the peers a user would pick instead
 //!   (iperf3, ucx_perftest, sockperf) in one run and prints medians and ratios.
+//! - `cargo xtask rig` boots a small qemu guest with Soft-RoCE (`rdma_rxe`) for real RDMA verbs without
+//!   an RDMA NIC: `rig build`, `rig -- CMD…`, `rig test`, `rig bench`.
 //!
 //! Why Rust and not shell scripts: the same toolchain runs it everywhere (CI, a laptop, the bench
 //! host), and the parts that are easy to get wrong in shell (timeouts on every process, killing peer
@@ -10,6 +12,7 @@
 
 mod bench;
 mod peers;
+mod rig;
 mod test;
 mod util;
 
@@ -30,6 +33,8 @@ enum Command {
     Test(test::Args),
     /// Benchmark ferry against iperf3, ucx_perftest and sockperf in one run and print ratios.
     Bench(bench::Args),
+    /// RDMA test rig: a qemu guest with Soft-RoCE (rxe0). `rig build`, `rig -- CMD…`, `rig test`, `rig bench`.
+    Rig(rig::Args),
 }
 
 fn main() -> ExitCode {
@@ -40,6 +45,13 @@ fn main() -> ExitCode {
             Ok(code) => code,
             Err(e) => {
                 eprintln!("xtask bench: error: {e:#}");
+                ExitCode::FAILURE
+            }
+        },
+        Command::Rig(args) => match rig::run(&args) {
+            Ok(code) => code,
+            Err(e) => {
+                eprintln!("xtask rig: error: {e:#}");
                 ExitCode::FAILURE
             }
         },

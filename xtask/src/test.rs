@@ -95,6 +95,12 @@ const STEPS: &[Step] = &[
             )
         },
     },
+    // Real verbs: ferry-rdma's tests inside the Soft-RoCE guest (the host has no RDMA device).
+    Step {
+        name: "rig test (RDMA over Soft-RoCE)",
+        lint: false,
+        run: |_| run_step(cargo().args(["xtask", "rig", "test"]), 45 * MINUTE),
+    },
     Step {
         name: "example kv_cache_handoff",
         lint: false,

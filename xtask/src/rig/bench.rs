@@ -1,0 +1,520 @@
+//! `cargo xtask rig bench`: perftest (`ib_write_bw`, `ib_read_bw`) and `ferry bench --transport rdma`
+//! at 64 KiB and 1 MiB, in one guest boot, as medians and ratios.
+//!
+//! Why in one boot, alternating: under TCG everything is CPU-bound and noisy (±30 % run to run), so a
+//! number from another boot says little; each round runs perftest and then ferry for every case, and
+//! the report compares medians from the same boot. Why iteration counts rather than durations for
+//! perftest: a fixed amount of data (64 MiB per run) keeps a run a few seconds long at rxe's tens of
+//! MB/s, whatever the message size.
+//!
+//! Units: perftest's "BW average[MB/sec]" uses MB = 2^20 B (its format factor is 0x100000), and
+//! `--report_gbits` would print Gb/sec = 10^9 bit/s; both become GB/s = 10^9 B/s here, ferry's unit.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use serde_json::{Value, json};
+
+use super::boot::{Console, Guest, sh_quote};
+use super::{Layout, Prepared, Timings};
+use crate::peers::{parse_ferry, parse_size};
+use crate::util::{cargo, run_captured, run_step};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Print one JSON object per case on stdout (the table then goes to stderr).
+    #[arg(long)]
+    json: bool,
+    /// Runs of each case; the report uses the median.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+    rounds: u32,
+    /// Use this ferry binary instead of building ferry-cli with `--features rdma`.
+    #[arg(long, value_name = "PATH")]
+    ferry_bin: Option<PathBuf>,
+}
+
+/// Bytes each perftest run moves; the iteration count follows from the message size.
+const BYTES_PER_RUN: u64 = 64 << 20;
+
+/// How long each `ferry bench` case measures.
+const FERRY_DURATION: &str = "2s";
+
+/// One comparison: an operation at a message size.
+struct Case {
+    op: &'static str,
+    size: &'static str,
+}
+
+const CASES: &[Case] = &[
+    Case {
+        op: "write",
+        size: "64KiB",
+    },
+    Case {
+        op: "write",
+        size: "1MiB",
+    },
+    Case {
+        op: "read",
+        size: "64KiB",
+    },
+    Case {
+        op: "read",
+        size: "1MiB",
+    },
+];
+
+impl Case {
+    fn name(&self) -> String {
+        format!("{} {}", self.op, self.size)
+    }
+
+    fn key(&self) -> String {
+        format!("{}-{}", self.op, self.size)
+    }
+
+    fn peer(&self) -> &'static str {
+        if self.op == "write" {
+            "ib_write_bw"
+        } else {
+            "ib_read_bw"
+        }
+    }
+
+    fn bytes(&self) -> u64 {
+        parse_size(self.size).unwrap_or(1)
+    }
+
+    fn iterations(&self) -> u64 {
+        (BYTES_PER_RUN / self.bytes()).max(16)
+    }
+
+    fn peer_command(&self, port: &str) -> String {
+        format!(
+            "{} -d rxe0 -s {} -n {} -F -p {port}",
+            self.peer(),
+            self.bytes(),
+            self.iterations()
+        )
+    }
+
+    fn ferry_args(&self) -> String {
+        format!(
+            "bench --transport rdma --op {} --size {} --duration {FERRY_DURATION} --json",
+            self.op, self.size
+        )
+    }
+}
+
+/// The ferry binary, or why there is none.
+enum Ferry {
+    Bin(PathBuf),
+    Unavailable { reason: String, is_error: bool },
+}
+
+pub fn run(
+    args: &Args,
+    layout: &Layout,
+    prepared: &Prepared,
+    timeout: Duration,
+    keep: bool,
+    timings: &mut Timings,
+) -> Result<ExitCode> {
+    let start = Instant::now();
+    let ferry = match &args.ferry_bin {
+        Some(bin) => Ferry::Bin(
+            bin.canonicalize()
+                .with_context(|| format!("no ferry binary at {}", bin.display()))?,
+        ),
+        None => build_ferry(),
+    };
+    timings.record("build ferry", start, "");
+    if let Ferry::Unavailable { reason, .. } = &ferry {
+        eprintln!("rig bench: ferry's column is unavailable: {reason}");
+    }
+    let ferry_bin = match &ferry {
+        Ferry::Bin(bin) => Some(bin.clone()),
+        Ferry::Unavailable { .. } => None,
+    };
+    let script = guest_script(args.rounds, ferry_bin.as_ref());
+    let guest = Guest {
+        prepared,
+        layout,
+        timeout,
+        keep,
+        console: Console::Stderr,
+    };
+    let outcome = guest.run(&script, &[])?;
+    outcome.record(timings);
+    if let Err(e) = outcome.command_status() {
+        eprintln!("rig bench: {e:#}");
+    }
+
+    let mut rows = Vec::new();
+    let mut complete = true;
+    for case in CASES {
+        let mut peer = Samples::default();
+        let mut ferry_samples = Samples::default();
+        for round in 1..=args.rounds {
+            let name = format!("{}-peer-{round}", case.key());
+            peer.add(read_run(&outcome, &name).and_then(|out| parse_perftest(&out, case.bytes())));
+            if ferry_bin.is_some() {
+                let name = format!("{}-ferry-{round}", case.key());
+                ferry_samples.add(
+                    read_run(&outcome, &name)
+                        .and_then(|out| parse_ferry(&out, case.op, case.bytes()).map(|r| r.gb_per_s)),
+                );
+            }
+        }
+        complete &= !peer.values.is_empty() && (ferry_bin.is_none() || !ferry_samples.values.is_empty());
+        let ferry_error = match &ferry {
+            Ferry::Unavailable { reason, .. } => Some(format!("unavailable: {reason}")),
+            Ferry::Bin(_) => ferry_samples.error.clone(),
+        };
+        rows.push(Row::new(case, args.rounds, &ferry, &ferry_samples, &peer, ferry_error));
+    }
+    let table = render_table(&rows, &ferry, args.rounds);
+    if args.json {
+        eprint!("{table}");
+        for row in &rows {
+            println!("{}", row.json);
+        }
+    } else {
+        print!("{table}");
+    }
+    let ferry_failed = matches!(ferry, Ferry::Unavailable { is_error: true, .. });
+    Ok(if complete && !ferry_failed {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+/// `target/release/ferry` built with `--features rdma`, when ferry-cli has that feature.
+fn build_ferry() -> Ferry {
+    let meta = match ferry_cli_metadata() {
+        Ok(meta) => meta,
+        Err(e) => {
+            return Ferry::Unavailable {
+                reason: format!("{e:#}"),
+                is_error: true,
+            };
+        }
+    };
+    let (has_rdma, target_dir) = meta;
+    if !has_rdma {
+        return Ferry::Unavailable {
+            reason: "ferry-cli has no `rdma` feature yet".into(),
+            is_error: false,
+        };
+    }
+    let build = run_step(
+        cargo().args(["build", "--release", "-p", "ferry-cli", "--features", "rdma"]),
+        Duration::from_secs(45 * 60),
+    );
+    match build {
+        Ok(()) => Ferry::Bin(target_dir.join("release/ferry")),
+        Err(e) => Ferry::Unavailable {
+            reason: format!("building it failed: {e:#}"),
+            is_error: true,
+        },
+    }
+}
+
+/// Whether ferry-cli declares an `rdma` feature, and the workspace's target folder.
+fn ferry_cli_metadata() -> Result<(bool, PathBuf)> {
+    let out = run_captured(
+        cargo().args(["metadata", "--format-version", "1", "--no-deps"]),
+        Duration::from_secs(120),
+    )?;
+    if !out.status.success() {
+        bail!("cargo metadata failed ({}): {}", out.status, out.stderr.trim());
+    }
+    let meta: Value = serde_json::from_str(&out.stdout).context("cargo metadata output is not JSON")?;
+    let cli = meta["packages"]
+        .as_array()
+        .and_then(|ps| ps.iter().find(|p| p["name"] == "ferry-cli"))
+        .context("no ferry-cli package in the workspace")?;
+    let target = meta["target_directory"]
+        .as_str()
+        .context("cargo metadata has no target_directory")?;
+    Ok((cli["features"].get("rdma").is_some(), PathBuf::from(target)))
+}
+
+/// The guest's part: every round runs each case's perftest pair, then ferry, each run's stdout to
+/// `<case>-<peer|ferry>-<round>.out`, stderr to `.err` and status to `.rc`.
+fn guest_script(rounds: u32, ferry: Option<&PathBuf>) -> String {
+    let mut script = String::from(
+        r#"bad=0
+# Whether a TCP socket listens on port $1 (perftest's out-of-band exchange), per /proc/net/tcp{,6}.
+listening() {
+  awk -v p="$(printf %04X "$1")" '$4 == "0A" && $2 ~ (":" p "$") { f = 1 } END { exit !f }' /proc/net/tcp /proc/net/tcp6 2>/dev/null
+}
+# peer NAME PORT SERVER-COMMAND...: the server in the background, the client to 10.0.2.15.
+peer() {
+  name=$1; port=$2; shift 2
+  timeout 300 "$@" > "$RIG_DIR/$name.server" 2>&1 &
+  server=$!
+  i=0
+  until listening "$port"; do
+    i=$((i + 1))
+    if [ $i -gt 400 ] || ! kill -0 $server 2>/dev/null; then break; fi
+    sleep 0.05
+  done
+  timeout 300 "$@" 10.0.2.15 > "$RIG_DIR/$name.out" 2> "$RIG_DIR/$name.err"
+  rc=$?
+  echo $rc > "$RIG_DIR/$name.rc"
+  wait $server
+  [ $rc = 0 ] || bad=1
+  grep -A1 '#bytes' "$RIG_DIR/$name.out" | tail -n 1
+}
+# ferry NAME ARGS...
+ferry() {
+  name=$1; shift
+  timeout 300 "$@" > "$RIG_DIR/$name.out" 2> "$RIG_DIR/$name.err"
+  rc=$?
+  echo $rc > "$RIG_DIR/$name.rc"
+  [ $rc = 0 ] || bad=1
+  grep '^{' "$RIG_DIR/$name.out"
+}
+"#,
+    );
+    let mut port = 18515u16;
+    for round in 1..=rounds {
+        for case in CASES {
+            script += &format!(
+                "echo {}\n",
+                sh_quote(&format!("rig bench: round {round}/{rounds}: {}", case.name()))
+            );
+            script += &format!(
+                "peer {}-peer-{round} {port} {}\n",
+                case.key(),
+                case.peer_command(&port.to_string())
+            );
+            port += 1;
+            if let Some(bin) = ferry {
+                script += &format!(
+                    "ferry {}-ferry-{round} {} {}\n",
+                    case.key(),
+                    sh_quote(&bin.display().to_string()),
+                    case.ferry_args()
+                );
+            }
+        }
+    }
+    script += "exit $bad\n";
+    script
+}
+
+/// A run's stdout, or why it failed (its status and the tail of its stderr).
+fn read_run(outcome: &super::boot::Outcome, name: &str) -> Result<String> {
+    let rc = outcome.read(&format!("{name}.rc"));
+    let out = outcome.read(&format!("{name}.out")).unwrap_or_default();
+    let err = outcome.read(&format!("{name}.err")).unwrap_or_default();
+    match rc.as_deref().map(str::trim) {
+        Some("0") => Ok(out),
+        Some(rc) => {
+            let text = format!("{out}{err}");
+            let tail: Vec<&str> = text.lines().rev().take(5).collect();
+            let tail: Vec<&str> = tail.into_iter().rev().collect();
+            bail!("{name} exited with status {rc}: {}", tail.join(" | "))
+        }
+        None => bail!("{name} did not run (the guest stopped early?)"),
+    }
+}
+
+/// perftest's BW average for `size`-byte messages, in GB/s (10^9 B/s).
+fn parse_perftest(stdout: &str, size: u64) -> Result<f64> {
+    let mut scale = None;
+    for line in stdout.lines().map(str::trim) {
+        if line.starts_with("#bytes") {
+            let unit = line
+                .split("average[")
+                .nth(1)
+                .and_then(|rest| rest.split(']').next())
+                .context("perftest's header has no `BW average[unit]` column")?;
+            scale = Some(match unit {
+                "MB/sec" => f64::from(1u32 << 20) / 1e9,
+                "Gb/sec" => 1.0 / 8.0,
+                other => bail!("unknown perftest bandwidth unit `{other}`"),
+            });
+            continue;
+        }
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        if let (Some(scale), [bytes, _iterations, _peak, average, ..]) = (scale, fields.as_slice())
+            && bytes.parse::<u64>().ok() == Some(size)
+        {
+            let average: f64 = average
+                .parse()
+                .with_context(|| format!("perftest's BW average `{average}` is not a number"))?;
+            return Ok(average * scale);
+        }
+    }
+    bail!("no perftest result row for {size}-byte messages in:\n{stdout}")
+}
+
+#[derive(Default)]
+struct Samples {
+    values: Vec<f64>,
+    error: Option<String>,
+}
+
+impl Samples {
+    fn add(&mut self, sample: Result<f64>) {
+        match sample {
+            Ok(v) => self.values.push(v),
+            Err(e) => {
+                self.error.get_or_insert_with(|| format!("{e:#}"));
+            }
+        }
+    }
+
+    fn median(&self) -> Option<f64> {
+        let mut v = self.values.clone();
+        v.sort_by(f64::total_cmp);
+        let n = v.len();
+        match n {
+            0 => None,
+            _ if n % 2 == 1 => Some(v[n / 2]),
+            _ => Some((v[n / 2 - 1] + v[n / 2]) / 2.0),
+        }
+    }
+}
+
+struct Row {
+    cells: [String; 5],
+    json: Value,
+}
+
+impl Row {
+    fn new(case: &Case, rounds: u32, ferry: &Ferry, f: &Samples, p: &Samples, ferry_error: Option<String>) -> Self {
+        let (ferry_gb, peer_gb) = (f.median(), p.median());
+        let ratio = ferry_gb.zip(peer_gb).filter(|(_, p)| *p > 0.0).map(|(f, p)| f / p);
+        let show = |v: Option<f64>| v.map_or_else(|| "-".to_owned(), |v| format!("{v:.3}"));
+        let ferry_command = match ferry {
+            Ferry::Bin(bin) => Some(format!("{} {}", bin.display(), case.ferry_args())),
+            Ferry::Unavailable { .. } => None,
+        };
+        let cells = [
+            case.name(),
+            if matches!(ferry, Ferry::Bin(_)) {
+                show(ferry_gb)
+            } else {
+                "unavailable".into()
+            },
+            case.peer().to_owned(),
+            show(peer_gb),
+            ratio.map_or_else(|| "-".to_owned(), |r| format!("{r:.2}")),
+        ];
+        let json = json!({
+            "case": case.name(),
+            "op": case.op,
+            "size_bytes": case.bytes(),
+            "ferry_gb_per_s": ferry_gb,
+            "peer": case.peer(),
+            "peer_gb_per_s": peer_gb,
+            "ratio": ratio,
+            "rounds": rounds,
+            "ferry_samples": f.values,
+            "peer_samples": p.values,
+            "ferry_command": ferry_command,
+            "peer_command": format!("{} 10.0.2.15 (server: the same without the address)", case.peer_command("PORT")),
+            "ferry_error": ferry_error,
+            "peer_error": p.error,
+        });
+        Row { cells, json }
+    }
+}
+
+fn render_table(rows: &[Row], ferry: &Ferry, rounds: u32) -> String {
+    let header = ["case", "ferry GB/s", "peer", "peer GB/s", "ratio"];
+    let mut widths = header.map(str::len);
+    for row in rows {
+        for (w, cell) in widths.iter_mut().zip(&row.cells) {
+            *w = (*w).max(cell.len());
+        }
+    }
+    let line = |cells: [&str; 5]| {
+        let mut s = format!("{:<w$}", cells[0], w = widths[0]);
+        for (cell, w) in cells.iter().zip(widths).skip(1) {
+            s.push_str(&format!("  {cell:>w$}"));
+        }
+        s + "\n"
+    };
+    let mut out =
+        format!("\nferry vs perftest on Soft-RoCE (rxe0, one guest boot): medians over {rounds} round(s)\n\n");
+    out += &line(header);
+    for row in rows {
+        out += &line(row.cells.each_ref().map(String::as_str));
+    }
+    out += "\nnotes:\n";
+    out += "  GB/s = 10^9 B/s; perftest's `BW average[MB/sec]` uses MB = 2^20 B and is converted.\n";
+    out += &format!(
+        "  perftest: {} MiB per run (-n = that / size), server and client on rxe0, client to 10.0.2.15.\n",
+        BYTES_PER_RUN >> 20
+    );
+    if let Ferry::Unavailable { reason, .. } = ferry {
+        out += &format!("  ferry: unavailable: {reason}\n");
+    }
+    for row in rows {
+        for key in ["peer_error", "ferry_error"] {
+            if let Some(e) = row.json[key].as_str().filter(|e| !e.starts_with("unavailable")) {
+                out += &format!("  ERROR {} ({key}): {e}\n", row.cells[0]);
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A client's output from `ib_write_bw -d rxe0 -s 65536 -F 10.0.2.15` in the guest (6.12, TCG).
+    const WRITE_BW: &str = "\
+---------------------------------------------------------------------------------------
+                    RDMA_Write BW Test
+ Dual-port       : OFF		Device         : rxe0
+ Link type       : Ethernet
+ GID index       : 1
+---------------------------------------------------------------------------------------
+ #bytes     #iterations    BW peak[MB/sec]    BW average[MB/sec]   MsgRate[Mpps]
+ 65536      5000             72.25              69.99  		   0.001120
+---------------------------------------------------------------------------------------
+";
+
+    #[test]
+    fn perftest_average_in_gb_per_s() {
+        let gb = parse_perftest(WRITE_BW, 65536).ok();
+        let expected = 69.99 * 1_048_576.0 / 1e9;
+        assert!(gb.is_some_and(|g| (g - expected).abs() < 1e-9), "{gb:?}");
+        assert!(parse_perftest(WRITE_BW, 1 << 20).is_err());
+        let gbits = WRITE_BW.replace("[MB/sec]", "[Gb/sec]");
+        assert!(parse_perftest(&gbits, 65536).is_ok_and(|g| (g - 69.99 / 8.0).abs() < 1e-9));
+    }
+
+    #[test]
+    fn medians() {
+        let mut s = Samples::default();
+        assert_eq!(s.median(), None);
+        for v in [3.0, 1.0, 2.0] {
+            s.add(Ok(v));
+        }
+        assert_eq!(s.median(), Some(2.0));
+        s.add(Err(anyhow::anyhow!("x")));
+        assert_eq!(s.error.as_deref(), Some("x"));
+    }
+
+    #[test]
+    fn script_alternates_and_uses_fresh_ports() {
+        let script = guest_script(2, Some(&PathBuf::from("/t/ferry")));
+        assert!(script.contains("peer write-64KiB-peer-1 18515 ib_write_bw -d rxe0 -s 65536 -n 1024 -F -p 18515\n"));
+        assert!(script.contains("peer read-1MiB-peer-2 18522 ib_read_bw -d rxe0 -s 1048576 -n 64 -F -p 18522\n"));
+        assert!(script.contains(
+            "ferry write-1MiB-ferry-1 /t/ferry bench --transport rdma --op write --size 1MiB --duration 2s --json\n"
+        ));
+        assert!(!guest_script(1, None).contains("\nferry write"));
+    }
+}

@@ -1,0 +1,274 @@
+//! `cargo xtask rig test`: the `ferry-rdma` integration tests against real verbs, in one guest boot.
+//!
+//! Why build on the host and run in the guest: compiling under TCG would take many times longer, and
+//! the guest runs the host's own root file system, so a host-built test binary finds the same
+//! libibverbs and rxe provider there. Why one boot for all binaries: a boot costs seconds of CPU under
+//! TCG; a test binary costs a fork. Tests run with `--test-threads=1` because they share one rxe device
+//! and time-sensitive completions under an emulated CPU; the environment tells them where they are
+//! (`FERRY_RDMA_DEVICE=rxe0`, `FERRY_RIG=1`).
+
+use std::io::Read;
+use std::path::PathBuf;
+use std::process::{Command, ExitCode, Stdio};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use serde_json::Value;
+
+use super::boot::{Console, Guest, sh_quote};
+use super::{Layout, Prepared, Timings};
+use crate::util::{cargo, describe, run_captured};
+
+/// The package whose tests `rig test` runs by default.
+const DEFAULT_PACKAGE: &str = "ferry-rdma";
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// The package whose tests run [default: ferry-rdma, or the package at --manifest-path].
+    #[arg(long, short = 'p')]
+    package: Option<String>,
+    /// Build the tests of this Cargo.toml instead of the workspace's ferry-rdma (e.g. a probe project).
+    #[arg(long, value_name = "PATH")]
+    manifest_path: Option<PathBuf>,
+    /// Arguments for every test binary, after `--` (a name filter, `--nocapture`, `--ignored`).
+    #[arg(last = true, value_name = "TEST_ARGS")]
+    test_args: Vec<String>,
+}
+
+/// One test executable from cargo's `compiler-artifact` messages.
+#[derive(Debug, PartialEq)]
+struct TestBinary {
+    /// The target's name and kind, e.g. `verbs (test)`.
+    label: String,
+    executable: PathBuf,
+    /// The package's folder: cargo runs test binaries there, and so does the rig.
+    package_dir: PathBuf,
+}
+
+pub fn run(
+    args: &Args,
+    layout: &Layout,
+    prepared: &Prepared,
+    timeout: Duration,
+    keep: bool,
+    timings: &mut Timings,
+) -> Result<ExitCode> {
+    let start = Instant::now();
+    let binaries = build(args)?;
+    timings.record("build tests", start, "");
+    if binaries.is_empty() {
+        bail!("cargo built no test executables");
+    }
+    let script = guest_script(&binaries, &args.test_args);
+    let guest = Guest {
+        prepared,
+        layout,
+        timeout,
+        keep,
+        console: Console::Stderr,
+    };
+    let outcome = guest.run(&script, &[("RUST_BACKTRACE", "1")])?;
+    outcome.record(timings);
+    let status = outcome.command_status();
+    let mut failed = 0;
+    for (i, binary) in binaries.iter().enumerate() {
+        println!("     Running {} ({})", binary.label, binary.executable.display());
+        let log = outcome.read(&format!("test-{i}.log")).unwrap_or_default();
+        let rc: Option<i32> = outcome
+            .read(&format!("test-{i}.rc"))
+            .and_then(|s| s.trim().parse().ok());
+        let results: Vec<&str> = log
+            .lines()
+            .map(|l| l.trim_end_matches('\r'))
+            .filter(|l| l.starts_with("test result:"))
+            .collect();
+        for line in &results {
+            println!("{line}");
+        }
+        match rc {
+            Some(0) => {}
+            Some(rc) => {
+                failed += 1;
+                if results.is_empty() {
+                    println!("error: the test binary exited with status {rc} before printing a result");
+                }
+            }
+            None => {
+                failed += 1;
+                println!("error: the test binary did not run to the end (see the console output above)");
+            }
+        }
+    }
+    if let Err(e) = status {
+        eprintln!("rig test: {e:#}");
+        failed = failed.max(1);
+    }
+    println!("rig test: {} test binaries, {failed} failed", binaries.len());
+    Ok(if failed == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+/// Builds the test executables on the host and lists them.
+fn build(args: &Args) -> Result<Vec<TestBinary>> {
+    let mut cmd = cargo();
+    cmd.args(["test", "--release", "--no-run", "--message-format=json"]);
+    match &args.manifest_path {
+        Some(manifest) => {
+            let manifest = manifest
+                .canonicalize()
+                .with_context(|| format!("no Cargo.toml at {}", manifest.display()))?;
+            cmd.arg("--manifest-path").arg(manifest);
+            if let Some(package) = &args.package {
+                cmd.args(["-p", package]);
+            }
+        }
+        None => {
+            let package = args.package.as_deref().unwrap_or(DEFAULT_PACKAGE);
+            require_package(package)?;
+            cmd.args(["-p", package]);
+        }
+    }
+    let stdout = run_json(&mut cmd, Duration::from_secs(45 * 60))?;
+    parse_artifacts(&stdout)
+}
+
+/// Fails with a clear message when `package` is not (yet) a member of the workspace.
+fn require_package(package: &str) -> Result<()> {
+    let out = run_captured(
+        cargo().args(["metadata", "--format-version", "1", "--no-deps"]),
+        Duration::from_secs(120),
+    )?;
+    if !out.status.success() {
+        bail!("cargo metadata failed ({}): {}", out.status, out.stderr.trim());
+    }
+    let meta: Value = serde_json::from_str(&out.stdout).context("cargo metadata output is not JSON")?;
+    let found = meta["packages"]
+        .as_array()
+        .is_some_and(|ps| ps.iter().any(|p| p["name"].as_str() == Some(package)));
+    if !found {
+        bail!(
+            "the package `{package}` is not in this workspace yet (is crates/{package} listed in the root Cargo.toml's \
+             members?); nothing for `rig test` to run"
+        );
+    }
+    Ok(())
+}
+
+/// Runs a cargo command whose stdout is JSON messages, with its progress (stderr) on our stderr and a
+/// deadline; returns stdout.
+pub(super) fn run_json(cmd: &mut Command, timeout: Duration) -> Result<String> {
+    let what = describe(cmd);
+    eprintln!("+ {what}");
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .with_context(|| format!("cannot start `{what}`"))?;
+    let mut pipe = child.stdout.take().context("no stdout pipe")?;
+    let reader = thread::spawn(move || {
+        let mut text = String::new();
+        let _ = pipe.read_to_string(&mut text);
+        text
+    });
+    let deadline = Instant::now() + timeout;
+    let status = loop {
+        if let Some(status) = child.try_wait().with_context(|| format!("waiting for `{what}`"))? {
+            break status;
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            bail!("`{what}` did not finish within {}s and was killed", timeout.as_secs());
+        }
+        thread::sleep(Duration::from_millis(20));
+    };
+    let stdout = reader.join().unwrap_or_default();
+    if !status.success() {
+        bail!("`{what}` failed ({status})");
+    }
+    Ok(stdout)
+}
+
+/// The executables of the `compiler-artifact` messages built with the test profile.
+fn parse_artifacts(stdout: &str) -> Result<Vec<TestBinary>> {
+    let mut binaries = Vec::new();
+    for line in stdout.lines().filter(|l| l.starts_with('{')) {
+        let msg: Value =
+            serde_json::from_str(line).with_context(|| format!("cargo printed a line that is not JSON: {line}"))?;
+        if msg["reason"] != "compiler-artifact" || msg["profile"]["test"] != true {
+            continue;
+        }
+        let Some(executable) = msg["executable"].as_str() else {
+            continue;
+        };
+        let name = msg["target"]["name"].as_str().unwrap_or("?");
+        let kind = msg["target"]["kind"][0].as_str().unwrap_or("?");
+        let manifest = PathBuf::from(msg["manifest_path"].as_str().unwrap_or("/"));
+        binaries.push(TestBinary {
+            label: format!("{name} ({kind})"),
+            executable: PathBuf::from(executable),
+            package_dir: manifest.parent().map(PathBuf::from).unwrap_or_else(|| "/".into()),
+        });
+    }
+    Ok(binaries)
+}
+
+/// Runs every binary in turn (never stopping at a failure), each one's output to the console and to
+/// `test-N.log`, its status to `test-N.rc`; exits non-zero if any failed.
+fn guest_script(binaries: &[TestBinary], test_args: &[String]) -> String {
+    let mut script = String::from("failed=0\n");
+    let extra: String = test_args.iter().map(|a| format!(" {}", sh_quote(a))).collect();
+    for (i, b) in binaries.iter().enumerate() {
+        let dir = sh_quote(&b.package_dir.display().to_string());
+        script += &format!(
+            "echo {banner}\ncd {dir}\n{{ CARGO_MANIFEST_DIR={dir} {exe} --test-threads=1{extra}; echo $? > \"$RIG_DIR/test-{i}.rc\"; }} 2>&1 | tee \"$RIG_DIR/test-{i}.log\"\n[ \"$(cat \"$RIG_DIR/test-{i}.rc\")\" = 0 ] || failed=1\n",
+            banner = sh_quote(&format!("rig: running {} ({}/{})", b.label, i + 1, binaries.len())),
+            exe = sh_quote(&b.executable.display().to_string()),
+        );
+    }
+    script += "exit $failed\n";
+    script
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn artifacts() {
+        let out = concat!(
+            r#"{"reason":"compiler-artifact","package_id":"x","manifest_path":"/w/crates/ferry-rdma/Cargo.toml","target":{"kind":["lib"],"name":"ferry_rdma"},"profile":{"test":false},"executable":null}"#,
+            "\n",
+            r#"{"reason":"compiler-artifact","package_id":"x","manifest_path":"/w/crates/ferry-rdma/Cargo.toml","target":{"kind":["test"],"name":"verbs"},"profile":{"test":true},"executable":"/w/target/release/deps/verbs-0123"}"#,
+            "\n",
+            r#"{"reason":"build-finished","success":true}"#,
+            "\n"
+        );
+        assert_eq!(
+            parse_artifacts(out).ok(),
+            Some(vec![TestBinary {
+                label: "verbs (test)".into(),
+                executable: "/w/target/release/deps/verbs-0123".into(),
+                package_dir: "/w/crates/ferry-rdma".into(),
+            }])
+        );
+    }
+
+    #[test]
+    fn script_runs_every_binary() {
+        let b = |n: &str| TestBinary {
+            label: n.into(),
+            executable: format!("/t/{n}").into(),
+            package_dir: "/p".into(),
+        };
+        let script = guest_script(&[b("a"), b("b")], &["--nocapture".into()]);
+        assert!(script.contains("/t/a --test-threads=1 --nocapture; echo $? > \"$RIG_DIR/test-0.rc\""));
+        assert!(script.contains("tee \"$RIG_DIR/test-1.log\""));
+        assert!(script.ends_with("exit $failed\n"));
+    }
+}
