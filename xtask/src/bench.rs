@@ -414,7 +414,8 @@ impl Bench<'_> {
     }
 }
 
-fn median(values: &[f64]) -> Option<f64> {
+/// The median of `values` (the mean of the middle two for an even count); `None` when empty.
+pub(crate) fn median(values: &[f64]) -> Option<f64> {
     let mut v = values.to_vec();
     v.sort_by(f64::total_cmp);
     let n = v.len();

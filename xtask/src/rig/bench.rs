@@ -372,14 +372,7 @@ impl Samples {
     }
 
     fn median(&self) -> Option<f64> {
-        let mut v = self.values.clone();
-        v.sort_by(f64::total_cmp);
-        let n = v.len();
-        match n {
-            0 => None,
-            _ if n % 2 == 1 => Some(v[n / 2]),
-            _ => Some((v[n / 2 - 1] + v[n / 2]) / 2.0),
-        }
+        crate::bench::median(&self.values)
     }
 }
 
