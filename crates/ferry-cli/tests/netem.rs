@@ -50,15 +50,16 @@ fn run(cmd: &[&str]) -> Result<(), String> {
     }
 }
 
-/// Whether the test may run; prints why not (or fails, under `FERRY_REQUIRE_ALL=1`).
-fn prerequisite(check: Result<(), String>, install: &str) -> bool {
+/// Whether the test may run; prints why not (or fails, under `FERRY_REQUIRE_ALL=1`). `needs` completes
+/// "needs root and iproute2".
+fn prerequisite(check: Result<(), String>, needs: &str, install: &str) -> bool {
     match check {
         Ok(()) => true,
         Err(why) if std::env::var("FERRY_REQUIRE_ALL").is_ok_and(|v| v == "1") => {
             panic!("netem test prerequisite missing: {why}; install with: {install}")
         }
         Err(why) => {
-            println!("skipped: needs root and iproute2 ({why}; {install})");
+            println!("skipped: needs root and iproute2{needs} ({why}; {install})");
             false
         }
     }
@@ -355,13 +356,13 @@ async fn stream(target: SocketAddr, s: Stream, partition: bool) -> String {
 
 /// Sets up the namespaces and the target, runs the stream in nsA and `fault` from here.
 fn scenario(tag: &str, fault: impl FnOnce(&Netns, &AtomicUsize), partition: bool) {
-    if !prerequisite(tools(), "apt-get install -y iproute2 (and run as root)") {
+    if !prerequisite(tools(), "", "apt-get install -y iproute2 (and run as root)") {
         return;
     }
     let ns = match Netns::create(tag) {
         Ok(ns) => ns,
         Err(why) => {
-            prerequisite(Err(why), "run as root with CAP_SYS_ADMIN and CAP_NET_ADMIN");
+            prerequisite(Err(why), "", "run as root with CAP_SYS_ADMIN and CAP_NET_ADMIN");
             return;
         }
     };
@@ -369,7 +370,8 @@ fn scenario(tag: &str, fault: impl FnOnce(&Netns, &AtomicUsize), partition: bool
         // Is the netem qdisc there? (A kernel module, not part of iproute2.)
         let probe = ns.tc(&["qdisc", "add", "dev", "vethA", "root", "netem", "delay", "0ms"]);
         let probe = probe.and_then(|()| ns.tc(&["qdisc", "del", "dev", "vethA", "root"]));
-        if !prerequisite(probe, "modprobe sch_netem (a kernel with CONFIG_NET_SCH_NETEM)") {
+        let needs = ", and the kernel's netem qdisc";
+        if !prerequisite(probe, needs, "modprobe sch_netem (a kernel with CONFIG_NET_SCH_NETEM)") {
             return;
         }
     }

@@ -1,0 +1,130 @@
+//! What the middleware costs: 4 KiB writes straight through `Engine::transfer` against the same writes
+//! through the pool, `tower::retry` and two `tower::timeout`s, in one run, on one link.
+//!
+//! Rounds alternate (direct, tower) five times; each round runs 16 concurrent callers for 1 s; the
+//! medians are compared. Prints one JSON line:
+//! `{"case":"tower_overhead_4KiB","direct_ops_per_s":..,"tower_ops_per_s":..,"ratio":..}`.
+//!
+//! Run it with `cargo run --release -p ferry-tower --example tower_overhead`.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ferry::{Access, Engine, Op, Peer, Region, TransferDesc};
+use ferry_tower::tower::{Service, ServiceBuilder, ServiceExt};
+use ferry_tower::{Descriptor, RetryPolicy, TransferRequest, TransferService, into_ferry_error};
+
+const CALLERS: u64 = 16;
+const SIZE: u64 = 4096;
+const ROUNDS: usize = 5;
+const ROUND: Duration = Duration::from_secs(1);
+const TIMEOUT: Duration = Duration::from_secs(10);
+
+async fn direct(engine: &Engine, peer: &Peer, src: &Arc<Region>, dst: u64) -> f64 {
+    let deadline = Instant::now() + ROUND;
+    let started = Instant::now();
+    let callers: Vec<_> = (0..CALLERS)
+        .map(|c| {
+            let (engine, peer, src) = (engine.clone(), peer.clone(), src.clone());
+            tokio::spawn(async move {
+                let desc = [TransferDesc::new(src.addr_at(c * SIZE), dst + c * SIZE, SIZE)];
+                let mut ops = 0u64;
+                while Instant::now() < deadline {
+                    engine
+                        .transfer(&peer, Op::Write, &desc, TIMEOUT)
+                        .await
+                        .map(|()| ops += 1)?;
+                }
+                Ok::<_, ferry::Error>(ops)
+            })
+        })
+        .collect();
+    count(callers, started).await
+}
+
+async fn through_tower<S>(service: &S, target: std::net::SocketAddr, src: &Arc<Region>) -> f64
+where
+    S: Service<TransferRequest, Error = ferry::Error> + Clone + Send + 'static,
+    S::Future: Send,
+    S::Response: Send,
+{
+    let deadline = Instant::now() + ROUND;
+    let started = Instant::now();
+    let callers: Vec<_> = (0..CALLERS)
+        .map(|c| {
+            let (service, src) = (service.clone(), src.clone());
+            tokio::spawn(async move {
+                let req =
+                    TransferRequest::write(target, [Descriptor::at_offset(src.addr_at(c * SIZE), c * SIZE, SIZE)]);
+                let mut ops = 0u64;
+                while Instant::now() < deadline {
+                    service.clone().oneshot(req.clone()).await.map(|_| ops += 1)?;
+                }
+                Ok::<_, ferry::Error>(ops)
+            })
+        })
+        .collect();
+    count(callers, started).await
+}
+
+async fn count(callers: Vec<tokio::task::JoinHandle<ferry::Result<u64>>>, started: Instant) -> f64 {
+    let mut ops = 0;
+    for c in callers {
+        match c.await {
+            Ok(Ok(n)) => ops += n,
+            Ok(Err(e)) => panic!("a transfer failed: {e}"),
+            Err(e) => panic!("a caller panicked: {e}"),
+        }
+    }
+    ops as f64 / started.elapsed().as_secs_f64()
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+#[tokio::main]
+async fn main() -> ferry::Result<()> {
+    let target = Engine::builder().listen("127.0.0.1:0").build().await?;
+    let region = target.alloc_host((CALLERS * SIZE) as usize, Access::READ_WRITE)?;
+    let addr = target
+        .local_addr()
+        .ok_or_else(|| ferry::Error::InvalidArgument("the target does not listen".into()))?;
+
+    let engine = Engine::builder().build().await?;
+    let src = Arc::new(engine.alloc_host((CALLERS * SIZE) as usize, Access::READ_WRITE)?);
+    // One link for both: the pool adopts the link the direct case made.
+    let peer = engine.connect(&addr.to_string(), TIMEOUT).await?;
+    let service = ServiceBuilder::new()
+        .map_err(into_ferry_error)
+        .timeout(TIMEOUT)
+        .retry(RetryPolicy::default())
+        .timeout(TIMEOUT)
+        .service(TransferService::new(engine.clone()));
+
+    // Warm both paths up.
+    direct(&engine, &peer, &src, region.addr()).await;
+    through_tower(&service, addr, &src).await;
+
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    for round in 0..ROUNDS {
+        a.push(direct(&engine, &peer, &src, region.addr()).await);
+        b.push(through_tower(&service, addr, &src).await);
+        eprintln!(
+            "round {round}: direct {:.0} ops/s, tower {:.0} ops/s",
+            a[round], b[round]
+        );
+    }
+    let (direct_ops, tower_ops) = (median(a), median(b));
+    println!(
+        "{}",
+        serde_json::json!({
+            "case": "tower_overhead_4KiB",
+            "direct_ops_per_s": direct_ops.round(),
+            "tower_ops_per_s": tower_ops.round(),
+            "ratio": (tower_ops / direct_ops * 1000.0).round() / 1000.0,
+        })
+    );
+    Ok(())
+}

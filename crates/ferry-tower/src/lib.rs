@@ -1,0 +1,94 @@
+//! # ferry-tower
+//!
+//! Retries, timeouts, connection pooling and limits for ferry transfers, as tower middleware.
+//!
+//! Code that awaits transfers should not have to write its own reconnect loops: a peer restarts, a
+//! link drops, a route flaps, and every caller then needs the same answers — try again, but not
+//! forever and not all at once; give up after a deadline; do not dial a dead peer a thousand times a
+//! second; refuse work rather than queue it without bound. hyper and tonic users get those answers by
+//! stacking tower layers around a service, and this crate makes a ferry engine such a service.
+//!
+//! ## The stack
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! use std::time::Duration;
+//!
+//! use ferry::{Access, Engine};
+//! use ferry_tower::{Descriptor, PoolConfig, RetryPolicy, TransferRequest, TransferService, into_ferry_error};
+//! use tower::{ServiceBuilder, ServiceExt};
+//!
+//! let engine = Engine::builder().build().await?;
+//! let transfers = TransferService::with_config(engine.clone(), PoolConfig::default())?;
+//! let service = ServiceBuilder::new()
+//!     .map_err(into_ferry_error) // one error type out: ferry::Error
+//!     .load_shed() // refuse at once (ResourceExhausted) when saturated, ...
+//!     .concurrency_limit(256) // ... that is, with 256 requests in flight
+//!     .timeout(Duration::from_secs(10)) // the whole request, retries included
+//!     .retry(RetryPolicy::default()) // transient failures, with backoff and a budget
+//!     .timeout(Duration::from_secs(2)) // each attempt, connecting included
+//!     .service(transfers);
+//!
+//! // Local memory is registered with the same engine; the remote side is named as an offset into
+//! // the peer's region, so that it still means something after the peer restarts.
+//! let src = engine.alloc_host(4096, Access::READ_WRITE)?;
+//! src.write_at(0, b"hello")?;
+//! let peer = "10.0.0.2:9955".parse()?;
+//! let request = TransferRequest::write(peer, [Descriptor::at_offset(src.addr(), 0, 4096)]);
+//! let response = service.clone().oneshot(request).await?;
+//! println!("{} bytes over {} in {:?}", response.bytes, response.transport, response.duration);
+//! # Ok(()) }
+//! ```
+//!
+//! Order matters, outermost first: `load_shed` must see the `concurrency_limit` (and the pool's own
+//! bound) say "not ready" to shed; the overall `timeout` bounds retries and their pauses; `retry`
+//! sits outside the per-attempt `timeout`, so that an attempt that hangs is cut short and repeated.
+//! The stack is `Clone` (each clone shares the pool, the limit and the retry budget), so concurrent
+//! callers clone it; wrap it in `tower::buffer::Buffer` where a stack is not `Clone` (after
+//! `.boxed()`, for example) or must be shared behind one handle.
+//!
+//! ## What is tower's and what is written here
+//!
+//! From tower, unchanged: [`tower::retry::Retry`] with [`ExponentialBackoffMaker`] (exponential
+//! pauses with jitter) and [`TpsBudget`] (a retry budget), [`tower::timeout`],
+//! [`tower::limit::ConcurrencyLimit`], [`tower::load_shed`], [`tower::buffer`], [`tower::ServiceBuilder`].
+//!
+//! Written here, because tower does not have it:
+//!
+//! - [`TransferService`], the service itself: only ferry knows how to run a transfer.
+//! - The connection pool inside it (see [`PoolConfig`]): tower's `reconnect` rebuilds one service
+//!   and `balance` spreads load over interchangeable endpoints, but a transfer must reach the one peer
+//!   it names, so links are kept per address, connected lazily, replaced when dead, reconnected with
+//!   backoff, capped in total and per peer, and closed when idle.
+//! - [`RetryPolicy`]: tower's `Retry` asks a policy what to repeat, and only the protocol knows that
+//!   `Timeout` or `PeerClosed` may pass while `PermissionDenied` or `OutOfBounds` never will.
+//! - [`into_ferry_error`] and [`is_transient`]: tower's layers box errors; callers act on
+//!   [`ferry::Error`] variants, so they are mapped back.
+//!
+//! ## Addressing across restarts
+//!
+//! A request names its peer by address and each descriptor's remote side as a [`RemoteAddr`]:
+//! absolute, an offset into the peer's primary region, or an offset into a region by key. Offsets are
+//! resolved against the regions the peer advertises on the link each attempt uses, so a retry after
+//! the peer restarted (and registered its memory at a new address) lands in the new region, where an
+//! absolute address would fail with `OutOfBounds`.
+//!
+//! [`ExponentialBackoffMaker`]: tower::retry::backoff::ExponentialBackoffMaker
+//! [`TpsBudget`]: tower::retry::budget::TpsBudget
+#![deny(missing_docs)]
+
+mod error;
+mod limit;
+mod pool;
+mod request;
+mod retry;
+mod service;
+
+pub use error::{into_ferry_error, is_transient, is_transient_ferry};
+pub use pool::{PoolConfig, PoolStats};
+pub use request::{Descriptor, RemoteAddr, TransferRequest, TransferResponse};
+pub use retry::{RetryConfig, RetryPolicy};
+pub use service::{TransferFuture, TransferService};
+
+/// The tower version this crate is built against, for code that composes layers with it.
+pub use tower;

@@ -1,0 +1,776 @@
+//! The connection pool behind [`TransferService`](crate::TransferService): one engine link per peer
+//! address, made on first use, shared by every request to that peer, replaced when it dies, closed
+//! when idle.
+//!
+//! tower has no keyed pool to reuse: `tower::reconnect` rebuilds a single service from a
+//! `MakeService`, and `balance`/`ready_cache` spread requests over interchangeable endpoints, whereas
+//! a transfer must reach the one peer it names. So this part is written by hand, and kept small.
+//!
+//! The rules it follows are documented on [`PoolConfig`], where users see them.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::hash::{BuildHasher, RandomState};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::Poll;
+use std::time::Duration;
+
+use ferry::{Engine, Error, Peer, Result};
+use tokio::time::Instant;
+
+use crate::error::breaks_link;
+use crate::limit::{Limit, Permit};
+use crate::request::primary_region;
+
+/// Settings of the connection pool of a [`TransferService`](crate::TransferService), which keeps one
+/// engine link per peer address by these rules:
+///
+/// - **Lazy and shared.** The first request to an address connects (one connect at a time per
+///   address; requests that arrive meanwhile wait for it) and later requests reuse the link. The engine
+///   multiplexes concurrent transfers over a link's TCP streams and keys links by address (a second
+///   `connect` is `AlreadyConnected`), so one link per peer is both enough and the most there can be;
+///   the per-peer limit ([`Self::max_in_flight_per_peer`]) bounds the requests in flight on it.
+/// - **Dead links are replaced.** A link is dropped when the engine says it is closed
+///   ([`ferry::Peer::is_closed`]), when a transfer on it fails with an error that breaks links
+///   (`PeerClosed`, `NotConnected`, `Protocol`, `Io`), or after
+///   [`Self::timeouts_before_reconnect`] consecutive attempts on it that timed out or were
+///   abandoned (an outer `tower::timeout` firing), which is how a silently partitioned peer shows.
+///   The next request reconnects.
+/// - **Reconnects back off.** After a failed connect the address is not dialled again until an
+///   exponentially growing, jittered pause has passed ([`Self::reconnect_backoff_min`] to
+///   [`Self::reconnect_backoff_max`]); requests in that pause fail at once with the error of
+///   the last attempt (same variant, so the retry policy treats them alike). However many callers
+///   there are, a dead peer sees at most one connection attempt per pause, and requests to it do not
+///   hold capacity that requests to live peers need.
+/// - **Bounded.** At most [`Self::max_links`] addresses are held; a request to a new address at
+///   the limit closes the least recently used idle link, or fails with `ResourceExhausted` when every
+///   link is busy. At most [`Self::max_in_flight`] requests are in flight in total, and that is
+///   what `poll_ready` waits for.
+/// - **Idle links close** after [`Self::idle_timeout`] without requests, from a background task
+///   that ends when the last clone of the service is dropped.
+/// - **Region tables are followed.** While a link lives, a small task keeps its peer's primary
+///   region (what [`RemoteAddr::Offset`](crate::RemoteAddr::Offset) resolves against) current as
+///   the peer's region adverts change, so that requests need not copy the table each time.
+#[derive(Debug, Clone)]
+pub struct PoolConfig {
+    /// Most peers with a link (default 512, HIXL's limit). The engine's own
+    /// [`max_links`](ferry::EngineBuilder::max_links) also counts incoming links.
+    pub max_links: usize,
+    /// Most requests in flight on one peer's link (default 256); more wait for a slot.
+    pub max_in_flight_per_peer: usize,
+    /// Most requests in flight through the service in total (default 4096); `poll_ready` is
+    /// `Pending` while they are.
+    pub max_in_flight: usize,
+    /// A link without requests for this long is closed (default 60 s).
+    pub idle_timeout: Duration,
+    /// Bound on each connect (default 1 s, HIXL's default).
+    pub connect_timeout: Duration,
+    /// Pause after the first failed connect to an address (default 20 ms); doubles with each further
+    /// failure, with jitter.
+    pub reconnect_backoff_min: Duration,
+    /// Longest pause between connects to one address (default 1 s).
+    pub reconnect_backoff_max: Duration,
+    /// Timeout handed to the engine for a transfer when the request sets none (default 10 s).
+    pub transfer_timeout: Duration,
+    /// Consecutive timed-out or abandoned attempts on one link after which it is replaced
+    /// (default 2).
+    pub timeouts_before_reconnect: u32,
+}
+
+impl Default for PoolConfig {
+    fn default() -> Self {
+        PoolConfig {
+            max_links: 512,
+            max_in_flight_per_peer: 256,
+            max_in_flight: 4096,
+            idle_timeout: Duration::from_secs(60),
+            connect_timeout: Duration::from_secs(1),
+            reconnect_backoff_min: Duration::from_millis(20),
+            reconnect_backoff_max: Duration::from_secs(1),
+            transfer_timeout: Duration::from_secs(10),
+            timeouts_before_reconnect: 2,
+        }
+    }
+}
+
+impl PoolConfig {
+    pub(crate) fn validate(&self) -> Result<()> {
+        let positive = [
+            ("max_links", self.max_links),
+            ("max_in_flight_per_peer", self.max_in_flight_per_peer),
+            ("max_in_flight", self.max_in_flight),
+            ("timeouts_before_reconnect", self.timeouts_before_reconnect as usize),
+        ];
+        for (name, v) in positive {
+            if v == 0 {
+                return Err(Error::InvalidArgument(format!("PoolConfig::{name} must be at least 1")));
+            }
+        }
+        for (name, v) in [
+            ("idle_timeout", self.idle_timeout),
+            ("connect_timeout", self.connect_timeout),
+            ("transfer_timeout", self.transfer_timeout),
+            ("reconnect_backoff_max", self.reconnect_backoff_max),
+        ] {
+            if v.is_zero() {
+                return Err(Error::InvalidArgument(format!("PoolConfig::{name} must not be zero")));
+            }
+        }
+        if self.reconnect_backoff_min > self.reconnect_backoff_max {
+            return Err(Error::InvalidArgument(
+                "PoolConfig::reconnect_backoff_min must not exceed reconnect_backoff_max".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A snapshot of a pool's state and counters, from [`TransferService::stats`](crate::TransferService::stats).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PoolStats {
+    /// Addresses the pool holds (with a live link, connecting, or backing off).
+    pub peers: usize,
+    /// Live links.
+    pub links: usize,
+    /// Requests in flight.
+    pub in_flight: usize,
+    /// Connects that succeeded (including links adopted from the engine).
+    pub connects: u64,
+    /// Connects that failed.
+    pub connect_failures: u64,
+    /// Links dropped because they died or stopped answering.
+    pub links_dropped: u64,
+    /// Links closed for being idle.
+    pub idle_closed: u64,
+    /// Links closed to make room for another peer.
+    pub evicted: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    connects: AtomicU64,
+    connect_failures: AtomicU64,
+    links_dropped: AtomicU64,
+    idle_closed: AtomicU64,
+    evicted: AtomicU64,
+}
+
+pub(crate) struct Pool {
+    pub(crate) engine: Engine,
+    pub(crate) config: PoolConfig,
+    /// The total in-flight bound that `poll_ready` acquires from.
+    pub(crate) in_flight: Arc<Limit>,
+    slots: Mutex<HashMap<SocketAddr, Arc<Slot>>>,
+    epoch: Instant,
+    /// Nanoseconds since `epoch`, as of the reaper's last tick (or a connect): a clock that requests
+    /// can read without asking the OS, precise enough for idle and least-recently-used decisions.
+    clock: Arc<AtomicU64>,
+    reaper_started: AtomicBool,
+    counters: Counters,
+    jitter: RandomState,
+}
+
+/// One peer address: its link (if any), its in-flight bound, and its reconnect state.
+struct Slot {
+    addr: SocketAddr,
+    permits: Arc<Limit>,
+    /// The pool's coarse clock.
+    clock: Arc<AtomicU64>,
+    /// The pool's coarse clock at the last release (or creation).
+    last_used: AtomicU64,
+    /// Consecutive timed-out or abandoned attempts on the current link.
+    strikes: AtomicU32,
+    state: Mutex<LinkState>,
+    /// Held while connecting, so that one request per address dials and the others wait for it.
+    connecting: tokio::sync::Mutex<()>,
+}
+
+#[derive(Default)]
+struct LinkState {
+    peer: Option<Peer>,
+    /// Raised with each new link, so that a failure reported on an old link cannot drop a new one.
+    generation: u64,
+    /// The link's [`primary_region`], kept current by [`watch_regions`] (`None` while nothing keeps
+    /// it: requests then read the peer's table themselves).
+    primary: Option<Option<(u64, u64)>>,
+    /// Links dropped but not yet disconnected from the engine; the next connect closes them first.
+    retired: Vec<Peer>,
+    failures: u32,
+    retry_at: Option<Instant>,
+    last_error: Option<Error>,
+}
+
+/// A request's hold on a peer's link, for one attempt.
+pub(crate) struct Lease {
+    pub(crate) pool: Arc<Pool>,
+    pub(crate) peer: Peer,
+    pub(crate) new_link: bool,
+    /// The link's primary region as the pool knows it (see [`LinkState::primary`]).
+    pub(crate) primary: Option<Option<(u64, u64)>>,
+    generation: u64,
+    settled: bool,
+    _permit: Permit,
+    /// Declared last: dropped after the permit, so that a slot seen unused has no permit out.
+    slot: SlotUse,
+}
+
+/// A request's reference to a slot. While any exists the slot is in use and is not closed: the pool's
+/// map holds one reference, so a count above one means users (requests holding or waiting). New
+/// references are taken under the map's lock, and closing checks the count under it.
+struct SlotUse(Arc<Slot>);
+
+impl SlotUse {
+    fn unused(slot: &Arc<Slot>) -> bool {
+        Arc::strong_count(slot) == 1
+    }
+}
+
+impl Drop for SlotUse {
+    fn drop(&mut self) {
+        self.0.touch();
+    }
+}
+
+impl Slot {
+    fn new(addr: SocketAddr, per_peer: usize, clock: Arc<AtomicU64>) -> Self {
+        Slot {
+            addr,
+            permits: Limit::new(per_peer),
+            last_used: AtomicU64::new(clock.load(Ordering::Relaxed)),
+            clock,
+            strikes: AtomicU32::new(0),
+            state: Mutex::new(LinkState::default()),
+            connecting: tokio::sync::Mutex::new(()),
+        }
+    }
+
+    fn touch(&self) {
+        self.last_used
+            .store(self.clock.load(Ordering::Relaxed), Ordering::Relaxed);
+    }
+
+    fn state(&self) -> Result<std::sync::MutexGuard<'_, LinkState>> {
+        self.state.lock().map_err(|_| poisoned())
+    }
+
+    /// The live link. A link the engine reports closed is retired here.
+    fn live(&self, pool: &Pool) -> Result<Option<Link>> {
+        let mut st = self.state()?;
+        match &st.peer {
+            Some(p) if !p.is_closed() => Ok(Some(Link {
+                peer: p.clone(),
+                generation: st.generation,
+                primary: st.primary,
+            })),
+            Some(_) => {
+                if let Some(p) = st.peer.take() {
+                    tracing::warn!(peer = %self.addr, "the link is closed; reconnecting on next use");
+                    pool.counters.links_dropped.fetch_add(1, Ordering::Relaxed);
+                    st.retired.push(p);
+                }
+                Ok(None)
+            }
+            None => Ok(None),
+        }
+    }
+
+    /// Drops the link of `generation` if it is still the current one.
+    fn invalidate(&self, generation: u64, why: &str, pool: &Pool) {
+        self.strikes.store(0, Ordering::Relaxed);
+        let Ok(mut st) = self.state.lock() else { return };
+        if st.generation != generation {
+            return;
+        }
+        if let Some(p) = st.peer.take() {
+            tracing::warn!(peer = %self.addr, reason = why, "dropping the link; reconnecting on next use");
+            pool.counters.links_dropped.fetch_add(1, Ordering::Relaxed);
+            st.retired.push(p);
+        }
+    }
+
+    /// Every link of this slot, live or retired, for closing it.
+    fn take_links(&self) -> Vec<Peer> {
+        match self.state.lock() {
+            Ok(mut st) => {
+                let mut all = std::mem::take(&mut st.retired);
+                all.extend(st.peer.take());
+                all
+            }
+            Err(_) => Vec::new(),
+        }
+    }
+}
+
+impl Pool {
+    pub(crate) fn new(engine: Engine, config: PoolConfig) -> Result<Self> {
+        config.validate()?;
+        Ok(Pool::unchecked(engine, config))
+    }
+
+    /// A pool with settings known to be valid.
+    pub(crate) fn unchecked(engine: Engine, config: PoolConfig) -> Self {
+        Pool {
+            engine,
+            in_flight: Limit::new(config.max_in_flight),
+            config,
+            slots: Mutex::new(HashMap::new()),
+            epoch: Instant::now(),
+            clock: Arc::new(AtomicU64::new(0)),
+            reaper_started: AtomicBool::new(false),
+            counters: Counters::default(),
+            jitter: RandomState::new(),
+        }
+    }
+
+    pub(crate) fn stats(&self) -> PoolStats {
+        let (peers, links) = match self.slots.lock() {
+            Ok(slots) => {
+                let links = slots
+                    .values()
+                    .filter(|s| {
+                        s.state
+                            .lock()
+                            .is_ok_and(|st| st.peer.as_ref().is_some_and(|p| !p.is_closed()))
+                    })
+                    .count();
+                (slots.len(), links)
+            }
+            Err(_) => (0, 0),
+        };
+        let c = &self.counters;
+        PoolStats {
+            peers,
+            links,
+            in_flight: self.in_flight.used(),
+            connects: c.connects.load(Ordering::Relaxed),
+            connect_failures: c.connect_failures.load(Ordering::Relaxed),
+            links_dropped: c.links_dropped.load(Ordering::Relaxed),
+            idle_closed: c.idle_closed.load(Ordering::Relaxed),
+            evicted: c.evicted.load(Ordering::Relaxed),
+        }
+    }
+
+    /// A live link to `addr`, connecting if needed, with a per-peer slot held.
+    pub(crate) async fn checkout(self: Arc<Self>, addr: SocketAddr) -> Result<Lease> {
+        self.start_reaper();
+        let (slot, evicted) = self.claim(addr)?;
+        let slot = SlotUse(slot);
+        for peer in evicted {
+            self.close_in_background(peer);
+        }
+        let permit = slot.0.permits.clone().acquire().await;
+        if let Some(link) = slot.0.live(&self)? {
+            return Ok(Lease::new(self, slot, permit, link, false));
+        }
+
+        let dialled = {
+            let _dialling = slot.0.connecting.lock().await;
+            // Someone else may have connected while this request waited.
+            match slot.0.live(&self)? {
+                Some(link) => Ok((link, false)),
+                // Boxed: connecting is rare, and its future is large; inline it would grow every
+                // request's future.
+                None => Box::pin(self.dial(&slot.0)).await.map(|link| (link, true)),
+            }
+        };
+        let (link, new_link) = dialled?;
+        Ok(Lease::new(self, slot, permit, link, new_link))
+    }
+
+    /// Connects `slot`'s address (its `connecting` lock held), or says why not.
+    async fn dial(&self, slot: &Arc<Slot>) -> Result<Link> {
+        let addr = slot.addr;
+        let retired = {
+            let mut st = slot.state()?;
+            if let Some(at) = st.retry_at.filter(|at| *at > Instant::now()) {
+                return Err(backed_off(
+                    st.last_error.as_ref(),
+                    addr,
+                    at - Instant::now(),
+                    st.failures,
+                ));
+            }
+            std::mem::take(&mut st.retired)
+        };
+        // From here until the outcome is recorded, a dropped future (an outer timeout) counts as a
+        // failed connect, so that abandoned dials back off like failed ones.
+        let mut dial = Dial {
+            pool: self,
+            slot,
+            done: false,
+        };
+        for old in retired {
+            // Frees the engine's entry for this address; it may already be gone.
+            let _ = self.engine.disconnect(&old, self.config.connect_timeout).await;
+        }
+        let connected = match self
+            .engine
+            .connect(&addr.to_string(), self.config.connect_timeout)
+            .await
+        {
+            // A link the application made itself through the engine: adopt it.
+            Err(Error::AlreadyConnected(msg)) => self
+                .engine
+                .peer_at(addr)
+                .filter(|p| !p.is_closed())
+                .ok_or(Error::AlreadyConnected(msg)),
+            other => other,
+        };
+        dial.done = true;
+        self.tick_clock();
+        let mut st = slot.state()?;
+        match connected {
+            Ok(peer) => {
+                self.counters.connects.fetch_add(1, Ordering::Relaxed);
+                if st.failures > 0 {
+                    tracing::info!(peer = %addr, failures = st.failures, "reconnected");
+                } else {
+                    tracing::debug!(peer = %addr, transport = %peer.transport(), "connected");
+                }
+                st.generation += 1;
+                st.peer = Some(peer.clone());
+                st.failures = 0;
+                st.retry_at = None;
+                st.last_error = None;
+                st.primary = None;
+                slot.strikes.store(0, Ordering::Relaxed);
+                if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                    st.primary = Some(primary_region(&peer.regions()));
+                    runtime.spawn(watch_regions(Arc::downgrade(slot), peer.clone(), st.generation));
+                }
+                Ok(Link {
+                    peer,
+                    generation: st.generation,
+                    primary: st.primary,
+                })
+            }
+            Err(e) => {
+                self.connect_failed(addr, &mut st, &e);
+                Err(e)
+            }
+        }
+    }
+
+    fn tick_clock(&self) {
+        self.clock.store(nanos_since(self.epoch), Ordering::Relaxed);
+    }
+
+    fn connect_failed(&self, addr: SocketAddr, st: &mut LinkState, e: &Error) {
+        self.counters.connect_failures.fetch_add(1, Ordering::Relaxed);
+        st.failures = st.failures.saturating_add(1);
+        let pause = self.reconnect_pause(st.failures);
+        st.retry_at = Some(Instant::now() + pause);
+        st.last_error = Some(e.clone());
+        tracing::warn!(peer = %addr, error = %e, failures = st.failures, ?pause, "connect failed");
+    }
+
+    /// Finds or makes the slot for `addr` and counts a user on it; at the link limit, takes the least
+    /// recently used idle slot out (its links are returned, to be closed).
+    fn claim(&self, addr: SocketAddr) -> Result<(Arc<Slot>, Vec<Peer>)> {
+        let mut slots = self.slots.lock().map_err(|_| poisoned())?;
+        if let Some(slot) = slots.get(&addr) {
+            // No need to note the time here: a slot in use is never idle, and the release notes it.
+            return Ok((slot.clone(), Vec::new()));
+        }
+        let mut evicted = Vec::new();
+        if slots.len() >= self.config.max_links {
+            let victim = slots
+                .values()
+                .filter(|s| SlotUse::unused(s))
+                .min_by_key(|s| s.last_used.load(Ordering::Relaxed))
+                .map(|s| s.addr);
+            let Some(victim) = victim.and_then(|a| slots.remove(&a)) else {
+                return Err(Error::ResourceExhausted(format!(
+                    "the pool holds links to {} peers, all busy (PoolConfig::max_links); {addr} must wait",
+                    self.config.max_links
+                )));
+            };
+            tracing::debug!(peer = %victim.addr, "closing the least recently used idle link to make room");
+            self.counters.evicted.fetch_add(1, Ordering::Relaxed);
+            evicted = victim.take_links();
+        }
+        self.tick_clock();
+        let slot = Arc::new(Slot::new(addr, self.config.max_in_flight_per_peer, self.clock.clone()));
+        slots.insert(addr, slot.clone());
+        Ok((slot, evicted))
+    }
+
+    /// Exponential pause with "equal jitter": half fixed, half random.
+    fn reconnect_pause(&self, failures: u32) -> Duration {
+        let min = self.config.reconnect_backoff_min;
+        let max = self.config.reconnect_backoff_max;
+        let base = min
+            .checked_mul(1u32 << failures.saturating_sub(1).min(20))
+            .unwrap_or(max)
+            .min(max);
+        let random = self.jitter.hash_one((failures, nanos_since(self.epoch)));
+        let fraction = (random >> 11) as f64 / (1u64 << 53) as f64;
+        base / 2 + base.mul_f64(fraction / 2.0)
+    }
+
+    fn start_reaper(self: &Arc<Self>) {
+        if self.reaper_started.load(Ordering::Relaxed) || self.reaper_started.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            // Not inside a tokio runtime: try again on the next request.
+            self.reaper_started.store(false, Ordering::Release);
+            return;
+        };
+        let pool = Arc::downgrade(self);
+        let tick = (self.config.idle_timeout / 4).clamp(Duration::from_millis(10), Duration::from_secs(1));
+        runtime.spawn(async move {
+            let mut interval = tokio::time::interval(tick);
+            interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                interval.tick().await;
+                let Some(pool) = pool.upgrade() else { break };
+                pool.tick_clock();
+                for peer in pool.take_idle(tick) {
+                    let _ = pool.engine.disconnect(&peer, pool.config.connect_timeout).await;
+                }
+            }
+        });
+    }
+
+    /// Takes the slots idle for `idle_timeout` out of the pool and returns their links. Last-use times
+    /// lag by up to one `tick` of the coarse clock, so that much is added before judging.
+    fn take_idle(&self, tick: Duration) -> Vec<Peer> {
+        let now = nanos_since(self.epoch);
+        let idle = u64::try_from((self.config.idle_timeout + tick).as_nanos()).unwrap_or(u64::MAX);
+        let Ok(mut slots) = self.slots.lock() else {
+            return Vec::new();
+        };
+        let mut closing = Vec::new();
+        slots.retain(|addr, slot| {
+            let unused = SlotUse::unused(slot) && now.saturating_sub(slot.last_used.load(Ordering::Relaxed)) >= idle;
+            if unused {
+                let links = slot.take_links();
+                if !links.is_empty() {
+                    tracing::debug!(peer = %addr, "closing an idle link");
+                    self.counters.idle_closed.fetch_add(1, Ordering::Relaxed);
+                }
+                closing.extend(links);
+            }
+            !unused
+        });
+        closing
+    }
+
+    fn close_in_background(&self, peer: Peer) {
+        let engine = self.engine.clone();
+        let timeout = self.config.connect_timeout;
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                let _ = engine.disconnect(&peer, timeout).await;
+            });
+        }
+    }
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        let slots = match self.slots.get_mut() {
+            Ok(slots) => std::mem::take(slots),
+            Err(_) => return,
+        };
+        for slot in slots.into_values() {
+            for peer in slot.take_links() {
+                self.close_in_background(peer);
+            }
+        }
+    }
+}
+
+/// A connect in progress; see [`Pool::checkout`].
+struct Dial<'a> {
+    pool: &'a Pool,
+    slot: &'a Slot,
+    done: bool,
+}
+
+impl Drop for Dial<'_> {
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        if let Ok(mut st) = self.slot.state.lock() {
+            let e = Error::Timeout(format!(
+                "connecting to {} was abandoned before it finished (an outer timeout)",
+                self.slot.addr
+            ));
+            self.pool.connect_failed(self.slot.addr, &mut st, &e);
+        }
+    }
+}
+
+impl Lease {
+    fn new(pool: Arc<Pool>, slot: SlotUse, permit: Permit, link: Link, new_link: bool) -> Self {
+        Lease {
+            pool,
+            peer: link.peer,
+            new_link,
+            primary: link.primary,
+            generation: link.generation,
+            settled: false,
+            _permit: permit,
+            slot,
+        }
+    }
+
+    /// Records how the attempt on this link ended.
+    pub(crate) fn settle(&mut self, result: &Result<()>) {
+        self.settled = true;
+        let slot = &self.slot.0;
+        match result {
+            Ok(()) => {
+                if slot.strikes.load(Ordering::Relaxed) != 0 {
+                    slot.strikes.store(0, Ordering::Relaxed);
+                }
+            }
+            Err(e) if breaks_link(e) || self.peer.is_closed() => {
+                slot.invalidate(self.generation, e.message(), &self.pool);
+            }
+            Err(Error::Timeout(_)) => self.strike("transfers on it time out"),
+            Err(_) => {}
+        }
+    }
+
+    /// Ends the attempt without a verdict on the link (the request itself was wrong).
+    pub(crate) fn settle_neutral(&mut self) {
+        self.settled = true;
+    }
+
+    fn strike(&self, why: &str) {
+        let slot = &self.slot.0;
+        let n = slot.strikes.fetch_add(1, Ordering::AcqRel) + 1;
+        if n >= self.pool.config.timeouts_before_reconnect {
+            slot.invalidate(self.generation, why, &self.pool);
+        }
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        if !self.settled {
+            // Dropped mid-transfer: an outer timeout fired or the caller gave up.
+            self.strike("attempts on it are abandoned unfinished");
+        }
+    }
+}
+
+/// A link as a request sees it.
+struct Link {
+    peer: Peer,
+    generation: u64,
+    primary: Option<Option<(u64, u64)>>,
+}
+
+/// How often [`watch_regions`] re-reads a peer's table without being told of a change.
+const REGION_REFRESH: Duration = Duration::from_secs(1);
+
+/// Keeps [`LinkState::primary`] current for the link of `generation`, so that requests with
+/// [`RemoteAddr::Offset`](crate::RemoteAddr::Offset) descriptors need not copy the peer's region table
+/// each time. Ends when the link is replaced or closed, or the slot leaves the pool.
+async fn watch_regions(slot: std::sync::Weak<Slot>, peer: Peer, generation: u64) {
+    loop {
+        let mut changed = std::pin::pin!(peer.regions_changed(REGION_REFRESH));
+        // Poll once before re-reading, so that a change during the re-read still ends the wait.
+        let pending = std::future::poll_fn(|cx| Poll::Ready(changed.as_mut().poll(cx).is_pending())).await;
+        {
+            let Some(slot) = slot.upgrade() else { return };
+            if peer.is_closed() {
+                return;
+            }
+            let Ok(mut st) = slot.state.lock() else { return };
+            if st.generation != generation {
+                return;
+            }
+            st.primary = Some(primary_region(&peer.regions()));
+        }
+        if pending {
+            changed.await;
+        }
+    }
+}
+
+/// The error for a request that arrives while reconnecting to `addr` is paused: the last connect's
+/// variant (so that retry decisions do not change), with a message that says so.
+fn backed_off(last: Option<&Error>, addr: SocketAddr, left: Duration, failures: u32) -> Error {
+    let last_msg = last.map(|e| e.message()).unwrap_or("unknown");
+    let msg = format!(
+        "{addr}: not reconnecting for another {} ms after {failures} failed connects; the last: {last_msg}",
+        left.as_millis()
+    );
+    match last {
+        Some(Error::Timeout(_)) => Error::Timeout(msg),
+        Some(Error::PeerClosed(_)) => Error::PeerClosed(msg),
+        Some(Error::Io { kind, .. }) => Error::Io {
+            kind: *kind,
+            message: msg,
+        },
+        Some(other) if !crate::is_transient_ferry(other) => other.clone(),
+        _ => Error::NotConnected(msg),
+    }
+}
+
+fn nanos_since(epoch: Instant) -> u64 {
+    u64::try_from(epoch.elapsed().as_nanos()).unwrap_or(u64::MAX)
+}
+
+fn poisoned() -> Error {
+    Error::Protocol("a connection pool lock was poisoned by a panic".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn invalid_configs_are_rejected() {
+        let cases = [
+            PoolConfig {
+                max_links: 0,
+                ..PoolConfig::default()
+            },
+            PoolConfig {
+                max_in_flight: 0,
+                ..PoolConfig::default()
+            },
+            PoolConfig {
+                connect_timeout: Duration::ZERO,
+                ..PoolConfig::default()
+            },
+            PoolConfig {
+                reconnect_backoff_min: Duration::from_secs(5),
+                reconnect_backoff_max: Duration::from_secs(1),
+                ..PoolConfig::default()
+            },
+        ];
+        for c in cases {
+            assert!(matches!(c.validate(), Err(Error::InvalidArgument(_))), "{c:?}");
+        }
+        assert!(PoolConfig::default().validate().is_ok());
+    }
+
+    #[test]
+    fn backed_off_errors_keep_the_variant() {
+        let addr: SocketAddr = "127.0.0.1:1".parse().unwrap();
+        let refused = Error::io("connect", std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
+        let e = backed_off(Some(&refused), addr, Duration::from_millis(5), 3);
+        assert!(matches!(
+            e,
+            Error::Io {
+                kind: std::io::ErrorKind::ConnectionRefused,
+                ..
+            }
+        ));
+        let t = backed_off(Some(&Error::Timeout("x".into())), addr, Duration::from_millis(5), 1);
+        assert!(matches!(t, Error::Timeout(_)));
+        let u = Error::Unsupported("no transport in common".into());
+        assert_eq!(backed_off(Some(&u), addr, Duration::ZERO, 1), u);
+    }
+}

@@ -1,0 +1,252 @@
+//! The retry policy for `tower::retry::RetryLayer`: which failures to repeat, how long to wait, and how
+//! many repeats the whole client may spend.
+//!
+//! tower provides the machinery (the `Retry` service, [`ExponentialBackoffMaker`], [`TpsBudget`]) but
+//! no policy, because only the protocol knows which errors are worth repeating. This one repeats what
+//! [`is_transient`] says may succeed later (timeouts, closed peers, refused or reset connections,
+//! unreachable routes) and never `PermissionDenied`, `OutOfBounds` or `InvalidArgument`.
+//!
+//! How it limits retries is documented on [`RetryPolicy`].
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use ferry::{Error, Result};
+use tower::BoxError;
+use tower::retry::Policy;
+use tower::retry::backoff::{Backoff, ExponentialBackoff, ExponentialBackoffMaker, MakeBackoff};
+use tower::retry::budget::{Budget, TpsBudget};
+use tower::util::rng::HasherRng;
+
+use crate::error::{is_transient, is_transient_ferry};
+
+/// Settings of a [`RetryPolicy`].
+#[derive(Debug, Clone)]
+pub struct RetryConfig {
+    /// Most repeats of one request (default 5).
+    pub max_retries: u32,
+    /// Pause before the first repeat (default 20 ms); doubles with each further one.
+    pub backoff_min: Duration,
+    /// Longest pause (default 1 s).
+    pub backoff_max: Duration,
+    /// Random extra pause, as a fraction of the current one, 0 to 100 (default 1.0: up to twice the
+    /// base pause, never past `backoff_max`).
+    pub jitter: f64,
+    /// How long a deposit counts in the budget, 1 to 60 s (default 10 s).
+    pub budget_ttl: Duration,
+    /// Repeats per second allowed whatever the traffic, so that a quiet client may still retry
+    /// (default 10).
+    pub budget_min_per_sec: u32,
+    /// Repeats allowed per request made, 0 to 1000 (default 0.2: one repeat for five requests).
+    pub budget_retry_ratio: f32,
+}
+
+impl Default for RetryConfig {
+    fn default() -> Self {
+        RetryConfig {
+            max_retries: 5,
+            backoff_min: Duration::from_millis(20),
+            backoff_max: Duration::from_secs(1),
+            jitter: 1.0,
+            budget_ttl: Duration::from_secs(10),
+            budget_min_per_sec: 10,
+            budget_retry_ratio: 0.2,
+        }
+    }
+}
+
+impl RetryConfig {
+    fn validate(&self) -> Result<()> {
+        // TpsBudget::new asserts its arguments; check them here so that a bad value is an error,
+        // not a panic.
+        if !(Duration::from_secs(1)..=Duration::from_secs(60)).contains(&self.budget_ttl) {
+            return Err(Error::InvalidArgument(format!(
+                "budget_ttl must be 1 to 60 s, not {:?}",
+                self.budget_ttl
+            )));
+        }
+        if !(0.0..=1000.0).contains(&self.budget_retry_ratio) {
+            return Err(Error::InvalidArgument(format!(
+                "budget_retry_ratio must be 0 to 1000, not {}",
+                self.budget_retry_ratio
+            )));
+        }
+        if self.budget_min_per_sec >= i32::MAX as u32 {
+            return Err(Error::InvalidArgument("budget_min_per_sec is too large".into()));
+        }
+        Ok(())
+    }
+}
+
+/// A `tower::retry::Policy` for ferry transfers. It repeats what [`is_transient`] says may succeed
+/// later (timeouts, closed peers, refused or reset connections, unreachable routes) and never
+/// `PermissionDenied`, `OutOfBounds` or `InvalidArgument`.
+///
+/// Two limits apply together. Per request, at most [`RetryConfig::max_retries`] repeats, each after an
+/// exponentially growing, jittered pause (so that callers that failed together do not come back
+/// together). Across the client, a [`TpsBudget`] shared by every clone of the policy: each original
+/// request deposits, each retry withdraws, and when the budget is spent failures are returned at once.
+/// With the defaults a dead peer sees at most 20 % more attempts than there are requests, plus a small
+/// reserve, instead of `1 + max_retries` times as many.
+///
+/// Clones share the budget. `tower::retry::Retry` clones the policy for every request, which gives
+/// each request its own count of repeats and its own backoff sequence.
+///
+/// It works for any cloneable request, with either error type a stack produces: [`ferry::Error`]
+/// (directly over [`TransferService`](crate::TransferService)) or [`tower::BoxError`] (over layers
+/// such as `tower::timeout`, whose `Elapsed` counts as transient).
+#[derive(Debug, Clone)]
+pub struct RetryPolicy {
+    max_retries: u32,
+    retries: u32,
+    backoff_min: Duration,
+    backoff_max: Duration,
+    jitter: f64,
+    backoff: Option<ExponentialBackoff<HasherRng>>,
+    budget: Arc<TpsBudget>,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        // The default configuration is valid, so `new` cannot fail; fall back to tower's defaults
+        // rather than panic all the same.
+        let config = RetryConfig::default();
+        RetryPolicy::new(config.clone()).unwrap_or_else(|_| RetryPolicy {
+            max_retries: config.max_retries,
+            retries: 0,
+            backoff_min: config.backoff_min,
+            backoff_max: config.backoff_max,
+            jitter: 0.0,
+            backoff: None,
+            budget: Arc::new(TpsBudget::default()),
+        })
+    }
+}
+
+impl RetryPolicy {
+    /// A policy with its own budget. `InvalidArgument` for settings out of range.
+    pub fn new(config: RetryConfig) -> Result<Self> {
+        config.validate()?;
+        let budget = Arc::new(TpsBudget::new(
+            config.budget_ttl,
+            config.budget_min_per_sec,
+            config.budget_retry_ratio,
+        ));
+        RetryPolicy::with_budget(config, budget)
+    }
+
+    /// A policy that draws on `budget`, for several stacks that should share one.
+    pub fn with_budget(config: RetryConfig, budget: Arc<TpsBudget>) -> Result<Self> {
+        // Checks the backoff settings; each request makes its own backoff later (see `backoff`).
+        ExponentialBackoffMaker::new(config.backoff_min, config.backoff_max, config.jitter, HasherRng::new())
+            .map_err(|e| Error::InvalidArgument(format!("retry backoff: {e}")))?;
+        Ok(RetryPolicy {
+            max_retries: config.max_retries,
+            retries: 0,
+            backoff_min: config.backoff_min,
+            backoff_max: config.backoff_max,
+            jitter: config.jitter,
+            backoff: None,
+            budget,
+        })
+    }
+
+    /// The budget this policy draws on.
+    pub fn budget(&self) -> &Arc<TpsBudget> {
+        &self.budget
+    }
+
+    fn decide(&mut self, failed: Option<bool>) -> Option<tokio::time::Sleep> {
+        let transient = failed?;
+        if !transient {
+            tracing::debug!("not retrying: the error is not transient");
+            return None;
+        }
+        if self.retries >= self.max_retries {
+            tracing::debug!(retries = self.retries, "not retrying: the request used all its retries");
+            return None;
+        }
+        if !self.budget.withdraw() {
+            tracing::debug!("not retrying: the retry budget is spent");
+            return None;
+        }
+        if self.backoff.is_none() {
+            // A fresh random source per request: a maker clones its generator into every backoff
+            // it makes, which would give concurrent requests the same "random" pauses.
+            let maker = ExponentialBackoffMaker::new(self.backoff_min, self.backoff_max, self.jitter, HasherRng::new());
+            self.backoff = maker.ok().map(|mut m| m.make_backoff());
+        }
+        let pause = self.backoff.as_mut()?.next_backoff();
+        self.retries += 1;
+        tracing::debug!(retry = self.retries, "retrying after a transient failure");
+        Some(pause)
+    }
+
+    fn clone_and_deposit<Req: Clone>(&mut self, req: &Req) -> Option<Req> {
+        // `Retry` calls this on its prototype policy for each new request (which has never retried)
+        // and on the request's own clone after each retry: deposit once per original request.
+        if self.retries == 0 {
+            self.budget.deposit();
+        }
+        Some(req.clone())
+    }
+}
+
+impl<Req: Clone, Res> Policy<Req, Res, Error> for RetryPolicy {
+    type Future = tokio::time::Sleep;
+
+    fn retry(&mut self, _req: &mut Req, result: &mut std::result::Result<Res, Error>) -> Option<Self::Future> {
+        self.decide(result.as_ref().err().map(is_transient_ferry))
+    }
+
+    fn clone_request(&mut self, req: &Req) -> Option<Req> {
+        self.clone_and_deposit(req)
+    }
+}
+
+impl<Req: Clone, Res> Policy<Req, Res, BoxError> for RetryPolicy {
+    type Future = tokio::time::Sleep;
+
+    fn retry(&mut self, _req: &mut Req, result: &mut std::result::Result<Res, BoxError>) -> Option<Self::Future> {
+        self.decide(result.as_ref().err().map(|e| is_transient(&**e)))
+    }
+
+    fn clone_request(&mut self, req: &Req) -> Option<Req> {
+        self.clone_and_deposit(req)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn out_of_range_settings_are_errors() {
+        let bad = [
+            RetryConfig {
+                budget_ttl: Duration::from_millis(10),
+                ..RetryConfig::default()
+            },
+            RetryConfig {
+                budget_retry_ratio: -1.0,
+                ..RetryConfig::default()
+            },
+            RetryConfig {
+                backoff_min: Duration::from_secs(2),
+                backoff_max: Duration::from_secs(1),
+                ..RetryConfig::default()
+            },
+            RetryConfig {
+                jitter: f64::NAN,
+                ..RetryConfig::default()
+            },
+        ];
+        for config in bad {
+            assert!(
+                matches!(RetryPolicy::new(config.clone()), Err(Error::InvalidArgument(_))),
+                "{config:?}"
+            );
+        }
+        assert!(RetryPolicy::new(RetryConfig::default()).is_ok());
+    }
+}

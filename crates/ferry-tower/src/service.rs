@@ -1,0 +1,168 @@
+//! [`TransferService`]: ferry's engine as a `tower::Service`.
+//!
+//! The service is the innermost piece of a stack: it owns the connection pool and runs one attempt
+//! of a request on a pooled link. Everything that decides *whether* and *when* to run an attempt
+//! (retries, timeouts, concurrency limits, load shedding) is tower's own layers around it; see the
+//! [crate documentation](crate) for the stack.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll, ready};
+
+use ferry::{Engine, Error, Result};
+use tokio::time::Instant;
+
+use crate::limit::Permit;
+use crate::pool::{Pool, PoolConfig, PoolStats};
+use crate::request::{TransferRequest, TransferResponse};
+
+/// The future a [`TransferService`] returns.
+pub type TransferFuture = Pin<Box<dyn Future<Output = Result<TransferResponse>> + Send + 'static>>;
+
+/// A `tower::Service<TransferRequest>` over an [`Engine`], with a connection pool.
+///
+/// - `poll_ready` reserves one of the pool's [`max_in_flight`](PoolConfig::max_in_flight) slots and
+///   is `Pending` while all are taken: that is the backpressure `tower::load_shed` and
+///   `tower::buffer` act on.
+/// - `call` takes a pooled link to the request's peer (connecting on first use, or after the old link
+///   died), resolves relative descriptors against the regions the peer advertises on that link, and
+///   runs the transfer with the engine. Failures come back as [`ferry::Error`], unchanged.
+///
+/// Clones share the pool (and so the links); each clone reserves its own slot in `poll_ready`, as
+/// tower requires of cloned services.
+pub struct TransferService {
+    pool: Arc<Pool>,
+    /// A slot reserved by `poll_ready` for the next `call`.
+    reserved: Option<Permit>,
+    /// Waiting for a slot, when none was free at once.
+    waiting: Option<Pin<Box<dyn Future<Output = Permit> + Send + Sync>>>,
+}
+
+impl Clone for TransferService {
+    fn clone(&self) -> Self {
+        TransferService {
+            pool: self.pool.clone(),
+            reserved: None,
+            waiting: None,
+        }
+    }
+}
+
+impl std::fmt::Debug for TransferService {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TransferService")
+            .field("engine", &self.pool.engine)
+            .field("stats", &self.pool.stats())
+            .finish()
+    }
+}
+
+impl TransferService {
+    /// A service over `engine` with the default [`PoolConfig`].
+    pub fn new(engine: Engine) -> Self {
+        // The default configuration is valid (a unit test checks it): no validation to fail.
+        let pool = Pool::unchecked(engine, PoolConfig::default());
+        TransferService::from_pool(pool)
+    }
+
+    /// A service over `engine` with `config`. `InvalidArgument` for settings out of range.
+    pub fn with_config(engine: Engine, config: PoolConfig) -> Result<Self> {
+        Ok(TransferService::from_pool(Pool::new(engine, config)?))
+    }
+
+    fn from_pool(pool: Pool) -> Self {
+        TransferService {
+            pool: Arc::new(pool),
+            reserved: None,
+            waiting: None,
+        }
+    }
+
+    /// The engine the service transfers with (to register local memory on, for example).
+    pub fn engine(&self) -> &Engine {
+        &self.pool.engine
+    }
+
+    /// The pool's settings.
+    pub fn config(&self) -> &PoolConfig {
+        &self.pool.config
+    }
+
+    /// The pool's state and counters, now.
+    pub fn stats(&self) -> PoolStats {
+        self.pool.stats()
+    }
+}
+
+impl tower::Service<TransferRequest> for TransferService {
+    type Response = TransferResponse;
+    type Error = Error;
+    type Future = TransferFuture;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<()>> {
+        if self.reserved.is_none() {
+            let permit = match self.pool.in_flight.try_acquire() {
+                Some(permit) => permit,
+                None => {
+                    let in_flight = &self.pool.in_flight;
+                    let waiting = self
+                        .waiting
+                        .get_or_insert_with(|| Box::pin(in_flight.clone().acquire()));
+                    let permit = ready!(waiting.as_mut().poll(cx));
+                    self.waiting = None;
+                    permit
+                }
+            };
+            self.reserved = Some(permit);
+        }
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: TransferRequest) -> TransferFuture {
+        let Some(reserved) = self.reserved.take() else {
+            return Box::pin(std::future::ready(Err(Error::InvalidArgument(
+                "TransferService::call without a successful poll_ready first".into(),
+            ))));
+        };
+        let pool = self.pool.clone();
+        Box::pin(async move {
+            let _reserved = reserved;
+            execute(pool, request).await
+        })
+    }
+}
+
+async fn execute(pool: Arc<Pool>, request: TransferRequest) -> Result<TransferResponse> {
+    let started = Instant::now();
+    let mut lease = pool.checkout(request.peer()).await?;
+    let pool = &lease.pool;
+    let descs = match request.resolve(&lease.peer, lease.primary) {
+        Ok(descs) => descs,
+        Err(e) => {
+            lease.settle_neutral();
+            return Err(e);
+        }
+    };
+    let timeout = request.timeout().unwrap_or(pool.config.transfer_timeout);
+    let result = pool
+        .engine
+        .transfer_durable(
+            &lease.peer,
+            request.op(),
+            descs.as_slice(),
+            request.durability(),
+            timeout,
+        )
+        .await;
+    lease.settle(&result);
+    result?;
+    Ok(TransferResponse {
+        peer: request.peer(),
+        op: request.op(),
+        bytes: request.bytes(),
+        duration: started.elapsed(),
+        transport: lease.peer.transport(),
+        new_link: lease.new_link,
+    })
+}
