@@ -101,6 +101,17 @@ const STEPS: &[Step] = &[
         lint: false,
         run: |_| run_step(cargo().args(["xtask", "rig", "test"]), 45 * MINUTE),
     },
+    // Loss, delay and a partition between two network namespaces, in the rig's kernel (netem qdisc).
+    Step {
+        name: "rig test (netem faults)",
+        lint: false,
+        run: |_| {
+            run_step(
+                cargo().args(["xtask", "rig", "test", "-p", "ferry-cli", "--", "netem_"]),
+                30 * MINUTE,
+            )
+        },
+    },
     Step {
         name: "example kv_cache_handoff",
         lint: false,

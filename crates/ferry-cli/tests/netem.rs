@@ -448,7 +448,7 @@ fn netem_delay() {
 }
 
 #[test]
-fn partition() {
+fn netem_partition() {
     scenario(
         "part",
         |ns, ok| {

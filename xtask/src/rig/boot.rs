@@ -313,6 +313,8 @@ fn command_script(script: &str, env: &[(&str, &str)]) -> String {
         ("PATH".into(), format!("{host_path}:/usr/sbin:/usr/bin:/sbin:/bin")),
         ("FERRY_RIG".into(), "1".into()),
         ("FERRY_RDMA_DEVICE".into(), "rxe0".into()),
+        // Inside the rig every prerequisite is there: a test that would skip fails instead.
+        ("FERRY_REQUIRE_ALL".into(), "1".into()),
     ];
     for key in ["HOME", "USER", "LANG", "RUSTUP_HOME", "CARGO_HOME", "RUSTUP_TOOLCHAIN"] {
         if let Ok(value) = std::env::var(key) {

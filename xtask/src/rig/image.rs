@@ -39,6 +39,9 @@ const MODULES: &[&str] = &[
     "rdma_cm",
     "rdma_ucm",
     "dummy",
+    // The netem fault tests: namespaces joined by a veth pair, shaped by the netem qdisc.
+    "veth",
+    "sch_netem",
     "virtio",
     "virtio_ring",
     "virtio_pci",
