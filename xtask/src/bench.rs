@@ -60,6 +60,9 @@ enum Probe {
     Ucx,
     /// One-way p50 as sockperf prints it.
     Sockperf,
+    /// 4 KiB writes through ferry-tower's stack over the same writes on the engine directly, both in
+    /// one run of the `tower_overhead` example.
+    TowerOverHead,
 }
 
 struct Measure {
@@ -126,6 +129,10 @@ const MEASURES: &[Measure] = &[
         },
         Metric::GbPerS,
     ),
+    Measure {
+        key: "tower stack / engine, 4KiB writes",
+        probe: Probe::TowerOverHead,
+    },
     ferry(
         "ferry read 1MiB",
         FerryCase {
@@ -141,6 +148,7 @@ enum Unit {
     GbPerS,
     Micros,
     MiB,
+    Ratio,
 }
 
 impl Unit {
@@ -149,6 +157,7 @@ impl Unit {
             Unit::GbPerS => "GB/s",
             Unit::Micros => "us",
             Unit::MiB => "MiB",
+            Unit::Ratio => "x",
         }
     }
 
@@ -157,6 +166,7 @@ impl Unit {
             Unit::GbPerS => format!("{value:.2} GB/s"),
             Unit::Micros => format!("{value:.1} us"),
             Unit::MiB => format!("{value:.1} MiB"),
+            Unit::Ratio => format!("{value:.3}x"),
         }
     }
 }
@@ -167,6 +177,8 @@ enum Target {
     RatioAtMost(f64),
     /// The ferry figure itself must not exceed this (no peer).
     FerryAtMost(f64),
+    /// The ferry figure itself must reach this (no peer).
+    FerryAtLeast(f64),
     Info,
 }
 
@@ -176,6 +188,7 @@ impl Target {
             Target::RatioAtLeast(t) => format!(">= {t:.2}"),
             Target::RatioAtMost(t) => format!("<= {t:.2}"),
             Target::FerryAtMost(t) => format!("<= {t:.0} {}", unit.name()),
+            Target::FerryAtLeast(t) => format!(">= {t:.2}{}", unit.name()),
             Target::Info => "info".into(),
         }
     }
@@ -185,6 +198,7 @@ impl Target {
             Target::RatioAtLeast(t) => ratio.map(|r| r >= t),
             Target::RatioAtMost(t) => ratio.map(|r| r <= t),
             Target::FerryAtMost(t) => Some(ferry <= t),
+            Target::FerryAtLeast(t) => Some(ferry >= t),
             Target::Info => None,
         }
     }
@@ -266,6 +280,15 @@ const COMPARISONS: &[Comparison] = &[
         target: Target::RatioAtLeast(0.9),
     },
     Comparison {
+        id: "i",
+        name: "tower stack (pool+retry+timeout) / engine directly, 4KiB writes",
+        ferry: "tower stack / engine, 4KiB writes",
+        peer: None,
+        peer_scale: 1.0,
+        unit: Unit::Ratio,
+        target: Target::FerryAtLeast(0.9),
+    },
+    Comparison {
         id: "g",
         name: "read 1MiB / write 1MiB",
         ferry: "ferry read 1MiB",
@@ -286,6 +309,8 @@ struct Samples {
 struct Bench<'a> {
     args: &'a Args,
     ferry_bin: PathBuf,
+    /// ferry-tower's `tower_overhead` example.
+    tower_bin: PathBuf,
     duration: Duration,
     /// The `UCX_TLS` value that worked, once one has.
     ucx_tls: Option<&'static str>,
@@ -301,8 +326,10 @@ pub fn run(args: &Args) -> Result<ExitCode> {
     if !ferry_bin.is_file() {
         return Err(anyhow!("the ferry binary {} does not exist", ferry_bin.display()));
     }
+    let tower_bin = build_tower_overhead()?;
     let mut bench = Bench {
         args,
+        tower_bin,
         ferry_bin,
         duration,
         ucx_tls: None,
@@ -339,12 +366,20 @@ pub fn run(args: &Args) -> Result<ExitCode> {
     })
 }
 
-/// Builds `ferry-cli` in release mode and returns the path of its `ferry` binary.
-fn build_ferry() -> Result<PathBuf> {
+/// Builds ferry-tower's `tower_overhead` example in release mode and returns its path.
+fn build_tower_overhead() -> Result<PathBuf> {
     run_step(
-        cargo().args(["build", "--release", "-p", "ferry-cli", "--features", "vulkan"]),
+        cargo().args(["build", "--release", "-p", "ferry-tower", "--example", "tower_overhead"]),
         Duration::from_secs(45 * 60),
     )?;
+    let bin = target_dir()?.join("release").join("examples").join("tower_overhead");
+    if !bin.is_file() {
+        return Err(anyhow!("{} is missing after building the example", bin.display()));
+    }
+    Ok(bin)
+}
+
+fn target_dir() -> Result<PathBuf> {
     let out = run_captured(
         cargo().args(["metadata", "--format-version", "1", "--no-deps"]),
         Duration::from_secs(120),
@@ -353,7 +388,16 @@ fn build_ferry() -> Result<PathBuf> {
     let target = meta["target_directory"]
         .as_str()
         .ok_or_else(|| anyhow!("cargo metadata has no target_directory"))?;
-    let bin = PathBuf::from(target).join("release").join("ferry");
+    Ok(PathBuf::from(target))
+}
+
+/// Builds `ferry-cli` in release mode and returns the path of its `ferry` binary.
+fn build_ferry() -> Result<PathBuf> {
+    run_step(
+        cargo().args(["build", "--release", "-p", "ferry-cli", "--features", "vulkan"]),
+        Duration::from_secs(45 * 60),
+    )?;
+    let bin = target_dir()?.join("release").join("ferry");
     if !bin.is_file() {
         return Err(anyhow!(
             "{} is missing after building ferry-cli (is its binary named `ferry`?)",
@@ -377,6 +421,7 @@ impl Bench<'_> {
             Probe::Iperf3 { streams } => peers::iperf3(streams, self.duration),
             Probe::Sockperf => peers::sockperf_p50(self.duration),
             Probe::Ucx => self.ucx(),
+            Probe::TowerOverHead => peers::tower_overhead(&self.tower_bin, self.duration),
         }
     }
 
@@ -410,6 +455,7 @@ impl Bench<'_> {
             Probe::Iperf3 { streams } => peers::iperf3_describe(streams, self.duration),
             Probe::Ucx => peers::ucx_describe(self.ucx_tls.unwrap_or(peers::UCX_TLS_CHOICES[0])),
             Probe::Sockperf => peers::sockperf_describe(self.duration),
+            Probe::TowerOverHead => self.tower_bin.display().to_string(),
         }
     }
 }

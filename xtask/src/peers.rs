@@ -84,6 +84,20 @@ pub fn ferry(bin: &Path, case: &FerryCase, duration_arg: &str, duration: Duratio
     parse_ferry(&out.stdout, case.op, size).with_context(|| format!("reading the output of `{what}`"))
 }
 
+/// Runs ferry-tower's `tower_overhead` example and returns its ratio (stack over direct engine calls).
+pub fn tower_overhead(bin: &Path, duration: Duration) -> Result<f64> {
+    let mut cmd = Command::new(bin);
+    let what = describe(&cmd);
+    let out = run_captured(&mut cmd, duration * 20 + SLACK)?;
+    if !out.status.success() {
+        bail!("`{what}` failed ({}): {}", out.status, tail(&out.combined()));
+    }
+    let line = out.stdout.lines().map(str::trim).rfind(|l| l.starts_with('{'));
+    let line = line.ok_or_else(|| anyhow!("`{what}` printed no JSON line"))?;
+    let v: Value = serde_json::from_str(line).with_context(|| format!("not JSON: {line}"))?;
+    v["ratio"].as_f64().ok_or_else(|| anyhow!("no `ratio` in {line}"))
+}
+
 /// Picks the JSON line for (`op`, `size`) from `ferry bench --json` output.
 pub fn parse_ferry(stdout: &str, op: &str, size: u64) -> Result<FerryResult> {
     let mut seen = Vec::new();
