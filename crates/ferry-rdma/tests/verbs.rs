@@ -229,22 +229,7 @@ async fn child_target() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn peer_killed_mid_batch() {
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "child_target", "--nocapture", "--test-threads=1"])
-        .env("FERRY_RDMA_CHILD", "1")
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let (addr, region) = loop {
-        let line = lines.next().expect("child output").unwrap();
-        if let Some(rest) = line.split("FERRY_CHILD ").nth(1) {
-            let mut w = rest.split_whitespace();
-            let addr = w.next().unwrap().to_string();
-            let region = u64::from_str_radix(w.next().unwrap().trim_start_matches("0x"), 16).unwrap();
-            break (addr, region);
-        }
-    };
+    let (mut child, addr, region) = spawn_target();
     let initiator = builder().build().await.unwrap();
     let peer = initiator.connect(&addr, T).await.unwrap();
     if peer.transport() != TransportKind::Rdma {
@@ -277,4 +262,45 @@ async fn peer_killed_mid_batch() {
         .unwrap();
     assert!(matches!(err, Error::PeerClosed(_) | Error::Timeout(_)), "{err:?}");
     assert!(peer.is_closed());
+
+    // A new target process: the same engine connects again, over RDMA, and moves bytes.
+    let (mut child, addr, region) = spawn_target();
+    let peer = initiator.connect(&addr, T).await.unwrap();
+    assert_eq!(peer.transport(), TransportKind::Rdma);
+    src.write_at(0, &pattern(1 << 20, 9)).unwrap();
+    initiator
+        .transfer(&peer, Op::Write, &[TransferDesc::new(src.addr(), region, 1 << 20)], T)
+        .await
+        .unwrap();
+    let back = initiator.alloc_host(1 << 20, Access::READ_WRITE).unwrap();
+    initiator
+        .transfer(&peer, Op::Read, &[TransferDesc::new(back.addr(), region, 1 << 20)], T)
+        .await
+        .unwrap();
+    assert!(back.to_vec().unwrap() == pattern(1 << 20, 9));
+    child.kill().unwrap();
+    child.wait().unwrap();
+}
+
+/// Starts this test binary as a target process (`child_target`); returns it, its address and region.
+// The caller kills and waits for the child; should the test fail before that, the child ends by itself
+// when its `child_target` sleep runs out.
+#[allow(clippy::zombie_processes)]
+fn spawn_target() -> (std::process::Child, String, u64) {
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "child_target", "--nocapture", "--test-threads=1"])
+        .env("FERRY_RDMA_CHILD", "1")
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    loop {
+        let line = lines.next().expect("child output").unwrap();
+        if let Some(rest) = line.split("FERRY_CHILD ").nth(1) {
+            let mut w = rest.split_whitespace();
+            let addr = w.next().unwrap().to_string();
+            let region = u64::from_str_radix(w.next().unwrap().trim_start_matches("0x"), 16).unwrap();
+            return (child, addr, region);
+        }
+    }
 }
