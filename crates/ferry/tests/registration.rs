@@ -65,7 +65,12 @@ async fn no_byte_is_touched_after_deregister_returns() {
             while !stop.load(Ordering::Relaxed) {
                 match initiator.transfer(&peer, Op::Write, &descs, T).await {
                     Ok(()) => ok += 1,
-                    Err(Error::PermissionDenied(_) | Error::OutOfBounds(_)) => refused += 1,
+                    Err(Error::PermissionDenied(_) | Error::OutOfBounds(_)) => {
+                        refused += 1;
+                        // A refusal made before anything is sent returns without yielding: let the
+                        // rest of the runtime (the timer that ends this loop) run.
+                        tokio::task::yield_now().await;
+                    }
                     Err(e) => panic!("unexpected {e:?}"),
                 }
             }
