@@ -86,10 +86,12 @@ const STEPS: &[Step] = &[
         name: "test",
         lint: false,
         // FERRY_REQUIRE_ALL turns "skipped: prerequisite missing" into a failure: nothing passes by skipping.
+        // The netem tests need the kernel's netem qdisc, which a host kernel may lack: they run in the
+        // rig's kernel (a later step) instead of here.
         run: |_| {
             run_step(
                 cargo()
-                    .args(["test", "--workspace", "--release"])
+                    .args(["test", "--workspace", "--release", "--", "--skip", "netem_"])
                     .env("FERRY_REQUIRE_ALL", "1"),
                 60 * MINUTE,
             )
