@@ -58,9 +58,11 @@ async fn pair() -> Option<(Engine, Engine, Peer)> {
     Some((target, initiator, peer))
 }
 
-async fn wait_for(peer: &Peer, addr: u64) {
+/// Waits until `peer` advertises `region`. By key, not address: a region freed in the step before may
+/// have had the same address, and its removal may still be on the way.
+async fn wait_for(peer: &Peer, region: &ferry::Region) {
     let deadline = tokio::time::Instant::now() + T;
-    while !peer.regions().iter().any(|r| r.addr == addr) {
+    while !peer.regions().iter().any(|r| r.key == region.key()) {
         assert!(
             tokio::time::Instant::now() < deadline,
             "the region never reached the peer"
@@ -84,7 +86,7 @@ async fn write_and_read_many_shapes() {
     ] {
         let total = size * batch;
         let dst = target.alloc_host(total, Access::READ_WRITE).unwrap();
-        wait_for(&peer, dst.addr()).await;
+        wait_for(&peer, &dst).await;
         let src = initiator
             .register(pattern(total, batch as u8), Access::READ_WRITE)
             .unwrap();
@@ -130,7 +132,7 @@ async fn notifications_follow_their_data() {
     const N: usize = 50;
     const SLOT: usize = 96 << 10;
     let dst = target.alloc_host(N * SLOT, Access::READ_WRITE).unwrap();
-    wait_for(&peer, dst.addr()).await;
+    wait_for(&peer, &dst).await;
     let src = initiator.alloc_host(N * SLOT, Access::READ_WRITE).unwrap();
     let mut stream = target.notifications();
     for i in 0..N {
@@ -164,8 +166,8 @@ async fn bad_ranges_are_refused_before_posting() {
     };
     let dst = target.alloc_host(4096, Access::READ_WRITE).unwrap();
     let ro = target.alloc_host(4096, Access::READ).unwrap();
-    wait_for(&peer, dst.addr()).await;
-    wait_for(&peer, ro.addr()).await;
+    wait_for(&peer, &dst).await;
+    wait_for(&peer, &ro).await;
     let src = initiator.register(vec![7u8; 8192], Access::READ_WRITE).unwrap();
     let err = initiator
         .transfer(
@@ -197,7 +199,7 @@ async fn dropped_futures_leave_the_link_usable() {
     };
     let len = 8 << 20;
     let dst = target.alloc_host(len, Access::READ_WRITE).unwrap();
-    wait_for(&peer, dst.addr()).await;
+    wait_for(&peer, &dst).await;
     let src = initiator.register(pattern(len, 3), Access::READ_WRITE).unwrap();
     let descs: Vec<_> = (0..8u64)
         .map(|i| TransferDesc::new(src.addr_at(i << 20), dst.addr_at(i << 20), 1 << 20))
