@@ -124,6 +124,16 @@ const STEPS: &[Step] = &[
             )
         },
     },
+    Step {
+        name: "example resilient_client",
+        lint: false,
+        run: |_| {
+            run_step(
+                cargo().args(["run", "--release", "--example", "resilient_client", "-p", "ferry-tower"]),
+                20 * MINUTE,
+            )
+        },
+    },
 ];
 
 pub fn run(args: &Args) -> ExitCode {
