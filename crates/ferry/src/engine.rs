@@ -322,6 +322,23 @@ impl Engine {
         self.register_block(Arc::new(HostAllocation::new(len)?), access)
     }
 
+    /// Registers `len` bytes of the file at `path` from `offset` (page-aligned) as a persistent region:
+    /// writes to it may ask for [`Durability::Persistent`]. DAX file systems get a `MAP_SYNC` mapping
+    /// flushed by cache-line write-back, others a shared mapping flushed with `msync`; `Region::kind`
+    /// says which.
+    pub fn register_file(
+        &self,
+        path: impl AsRef<std::path::Path>,
+        offset: u64,
+        len: usize,
+        access: Access,
+    ) -> Result<Region> {
+        self.register_block(
+            Arc::new(crate::file::FileMapping::open(path.as_ref(), offset, len)?),
+            access,
+        )
+    }
+
     /// Allocates from `registry` (a GPU allocator, for example) and registers the result.
     pub fn alloc_from(&self, registry: &dyn MemoryRegistry, len: usize, access: Access) -> Result<Region> {
         self.register_block(registry.allocate(len)?, access)

@@ -23,6 +23,7 @@
 
 mod capabilities;
 mod engine;
+mod file;
 mod host;
 mod notify;
 mod peer;
@@ -35,6 +36,7 @@ pub use ferry_core::{
     Access, BufferPool, Durability, Error, ErrorCode, MemoryBlock, MemoryRegistry, Notification, Op,
     ReceivedNotification, RegionKey, RemoteRegions, Result, TransferDesc, TransportKind,
 };
+pub use file::{FileMapping, PersistMethod};
 pub use host::HostAllocation;
 pub use peer::Peer;
 pub use region::Region;
