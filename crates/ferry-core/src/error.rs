@@ -73,6 +73,9 @@ impl Error {
                     | std::io::ErrorKind::Interrupted
                     | std::io::ErrorKind::WouldBlock
                     | std::io::ErrorKind::UnexpectedEof
+                    | std::io::ErrorKind::HostUnreachable
+                    | std::io::ErrorKind::NetworkUnreachable
+                    | std::io::ErrorKind::NetworkDown
             ),
             _ => false,
         }
@@ -194,6 +197,8 @@ mod tests {
         assert!(!Error::InvalidArgument("x".into()).is_retryable());
         let reset = Error::io("send", std::io::Error::from(std::io::ErrorKind::ConnectionReset));
         assert!(reset.is_retryable());
+        let flap = Error::io("send", std::io::Error::from(std::io::ErrorKind::NetworkUnreachable));
+        assert!(flap.is_retryable(), "a route that flaps comes back");
         let denied = Error::io("open", std::io::Error::from(std::io::ErrorKind::PermissionDenied));
         assert!(!denied.is_retryable());
     }

@@ -74,16 +74,9 @@ pub fn is_transient(err: &(dyn StdError + 'static)) -> bool {
     false
 }
 
-/// [`is_transient`] for a [`ferry::Error`].
+/// [`is_transient`] for a [`ferry::Error`]: the engine's own [`Error::is_retryable`].
 pub fn is_transient_ferry(err: &Error) -> bool {
     err.is_retryable()
-        || matches!(
-            err,
-            Error::Io {
-                kind: ErrorKind::HostUnreachable | ErrorKind::NetworkUnreachable | ErrorKind::NetworkDown,
-                ..
-            }
-        )
 }
 
 /// Whether `err` says the link it happened on is unusable, so that the pool must replace it.

@@ -34,7 +34,7 @@ pub use capabilities::{Capabilities, TransportInfo, TransportOptions, capabiliti
 pub use engine::{DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_INFLIGHT_BYTES, DEFAULT_STREAMS, Engine, EngineBuilder};
 pub use ferry_core::{
     Access, BufferPool, Durability, Error, ErrorCode, MemoryBlock, MemoryRegistry, Notification, Op,
-    ReceivedNotification, RegionKey, RemoteRegions, Result, TransferDesc, TransportKind,
+    ReceivedNotification, RegionAd, RegionKey, RemoteRegions, Result, TransferDesc, TransportKind,
 };
 pub use file::{FileMapping, PersistMethod};
 pub use host::HostAllocation;
