@@ -12,10 +12,9 @@
 //! needed: without them the tests print "skipped: …" and pass, unless `FERRY_REQUIRE_ALL=1` (as in CI),
 //! where a missing prerequisite fails the test with the command that installs it.
 
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::os::fd::AsRawFd;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -26,6 +25,9 @@ use ferry_tower::{
     Descriptor, PoolConfig, RetryConfig, RetryPolicy, TransferRequest, TransferService, into_ferry_error,
     is_transient_ferry,
 };
+
+mod common;
+use common::Serve;
 
 const BLOCK: u64 = 4096;
 const REGION: u64 = 64 << 20;
@@ -126,36 +128,14 @@ impl Drop for Netns {
     }
 }
 
-struct Serve {
-    child: Child,
-    addr: SocketAddr,
-}
-
-impl Drop for Serve {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 fn serve_in(ns: &Netns) -> Serve {
     // `ip netns exec` execs the command, so the child is `ferry serve` itself.
-    let mut child = Command::new("ip")
-        .args(["netns", "exec", &ns.b, env!("CARGO_BIN_EXE_ferry"), "serve"])
-        .args(["--listen", "10.77.0.2:0", "--region-size", "64MiB"])
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("start ferry serve in nsB");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let words: Vec<&str> = line.split_whitespace().collect();
-    assert_eq!(words.get(..2), Some(&["listening", "on"][..]), "{line}");
-    Serve {
-        addr: words[2].parse().unwrap(),
-        child,
-    }
+    let mut cmd = Command::new("ip");
+    let serve = common::serve_command("10.77.0.2:0", "64MiB");
+    cmd.args(["netns", "exec", &ns.b])
+        .arg(serve.get_program())
+        .args(serve.get_args());
+    common::start(cmd).expect("ferry serve listens in nsB")
 }
 
 /// Runs `f` on a thread inside namespace `ns`, on a current-thread runtime of its own, so that every

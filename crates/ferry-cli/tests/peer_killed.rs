@@ -1,51 +1,25 @@
 //! A `ferry serve` process killed with SIGKILL in the middle of a batch: the transfer fails with
 //! PeerClosed or Timeout within its timeout, never hangs, and the engine can connect again.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use ferry::{Access, Engine, Error, Op, TransferDesc};
 
-struct Serve {
-    child: Child,
-    addr: String,
-    region: u64,
-}
-
-impl Drop for Serve {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+mod common;
+use common::Serve;
 
 fn serve() -> Serve {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_ferry"))
-        .args(["serve", "--listen", "127.0.0.1:0", "--region-size", "256MiB"])
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("start ferry serve");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    // "listening on 127.0.0.1:PORT region 0xADDR 256MiB"
-    let words: Vec<&str> = line.split_whitespace().collect();
-    assert_eq!(words.get(..2), Some(&["listening", "on"][..]), "{line}");
-    let region = u64::from_str_radix(words[4].trim_start_matches("0x"), 16).unwrap();
-    Serve {
-        child,
-        addr: words[2].to_string(),
-        region,
-    }
+    common::start(common::serve_command("127.0.0.1:0", "256MiB")).expect("ferry serve listens")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn peer_killed_mid_batch() {
     let mut target = serve();
     let engine = Engine::builder().build().await.unwrap();
-    let peer = engine.connect(&target.addr, Duration::from_secs(5)).await.unwrap();
+    let peer = engine
+        .connect(&target.addr.to_string(), Duration::from_secs(5))
+        .await
+        .unwrap();
     let src = engine.alloc_host(256 << 20, Access::READ_WRITE).unwrap();
     let descs: Vec<_> = (0..64u64)
         .map(|i| TransferDesc::new(src.addr_at(i << 22), target.region + (i << 22), 4 << 20))
@@ -91,7 +65,10 @@ async fn peer_killed_mid_batch() {
 
     // A restarted target is reachable again from the same engine.
     let target = serve();
-    let peer = engine.connect(&target.addr, Duration::from_secs(5)).await.unwrap();
+    let peer = engine
+        .connect(&target.addr.to_string(), Duration::from_secs(5))
+        .await
+        .unwrap();
     engine
         .transfer(
             &peer,

@@ -7,9 +7,7 @@
 //! - a target that accepts connections and never answers: requests fail with `Timeout`, and the retry
 //!   budget bounds the attempts (and so the connections the listener sees).
 
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -22,6 +20,9 @@ use ferry_tower::{
 };
 use tokio::time::Instant;
 
+mod common;
+use common::Serve;
+
 const BLOCK: u64 = 4096;
 const REGION: u64 = 64 << 20;
 /// Most requests of the stream (one remote block each).
@@ -30,40 +31,9 @@ const MAX_REQUESTS: u64 = REGION / BLOCK;
 /// 15 s); past it the test calls the request hung.
 const HANG: Duration = Duration::from_secs(30);
 
-struct Serve {
-    child: Child,
-    addr: SocketAddr,
-}
-
-impl Drop for Serve {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 /// Starts `ferry serve` on `listen`; `None` if it exits before saying it listens (port still taken).
 fn serve(listen: &str) -> Option<Serve> {
-    let child = Command::new(env!("CARGO_BIN_EXE_ferry"))
-        .args(["serve", "--listen", listen, "--region-size", "64MiB"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("start ferry serve");
-    // The guard kills and reaps the child on every early return.
-    let mut serve = Serve {
-        child,
-        addr: SocketAddr::from(([0, 0, 0, 0], 0)),
-    };
-    let mut line = String::new();
-    BufReader::new(serve.child.stdout.take()?).read_line(&mut line).ok()?;
-    // "listening on 127.0.0.1:PORT region 0xADDR 64MiB"
-    let words: Vec<&str> = line.split_whitespace().collect();
-    if words.get(..2) != Some(&["listening", "on"][..]) {
-        return None;
-    }
-    serve.addr = words.get(2)?.parse().ok()?;
-    Some(serve)
+    common::start(common::serve_command(listen, "64MiB"))
 }
 
 fn serve_on(listen: &str) -> Serve {
