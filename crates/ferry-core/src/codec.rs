@@ -183,6 +183,15 @@ pub enum Frame {
         /// The transport's own setup data (queue pair number, GID…).
         blob: Vec<u8>,
     },
+    /// Make the named ranges, already written, persistent; answered by [`Frame::Ack`] once they are
+    /// in the target's persistence domain (the flush request of a transport whose writes bypass the
+    /// target's CPU).
+    Persist {
+        /// Operation id.
+        id: u64,
+        /// The written ranges.
+        segments: Vec<Segment>,
+    },
     /// The target's answer to [`Frame::TransportSetup`].
     TransportSetupReply {
         /// The request's id.
@@ -211,6 +220,7 @@ mod kind {
     pub const GOODBYE: u8 = 14;
     pub const TRANSPORT_SETUP: u8 = 15;
     pub const TRANSPORT_SETUP_REPLY: u8 = 16;
+    pub const PERSIST: u8 = 17;
 }
 
 impl Frame {
@@ -232,6 +242,7 @@ impl Frame {
             Frame::Goodbye => kind::GOODBYE,
             Frame::TransportSetup { .. } => kind::TRANSPORT_SETUP,
             Frame::TransportSetupReply { .. } => kind::TRANSPORT_SETUP_REPLY,
+            Frame::Persist { .. } => kind::PERSIST,
         }
     }
 
@@ -313,7 +324,7 @@ pub fn encode(frame: &Frame, payload_len: u64, out: &mut BytesMut) -> Result<()>
             out.put_u64_le(*offset);
             out.put_u64_le(*len);
         }
-        Frame::ReadBatch { id, segments } => {
+        Frame::ReadBatch { id, segments } | Frame::Persist { id, segments } => {
             out.put_u64_le(*id);
             put_segments(out, segments)?;
         }
@@ -377,7 +388,7 @@ pub fn decode_header(buf: &[u8], limits: &Limits) -> Result<Option<Header>> {
         )));
     }
     let kind = h[3];
-    if !(kind::HELLO..=kind::TRANSPORT_SETUP_REPLY).contains(&kind) {
+    if !(kind::HELLO..=kind::PERSIST).contains(&kind) {
         return Err(Error::Protocol(format!("unknown frame kind {kind}")));
     }
     let body_len = u32::from_le_bytes([h[4], h[5], h[6], h[7]]);
@@ -472,6 +483,10 @@ pub fn decode(buf: &[u8], limits: &Limits) -> Result<Option<(Decoded, usize)>> {
             len: r.u64()?,
         },
         kind::READ_BATCH => Frame::ReadBatch {
+            id: r.u64()?,
+            segments: r.segments()?,
+        },
+        kind::PERSIST => Frame::Persist {
             id: r.u64()?,
             segments: r.segments()?,
         },
@@ -866,6 +881,7 @@ mod tests {
             (any::<u64>(), arb_key(), any::<u64>(), any::<u64>())
                 .prop_map(|(id, key, offset, len)| (Frame::Read { id, key, offset, len }, 0)),
             (any::<u64>(), arb_segments()).prop_map(|(id, segments)| (Frame::ReadBatch { id, segments }, 0)),
+            (any::<u64>(), arb_segments()).prop_map(|(id, segments)| (Frame::Persist { id, segments }, 0)),
             (any::<u64>(), 0u64..1 << 30).prop_map(|(id, len)| (Frame::ReadData { id }, len)),
             (any::<u64>(), arb_error()).prop_map(|(id, error)| (Frame::Ack { id, error }, 0)),
             (any::<u64>(), ".{0,64}", ".{0,64}").prop_map(|(id, name, msg)| (Frame::Notify { id, name, msg }, 0)),

@@ -12,7 +12,7 @@
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
-use crate::types::Durability;
+use crate::types::{Durability, PersistStats};
 
 /// A contiguous range of memory the engine may register.
 ///
@@ -40,14 +40,36 @@ pub unsafe trait MemoryBlock: Send + Sync + 'static {
     /// memory behind a staging buffer copies to the device here; persistent memory flushes here when
     /// `durability` is [`Durability::Persistent`].
     fn commit_written(&self, offset: usize, len: usize, durability: Durability) -> Result<()> {
-        let _ = (offset, len);
         match durability {
             Durability::Completed => Ok(()),
-            Durability::Persistent => Err(Error::InvalidArgument(format!(
-                "a persistent write needs a persistent region; this one is {}",
-                self.kind()
-            ))),
+            Durability::Persistent => self.persist(&[(offset, len)]),
         }
+    }
+    /// Makes the written ranges `(offset, len)` persistent, as one batch: a page or cache line that
+    /// several ranges share is flushed once. Only persistent blocks can; the others refuse with
+    /// `InvalidArgument`. The caller holds a lease of the region's fence.
+    fn persist(&self, ranges: &[(usize, usize)]) -> Result<()> {
+        if ranges.is_empty() {
+            return Ok(());
+        }
+        Err(Error::InvalidArgument(format!(
+            "a persistent write needs a persistent region; this one is {}",
+            self.kind()
+        )))
+    }
+    /// Whether the block is byte-addressable persistent memory (a DAX mapping): a write there is
+    /// persistent once out of the CPU caches, so a NIC can persist it by itself (the RDMA FLUSH verb).
+    fn is_pmem(&self) -> bool {
+        false
+    }
+    /// Checks that the memory is still backed as it was registered (a mapped file may have been
+    /// truncated or removed since); the error says what happened. Called once per remote operation.
+    fn check_backing(&self) -> Result<()> {
+        Ok(())
+    }
+    /// What persisting has cost so far, for blocks that persist.
+    fn persist_stats(&self) -> Option<PersistStats> {
+        None
     }
     /// Called before a peer reads `[offset, offset + len)`. Device memory behind a staging buffer copies
     /// from the device here.

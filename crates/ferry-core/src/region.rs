@@ -197,6 +197,18 @@ impl RegionEntry {
         Ok(())
     }
 
+    /// Makes the written ranges `(offset, len)` persistent in one batch, under a lease: once the
+    /// region is being deregistered this fails and leaves the memory alone.
+    pub fn persist(&self, ranges: &[(u64, u64)]) -> Result<()> {
+        let mut local = Vec::with_capacity(ranges.len());
+        for &(offset, len) in ranges {
+            self.check_range(offset, len)?;
+            local.push((offset as usize, len as usize));
+        }
+        let _lease = self.fence.enter().ok_or_else(|| self.gone())?;
+        self.block.persist(&local)
+    }
+
     /// The error for an access to a region that is being deregistered.
     pub fn gone(&self) -> Error {
         Error::PermissionDenied(format!("region {:?} has been deregistered", self.key))
@@ -303,6 +315,7 @@ impl RegionTable {
             )));
         }
         region.check_range(offset, len)?;
+        region.block().check_backing()?;
         Ok(Resolved {
             region: region.clone(),
             offset,

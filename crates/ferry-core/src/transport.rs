@@ -15,9 +15,10 @@ use std::sync::{Arc, RwLock};
 
 use futures::future::BoxFuture;
 
+use crate::codec::Segment;
 use crate::error::{Error, Result};
 use crate::region::{RegionEntry, RegionTable, Resolved};
-use crate::types::{Durability, Notification, Op, RegionKey, TransportKind};
+use crate::types::{Access, Durability, Notification, Op, PersistMethod, RegionKey, TransportKind};
 
 /// Whether a transport can be used on this host, and why not.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -110,6 +111,8 @@ pub struct TransferItem {
     pub remote_addr: u64,
     /// The remote region's key for the link's transport (an RDMA rkey), if it advertised one.
     pub remote_transport_key: Option<Vec<u8>>,
+    /// What the remote region grants.
+    pub remote_access: Access,
 }
 
 impl TransferItem {
@@ -144,6 +147,17 @@ pub trait DataLink: Send + Sync + 'static {
     /// Sends a notification; completes when the peer queued it. Ordered after every transfer that
     /// completed before it was called.
     fn notify(&self, notification: Notification) -> BoxFuture<'static, Result<()>>;
+    /// Asks the target to persist ranges already written to it (seed 002's flush request): completes
+    /// once they are in its persistence domain. Links that cannot carry the request answer
+    /// `Unsupported`.
+    fn persist(&self, segments: Vec<Segment>) -> BoxFuture<'static, Result<()>> {
+        let _ = segments;
+        let kind = self.kind();
+        Box::pin(async move { Err(Error::Unsupported(format!("a {kind} link carries no flush request"))) })
+    }
+    /// How this link makes a [`Durability::Persistent`] write persistent (for regions that allow it;
+    /// a transfer may fall back to [`PersistMethod::FlushRequest`] for regions that do not).
+    fn persist_method(&self) -> PersistMethod;
     /// Closes the link; outstanding operations fail with `PeerClosed`.
     fn close(&self) -> BoxFuture<'static, ()>;
     /// Whether the link is closed (by either side, or by a failure).

@@ -81,6 +81,52 @@ pub enum Durability {
     Persistent,
 }
 
+/// How a link makes a [`Durability::Persistent`] write persistent at the target (seed 002).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PersistMethod {
+    /// The target persists the written ranges before it acknowledges them (TCP: its CPU does the
+    /// writing, so it can flush in the same step).
+    FlushBeforeAck,
+    /// The IBTA FLUSH verb (persistent type, range) after the writes: the target's NIC persists
+    /// without its CPU. Needs a device that reports FLUSH_PERSISTENT and a region registered for it.
+    FlushVerb,
+    /// An RDMA READ after the writes, which drains the target's I/O buffers into its ADR domain: only
+    /// where the target declared ADR with DDIO off.
+    ReadAfterWrite,
+    /// A request over the control channel naming the written ranges; the target's CPU persists them
+    /// and answers. Works everywhere, at the cost of a round trip.
+    FlushRequest,
+}
+
+impl PersistMethod {
+    /// The stable lower-case name used by logs, `ferry info` and JSON.
+    pub fn name(self) -> &'static str {
+        match self {
+            PersistMethod::FlushBeforeAck => "flush-before-ack",
+            PersistMethod::FlushVerb => "flush-verb",
+            PersistMethod::ReadAfterWrite => "read-after-write",
+            PersistMethod::FlushRequest => "flush-request",
+        }
+    }
+}
+
+impl fmt::Display for PersistMethod {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The cost of persisting so far, as a persistent region counts it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PersistStats {
+    /// Batches persisted (one `msync` run or cache-line sweep per contiguous stretch and batch).
+    pub batches: u64,
+    /// Bytes asked to be persisted.
+    pub bytes: u64,
+    /// Time spent persisting, in nanoseconds.
+    pub nanos: u64,
+}
+
 /// The data paths ferry knows, best first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum TransportKind {

@@ -36,6 +36,9 @@ pub struct OpenDevice {
     pub max_sge: u32,
     /// Work requests per queue.
     pub max_qp_wr: u32,
+    /// Whether the device reports persistent FLUSH (IBTA 1.5): as a target it persists a FLUSHed
+    /// range of a region registered for it; as an initiator it can post one.
+    pub flush_capable: bool,
 }
 
 impl std::fmt::Debug for OpenDevice {
@@ -97,6 +100,25 @@ pub fn open(wanted: Option<&str>) -> Result<OpenDevice> {
     }
 }
 
+/// Whether the device's extended capabilities include FLUSH_GLOBAL and FLUSH_PERSISTENT
+/// (`IB_UVERBS_DEVICE_FLUSH_GLOBAL` and `_PERSISTENT`, bits 38 and 39 of `device_cap_flags_ex`, which
+/// libibverbs passes through from the kernel; its own headers have no names for them).
+fn reports_flush_persistent(context: &DeviceContext) -> bool {
+    const FLUSH_GLOBAL: u64 = 1 << 38;
+    const FLUSH_PERSISTENT: u64 = 1 << 39;
+    let mut attr = std::mem::MaybeUninit::<rdma_mummy_sys::ibv_device_attr_ex>::zeroed();
+    // SAFETY: the context is open for as long as `context` lives; a null input asks for the defaults;
+    // `attr` is writable, zero-initialised memory of the size the call is told.
+    let rc =
+        unsafe { rdma_mummy_sys::ibv_query_device_ex(context.context().as_ptr(), std::ptr::null(), attr.as_mut_ptr()) };
+    if rc != 0 {
+        return false;
+    }
+    // SAFETY: zero-initialised, then filled in by a successful query; every field is plain data.
+    let flags = unsafe { attr.assume_init() }.device_cap_flags_ex;
+    flags & FLUSH_GLOBAL != 0 && flags & FLUSH_PERSISTENT != 0
+}
+
 fn open_one(dev: &sideway::ibverbs::device::Device<'_>) -> Result<OpenDevice> {
     let name = dev.name();
     let context = dev
@@ -133,6 +155,7 @@ fn open_one(dev: &sideway::ibverbs::device::Device<'_>) -> Result<OpenDevice> {
             max_msg: u64::from(p.attr.max_msg_sz),
             max_sge: u32::try_from(attr.max_sge()).unwrap_or(1).max(1),
             max_qp_wr: u32::try_from(attr.max_qp_wr()).unwrap_or(64).max(16),
+            flush_capable: reports_flush_persistent(&context),
             context,
         });
     }

@@ -10,6 +10,8 @@
 //!   class and service level are HIXL's options.
 //! - One-sided READ and WRITE with scatter-gather and selective signalling ([`link`]); completions in
 //!   tokio through the completion channel, or busy polling.
+//! - Persistent writes by the FLUSH verb, a READ after the writes, or a flush request over the
+//!   control link, chosen per link (`persist`).
 #![deny(missing_docs)]
 
 mod completions;
@@ -17,6 +19,7 @@ mod device;
 pub mod link;
 mod messages;
 mod mr;
+mod persist;
 mod qp;
 mod responder;
 pub mod wire;
@@ -26,8 +29,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use ferry_core::{
-    AcceptSetup, Access, Availability, DataLink, Error, RegionEntry, RegionKey, Result, SetupExchange, Transport,
-    TransportKind,
+    AcceptSetup, Access, Availability, DataLink, Error, PersistMethod, RegionEntry, RegionKey, Result, SetupExchange,
+    Transport, TransportKind,
 };
 use futures::future::BoxFuture;
 use sideway::ibverbs::AccessFlags;
@@ -50,6 +53,13 @@ pub struct RdmaOptions {
     pub busy_poll: bool,
     /// Send queue depth (work requests outstanding per link).
     pub max_send_wr: u32,
+    /// Initiator: make persistent writes persistent only this way (tests force the fallbacks with
+    /// it); the best method both ends support when `None`. A forced method the peer cannot serve
+    /// fails the data link's setup.
+    pub persist_method: Option<PersistMethod>,
+    /// Target: declare this platform ADR with DDIO off, so that initiators may make writes persistent
+    /// with a READ after them (seed 002). Never assumed: a wrong declaration loses data on power loss.
+    pub adr_without_ddio: bool,
 }
 
 impl Default for RdmaOptions {
@@ -60,6 +70,8 @@ impl Default for RdmaOptions {
             service_level: 4,
             busy_poll: false,
             max_send_wr: 256,
+            persist_method: None,
+            adr_without_ddio: false,
         }
     }
 }
@@ -78,6 +90,13 @@ impl RdmaOptions {
                 "RDMA service level {} is not in 0..=7",
                 self.service_level
             )));
+        }
+        if self.persist_method == Some(PersistMethod::FlushBeforeAck) {
+            return Err(Error::InvalidArgument(
+                "RDMA writes bypass the target's CPU: flush-before-ack is a TCP method (use flush-verb, \
+                 read-after-write or flush-request)"
+                    .into(),
+            ));
         }
         if self.max_send_wr == 0 {
             return Err(Error::InvalidArgument(
@@ -105,6 +124,14 @@ impl RdmaShared {
             .cloned()
             .ok_or_else(|| Error::PermissionDenied(format!("region {key:?} is not registered with the NIC")))
     }
+}
+
+fn reg_error(shared: &RdmaShared, region: &RegionEntry, e: impl std::fmt::Display) -> Error {
+    Error::ResourceExhausted(format!(
+        "registering {} bytes with {}: {e}",
+        region.len(),
+        shared.device.name
+    ))
 }
 
 /// The RDMA transport; unusable (with the reason) where no device could be opened.
@@ -171,15 +198,25 @@ impl Transport for RdmaTransport {
         if region.access().contains(Access::WRITE) {
             flags |= AccessFlags::RemoteWrite;
         }
-        // SAFETY: the engine keeps the region's memory alive until `deregister_region` returns, which
-        // deregisters the memory region first.
-        let mr = unsafe { shared.pd.reg_mr(region.addr() as usize, region.len() as usize, flags) }.map_err(|e| {
-            Error::ResourceExhausted(format!(
-                "registering {} bytes with {}: {e}",
-                region.len(),
-                shared.device.name
-            ))
-        })?;
+        // Persistent memory on a device that executes FLUSH is registered for it, so that initiators
+        // can persist their writes with the verb. (DRAM refuses these flags.)
+        let flushable =
+            region.block().is_pmem() && region.access().contains(Access::WRITE) && shared.device.flush_capable;
+        let register = |flags: AccessFlags| {
+            // SAFETY: the engine keeps the region's memory alive until `deregister_region` returns,
+            // which deregisters the memory region first.
+            unsafe { shared.pd.reg_mr(region.addr() as usize, region.len() as usize, flags) }
+        };
+        let (mr, flushable) = match flushable {
+            true => match register(flags | AccessFlags::FlushGlobal | AccessFlags::FlushPersistent) {
+                Ok(mr) => (mr, true),
+                Err(e) => {
+                    tracing::warn!(region = ?region.key(), error = %e, "registering for FLUSH failed; persistent writes to it use the flush request");
+                    (register(flags).map_err(|e| reg_error(shared, region, e))?, false)
+                }
+            },
+            false => (register(flags).map_err(|e| reg_error(shared, region, e))?, false),
+        };
         let reg = Arc::new(Registered::new(mr));
         let rkey = reg.rkey();
         shared
@@ -187,7 +224,7 @@ impl Transport for RdmaTransport {
             .lock()
             .map_err(|_| Error::Protocol("RDMA region table lock poisoned".into()))?
             .insert(region.key(), reg);
-        Ok(Some(wire::encode_rkey(rkey)))
+        Ok(Some(wire::RemoteKey { rkey, flushable }.encode()))
     }
 
     fn deregister_region(&self, key: RegionKey) {
@@ -209,14 +246,19 @@ impl Transport for RdmaTransport {
     fn connect<'a>(&'a self, control: &'a dyn SetupExchange) -> BoxFuture<'a, Result<Arc<dyn DataLink>>> {
         Box::pin(async move {
             let shared = self.shared()?.clone();
-            let rc = qp::Rc::create(&shared.device, &shared.pd, &shared.options)?;
+            let mut rc = qp::Rc::create(&shared.device, &shared.pd, &shared.options)?;
+            if rc.flush.is_some() {
+                rc.local.flags |= wire::CAN_POST_FLUSH;
+            }
             let slots = messages::MessageSlots::new(&shared.pd)?;
             let answer = control.exchange(TransportKind::Rdma, rc.local.encode()).await?;
             let remote = wire::QpEndpoint::decode(&answer)?;
+            let method = persist::choose(rc.local.flags, remote.flags, shared.options.persist_method)?;
             rc.connect(&shared.device, &remote, &shared.options)?;
             let control = control.control_link();
             let peer = format!("RDMA peer (qpn {:#x}, gid {})", remote.qpn, remote.gid);
-            let link = RdmaLink::start(rc, slots, shared, control, peer)?;
+            tracing::info!(%peer, persist = %method, "RDMA link: persistent writes by {method}");
+            let link = RdmaLink::start(rc, slots, shared, control, peer, method)?;
             Ok(Arc::new(link) as Arc<dyn DataLink>)
         })
     }
@@ -224,7 +266,13 @@ impl Transport for RdmaTransport {
     fn accept(&self, setup: AcceptSetup<'_>) -> Result<(Vec<u8>, Box<dyn std::any::Any + Send + Sync>)> {
         let shared = self.shared()?;
         let remote = wire::QpEndpoint::decode(setup.blob)?;
-        let rc = qp::Rc::create(&shared.device, &shared.pd, &shared.options)?;
+        let mut rc = qp::Rc::create(&shared.device, &shared.pd, &shared.options)?;
+        if shared.device.flush_capable {
+            rc.local.flags |= wire::FLUSH_TARGET;
+        }
+        if shared.options.adr_without_ddio {
+            rc.local.flags |= wire::ADR_WITHOUT_DDIO;
+        }
         let slots = messages::MessageSlots::new(&shared.pd)?;
         // Receives go up before the initiator learns our address, so its first message finds one.
         slots.post_all_recvs(&rc)?;

@@ -12,12 +12,20 @@
 //! the NIC until the completion arrives, and the queue pair stays usable for the next batch.
 //!
 //! Notifications are SENDs on the same queue pair ([`crate::messages`]), answered by the target.
+//!
+//! A persistent write is followed by what the link's persistence method asks for (see
+//! `crate::persist`): FLUSH work requests, or one READ, in the same stream of work requests, or a
+//! flush request over the control link once the writes completed.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use ferry_core::{DataLink, Error, Notification, Op, Result, TransferItem, TransferRequest, TransportKind};
+use ferry_core::codec::Segment;
+use ferry_core::{
+    Access, DataLink, Durability, Error, Notification, Op, PersistMethod, Result, TransferItem, TransferRequest,
+    TransportKind,
+};
 use futures::future::BoxFuture;
 use rdma_mummy_sys::ibv_sge;
 use sideway::ibverbs::completion::WorkCompletionStatus;
@@ -29,7 +37,7 @@ use crate::completions::{self, Completions};
 use crate::messages::{Message, MessageSlots, TAG_DATA, TAG_MASK, TAG_RECV, TAG_SEND};
 use crate::mr::Registered;
 use crate::qp::Rc;
-use crate::wire::decode_rkey;
+use crate::wire::RemoteKey;
 use crate::{RdmaShared, wire::QpEndpoint};
 
 /// Only every this many work requests asks for a completion.
@@ -58,6 +66,54 @@ struct Inner {
     next_wr: AtomicU64,
     closed: AtomicBool,
     poller: Mutex<Option<AbortHandle>>,
+    persist: PersistMethod,
+    /// Where the READ of read-after-write lands.
+    scratch: Scratch,
+}
+
+/// A few registered bytes the READ of read-after-write lands in (nothing reads them).
+struct Scratch {
+    // Declared (and so dropped) before `memory`: the NIC forgets the buffer before it is freed.
+    mr: Arc<sideway::ibverbs::memory_region::MemoryRegion>,
+    memory: Box<[u8]>,
+}
+
+impl Scratch {
+    const LEN: usize = 64;
+
+    fn new(pd: &Arc<sideway::ibverbs::protection_domain::ProtectionDomain>) -> Result<Self> {
+        let mut memory = vec![0u8; Self::LEN].into_boxed_slice();
+        // SAFETY: `memory` is heap memory owned by the returned value, which drops the registration
+        // first (field order), and is only written by the NIC.
+        let mr = unsafe {
+            pd.reg_mr(
+                memory.as_mut_ptr() as usize,
+                memory.len(),
+                sideway::ibverbs::AccessFlags::LocalWrite,
+            )
+        }
+        .map_err(|e| Error::ResourceExhausted(format!("registering an RDMA scratch buffer: {e}")))?;
+        Ok(Scratch { mr, memory })
+    }
+
+    fn sge(&self, len: u32) -> ibv_sge {
+        ibv_sge {
+            addr: self.memory.as_ptr() as u64,
+            length: len.min(Self::LEN as u32),
+            lkey: self.mr.lkey(),
+        }
+    }
+}
+
+/// What a work request does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum WrOp {
+    Write,
+    Read,
+    /// A persistent FLUSH of `len` bytes at the request's remote address.
+    Flush {
+        len: u64,
+    },
 }
 
 /// The RDMA data link to one peer.
@@ -68,6 +124,7 @@ pub struct RdmaLink {
 
 /// One work request: a remote range and the local pieces that fill or receive it.
 struct WorkRequest {
+    op: WrOp,
     rkey: u32,
     remote_addr: u64,
     sges: Vec<ibv_sge>,
@@ -82,8 +139,10 @@ impl RdmaLink {
         shared: Arc<RdmaShared>,
         control: Arc<dyn DataLink>,
         peer: String,
+        persist: PersistMethod,
     ) -> Result<Self> {
         messages.post_all_recvs(&rc)?;
+        let scratch = Scratch::new(&shared.pd)?;
         let slots = Arc::new(Semaphore::new(rc.max_send_wr as usize));
         let inner = Arc::new(Inner {
             rc,
@@ -98,6 +157,8 @@ impl RdmaLink {
             next_wr: AtomicU64::new(1),
             closed: AtomicBool::new(false),
             poller: Mutex::new(None),
+            persist,
+            scratch,
         });
         let task = tokio::spawn(completions::run(Arc::downgrade(&inner)));
         if let Ok(mut p) = inner.poller.lock() {
@@ -146,7 +207,11 @@ impl Inner {
     }
 
     /// Turns a batch into work requests, merging remote-contiguous descriptors and splitting long ones.
-    fn plan(&self, items: &[TransferItem]) -> Result<Vec<WorkRequest>> {
+    fn plan(&self, op: Op, items: &[TransferItem]) -> Result<Vec<WorkRequest>> {
+        let wr_op = match op {
+            Op::Write => WrOp::Write,
+            Op::Read => WrOp::Read,
+        };
         let max_msg = self.shared.device.max_msg.clamp(4096, MAX_WR_BYTES);
         let max_sge = self.rc.max_sge as usize;
         let mut wrs: Vec<WorkRequest> = Vec::new();
@@ -157,7 +222,7 @@ impl Inner {
                     self.peer, item.remote_addr
                 ))
             })?;
-            let rkey = decode_rkey(key)?;
+            let rkey = RemoteKey::decode(key)?.rkey;
             let region = self.shared.registered(item.local.region.key())?;
             let mut done = 0u64;
             while done < item.len() {
@@ -182,6 +247,7 @@ impl Inner {
                 });
                 if !merged {
                     wrs.push(WorkRequest {
+                        op: wr_op,
                         rkey,
                         remote_addr: raddr,
                         sges: vec![sge],
@@ -195,7 +261,13 @@ impl Inner {
     }
 
     /// Posts one signalled group of work requests and returns its completion.
-    async fn post_group(&self, op: Op, group: Vec<WorkRequest>) -> Result<oneshot::Receiver<Result<()>>> {
+    async fn post_group(&self, group: Vec<WorkRequest>) -> Result<oneshot::Receiver<Result<()>>> {
+        if self.rc.flush.is_none() && group.iter().any(|w| matches!(w.op, WrOp::Flush { .. })) {
+            return Err(Error::Unsupported(format!(
+                "the RDMA link to {} cannot post FLUSH",
+                self.peer
+            )));
+        }
         let slots = self
             .slots
             .clone()
@@ -238,12 +310,21 @@ impl Inner {
                     WorkRequestFlags::none()
                 };
                 let handle = guard.construct_wr(id, flags);
-                let handle = match op {
-                    Op::Write => handle.setup_write(wr.rkey, wr.remote_addr),
-                    Op::Read => handle.setup_read(wr.rkey, wr.remote_addr),
+                let handle = match wr.op {
+                    WrOp::Write => handle.setup_write(wr.rkey, wr.remote_addr),
+                    WrOp::Read => handle.setup_read(wr.rkey, wr.remote_addr),
+                    WrOp::Flush { len } => {
+                        if let Some(flush) = self.rc.flush {
+                            // SAFETY: the queue pair's mutex is held and `construct_wr` just started
+                            // this work request on the guard of the queue pair the handle belongs to.
+                            unsafe { flush.setup_flush(wr.rkey, wr.remote_addr, len) };
+                        }
+                        continue;
+                    }
                 };
                 // SAFETY: every SGE names memory inside a region registered with this NIC (lkey from its
-                // registration), kept registered by `acquire` until the group's completion arrives.
+                // registration, or the link's scratch buffer), kept registered by `acquire` until the
+                // group's completion arrives (the scratch buffer lives as long as the link).
                 unsafe { handle.setup_sge_list(&wr.sges) };
             }
             guard.post()
@@ -374,20 +455,108 @@ async fn run(inner: Arc<Inner>, request: TransferRequest) -> Result<()> {
                 .prepare_read(item.local.offset as usize, item.local.len as usize)?;
         }
     }
-    let mut wrs = inner.plan(&request.items)?;
+    let mut wrs = inner.plan(request.op, &request.items)?;
+    let persistent = request.op == Op::Write && request.durability == Durability::Persistent;
+    let method = if persistent {
+        inner.method_for(&request.items)?
+    } else {
+        None
+    };
+    match method {
+        Some(PersistMethod::FlushVerb) => {
+            let flushes = flush_requests(&wrs);
+            wrs.extend(flushes);
+        }
+        Some(PersistMethod::ReadAfterWrite) => {
+            if let Some(last) = wrs.last() {
+                let read_back = WorkRequest {
+                    op: WrOp::Read,
+                    rkey: last.rkey,
+                    remote_addr: last.remote_addr,
+                    sges: vec![
+                        inner
+                            .scratch
+                            .sge(last.sges.iter().map(|s| s.length).sum::<u32>().min(8)),
+                    ],
+                    touched: Vec::new(),
+                };
+                wrs.push(read_back);
+            }
+        }
+        _ => {}
+    }
     let depth = (inner.rc.max_send_wr as usize).max(1);
     let group_len = SIGNAL_EVERY.min(depth);
     let mut completions = Vec::new();
     while !wrs.is_empty() {
         let rest = wrs.split_off(group_len.min(wrs.len()));
-        completions.push(inner.post_group(request.op, wrs).await?);
+        completions.push(inner.post_group(wrs).await?);
         wrs = rest;
     }
     for rx in completions {
         rx.await
             .map_err(|_| Error::PeerClosed(format!("the RDMA link to {} closed", inner.peer)))??;
     }
+    if method == Some(PersistMethod::FlushRequest) {
+        let segments = request
+            .items
+            .iter()
+            .map(|i| Segment {
+                key: i.remote_key,
+                offset: i.remote_offset,
+                len: i.len(),
+            })
+            .collect();
+        inner.control.persist(segments).await?;
+    }
     Ok(())
+}
+
+impl Inner {
+    /// How this persistent transfer is made persistent: the link's method where every remote region
+    /// qualifies for it, else the flush request.
+    fn method_for(&self, items: &[TransferItem]) -> Result<Option<PersistMethod>> {
+        let qualifies = |item: &TransferItem| -> Result<bool> {
+            Ok(match self.persist {
+                PersistMethod::FlushVerb => match item.remote_transport_key.as_deref() {
+                    Some(key) => RemoteKey::decode(key)?.flushable,
+                    None => false,
+                },
+                PersistMethod::ReadAfterWrite => item.remote_access.contains(Access::READ),
+                _ => true,
+            })
+        };
+        let mut all = true;
+        for item in items {
+            all &= qualifies(item)?;
+        }
+        Ok(Some(if all { self.persist } else { PersistMethod::FlushRequest }))
+    }
+}
+
+/// One FLUSH per remote stretch the writes covered (writes to adjacent ranges of a region share one).
+fn flush_requests(writes: &[WorkRequest]) -> Vec<WorkRequest> {
+    let mut flushes: Vec<WorkRequest> = Vec::new();
+    for w in writes {
+        let len: u64 = w.sges.iter().map(|s| u64::from(s.length)).sum();
+        let extended = flushes.last_mut().is_some_and(|f| match &mut f.op {
+            WrOp::Flush { len: flen } if f.rkey == w.rkey && f.remote_addr + *flen == w.remote_addr => {
+                *flen += len;
+                true
+            }
+            _ => false,
+        });
+        if !extended {
+            flushes.push(WorkRequest {
+                op: WrOp::Flush { len },
+                rkey: w.rkey,
+                remote_addr: w.remote_addr,
+                sges: Vec::new(),
+                touched: Vec::new(),
+            });
+        }
+    }
+    flushes
 }
 
 impl DataLink for RdmaLink {
@@ -418,5 +587,13 @@ impl DataLink for RdmaLink {
 
     fn is_closed(&self) -> bool {
         self.inner.closed.load(Ordering::Acquire) || self.inner.control.is_closed()
+    }
+
+    fn persist(&self, segments: Vec<Segment>) -> BoxFuture<'static, Result<()>> {
+        self.inner.control.persist(segments)
+    }
+
+    fn persist_method(&self) -> PersistMethod {
+        self.inner.persist
     }
 }

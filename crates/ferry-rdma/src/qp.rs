@@ -1,23 +1,31 @@
 //! An RC queue pair with its completion queue and completion channel, and the state transitions
 //! that connect it to the peer's.
 
+use std::ptr::NonNull;
 use std::sync::{Arc, Mutex};
 
 use ferry_core::{Error, Result};
+use rdma_mummy_sys::{ibv_qp_ex, ibv_qp_to_qp_ex};
 use sideway::ibverbs::AccessFlags;
 use sideway::ibverbs::address::{AddressHandleAttribute, Gid};
 use sideway::ibverbs::completion::{BasicCompletionQueue, CompletionChannel};
 use sideway::ibverbs::device_context::Mtu;
 use sideway::ibverbs::protection_domain::ProtectionDomain;
-use sideway::ibverbs::queue_pair::{BasicQueuePair, QueuePair, QueuePairAttribute, QueuePairState};
+use sideway::ibverbs::queue_pair::{
+    ExtendedQueuePair, QueuePair, QueuePairAttribute, QueuePairBuilder, QueuePairState, SendOperationFlags,
+};
 
 use crate::RdmaOptions;
 use crate::device::OpenDevice;
 use crate::wire::QpEndpoint;
 
-/// One reliable-connected queue pair.
+/// One reliable-connected queue pair (an extended one: the FLUSH verb exists only in the `ibv_wr_*`
+/// interface).
 pub(crate) struct Rc {
-    pub qp: Mutex<BasicQueuePair>,
+    pub qp: Mutex<ExtendedQueuePair>,
+    /// The queue pair's `ibv_qp_ex`, for the work requests sideway has no setter for (FLUSH); `Some`
+    /// only where the queue pair was created with the FLUSH operation.
+    pub flush: Option<FlushHandle>,
     pub cq: Arc<BasicCompletionQueue>,
     pub channel: Arc<CompletionChannel>,
     pub local: QpEndpoint,
@@ -36,6 +44,80 @@ fn random_psn() -> Result<u32> {
     let mut b = [0u8; 4];
     getrandom::fill(&mut b).map_err(|e| io("drawing a PSN", e))?;
     Ok(u32::from_le_bytes(b) & 0xff_ffff)
+}
+
+/// The signature of `ibv_qp_ex::wr_flush`.
+type WrFlush = unsafe extern "C" fn(*mut ibv_qp_ex, u32, u64, usize, u8, u8);
+
+/// The `ibv_qp_ex` of a queue pair created with the FLUSH operation, and its `wr_flush`.
+#[derive(Clone, Copy)]
+pub(crate) struct FlushHandle {
+    qp_ex: NonNull<ibv_qp_ex>,
+    wr_flush: WrFlush,
+}
+
+// SAFETY: a pointer to the queue pair's own `ibv_qp_ex`, used only while its `Rc.qp` mutex is held (the
+// same discipline as sideway's guard), and the queue pair outlives the `Rc` that holds the handle.
+unsafe impl Send for FlushHandle {}
+// SAFETY: as above.
+unsafe impl Sync for FlushHandle {}
+
+impl FlushHandle {
+    /// Makes the work request that `construct_wr` just started a persistent FLUSH of
+    /// `[remote_addr, remote_addr + len)` under `rkey`.
+    ///
+    /// # Safety
+    ///
+    /// Call with the queue pair's mutex held, between `construct_wr` and `post` of a guard of the queue
+    /// pair this handle came from.
+    pub unsafe fn setup_flush(self, rkey: u32, remote_addr: u64, len: u64) {
+        const IBV_FLUSH_PERSISTENT: u8 = 1 << 1;
+        const IBV_FLUSH_RANGE: u8 = 0;
+        // SAFETY: the live queue pair's `ibv_qp_ex` and the `wr_flush` its library set (see `build`);
+        // the caller is inside a started work request. A length past usize is clamped (only on 32-bit
+        // hosts, where no region is that long).
+        unsafe {
+            (self.wr_flush)(
+                self.qp_ex.as_ptr(),
+                rkey,
+                remote_addr,
+                usize::try_from(len).unwrap_or(usize::MAX),
+                IBV_FLUSH_PERSISTENT,
+                IBV_FLUSH_RANGE,
+            )
+        };
+    }
+}
+
+/// The FLUSH handle of `qp`, created with IBV_QP_EX_WITH_FLUSH.
+fn flush_handle(qp: &ExtendedQueuePair) -> Option<FlushHandle> {
+    // SAFETY: `qp()` is the live queue pair; ibv_qp_to_qp_ex only offsets into it.
+    let qp_ex = NonNull::new(unsafe { ibv_qp_to_qp_ex(qp.qp().as_ptr()) })?;
+    // SAFETY: the library accepted IBV_QP_EX_WITH_FLUSH, so its `ibv_qp_ex` is the version with the
+    // `wr_flush` member (a library without FLUSH refuses the flag and never gets here).
+    let wr_flush = unsafe { (*qp_ex.as_ptr()).wr_flush }?;
+    Some(FlushHandle { qp_ex, wr_flush })
+}
+
+/// Creates the queue pair, with the FLUSH operation where `try_flush` and the library accepts it.
+fn build(builder: &mut QueuePairBuilder, try_flush: bool) -> Result<(ExtendedQueuePair, Option<FlushHandle>)> {
+    let basic = SendOperationFlags::Send | SendOperationFlags::Write | SendOperationFlags::Read;
+    if try_flush {
+        builder.setup_send_ops_flags(basic | SendOperationFlags::Flush);
+        match builder.build_ex() {
+            Ok(qp) => {
+                let flush = flush_handle(&qp);
+                return Ok((qp, flush));
+            }
+            Err(e) => tracing::debug!(
+                error = %e,
+                "no FLUSH on this queue pair (libibverbs before 45?); persistent writes use other means"
+            ),
+        }
+    }
+    builder.setup_send_ops_flags(basic);
+    let qp = builder.build_ex().map_err(|e| io("creating a queue pair", e))?;
+    Ok((qp, None))
 }
 
 impl Rc {
@@ -57,17 +139,16 @@ impl Rc {
             .setup_comp_channel(&channel, 0)
             .build()
             .map_err(|e| io("creating a completion queue", e))?;
-        let mut qp = pd
-            .create_qp_builder()
+        let mut builder = pd.create_qp_builder();
+        builder
             .setup_send_cq(cq.clone())
             .setup_recv_cq(cq.clone())
             .setup_max_send_wr(max_send_wr)
             .setup_max_recv_wr(16)
             .setup_max_send_sge(max_sge)
             .setup_max_recv_sge(1)
-            .setup_max_inline_data(0)
-            .build()
-            .map_err(|e| io("creating a queue pair", e))?;
+            .setup_max_inline_data(0);
+        let (mut qp, flush) = build(&mut builder, dev.flush_capable)?;
         let mut attr = QueuePairAttribute::new();
         attr.setup_state(QueuePairState::Init)
             .setup_pkey_index(0)
@@ -80,9 +161,11 @@ impl Rc {
             gid: dev.gid,
             lid: dev.lid,
             mtu: dev.mtu,
+            flags: 0,
         };
         Ok(Rc {
             qp: Mutex::new(qp),
+            flush,
             cq,
             channel,
             local,

@@ -17,10 +17,21 @@ pub struct QpEndpoint {
     pub lid: u16,
     /// Active path MTU, as the verbs enum value (1 = 256 … 5 = 4096).
     pub mtu: u8,
+    /// What this side can do for persistent writes: [`CAN_POST_FLUSH`], [`FLUSH_TARGET`],
+    /// [`ADR_WITHOUT_DDIO`].
+    pub flags: u8,
 }
 
-const LEN: usize = 4 + 4 + 16 + 2 + 1 + 1;
-const VERSION: u8 = 1;
+/// The initiator's queue pair can post the FLUSH verb (its user-space library and device have it).
+pub const CAN_POST_FLUSH: u8 = 1;
+/// The target's device executes persistent FLUSH (it reports FLUSH_PERSISTENT), for regions
+/// registered for it.
+pub const FLUSH_TARGET: u8 = 2;
+/// The target declared its platform ADR with DDIO off: a READ after the writes makes them persistent.
+pub const ADR_WITHOUT_DDIO: u8 = 4;
+
+const LEN: usize = 4 + 4 + 16 + 2 + 1 + 1 + 1;
+const VERSION: u8 = 2;
 
 impl QpEndpoint {
     /// The wire form: little-endian fixed fields, then a version byte.
@@ -31,6 +42,7 @@ impl QpEndpoint {
         v.extend_from_slice(&self.gid.octets());
         v.extend_from_slice(&self.lid.to_le_bytes());
         v.push(self.mtu);
+        v.push(self.flags);
         v.push(VERSION);
         v
     }
@@ -56,21 +68,39 @@ impl QpEndpoint {
             gid: Ipv6Addr::from(gid),
             lid: u16::from_le_bytes([b[24], b[25]]),
             mtu,
+            flags: b[27],
         })
     }
 }
 
-/// An rkey as carried in a region advert.
-pub fn encode_rkey(rkey: u32) -> Vec<u8> {
-    rkey.to_le_bytes().to_vec()
+/// A region's RDMA key as carried in its advert.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RemoteKey {
+    /// The rkey.
+    pub rkey: u32,
+    /// Whether the region was registered for persistent FLUSH (it is persistent memory and the
+    /// target's device executes FLUSH).
+    pub flushable: bool,
 }
 
-/// Parses an advertised rkey.
-pub fn decode_rkey(b: &[u8]) -> Result<u32> {
-    let a: [u8; 4] = b
-        .try_into()
-        .map_err(|_| Error::Protocol(format!("an rkey of {} bytes", b.len())))?;
-    Ok(u32::from_le_bytes(a))
+impl RemoteKey {
+    /// The advert form: the rkey little-endian, then a flags byte.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut v = self.rkey.to_le_bytes().to_vec();
+        v.push(u8::from(self.flushable));
+        v
+    }
+
+    /// Parses what `encode` wrote.
+    pub fn decode(b: &[u8]) -> Result<Self> {
+        match *b {
+            [a, b0, c, d, flags] if flags <= 1 => Ok(RemoteKey {
+                rkey: u32::from_le_bytes([a, b0, c, d]),
+                flushable: flags == 1,
+            }),
+            _ => Err(Error::Protocol(format!("an RDMA key of {} bytes ({b:02x?})", b.len()))),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -80,15 +110,21 @@ mod tests {
 
     proptest! {
         #[test]
-        fn round_trip(qpn in 0u32..1 << 24, psn in 0u32..1 << 24, gid in any::<[u8; 16]>(), lid in any::<u16>(), mtu in 1u8..=5) {
-            let e = QpEndpoint { qpn, psn, gid: Ipv6Addr::from(gid), lid, mtu };
+        fn round_trip(qpn in 0u32..1 << 24, psn in 0u32..1 << 24, gid in any::<[u8; 16]>(), lid in any::<u16>(), mtu in 1u8..=5, flags in 0u8..8) {
+            let e = QpEndpoint { qpn, psn, gid: Ipv6Addr::from(gid), lid, mtu, flags };
             prop_assert_eq!(QpEndpoint::decode(&e.encode()).unwrap(), e);
+        }
+
+        #[test]
+        fn keys_round_trip(rkey in any::<u32>(), flushable in any::<bool>()) {
+            let k = RemoteKey { rkey, flushable };
+            prop_assert_eq!(RemoteKey::decode(&k.encode()).unwrap(), k);
         }
 
         #[test]
         fn arbitrary_bytes_never_panic(b in proptest::collection::vec(any::<u8>(), 0..64)) {
             let _ = QpEndpoint::decode(&b);
-            let _ = decode_rkey(&b);
+            let _ = RemoteKey::decode(&b);
         }
     }
 }

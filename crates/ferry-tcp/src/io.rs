@@ -32,6 +32,9 @@ pub enum Landed {
     Written,
     /// The region was deregistered while the bytes arrived: the rest were discarded.
     RegionGone,
+    /// The kernel could not write into the region's memory (`EFAULT`: a mapped file that shrank):
+    /// the rest were discarded.
+    Unbacked,
 }
 
 /// Reads frames and payloads from one stream.
@@ -133,17 +136,22 @@ impl FrameReader {
                         let r = unsafe { libc::read(stream.as_raw_fd(), region.ptr_at(at).cast(), want) };
                         cvt(r).map(Some)
                     })
-                    .await
-                    .map_err(|e| self.io_error(e))?;
+                    .await;
                     match res {
-                        Some(n) => n,
-                        None => {
+                        Ok(Some(n)) => n,
+                        Ok(None) => {
                             landed = Landed::RegionGone;
                             continue;
                         }
+                        // The bytes stay in the socket: they are discarded below.
+                        Err(e) if e.raw_os_error() == Some(libc::EFAULT) => {
+                            landed = Landed::Unbacked;
+                            continue;
+                        }
+                        Err(e) => return Err(self.io_error(e)),
                     }
                 }
-                Landed::RegionGone => {
+                Landed::RegionGone | Landed::Unbacked => {
                     self.discard(len - done).await?;
                     return Ok(landed);
                 }
@@ -280,14 +288,19 @@ impl FrameWriter {
                         unsafe { libc::send(stream.as_raw_fd(), region.ptr_at(at).cast(), want, libc::MSG_NOSIGNAL) };
                     cvt(r).map(Some)
                 })
-                .await
-                .map_err(|e| self.io_error(e))?;
+                .await;
                 match res {
-                    Some(n) => n,
-                    None => {
+                    Ok(Some(n)) => n,
+                    // Deregistered, or (EFAULT) a mapped file that shrank: zeros go out instead.
+                    Ok(None) => {
                         intact = false;
                         continue;
                     }
+                    Err(e) if e.raw_os_error() == Some(libc::EFAULT) => {
+                        intact = false;
+                        continue;
+                    }
+                    Err(e) => return Err(self.io_error(e)),
                 }
             } else {
                 let zeros = vec![0u8; want.min(64 << 10)];

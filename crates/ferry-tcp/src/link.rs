@@ -14,8 +14,8 @@ use std::time::Duration;
 
 use ferry_core::codec::{Frame, Hello, HelloAck, Limits, Segment};
 use ferry_core::{
-    DataLink, Durability, Error, Notification, Op, RegionEntry, RemoteRegions, Resolved, Result, TransferItem,
-    TransferRequest, TransportKind,
+    DataLink, Durability, Error, Notification, Op, PersistMethod, RegionEntry, RemoteRegions, Resolved, Result,
+    TransferItem, TransferRequest, TransportKind,
 };
 use futures::future::BoxFuture;
 use tokio::net::TcpStream;
@@ -434,6 +434,7 @@ fn plan(items: Vec<TransferItem>, streams: usize, pool: Option<&StagingPool>) ->
                 remote_offset: item.remote_offset + off,
                 remote_addr: item.remote_addr + off,
                 remote_transport_key: item.remote_transport_key.clone(),
+                remote_access: item.remote_access,
             }));
             off += n;
         }
@@ -701,6 +702,18 @@ async fn read_loop(shared: Arc<Shared>, stream: usize, mut reader: FrameReader) 
     shared.fail_all(error);
 }
 
+/// The error for a region whose memory the kernel could not write (a mapped file that shrank).
+pub(crate) fn unbacked(region: &ferry_core::RegionEntry) -> Error {
+    region.block().check_backing().err().unwrap_or_else(|| Error::Io {
+        kind: std::io::ErrorKind::InvalidData,
+        message: format!(
+            "region {:?} ({}) could not be written: its memory is no longer backed",
+            region.key(),
+            region.block().kind()
+        ),
+    })
+}
+
 /// Puts a read's data where it belongs. Errors returned here break the stream; errors of the read
 /// itself (a region deregistered meanwhile) complete the read.
 async fn land_read(shared: &Shared, stream: usize, id: u64, payload_len: u64, reader: &mut FrameReader) -> Result<()> {
@@ -714,6 +727,7 @@ async fn land_read(shared: &Shared, stream: usize, id: u64, payload_len: u64, re
                     .block()
                     .commit_written(offset as usize, len as usize, Durability::Completed),
                 Landed::RegionGone => Err(region.gone()),
+                Landed::Unbacked => Err(unbacked(&region)),
             }
         }
         Some(ReadDest::Scatter { parts, staging }) if parts.iter().map(|p| p.len).sum::<u64>() == payload_len => {
@@ -798,6 +812,19 @@ impl DataLink for TcpLink {
             let rx = shared.submit(0, id, 0, None, None, Outgoing::Frame(frame))?;
             rx.await.map_err(|_| shared.closed_error())?
         })
+    }
+
+    fn persist(&self, segments: Vec<Segment>) -> BoxFuture<'static, Result<()>> {
+        let shared = self.shared.clone();
+        Box::pin(async move {
+            let id = shared.next_id();
+            let rx = shared.submit(0, id, 0, None, None, Outgoing::Frame(Frame::Persist { id, segments }))?;
+            rx.await.map_err(|_| shared.closed_error())?
+        })
+    }
+
+    fn persist_method(&self) -> PersistMethod {
+        PersistMethod::FlushBeforeAck
     }
 
     fn close(&self) -> BoxFuture<'static, ()> {

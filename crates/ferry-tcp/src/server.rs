@@ -354,7 +354,10 @@ async fn serve_requests(
                 durability,
             } => {
                 let result = match resolve_write(ctx, key, offset, payload, durability) {
-                    Ok(r) => land(&mut reader, &r, durability).await?,
+                    Ok(r) => {
+                        let landed = land(&mut reader, &r).await?;
+                        landed.and_then(|()| persist(&[r], durability))
+                    }
                     Err(e) => {
                         reader.discard(payload).await?;
                         Err(e)
@@ -375,18 +378,27 @@ async fn serve_requests(
                     Ok(parts) => {
                         let mut result = Ok(());
                         for r in &parts {
-                            let landed = land(&mut reader, r, durability).await?;
+                            let landed = land(&mut reader, r).await?;
                             if result.is_ok() {
                                 result = landed;
                             }
                         }
-                        result
+                        result.and_then(|()| persist(&parts, durability))
                     }
                     Err(e) => {
                         reader.discard(payload).await?;
                         Err(e)
                     }
                 };
+                writer.push(&ack(id, result), 0)?;
+            }
+            Frame::Persist { id, segments } => {
+                // A data path that bypasses this CPU (RDMA) asks for its written ranges to be persisted.
+                let result = segments
+                    .iter()
+                    .map(|s| resolve_write(ctx, s.key, s.offset, s.len, Durability::Persistent))
+                    .collect::<Result<Vec<_>>>()
+                    .and_then(|parts| persist(&parts, Durability::Persistent));
                 writer.push(&ack(id, result), 0)?;
             }
             Frame::Read { id, key, offset, len } => {
@@ -510,14 +522,38 @@ fn resolve_reads(ctx: &EngineContext, segments: &[Segment], max_payload: u64) ->
     Ok(parts)
 }
 
-/// Reads one resolved payload part into its region and commits it. The outer error breaks the stream;
-/// the inner result is the operation's.
-async fn land(reader: &mut FrameReader, r: &Resolved, durability: Durability) -> Result<Result<()>> {
+/// Reads one resolved payload part into its region and commits it (a staged device copy). The outer
+/// error breaks the stream; the inner result is the operation's.
+async fn land(reader: &mut FrameReader, r: &Resolved) -> Result<Result<()>> {
     Ok(match reader.read_into(&r.region, r.offset, r.len).await? {
         Landed::Written => r
             .region
             .block()
-            .commit_written(r.offset as usize, r.len as usize, durability),
+            .commit_written(r.offset as usize, r.len as usize, Durability::Completed),
         Landed::RegionGone => Err(r.region.gone()),
+        Landed::Unbacked => Err(crate::link::unbacked(&r.region)),
     })
+}
+
+/// Makes the written `parts` persistent when asked, one batch per region: a page written by several
+/// parts of the request is flushed once.
+fn persist(parts: &[Resolved], durability: Durability) -> Result<()> {
+    if durability != Durability::Persistent {
+        return Ok(());
+    }
+    let mut done: Vec<ferry_core::RegionKey> = Vec::new();
+    for p in parts {
+        let key = p.region.key();
+        if done.contains(&key) {
+            continue;
+        }
+        done.push(key);
+        let ranges: Vec<(u64, u64)> = parts
+            .iter()
+            .filter(|q| q.region.key() == key)
+            .map(|q| (q.offset, q.len))
+            .collect();
+        p.region.persist(&ranges)?;
+    }
+    Ok(())
 }

@@ -66,6 +66,12 @@ pub struct TransportOptions {
     pub rdma_service_level: u8,
     /// Busy-poll RDMA completions instead of waiting for the completion channel.
     pub rdma_busy_poll: bool,
+    /// Make persistent RDMA writes persistent only this way (tests force the fallbacks with it); the
+    /// best both ends support when `None`.
+    pub rdma_persist_method: Option<ferry_core::PersistMethod>,
+    /// Declare this host ADR with DDIO off, so that RDMA initiators may persist by a READ after their
+    /// writes. Never assumed: a wrong declaration loses data on power loss.
+    pub adr_without_ddio: bool,
 }
 
 impl Default for TransportOptions {
@@ -75,6 +81,8 @@ impl Default for TransportOptions {
             rdma_traffic_class: 132,
             rdma_service_level: 4,
             rdma_busy_poll: false,
+            rdma_persist_method: None,
+            adr_without_ddio: false,
         }
     }
 }
@@ -94,6 +102,13 @@ impl TransportOptions {
                 self.rdma_service_level
             )));
         }
+        if self.rdma_persist_method == Some(ferry_core::PersistMethod::FlushBeforeAck) {
+            return Err(ferry_core::Error::InvalidArgument(
+                "RDMA writes bypass the target's CPU: flush-before-ack is TCP's method (use flush-verb, \
+                 read-after-write or flush-request)"
+                    .into(),
+            ));
+        }
         Ok(())
     }
 }
@@ -107,6 +122,8 @@ pub(crate) fn compiled_transports(options: &TransportOptions) -> Vec<Arc<dyn Tra
         traffic_class: options.rdma_traffic_class,
         service_level: options.rdma_service_level,
         busy_poll: options.rdma_busy_poll,
+        persist_method: options.rdma_persist_method,
+        adr_without_ddio: options.adr_without_ddio,
         ..Default::default()
     })));
     #[cfg(not(feature = "rdma"))]

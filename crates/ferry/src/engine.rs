@@ -152,6 +152,22 @@ impl EngineBuilder {
         self
     }
 
+    /// Makes persistent RDMA writes persistent only by `method` (the FLUSH verb, a READ after the
+    /// writes, or a flush request); a peer that cannot serve it gets no RDMA link. By default the best
+    /// method both ends support is used (see [`Peer::persist_method`]).
+    pub fn rdma_persist_method(mut self, method: crate::PersistMethod) -> Self {
+        self.transport_options.rdma_persist_method = Some(method);
+        self
+    }
+
+    /// Declares this host's platform ADR with DDIO off (seed 002): RDMA initiators may then make their
+    /// writes persistent with a READ after them. Off by default and never assumed: on a platform
+    /// without ADR, or with DDIO on, such writes are lost on power failure.
+    pub fn adr_without_ddio(mut self, declared: bool) -> Self {
+        self.transport_options.adr_without_ddio = declared;
+        self
+    }
+
     fn validate(&self) -> Result<()> {
         self.transport_options.validate()?;
         if let Some(e) = &self.buffer_pool_error {
@@ -559,6 +575,7 @@ impl Engine {
                         remote_offset,
                         remote_addr: d.remote_addr,
                         remote_transport_key,
+                        remote_access: ad.access,
                     })
                 })
                 .collect::<Result<Vec<_>>>()

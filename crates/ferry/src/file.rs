@@ -6,28 +6,39 @@
 //! mapping is plain `MAP_SHARED` and a write is persistent once `msync(MS_SYNC)` over its pages has
 //! returned. Either way only the written range is flushed, never the whole region.
 
-use std::fs::OpenOptions;
-use std::os::fd::{AsRawFd, OwnedFd};
-use std::path::Path;
+use std::fs::{File, OpenOptions};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
+use std::time::Instant;
 
-use ferry_core::{Durability, Error, MemoryBlock, Result};
+use ferry_core::{Error, MemoryBlock, PersistStats, Result};
+
+use crate::sigbus;
 
 /// How writes to a [`FileMapping`] reach the persistence domain.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PersistMethod {
+pub enum FlushMethod {
     /// DAX mapping (`MAP_SYNC`): cache-line write-back and a store fence.
     CacheFlush,
     /// Page-cache mapping: `msync(MS_SYNC)` over the written pages.
     Msync,
 }
 
-/// A range of a file mapped shared into this process.
+/// A range of a file (or a device-DAX character device) mapped shared into this process.
 pub struct FileMapping {
     ptr: *mut u8,
     len: usize,
-    method: PersistMethod,
+    offset: u64,
+    method: FlushMethod,
     kind: String,
-    _file: OwnedFd,
+    path: PathBuf,
+    stats: [AtomicU64; 3],
+    skip_persist: bool,
+    // Dropped before the mapping is unmapped (see `Drop`).
+    guard: Option<sigbus::Guard>,
+    file: File,
 }
 
 // SAFETY: the mapping is process-wide and only accessed through raw pointers.
@@ -41,9 +52,33 @@ fn page_size() -> usize {
     usize::try_from(p).unwrap_or(4096).max(4096)
 }
 
+/// The size of what `file` holds: its length, or for a device-DAX character device the size its
+/// sysfs entry reports.
+fn backing_size(file: &File, path: &Path) -> Result<u64> {
+    let meta = file
+        .metadata()
+        .map_err(|e| Error::io(format_args!("reading {}'s size", path.display()), e))?;
+    if !meta.file_type().is_char_device() {
+        return Ok(meta.len());
+    }
+    let rdev = meta.rdev();
+    let sysfs = format!("/sys/dev/char/{}:{}/size", libc::major(rdev), libc::minor(rdev));
+    std::fs::read_to_string(&sysfs)
+        .map_err(|e| {
+            Error::io(
+                format_args!("reading {sysfs} (is {} a device-DAX device?)", path.display()),
+                e,
+            )
+        })?
+        .trim()
+        .parse()
+        .map_err(|_| Error::InvalidArgument(format!("{sysfs} holds no size")))
+}
+
 impl FileMapping {
-    /// Maps `len` bytes of `path` from `offset` (a multiple of the page size). The file must already
-    /// be at least `offset + len` bytes long: a mapping past its end would fault on access.
+    /// Maps `len` bytes of `path` from `offset` (a multiple of the page size; of the device's
+    /// alignment for device DAX). The file must already be at least `offset + len` bytes long: a
+    /// mapping past its end would fault on access.
     pub fn open(path: &Path, offset: u64, len: usize) -> Result<Self> {
         if len == 0 {
             return Err(Error::InvalidArgument("cannot map zero bytes".into()));
@@ -58,10 +93,7 @@ impl FileMapping {
             .write(true)
             .open(path)
             .map_err(|e| Error::io(format_args!("opening {}", path.display()), e))?;
-        let size = file
-            .metadata()
-            .map_err(|e| Error::io(format_args!("reading {}'s size", path.display()), e))?
-            .len();
+        let size = backing_size(&file, path)?;
         let end = offset
             .checked_add(len as u64)
             .ok_or_else(|| Error::InvalidArgument("offset + length overflows".into()))?;
@@ -71,7 +103,6 @@ impl FileMapping {
                 path.display()
             )));
         }
-        let file: OwnedFd = file.into();
         let off = libc::off_t::try_from(offset).map_err(|_| Error::InvalidArgument("offset too large".into()))?;
         let prot = libc::PROT_READ | libc::PROT_WRITE;
         // SAFETY: a fresh shared mapping of a range of our open file that lies inside it; the kernel
@@ -87,7 +118,7 @@ impl FileMapping {
             )
         };
         let (ptr, method) = if dax != libc::MAP_FAILED {
-            (dax, PersistMethod::CacheFlush)
+            (dax, FlushMethod::CacheFlush)
         } else {
             // No DAX here (EOPNOTSUPP): the page cache, flushed with msync.
             // SAFETY: as above, without MAP_SYNC.
@@ -98,49 +129,135 @@ impl FileMapping {
                     std::io::Error::last_os_error(),
                 ));
             }
-            (p, PersistMethod::Msync)
+            (p, FlushMethod::Msync)
+        };
+        let ptr: *mut u8 = ptr.cast();
+        let guard = match sigbus::Guard::new(ptr, len) {
+            Ok(g) => g,
+            Err(e) => {
+                // SAFETY: the mapping made just above, not yet shared with anything.
+                unsafe { libc::munmap(ptr.cast(), len) };
+                return Err(e);
+            }
         };
         let kind = match method {
-            PersistMethod::CacheFlush => format!("file (MAP_SYNC, {})", flush_instruction()),
-            PersistMethod::Msync => "file (msync)".to_string(),
+            FlushMethod::CacheFlush => format!("file (MAP_SYNC, {})", flush_instruction()),
+            FlushMethod::Msync => "file (msync)".to_string(),
         };
+        tracing::debug!(path = %path.display(), offset, len, kind, "file mapped");
         Ok(FileMapping {
-            ptr: ptr.cast(),
+            ptr,
             len,
+            offset,
             method,
             kind,
-            _file: file,
+            path: path.to_path_buf(),
+            stats: Default::default(),
+            skip_persist: skip_persist_switch(),
+            guard: Some(guard),
+            file,
         })
     }
 
     /// How writes become persistent.
-    pub fn method(&self) -> PersistMethod {
+    pub fn method(&self) -> FlushMethod {
         self.method
     }
 
-    fn persist(&self, offset: usize, len: usize) -> Result<()> {
+    /// The write-back instruction a DAX mapping uses (`clwb`, `clflushopt` or `clflush`), or `msync`.
+    pub fn flush_instruction(&self) -> &'static str {
         match self.method {
-            PersistMethod::Msync => {
-                let page = page_size();
-                let start = offset / page * page;
-                let end = offset.saturating_add(len).min(self.len);
-                // SAFETY: [start, end) lies inside our mapping (start is rounded down to the mapping's
-                // page-aligned base at worst); msync only flushes.
-                let r = unsafe { libc::msync(self.ptr.add(start).cast(), end - start, libc::MS_SYNC) };
-                if r != 0 {
-                    return Err(Error::io(
-                        "msync of a persistent write",
-                        std::io::Error::last_os_error(),
-                    ));
-                }
-                Ok(())
-            }
-            PersistMethod::CacheFlush => {
-                flush_cache_lines(self.ptr.wrapping_add(offset), len.min(self.len.saturating_sub(offset)));
-                Ok(())
-            }
+            FlushMethod::CacheFlush => flush_instruction(),
+            FlushMethod::Msync => "msync",
         }
     }
+
+    fn lost(&self, what: &str) -> Error {
+        Error::Io {
+            kind: std::io::ErrorKind::InvalidData,
+            message: format!(
+                "{} {what}: the region's bytes are no longer the file's; deregister it (and register the file again)",
+                self.path.display()
+            ),
+        }
+    }
+
+    fn persist_batch(&self, ranges: &[(usize, usize)]) -> Result<()> {
+        let unit = match self.method {
+            FlushMethod::Msync => page_size(),
+            FlushMethod::CacheFlush => CACHE_LINE,
+        };
+        for (start, end) in merged(ranges, unit, self.len) {
+            match self.method {
+                FlushMethod::Msync => self.msync(start, end)?,
+                FlushMethod::CacheFlush => flush_cache_lines(self.ptr.wrapping_add(start), end - start),
+            }
+        }
+        Ok(())
+    }
+
+    fn msync(&self, start: usize, end: usize) -> Result<()> {
+        // A NIC that wrote these pages (RDMA into the page cache) did so through the kernel, without
+        // marking them dirty, and msync writes back dirty pages only. An atomic OR of zero into each
+        // page is a CPU write that changes no byte, even racing another writer, and dirties the page.
+        let mut page = start;
+        while page < end {
+            // SAFETY: `page` lies inside the mapping (`merged` clamps to its length); an AtomicU8 has no
+            // alignment requirement; the caller holds the region's fence lease.
+            unsafe { AtomicU8::from_ptr(self.ptr.add(page)) }.fetch_or(0, Ordering::Relaxed);
+            page += page_size();
+        }
+        // SAFETY: [start, end) is page-aligned and inside our mapping; msync only writes back.
+        let r = unsafe { libc::msync(self.ptr.add(start).cast(), end - start, libc::MS_SYNC) };
+        if r != 0 {
+            return Err(Error::io(
+                format_args!("msync of {} for a persistent write", self.path.display()),
+                std::io::Error::last_os_error(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The line size the cache write-back instructions work in.
+const CACHE_LINE: usize = 64;
+
+/// `ranges` widened to whole `unit`s, clamped to `limit`, sorted and merged where they touch: each
+/// page (or line) is flushed once per batch, and each stretch with one call.
+fn merged(ranges: &[(usize, usize)], unit: usize, limit: usize) -> Vec<(usize, usize)> {
+    let mut spans: Vec<(usize, usize)> = ranges
+        .iter()
+        .filter(|&&(offset, len)| len > 0 && offset < limit)
+        .map(|&(offset, len)| {
+            let end = offset.saturating_add(len).min(limit);
+            (offset / unit * unit, end.div_ceil(unit).saturating_mul(unit).min(limit))
+        })
+        .collect();
+    spans.sort_unstable();
+    let mut out: Vec<(usize, usize)> = Vec::with_capacity(spans.len());
+    for (start, end) in spans {
+        match out.last_mut() {
+            Some(last) if start <= last.1 => last.1 = last.1.max(end),
+            _ => out.push((start, end)),
+        }
+    }
+    out
+}
+
+/// The test-only switch that turns persisting into a no-op, so that the power-cut rig can show that
+/// its check catches a target that does not persist. Compiled in only with the `fault-injection`
+/// feature, and read once per mapping.
+fn skip_persist_switch() -> bool {
+    #[cfg(feature = "fault-injection")]
+    {
+        let on = std::env::var_os("FERRY_FAULT_SKIP_PERSIST").is_some_and(|v| v == "1");
+        if on {
+            tracing::warn!("FERRY_FAULT_SKIP_PERSIST=1: persistent writes to file regions will NOT be persisted");
+        }
+        on
+    }
+    #[cfg(not(feature = "fault-injection"))]
+    false
 }
 
 fn flush_instruction() -> &'static str {
@@ -170,8 +287,7 @@ fn flush_instruction() -> &'static str {
 fn flush_cache_lines(ptr: *mut u8, len: usize) {
     #[cfg(target_arch = "x86_64")]
     {
-        const LINE: usize = 64;
-        let start = (ptr as usize) & !(LINE - 1);
+        let start = (ptr as usize) & !(CACHE_LINE - 1);
         let end = ptr as usize + len;
         // `clflush` is in every x86_64 CPU; the newer instructions only where detected. They take an
         // address and never fault on mapped memory.
@@ -188,7 +304,7 @@ fn flush_cache_lines(ptr: *mut u8, len: usize) {
                     _ => std::arch::x86_64::_mm_clflush(p),
                 }
             }
-            line += LINE;
+            line += CACHE_LINE;
         }
         // SAFETY: a store fence has no preconditions.
         unsafe { std::arch::x86_64::_mm_sfence() };
@@ -201,12 +317,16 @@ fn flush_cache_lines(ptr: *mut u8, len: usize) {
 
 impl Drop for FileMapping {
     fn drop(&mut self) {
+        // The guard's slot is cleared first, so that the SIGBUS handler never remaps an address range
+        // that has gone back to the kernel.
+        drop(self.guard.take());
         // SAFETY: the mapping made in `open`; the region's fence guarantees no access is in progress.
         unsafe { libc::munmap(self.ptr.cast(), self.len) };
     }
 }
 
-// SAFETY: the mapping is `len` bytes, readable and writable, valid until drop.
+// SAFETY: the mapping is `len` bytes, readable and writable, valid until drop (if the file shrinks, the
+// SIGBUS guard swaps its pages for zero pages at the same address, so it stays valid).
 unsafe impl MemoryBlock for FileMapping {
     fn as_ptr(&self) -> *mut u8 {
         self.ptr
@@ -220,10 +340,88 @@ unsafe impl MemoryBlock for FileMapping {
     fn persistent(&self) -> bool {
         true
     }
-    fn commit_written(&self, offset: usize, len: usize, durability: Durability) -> Result<()> {
-        match durability {
-            Durability::Completed => Ok(()),
-            Durability::Persistent => self.persist(offset, len),
+    fn is_pmem(&self) -> bool {
+        self.method == FlushMethod::CacheFlush
+    }
+    fn persist(&self, ranges: &[(usize, usize)]) -> Result<()> {
+        self.check_backing()?;
+        if self.skip_persist {
+            return Ok(());
+        }
+        let began = Instant::now();
+        self.persist_batch(ranges)?;
+        let [batches, bytes, nanos] = &self.stats;
+        batches.fetch_add(1, Ordering::Relaxed);
+        bytes.fetch_add(ranges.iter().map(|r| r.1 as u64).sum(), Ordering::Relaxed);
+        nanos.fetch_add(began.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        // A fault while dirtying the pages means the file shrank meanwhile.
+        self.check_backing()
+    }
+    fn persist_stats(&self) -> Option<PersistStats> {
+        let [batches, bytes, nanos] = &self.stats;
+        Some(PersistStats {
+            batches: batches.load(Ordering::Relaxed),
+            bytes: bytes.load(Ordering::Relaxed),
+            nanos: nanos.load(Ordering::Relaxed),
+        })
+    }
+    fn check_backing(&self) -> Result<()> {
+        let Some(guard) = &self.guard else {
+            return Ok(());
+        };
+        if guard.is_lost() {
+            return Err(self.lost("shrank while mapped (a page past its end was touched)"));
+        }
+        let meta = self
+            .file
+            .metadata()
+            .map_err(|e| Error::io(format_args!("checking {}", self.path.display()), e))?;
+        if meta.nlink() == 0 {
+            return Err(self.lost("was removed"));
+        }
+        if meta.file_type().is_file() && meta.len() < self.offset + self.len as u64 {
+            // Swap the pages out now, before anything touches one past the new end.
+            guard.abandon();
+            return Err(self.lost(&format!("was truncated to {} bytes", meta.len())));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn merging_rounds_to_units_and_joins_neighbours() {
+        assert_eq!(merged(&[(10, 5)], 4096, 1 << 20), vec![(0, 4096)]);
+        assert_eq!(merged(&[(8192, 1), (0, 1), (4095, 2)], 4096, 1 << 20), vec![(0, 12288)]);
+        assert_eq!(merged(&[(0, 64), (128, 64)], 64, 4096), vec![(0, 64), (128, 192)]);
+        assert_eq!(merged(&[(4000, 1000)], 4096, 4500), vec![(0, 4500)]);
+        assert!(merged(&[(5000, 10), (0, 0)], 4096, 4500).is_empty());
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn merged_spans_cover_every_range_once(
+            ranges in proptest::collection::vec((0usize..100_000, 1usize..20_000), 0..20),
+            unit in proptest::sample::select(vec![64usize, 4096]),
+        ) {
+            let limit = 110_000;
+            let spans = merged(&ranges, unit, limit);
+            for w in spans.windows(2) {
+                proptest::prop_assert!(w[0].1 < w[1].0, "spans overlap or touch: {:?}", w);
+            }
+            for &(offset, len) in &ranges {
+                let end = (offset + len).min(limit);
+                proptest::prop_assert!(
+                    spans.iter().any(|&(s, e)| s <= offset && end <= e),
+                    "[{}, {}) not covered by {:?}", offset, end, spans
+                );
+            }
+            for &(s, e) in &spans {
+                proptest::prop_assert!(s % unit == 0 && (e % unit == 0 || e == limit));
+            }
         }
     }
 }

@@ -45,6 +45,14 @@ impl Peer {
         self.inner.data.kind()
     }
 
+    /// How a [`Durability::Persistent`](crate::Durability) write to this peer is made persistent:
+    /// `flush-before-ack` over TCP; over RDMA the FLUSH verb, a READ after the writes, or a flush
+    /// request (a transfer to a region that does not qualify for the link's method falls back to the
+    /// flush request).
+    pub fn persist_method(&self) -> ferry_core::PersistMethod {
+        self.inner.data.persist_method()
+    }
+
     /// The peer's engine id.
     pub fn engine_id(&self) -> u64 {
         self.inner.control.remote_engine()

@@ -66,9 +66,22 @@ impl Region {
     /// Copies `src` into the region at `offset` (and on to the device, for staged GPU memory).
     pub fn write_at(&self, offset: u64, src: &[u8]) -> Result<()> {
         self.entry.copy_in(offset, src)?;
+        // A mapped file that shrank meanwhile took the bytes into zero pages: say so.
+        self.entry.block().check_backing()?;
         self.entry
             .block()
             .commit_written(offset as usize, src.len(), Durability::Completed)
+    }
+
+    /// Makes `[offset, offset + len)` persistent (persistent regions only; see
+    /// [`Engine::register_file`](crate::Engine::register_file)).
+    pub fn persist(&self, offset: u64, len: u64) -> Result<()> {
+        self.entry.persist(&[(offset, len)])
+    }
+
+    /// What persisting writes to this region has cost so far (`None` for regions that do not persist).
+    pub fn persist_stats(&self) -> Option<ferry_core::PersistStats> {
+        self.entry.block().persist_stats()
     }
 
     /// Copies from the region at `offset` into `dst` (fetching from the device first, for staged GPU
@@ -76,7 +89,8 @@ impl Region {
     pub fn read_at(&self, offset: u64, dst: &mut [u8]) -> Result<()> {
         self.entry.check_range(offset, dst.len() as u64)?;
         self.entry.block().prepare_read(offset as usize, dst.len())?;
-        self.entry.copy_out(offset, dst)
+        self.entry.copy_out(offset, dst)?;
+        self.entry.block().check_backing()
     }
 
     /// Copies the whole region out.

@@ -4,9 +4,14 @@
 mod common;
 
 use std::io::Write;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
+use common::raw::RawClient;
 use common::*;
-use ferry::{Durability, Engine, Error, Op, PersistMethod, TransferDesc};
+use ferry::codec::{Frame, Segment};
+use ferry::{Durability, Engine, Error, FlushMethod, Op, PersistMethod, TransferDesc};
 
 fn temp_file(len: usize) -> (std::path::PathBuf, std::fs::File) {
     let path = std::env::temp_dir().join(format!("ferry-persist-{}-{}", std::process::id(), rand_suffix()));
@@ -33,6 +38,8 @@ async fn persistent_writes_reach_the_file() {
     assert!(region.kind().starts_with("file ("), "{}", region.kind());
     wait_for_region(&peer, &region).await;
     assert!(peer.regions().iter().any(|r| r.key == region.key() && r.persistent));
+    assert_eq!(peer.persist_method(), PersistMethod::FlushBeforeAck);
+    assert_eq!(region.persist_stats().unwrap().batches, 0);
 
     let src = initiator.register(pattern(len, 5), rw()).unwrap();
     // A batch of scattered ranges, persistent: the target flushes each before acknowledging.
@@ -56,6 +63,13 @@ async fn persistent_writes_reach_the_file() {
             "nothing else written"
         );
     }
+    // Flushed in batches (one per request frame), not once per range.
+    let stats = region.persist_stats().unwrap();
+    assert_eq!(stats.bytes, 16 * 4096, "{stats:?}");
+    assert!((1..16).contains(&stats.batches), "{stats:?}");
+    // Completed writes do not flush.
+    initiator.transfer(&peer, Op::Write, &descs, T).await.unwrap();
+    assert_eq!(region.persist_stats().unwrap().bytes, 16 * 4096);
     drop(region);
     let _ = std::fs::remove_file(&path);
 }
@@ -106,7 +120,180 @@ async fn file_regions_check_their_range() {
     ));
     let m = ferry::FileMapping::open(&path, 4096, 4096).unwrap();
     // The temporary directory is not DAX here; the fallback is msync.
-    assert!(matches!(m.method(), PersistMethod::Msync | PersistMethod::CacheFlush));
+    assert!(matches!(m.method(), FlushMethod::Msync | FlushMethod::CacheFlush));
     drop(m);
+    let _ = std::fs::remove_file(&path);
+}
+
+fn io_kind(e: &Error) -> Option<std::io::ErrorKind> {
+    match e {
+        Error::Io { kind, .. } => Some(*kind),
+        _ => None,
+    }
+}
+
+/// The flush request a data path that bypasses the target's CPU sends (RDMA's fallback), spoken raw.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flush_requests_persist_named_ranges_and_check_them() {
+    let target = target().await;
+    let len = 64 << 10;
+    let (path, _f) = temp_file(len);
+    let file = target.register_file(&path, 0, len, rw()).unwrap();
+    let plain = target.alloc_host(4096, rw()).unwrap();
+    let (mut c, _ack) = RawClient::handshake(target.local_addr().unwrap()).await;
+    let mut ask = async |id: u64, segments: Vec<Segment>| {
+        c.send(&Frame::Persist { id, segments }, &[]).await;
+        loop {
+            match c.recv().await.expect("an answer").frame {
+                Frame::Ack { id: got, error } if got == id => return error,
+                Frame::RegionAdded(_) | Frame::RegionRemoved { .. } => continue,
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+    };
+    // Written behind the engine's back, the way a NIC writes: then persisted on request.
+    file.write_at(8192, &[7u8; 100]).unwrap();
+    let seg = |key, offset, len| Segment { key, offset, len };
+    let err = ask(1, vec![seg(file.key(), 8192, 100), seg(file.key(), 8292, 50)]).await;
+    assert!(err.is_none(), "{err:?}");
+    let stats = file.persist_stats().unwrap();
+    assert_eq!((stats.batches, stats.bytes), (1, 150), "one batch for the request");
+    assert_eq!(&std::fs::read(&path).unwrap()[8192..8292], &[7u8; 100]);
+    // A region that cannot persist, a range past the end, an unknown key: refused, nothing flushed.
+    let refusals = [
+        (2, seg(plain.key(), 0, 16), ferry::ErrorCode::InvalidArgument),
+        (3, seg(file.key(), len as u64 - 10, 20), ferry::ErrorCode::OutOfBounds),
+        (
+            4,
+            seg(ferry::RegionKey(12345), 0, 16),
+            ferry::ErrorCode::PermissionDenied,
+        ),
+    ];
+    for (id, s, code) in refusals {
+        let err = ask(id, vec![s]).await;
+        assert_eq!(err.map(|e| e.0), Some(code), "request {id}");
+    }
+    assert_eq!(file.persist_stats().unwrap().batches, 1);
+    drop(file);
+    let _ = std::fs::remove_file(&path);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_truncated_file_gives_an_error_not_a_sigbus() {
+    let (target, initiator, peer) = pair().await;
+    let len = 256 << 10;
+    let (path, f) = temp_file(len);
+    let region = target.register_file(&path, 0, len, rw()).unwrap();
+    wait_for_region(&peer, &region).await;
+    let src = initiator.register(pattern(len, 3), rw()).unwrap();
+    let whole = [TransferDesc::new(src.addr(), region.addr(), len as u64)];
+    initiator.transfer(&peer, Op::Write, &whole, T).await.unwrap();
+
+    // Another process shrinks the file: every page of the mapping is now past its end.
+    f.set_len(0).unwrap();
+    // The local copy touches such a page (SIGBUS, caught) and fails cleanly.
+    let err = region.write_at(0, &[1u8; 64]).unwrap_err();
+    assert_eq!(io_kind(&err), Some(std::io::ErrorKind::InvalidData), "{err:?}");
+    let mut back = [0u8; 64];
+    assert!(region.read_at(4096, &mut back).is_err());
+    // Remote writes, persistent or not, small (staged) or large: refused by the target, link intact.
+    let small = [TransferDesc::new(src.addr(), region.addr_at(4096), 512)];
+    for (descs, durability) in [
+        (&small[..], Durability::Persistent),
+        (&whole[..], Durability::Persistent),
+        (&whole[..], Durability::Completed),
+    ] {
+        let err = initiator
+            .transfer_durable(&peer, Op::Write, descs, durability, T)
+            .await
+            .unwrap_err();
+        // The target's I/O error crosses the wire as an I/O error with its message.
+        assert!(io_kind(&err).is_some(), "{err:?}");
+        assert!(
+            err.to_string().contains("truncated") || err.to_string().contains("shrank"),
+            "{err}"
+        );
+    }
+    assert_eq!(std::fs::metadata(&path).unwrap().len(), 0, "nothing grew the file back");
+    let fresh = target.alloc_host(4096, rw()).unwrap();
+    wait_for_region(&peer, &fresh).await;
+    initiator
+        .transfer(
+            &peer,
+            Op::Write,
+            &[TransferDesc::new(src.addr(), fresh.addr(), 4096)],
+            T,
+        )
+        .await
+        .unwrap();
+    drop(region);
+    let _ = std::fs::remove_file(&path);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removed_file_refuses_persistent_writes() {
+    let (target, initiator, peer) = pair().await;
+    let (path, _f) = temp_file(8192);
+    let region = target.register_file(&path, 0, 8192, rw()).unwrap();
+    wait_for_region(&peer, &region).await;
+    std::fs::remove_file(&path).unwrap();
+    let src = initiator.register(vec![9u8; 4096], rw()).unwrap();
+    let d = [TransferDesc::new(src.addr(), region.addr(), 4096)];
+    let err = initiator
+        .transfer_durable(&peer, Op::Write, &d, Durability::Persistent, T)
+        .await
+        .unwrap_err();
+    assert!(io_kind(&err).is_some(), "{err:?}");
+    assert!(err.to_string().contains("removed"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deregistering_a_persistent_region_under_writes() {
+    let (target, initiator, peer) = pair().await;
+    const LEN: usize = 2 << 20;
+    let (path, _f) = temp_file(LEN);
+    let region = target.register_file(&path, 0, LEN, rw()).unwrap();
+    wait_for_region(&peer, &region).await;
+    let src = initiator.alloc_host(LEN, rw()).unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = {
+        let (initiator, peer, stop) = (initiator.clone(), peer.clone(), stop.clone());
+        let descs: Vec<_> = (0..8u64)
+            .map(|i| TransferDesc::new(src.addr_at(i << 18), region.addr_at(i << 18), 1 << 18))
+            .collect();
+        tokio::spawn(async move {
+            let (mut ok, mut refused) = (0u32, 0u32);
+            while !stop.load(Ordering::Relaxed) {
+                match initiator
+                    .transfer_durable(&peer, Op::Write, &descs, Durability::Persistent, T)
+                    .await
+                {
+                    Ok(()) => ok += 1,
+                    Err(Error::PermissionDenied(_) | Error::OutOfBounds(_)) => {
+                        refused += 1;
+                        tokio::task::yield_now().await;
+                    }
+                    Err(e) => panic!("unexpected {e:?}"),
+                }
+            }
+            (ok, refused)
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    target.deregister(region);
+    let snapshot = std::fs::read(&path).unwrap();
+    // New patterns in the source, so that a write landing after deregister would show in the file.
+    for seed in 1..=20u8 {
+        src.write_at(0, &pattern(LEN, seed)).unwrap();
+        tokio::time::sleep(Duration::from_millis(15)).await;
+    }
+    stop.store(true, Ordering::Relaxed);
+    let (ok, refused) = writer.await.unwrap();
+    assert!(ok > 0, "some persistent writes completed before deregistration");
+    assert!(refused > 0, "some were refused after it");
+    assert!(
+        std::fs::read(&path).unwrap() == snapshot,
+        "the file changed after deregister returned"
+    );
     let _ = std::fs::remove_file(&path);
 }
