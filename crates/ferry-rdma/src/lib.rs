@@ -20,6 +20,7 @@ pub mod link;
 mod messages;
 mod mr;
 mod persist;
+mod post;
 mod qp;
 mod responder;
 pub mod wire;

@@ -29,13 +29,14 @@ use ferry_core::{
 use futures::future::BoxFuture;
 use rdma_mummy_sys::ibv_sge;
 use sideway::ibverbs::completion::WorkCompletionStatus;
-use sideway::ibverbs::queue_pair::{PostSendGuard, QueuePair, SetScatterGatherEntry, WorkRequestFlags};
+use sideway::ibverbs::queue_pair::{PostSendGuard, QueuePair, WorkRequestFlags};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, oneshot};
 use tokio::task::AbortHandle;
 
 use crate::completions::{self, Completions};
 use crate::messages::{Message, MessageSlots, TAG_DATA, TAG_MASK, TAG_RECV, TAG_SEND};
 use crate::mr::Registered;
+use crate::post::{DataWr, post_data};
 use crate::qp::Rc;
 use crate::wire::RemoteKey;
 use crate::{RdmaShared, wire::QpEndpoint};
@@ -301,33 +302,49 @@ impl Inner {
                 .qp
                 .lock()
                 .map_err(|_| Error::Protocol("queue pair lock poisoned".into()))?;
-            let mut guard = qp.start_post_send();
-            for (i, wr) in group.iter().enumerate() {
-                let id = first + i as u64;
-                let flags = if id == signalled {
-                    WorkRequestFlags::Signaled
-                } else {
-                    WorkRequestFlags::none()
-                };
-                let handle = guard.construct_wr(id, flags);
-                let handle = match wr.op {
-                    WrOp::Write => handle.setup_write(wr.rkey, wr.remote_addr),
-                    WrOp::Read => handle.setup_read(wr.rkey, wr.remote_addr),
-                    WrOp::Flush { len } => {
-                        if let Some(flush) = self.rc.flush {
-                            // SAFETY: the queue pair's mutex is held and `construct_wr` just started
-                            // this work request on the guard of the queue pair the handle belongs to.
-                            unsafe { flush.setup_flush(wr.rkey, wr.remote_addr, len) };
-                        }
-                        continue;
-                    }
-                };
-                // SAFETY: every SGE names memory inside a region registered with this NIC (lkey from its
-                // registration, or the link's scratch buffer), kept registered by `acquire` until the
-                // group's completion arrives (the scratch buffer lives as long as the link).
-                unsafe { handle.setup_sge_list(&wr.sges) };
+            // READs and WRITEs first (they precede any FLUSH in a group), then the FLUSHes.
+            let data: Vec<DataWr<'_>> = group
+                .iter()
+                .enumerate()
+                .filter(|(_, wr)| !matches!(wr.op, WrOp::Flush { .. }))
+                .map(|(i, wr)| DataWr {
+                    id: first + i as u64,
+                    read: wr.op == WrOp::Read,
+                    signalled: first + i as u64 == signalled,
+                    rkey: wr.rkey,
+                    remote_addr: wr.remote_addr,
+                    sges: &wr.sges,
+                })
+                .collect();
+            // SAFETY: the queue pair is live and its mutex held; every SGE names memory inside a region
+            // registered with this NIC (lkey from its registration, or the link's scratch buffer), kept
+            // registered by `acquire` until the group's completion arrives (the scratch buffer lives as
+            // long as the link).
+            let mut posted = unsafe { post_data(qp.qp(), &data) }.map_err(|e| e.to_string());
+            let flushes = group
+                .iter()
+                .enumerate()
+                .filter_map(|(i, wr)| match wr.op {
+                    WrOp::Flush { len } => Some((first + i as u64, wr, len)),
+                    _ => None,
+                })
+                .collect::<Vec<_>>();
+            if let (Ok(()), Some(flush), false) = (&posted, self.rc.flush, flushes.is_empty()) {
+                let mut guard = qp.start_post_send();
+                for (id, wr, len) in flushes {
+                    let flags = if id == signalled {
+                        WorkRequestFlags::Signaled
+                    } else {
+                        WorkRequestFlags::none()
+                    };
+                    let _ = guard.construct_wr(id, flags);
+                    // SAFETY: the queue pair's mutex is held and `construct_wr` just started this work
+                    // request on a guard of the queue pair the handle belongs to.
+                    unsafe { flush.setup_flush(wr.rkey, wr.remote_addr, len) };
+                }
+                posted = guard.post().map_err(|e| e.to_string());
             }
-            guard.post()
+            posted
         };
         if let Err(e) = posted {
             let err = Error::Io {

@@ -149,11 +149,16 @@ impl Rc {
             .setup_max_recv_sge(1)
             .setup_max_inline_data(0);
         let (mut qp, flush) = build(&mut builder, dev.flush_capable)?;
+        let mut access = AccessFlags::LocalWrite | AccessFlags::RemoteWrite | AccessFlags::RemoteRead;
+        if dev.flush_capable {
+            // A responder refuses FLUSH (invalid request) on a queue pair without these.
+            access |= AccessFlags::FlushGlobal | AccessFlags::FlushPersistent;
+        }
         let mut attr = QueuePairAttribute::new();
         attr.setup_state(QueuePairState::Init)
             .setup_pkey_index(0)
             .setup_port(dev.port)
-            .setup_access_flags(AccessFlags::LocalWrite | AccessFlags::RemoteWrite | AccessFlags::RemoteRead);
+            .setup_access_flags(access);
         qp.modify(&attr).map_err(|e| io("moving the queue pair to INIT", e))?;
         let local = QpEndpoint {
             qpn: qp.qp_number(),

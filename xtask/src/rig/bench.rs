@@ -145,6 +145,7 @@ pub fn run(
         timeout,
         keep,
         console: Console::Stderr,
+        devices: Default::default(),
     };
     let outcome = guest.run(&script, &[])?;
     outcome.record(timings);

@@ -42,6 +42,19 @@ pub struct Guest<'a> {
     /// Keep the run folder even when the command succeeded.
     pub keep: bool,
     pub console: Console,
+    /// Devices beyond the defaults.
+    pub devices: Devices,
+}
+
+/// Optional guest hardware.
+#[derive(Default, Clone)]
+pub struct Devices {
+    /// An emulated NVDIMM backed by this host file (its size is the file's), as `region0` in the guest.
+    pub nvdimm: Option<PathBuf>,
+    /// A raw disk image as `/dev/vda` (virtio, host page cache in write-back mode).
+    pub disk: Option<PathBuf>,
+    /// Kill qemu (SIGKILL, a power cut) the moment a console line starts with this.
+    pub kill_on: Option<String>,
 }
 
 /// When the console showed the guest's milestones.
@@ -49,6 +62,9 @@ pub struct Guest<'a> {
 struct Marks {
     ready: Option<Instant>,
     done: Option<Instant>,
+    lines: Vec<String>,
+    /// The line that made the host cut the power, and when.
+    killed_on: Option<(String, Instant)>,
 }
 
 /// What one boot left behind. Dropping it removes the run folder, unless the command failed (or
@@ -63,6 +79,10 @@ pub struct Outcome {
     boot: Option<Duration>,
     command: Option<Duration>,
     shutdown: Option<Duration>,
+    /// The console line on which the host killed qemu (see [`Devices::kill_on`]).
+    pub killed_on: Option<String>,
+    /// Every console line, for callers that read results from it.
+    pub console: Vec<String>,
 }
 
 impl Outcome {
@@ -141,6 +161,8 @@ impl Guest<'_> {
             boot: None,
             command: None,
             shutdown: None,
+            killed_on: None,
+            console: Vec::new(),
         };
         fs::write(
             run_dir.join("config"),
@@ -169,7 +191,8 @@ impl Guest<'_> {
         let reader = {
             let marks = Arc::clone(&marks);
             let console = self.console;
-            thread::spawn(move || stream_console(stdout, console, &marks))
+            let kill = self.devices.kill_on.clone().map(|line| (line, child.id()));
+            thread::spawn(move || stream_console(stdout, console, &marks, kill))
         };
         let deadline = start + self.timeout;
         let status = loop {
@@ -186,8 +209,13 @@ impl Guest<'_> {
         let exited = Instant::now();
         let _ = reader.join();
         let _ = stderr_reader.join();
-        let marks = marks.lock().map(|m| (m.ready, m.done)).unwrap_or((None, None));
-        outcome.timed_out = status.is_none();
+        let (marks, killed_on, console) = match Arc::try_unwrap(marks).map(|m| m.into_inner()) {
+            Ok(Ok(m)) => ((m.ready, m.done), m.killed_on, m.lines),
+            _ => ((None, None), None, Vec::new()),
+        };
+        outcome.killed_on = killed_on.map(|(line, _)| line);
+        outcome.console = console;
+        outcome.timed_out = status.is_none() && outcome.killed_on.is_none();
         outcome.qemu_code = status.and_then(|s| s.code());
         outcome.rc = fs::read_to_string(run_dir.join("rc"))
             .ok()
@@ -223,8 +251,11 @@ impl Guest<'_> {
     fn qemu(&self, run_dir: &Path) -> Command {
         let (accel, cpu) = accelerator();
         let mut cmd = Command::new("qemu-system-x86_64");
-        cmd.args(["-accel", accel, "-cpu", cpu, "-m", "512M", "-smp", "2"])
-            .arg("-kernel")
+        cmd.args(["-accel", accel, "-cpu", cpu, "-smp", "2"]);
+        if self.devices.nvdimm.is_none() {
+            cmd.args(["-m", "512M"]);
+        }
+        cmd.arg("-kernel")
             .arg(self.prepared.kernel.boot_image())
             .arg("-initrd")
             .arg(&self.prepared.initramfs)
@@ -239,10 +270,29 @@ impl Guest<'_> {
             .arg("-virtfs")
             .arg(format!(
                 "local,path={},mount_tag=rig,security_model=none",
-                run_dir.display().to_string().replace(',', ",,")
+                escape(run_dir)
             ));
+        if let Some(image) = &self.devices.nvdimm {
+            let size = fs::metadata(image).map(|m| m.len()).unwrap_or(0);
+            cmd.args(["-machine", "pc,nvdimm=on", "-m", "512M,slots=2,maxmem=4G"])
+                .arg("-object")
+                .arg(format!(
+                    "memory-backend-file,id=pmem0,share=on,mem-path={},size={size}",
+                    escape(image)
+                ))
+                .args(["-device", "nvdimm,memdev=pmem0,id=nvdimm0"]);
+        }
+        if let Some(disk) = &self.devices.disk {
+            cmd.arg("-drive")
+                .arg(format!("file={},format=raw,if=virtio,cache=writeback", escape(disk)));
+        }
         cmd
     }
+}
+
+/// A path inside a qemu option value (commas doubled).
+fn escape(path: &Path) -> String {
+    path.display().to_string().replace(',', ",,")
 }
 
 /// `("kvm", "host")` where hardware KVM is loaded and `/dev/kvm` opens, else `("tcg", "max")`.
@@ -269,8 +319,9 @@ fn forward_qemu_stderr(from: impl Read) {
     }
 }
 
-/// Copies qemu's stdout (the guest console) to ours or to stderr as it arrives, noting the milestones.
-fn stream_console(mut from: impl Read, console: Console, marks: &Mutex<Marks>) {
+/// Copies qemu's stdout (the guest console) to ours or to stderr as it arrives, noting the milestones
+/// and keeping the lines; with `kill`, SIGKILLs qemu (pid) as soon as a line starts with its text.
+fn stream_console(mut from: impl Read, console: Console, marks: &Mutex<Marks>, kill: Option<(String, u32)>) {
     let mut buf = [0u8; 8192];
     let mut line = Vec::new();
     loop {
@@ -293,12 +344,22 @@ fn stream_console(mut from: impl Read, console: Console, marks: &Mutex<Marks>) {
             }
             let text = String::from_utf8_lossy(&line);
             let text = text.trim_end_matches('\r');
+            if let Some((prefix, pid)) = &kill
+                && text.starts_with(prefix.as_str())
+            {
+                // The power cut: nothing the guest has not handed to its virtual disk survives.
+                let _ = Command::new("kill").args(["-KILL", &pid.to_string()]).status();
+                if let Ok(mut m) = marks.lock() {
+                    m.killed_on.get_or_insert_with(|| (text.to_owned(), Instant::now()));
+                }
+            }
             if let Ok(mut m) = marks.lock() {
                 if text == "rig: ready" {
                     m.ready.get_or_insert_with(Instant::now);
                 } else if text.starts_with("rig: done rc=") {
                     m.done.get_or_insert_with(Instant::now);
                 }
+                m.lines.push(text.to_owned());
             }
             line.clear();
         }

@@ -29,10 +29,26 @@ const BINARIES: &[(&str, &str)] = &[
     ("xz", "xz-utils"),
     ("zstd", "zstd"),
     ("dpkg-deb", "dpkg"),
+    // rdma-core 55 for the FLUSH verb, built from source (see pmem.rs).
+    ("curl", "curl"),
+    ("cmake", "cmake"),
+    ("ninja", "ninja-build"),
+    ("cc", "gcc"),
+    ("pkg-config", "pkg-config"),
+    // The power-cut trials' disk images.
+    ("mke2fs", "e2fsprogs"),
+    ("e2fsck", "e2fsprogs"),
+    ("debugfs", "e2fsprogs"),
 ];
 
 /// Library-only packages: nothing on `PATH` tells whether they are installed.
-const LIBRARIES: &[&str] = &["libibverbs1", "ibverbs-providers", "librdmacm1"];
+const LIBRARIES: &[&str] = &[
+    "libibverbs1",
+    "ibverbs-providers",
+    "librdmacm1",
+    "libnl-3-dev",
+    "libnl-route-3-dev",
+];
 
 /// Makes sure every host package is present (installing as root on Debian, else failing with the
 /// command that installs them) and that the busybox found is the static one.

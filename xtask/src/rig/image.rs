@@ -1,5 +1,6 @@
-//! The guest's initramfs: a static busybox, the kernel modules for rxe and 9p, and an `/init` that
-//! brings `rxe0` up, runs the command from the host in a chroot of the host's root and powers off.
+//! The guest's initramfs: a static busybox, the kernel modules for rxe, 9p, the emulated NVDIMM and an
+//! ext4 disk, and an `/init` that brings `rxe0` up, runs the command from the host in a chroot of the
+//! host's root and powers off.
 //!
 //! Why so little in it: the guest's user space is the host's own root file system, shared read-only
 //! over 9p, so the image only has to get that far. The modules are the ones `rdma_rxe`, RDMA CM and
@@ -50,6 +51,20 @@ const MODULES: &[&str] = &[
     "9pnet_virtio",
     "9p",
     "overlay",
+    // Persistent memory: qemu's emulated NVDIMM, as device DAX (`/dev/dax0.0`) for the FLUSH tests.
+    "libnvdimm",
+    "nfit",
+    "nd_btt",
+    "nd_pmem",
+    "dax_pmem",
+    "device_dax",
+    // The power-cut trials' ext4 disk.
+    "virtio_blk",
+    "crc16",
+    "crc32c_generic",
+    "mbcache",
+    "jbd2",
+    "ext4",
 ];
 
 /// Modules a kernel may lack without harm: CPU-specific crypto, helpers that older kernels build in or
@@ -61,6 +76,10 @@ const OPTIONAL: &[&str] = &[
     "virtio_ring",
     "virtio_pci",
     "netfs",
+    "crc16",
+    "crc32c_generic",
+    "mbcache",
+    "jbd2",
 ];
 
 /// Module parameters the rig sets itself (host modprobe.d files are deliberately not read).

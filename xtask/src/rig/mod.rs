@@ -22,6 +22,7 @@ mod boot;
 mod host;
 mod image;
 mod kernel;
+mod pmem;
 mod test;
 
 use std::path::PathBuf;
@@ -211,6 +212,7 @@ fn run_command(
         timeout,
         keep,
         console: boot::Console::Stdout,
+        devices: Default::default(),
     };
     let outcome = guest.run(&script, &[])?;
     outcome.record(timings);

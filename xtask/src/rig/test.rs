@@ -6,6 +6,11 @@
 //! TCG; a test binary costs a fork. Tests run with `--test-threads=1` because they share one rxe device
 //! and time-sensitive completions under an emulated CPU; the environment tells them where they are
 //! (`FERRY_RDMA_DEVICE=rxe0`, `FERRY_RIG=1`).
+//!
+//! The guest also has an emulated NVDIMM as device DAX (`FERRY_PMEM=/dev/dax0.0`). Test binaries whose
+//! name starts with `persist` run a second time with rdma-core 55 (see [`super::pmem`]), which can post
+//! the FLUSH verb (`FERRY_EXPECT_FLUSH_VERB=1`); that pass writes `FERRY_PMEM_MARKER` persistently, and
+//! the host checks afterwards that the marker reached the NVDIMM's backing file.
 
 use std::io::Read;
 use std::path::PathBuf;
@@ -16,7 +21,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use serde_json::Value;
 
-use super::boot::{Console, Guest, sh_quote};
+use super::boot::{Console, Devices, Guest, sh_quote};
+use super::pmem::{self, DEVDAX_SETUP};
 use super::{Layout, Prepared, Timings};
 use crate::util::{cargo, describe, run_captured};
 
@@ -60,20 +66,38 @@ pub fn run(
     if binaries.is_empty() {
         bail!("cargo built no test executables");
     }
-    let script = guest_script(&binaries, &args.test_args);
+    let rdma_core = pmem::rdma_core_55(layout, timings)?;
+    let runs = plan(&binaries, &rdma_core.env());
+    let script = guest_script(&runs, &args.test_args);
+    let nvdimm = pmem::nvdimm_image(&layout.dir)?;
+    let marker = format!("ferry-pmem-marker-{:x}-{:x}", std::process::id(), nanos());
     let guest = Guest {
         prepared,
         layout,
         timeout,
         keep,
         console: Console::Stderr,
+        devices: Devices {
+            nvdimm: Some(nvdimm.clone()),
+            ..Default::default()
+        },
     };
-    let outcome = guest.run(&script, &[("RUST_BACKTRACE", "1")])?;
+    let outcome = guest.run(
+        &script,
+        &[
+            ("RUST_BACKTRACE", "1"),
+            ("FERRY_PMEM", "/dev/dax0.0"),
+            ("FERRY_PMEM_MARKER", &marker),
+        ],
+    )?;
     outcome.record(timings);
+    let flush_pass = runs.iter().any(|r| !r.env.is_empty());
+    let marker_found = pmem::file_contains(&nvdimm, marker.as_bytes());
+    let _ = std::fs::remove_file(&nvdimm);
     let status = outcome.command_status();
     let mut failed = 0;
-    for (i, binary) in binaries.iter().enumerate() {
-        println!("     Running {} ({})", binary.label, binary.executable.display());
+    for (i, run) in runs.iter().enumerate() {
+        println!("     Running {} ({})", run.label, run.binary.executable.display());
         let log = outcome.read(&format!("test-{i}.log")).unwrap_or_default();
         let rc: Option<i32> = outcome
             .read(&format!("test-{i}.rc"))
@@ -100,11 +124,24 @@ pub fn run(
             }
         }
     }
+    if flush_pass {
+        match marker_found {
+            Ok(true) => println!("rig test: the persistent FLUSH's marker is in the NVDIMM's backing file"),
+            Ok(false) => {
+                failed += 1;
+                println!("error: the marker written with FLUSH is not in the NVDIMM's backing file");
+            }
+            Err(e) => {
+                failed += 1;
+                println!("error: checking the NVDIMM's backing file: {e:#}");
+            }
+        }
+    }
     if let Err(e) = status {
         eprintln!("rig test: {e:#}");
         failed = failed.max(1);
     }
-    println!("rig test: {} test binaries, {failed} failed", binaries.len());
+    println!("rig test: {} test runs, {failed} failed", runs.len());
     Ok(if failed == 0 {
         ExitCode::SUCCESS
     } else {
@@ -218,21 +255,60 @@ fn parse_artifacts(stdout: &str) -> Result<Vec<TestBinary>> {
     Ok(binaries)
 }
 
-/// Runs every binary in turn (never stopping at a failure), each one's output to the console and to
-/// `test-N.log`, its status to `test-N.rc`; exits non-zero if any failed.
-fn guest_script(binaries: &[TestBinary], test_args: &[String]) -> String {
-    let mut script = String::from("failed=0\n");
+/// One run of a test binary in the guest.
+struct Run<'a> {
+    label: String,
+    binary: &'a TestBinary,
+    /// Extra environment (rdma-core 55's, for the FLUSH pass).
+    env: Vec<(&'static str, String)>,
+}
+
+/// Every binary once with Debian's verbs libraries, then the `persist*` ones again with rdma-core 55.
+fn plan<'a>(binaries: &'a [TestBinary], rdma_core_55: &[(&'static str, String)]) -> Vec<Run<'a>> {
+    let mut runs: Vec<Run<'a>> = binaries
+        .iter()
+        .map(|b| Run {
+            label: b.label.clone(),
+            binary: b,
+            env: Vec::new(),
+        })
+        .collect();
+    for b in binaries.iter().filter(|b| b.label.starts_with("persist")) {
+        let mut env = rdma_core_55.to_vec();
+        env.push(("FERRY_EXPECT_FLUSH_VERB", "1".into()));
+        runs.push(Run {
+            label: format!("{} with rdma-core 55", b.label),
+            binary: b,
+            env,
+        });
+    }
+    runs
+}
+
+/// Sets up device DAX, then runs every test run in turn (never stopping at a failure), each one's
+/// output to the console and to `test-N.log`, its status to `test-N.rc`; exits non-zero if any failed.
+fn guest_script(runs: &[Run<'_>], test_args: &[String]) -> String {
+    let mut script = format!("{DEVDAX_SETUP}failed=0\nsetup_devdax || failed=1\n");
     let extra: String = test_args.iter().map(|a| format!(" {}", sh_quote(a))).collect();
-    for (i, b) in binaries.iter().enumerate() {
+    for (i, run) in runs.iter().enumerate() {
+        let b = run.binary;
         let dir = sh_quote(&b.package_dir.display().to_string());
+        let env: String = run.env.iter().map(|(k, v)| format!("{k}={} ", sh_quote(v))).collect();
         script += &format!(
-            "echo {banner}\ncd {dir}\n{{ CARGO_MANIFEST_DIR={dir} {exe} --test-threads=1{extra}; echo $? > \"$RIG_DIR/test-{i}.rc\"; }} 2>&1 | tee \"$RIG_DIR/test-{i}.log\"\n[ \"$(cat \"$RIG_DIR/test-{i}.rc\")\" = 0 ] || failed=1\n",
-            banner = sh_quote(&format!("rig: running {} ({}/{})", b.label, i + 1, binaries.len())),
+            "echo {banner}\ncd {dir}\n{{ {env}CARGO_MANIFEST_DIR={dir} {exe} --test-threads=1{extra}; echo $? > \"$RIG_DIR/test-{i}.rc\"; }} 2>&1 | tee \"$RIG_DIR/test-{i}.log\"\n[ \"$(cat \"$RIG_DIR/test-{i}.rc\")\" = 0 ] || failed=1\n",
+            banner = sh_quote(&format!("rig: running {} ({}/{})", run.label, i + 1, runs.len())),
             exe = sh_quote(&b.executable.display().to_string()),
         );
     }
     script += "exit $failed\n";
     script
+}
+
+fn nanos() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0)
 }
 
 #[cfg(test)]
@@ -266,9 +342,14 @@ mod tests {
             executable: format!("/t/{n}").into(),
             package_dir: "/p".into(),
         };
-        let script = guest_script(&[b("a"), b("b")], &["--nocapture".into()]);
+        let binaries = [b("a"), b("persist")];
+        let runs = plan(&binaries, &[("LD_LIBRARY_PATH", "/v55".into())]);
+        assert_eq!(runs.len(), 3, "the persist binary runs again with rdma-core 55");
+        let script = guest_script(&runs, &["--nocapture".into()]);
         assert!(script.contains("/t/a --test-threads=1 --nocapture; echo $? > \"$RIG_DIR/test-0.rc\""));
         assert!(script.contains("tee \"$RIG_DIR/test-1.log\""));
+        assert!(script.contains("LD_LIBRARY_PATH=/v55 FERRY_EXPECT_FLUSH_VERB=1 CARGO_MANIFEST_DIR=/p /t/persist"));
+        assert!(script.contains("setup_devdax || failed=1"));
         assert!(script.ends_with("exit $failed\n"));
     }
 }

@@ -1,0 +1,300 @@
+//! Persistent RDMA writes (seed 002) on real verbs: the FLUSH verb into device-DAX persistent memory,
+//! and the fallbacks, forced.
+//!
+//! `cargo xtask rig test` runs this twice in a guest with an emulated NVDIMM turned into `/dev/dax0.0`
+//! (`FERRY_PMEM`): once with Debian's libibverbs 44, which cannot post FLUSH (so the flush request is
+//! the best method), and once with rdma-core 55 (`FERRY_EXPECT_FLUSH_VERB=1`). The FLUSH run writes
+//! `FERRY_PMEM_MARKER` persistently; the host then looks for it in the NVDIMM's backing file.
+//!
+//! Outside the rig there is no device and no persistent memory: the tests say so and return.
+
+use std::time::Duration;
+
+use ferry::{
+    Access, Durability, Engine, EngineBuilder, Error, Op, Peer, PersistMethod, Region, TransferDesc, TransportKind,
+};
+
+const T: Duration = Duration::from_secs(30);
+/// Device DAX maps in 2 MiB pages.
+const LEN: usize = 2 << 20;
+
+fn in_rig() -> bool {
+    std::env::var_os("FERRY_RIG").is_some()
+}
+
+fn builder() -> EngineBuilder {
+    let b = Engine::builder();
+    match std::env::var("FERRY_RDMA_DEVICE") {
+        Ok(dev) => b.rdma_device(dev),
+        Err(_) => b,
+    }
+}
+
+/// The persistent memory to write to, or `None` (after saying so) outside the rig.
+fn pmem() -> Option<String> {
+    match std::env::var("FERRY_PMEM") {
+        Ok(p) => Some(p),
+        Err(_) => {
+            assert!(!in_rig(), "inside the rig FERRY_PMEM names the emulated NVDIMM");
+            eprintln!("skipped: no persistent memory here (FERRY_PMEM unset); `cargo xtask rig test` runs this");
+            None
+        }
+    }
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 11) as u8)
+        .collect()
+}
+
+/// A target with its persistent region, an initiator and the link between them; `None` where there is
+/// no RDMA device (outside the rig).
+async fn setup(target: EngineBuilder, initiator: EngineBuilder, file: &str) -> Option<(Engine, Region, Engine, Peer)> {
+    let target = target.listen("127.0.0.1:0").build().await.unwrap();
+    let region = target.register_file(file, 0, LEN, Access::READ_WRITE).unwrap();
+    let initiator = initiator.build().await.unwrap();
+    let peer = initiator
+        .connect(&target.local_addr().unwrap().to_string(), T)
+        .await
+        .unwrap();
+    if peer.transport() != TransportKind::Rdma {
+        assert!(!in_rig(), "inside the rig the link must use RDMA");
+        eprintln!("skipped: no RDMA device here");
+        return None;
+    }
+    let deadline = tokio::time::Instant::now() + T;
+    while !peer.regions().iter().any(|r| r.key == region.key()) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the region never reached the peer"
+        );
+        peer.regions_changed(Duration::from_millis(50)).await;
+    }
+    Some((target, region, initiator, peer))
+}
+
+/// Writes `data` at `offset` with durability persistent and checks the bytes at the target.
+async fn write_persistent(initiator: &Engine, peer: &Peer, region: &Region, offset: u64, data: Vec<u8>) {
+    let len = data.len();
+    let src = initiator.register(data.clone(), Access::READ_WRITE).unwrap();
+    // Two descriptors, neighbours at the target: one FLUSH (or one flush request) covers both.
+    let half = (len / 2) as u64;
+    let descs = [
+        TransferDesc::new(src.addr(), region.addr_at(offset), half),
+        TransferDesc::new(src.addr_at(half), region.addr_at(offset + half), len as u64 - half),
+    ];
+    initiator
+        .transfer_durable(peer, Op::Write, &descs, Durability::Persistent, T)
+        .await
+        .unwrap();
+    let mut back = vec![0u8; len];
+    region.read_at(offset, &mut back).unwrap();
+    if back != data {
+        let differ: Vec<usize> = (0..len).filter(|&i| back[i] != data[i]).collect();
+        panic!(
+            "the bytes at the target: {} of {len} differ, first at {} (got {:#x}, want {:#x}), last at {}",
+            differ.len(),
+            differ[0],
+            back[differ[0]],
+            data[differ[0]],
+            differ[differ.len() - 1]
+        );
+    }
+}
+
+fn target_flushes(region: &Region) -> u64 {
+    region
+        .persist_stats()
+        .expect("a file region counts its flushes")
+        .batches
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn best_method_to_device_dax() {
+    let Some(file) = pmem() else { return };
+    let Some((_target, region, initiator, peer)) = setup(builder(), builder(), &file).await else {
+        return;
+    };
+    assert!(
+        region.kind().contains("MAP_SYNC"),
+        "device DAX maps with MAP_SYNC: {}",
+        region.kind()
+    );
+    let expect_verb = std::env::var_os("FERRY_EXPECT_FLUSH_VERB").is_some();
+    let expected = if expect_verb {
+        PersistMethod::FlushVerb
+    } else {
+        PersistMethod::FlushRequest
+    };
+    assert_eq!(peer.persist_method(), expected, "region {}", region.kind());
+    let before = target_flushes(&region);
+    write_persistent(&initiator, &peer, &region, 4096, pattern(100_000, 7)).await;
+    if expect_verb {
+        assert_eq!(
+            target_flushes(&region),
+            before,
+            "the NIC persisted: the target's CPU flushed nothing"
+        );
+        if let Ok(marker) = std::env::var("FERRY_PMEM_MARKER") {
+            // The host looks for this in the NVDIMM's backing file after the guest powers off. The last
+            // page of the region: no other test writes there.
+            write_persistent(&initiator, &peer, &region, (LEN - 4096) as u64, marker.into_bytes()).await;
+        }
+    } else {
+        assert_eq!(
+            target_flushes(&region),
+            before + 1,
+            "one flush request for the transfer"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forced_flush_request() {
+    let Some(file) = pmem() else { return };
+    let initiator = builder().rdma_persist_method(PersistMethod::FlushRequest);
+    let Some((_target, region, initiator, peer)) = setup(builder(), initiator, &file).await else {
+        return;
+    };
+    assert_eq!(peer.persist_method(), PersistMethod::FlushRequest);
+    let before = target_flushes(&region);
+    write_persistent(&initiator, &peer, &region, 8192, pattern(65_536, 3)).await;
+    assert_eq!(target_flushes(&region), before + 1, "the target's CPU persisted, once");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn read_after_write_only_where_the_target_declares_adr() {
+    let Some(file) = pmem() else { return };
+    let forced = || builder().rdma_persist_method(PersistMethod::ReadAfterWrite);
+    let Some((_target, region, initiator, peer)) = setup(builder().adr_without_ddio(true), forced(), &file).await
+    else {
+        return;
+    };
+    assert_eq!(peer.persist_method(), PersistMethod::ReadAfterWrite);
+    let before = target_flushes(&region);
+    write_persistent(&initiator, &peer, &region, 0, pattern(10_000, 9)).await;
+    assert_eq!(target_flushes(&region), before, "a READ, no flush on the target's CPU");
+    drop((region, initiator, peer));
+
+    // Never assumed: without the declaration the forced method has no RDMA link to use.
+    let target = builder().listen("127.0.0.1:0").build().await.unwrap();
+    let peer = forced()
+        .build()
+        .await
+        .unwrap()
+        .connect(&target.local_addr().unwrap().to_string(), T)
+        .await
+        .unwrap();
+    assert_eq!(peer.transport(), TransportKind::Tcp, "RDMA setup refused, TCP fallback");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn page_cache_regions_fall_back_to_the_flush_request() {
+    if pmem().is_none() {
+        return;
+    }
+    let path = std::env::temp_dir().join(format!("ferry-rdma-persist-{}", std::process::id()));
+    std::fs::write(&path, vec![0u8; LEN]).unwrap();
+    let Some((_target, region, initiator, peer)) = setup(builder(), builder(), path.to_str().unwrap()).await else {
+        let _ = std::fs::remove_file(&path);
+        return;
+    };
+    assert!(region.kind().contains("msync"), "{}", region.kind());
+    let before = target_flushes(&region);
+    write_persistent(&initiator, &peer, &region, 12_345, pattern(70_000, 5)).await;
+    assert_eq!(
+        target_flushes(&region),
+        before + 1,
+        "not registered for FLUSH: the flush request"
+    );
+    assert_eq!(&std::fs::read(&path).unwrap()[12_345..82_345], &pattern(70_000, 5)[..]);
+    drop(region);
+    let _ = std::fs::remove_file(&path);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn persistence_is_refused_for_plain_memory() {
+    let Some((target, initiator, peer)) = async {
+        let target = builder().listen("127.0.0.1:0").build().await.unwrap();
+        let initiator = builder().build().await.unwrap();
+        let peer = initiator
+            .connect(&target.local_addr().unwrap().to_string(), T)
+            .await
+            .unwrap();
+        assert!(
+            peer.transport() == TransportKind::Rdma || !in_rig(),
+            "inside the rig the link must use RDMA"
+        );
+        (peer.transport() == TransportKind::Rdma).then_some((target, initiator, peer))
+    }
+    .await
+    else {
+        eprintln!("skipped: no RDMA device here");
+        return;
+    };
+    let plain = target.alloc_host(4096, Access::READ_WRITE).unwrap();
+    let deadline = tokio::time::Instant::now() + T;
+    while !peer.regions().iter().any(|r| r.key == plain.key()) {
+        assert!(tokio::time::Instant::now() < deadline);
+        peer.regions_changed(Duration::from_millis(50)).await;
+    }
+    let src = initiator.register(vec![1u8; 4096], Access::READ_WRITE).unwrap();
+    let err = initiator
+        .transfer_durable(
+            &peer,
+            Op::Write,
+            &[TransferDesc::new(src.addr(), plain.addr(), 4096)],
+            Durability::Persistent,
+            T,
+        )
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument(_)), "{err:?}");
+    assert_eq!(plain.to_vec().unwrap(), vec![0u8; 4096], "nothing written");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_shapes_persist_intact() {
+    let Some(file) = pmem() else { return };
+    let Some((_target, region, initiator, peer)) = setup(builder(), builder(), &file).await else {
+        return;
+    };
+    let mut bad = Vec::new();
+    // Odd totals split in two make scatter-gather entries of different lengths (the case rxe's
+    // `ibv_wr_set_sge_list` gets wrong; see src/post.rs).
+    for (i, len) in [1usize, 2, 3, 7, 8, 9, 39, 40, 63, 64, 65, 100, 4095, 4096, 4097, 10_000]
+        .into_iter()
+        .enumerate()
+    {
+        for split in [false, true] {
+            let data = pattern(len, i as u8 + 1);
+            let src = initiator.register(data.clone(), Access::READ_WRITE).unwrap();
+            let offset = 3 * 4096 * i as u64 + if split { 1 << 20 } else { 0 };
+            let descs = if split && len > 1 {
+                let half = (len / 2) as u64;
+                vec![
+                    TransferDesc::new(src.addr(), region.addr_at(offset), half),
+                    TransferDesc::new(src.addr_at(half), region.addr_at(offset + half), len as u64 - half),
+                ]
+            } else {
+                vec![TransferDesc::new(src.addr(), region.addr_at(offset), len as u64)]
+            };
+            initiator
+                .transfer_durable(&peer, Op::Write, &descs, Durability::Persistent, T)
+                .await
+                .unwrap();
+            let mut back = vec![0u8; len];
+            region.read_at(offset, &mut back).unwrap();
+            let differ: Vec<usize> = (0..len).filter(|&j| back[j] != data[j]).collect();
+            if !differ.is_empty() {
+                bad.push(format!(
+                    "len {len} split {split}: {} differ {:?}",
+                    differ.len(),
+                    &differ[..differ.len().min(4)]
+                ));
+            }
+        }
+    }
+    assert!(bad.is_empty(), "{}: {bad:#?}", peer.persist_method());
+}

@@ -1,0 +1,117 @@
+//! One trial of the power-cut test (`cargo xtask rig powercut`), run inside the rig's guest.
+//!
+//! A target engine registers a file on the guest's ext4 disk; an initiator engine in the same process
+//! writes `--ranges` pages with durability persistent and, interleaved, as many control pages with
+//! durability completed, each page a pattern derived from `--seed`. When the last persistent write is
+//! acknowledged it prints `powercut: ACK` and waits: the host kills the guest on that line and then
+//! checks the disk image. Every persistent page must be there; the control pages, which nothing
+//! flushed, should not all be.
+//!
+//! The file holds `2 * ranges` pages: persistent page `i` at page `i`, control page `i` at page
+//! `ranges + i`, so that flushing one never flushes the other.
+
+use std::io::Write;
+use std::time::Duration;
+
+use ferry::{Access, Durability, Engine, Op, TransferDesc, TransportKind};
+
+const PAGE: usize = 4096;
+const T: Duration = Duration::from_secs(60);
+
+struct Args {
+    file: String,
+    transport: TransportKind,
+    ranges: usize,
+    seed: u64,
+    listen: String,
+}
+
+fn parse() -> Result<Args, String> {
+    let mut args = Args {
+        file: String::new(),
+        transport: TransportKind::Tcp,
+        ranges: 64,
+        seed: 1,
+        listen: "127.0.0.1:0".into(),
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let value = it.next().ok_or_else(|| format!("{flag} needs a value"))?;
+        match flag.as_str() {
+            "--file" => args.file = value,
+            "--transport" => args.transport = value.parse().map_err(|e| format!("{e}"))?,
+            "--ranges" => args.ranges = value.parse().map_err(|e| format!("--ranges: {e}"))?,
+            "--seed" => args.seed = value.parse().map_err(|e| format!("--seed: {e}"))?,
+            "--listen" => args.listen = value,
+            other => return Err(format!("unknown option {other}")),
+        }
+    }
+    if args.file.is_empty() || args.ranges == 0 {
+        return Err(
+            "usage: powercut --file PATH [--transport tcp|rdma] [--ranges N] [--seed S] [--listen IP:0]".into(),
+        );
+    }
+    Ok(args)
+}
+
+/// The bytes of persistent (`control == false`) or control page `index` in trial `seed`; never the
+/// disk image's filler byte pattern. The host computes the same.
+fn page(seed: u64, index: usize, control: bool) -> Vec<u8> {
+    let mut x = seed ^ ((index as u64) << 20) ^ if control { 0x5555_0000_0000 } else { 0xaaaa_0000_0000 };
+    (0..PAGE)
+        .map(|_| {
+            // xorshift64
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 24) as u8
+        })
+        .collect()
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args = parse()?;
+    let transports = match args.transport {
+        TransportKind::Tcp => vec![TransportKind::Tcp],
+        other => vec![other, TransportKind::Tcp],
+    };
+    let len = 2 * args.ranges * PAGE;
+    let target = Engine::builder()
+        .listen(&args.listen)
+        .transports(transports.clone())
+        .build()
+        .await?;
+    let file = target.register_file(&args.file, 0, len, Access::READ_WRITE)?;
+    let initiator = Engine::builder().transports(transports).build().await?;
+    let addr = target.local_addr().ok_or("the target engine has no listen address")?;
+    let peer = initiator.connect(&addr.to_string(), T).await?;
+    if peer.transport() != args.transport {
+        return Err(format!("asked for {} but the link uses {}", args.transport, peer.transport()).into());
+    }
+    println!(
+        "powercut: transport={} method={} region={}",
+        peer.transport(),
+        peer.persist_method(),
+        file.kind()
+    );
+    let src = initiator.alloc_host(len, Access::READ_WRITE)?;
+    for i in 0..args.ranges {
+        src.write_at((i * PAGE) as u64, &page(args.seed, i, false))?;
+        src.write_at(((args.ranges + i) * PAGE) as u64, &page(args.seed, i, true))?;
+    }
+    for i in 0..args.ranges {
+        for (at, durability) in [(args.ranges + i, Durability::Completed), (i, Durability::Persistent)] {
+            let off = (at * PAGE) as u64;
+            let d = [TransferDesc::new(src.addr_at(off), file.addr_at(off), PAGE as u64)];
+            initiator.transfer_durable(&peer, Op::Write, &d, durability, T).await?;
+        }
+    }
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "powercut: ACK ranges={}", args.ranges)?;
+    out.flush()?;
+    drop(out);
+    // The host cuts the power now; whatever happens after this line must not matter.
+    tokio::time::sleep(Duration::from_secs(3600)).await;
+    Ok(())
+}
