@@ -183,12 +183,14 @@ pub enum Frame {
         /// The transport's own setup data (queue pair number, GID…).
         blob: Vec<u8>,
     },
-    /// Make the named ranges, already written, persistent; answered by [`Frame::Ack`] once they are
-    /// in the target's persistence domain (the flush request of a transport whose writes bypass the
-    /// target's CPU).
-    Persist {
+    /// Commit ranges already written by a data path that bypasses the target's CPU (RDMA): copy them
+    /// in from where they were staged, if they were, and for [`Durability::Persistent`] persist them
+    /// (seed 002's flush request). Answered by [`Frame::Ack`] once done.
+    Commit {
         /// Operation id.
         id: u64,
+        /// What the acknowledgement promises.
+        durability: Durability,
         /// The written ranges.
         segments: Vec<Segment>,
     },
@@ -220,7 +222,7 @@ mod kind {
     pub const GOODBYE: u8 = 14;
     pub const TRANSPORT_SETUP: u8 = 15;
     pub const TRANSPORT_SETUP_REPLY: u8 = 16;
-    pub const PERSIST: u8 = 17;
+    pub const COMMIT: u8 = 17;
 }
 
 impl Frame {
@@ -242,7 +244,7 @@ impl Frame {
             Frame::Goodbye => kind::GOODBYE,
             Frame::TransportSetup { .. } => kind::TRANSPORT_SETUP,
             Frame::TransportSetupReply { .. } => kind::TRANSPORT_SETUP_REPLY,
-            Frame::Persist { .. } => kind::PERSIST,
+            Frame::Commit { .. } => kind::COMMIT,
         }
     }
 
@@ -324,8 +326,17 @@ pub fn encode(frame: &Frame, payload_len: u64, out: &mut BytesMut) -> Result<()>
             out.put_u64_le(*offset);
             out.put_u64_le(*len);
         }
-        Frame::ReadBatch { id, segments } | Frame::Persist { id, segments } => {
+        Frame::ReadBatch { id, segments } => {
             out.put_u64_le(*id);
+            put_segments(out, segments)?;
+        }
+        Frame::Commit {
+            id,
+            durability,
+            segments,
+        } => {
+            out.put_u64_le(*id);
+            out.put_u8(durability_byte(*durability));
             put_segments(out, segments)?;
         }
         Frame::ReadData { id } => out.put_u64_le(*id),
@@ -388,7 +399,7 @@ pub fn decode_header(buf: &[u8], limits: &Limits) -> Result<Option<Header>> {
         )));
     }
     let kind = h[3];
-    if !(kind::HELLO..=kind::PERSIST).contains(&kind) {
+    if !(kind::HELLO..=kind::COMMIT).contains(&kind) {
         return Err(Error::Protocol(format!("unknown frame kind {kind}")));
     }
     let body_len = u32::from_le_bytes([h[4], h[5], h[6], h[7]]);
@@ -486,8 +497,9 @@ pub fn decode(buf: &[u8], limits: &Limits) -> Result<Option<(Decoded, usize)>> {
             id: r.u64()?,
             segments: r.segments()?,
         },
-        kind::PERSIST => Frame::Persist {
+        kind::COMMIT => Frame::Commit {
             id: r.u64()?,
+            durability: r.durability()?,
             segments: r.segments()?,
         },
         kind::READ_DATA => Frame::ReadData { id: r.u64()? },
@@ -881,7 +893,14 @@ mod tests {
             (any::<u64>(), arb_key(), any::<u64>(), any::<u64>())
                 .prop_map(|(id, key, offset, len)| (Frame::Read { id, key, offset, len }, 0)),
             (any::<u64>(), arb_segments()).prop_map(|(id, segments)| (Frame::ReadBatch { id, segments }, 0)),
-            (any::<u64>(), arb_segments()).prop_map(|(id, segments)| (Frame::Persist { id, segments }, 0)),
+            (any::<u64>(), arb_durability(), arb_segments()).prop_map(|(id, durability, segments)| (
+                Frame::Commit {
+                    id,
+                    durability,
+                    segments
+                },
+                0
+            )),
             (any::<u64>(), 0u64..1 << 30).prop_map(|(id, len)| (Frame::ReadData { id }, len)),
             (any::<u64>(), arb_error()).prop_map(|(id, error)| (Frame::Ack { id, error }, 0)),
             (any::<u64>(), ".{0,64}", ".{0,64}").prop_map(|(id, name, msg)| (Frame::Notify { id, name, msg }, 0)),

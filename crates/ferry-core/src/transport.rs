@@ -47,6 +47,13 @@ pub trait Transport: Send + Sync + 'static {
         let _ = region;
         Ok(None)
     }
+    /// Target side, on a peer's commit request: copies `ranges` of `region` in from wherever this
+    /// transport staged them (an RDMA bounce buffer for memory the NIC cannot reach), before they are
+    /// acknowledged or persisted. The caller holds no lease; the transport takes one.
+    fn commit_staged(&self, region: &RegionEntry, ranges: &[(u64, u64)]) -> Result<()> {
+        let _ = (region, ranges);
+        Ok(())
+    }
     /// Called when a region is deregistered, after its fence closed. Returns once the transport will
     /// not touch the region again (an RDMA transport deregisters it from the NIC here).
     fn deregister_region(&self, key: RegionKey) {
@@ -147,11 +154,11 @@ pub trait DataLink: Send + Sync + 'static {
     /// Sends a notification; completes when the peer queued it. Ordered after every transfer that
     /// completed before it was called.
     fn notify(&self, notification: Notification) -> BoxFuture<'static, Result<()>>;
-    /// Asks the target to persist ranges already written to it (seed 002's flush request): completes
-    /// once they are in its persistence domain. Links that cannot carry the request answer
-    /// `Unsupported`.
-    fn persist(&self, segments: Vec<Segment>) -> BoxFuture<'static, Result<()>> {
-        let _ = segments;
+    /// Asks the target to commit ranges already written to it by a path that bypasses its CPU: copy
+    /// them in from where they were staged and, for [`Durability::Persistent`], persist them (seed
+    /// 002's flush request). Links that cannot carry the request answer `Unsupported`.
+    fn commit(&self, segments: Vec<Segment>, durability: Durability) -> BoxFuture<'static, Result<()>> {
+        let _ = (segments, durability);
         let kind = self.kind();
         Box::pin(async move { Err(Error::Unsupported(format!("a {kind} link carries no flush request"))) })
     }

@@ -208,24 +208,75 @@ impl Transport for RdmaTransport {
             // which deregisters the memory region first.
             unsafe { shared.pd.reg_mr(region.addr() as usize, region.len() as usize, flags) }
         };
-        let (mr, flushable) = match flushable {
+        let registered = match flushable {
             true => match register(flags | AccessFlags::FlushGlobal | AccessFlags::FlushPersistent) {
-                Ok(mr) => (mr, true),
+                Ok(mr) => Ok((mr, true)),
                 Err(e) => {
                     tracing::warn!(region = ?region.key(), error = %e, "registering for FLUSH failed; persistent writes to it use the flush request");
-                    (register(flags).map_err(|e| reg_error(shared, region, e))?, false)
+                    register(flags).map(|mr| (mr, false))
                 }
             },
-            false => (register(flags).map_err(|e| reg_error(shared, region, e))?, false),
+            false => register(flags).map(|mr| (mr, false)),
         };
-        let reg = Arc::new(Registered::new(mr));
+        let (reg, flushable, staging_addr) = match registered {
+            Ok((mr, flushable)) => (Registered::new(mr), flushable, None),
+            // A file in the page cache: the kernel will not pin its pages for the NIC. Stage instead.
+            Err(e) if region.block().persistent() => {
+                let mut staging = mr::Staging::new(region.len() as usize);
+                let addr = staging.as_ptr() as u64;
+                // SAFETY: the staging buffer is owned by the `Registered` built from this registration,
+                // which drops the memory region before the buffer.
+                let mr = unsafe { shared.pd.reg_mr(addr as usize, staging.len(), flags) }
+                    .map_err(|e| reg_error(shared, region, e))?;
+                tracing::info!(
+                    region = ?region.key(),
+                    kind = region.block().kind(),
+                    reason = %e,
+                    "the NIC cannot pin this region; RDMA writes to it are staged and committed by request"
+                );
+                (Registered::staged(mr, staging), false, Some(addr))
+            }
+            Err(e) => return Err(reg_error(shared, region, e)),
+        };
+        let reg = Arc::new(reg);
         let rkey = reg.rkey();
         shared
             .regions
             .lock()
             .map_err(|_| Error::Protocol("RDMA region table lock poisoned".into()))?
             .insert(region.key(), reg);
-        Ok(Some(wire::RemoteKey { rkey, flushable }.encode()))
+        Ok(Some(
+            wire::RemoteKey {
+                rkey,
+                flushable,
+                staging_addr,
+            }
+            .encode(),
+        ))
+    }
+
+    fn commit_staged(&self, region: &RegionEntry, ranges: &[(u64, u64)]) -> Result<()> {
+        let Ok(shared) = self.shared() else { return Ok(()) };
+        let Ok(reg) = shared.registered(region.key()) else {
+            return Ok(());
+        };
+        if !reg.is_staged() {
+            return Ok(());
+        }
+        let _lease = region.fence().enter().ok_or_else(|| region.gone())?;
+        for &(offset, len) in ranges {
+            region.check_range(offset, len)?;
+            let from = reg
+                .staged_ptr(offset)
+                .ok_or_else(|| Error::OutOfBounds(format!("staged range at {offset} of region {:?}", region.key())))?;
+            // SAFETY: both ranges lie inside their buffers (the staging buffer is the region's size and
+            // the range was checked against the region); the lease keeps the region's memory mapped;
+            // the initiator's writes to these bytes completed before it asked for this commit, and no
+            // reference to either buffer exists.
+            unsafe { std::ptr::copy_nonoverlapping(from, region.ptr_at(offset), len as usize) };
+        }
+        // A mapped file that shrank meanwhile took the bytes into zero pages: say so.
+        region.block().check_backing()
     }
 
     fn deregister_region(&self, key: RegionKey) {

@@ -223,13 +223,19 @@ impl Inner {
                     self.peer, item.remote_addr
                 ))
             })?;
-            let rkey = RemoteKey::decode(key)?.rkey;
+            let remote = RemoteKey::decode(key)?;
+            let rkey = remote.rkey;
+            // A staged region is reached at its staging buffer, at the same offset.
+            let remote_base = match remote.staging_addr {
+                Some(staging) => staging + item.remote_offset,
+                None => item.remote_addr,
+            };
             let region = self.shared.registered(item.local.region.key())?;
             let mut done = 0u64;
             while done < item.len() {
                 let n = (item.len() - done).min(max_msg);
                 let laddr = item.local.region.addr() + item.local.offset + done;
-                let raddr = item.remote_addr + done;
+                let raddr = remote_base + done;
                 let sge = ibv_sge {
                     addr: laddr,
                     length: n as u32,
@@ -472,6 +478,12 @@ async fn run(inner: Arc<Inner>, request: TransferRequest) -> Result<()> {
                 .prepare_read(item.local.offset as usize, item.local.len as usize)?;
         }
     }
+    let (staged_remote, staged_local) = inner.staging(&request.items)?;
+    if staged_local || (request.op == Op::Read && !staged_remote.is_empty()) {
+        // Memory the NIC reaches only through a staging buffer (a page-cache file): the bytes that
+        // count are in the region itself, which TCP reaches directly.
+        return inner.control.transfer(request).await;
+    }
     let mut wrs = inner.plan(request.op, &request.items)?;
     let persistent = request.op == Op::Write && request.durability == Durability::Persistent;
     let method = if persistent {
@@ -514,32 +526,49 @@ async fn run(inner: Arc<Inner>, request: TransferRequest) -> Result<()> {
         rx.await
             .map_err(|_| Error::PeerClosed(format!("the RDMA link to {} closed", inner.peer)))??;
     }
+    let segment = |i: &TransferItem| Segment {
+        key: i.remote_key,
+        offset: i.remote_offset,
+        len: i.len(),
+    };
     if method == Some(PersistMethod::FlushRequest) {
-        let segments = request
-            .items
-            .iter()
-            .map(|i| Segment {
-                key: i.remote_key,
-                offset: i.remote_offset,
-                len: i.len(),
-            })
-            .collect();
-        inner.control.persist(segments).await?;
+        let segments = request.items.iter().map(segment).collect();
+        inner.control.commit(segments, Durability::Persistent).await?;
+    } else if !staged_remote.is_empty() {
+        let segments = staged_remote.into_iter().map(|i| segment(&request.items[i])).collect();
+        inner.control.commit(segments, Durability::Completed).await?;
     }
     Ok(())
 }
 
 impl Inner {
+    /// Which items' remote regions the target stages, and whether any local region is staged here.
+    fn staging(&self, items: &[TransferItem]) -> Result<(Vec<usize>, bool)> {
+        let mut remote = Vec::new();
+        let mut local = false;
+        for (i, item) in items.iter().enumerate() {
+            if let Some(key) = item.remote_transport_key.as_deref()
+                && RemoteKey::decode(key)?.is_staged()
+            {
+                remote.push(i);
+            }
+            local |= self.shared.registered(item.local.region.key())?.is_staged();
+        }
+        Ok((remote, local))
+    }
+
     /// How this persistent transfer is made persistent: the link's method where every remote region
     /// qualifies for it, else the flush request.
     fn method_for(&self, items: &[TransferItem]) -> Result<Option<PersistMethod>> {
         let qualifies = |item: &TransferItem| -> Result<bool> {
+            let key = match item.remote_transport_key.as_deref() {
+                Some(key) => RemoteKey::decode(key)?,
+                None => return Ok(false),
+            };
             Ok(match self.persist {
-                PersistMethod::FlushVerb => match item.remote_transport_key.as_deref() {
-                    Some(key) => RemoteKey::decode(key)?.flushable,
-                    None => false,
-                },
-                PersistMethod::ReadAfterWrite => item.remote_access.contains(Access::READ),
+                PersistMethod::FlushVerb => key.flushable,
+                // Staged bytes reach the region only by a commit request.
+                PersistMethod::ReadAfterWrite => item.remote_access.contains(Access::READ) && !key.is_staged(),
                 _ => true,
             })
         };
@@ -606,8 +635,8 @@ impl DataLink for RdmaLink {
         self.inner.closed.load(Ordering::Acquire) || self.inner.control.is_closed()
     }
 
-    fn persist(&self, segments: Vec<Segment>) -> BoxFuture<'static, Result<()>> {
-        self.inner.control.persist(segments)
+    fn commit(&self, segments: Vec<Segment>, durability: Durability) -> BoxFuture<'static, Result<()>> {
+        self.inner.control.commit(segments, durability)
     }
 
     fn persist_method(&self) -> PersistMethod {

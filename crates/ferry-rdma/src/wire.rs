@@ -81,25 +81,51 @@ pub struct RemoteKey {
     /// Whether the region was registered for persistent FLUSH (it is persistent memory and the
     /// target's device executes FLUSH).
     pub flushable: bool,
+    /// Where RDMA reaches the region when the target stages it (memory its NIC cannot pin): the
+    /// staging buffer's address, which a region offset is added to. Writes there need a commit
+    /// request, and reads go over TCP.
+    pub staging_addr: Option<u64>,
 }
 
+const FLUSHABLE: u8 = 1;
+const STAGED: u8 = 2;
+
 impl RemoteKey {
-    /// The advert form: the rkey little-endian, then a flags byte.
+    /// The advert form: the rkey little-endian, a flags byte, and the staging address (little-endian)
+    /// when staged.
     pub fn encode(&self) -> Vec<u8> {
         let mut v = self.rkey.to_le_bytes().to_vec();
-        v.push(u8::from(self.flushable));
+        let flags = if self.flushable { FLUSHABLE } else { 0 } | if self.staging_addr.is_some() { STAGED } else { 0 };
+        v.push(flags);
+        if let Some(addr) = self.staging_addr {
+            v.extend_from_slice(&addr.to_le_bytes());
+        }
         v
     }
 
     /// Parses what `encode` wrote.
     pub fn decode(b: &[u8]) -> Result<Self> {
-        match *b {
-            [a, b0, c, d, flags] if flags <= 1 => Ok(RemoteKey {
-                rkey: u32::from_le_bytes([a, b0, c, d]),
-                flushable: flags == 1,
-            }),
-            _ => Err(Error::Protocol(format!("an RDMA key of {} bytes ({b:02x?})", b.len()))),
+        let bad = || Error::Protocol(format!("an RDMA key of {} bytes ({b:02x?})", b.len()));
+        let (head, rest) = b.split_first_chunk::<5>().ok_or_else(bad)?;
+        let [a, b0, c, d, flags] = *head;
+        if flags & !(FLUSHABLE | STAGED) != 0 {
+            return Err(bad());
         }
+        let staging_addr = match (flags & STAGED != 0, rest) {
+            (false, []) => None,
+            (true, rest) => Some(u64::from_le_bytes(<[u8; 8]>::try_from(rest).map_err(|_| bad())?)),
+            (false, _) => return Err(bad()),
+        };
+        Ok(RemoteKey {
+            rkey: u32::from_le_bytes([a, b0, c, d]),
+            flushable: flags & FLUSHABLE != 0,
+            staging_addr,
+        })
+    }
+
+    /// Whether the target stages the region.
+    pub fn is_staged(&self) -> bool {
+        self.staging_addr.is_some()
     }
 }
 
@@ -116,8 +142,8 @@ mod tests {
         }
 
         #[test]
-        fn keys_round_trip(rkey in any::<u32>(), flushable in any::<bool>()) {
-            let k = RemoteKey { rkey, flushable };
+        fn keys_round_trip(rkey in any::<u32>(), flushable in any::<bool>(), staging_addr in any::<Option<u64>>()) {
+            let k = RemoteKey { rkey, flushable, staging_addr };
             prop_assert_eq!(RemoteKey::decode(&k.encode()).unwrap(), k);
         }
 

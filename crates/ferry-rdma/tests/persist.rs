@@ -213,6 +213,51 @@ async fn page_cache_regions_fall_back_to_the_flush_request() {
     let _ = std::fs::remove_file(&path);
 }
 
+/// A file on ext4: the kernel will not pin its pages for the NIC, so the target stages RDMA writes in a
+/// registered buffer and copies them in on the initiator's commit request; reads go over TCP.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unpinnable_page_cache_files_are_staged() {
+    let Ok(dir) = std::env::var("FERRY_EXT4_DIR") else {
+        assert!(!in_rig(), "inside the rig FERRY_EXT4_DIR names a mounted ext4 disk");
+        eprintln!("skipped: no ext4 folder given (FERRY_EXT4_DIR); `cargo xtask rig test` runs this");
+        return;
+    };
+    let path = std::path::Path::new(&dir).join("staged");
+    std::fs::write(&path, vec![0u8; LEN]).unwrap();
+    let Some((_target, region, initiator, peer)) = setup(builder(), builder(), path.to_str().unwrap()).await else {
+        return;
+    };
+    // Completed: the commit request copies the staged bytes in; nothing is flushed.
+    let data = pattern(50_001, 11);
+    let src = initiator.register(data.clone(), Access::READ_WRITE).unwrap();
+    let d = [TransferDesc::new(src.addr(), region.addr_at(777), data.len() as u64)];
+    initiator.transfer(&peer, Op::Write, &d, T).await.unwrap();
+    let mut back = vec![0u8; data.len()];
+    region.read_at(777, &mut back).unwrap();
+    assert!(back == data, "completed write visible in the region");
+    assert_eq!(target_flushes(&region), 0);
+    // Persistent: copied in and flushed, once.
+    write_persistent(&initiator, &peer, &region, 300_000, pattern(9_999, 12)).await;
+    assert_eq!(target_flushes(&region), 1);
+    // Reads see the region (the file), not the staging buffer: change it behind RDMA's back.
+    region.write_at(777, b"written by the target").unwrap();
+    let into = initiator.alloc_host(64, Access::READ_WRITE).unwrap();
+    initiator
+        .transfer(
+            &peer,
+            Op::Read,
+            &[TransferDesc::new(into.addr(), region.addr_at(777), 21)],
+            T,
+        )
+        .await
+        .unwrap();
+    let mut got = [0u8; 21];
+    into.read_at(0, &mut got).unwrap();
+    assert_eq!(&got, b"written by the target");
+    drop(region);
+    let _ = std::fs::remove_file(&path);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn persistence_is_refused_for_plain_memory() {
     let Some((target, initiator, peer)) = async {

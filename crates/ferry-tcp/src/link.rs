@@ -814,11 +814,16 @@ impl DataLink for TcpLink {
         })
     }
 
-    fn persist(&self, segments: Vec<Segment>) -> BoxFuture<'static, Result<()>> {
+    fn commit(&self, segments: Vec<Segment>, durability: Durability) -> BoxFuture<'static, Result<()>> {
         let shared = self.shared.clone();
         Box::pin(async move {
             let id = shared.next_id();
-            let rx = shared.submit(0, id, 0, None, None, Outgoing::Frame(Frame::Persist { id, segments }))?;
+            let frame = Frame::Commit {
+                id,
+                durability,
+                segments,
+            };
+            let rx = shared.submit(0, id, 0, None, None, Outgoing::Frame(frame))?;
             rx.await.map_err(|_| shared.closed_error())?
         })
     }

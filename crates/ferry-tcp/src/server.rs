@@ -392,13 +392,21 @@ async fn serve_requests(
                 };
                 writer.push(&ack(id, result), 0)?;
             }
-            Frame::Persist { id, segments } => {
-                // A data path that bypasses this CPU (RDMA) asks for its written ranges to be persisted.
+            Frame::Commit {
+                id,
+                durability,
+                segments,
+            } => {
+                // A data path that bypasses this CPU (RDMA) wrote these ranges: bring in what it staged,
+                // then persist if asked.
                 let result = segments
                     .iter()
-                    .map(|s| resolve_write(ctx, s.key, s.offset, s.len, Durability::Persistent))
+                    .map(|s| resolve_write(ctx, s.key, s.offset, s.len, durability))
                     .collect::<Result<Vec<_>>>()
-                    .and_then(|parts| persist(&parts, Durability::Persistent));
+                    .and_then(|parts| {
+                        commit_staged(ctx, &parts)?;
+                        persist(&parts, durability)
+                    });
                 writer.push(&ack(id, result), 0)?;
             }
             Frame::Read { id, key, offset, len } => {
@@ -535,12 +543,18 @@ async fn land(reader: &mut FrameReader, r: &Resolved) -> Result<Result<()>> {
     })
 }
 
-/// Makes the written `parts` persistent when asked, one batch per region: a page written by several
-/// parts of the request is flushed once.
-fn persist(parts: &[Resolved], durability: Durability) -> Result<()> {
-    if durability != Durability::Persistent {
-        return Ok(());
-    }
+/// Lets every transport copy in what it staged for `parts`, region by region.
+fn commit_staged(ctx: &EngineContext, parts: &[Resolved]) -> Result<()> {
+    for_each_region(parts, |region, ranges| {
+        ctx.acceptors.iter().try_for_each(|t| t.commit_staged(region, ranges))
+    })
+}
+
+/// Calls `f` once per region of `parts` with that region's ranges.
+fn for_each_region(
+    parts: &[Resolved],
+    mut f: impl FnMut(&ferry_core::RegionEntry, &[(u64, u64)]) -> Result<()>,
+) -> Result<()> {
     let mut done: Vec<ferry_core::RegionKey> = Vec::new();
     for p in parts {
         let key = p.region.key();
@@ -553,7 +567,16 @@ fn persist(parts: &[Resolved], durability: Durability) -> Result<()> {
             .filter(|q| q.region.key() == key)
             .map(|q| (q.offset, q.len))
             .collect();
-        p.region.persist(&ranges)?;
+        f(&p.region, &ranges)?;
     }
     Ok(())
+}
+
+/// Makes the written `parts` persistent when asked, one batch per region: a page written by several
+/// parts of the request is flushed once.
+fn persist(parts: &[Resolved], durability: Durability) -> Result<()> {
+    if durability != Durability::Persistent {
+        return Ok(());
+    }
+    for_each_region(parts, |region, ranges| region.persist(ranges))
 }

@@ -142,7 +142,16 @@ async fn flush_requests_persist_named_ranges_and_check_them() {
     let plain = target.alloc_host(4096, rw()).unwrap();
     let (mut c, _ack) = RawClient::handshake(target.local_addr().unwrap()).await;
     let mut ask = async |id: u64, segments: Vec<Segment>| {
-        c.send(&Frame::Persist { id, segments }, &[]).await;
+        let durability = Durability::Persistent;
+        c.send(
+            &Frame::Commit {
+                id,
+                durability,
+                segments,
+            },
+            &[],
+        )
+        .await;
         loop {
             match c.recv().await.expect("an answer").frame {
                 Frame::Ack { id: got, error } if got == id => return error,

@@ -14,6 +14,7 @@
 //! - `rig -- CMD…`: one boot that runs CMD and exits with its status (see [`boot`]).
 //! - `rig test`: the `ferry-rdma` integration tests in one boot (see [`test`]).
 //! - `rig bench`: perftest and `ferry bench` side by side in one boot (see [`bench`]).
+//! - `rig powercut`: persistent writes against a simulated power cut (see [`powercut`]).
 //!
 //! Every phase prints how long it took, so a CI log shows where its 90 minutes went.
 
@@ -23,6 +24,7 @@ mod host;
 mod image;
 mod kernel;
 mod pmem;
+mod powercut;
 mod test;
 
 use std::path::PathBuf;
@@ -57,6 +59,8 @@ enum Action {
     Test(test::Args),
     /// ib_write_bw/ib_read_bw and `ferry bench --transport rdma` side by side in one guest boot.
     Bench(bench::Args),
+    /// Simulated power cuts: persistent writes must survive qemu being killed, unflushed ones need not.
+    Powercut(powercut::Args),
 }
 
 #[derive(clap::Args)]
@@ -183,6 +187,10 @@ pub fn run(args: &Args) -> Result<ExitCode> {
         Some(Action::Bench(bench_args)) => {
             let prepared = prepare(&layout, false, &mut timings)?;
             bench::run(bench_args, &layout, &prepared, timeout, args.keep, &mut timings)
+        }
+        Some(Action::Powercut(powercut_args)) => {
+            let prepared = prepare(&layout, false, &mut timings)?;
+            powercut::run(powercut_args, &layout, &prepared, timeout, args.keep, &mut timings)
         }
         None if args.command.is_empty() => {
             bail!("nothing to do: give `build`, `test`, `bench`, or a command after `--` (cargo xtask rig -- CMD…)")

@@ -70,6 +70,7 @@ pub fn run(
     let runs = plan(&binaries, &rdma_core.env());
     let script = guest_script(&runs, &args.test_args);
     let nvdimm = pmem::nvdimm_image(&layout.dir)?;
+    let disk = super::powercut::ext4_image(&layout.dir.join(format!("test-disk-{}", std::process::id())), 0)?;
     let marker = format!("ferry-pmem-marker-{:x}-{:x}", std::process::id(), nanos());
     let guest = Guest {
         prepared,
@@ -79,6 +80,7 @@ pub fn run(
         console: Console::Stderr,
         devices: Devices {
             nvdimm: Some(nvdimm.clone()),
+            disk: Some(disk.clone()),
             ..Default::default()
         },
     };
@@ -94,6 +96,9 @@ pub fn run(
     let flush_pass = runs.iter().any(|r| !r.env.is_empty());
     let marker_found = pmem::file_contains(&nvdimm, marker.as_bytes());
     let _ = std::fs::remove_file(&nvdimm);
+    if let Some(dir) = disk.parent() {
+        let _ = std::fs::remove_dir_all(dir);
+    }
     let status = outcome.command_status();
     let mut failed = 0;
     for (i, run) in runs.iter().enumerate() {
@@ -288,7 +293,10 @@ fn plan<'a>(binaries: &'a [TestBinary], rdma_core_55: &[(&'static str, String)])
 /// Sets up device DAX, then runs every test run in turn (never stopping at a failure), each one's
 /// output to the console and to `test-N.log`, its status to `test-N.rc`; exits non-zero if any failed.
 fn guest_script(runs: &[Run<'_>], test_args: &[String]) -> String {
-    let mut script = format!("{DEVDAX_SETUP}failed=0\nsetup_devdax || failed=1\n");
+    let mut script = format!(
+        "{DEVDAX_SETUP}failed=0\nsetup_devdax || failed=1\n\
+         mkdir -p /tmp/ext4 && mount -t ext4 /dev/vda /tmp/ext4 && export FERRY_EXT4_DIR=/tmp/ext4 || failed=1\n"
+    );
     let extra: String = test_args.iter().map(|a| format!(" {}", sh_quote(a))).collect();
     for (i, run) in runs.iter().enumerate() {
         let b = run.binary;
