@@ -49,6 +49,8 @@ enum Metric {
     P50Us,
     /// `peak_rss_bytes - registered_bytes`, in MiB.
     RssOverheadMiB,
+    /// The target's flush time over the transfer time (persistent writes).
+    PersistShare,
 }
 
 #[derive(Clone, Copy)]
@@ -85,6 +87,16 @@ const fn write(size: &'static str, batch: u32, streams: Option<u32>, depth: Opti
         streams,
         depth,
         target_mem: None,
+        durability: None,
+    }
+}
+
+/// 1 MiB writes on one stream, one at a time, so that a transfer's time is its own: completed, or
+/// persistent into a file on the temporary folder's file system.
+const fn write_1mib_single(durability: &'static str) -> FerryCase {
+    FerryCase {
+        durability: Some(durability),
+        ..write("1MiB", 1, Some(1), Some(1))
     }
 }
 
@@ -140,6 +152,21 @@ const MEASURES: &[Measure] = &[
             ..WRITE_1MIB
         },
         Metric::GbPerS,
+    ),
+    ferry(
+        "ferry write 1MiB completed, 1 stream, depth 1",
+        write_1mib_single("completed"),
+        Metric::GbPerS,
+    ),
+    ferry(
+        "ferry write 1MiB persistent, 1 stream, depth 1",
+        write_1mib_single("persistent"),
+        Metric::GbPerS,
+    ),
+    ferry(
+        "ferry persistent 1MiB: flush time / transfer time",
+        write_1mib_single("persistent"),
+        Metric::PersistShare,
     ),
 ];
 
@@ -289,6 +316,24 @@ const COMPARISONS: &[Comparison] = &[
         target: Target::FerryAtLeast(0.9),
     },
     Comparison {
+        id: "j",
+        name: "write 1MiB persistent / completed (TCP, msync target, 1 stream, depth 1)",
+        ferry: "ferry write 1MiB persistent, 1 stream, depth 1",
+        peer: Some("ferry write 1MiB completed, 1 stream, depth 1"),
+        peer_scale: 1.0,
+        unit: Unit::GbPerS,
+        target: Target::Info,
+    },
+    Comparison {
+        id: "k",
+        name: "persistent 1MiB writes: target's msync time / transfer time",
+        ferry: "ferry persistent 1MiB: flush time / transfer time",
+        peer: None,
+        peer_scale: 1.0,
+        unit: Unit::Ratio,
+        target: Target::Info,
+    },
+    Comparison {
         id: "g",
         name: "read 1MiB / write 1MiB",
         ferry: "ferry read 1MiB",
@@ -416,6 +461,7 @@ impl Bench<'_> {
                     Metric::GbPerS => r.gb_per_s,
                     Metric::P50Us => r.p50_us,
                     Metric::RssOverheadMiB => (r.peak_rss_bytes - r.registered_bytes) / f64::from(1u32 << 20),
+                    Metric::PersistShare => r.persist_share,
                 })
             }
             Probe::Iperf3 { streams } => peers::iperf3(streams, self.duration),

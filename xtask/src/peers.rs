@@ -35,6 +35,8 @@ pub struct FerryCase {
     pub depth: Option<u32>,
     /// `--target-mem`: where the in-process target's region lives ("host" when `None`).
     pub target_mem: Option<&'static str>,
+    /// `--durability` ("completed" when `None`).
+    pub durability: Option<&'static str>,
 }
 
 impl FerryCase {
@@ -51,6 +53,9 @@ impl FerryCase {
         }
         if let Some(mem) = self.target_mem {
             args.extend(["--target-mem".into(), mem.into()]);
+        }
+        if let Some(durability) = self.durability {
+            args.extend(["--durability".into(), durability.into()]);
         }
         args.extend(["--duration".into(), duration.into(), "--json".into()]);
         args
@@ -69,6 +74,8 @@ pub struct FerryResult {
     pub p50_us: f64,
     pub peak_rss_bytes: f64,
     pub registered_bytes: f64,
+    /// The target's flush time over the transfer time, for persistent writes (else 0).
+    pub persist_share: f64,
 }
 
 /// Runs `ferry bench` for one case and returns its JSON figures.
@@ -114,6 +121,7 @@ pub fn parse_ferry(stdout: &str, op: &str, size: u64) -> Result<FerryResult> {
                 p50_us: num("p50_us")?,
                 peak_rss_bytes: num("peak_rss_bytes")?,
                 registered_bytes: num("registered_bytes")?,
+                persist_share: v["persist_share"].as_f64().unwrap_or(0.0),
             });
         }
         seen.push(line.to_owned());
@@ -311,7 +319,8 @@ mod tests {
                 gb_per_s: 4.5,
                 p50_us: 400.0,
                 peak_rss_bytes: 9e7,
-                registered_bytes: 33554432.0
+                registered_bytes: 33554432.0,
+                persist_share: 0.0,
             })
         );
         assert!(parse_ferry(out, "read", 1 << 20).is_err());

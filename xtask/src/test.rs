@@ -114,6 +114,13 @@ const STEPS: &[Step] = &[
             )
         },
     },
+    // Persistent writes against simulated power cuts (qemu killed on the acknowledgement), TCP and RDMA,
+    // with a negative control per transport.
+    Step {
+        name: "rig powercut (durable writes)",
+        lint: false,
+        run: |_| run_step(cargo().args(["xtask", "rig", "powercut"]), 30 * MINUTE),
+    },
     Step {
         name: "example kv_cache_handoff",
         lint: false,

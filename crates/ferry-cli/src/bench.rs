@@ -4,11 +4,15 @@
 //! Each case keeps `depth` batches in flight for `duration` after a short warm-up and reports GB/s
 //! (10^9 bytes per second), descriptors per second, and the p50/p99 latency of one batch. Without
 //! `--peer`, two engines run in this process and talk over 127.0.0.1.
+//!
+//! `--durability persistent` (or `both`, side by side) writes into a file the target registered as
+//! persistent memory and asks for persistent writes; the in-process target then also reports how
+//! long it spent flushing per transfer, and which share of the transfer time that is.
 
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use ferry::{Access, Engine, Op, Peer, Region, TransferDesc, TransportKind};
+use ferry::{Access, Durability, Engine, Op, Peer, Region, TransferDesc, TransportKind};
 use futures::stream::{FuturesUnordered, StreamExt};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
@@ -53,12 +57,27 @@ pub struct Args {
     /// offers; `FERRY_VULKAN_DEVICE` picks the device; needs the `vulkan` feature).
     #[arg(long, default_value = "host", value_parser = ["host", "vulkan"])]
     target_mem: String,
+    /// What a write's completion promises: completed (in the target's memory), persistent (in its
+    /// persistence domain; the target registers a file), or both, side by side.
+    #[arg(long, default_value = "completed", value_parser = ["completed", "persistent", "both"])]
+    durability: String,
+    /// The file the in-process target registers as persistent memory (created or extended as
+    /// needed); a temporary file by default. Only with --durability persistent or both.
+    #[arg(long)]
+    target_file: Option<std::path::PathBuf>,
 }
 
 #[derive(Debug, Clone, Serialize)]
 struct CaseResult {
     transport: String,
     op: String,
+    durability: &'static str,
+    /// How the link persists ("flush-before-ack", "flush-verb"…), for persistent writes.
+    persist_method: Option<String>,
+    /// Time the in-process target spent persisting, per transfer (µs).
+    persist_us_per_transfer: Option<f64>,
+    /// That time over the mean transfer time.
+    persist_share: Option<f64>,
     size: u64,
     batch: usize,
     streams: usize,
@@ -76,6 +95,14 @@ struct Case {
     op: Op,
     size: u64,
     batch: usize,
+    durability: Durability,
+}
+
+fn durability_name(d: Durability) -> &'static str {
+    match d {
+        Durability::Completed => "completed",
+        Durability::Persistent => "persistent",
+    }
 }
 
 fn cases(args: &Args) -> Vec<Case> {
@@ -87,6 +114,11 @@ fn cases(args: &Args) -> Vec<Case> {
     let sizes = args
         .size
         .map_or_else(|| vec![4 << 10, 64 << 10, 1 << 20, 16 << 20], |s| vec![s]);
+    let durabilities = match args.durability.as_str() {
+        "persistent" => vec![Durability::Persistent],
+        "both" => vec![Durability::Completed, Durability::Persistent],
+        _ => vec![Durability::Completed],
+    };
     let mut out = Vec::new();
     for &op in &ops {
         for &size in &sizes {
@@ -97,7 +129,20 @@ fn cases(args: &Args) -> Vec<Case> {
                 None => vec![1],
             };
             for batch in batches {
-                out.push(Case { op, size, batch });
+                // Durability is a promise about writes; a read is measured once.
+                let levels = if op == Op::Write {
+                    &durabilities[..]
+                } else {
+                    &[Durability::Completed][..]
+                };
+                for &durability in levels {
+                    out.push(Case {
+                        op,
+                        size,
+                        batch,
+                        durability,
+                    });
+                }
             }
         }
     }
@@ -108,14 +153,17 @@ fn cases(args: &Args) -> Vec<Case> {
 struct Setup {
     initiator: Engine,
     peer: Peer,
-    /// Keeps the in-process target alive.
-    _target: Option<(Engine, Region)>,
+    /// Keeps the in-process target alive (its region counts the time spent persisting).
+    target: Option<(Engine, Region)>,
+    /// A temporary file made for the target; removed at the end.
+    temp_file: Option<std::path::PathBuf>,
     remote_addr: u64,
     remote_len: u64,
 }
 
 async fn setup(args: &Args, max_bytes: u64) -> anyhow::Result<Setup> {
     let want: TransportKind = args.transport.parse()?;
+    let mut temp_file = None;
     let initiator = Engine::builder()
         .transports([want])
         .streams(args.streams)
@@ -128,6 +176,9 @@ async fn setup(args: &Args, max_bytes: u64) -> anyhow::Result<Setup> {
             "--target-mem applies to the in-process target; a `ferry serve` peer allocates its own memory \
              (drop --peer or --target-mem)"
         ),
+        Some(_) if args.target_file.is_some() => {
+            bail!("--target-file applies to the in-process target; start `ferry serve --file PATH` for a remote one")
+        }
         Some(addr) => (None, addr.clone()),
         None => {
             let target = Engine::builder()
@@ -136,7 +187,7 @@ async fn setup(args: &Args, max_bytes: u64) -> anyhow::Result<Setup> {
                 .build()
                 .await
                 .context("starting the target engine")?;
-            let region = target_region(&target, args, max_bytes as usize)?;
+            let region = target_region(&target, args, max_bytes as usize, &mut temp_file)?;
             let addr = target.local_addr().context("target has no address")?.to_string();
             (Some((target, region)), addr)
         }
@@ -148,13 +199,19 @@ async fn setup(args: &Args, max_bytes: u64) -> anyhow::Result<Setup> {
     if peer.transport() != want {
         bail!("asked for {want} but the link to {addr} uses {}", peer.transport());
     }
+    let persistent = args.durability != "completed";
     let remote = peer
         .regions()
         .iter()
-        .filter(|r| r.access == Access::READ_WRITE)
+        .filter(|r| r.access == Access::READ_WRITE && (r.persistent || !persistent))
         .max_by_key(|r| r.len)
         .cloned()
-        .with_context(|| format!("{addr} advertises no readable and writable region"))?;
+        .with_context(|| {
+            format!(
+                "{addr} advertises no readable and writable{} region",
+                if persistent { " persistent" } else { "" }
+            )
+        })?;
     if remote.len < max_bytes {
         bail!(
             "the peer's largest region has {} bytes; this run needs {max_bytes}",
@@ -164,14 +221,52 @@ async fn setup(args: &Args, max_bytes: u64) -> anyhow::Result<Setup> {
     Ok(Setup {
         initiator,
         peer,
-        _target: target,
+        target,
+        temp_file,
         remote_addr: remote.addr,
         remote_len: remote.len,
     })
 }
 
-/// The in-process target's memory, as `--target-mem` asks.
-fn target_region(target: &Engine, args: &Args, len: usize) -> anyhow::Result<Region> {
+/// The in-process target's memory, as `--target-mem` and `--durability` ask.
+fn target_region(
+    target: &Engine,
+    args: &Args,
+    len: usize,
+    temp_file: &mut Option<std::path::PathBuf>,
+) -> anyhow::Result<Region> {
+    if args.durability != "completed" {
+        if args.target_mem != "host" {
+            bail!("--durability persistent writes into a file; drop --target-mem");
+        }
+        let path = match &args.target_file {
+            Some(p) => p.clone(),
+            None => {
+                let p = std::env::temp_dir().join(format!("ferry-bench-{}.data", std::process::id()));
+                *temp_file = Some(p.clone());
+                p
+            }
+        };
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .read(true)
+            .write(true)
+            .open(&path)
+            .with_context(|| format!("opening {}", path.display()))?;
+        let is_regular = file.metadata().map(|m| m.is_file()).unwrap_or(false);
+        if is_regular && file.metadata().map(|m| m.len()).unwrap_or(0) < len as u64 {
+            file.set_len(len as u64)
+                .with_context(|| format!("extending {} to {len} bytes", path.display()))?;
+        }
+        let region = target
+            .register_file(&path, 0, len, Access::READ_WRITE)
+            .with_context(|| format!("registering {} as persistent memory", path.display()))?;
+        if !args.json {
+            eprintln!("target memory: {} at {}", region.kind(), path.display());
+        }
+        return Ok(region);
+    }
     if args.target_mem != "vulkan" {
         return target
             .alloc_host(len, Access::READ_WRITE)
@@ -234,9 +329,37 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     bar.finish_and_clear();
     if !args.json {
         print_table(&results);
+        print_durability_ratios(&results);
     }
     debug_assert!(setup.remote_len >= max_bytes);
+    drop(setup.target);
+    if let Some(path) = setup.temp_file {
+        let _ = std::fs::remove_file(path);
+    }
     Ok(())
+}
+
+/// For each write case measured both ways: persistent over completed, and the flush's share.
+fn print_durability_ratios(results: &[CaseResult]) {
+    for p in results.iter().filter(|r| r.durability == "persistent") {
+        let Some(c) = results
+            .iter()
+            .find(|c| c.durability == "completed" && c.op == p.op && c.size == p.size && c.batch == p.batch)
+        else {
+            continue;
+        };
+        let share = p.persist_share.map_or_else(String::new, |s| {
+            format!(", flushing {:.0}% of the transfer time", s * 100.0)
+        });
+        println!(
+            "persistent/completed, {} {} x{}: {:.2} ({}{share})",
+            p.op,
+            format_size(p.size),
+            p.batch,
+            if c.gb_per_s > 0.0 { p.gb_per_s / c.gb_per_s } else { 0.0 },
+            p.persist_method.as_deref().unwrap_or("?"),
+        );
+    }
 }
 
 async fn run_case(
@@ -252,9 +375,13 @@ async fn run_case(
         .collect();
     let one = || {
         let started = Instant::now();
-        let fut = s.initiator.transfer(&s.peer, case.op, &descs, TIMEOUT);
+        let fut = s
+            .initiator
+            .transfer_durable(&s.peer, case.op, &descs, case.durability, TIMEOUT);
         async move { fut.await.map(|()| started.elapsed()) }
     };
+    let persist_stats = || s.target.as_ref().and_then(|(_, region)| region.persist_stats());
+    let mut stats_at_start = None;
     let warmup = duration / 10;
     let mut inflight = FuturesUnordered::new();
     let mut latencies: Vec<u32> = Vec::new();
@@ -268,7 +395,10 @@ async fn run_case(
         let elapsed = done.with_context(|| format!("{} of {} x {}", case.op, case.batch, format_size(case.size)))?;
         let now = Instant::now();
         match measuring_since {
-            None if now - begin >= warmup => measuring_since = Some(now),
+            None if now - begin >= warmup => {
+                measuring_since = Some(now);
+                stats_at_start = persist_stats();
+            }
             Some(_) => {
                 transfers += 1;
                 latencies.push(elapsed.as_micros().min(u32::MAX as u128) as u32);
@@ -290,9 +420,20 @@ async fn run_case(
         latencies[i] as f64
     };
     let bytes = transfers as f64 * case.batch as f64 * case.size as f64;
+    let persistent = case.durability == Durability::Persistent;
+    // Transfers still in flight when measuring ended flushed too: the figure is an upper bound.
+    let persist_us_per_transfer = match (persistent, stats_at_start, persist_stats()) {
+        (true, Some(a), Some(b)) if transfers > 0 => Some((b.nanos - a.nanos) as f64 / 1e3 / transfers as f64),
+        _ => None,
+    };
+    let mean_us = latencies.iter().map(|&l| l as f64).sum::<f64>() / latencies.len().max(1) as f64;
     Ok(CaseResult {
         transport: s.peer.transport().to_string(),
         op: case.op.to_string(),
+        durability: durability_name(case.durability),
+        persist_method: persistent.then(|| s.peer.persist_method().to_string()),
+        persist_us_per_transfer,
+        persist_share: persist_us_per_transfer.map(|p| if mean_us > 0.0 { p / mean_us } else { 0.0 }),
         size: case.size,
         batch: case.batch,
         streams: s.peer.tcp_streams(),
@@ -309,21 +450,34 @@ async fn run_case(
 
 fn print_table(results: &[CaseResult]) {
     println!(
-        "{:<9} {:<6} {:>7} {:>6} {:>8} {:>9} {:>12} {:>10} {:>10}",
-        "transport", "op", "size", "batch", "streams", "GB/s", "ops/s", "p50 us", "p99 us"
+        "{:<9} {:<6} {:<10} {:>7} {:>6} {:>8} {:>9} {:>12} {:>10} {:>10} {:>12}",
+        "transport",
+        "op",
+        "durability",
+        "size",
+        "batch",
+        "streams",
+        "GB/s",
+        "ops/s",
+        "p50 us",
+        "p99 us",
+        "flush us/xfer"
     );
     for r in results {
         println!(
-            "{:<9} {:<6} {:>7} {:>6} {:>8} {:>9.3} {:>12.0} {:>10.1} {:>10.1}",
+            "{:<9} {:<6} {:<10} {:>7} {:>6} {:>8} {:>9.3} {:>12.0} {:>10.1} {:>10.1} {:>12}",
             r.transport,
             r.op,
+            r.durability,
             format_size(r.size),
             r.batch,
             r.streams,
             r.gb_per_s,
             r.ops_per_s,
             r.p50_us,
-            r.p99_us
+            r.p99_us,
+            r.persist_us_per_transfer
+                .map_or_else(|| "-".into(), |p| format!("{p:.1}"))
         );
     }
 }

@@ -1,18 +1,72 @@
-//! `ferry info`: the transports and devices this build can use on this host.
+//! `ferry info`: the transports and devices this build can use on this host; with `--peer`, the link
+//! to a running engine (its transport and how it makes persistent writes persistent); with `--file`,
+//! how a persistent region on that file would be mapped and flushed.
+
+use std::time::Duration;
+
+use anyhow::Context;
+use ferry::{Access, Engine};
+use serde::Serialize;
 
 #[derive(clap::Args)]
 pub struct Args {
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
+    /// Connect to the engine at "host:port" and describe the link.
+    #[arg(long)]
+    peer: Option<String>,
+    /// Map this file (or device-DAX device) as a persistent region and say how writes to it persist.
+    #[arg(long)]
+    file: Option<std::path::PathBuf>,
 }
 
-pub fn run(args: Args) -> anyhow::Result<()> {
-    let caps = ferry::capabilities();
+#[derive(Serialize)]
+struct Link {
+    peer: String,
+    transport: String,
+    persist_method: String,
+    tcp_streams: usize,
+    regions: usize,
+    persistent_regions: usize,
+}
+
+#[derive(Serialize)]
+struct FileInfo {
+    path: String,
+    kind: String,
+    mapped_bytes: u64,
+}
+
+#[derive(Serialize)]
+struct Report {
+    #[serde(flatten)]
+    capabilities: ferry::Capabilities,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    link: Option<Link>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    file: Option<FileInfo>,
+}
+
+pub async fn run(args: Args) -> anyhow::Result<()> {
+    let link = match &args.peer {
+        Some(addr) => Some(link(addr).await?),
+        None => None,
+    };
+    let file = match &args.file {
+        Some(path) => Some(file(path).await?),
+        None => None,
+    };
+    let report = Report {
+        capabilities: ferry::capabilities(),
+        link,
+        file,
+    };
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&caps)?);
+        println!("{}", serde_json::to_string_pretty(&report)?);
         return Ok(());
     }
+    let caps = &report.capabilities;
     println!("ferry {} (protocol {})", caps.version, caps.protocol_version);
     println!("{:<6} {:<9} {:<7} detail", "name", "compiled", "usable");
     for t in &caps.transports {
@@ -21,7 +75,51 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     println!("rdma devices:   {}", list(&caps.rdma_devices));
     let vulkan: Vec<String> = caps.vulkan_devices.iter().map(|d| d.to_string()).collect();
     println!("vulkan devices: {}", list(&vulkan));
+    if let Some(l) = &report.link {
+        println!(
+            "link to {}: {} ({} TCP streams), persistent writes by {}; {} regions, {} persistent",
+            l.peer, l.transport, l.tcp_streams, l.persist_method, l.regions, l.persistent_regions
+        );
+    }
+    if let Some(f) = &report.file {
+        println!("file {}: {} ({} bytes mapped)", f.path, f.kind, f.mapped_bytes);
+    }
     Ok(())
+}
+
+async fn link(addr: &str) -> anyhow::Result<Link> {
+    let engine = Engine::builder().build().await.context("starting an engine")?;
+    let peer = engine
+        .connect(addr, Duration::from_secs(5))
+        .await
+        .with_context(|| format!("connecting to {addr}"))?;
+    let regions = peer.regions();
+    Ok(Link {
+        peer: addr.to_string(),
+        transport: peer.transport().to_string(),
+        persist_method: peer.persist_method().to_string(),
+        tcp_streams: peer.tcp_streams(),
+        regions: regions.len(),
+        persistent_regions: regions.iter().filter(|r| r.persistent).count(),
+    })
+}
+
+async fn file(path: &std::path::Path) -> anyhow::Result<FileInfo> {
+    // The first 2 MiB at most (device DAX maps in 2 MiB pages); nothing is written.
+    let size = std::fs::metadata(path)
+        .with_context(|| format!("reading {}", path.display()))?
+        .len();
+    let len = if size == 0 { 2 << 20 } else { size.min(2 << 20) & !4095 };
+    anyhow::ensure!(len > 0, "{} is shorter than a page", path.display());
+    let engine = Engine::builder().build().await.context("starting an engine")?;
+    let region = engine
+        .register_file(path, 0, len as usize, Access::READ)
+        .with_context(|| format!("mapping {}", path.display()))?;
+    Ok(FileInfo {
+        path: path.display().to_string(),
+        kind: region.kind().to_string(),
+        mapped_bytes: region.len(),
+    })
 }
 
 fn yes(b: bool) -> &'static str {

@@ -3,7 +3,8 @@
 //! - `ferry bench` measures transfers between two engines (in this process over loopback, or against
 //!   a `ferry serve` elsewhere) and prints a table, or JSON lines with `--json`.
 //! - `ferry serve` runs a target engine with one registered region until interrupted.
-//! - `ferry info` says what this build can do on this host.
+//! - `ferry info` says what this build can do on this host (and, with `--peer`, how a link to an
+//!   engine moves and persists data).
 
 mod bench;
 mod info;
@@ -50,7 +51,7 @@ fn main() -> std::process::ExitCode {
         match cli.command {
             Command::Bench(a) => bench::run(a).await,
             Command::Serve(a) => serve::run(a).await,
-            Command::Info(a) => info::run(a),
+            Command::Info(a) => info::run(a).await,
         }
     });
     match result {

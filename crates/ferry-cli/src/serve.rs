@@ -1,4 +1,5 @@
-//! `ferry serve`: a target engine with one registered region, until interrupted.
+//! `ferry serve`: a target engine with one registered region, until interrupted: host memory, or with
+//! `--file` a persistent region on that file (writes to it may ask for durability persistent).
 
 use anyhow::Context;
 use ferry::{Access, Engine};
@@ -13,18 +14,48 @@ pub struct Args {
     /// Size of the region to register (readable and writable by peers).
     #[arg(long, default_value = "256MiB", value_parser = parse_size)]
     region_size: u64,
+    /// Register this file (or device-DAX device) as a persistent region of --region-size bytes
+    /// instead of host memory; a regular file is extended to that size.
+    #[arg(long)]
+    file: Option<std::path::PathBuf>,
+    /// Declare this host ADR with DDIO off, so that RDMA initiators may persist by a READ after
+    /// their writes. Never assumed; a wrong declaration loses data on power loss.
+    #[arg(long)]
+    adr_without_ddio: bool,
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
     let engine = Engine::builder()
         .listen(&args.listen)
+        .adr_without_ddio(args.adr_without_ddio)
         .build()
         .await
         .context("starting the engine")?;
     let len = usize::try_from(args.region_size).context("region size does not fit this machine")?;
-    let region = engine
-        .alloc_host(len, Access::READ_WRITE)
-        .context("allocating the region")?;
+    let region = match &args.file {
+        None => engine
+            .alloc_host(len, Access::READ_WRITE)
+            .context("allocating the region")?,
+        Some(path) => {
+            let file = std::fs::OpenOptions::new()
+                .create(true)
+                .truncate(false)
+                .read(true)
+                .write(true)
+                .open(path)
+                .with_context(|| format!("opening {}", path.display()))?;
+            let meta = file.metadata()?;
+            if meta.is_file() && meta.len() < args.region_size {
+                file.set_len(args.region_size)
+                    .with_context(|| format!("extending {}", path.display()))?;
+            }
+            let region = engine
+                .register_file(path, 0, len, Access::READ_WRITE)
+                .with_context(|| format!("registering {}", path.display()))?;
+            eprintln!("persistent region: {} on {}", region.kind(), path.display());
+            region
+        }
+    };
     let addr = engine.local_addr().context("the engine has no listen address")?;
     // One line a script can wait for.
     println!(

@@ -139,7 +139,8 @@ async fn best_method_to_device_dax() {
         if let Ok(marker) = std::env::var("FERRY_PMEM_MARKER") {
             // The host looks for this in the NVDIMM's backing file after the guest powers off. The last
             // page of the region: no other test writes there.
-            write_persistent(&initiator, &peer, &region, (LEN - 4096) as u64, marker.into_bytes()).await;
+            let marker = format!("{marker}-flush-verb").into_bytes();
+            write_persistent(&initiator, &peer, &region, (LEN - 4096) as u64, marker).await;
         }
     } else {
         assert_eq!(
@@ -147,6 +148,35 @@ async fn best_method_to_device_dax() {
             before + 1,
             "one flush request for the transfer"
         );
+    }
+}
+
+/// Over TCP the target's CPU persists: cache-line write-back on the `MAP_SYNC` mapping of device DAX.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_writes_to_device_dax_are_written_back_by_the_cpu() {
+    let Some(file) = pmem() else { return };
+    let tcp = || Engine::builder().transports([TransportKind::Tcp]);
+    let target = tcp().listen("127.0.0.1:0").build().await.unwrap();
+    let region = target.register_file(&file, 0, LEN, Access::READ_WRITE).unwrap();
+    let kind = region.kind().to_string();
+    assert!(
+        ["clwb", "clflushopt", "clflush"]
+            .iter()
+            .any(|i| kind == format!("file (MAP_SYNC, {i})")),
+        "MAP_SYNC accepted and the write-back instruction named: {kind}"
+    );
+    let initiator = tcp().build().await.unwrap();
+    let peer = initiator
+        .connect(&target.local_addr().unwrap().to_string(), T)
+        .await
+        .unwrap();
+    assert_eq!(peer.persist_method(), PersistMethod::FlushBeforeAck);
+    let before = target_flushes(&region);
+    write_persistent(&initiator, &peer, &region, 40_000, pattern(20_000, 4)).await;
+    assert_eq!(target_flushes(&region), before + 1);
+    if let Ok(marker) = std::env::var("FERRY_PMEM_MARKER") {
+        let marker = format!("{marker}-cpu").into_bytes();
+        write_persistent(&initiator, &peer, &region, (LEN - 8192) as u64, marker).await;
     }
 }
 

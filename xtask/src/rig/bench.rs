@@ -1,5 +1,6 @@
 //! `cargo xtask rig bench`: perftest (`ib_write_bw`, `ib_read_bw`) and `ferry bench --transport rdma`
-//! at 64 KiB and 1 MiB, in one guest boot, as medians and ratios.
+//! at 64 KiB and 1 MiB, in one guest boot, as medians and ratios; and persistent 64 KiB writes (WRITE
+//! then FLUSH into device DAX on the emulated NVDIMM, with rdma-core 55) against `ib_write_bw`.
 //!
 //! Why in one boot, alternating: under TCG everything is CPU-bound and noisy (±30 % run to run), so a
 //! number from another boot says little; each round runs perftest and then ferry for every case, and
@@ -17,7 +18,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
 
-use super::boot::{Console, Guest, sh_quote};
+use super::boot::{Console, Devices, Guest, sh_quote};
+use super::pmem::{self, DEVDAX_SETUP};
 use super::{Layout, Prepared, Timings};
 use crate::peers::{parse_ferry, parse_size};
 use crate::util::{cargo, run_captured, run_step};
@@ -41,38 +43,55 @@ const BYTES_PER_RUN: u64 = 64 << 20;
 /// How long each `ferry bench` case measures.
 const FERRY_DURATION: &str = "2s";
 
-/// One comparison: an operation at a message size.
+/// One comparison: an operation at a message size, and for writes its durability.
 struct Case {
     op: &'static str,
     size: &'static str,
+    /// Persistent writes into device DAX (FLUSH after the writes), with rdma-core 55.
+    persistent: bool,
+    /// The ratio this comparison aims for.
+    target: f64,
 }
 
+const fn case(op: &'static str, size: &'static str) -> Case {
+    Case {
+        op,
+        size,
+        persistent: false,
+        target: 0.8,
+    }
+}
+
+/// Where the persistent case writes: the emulated NVDIMM as device DAX.
+const DEVDAX: &str = "/dev/dax0.0";
+
 const CASES: &[Case] = &[
+    case("write", "64KiB"),
+    case("write", "1MiB"),
+    case("read", "64KiB"),
+    case("read", "1MiB"),
     Case {
-        op: "write",
-        size: "64KiB",
-    },
-    Case {
-        op: "write",
-        size: "1MiB",
-    },
-    Case {
-        op: "read",
-        size: "64KiB",
-    },
-    Case {
-        op: "read",
-        size: "1MiB",
+        persistent: true,
+        target: 0.5,
+        ..case("write", "64KiB")
     },
 ];
 
 impl Case {
     fn name(&self) -> String {
-        format!("{} {}", self.op, self.size)
+        if self.persistent {
+            format!("{} {} persistent (FLUSH)", self.op, self.size)
+        } else {
+            format!("{} {}", self.op, self.size)
+        }
     }
 
     fn key(&self) -> String {
-        format!("{}-{}", self.op, self.size)
+        if self.persistent {
+            format!("{}-{}-persistent", self.op, self.size)
+        } else {
+            format!("{}-{}", self.op, self.size)
+        }
     }
 
     fn peer(&self) -> &'static str {
@@ -101,8 +120,13 @@ impl Case {
     }
 
     fn ferry_args(&self) -> String {
+        let durability = if self.persistent {
+            format!(" --durability persistent --target-file {DEVDAX}")
+        } else {
+            String::new()
+        };
         format!(
-            "bench --transport rdma --op {} --size {} --duration {FERRY_DURATION} --json",
+            "bench --transport rdma --op {} --size {} --duration {FERRY_DURATION}{durability} --json",
             self.op, self.size
         )
     }
@@ -138,16 +162,23 @@ pub fn run(
         Ferry::Bin(bin) => Some(bin.clone()),
         Ferry::Unavailable { .. } => None,
     };
-    let script = guest_script(args.rounds, ferry_bin.as_ref());
+    let rdma_core = pmem::rdma_core_55(layout, timings)?;
+    let script = guest_script(args.rounds, ferry_bin.as_ref(), &rdma_core.env());
+    let nvdimm = pmem::nvdimm_image(&layout.dir)?;
     let guest = Guest {
         prepared,
         layout,
         timeout,
         keep,
         console: Console::Stderr,
-        devices: Default::default(),
+        devices: Devices {
+            nvdimm: Some(nvdimm.clone()),
+            ..Default::default()
+        },
     };
-    let outcome = guest.run(&script, &[])?;
+    let outcome = guest.run(&script, &[]);
+    let _ = std::fs::remove_file(&nvdimm);
+    let outcome = outcome?;
     outcome.record(timings);
     if let Err(e) = outcome.command_status() {
         eprintln!("rig bench: {e:#}");
@@ -246,9 +277,10 @@ fn ferry_cli_metadata() -> Result<(bool, PathBuf)> {
 
 /// The guest's part: every round runs each case's perftest pair, then ferry, each run's stdout to
 /// `<case>-<peer|ferry>-<round>.out`, stderr to `.err` and status to `.rc`.
-fn guest_script(rounds: u32, ferry: Option<&PathBuf>) -> String {
-    let mut script = String::from(
-        r#"bad=0
+fn guest_script(rounds: u32, ferry: Option<&PathBuf>, rdma_core_55: &[(&str, String)]) -> String {
+    let mut script = String::from(DEVDAX_SETUP);
+    script += r#"bad=0
+setup_devdax || bad=1
 # Whether a TCP socket listens on port $1 (perftest's out-of-band exchange), per /proc/net/tcp{,6}.
 listening() {
   awk -v p="$(printf %04X "$1")" '$4 == "0A" && $2 ~ (":" p "$") { f = 1 } END { exit !f }' /proc/net/tcp /proc/net/tcp6 2>/dev/null
@@ -280,8 +312,7 @@ ferry() {
   [ $rc = 0 ] || bad=1
   grep '^{' "$RIG_DIR/$name.out"
 }
-"#,
-    );
+"#;
     let mut port = 18515u16;
     for round in 1..=rounds {
         for case in CASES {
@@ -296,8 +327,18 @@ ferry() {
             );
             port += 1;
             if let Some(bin) = ferry {
+                // The persistent case posts FLUSH, which needs rdma-core 55's libibverbs.
+                let env: String = if case.persistent {
+                    let vars: Vec<String> = rdma_core_55
+                        .iter()
+                        .map(|(k, v)| format!("{k}={}", sh_quote(v)))
+                        .collect();
+                    format!("env {} ", vars.join(" "))
+                } else {
+                    String::new()
+                };
                 script += &format!(
-                    "ferry {}-ferry-{round} {} {}\n",
+                    "ferry {}-ferry-{round} {env}{} {}\n",
                     case.key(),
                     sh_quote(&bin.display().to_string()),
                     case.ferry_args()
@@ -405,6 +446,8 @@ impl Row {
         let json = json!({
             "case": case.name(),
             "op": case.op,
+            "durability": if case.persistent { "persistent" } else { "completed" },
+            "target_ratio": case.target,
             "size_bytes": case.bytes(),
             "ferry_gb_per_s": ferry_gb,
             "peer": case.peer(),
@@ -444,6 +487,7 @@ fn render_table(rows: &[Row], ferry: &Ferry, rounds: u32) -> String {
         out += &line(row.cells.each_ref().map(String::as_str));
     }
     out += "\nnotes:\n";
+    out += "  targets: ratio >= 0.8; the persistent row (WRITE + FLUSH into device DAX, rdma-core 55) >= 0.5.\n";
     out += "  GB/s = 10^9 B/s; perftest's `BW average[MB/sec]` uses MB = 2^20 B and is converted.\n";
     out += &format!(
         "  perftest: {} MiB per run (-n = that / size), server and client on rxe0, client to 10.0.2.15.\n",
@@ -503,12 +547,18 @@ mod tests {
 
     #[test]
     fn script_alternates_and_uses_fresh_ports() {
-        let script = guest_script(2, Some(&PathBuf::from("/t/ferry")));
+        let env = [("LD_LIBRARY_PATH", "/v55".to_string())];
+        let script = guest_script(2, Some(&PathBuf::from("/t/ferry")), &env);
         assert!(script.contains("peer write-64KiB-peer-1 18515 ib_write_bw -d rxe0 -s 65536 -n 1024 -F -p 18515\n"));
-        assert!(script.contains("peer read-1MiB-peer-2 18522 ib_read_bw -d rxe0 -s 1048576 -n 64 -F -p 18522\n"));
+        assert!(script.contains("peer read-1MiB-peer-2 18523 ib_read_bw -d rxe0 -s 1048576 -n 64 -F -p 18523\n"));
         assert!(script.contains(
             "ferry write-1MiB-ferry-1 /t/ferry bench --transport rdma --op write --size 1MiB --duration 2s --json\n"
         ));
-        assert!(!guest_script(1, None).contains("\nferry write"));
+        assert!(script.contains(
+            "ferry write-64KiB-persistent-ferry-1 env LD_LIBRARY_PATH=/v55 /t/ferry bench --transport rdma --op write \
+             --size 64KiB --duration 2s --durability persistent --target-file /dev/dax0.0 --json\n"
+        ));
+        assert!(script.contains("setup_devdax || bad=1"));
+        assert!(!guest_script(1, None, &env).contains("\nferry write"));
     }
 }
