@@ -612,7 +612,20 @@ impl Engine {
         descs: &[TransferDesc],
         timeout: Duration,
     ) -> Result<TransferHandle> {
-        let request = self.resolve_request(peer, op, descs, Durability::Completed)?;
+        self.transfer_async_durable(peer, op, descs, Durability::Completed, timeout)
+    }
+
+    /// [`transfer_async`](Self::transfer_async) with an explicit durability for writes: the handle
+    /// reports completion only once the writes are in the target's persistence domain.
+    pub fn transfer_async_durable(
+        &self,
+        peer: &Peer,
+        op: Op,
+        descs: &[TransferDesc],
+        durability: Durability,
+        timeout: Duration,
+    ) -> Result<TransferHandle> {
+        let request = self.resolve_request(peer, op, descs, durability)?;
         let status = Arc::new(AtomicU8::new(0));
         let peer = peer.clone();
         let st = status.clone();

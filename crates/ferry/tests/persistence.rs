@@ -70,6 +70,12 @@ async fn persistent_writes_reach_the_file() {
     // Completed writes do not flush.
     initiator.transfer(&peer, Op::Write, &descs, T).await.unwrap();
     assert_eq!(region.persist_stats().unwrap().bytes, 16 * 4096);
+    // Asynchronous ones can ask too.
+    let handle = initiator
+        .transfer_async_durable(&peer, Op::Write, &descs[..1], Durability::Persistent, T)
+        .unwrap();
+    handle.await.unwrap();
+    assert_eq!(region.persist_stats().unwrap().bytes, 17 * 4096);
     drop(region);
     let _ = std::fs::remove_file(&path);
 }
