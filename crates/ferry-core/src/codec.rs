@@ -183,14 +183,17 @@ pub enum Frame {
         /// The transport's own setup data (queue pair number, GID…).
         blob: Vec<u8>,
     },
-    /// Commit ranges already written by a data path that bypasses the target's CPU (RDMA): copy them
-    /// in from where they were staged, if they were, and for [`Durability::Persistent`] persist them
-    /// (seed 002's flush request). Answered by [`Frame::Ack`] once done.
+    /// Commit ranges already written: with `staged`, copy them in from where the data path that wrote
+    /// them (RDMA, bypassing the target's CPU) staged them; for [`Durability::Persistent`] persist them
+    /// (seed 002's flush request, and the one flush of a persistent TCP transfer spread over several
+    /// frames). Answered by [`Frame::Ack`] once done.
     Commit {
         /// Operation id.
         id: u64,
         /// What the acknowledgement promises.
         durability: Durability,
+        /// Whether the bytes sit in a transport's staging buffer (written by RDMA), not yet in place.
+        staged: bool,
         /// The written ranges.
         segments: Vec<Segment>,
     },
@@ -333,10 +336,12 @@ pub fn encode(frame: &Frame, payload_len: u64, out: &mut BytesMut) -> Result<()>
         Frame::Commit {
             id,
             durability,
+            staged,
             segments,
         } => {
             out.put_u64_le(*id);
             out.put_u8(durability_byte(*durability));
+            out.put_u8(u8::from(*staged));
             put_segments(out, segments)?;
         }
         Frame::ReadData { id } => out.put_u64_le(*id),
@@ -500,6 +505,11 @@ pub fn decode(buf: &[u8], limits: &Limits) -> Result<Option<(Decoded, usize)>> {
         kind::COMMIT => Frame::Commit {
             id: r.u64()?,
             durability: r.durability()?,
+            staged: match r.u8()? {
+                0 => false,
+                1 => true,
+                b => return Err(Error::Protocol(format!("invalid staged flag {b}"))),
+            },
             segments: r.segments()?,
         },
         kind::READ_DATA => Frame::ReadData { id: r.u64()? },
@@ -893,14 +903,17 @@ mod tests {
             (any::<u64>(), arb_key(), any::<u64>(), any::<u64>())
                 .prop_map(|(id, key, offset, len)| (Frame::Read { id, key, offset, len }, 0)),
             (any::<u64>(), arb_segments()).prop_map(|(id, segments)| (Frame::ReadBatch { id, segments }, 0)),
-            (any::<u64>(), arb_durability(), arb_segments()).prop_map(|(id, durability, segments)| (
-                Frame::Commit {
-                    id,
-                    durability,
-                    segments
-                },
-                0
-            )),
+            (any::<u64>(), arb_durability(), any::<bool>(), arb_segments()).prop_map(
+                |(id, durability, staged, segments)| (
+                    Frame::Commit {
+                        id,
+                        durability,
+                        staged,
+                        segments
+                    },
+                    0
+                )
+            ),
             (any::<u64>(), 0u64..1 << 30).prop_map(|(id, len)| (Frame::ReadData { id }, len)),
             (any::<u64>(), arb_error()).prop_map(|(id, error)| (Frame::Ack { id, error }, 0)),
             (any::<u64>(), ".{0,64}", ".{0,64}").prop_map(|(id, name, msg)| (Frame::Notify { id, name, msg }, 0)),

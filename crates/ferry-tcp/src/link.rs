@@ -487,6 +487,16 @@ async fn run_transfer(shared: Arc<Shared>, request: TransferRequest) -> Result<(
         }
     }
     let pieces = plan(request.items, shared.streams.len(), shared.pool.as_deref());
+    // A persistent write in several frames is persisted once per stream, after its last frame: the
+    // frames go as completed writes and a commit follows them on each stream they used (in order on
+    // that stream, so no extra round trip), naming what they wrote.
+    let deferred = request.op == Op::Write && request.durability == Durability::Persistent && pieces.len() > 1;
+    let durability = if deferred {
+        Durability::Completed
+    } else {
+        request.durability
+    };
+    let mut written: Vec<Vec<Segment>> = vec![Vec::new(); shared.streams.len()];
     let mut completions = Vec::with_capacity(pieces.len());
     for piece in pieces {
         let bytes = match &piece {
@@ -496,6 +506,12 @@ async fn run_transfer(shared: Arc<Shared>, request: TransferRequest) -> Result<(
         let budget = shared.budget(bytes).await?;
         let stream = shared.least_loaded();
         let id = shared.next_id();
+        if deferred {
+            match &piece {
+                Piece::Direct(item) => written[stream].extend(segments(std::slice::from_ref(item))),
+                Piece::Coalesced(group) => written[stream].extend(segments(group)),
+            }
+        }
         let rx = match (request.op, piece) {
             (Op::Write, Piece::Direct(item)) => shared.submit(
                 stream,
@@ -505,7 +521,7 @@ async fn run_transfer(shared: Arc<Shared>, request: TransferRequest) -> Result<(
                 Some(budget),
                 Outgoing::Write {
                     id,
-                    durability: request.durability,
+                    durability,
                     remote_key: item.remote_key,
                     remote_offset: item.remote_offset,
                     local: item.local,
@@ -532,7 +548,7 @@ async fn run_transfer(shared: Arc<Shared>, request: TransferRequest) -> Result<(
                     Some(budget),
                     Outgoing::WriteStaged {
                         id,
-                        durability: request.durability,
+                        durability,
                         segments,
                         staged,
                     },
@@ -573,6 +589,18 @@ async fn run_transfer(shared: Arc<Shared>, request: TransferRequest) -> Result<(
             }
         };
         completions.push(rx);
+    }
+    for (stream, segments) in written.into_iter().enumerate() {
+        for chunk in segments.chunks(MAX_SEGMENTS) {
+            let id = shared.next_id();
+            let frame = Frame::Commit {
+                id,
+                durability: Durability::Persistent,
+                staged: false,
+                segments: chunk.to_vec(),
+            };
+            completions.push(shared.submit(stream, id, 0, None, None, Outgoing::Frame(frame))?);
+        }
     }
     for rx in completions {
         rx.await.map_err(|_| shared.closed_error())??;
@@ -821,6 +849,7 @@ impl DataLink for TcpLink {
             let frame = Frame::Commit {
                 id,
                 durability,
+                staged: true,
                 segments,
             };
             let rx = shared.submit(0, id, 0, None, None, Outgoing::Frame(frame))?;

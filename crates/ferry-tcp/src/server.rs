@@ -395,16 +395,19 @@ async fn serve_requests(
             Frame::Commit {
                 id,
                 durability,
+                staged,
                 segments,
             } => {
-                // A data path that bypasses this CPU (RDMA) wrote these ranges: bring in what it staged,
-                // then persist if asked.
+                // Ranges written earlier (by RDMA, or by this link's frames): bring in what a data path
+                // staged, then persist if asked.
                 let result = segments
                     .iter()
                     .map(|s| resolve_write(ctx, s.key, s.offset, s.len, durability))
                     .collect::<Result<Vec<_>>>()
                     .and_then(|parts| {
-                        commit_staged(ctx, &parts)?;
+                        if staged {
+                            commit_staged(ctx, &parts)?;
+                        }
                         persist(&parts, durability)
                     });
                 writer.push(&ack(id, result), 0)?;

@@ -80,6 +80,38 @@ async fn persistent_writes_reach_the_file() {
     let _ = std::fs::remove_file(&path);
 }
 
+/// A persistent transfer spread over many frames is flushed once per stream, not once per frame.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transfer_is_flushed_once_per_stream() {
+    let (target, initiator, peer) = pair().await;
+    let len = 8 << 20;
+    let (path, _f) = temp_file(len);
+    let region = target.register_file(&path, 0, len, rw()).unwrap();
+    wait_for_region(&peer, &region).await;
+    let src = initiator.register(pattern(len, 8), rw()).unwrap();
+    let descs: Vec<_> = (0..8u64)
+        .map(|i| TransferDesc::new(src.addr_at(i << 20), region.addr_at(i << 20), 1 << 20))
+        .collect();
+    initiator
+        .transfer_durable(&peer, Op::Write, &descs, Durability::Persistent, T)
+        .await
+        .unwrap();
+    let stats = region.persist_stats().unwrap();
+    assert_eq!(stats.bytes, len as u64, "{stats:?}");
+    assert!(
+        (1..=peer.tcp_streams() as u64).contains(&stats.batches),
+        "8 frames over {} streams, flushed in {} batches",
+        peer.tcp_streams(),
+        stats.batches
+    );
+    assert!(
+        std::fs::read(&path).unwrap() == pattern(len, 8),
+        "every byte in the file"
+    );
+    drop(region);
+    let _ = std::fs::remove_file(&path);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn persistence_is_refused_where_it_cannot_be_had() {
     let (target, initiator, peer) = pair().await;
@@ -153,6 +185,7 @@ async fn flush_requests_persist_named_ranges_and_check_them() {
             &Frame::Commit {
                 id,
                 durability,
+                staged: false,
                 segments,
             },
             &[],
