@@ -21,8 +21,8 @@ use crate::types::{Access, Durability, RegionAd, RegionKey, TransportKind};
 
 /// First two bytes of every frame.
 pub const MAGIC: u16 = 0xF5E7;
-/// The protocol version this build speaks.
-pub const VERSION: u8 = 1;
+/// The protocol version this build speaks (2: durability on writes and the `Commit` frame).
+pub const VERSION: u8 = 2;
 /// Size of the fixed header.
 pub const HEADER_LEN: usize = 16;
 
@@ -1009,10 +1009,12 @@ mod tests {
         encode(&Frame::ReadData { id: 1 }, 1025, &mut big).unwrap();
         assert!(matches!(decode(&big, &limits), Err(Error::Protocol(_))));
 
-        let mut v2 = ok.clone();
-        v2[2] = 2;
-        let err = decode(&v2, &limits).unwrap_err();
-        assert!(err.to_string().contains("version 2"), "{err}");
+        for other in [VERSION - 1, VERSION + 1] {
+            let mut wrong = ok.clone();
+            wrong[2] = other;
+            let err = decode(&wrong, &limits).unwrap_err();
+            assert!(err.to_string().contains(&format!("version {other}")), "{err}");
+        }
 
         let mut bad_magic = ok.clone();
         bad_magic[0] ^= 0xff;
