@@ -8,7 +8,9 @@
 //! flushed, should not all be.
 //!
 //! The file holds `2 * ranges` pages: persistent page `i` at page `i`, control page `i` at page
-//! `ranges + i`, so that flushing one never flushes the other.
+//! `ranges + i`, so that flushing one never flushes the other. `--pages-per-write N` puts N pages (one
+//! descriptor each) in every transfer: from 32 on, a transfer spans several frames, which TCP persists
+//! with one commit per stream after them.
 
 use std::io::Write;
 use std::time::Duration;
@@ -24,6 +26,7 @@ struct Args {
     ranges: usize,
     seed: u64,
     listen: String,
+    pages_per_write: usize,
 }
 
 fn parse() -> Result<Args, String> {
@@ -33,6 +36,7 @@ fn parse() -> Result<Args, String> {
         ranges: 64,
         seed: 1,
         listen: "127.0.0.1:0".into(),
+        pages_per_write: 1,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -43,12 +47,17 @@ fn parse() -> Result<Args, String> {
             "--ranges" => args.ranges = value.parse().map_err(|e| format!("--ranges: {e}"))?,
             "--seed" => args.seed = value.parse().map_err(|e| format!("--seed: {e}"))?,
             "--listen" => args.listen = value,
+            "--pages-per-write" => {
+                args.pages_per_write = value.parse().map_err(|e| format!("--pages-per-write: {e}"))?
+            }
             other => return Err(format!("unknown option {other}")),
         }
     }
-    if args.file.is_empty() || args.ranges == 0 {
+    if args.file.is_empty() || args.ranges == 0 || args.pages_per_write == 0 {
         return Err(
-            "usage: powercut --file PATH [--transport tcp|rdma] [--ranges N] [--seed S] [--listen IP:0]".into(),
+            "usage: powercut --file PATH [--transport tcp|rdma] [--ranges N] [--seed S] [--listen IP:0] \
+                    [--pages-per-write N]"
+                .into(),
         );
     }
     Ok(args)
@@ -100,11 +109,19 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         src.write_at((i * PAGE) as u64, &page(args.seed, i, false))?;
         src.write_at(((args.ranges + i) * PAGE) as u64, &page(args.seed, i, true))?;
     }
-    for i in 0..args.ranges {
-        for (at, durability) in [(args.ranges + i, Durability::Completed), (i, Durability::Persistent)] {
-            let off = (at * PAGE) as u64;
-            let d = [TransferDesc::new(src.addr_at(off), file.addr_at(off), PAGE as u64)];
-            initiator.transfer_durable(&peer, Op::Write, &d, durability, T).await?;
+    for first in (0..args.ranges).step_by(args.pages_per_write) {
+        let pages = first..(first + args.pages_per_write).min(args.ranges);
+        for (base, durability) in [(args.ranges, Durability::Completed), (0, Durability::Persistent)] {
+            let descs: Vec<TransferDesc> = pages
+                .clone()
+                .map(|i| {
+                    let off = ((base + i) * PAGE) as u64;
+                    TransferDesc::new(src.addr_at(off), file.addr_at(off), PAGE as u64)
+                })
+                .collect();
+            initiator
+                .transfer_durable(&peer, Op::Write, &descs, durability, T)
+                .await?;
         }
     }
     let mut out = std::io::stdout().lock();

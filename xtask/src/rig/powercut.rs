@@ -43,6 +43,10 @@ pub struct Args {
     /// Pages written persistent per trial (and as many control pages, written completed).
     #[arg(long, default_value_t = 64)]
     ranges: usize,
+    /// Pages per transfer in every second trial (the others write one page per transfer); at 32 a
+    /// transfer spans several frames, persisted with one commit per stream.
+    #[arg(long, default_value_t = 32)]
+    pages_per_write: usize,
     /// Transports to cut the power under (comma-separated).
     #[arg(long, value_delimiter = ',', default_value = "tcp,rdma")]
     transports: Vec<String>,
@@ -55,6 +59,7 @@ pub struct Args {
 struct Trial {
     transport: String,
     method: String,
+    pages_per_write: usize,
     acked: usize,
     persisted: usize,
     control_lost: usize,
@@ -90,6 +95,7 @@ impl Trial {
         json!({
             "transport": self.transport,
             "method": self.method,
+            "pages_per_write": self.pages_per_write,
             "acked": self.acked,
             "persisted": self.persisted,
             "lost": self.lost(),
@@ -117,28 +123,31 @@ pub fn run(
     timings.record("build powercut", start, "");
     let work = layout.dir.join(format!("powercut-{}", std::process::id()));
     fs::create_dir_all(&work).with_context(|| format!("creating {}", work.display()))?;
-    let mut plan: Vec<(String, bool)> = Vec::new();
+    // (transport, persisting disabled, pages per write)
+    let mut plan: Vec<(String, bool, usize)> = Vec::new();
     for transport in &args.transports {
-        for _ in 0..args.trials {
-            plan.push((transport.clone(), false));
+        for k in 0..args.trials {
+            let per = if k % 2 == 1 { args.pages_per_write.max(1) } else { 1 };
+            plan.push((transport.clone(), false, per));
         }
     }
     if !args.no_negative_control {
         for transport in &args.transports {
-            plan.push((transport.clone(), true));
+            plan.push((transport.clone(), true, 1));
         }
     }
     let mut failures = 0;
     // Per negative control: whether its check failed, as it must.
     let mut negatives: Vec<bool> = Vec::new();
     let trials_start = Instant::now();
-    for (i, (transport, disabled)) in plan.iter().enumerate() {
+    for (i, (transport, disabled, per)) in plan.iter().enumerate() {
         let seed = seed(i);
         let trial = run_trial(
             &TrialSpec {
                 program: &program,
                 transport,
                 ranges: args.ranges,
+                pages_per_write: *per,
                 seed,
                 persist_disabled: *disabled,
                 work: &work,
@@ -230,6 +239,7 @@ struct TrialSpec<'a> {
     program: &'a Path,
     transport: &'a str,
     ranges: usize,
+    pages_per_write: usize,
     seed: u64,
     persist_disabled: bool,
     work: &'a Path,
@@ -253,10 +263,12 @@ fn run_trial(
          echo 360000 > /proc/sys/vm/dirty_expire_centisecs\n\
          echo 90 > /proc/sys/vm/dirty_background_ratio\n\
          echo 95 > /proc/sys/vm/dirty_ratio\n\
-         exec {} --file /tmp/powercut/data --transport {} --ranges {} --seed {} --listen 10.0.2.15:0\n",
+         exec {} --file /tmp/powercut/data --transport {} --ranges {} --pages-per-write {} --seed {} \
+         --listen 10.0.2.15:0\n",
         super::boot::sh_quote(&spec.program.display().to_string()),
         spec.transport,
         spec.ranges,
+        spec.pages_per_write,
         spec.seed,
     );
     let guest = Guest {
@@ -294,6 +306,7 @@ fn run_trial(
     Ok(Trial {
         transport: spec.transport.to_owned(),
         method,
+        pages_per_write: spec.pages_per_write,
         acked: spec.ranges,
         persisted,
         control_lost: spec.ranges - control_survived,
@@ -402,6 +415,7 @@ mod tests {
         let t = |persisted, control_lost, e2fsck| Trial {
             transport: "tcp".into(),
             method: "flush-before-ack".into(),
+            pages_per_write: 1,
             acked: 4,
             persisted,
             control_lost,
