@@ -75,6 +75,10 @@ fn backing_size(file: &File, path: &Path) -> Result<u64> {
         .map_err(|_| Error::InvalidArgument(format!("{sysfs} holds no size")))
 }
 
+fn is_char_device(file: &File) -> bool {
+    file.metadata().is_ok_and(|m| m.file_type().is_char_device())
+}
+
 impl FileMapping {
     /// Maps `len` bytes of `path` from `offset` (a multiple of the page size; of the device's
     /// alignment for device DAX). The file must already be at least `offset + len` bytes long: a
@@ -124,8 +128,13 @@ impl FileMapping {
             // SAFETY: as above, without MAP_SYNC.
             let p = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, libc::MAP_SHARED, file.as_raw_fd(), off) };
             if p == libc::MAP_FAILED {
+                let hint = if is_char_device(&file) {
+                    " (device DAX maps whole pages of its alignment, usually 2 MiB: check offset and length)"
+                } else {
+                    ""
+                };
                 return Err(Error::io(
-                    format_args!("mapping {}", path.display()),
+                    format_args!("mapping {}{hint}", path.display()),
                     std::io::Error::last_os_error(),
                 ));
             }
