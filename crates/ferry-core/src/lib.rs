@@ -19,6 +19,7 @@ pub mod error;
 pub mod memory;
 pub mod options;
 pub mod region;
+pub mod sync;
 pub mod transport;
 pub mod types;
 

@@ -22,6 +22,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use ferry_core::codec::Segment;
+use ferry_core::sync::take_all;
 use ferry_core::{
     Access, DataLink, Durability, Error, Notification, Op, PersistMethod, Result, TransferItem, TransferRequest,
     TransportKind,
@@ -106,6 +107,15 @@ impl Scratch {
     }
 }
 
+/// A batch as work requests.
+struct Plan {
+    wrs: Vec<WorkRequest>,
+    /// The items whose remote region the target stages (their writes need a commit request).
+    staged_remote: Vec<usize>,
+    /// Whether a local region is staged here (the NIC cannot reach its bytes).
+    staged_local: bool,
+}
+
 /// What a work request does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum WrOp {
@@ -177,21 +187,13 @@ impl RdmaLink {
 impl Inner {
     fn fail_all(&self, error: Error) {
         self.closed.store(true, Ordering::Release);
-        let drained: Vec<Pending> = match self.pending.lock() {
-            Ok(mut p) => p.drain().map(|(_, v)| v).collect(),
-            Err(_) => Vec::new(),
-        };
-        for p in drained {
+        for p in take_all(&self.pending) {
             for r in &p.touched {
                 r.release();
             }
             let _ = p.done.send(Err(error.clone()));
         }
-        let waiting: Vec<_> = match self.notifications.lock() {
-            Ok(mut n) => n.drain().map(|(_, v)| v).collect(),
-            Err(_) => Vec::new(),
-        };
-        for w in waiting {
+        for w in take_all(&self.notifications) {
             let _ = w.send(Err(error.clone()));
         }
         self.messages.close();
@@ -207,8 +209,9 @@ impl Inner {
         }
     }
 
-    /// Turns a batch into work requests, merging remote-contiguous descriptors and splitting long ones.
-    fn plan(&self, op: Op, items: &[TransferItem]) -> Result<Vec<WorkRequest>> {
+    /// Turns a batch into work requests, merging remote-contiguous descriptors and splitting long ones,
+    /// and notes which regions are staged.
+    fn plan(&self, op: Op, items: &[TransferItem]) -> Result<Plan> {
         let wr_op = match op {
             Op::Write => WrOp::Write,
             Op::Read => WrOp::Read,
@@ -216,7 +219,9 @@ impl Inner {
         let max_msg = self.shared.device.max_msg.clamp(4096, MAX_WR_BYTES);
         let max_sge = self.rc.max_sge as usize;
         let mut wrs: Vec<WorkRequest> = Vec::new();
-        for item in items {
+        let mut staged_remote = Vec::new();
+        let mut staged_local = false;
+        for (i, item) in items.iter().enumerate() {
             let key = item.remote_transport_key.as_deref().ok_or_else(|| {
                 Error::PermissionDenied(format!(
                     "{} advertised no RDMA key for the region at {:#x}",
@@ -231,6 +236,10 @@ impl Inner {
                 None => item.remote_addr,
             };
             let region = self.shared.registered(item.local.region.key())?;
+            if remote.is_staged() {
+                staged_remote.push(i);
+            }
+            staged_local |= region.is_staged();
             let mut done = 0u64;
             while done < item.len() {
                 let n = (item.len() - done).min(max_msg);
@@ -264,7 +273,11 @@ impl Inner {
                 done += n;
             }
         }
-        Ok(wrs)
+        Ok(Plan {
+            wrs,
+            staged_remote,
+            staged_local,
+        })
     }
 
     /// Posts one signalled group of work requests and returns its completion.
@@ -478,13 +491,16 @@ async fn run(inner: Arc<Inner>, request: TransferRequest) -> Result<()> {
                 .prepare_read(item.local.offset as usize, item.local.len as usize)?;
         }
     }
-    let (staged_remote, staged_local) = inner.staging(&request.items)?;
+    let Plan {
+        mut wrs,
+        staged_remote,
+        staged_local,
+    } = inner.plan(request.op, &request.items)?;
     if staged_local || (request.op == Op::Read && !staged_remote.is_empty()) {
         // Memory the NIC reaches only through a staging buffer (a page-cache file): the bytes that
         // count are in the region itself, which TCP reaches directly.
         return inner.control.transfer(request).await;
     }
-    let mut wrs = inner.plan(request.op, &request.items)?;
     let persistent = request.op == Op::Write && request.durability == Durability::Persistent;
     let method = if persistent {
         inner.method_for(&request.items)?
@@ -542,21 +558,6 @@ async fn run(inner: Arc<Inner>, request: TransferRequest) -> Result<()> {
 }
 
 impl Inner {
-    /// Which items' remote regions the target stages, and whether any local region is staged here.
-    fn staging(&self, items: &[TransferItem]) -> Result<(Vec<usize>, bool)> {
-        let mut remote = Vec::new();
-        let mut local = false;
-        for (i, item) in items.iter().enumerate() {
-            if let Some(key) = item.remote_transport_key.as_deref()
-                && RemoteKey::decode(key)?.is_staged()
-            {
-                remote.push(i);
-            }
-            local |= self.shared.registered(item.local.region.key())?.is_staged();
-        }
-        Ok((remote, local))
-    }
-
     /// How this persistent transfer is made persistent: the link's method where every remote region
     /// qualifies for it, else the flush request.
     fn method_for(&self, items: &[TransferItem]) -> Result<Option<PersistMethod>> {

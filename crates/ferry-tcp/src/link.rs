@@ -13,6 +13,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use ferry_core::codec::{Frame, Hello, HelloAck, Limits, Segment};
+use ferry_core::sync::take_all;
 use ferry_core::{
     DataLink, Durability, Error, Notification, Op, PersistMethod, RegionEntry, RemoteRegions, Resolved, Result,
     TransferItem, TransferRequest, TransportKind,
@@ -368,20 +369,12 @@ impl Shared {
     fn fail_all(&self, error: Error) {
         self.closed.store(true, Ordering::Release);
         for s in &self.streams {
-            let drained: Vec<Pending> = match s.pending.lock() {
-                Ok(mut p) => p.drain().map(|(_, v)| v).collect(),
-                Err(_) => Vec::new(),
-            };
-            for p in drained {
+            for p in take_all(&s.pending) {
                 s.outstanding.fetch_sub(p.bytes, Ordering::Relaxed);
                 let _ = p.done.send(Err(error.clone()));
             }
         }
-        let setups: Vec<_> = match self.setups.lock() {
-            Ok(mut m) => m.drain().map(|(_, v)| v).collect(),
-            Err(_) => Vec::new(),
-        };
-        for s in setups {
+        for s in take_all(&self.setups) {
             let _ = s.send(Err(error.clone()));
         }
         self.region_updates.notify_waiters();

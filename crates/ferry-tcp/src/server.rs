@@ -133,13 +133,7 @@ impl TcpServer {
     /// Stops accepting and closes every accepted link.
     pub fn shutdown(&self) {
         self.accept.abort();
-        let links: Vec<_> = self
-            .shared
-            .links
-            .lock()
-            .map(|mut l| l.drain().map(|(_, v)| v).collect())
-            .unwrap_or_default();
-        for link in links {
+        for link in ferry_core::sync::take_all(&self.shared.links) {
             close_link(&self.shared, &link);
         }
     }

@@ -205,10 +205,8 @@ unsafe impl MemoryBlock for VulkanBlock {
 
     fn commit_written(&self, offset: usize, len: usize, durability: Durability) -> Result<()> {
         if durability == Durability::Persistent {
-            return Err(Error::InvalidArgument(format!(
-                "a persistent write needs a persistent region; this one is {}",
-                self.kind
-            )));
+            // GPU memory has no persistence domain: the trait's refusal.
+            self.persist(&[(offset, len)])?;
         }
         self.check(offset, len)?;
         let (off, n) = (offset as u64, len as u64);

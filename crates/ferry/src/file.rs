@@ -191,6 +191,14 @@ impl FileMapping {
         }
     }
 
+    /// Whether a fault already swapped the mapping for zero pages (no system call).
+    fn check_guard(&self) -> Result<()> {
+        match &self.guard {
+            Some(guard) if guard.is_lost() => Err(self.lost("shrank while mapped (a page past its end was touched)")),
+            _ => Ok(()),
+        }
+    }
+
     fn persist_batch(&self, ranges: &[(usize, usize)]) -> Result<()> {
         let unit = match self.method {
             FlushMethod::Msync => page_size(),
@@ -364,7 +372,7 @@ unsafe impl MemoryBlock for FileMapping {
         bytes.fetch_add(ranges.iter().map(|r| r.1 as u64).sum(), Ordering::Relaxed);
         nanos.fetch_add(began.elapsed().as_nanos() as u64, Ordering::Relaxed);
         // A fault while dirtying the pages means the file shrank meanwhile.
-        self.check_backing()
+        self.check_guard()
     }
     fn persist_stats(&self) -> Option<PersistStats> {
         let [batches, bytes, nanos] = &self.stats;
@@ -375,12 +383,10 @@ unsafe impl MemoryBlock for FileMapping {
         })
     }
     fn check_backing(&self) -> Result<()> {
+        self.check_guard()?;
         let Some(guard) = &self.guard else {
             return Ok(());
         };
-        if guard.is_lost() {
-            return Err(self.lost("shrank while mapped (a page past its end was touched)"));
-        }
         let meta = self
             .file
             .metadata()

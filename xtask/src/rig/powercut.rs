@@ -7,7 +7,7 @@
 //!
 //! One trial: a fresh ext4 image holding a pre-allocated file (so the guest allocates no blocks), a
 //! boot with timed write-back off (otherwise unflushed pages reach the disk within about 35 s and the
-//! test passes vacuously), and `examples/powercut.rs` in the guest: a target engine with the file
+//! test passes vacuously), and ferry's `powercut` example in the guest: a target engine with the file
 //! registered, an initiator engine that writes `--ranges` pages with durability persistent and as
 //! many control pages with durability completed, then prints `powercut: ACK`. On that line the host
 //! kills qemu, replays the journal (`e2fsck -fy`), dumps the file (`debugfs`) and compares. A trial
@@ -31,7 +31,11 @@ use super::test::run_json;
 use super::{Layout, Prepared, Timings};
 use crate::util::{cargo, run_captured};
 
-const PAGE: usize = 4096;
+/// The trial program's page patterns: the same source file, so the two cannot disagree.
+#[path = "../../../crates/ferry/examples/powercut/pattern.rs"]
+mod pattern;
+use pattern::{PAGE, page};
+
 /// What the file holds before a trial: a byte no page pattern is made of.
 const FILLER: u8 = 0xee;
 
@@ -211,7 +215,7 @@ fn seed(trial: usize) -> u64 {
     now ^ ((trial as u64) << 48) ^ u64::from(std::process::id())
 }
 
-/// Builds `examples/powercut.rs` (release, with RDMA and the test-only switch) and returns its path.
+/// Builds the `powercut` example of ferry (release, with RDMA and the test-only switch) and returns its path.
 fn build_program() -> Result<PathBuf> {
     let mut cmd = cargo();
     cmd.args([
@@ -373,19 +377,6 @@ fn compare(data: &[u8], ranges: usize, seed: u64) -> Result<(usize, usize)> {
     let persisted = (0..ranges).filter(|&i| intact(i, false)).count();
     let control = (0..ranges).filter(|&i| intact(i, true)).count();
     Ok((persisted, control))
-}
-
-/// The pattern of a page, as `examples/powercut.rs` writes it.
-fn page(seed: u64, index: usize, control: bool) -> Vec<u8> {
-    let mut x = seed ^ ((index as u64) << 20) ^ if control { 0x5555_0000_0000 } else { 0xaaaa_0000_0000 };
-    (0..PAGE)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 24) as u8
-        })
-        .collect()
 }
 
 #[cfg(test)]

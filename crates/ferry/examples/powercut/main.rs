@@ -17,7 +17,9 @@ use std::time::Duration;
 
 use ferry::{Access, Durability, Engine, Op, TransferDesc, TransportKind};
 
-const PAGE: usize = 4096;
+mod pattern;
+use pattern::{PAGE, page};
+
 const T: Duration = Duration::from_secs(60);
 
 struct Args {
@@ -61,21 +63,6 @@ fn parse() -> Result<Args, String> {
         );
     }
     Ok(args)
-}
-
-/// The bytes of persistent (`control == false`) or control page `index` in trial `seed`; never the
-/// disk image's filler byte pattern. The host computes the same.
-fn page(seed: u64, index: usize, control: bool) -> Vec<u8> {
-    let mut x = seed ^ ((index as u64) << 20) ^ if control { 0x5555_0000_0000 } else { 0xaaaa_0000_0000 };
-    (0..PAGE)
-        .map(|_| {
-            // xorshift64
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 24) as u8
-        })
-        .collect()
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]

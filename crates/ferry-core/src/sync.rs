@@ -1,0 +1,35 @@
+//! Lock helpers the transports share.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, PoisonError};
+
+/// Empties `map` and returns its values: the operations still waiting when a link fails, so that each
+/// can be told why. A lock poisoned by a panic elsewhere is taken anyway: the waiters still need their
+/// answer.
+pub fn take_all<K, V>(map: &Mutex<HashMap<K, V>>) -> Vec<V> {
+    map.lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .drain()
+        .map(|(_, v)| v)
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn takes_everything_even_after_a_panic() {
+        let map = std::sync::Arc::new(Mutex::new(HashMap::from([(1, "a"), (2, "b")])));
+        let poisoner = map.clone();
+        let _ = std::thread::spawn(move || {
+            let _guard = poisoner.lock().unwrap();
+            panic!("poison the lock");
+        })
+        .join();
+        let mut got = take_all(&map);
+        got.sort_unstable();
+        assert_eq!(got, ["a", "b"]);
+        assert!(take_all(&map).is_empty());
+    }
+}
