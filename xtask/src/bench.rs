@@ -11,11 +11,11 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use anyhow::{Context, Result, anyhow};
+use anyhow::{Result, anyhow};
 use serde_json::{Value, json};
 
 use crate::peers::{self, FerryCase, FerryResult};
-use crate::util::{cargo, ensure_debian_packages, parse_duration, run_captured, run_step};
+use crate::util::{cargo, ensure_debian_packages, parse_duration, run_step};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -425,15 +425,7 @@ fn build_tower_overhead() -> Result<PathBuf> {
 }
 
 fn target_dir() -> Result<PathBuf> {
-    let out = run_captured(
-        cargo().args(["metadata", "--format-version", "1", "--no-deps"]),
-        Duration::from_secs(120),
-    )?;
-    let meta: Value = serde_json::from_str(&out.stdout).context("cargo metadata output is not JSON")?;
-    let target = meta["target_directory"]
-        .as_str()
-        .ok_or_else(|| anyhow!("cargo metadata has no target_directory"))?;
-    Ok(PathBuf::from(target))
+    crate::util::target_dir(&crate::util::cargo_metadata()?)
 }
 
 /// Builds `ferry-cli` in release mode and returns the path of its `ferry` binary.
@@ -583,27 +575,12 @@ impl Row {
 
 fn render_table(rows: &[Row], bench: &Bench) -> String {
     let header = ["comparison", "ferry", "peer", "ratio", "target", "ok"];
-    let mut widths = header.map(str::len);
-    for row in rows {
-        for (w, cell) in widths.iter_mut().zip(&row.cells) {
-            *w = (*w).max(cell.chars().count());
-        }
-    }
-    let line = |cells: [&str; 6]| {
-        let mut s = format!("{:<w$}", cells[0], w = widths[0]);
-        for (cell, w) in cells.iter().zip(widths).skip(1) {
-            s.push_str(&format!("  {cell:>w$}"));
-        }
-        s.trim_end().to_owned() + "\n"
-    };
+    let cells: Vec<[String; 6]> = rows.iter().map(|r| r.cells.clone()).collect();
     let mut out = format!(
         "\nferry vs peers: medians over {} round(s) of {}, alternating ferry and peer in one run\n\n",
         bench.args.rounds, bench.args.duration
     );
-    out += &line(header);
-    for row in rows {
-        out += &line(row.cells.each_ref().map(String::as_str));
-    }
+    out += &crate::util::columns(header, &cells);
     out += "\nnotes:\n";
     out += "  e. sockperf prints one-way latency (RTT/2); the peer column is 2 x its p50, a round trip, like ferry's p50.\n";
     out += &format!(

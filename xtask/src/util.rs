@@ -26,6 +26,52 @@ pub fn workspace_root() -> PathBuf {
 }
 
 /// The `cargo` that runs us (so `+toolchain` overrides carry over), or `cargo` from `PATH`.
+/// A text table: the header, then one line per row; the first column left-aligned, the others
+/// right-aligned, two spaces apart.
+pub fn columns<const N: usize>(header: [&str; N], rows: &[[String; N]]) -> String {
+    let mut widths = header.map(|h| h.chars().count());
+    for row in rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let line = |cells: [&str; N]| {
+        let mut s = String::new();
+        for (i, (cell, w)) in cells.iter().zip(widths).enumerate() {
+            match i {
+                0 => s.push_str(&format!("{cell:<w$}")),
+                _ => s.push_str(&format!("  {cell:>w$}")),
+            }
+        }
+        s.trim_end().to_owned() + "\n"
+    };
+    let mut out = line(header);
+    for row in rows {
+        out += &line(row.each_ref().map(String::as_str));
+    }
+    out
+}
+
+/// `cargo metadata --no-deps` of the workspace, parsed.
+pub fn cargo_metadata() -> Result<serde_json::Value> {
+    let out = run_captured(
+        cargo().args(["metadata", "--format-version", "1", "--no-deps"]),
+        Duration::from_secs(120),
+    )?;
+    if !out.status.success() {
+        bail!("cargo metadata failed ({}): {}", out.status, out.stderr.trim());
+    }
+    serde_json::from_str(&out.stdout).context("cargo metadata output is not JSON")
+}
+
+/// The workspace's target folder, as cargo metadata reports it.
+pub fn target_dir(meta: &serde_json::Value) -> Result<PathBuf> {
+    meta["target_directory"]
+        .as_str()
+        .map(PathBuf::from)
+        .context("cargo metadata has no target_directory")
+}
+
 pub fn cargo() -> Command {
     let program = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let mut cmd = Command::new(program);
@@ -312,6 +358,15 @@ pub fn parse_duration(text: &str) -> Result<Duration> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn columns_align() {
+        let rows = [["write 1MiB".to_string(), "8.0".into()], ["r".into(), "10.25".into()]];
+        assert_eq!(
+            columns(["case", "GB/s"], &rows),
+            "case         GB/s\nwrite 1MiB    8.0\nr           10.25\n"
+        );
+    }
 
     #[test]
     fn durations() {

@@ -18,11 +18,11 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
 
-use super::boot::{Console, Devices, Guest, sh_quote};
+use super::Timings;
+use super::boot::{Devices, Guest, sh_quote};
 use super::pmem::{self, DEVDAX_SETUP};
-use super::{Layout, Prepared, Timings};
 use crate::peers::{parse_ferry, parse_size};
-use crate::util::{cargo, run_captured, run_step};
+use crate::util::{cargo, cargo_metadata, run_step, target_dir};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -138,14 +138,7 @@ enum Ferry {
     Unavailable { reason: String, is_error: bool },
 }
 
-pub fn run(
-    args: &Args,
-    layout: &Layout,
-    prepared: &Prepared,
-    timeout: Duration,
-    keep: bool,
-    timings: &mut Timings,
-) -> Result<ExitCode> {
+pub fn run(args: &Args, guest: &Guest<'_>, timings: &mut Timings) -> Result<ExitCode> {
     let start = Instant::now();
     let ferry = match &args.ferry_bin {
         Some(bin) => Ferry::Bin(
@@ -162,20 +155,13 @@ pub fn run(
         Ferry::Bin(bin) => Some(bin.clone()),
         Ferry::Unavailable { .. } => None,
     };
-    let rdma_core = pmem::rdma_core_55(layout, timings)?;
+    let rdma_core = pmem::rdma_core_55(guest.layout, timings)?;
     let script = guest_script(args.rounds, ferry_bin.as_ref(), &rdma_core.env());
-    let nvdimm = pmem::nvdimm_image(&layout.dir)?;
-    let guest = Guest {
-        prepared,
-        layout,
-        timeout,
-        keep,
-        console: Console::Stderr,
-        devices: Devices {
-            nvdimm: Some(nvdimm.clone()),
-            ..Default::default()
-        },
-    };
+    let nvdimm = pmem::nvdimm_image(&guest.layout.dir)?;
+    let guest = guest.with_devices(Devices {
+        nvdimm: Some(nvdimm.clone()),
+        ..Default::default()
+    });
     let outcome = guest.run(&script, &[]);
     let _ = std::fs::remove_file(&nvdimm);
     let outcome = outcome?;
@@ -257,22 +243,12 @@ fn build_ferry() -> Ferry {
 
 /// Whether ferry-cli declares an `rdma` feature, and the workspace's target folder.
 fn ferry_cli_metadata() -> Result<(bool, PathBuf)> {
-    let out = run_captured(
-        cargo().args(["metadata", "--format-version", "1", "--no-deps"]),
-        Duration::from_secs(120),
-    )?;
-    if !out.status.success() {
-        bail!("cargo metadata failed ({}): {}", out.status, out.stderr.trim());
-    }
-    let meta: Value = serde_json::from_str(&out.stdout).context("cargo metadata output is not JSON")?;
+    let meta = cargo_metadata()?;
     let cli = meta["packages"]
         .as_array()
         .and_then(|ps| ps.iter().find(|p| p["name"] == "ferry-cli"))
         .context("no ferry-cli package in the workspace")?;
-    let target = meta["target_directory"]
-        .as_str()
-        .context("cargo metadata has no target_directory")?;
-    Ok((cli["features"].get("rdma").is_some(), PathBuf::from(target)))
+    Ok((cli["features"].get("rdma").is_some(), target_dir(&meta)?))
 }
 
 /// The guest's part: every round runs each case's perftest pair, then ferry, each run's stdout to
@@ -467,25 +443,10 @@ impl Row {
 
 fn render_table(rows: &[Row], ferry: &Ferry, rounds: u32) -> String {
     let header = ["case", "ferry GB/s", "peer", "peer GB/s", "ratio"];
-    let mut widths = header.map(str::len);
-    for row in rows {
-        for (w, cell) in widths.iter_mut().zip(&row.cells) {
-            *w = (*w).max(cell.len());
-        }
-    }
-    let line = |cells: [&str; 5]| {
-        let mut s = format!("{:<w$}", cells[0], w = widths[0]);
-        for (cell, w) in cells.iter().zip(widths).skip(1) {
-            s.push_str(&format!("  {cell:>w$}"));
-        }
-        s + "\n"
-    };
+    let cells: Vec<[String; 5]> = rows.iter().map(|r| r.cells.clone()).collect();
     let mut out =
         format!("\nferry vs perftest on Soft-RoCE (rxe0, one guest boot): medians over {rounds} round(s)\n\n");
-    out += &line(header);
-    for row in rows {
-        out += &line(row.cells.each_ref().map(String::as_str));
-    }
+    out += &crate::util::columns(header, &cells);
     out += "\nnotes:\n";
     out += "  targets: ratio >= 0.8; the persistent row (WRITE + FLUSH into device DAX, rdma-core 55) >= 0.5.\n";
     out += "  GB/s = 10^9 B/s; perftest's `BW average[MB/sec]` uses MB = 2^20 B and is converted.\n";

@@ -35,6 +35,7 @@ pub enum Console {
 }
 
 /// How to boot: what, for how long, and where the console goes.
+#[derive(Clone)]
 pub struct Guest<'a> {
     pub prepared: &'a Prepared,
     pub layout: &'a Layout,
@@ -147,7 +148,27 @@ fn setup_failure(code: i32) -> String {
     }
 }
 
-impl Guest<'_> {
+impl<'a> Guest<'a> {
+    /// A guest with no extra devices whose console goes to stderr (stdout carries the reports).
+    pub fn new(prepared: &'a Prepared, layout: &'a Layout, timeout: Duration, keep: bool) -> Self {
+        Guest {
+            prepared,
+            layout,
+            timeout,
+            keep,
+            console: Console::Stderr,
+            devices: Devices::default(),
+        }
+    }
+
+    /// This guest with `devices` attached.
+    pub fn with_devices(&self, devices: Devices) -> Self {
+        Guest {
+            devices,
+            ..self.clone()
+        }
+    }
+
     /// Boots once and runs `script` (shell text) with `env` exported, in the host's current directory.
     pub fn run(&self, script: &str, env: &[(&str, &str)]) -> Result<Outcome> {
         let run_dir = self.make_run_dir()?;

@@ -180,47 +180,43 @@ pub fn run(args: &Args) -> Result<ExitCode> {
             );
             Ok(ExitCode::SUCCESS)
         }
-        Some(Action::Test(test_args)) => {
-            let prepared = prepare(&layout, false, &mut timings)?;
-            test::run(test_args, &layout, &prepared, timeout, args.keep, &mut timings)
-        }
-        Some(Action::Bench(bench_args)) => {
-            let prepared = prepare(&layout, false, &mut timings)?;
-            bench::run(bench_args, &layout, &prepared, timeout, args.keep, &mut timings)
-        }
-        Some(Action::Powercut(powercut_args)) => {
-            let prepared = prepare(&layout, false, &mut timings)?;
-            powercut::run(powercut_args, &layout, &prepared, timeout, args.keep, &mut timings)
-        }
         None if args.command.is_empty() => {
-            bail!("nothing to do: give `build`, `test`, `bench`, or a command after `--` (cargo xtask rig -- CMD…)")
+            bail!(
+                "nothing to do: give `build`, `test`, `bench`, `powercut`, or a command after `--` \
+                 (cargo xtask rig -- CMD…)"
+            )
         }
-        None => {
-            let prepared = prepare(&layout, false, &mut timings)?;
-            run_command(&args.command, &layout, &prepared, timeout, args.keep, &mut timings)
+        Some(Action::Test(a)) => with_guest(&layout, timeout, args.keep, &mut timings, |g, t| test::run(a, g, t)),
+        Some(Action::Bench(a)) => with_guest(&layout, timeout, args.keep, &mut timings, |g, t| bench::run(a, g, t)),
+        Some(Action::Powercut(a)) => {
+            with_guest(&layout, timeout, args.keep, &mut timings, |g, t| powercut::run(a, g, t))
         }
+        None => with_guest(&layout, timeout, args.keep, &mut timings, |g, t| {
+            run_command(&args.command, g, t)
+        }),
     };
     eprintln!("{}", timings.summary());
     result
 }
 
 /// `rig -- CMD…`: one boot, CMD's output on our stdout, CMD's exit status as ours.
-fn run_command(
-    command: &[String],
+/// Prepares the guest (cached) and runs `f` with it.
+fn with_guest(
     layout: &Layout,
-    prepared: &Prepared,
     timeout: Duration,
     keep: bool,
     timings: &mut Timings,
+    f: impl FnOnce(&boot::Guest<'_>, &mut Timings) -> Result<ExitCode>,
 ) -> Result<ExitCode> {
+    let prepared = prepare(layout, false, timings)?;
+    f(&boot::Guest::new(&prepared, layout, timeout, keep), timings)
+}
+
+fn run_command(command: &[String], guest: &boot::Guest<'_>, timings: &mut Timings) -> Result<ExitCode> {
     let script = boot::shell_words(command);
     let guest = boot::Guest {
-        prepared,
-        layout,
-        timeout,
-        keep,
         console: boot::Console::Stdout,
-        devices: Default::default(),
+        ..guest.clone()
     };
     let outcome = guest.run(&script, &[])?;
     outcome.record(timings);

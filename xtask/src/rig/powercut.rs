@@ -26,9 +26,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
 
-use super::boot::{Console, Devices, Guest};
+use super::Timings;
+use super::boot::{Devices, Guest};
 use super::test::run_json;
-use super::{Layout, Prepared, Timings};
 use crate::util::{cargo, run_captured};
 
 /// The trial program's page patterns: the same source file, so the two cannot disagree.
@@ -111,21 +111,14 @@ impl Trial {
     }
 }
 
-pub fn run(
-    args: &Args,
-    layout: &Layout,
-    prepared: &Prepared,
-    timeout: Duration,
-    keep: bool,
-    timings: &mut Timings,
-) -> Result<ExitCode> {
+pub fn run(args: &Args, guest: &Guest<'_>, timings: &mut Timings) -> Result<ExitCode> {
     if args.ranges == 0 || args.trials == 0 {
         bail!("--ranges and --trials must be at least 1");
     }
     let start = Instant::now();
     let program = build_program()?;
     timings.record("build powercut", start, "");
-    let work = layout.dir.join(format!("powercut-{}", std::process::id()));
+    let work = guest.layout.dir.join(format!("powercut-{}", std::process::id()));
     fs::create_dir_all(&work).with_context(|| format!("creating {}", work.display()))?;
     // (transport, persisting disabled, pages per write)
     let mut plan: Vec<(String, bool, usize)> = Vec::new();
@@ -156,10 +149,7 @@ pub fn run(
                 persist_disabled: *disabled,
                 work: &work,
             },
-            prepared,
-            layout,
-            timeout,
-            keep,
+            guest,
         );
         match trial {
             Ok(t) => {
@@ -249,13 +239,7 @@ struct TrialSpec<'a> {
     work: &'a Path,
 }
 
-fn run_trial(
-    spec: &TrialSpec<'_>,
-    prepared: &Prepared,
-    layout: &Layout,
-    timeout: Duration,
-    keep: bool,
-) -> Result<Trial> {
+fn run_trial(spec: &TrialSpec<'_>, guest: &Guest<'_>) -> Result<Trial> {
     let started = Instant::now();
     let image = ext4_image(spec.work, 2 * spec.ranges * PAGE)?;
     let script = format!(
@@ -275,18 +259,11 @@ fn run_trial(
         spec.pages_per_write,
         spec.seed,
     );
-    let guest = Guest {
-        prepared,
-        layout,
-        timeout,
-        keep,
-        console: Console::Stderr,
-        devices: Devices {
-            disk: Some(image.clone()),
-            kill_on: Some("powercut: ACK".into()),
-            ..Default::default()
-        },
-    };
+    let guest = guest.with_devices(Devices {
+        disk: Some(image.clone()),
+        kill_on: Some("powercut: ACK".into()),
+        ..Default::default()
+    });
     let env: Vec<(&str, &str)> = if spec.persist_disabled {
         vec![("FERRY_FAULT_SKIP_PERSIST", "1")]
     } else {

@@ -21,10 +21,10 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use serde_json::Value;
 
-use super::boot::{Console, Devices, Guest, sh_quote};
+use super::Timings;
+use super::boot::{Devices, Guest, sh_quote};
 use super::pmem::{self, DEVDAX_SETUP};
-use super::{Layout, Prepared, Timings};
-use crate::util::{cargo, describe, run_captured};
+use crate::util::{cargo, cargo_metadata, describe};
 
 /// The package whose tests `rig test` runs by default.
 const DEFAULT_PACKAGE: &str = "ferry-rdma";
@@ -52,38 +52,24 @@ struct TestBinary {
     package_dir: PathBuf,
 }
 
-pub fn run(
-    args: &Args,
-    layout: &Layout,
-    prepared: &Prepared,
-    timeout: Duration,
-    keep: bool,
-    timings: &mut Timings,
-) -> Result<ExitCode> {
+pub fn run(args: &Args, guest: &Guest<'_>, timings: &mut Timings) -> Result<ExitCode> {
     let start = Instant::now();
     let binaries = build(args)?;
     timings.record("build tests", start, "");
     if binaries.is_empty() {
         bail!("cargo built no test executables");
     }
-    let rdma_core = pmem::rdma_core_55(layout, timings)?;
+    let rdma_core = pmem::rdma_core_55(guest.layout, timings)?;
     let runs = plan(&binaries, &rdma_core.env());
     let script = guest_script(&runs, &args.test_args);
-    let nvdimm = pmem::nvdimm_image(&layout.dir)?;
-    let disk = super::powercut::ext4_image(&layout.dir.join(format!("test-disk-{}", std::process::id())), 0)?;
+    let nvdimm = pmem::nvdimm_image(&guest.layout.dir)?;
+    let disk = super::powercut::ext4_image(&guest.layout.dir.join(format!("test-disk-{}", std::process::id())), 0)?;
     let marker = format!("ferry-pmem-marker-{:x}-{:x}", std::process::id(), nanos());
-    let guest = Guest {
-        prepared,
-        layout,
-        timeout,
-        keep,
-        console: Console::Stderr,
-        devices: Devices {
-            nvdimm: Some(nvdimm.clone()),
-            disk: Some(disk.clone()),
-            ..Default::default()
-        },
-    };
+    let guest = guest.with_devices(Devices {
+        nvdimm: Some(nvdimm.clone()),
+        disk: Some(disk.clone()),
+        ..Default::default()
+    });
     let outcome = guest.run(
         &script,
         &[
@@ -198,14 +184,7 @@ fn build(args: &Args) -> Result<Vec<TestBinary>> {
 
 /// Fails with a clear message when `package` is not (yet) a member of the workspace.
 fn require_package(package: &str) -> Result<()> {
-    let out = run_captured(
-        cargo().args(["metadata", "--format-version", "1", "--no-deps"]),
-        Duration::from_secs(120),
-    )?;
-    if !out.status.success() {
-        bail!("cargo metadata failed ({}): {}", out.status, out.stderr.trim());
-    }
-    let meta: Value = serde_json::from_str(&out.stdout).context("cargo metadata output is not JSON")?;
+    let meta = cargo_metadata()?;
     let found = meta["packages"]
         .as_array()
         .is_some_and(|ps| ps.iter().any(|p| p["name"].as_str() == Some(package)));
