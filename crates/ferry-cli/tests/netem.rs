@@ -15,22 +15,17 @@
 use std::net::SocketAddr;
 use std::os::fd::AsRawFd;
 use std::process::Command;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use ferry::{Access, Engine, Error};
-use ferry_tower::tower::{ServiceBuilder, ServiceExt};
-use ferry_tower::{
-    Descriptor, PoolConfig, RetryConfig, RetryPolicy, TransferRequest, TransferService, into_ferry_error,
-    is_transient_ferry,
-};
+use ferry_tower::{PoolConfig, RetryConfig, RetryPolicy, TransferService, is_transient_ferry};
 
 mod common;
 use common::Serve;
+use common::stream::{REGION, WriteStream, read_back, stack};
 
-const BLOCK: u64 = 4096;
-const REGION: u64 = 64 << 20;
 const HANG: Duration = Duration::from_secs(60);
 
 /// Namespace setup is serialised: the first `ip netns add` on a machine also mounts /run/netns.
@@ -159,18 +154,6 @@ fn in_netns<T: Send + 'static>(
     })
 }
 
-fn pattern(i: u64) -> Vec<u8> {
-    (0..BLOCK)
-        .map(|b| (i.wrapping_mul(2654435761).wrapping_add(b * 31) >> 3) as u8 ^ (b >> 8) as u8)
-        .collect()
-}
-
-struct Outcome {
-    index: u64,
-    started: Instant,
-    result: Result<(), Error>,
-}
-
 /// What the initiator in nsA does, with the fault applied from outside.
 struct Stream {
     /// Writes acknowledged so far.
@@ -206,55 +189,16 @@ async fn stream(target: SocketAddr, s: Stream, partition: bool) -> String {
         ..RetryConfig::default()
     })
     .unwrap();
-    let service = ServiceBuilder::new()
-        .map_err(into_ferry_error)
-        .timeout(Duration::from_secs(20))
-        .retry(policy)
-        .timeout(s.attempt)
-        .service(transfers);
-
-    let next = Arc::new(AtomicUsize::new(0));
-    let stop = Arc::new(AtomicBool::new(false));
-    let outcomes = Arc::new(Mutex::new(Vec::<Outcome>::new()));
-    let workers: Vec<_> = (0..8)
-        .map(|_| {
-            let (service, src, next, stop, outcomes, ok) = (
-                service.clone(),
-                src.clone(),
-                next.clone(),
-                stop.clone(),
-                outcomes.clone(),
-                s.ok.clone(),
-            );
-            tokio::spawn(async move {
-                while !stop.load(Ordering::SeqCst) {
-                    let index = next.fetch_add(1, Ordering::SeqCst) as u64;
-                    if index >= REGION / BLOCK {
-                        break;
-                    }
-                    let offset = index * BLOCK;
-                    src.write_at(offset, &pattern(index)).unwrap();
-                    let req =
-                        TransferRequest::write(target, [Descriptor::at_offset(src.addr_at(offset), offset, BLOCK)]);
-                    let started = Instant::now();
-                    let result = tokio::time::timeout(HANG, service.clone().oneshot(req))
-                        .await
-                        .unwrap_or_else(|_| panic!("request {index} hung past {HANG:?}"))
-                        .map(|_| ());
-                    if result.is_ok() {
-                        ok.fetch_add(1, Ordering::SeqCst);
-                    }
-                    outcomes.lock().unwrap().push(Outcome { index, started, result });
-                }
-            })
-        })
-        .collect();
+    let service = stack(transfers, policy, Duration::from_secs(20), s.attempt);
+    let writes = WriteStream::start(service.clone(), src, target, 8, HANG);
 
     let deadline = Instant::now() + Duration::from_secs(120);
     loop {
+        s.ok.store(writes.acknowledged(), Ordering::SeqCst);
         let healed = *s.healed.lock().unwrap();
         if let Some(at) = healed {
-            let acked_after = outcomes
+            let acked_after = writes
+                .outcomes
                 .lock()
                 .unwrap()
                 .iter()
@@ -271,12 +215,7 @@ async fn stream(target: SocketAddr, s: Stream, partition: bool) -> String {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    stop.store(true, Ordering::SeqCst);
-    for w in workers {
-        tokio::time::timeout(HANG, w).await.expect("a caller hung").unwrap();
-    }
-
-    let outcomes = std::mem::take(&mut *outcomes.lock().unwrap());
+    let outcomes = writes.stop().await;
     let healed = s.healed.lock().unwrap().unwrap_or_else(Instant::now);
     let mut kinds = std::collections::BTreeMap::<String, usize>::new();
     for o in &outcomes {
@@ -309,23 +248,7 @@ async fn stream(target: SocketAddr, s: Stream, partition: bool) -> String {
 
     // Every acknowledged write is at the target.
     let acked: Vec<u64> = outcomes.iter().filter(|o| o.result.is_ok()).map(|o| o.index).collect();
-    let back = engine.alloc_host(64 * BLOCK as usize, Access::READ_WRITE).unwrap();
-    for chunk in acked.chunks(64) {
-        let descs: Vec<_> = chunk
-            .iter()
-            .enumerate()
-            .map(|(slot, &i)| Descriptor::at_offset(back.addr_at(slot as u64 * BLOCK), i * BLOCK, BLOCK))
-            .collect();
-        tokio::time::timeout(HANG, service.clone().oneshot(TransferRequest::read(target, descs)))
-            .await
-            .expect("read-back hung")
-            .expect("read-back");
-        let mut got = vec![0u8; BLOCK as usize];
-        for (slot, &i) in chunk.iter().enumerate() {
-            back.read_at(slot as u64 * BLOCK, &mut got).unwrap();
-            assert!(got == pattern(i), "acknowledged write {i} is not at the target");
-        }
-    }
+    read_back(&service, &engine, target, &acked, HANG).await;
     format!(
         "{} requests, {} acknowledged and read back intact, errors {kinds:?}; pool {:?}",
         outcomes.len(),

@@ -8,9 +8,9 @@
 //!   budget bounds the attempts (and so the connections the listener sees).
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 
 use ferry::{Access, Engine, Error};
 use ferry_tower::tower::{ServiceBuilder, ServiceExt};
@@ -18,15 +18,11 @@ use ferry_tower::{
     Descriptor, PoolConfig, RetryConfig, RetryPolicy, TransferRequest, TransferService, into_ferry_error,
     is_transient_ferry,
 };
-use tokio::time::Instant;
 
 mod common;
 use common::Serve;
+use common::stream::{BLOCK, REGION, WriteStream, read_back, stack};
 
-const BLOCK: u64 = 4096;
-const REGION: u64 = 64 << 20;
-/// Most requests of the stream (one remote block each).
-const MAX_REQUESTS: u64 = REGION / BLOCK;
 /// Bound on any single request through the stack, retries included (the stack's own deadline is
 /// 15 s); past it the test calls the request hung.
 const HANG: Duration = Duration::from_secs(30);
@@ -37,38 +33,13 @@ fn serve(listen: &str) -> Option<Serve> {
 }
 
 fn serve_on(listen: &str) -> Serve {
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         if let Some(s) = serve(listen) {
             return s;
         }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "ferry serve never listened on {listen}"
-        );
+        assert!(Instant::now() < deadline, "ferry serve never listened on {listen}");
         std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
-fn pattern(i: u64) -> Vec<u8> {
-    (0..BLOCK)
-        .map(|b| (i.wrapping_mul(2654435761).wrapping_add(b * 31) >> 3) as u8 ^ (b >> 8) as u8)
-        .collect()
-}
-
-struct Outcome {
-    index: u64,
-    started: Instant,
-    finished: Instant,
-    result: Result<(), Error>,
-}
-
-/// Waits (bounded) until the outcomes so far satisfy `cond`.
-async fn wait_for(outcomes: &Mutex<Vec<Outcome>>, what: &str, cond: impl Fn(&[Outcome]) -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !cond(&outcomes.lock().unwrap()) {
-        assert!(Instant::now() < deadline, "never happened: {what}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
 
@@ -97,53 +68,13 @@ async fn target_killed_and_restarted_mid_stream() {
         ..RetryConfig::default()
     })
     .unwrap();
-    let service = ServiceBuilder::new()
-        .map_err(into_ferry_error)
-        .timeout(Duration::from_secs(15))
-        .retry(policy)
-        .timeout(Duration::from_secs(2))
-        .service(transfers);
-
-    let next = Arc::new(AtomicUsize::new(0));
-    let stop = Arc::new(AtomicBool::new(false));
-    let outcomes = Arc::new(Mutex::new(Vec::<Outcome>::new()));
-    let workers: Vec<_> = (0..4)
-        .map(|_| {
-            let (service, src, next, stop, outcomes) = (
-                service.clone(),
-                src.clone(),
-                next.clone(),
-                stop.clone(),
-                outcomes.clone(),
-            );
-            tokio::spawn(async move {
-                while !stop.load(Ordering::SeqCst) {
-                    let index = next.fetch_add(1, Ordering::SeqCst) as u64;
-                    if index >= MAX_REQUESTS {
-                        break;
-                    }
-                    let offset = index * BLOCK;
-                    src.write_at(offset, &pattern(index)).unwrap();
-                    let req = TransferRequest::write(addr, [Descriptor::at_offset(src.addr_at(offset), offset, BLOCK)]);
-                    let started = Instant::now();
-                    let result = tokio::time::timeout(HANG, service.clone().oneshot(req))
-                        .await
-                        .unwrap_or_else(|_| panic!("request {index} hung past {HANG:?}"))
-                        .map(|_| ());
-                    outcomes.lock().unwrap().push(Outcome {
-                        index,
-                        started,
-                        finished: Instant::now(),
-                        result,
-                    });
-                }
-            })
+    let service = stack(transfers, policy, Duration::from_secs(15), Duration::from_secs(2));
+    let writes = WriteStream::start(service.clone(), src, addr, 4, HANG);
+    writes
+        .wait_for("100 writes before the kill", |o| {
+            o.iter().filter(|o| o.result.is_ok()).count() >= 100
         })
-        .collect();
-    wait_for(&outcomes, "100 writes before the kill", |o| {
-        o.iter().filter(|o| o.result.is_ok()).count() >= 100
-    })
-    .await;
+        .await;
     let mut first = first;
     first.child.kill().unwrap(); // SIGKILL
     first.child.wait().unwrap();
@@ -156,19 +87,15 @@ async fn target_killed_and_restarted_mid_stream() {
         .unwrap();
     assert_eq!(second.addr, addr);
 
-    wait_for(&outcomes, "200 writes acknowledged by the restarted target", |o| {
-        o.iter()
-            .filter(|o| o.result.is_ok() && o.finished > restarted_at)
-            .count()
-            >= 200
-    })
-    .await;
-    stop.store(true, Ordering::SeqCst);
-    for w in workers {
-        tokio::time::timeout(HANG, w).await.expect("a worker hung").unwrap();
-    }
-
-    let outcomes = std::mem::take(&mut *outcomes.lock().unwrap());
+    writes
+        .wait_for("200 writes acknowledged by the restarted target", |o| {
+            o.iter()
+                .filter(|o| o.result.is_ok() && o.finished > restarted_at)
+                .count()
+                >= 200
+        })
+        .await;
+    let outcomes = writes.stop().await;
     let errors: Vec<_> = outcomes.iter().filter_map(|o| o.result.as_ref().err()).collect();
     for e in &errors {
         assert!(
@@ -211,23 +138,7 @@ async fn target_killed_and_restarted_mid_stream() {
         .filter(|o| o.result.is_ok() && o.finished > restarted_at)
         .map(|o| o.index)
         .collect();
-    let back = engine.alloc_host(64 * BLOCK as usize, Access::READ_WRITE).unwrap();
-    for chunk in acked.chunks(64) {
-        let descs: Vec<_> = chunk
-            .iter()
-            .enumerate()
-            .map(|(slot, &i)| Descriptor::at_offset(back.addr_at(slot as u64 * BLOCK), i * BLOCK, BLOCK))
-            .collect();
-        tokio::time::timeout(HANG, service.clone().oneshot(TransferRequest::read(addr, descs)))
-            .await
-            .expect("read-back hung")
-            .expect("read-back");
-        let mut got = vec![0u8; BLOCK as usize];
-        for (slot, &i) in chunk.iter().enumerate() {
-            back.read_at(slot as u64 * BLOCK, &mut got).unwrap();
-            assert!(got == pattern(i), "acknowledged write {i} is not at the target");
-        }
-    }
+    read_back(&service, &engine, addr, &acked, HANG).await;
     println!("{} acknowledged writes after the restart read back intact", acked.len());
     drop(second);
 }
