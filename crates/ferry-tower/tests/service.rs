@@ -1,5 +1,6 @@
 //! The pool and the retry policy against in-process engines: lazy connects and reuse, reconnects after
-//! the target restarts, idle closing, the link limit, backpressure, and which errors are retried.
+//! the target restarts, idle closing, the link limit, backpressure, which errors are retried, and the
+//! retry budget against a target that never answers.
 
 use std::future::poll_fn;
 use std::net::SocketAddr;
@@ -588,4 +589,100 @@ async fn offsets_follow_the_primary_region_of_a_live_peer() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert_eq!(service.stats().connects, 1);
+}
+
+/// Bound on any single request to the silent target, retries included (the stack's own deadline is
+/// 5 s); past it the test calls the request hung.
+const SILENT_HANG: Duration = Duration::from_secs(30);
+
+/// A target that accepts connections and never answers: requests fail with `Timeout`, and the retry
+/// budget bounds the attempts (and so the connections the listener sees).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_target_times_out_within_the_retry_budget() {
+    let (addr, accepted, listener) = silent_listener().await;
+    let engine = Engine::builder().build().await.unwrap();
+    let src = engine.alloc_host(4096, Access::READ_WRITE).unwrap();
+    let transfers = TransferService::with_config(
+        engine.clone(),
+        PoolConfig {
+            // Longer than an attempt: the timeout layer cuts each dial short, and the pool counts the
+            // abandoned dial as a failed one.
+            connect_timeout: Duration::from_secs(2),
+            reconnect_backoff_min: Duration::from_millis(20),
+            reconnect_backoff_max: Duration::from_millis(200),
+            ..PoolConfig::default()
+        },
+    )
+    .unwrap();
+    // Budget: a reserve of 10 retries (1 per second over 10 s) plus one per ten requests.
+    let (max_retries, min_per_sec, ttl_secs) = (5u64, 1u64, 10u64);
+    let policy = RetryPolicy::new(RetryConfig {
+        max_retries: max_retries as u32,
+        backoff_min: Duration::from_millis(10),
+        backoff_max: Duration::from_millis(50),
+        budget_ttl: Duration::from_secs(ttl_secs),
+        budget_min_per_sec: min_per_sec as u32,
+        budget_retry_ratio: 0.1,
+        ..RetryConfig::default()
+    })
+    .unwrap();
+    let attempts = Arc::new(AtomicUsize::new(0));
+    let counter = attempts.clone();
+    let service = ServiceBuilder::new()
+        .map_err(into_ferry_error)
+        .timeout(Duration::from_secs(5))
+        .retry(policy)
+        .timeout(Duration::from_millis(300))
+        .map_request(move |r: TransferRequest| {
+            counter.fetch_add(1, Ordering::SeqCst);
+            r
+        })
+        .service(transfers);
+
+    let requests = 40u64;
+    let started = std::time::Instant::now();
+    let workers: Vec<_> = (0..8)
+        .map(|_| {
+            let service = service.clone();
+            let req = TransferRequest::write(addr, [Descriptor::at_offset(src.addr(), 0, 4096)]);
+            tokio::spawn(async move {
+                let mut errors = Vec::new();
+                for _ in 0..requests / 8 {
+                    let r = tokio::time::timeout(SILENT_HANG, service.clone().oneshot(req.clone()))
+                        .await
+                        .expect("a request to a silent target hung");
+                    errors.push(r.expect_err("a silent target cannot acknowledge a write"));
+                }
+                errors
+            })
+        })
+        .collect();
+    for w in workers {
+        for e in tokio::time::timeout(SILENT_HANG, w)
+            .await
+            .expect("a worker hung")
+            .unwrap()
+        {
+            assert!(matches!(e, Error::Timeout(_)), "{e:?}");
+        }
+    }
+    listener.abort();
+    let attempts = attempts.load(Ordering::SeqCst) as u64;
+    let accepted = accepted.load(Ordering::SeqCst) as u64;
+    // The reserve refills as withdrawals age out of the budget's window: one more reserve per window
+    // the run took (one in all, on any machine that is not very slow).
+    let windows = 1 + started.elapsed().as_secs() / ttl_secs;
+    let bound = requests + windows * min_per_sec * ttl_secs + requests / 10;
+    println!(
+        "{requests} requests to a silent target: {attempts} attempts, {accepted} connections accepted \
+         (budget bound {bound}; retries without a budget: up to {})",
+        requests * (1 + max_retries)
+    );
+    assert!(attempts >= requests);
+    assert!(attempts <= bound, "{attempts} attempts exceed the budget's {bound}");
+    // Each attempt dials at most once, and only after the pool's reconnect pause.
+    assert!(
+        accepted >= 1 && accepted <= attempts,
+        "{accepted} connections for {attempts} attempts"
+    );
 }
