@@ -8,27 +8,15 @@
 //!
 //! Outside the rig there is no device and no persistent memory: the tests say so and return.
 
-use std::time::Duration;
-
 use ferry::{
     Access, Durability, Engine, EngineBuilder, Error, Op, Peer, PersistMethod, Region, TransferDesc, TransportKind,
 };
 
-const T: Duration = Duration::from_secs(30);
+mod common;
+use common::{T, builder, in_rig, pattern, wait_for};
+
 /// Device DAX maps in 2 MiB pages.
 const LEN: usize = 2 << 20;
-
-fn in_rig() -> bool {
-    std::env::var_os("FERRY_RIG").is_some()
-}
-
-fn builder() -> EngineBuilder {
-    let b = Engine::builder();
-    match std::env::var("FERRY_RDMA_DEVICE") {
-        Ok(dev) => b.rdma_device(dev),
-        Err(_) => b,
-    }
-}
 
 /// The persistent memory to write to, or `None` (after saying so) outside the rig.
 fn pmem() -> Option<String> {
@@ -40,12 +28,6 @@ fn pmem() -> Option<String> {
             None
         }
     }
-}
-
-fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 11) as u8)
-        .collect()
 }
 
 /// A target with its persistent region, an initiator and the link between them; `None` where there is
@@ -63,14 +45,7 @@ async fn setup(target: EngineBuilder, initiator: EngineBuilder, file: &str) -> O
         eprintln!("skipped: no RDMA device here");
         return None;
     }
-    let deadline = tokio::time::Instant::now() + T;
-    while !peer.regions().iter().any(|r| r.key == region.key()) {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the region never reached the peer"
-        );
-        peer.regions_changed(Duration::from_millis(50)).await;
-    }
+    wait_for(&peer, &region).await;
     Some((target, region, initiator, peer))
 }
 
@@ -309,11 +284,7 @@ async fn persistence_is_refused_for_plain_memory() {
         return;
     };
     let plain = target.alloc_host(4096, Access::READ_WRITE).unwrap();
-    let deadline = tokio::time::Instant::now() + T;
-    while !peer.regions().iter().any(|r| r.key == plain.key()) {
-        assert!(tokio::time::Instant::now() < deadline);
-        peer.regions_changed(Duration::from_millis(50)).await;
-    }
+    wait_for(&peer, &plain).await;
     let src = initiator.register(vec![1u8; 4096], Access::READ_WRITE).unwrap();
     let err = initiator
         .transfer_durable(

@@ -10,25 +10,8 @@ use std::time::Duration;
 use ferry::{Access, Engine, Error, Notification, Op, Peer, TransferDesc, TransportKind};
 use futures::StreamExt;
 
-const T: Duration = Duration::from_secs(30);
-
-fn in_rig() -> bool {
-    std::env::var_os("FERRY_RIG").is_some()
-}
-
-fn builder() -> ferry::EngineBuilder {
-    let b = Engine::builder();
-    match std::env::var("FERRY_RDMA_DEVICE") {
-        Ok(dev) => b.rdma_device(dev),
-        Err(_) => b,
-    }
-}
-
-fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u8).wrapping_mul(29).wrapping_add(seed) ^ (i >> 9) as u8)
-        .collect()
-}
+mod common;
+use common::{T, builder, in_rig, pattern, wait_for};
 
 /// Two engines over the device; `None` (after saying so) where there is no device outside the rig.
 async fn pair() -> Option<(Engine, Engine, Peer)> {
@@ -56,19 +39,6 @@ async fn pair() -> Option<(Engine, Engine, Peer)> {
         return None;
     }
     Some((target, initiator, peer))
-}
-
-/// Waits until `peer` advertises `region`. By key, not address: a region freed in the step before may
-/// have had the same address, and its removal may still be on the way.
-async fn wait_for(peer: &Peer, region: &ferry::Region) {
-    let deadline = tokio::time::Instant::now() + T;
-    while !peer.regions().iter().any(|r| r.key == region.key()) {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the region never reached the peer"
-        );
-        peer.regions_changed(Duration::from_millis(50)).await;
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

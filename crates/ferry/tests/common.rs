@@ -1,11 +1,45 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)]
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use ferry::{Access, Engine, Peer, Region};
+use ferry::{Access, Durability, Engine, Error, Op, Peer, Region, TransferDesc};
 
 pub const T: Duration = Duration::from_secs(10);
+
+/// Writes `descs` with `durability` over and over until `stop`, and counts the transfers that completed
+/// and those refused because a region went away (`PermissionDenied`, `OutOfBounds`); any other error
+/// fails the test.
+pub fn keep_writing(
+    initiator: &Engine,
+    peer: &Peer,
+    descs: Vec<TransferDesc>,
+    durability: Durability,
+    stop: Arc<AtomicBool>,
+) -> tokio::task::JoinHandle<(u32, u32)> {
+    let (initiator, peer) = (initiator.clone(), peer.clone());
+    tokio::spawn(async move {
+        let (mut ok, mut refused) = (0, 0);
+        while !stop.load(Ordering::Relaxed) {
+            match initiator
+                .transfer_durable(&peer, Op::Write, &descs, durability, T)
+                .await
+            {
+                Ok(()) => ok += 1,
+                Err(Error::PermissionDenied(_) | Error::OutOfBounds(_)) => {
+                    refused += 1;
+                    // A refusal made before anything is sent returns without yielding: let the rest of
+                    // the runtime (the timer that ends this loop) run.
+                    tokio::task::yield_now().await;
+                }
+                Err(e) => panic!("unexpected {e:?}"),
+            }
+        }
+        (ok, refused)
+    })
+}
 
 pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len)

@@ -304,29 +304,10 @@ async fn deregistering_a_persistent_region_under_writes() {
     wait_for_region(&peer, &region).await;
     let src = initiator.alloc_host(LEN, rw()).unwrap();
     let stop = Arc::new(AtomicBool::new(false));
-    let writer = {
-        let (initiator, peer, stop) = (initiator.clone(), peer.clone(), stop.clone());
-        let descs: Vec<_> = (0..8u64)
-            .map(|i| TransferDesc::new(src.addr_at(i << 18), region.addr_at(i << 18), 1 << 18))
-            .collect();
-        tokio::spawn(async move {
-            let (mut ok, mut refused) = (0u32, 0u32);
-            while !stop.load(Ordering::Relaxed) {
-                match initiator
-                    .transfer_durable(&peer, Op::Write, &descs, Durability::Persistent, T)
-                    .await
-                {
-                    Ok(()) => ok += 1,
-                    Err(Error::PermissionDenied(_) | Error::OutOfBounds(_)) => {
-                        refused += 1;
-                        tokio::task::yield_now().await;
-                    }
-                    Err(e) => panic!("unexpected {e:?}"),
-                }
-            }
-            (ok, refused)
-        })
-    };
+    let descs: Vec<_> = (0..8u64)
+        .map(|i| TransferDesc::new(src.addr_at(i << 18), region.addr_at(i << 18), 1 << 18))
+        .collect();
+    let writer = keep_writing(&initiator, &peer, descs, Durability::Persistent, stop.clone());
     tokio::time::sleep(Duration::from_millis(150)).await;
     target.deregister(region);
     let snapshot = std::fs::read(&path).unwrap();

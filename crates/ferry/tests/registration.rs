@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use common::*;
-use ferry::{Access, Error, Op, TransferDesc};
+use ferry::{Access, Durability, Error, Op, TransferDesc};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn regions_registered_after_connect_reach_the_peer() {
@@ -55,28 +55,10 @@ async fn no_byte_is_touched_after_deregister_returns() {
     src.write_at(0, &pattern(LEN, 1)).unwrap();
 
     let stop = Arc::new(AtomicBool::new(false));
-    let writer = {
-        let (initiator, peer, stop) = (initiator.clone(), peer.clone(), stop.clone());
-        let descs: Vec<_> = (0..4)
-            .map(|i| TransferDesc::new(src.addr_at(i << 20), remote + (i << 20), 1 << 20))
-            .collect();
-        tokio::spawn(async move {
-            let (mut ok, mut refused) = (0, 0);
-            while !stop.load(Ordering::Relaxed) {
-                match initiator.transfer(&peer, Op::Write, &descs, T).await {
-                    Ok(()) => ok += 1,
-                    Err(Error::PermissionDenied(_) | Error::OutOfBounds(_)) => {
-                        refused += 1;
-                        // A refusal made before anything is sent returns without yielding: let the
-                        // rest of the runtime (the timer that ends this loop) run.
-                        tokio::task::yield_now().await;
-                    }
-                    Err(e) => panic!("unexpected {e:?}"),
-                }
-            }
-            (ok, refused)
-        })
-    };
+    let descs: Vec<_> = (0..4)
+        .map(|i| TransferDesc::new(src.addr_at(i << 20), remote + (i << 20), 1 << 20))
+        .collect();
+    let writer = keep_writing(&initiator, &peer, descs, Durability::Completed, stop.clone());
     tokio::time::sleep(Duration::from_millis(100)).await;
     target.deregister(region);
     let snapshot = backing.clone();

@@ -1,0 +1,42 @@
+//! What the verbs and persistence tests share: where they run, how engines find the device, and
+//! waiting for a region to reach a peer.
+#![allow(dead_code)]
+
+use std::time::Duration;
+
+use ferry::{Engine, EngineBuilder, Peer, Region};
+
+pub const T: Duration = Duration::from_secs(30);
+
+/// Inside `cargo xtask rig` (`FERRY_RIG=1`), where a missing device is a failure, not a skip.
+pub fn in_rig() -> bool {
+    std::env::var_os("FERRY_RIG").is_some()
+}
+
+/// An engine builder on the device the rig names (`FERRY_RDMA_DEVICE`), if it names one.
+pub fn builder() -> EngineBuilder {
+    let b = Engine::builder();
+    match std::env::var("FERRY_RDMA_DEVICE") {
+        Ok(dev) => b.rdma_device(dev),
+        Err(_) => b,
+    }
+}
+
+pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(29).wrapping_add(seed) ^ (i >> 9) as u8)
+        .collect()
+}
+
+/// Waits until `peer` advertises `region`. By key, not address: a region freed in the step before may
+/// have had the same address, and its removal may still be on the way.
+pub async fn wait_for(peer: &Peer, region: &Region) {
+    let deadline = tokio::time::Instant::now() + T;
+    while !peer.regions().iter().any(|r| r.key == region.key()) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the region never reached the peer"
+        );
+        peer.regions_changed(Duration::from_millis(50)).await;
+    }
+}
