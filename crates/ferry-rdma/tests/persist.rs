@@ -13,7 +13,7 @@ use ferry::{
 };
 
 mod common;
-use common::{T, builder, in_rig, pattern, wait_for};
+use common::{T, builder, in_rig, pair, pattern, wait_for};
 
 /// Device DAX maps in 2 MiB pages.
 const LEN: usize = 2 << 20;
@@ -265,22 +265,7 @@ async fn unpinnable_page_cache_files_are_staged() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn persistence_is_refused_for_plain_memory() {
-    let Some((target, initiator, peer)) = async {
-        let target = builder().listen("127.0.0.1:0").build().await.unwrap();
-        let initiator = builder().build().await.unwrap();
-        let peer = initiator
-            .connect(&target.local_addr().unwrap().to_string(), T)
-            .await
-            .unwrap();
-        assert!(
-            peer.transport() == TransportKind::Rdma || !in_rig(),
-            "inside the rig the link must use RDMA"
-        );
-        (peer.transport() == TransportKind::Rdma).then_some((target, initiator, peer))
-    }
-    .await
-    else {
-        eprintln!("skipped: no RDMA device here");
+    let Some((target, initiator, peer)) = pair().await else {
         return;
     };
     let plain = target.alloc_host(4096, Access::READ_WRITE).unwrap();

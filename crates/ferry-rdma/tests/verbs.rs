@@ -7,39 +7,11 @@ use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use ferry::{Access, Engine, Error, Notification, Op, Peer, TransferDesc, TransportKind};
+use ferry::{Access, Error, Notification, Op, TransferDesc, TransportKind};
 use futures::StreamExt;
 
 mod common;
-use common::{T, builder, in_rig, pattern, wait_for};
-
-/// Two engines over the device; `None` (after saying so) where there is no device outside the rig.
-async fn pair() -> Option<(Engine, Engine, Peer)> {
-    let target = builder().listen("127.0.0.1:0").build().await.unwrap();
-    let initiator = builder().build().await.unwrap();
-    let peer = initiator
-        .connect(&target.local_addr().unwrap().to_string(), T)
-        .await
-        .unwrap();
-    if peer.transport() != TransportKind::Rdma {
-        let caps = ferry::capabilities();
-        assert!(
-            !in_rig(),
-            "inside the rig the link must use RDMA; capabilities: {caps:?}"
-        );
-        assert_eq!(
-            peer.transport(),
-            TransportKind::Tcp,
-            "without a device the engines fall back to TCP"
-        );
-        eprintln!(
-            "skipped: no usable RDMA device here ({:?}); the rig runs this test",
-            caps.transports
-        );
-        return None;
-    }
-    Some((target, initiator, peer))
-}
+use common::{T, builder, in_rig, pair, pattern, wait_for};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn write_and_read_many_shapes() {

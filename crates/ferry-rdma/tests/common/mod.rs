@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use ferry::{Engine, EngineBuilder, Peer, Region};
+use ferry::{Engine, EngineBuilder, Peer, Region, TransportKind};
 
 pub const T: Duration = Duration::from_secs(30);
 
@@ -39,4 +39,32 @@ pub async fn wait_for(peer: &Peer, region: &Region) {
         );
         peer.regions_changed(Duration::from_millis(50)).await;
     }
+}
+
+/// Two engines over the device; `None` (after saying so) where there is no device outside the rig.
+pub async fn pair() -> Option<(Engine, Engine, Peer)> {
+    let target = builder().listen("127.0.0.1:0").build().await.unwrap();
+    let initiator = builder().build().await.unwrap();
+    let peer = initiator
+        .connect(&target.local_addr().unwrap().to_string(), T)
+        .await
+        .unwrap();
+    if peer.transport() != TransportKind::Rdma {
+        let caps = ferry::capabilities();
+        assert!(
+            !in_rig(),
+            "inside the rig the link must use RDMA; capabilities: {caps:?}"
+        );
+        assert_eq!(
+            peer.transport(),
+            TransportKind::Tcp,
+            "without a device the engines fall back to TCP"
+        );
+        eprintln!(
+            "skipped: no usable RDMA device here ({:?}); the rig runs this test",
+            caps.transports
+        );
+        return None;
+    }
+    Some((target, initiator, peer))
 }
