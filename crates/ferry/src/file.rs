@@ -109,17 +109,23 @@ impl FileMapping {
         }
         let off = libc::off_t::try_from(offset).map_err(|_| Error::InvalidArgument("offset too large".into()))?;
         let prot = libc::PROT_READ | libc::PROT_WRITE;
-        // SAFETY: a fresh shared mapping of a range of our open file that lies inside it; the kernel
-        // chooses the address.
-        let dax = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                prot,
-                libc::MAP_SHARED_VALIDATE | libc::MAP_SYNC,
-                file.as_raw_fd(),
-                off,
-            )
+        // MAP_SYNC only where this code can write cache lines back itself (x86_64); elsewhere msync,
+        // which on a DAX mapping has the kernel write them back.
+        let dax = if cfg!(target_arch = "x86_64") {
+            // SAFETY: a fresh shared mapping of a range of our open file that lies inside it; the
+            // kernel chooses the address.
+            unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    len,
+                    prot,
+                    libc::MAP_SHARED_VALIDATE | libc::MAP_SYNC,
+                    file.as_raw_fd(),
+                    off,
+                )
+            }
+        } else {
+            libc::MAP_FAILED
         };
         let (ptr, method) = if dax != libc::MAP_FAILED {
             (dax, FlushMethod::CacheFlush)
@@ -277,27 +283,54 @@ fn skip_persist_switch() -> bool {
     false
 }
 
-fn flush_instruction() -> &'static str {
-    #[cfg(target_arch = "x86_64")]
-    {
-        // CPUID leaf 7 (where the CPU has it): EBX bit 24 is CLWB, bit 23 CLFLUSHOPT.
-        let ebx = if std::arch::x86_64::__get_cpuid_max(0).0 >= 7 {
-            std::arch::x86_64::__cpuid_count(7, 0).ebx
-        } else {
-            0
-        };
-        if ebx & (1 << 24) != 0 {
-            "clwb"
-        } else if ebx & (1 << 23) != 0 {
-            "clflushopt"
-        } else {
-            "clflush"
+/// The cache-line write-back instructions, best first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum WriteBack {
+    Clwb,
+    Clflushopt,
+    Clflush,
+}
+
+impl WriteBack {
+    fn name(self) -> &'static str {
+        match self {
+            WriteBack::Clwb => "clwb",
+            WriteBack::Clflushopt => "clflushopt",
+            WriteBack::Clflush => "clflush",
         }
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        "msync"
+
+    /// The best this CPU has; CPUID runs once per process (under a hypervisor it traps, so it stays
+    /// off the flush path).
+    fn detect() -> WriteBack {
+        static CHOSEN: std::sync::OnceLock<WriteBack> = std::sync::OnceLock::new();
+        *CHOSEN.get_or_init(|| {
+            #[cfg(target_arch = "x86_64")]
+            {
+                // CPUID leaf 7 (where the CPU has it): EBX bit 24 is CLWB, bit 23 CLFLUSHOPT.
+                let ebx = if std::arch::x86_64::__get_cpuid_max(0).0 >= 7 {
+                    std::arch::x86_64::__cpuid_count(7, 0).ebx
+                } else {
+                    0
+                };
+                if ebx & (1 << 24) != 0 {
+                    WriteBack::Clwb
+                } else if ebx & (1 << 23) != 0 {
+                    WriteBack::Clflushopt
+                } else {
+                    WriteBack::Clflush
+                }
+            }
+            // Never used: other architectures map without MAP_SYNC and persist with msync.
+            #[cfg(not(target_arch = "x86_64"))]
+            WriteBack::Clflush
+        })
     }
+}
+
+/// The write-back instruction's name, for `Region::kind` and logs.
+fn flush_instruction() -> &'static str {
+    WriteBack::detect().name()
 }
 
 /// Writes back every cache line of `[ptr, ptr + len)` and fences.
@@ -308,7 +341,7 @@ fn flush_cache_lines(ptr: *mut u8, len: usize) {
         let end = ptr as usize + len;
         // `clflush` is in every x86_64 CPU; the newer instructions only where detected. They take an
         // address and never fault on mapped memory.
-        let insn = flush_instruction();
+        let insn = WriteBack::detect();
         let mut line = start;
         while line < end {
             let p = line as *const u8;
@@ -316,9 +349,11 @@ fn flush_cache_lines(ptr: *mut u8, len: usize) {
             // line's contents towards memory.
             unsafe {
                 match insn {
-                    "clwb" => std::arch::asm!("clwb [{0}]", in(reg) p, options(nostack, preserves_flags)),
-                    "clflushopt" => std::arch::asm!("clflushopt [{0}]", in(reg) p, options(nostack, preserves_flags)),
-                    _ => std::arch::x86_64::_mm_clflush(p),
+                    WriteBack::Clwb => std::arch::asm!("clwb [{0}]", in(reg) p, options(nostack, preserves_flags)),
+                    WriteBack::Clflushopt => {
+                        std::arch::asm!("clflushopt [{0}]", in(reg) p, options(nostack, preserves_flags))
+                    }
+                    WriteBack::Clflush => std::arch::x86_64::_mm_clflush(p),
                 }
             }
             line += CACHE_LINE;
