@@ -106,7 +106,7 @@ impl Output {
 }
 
 /// Waits for `child` until `timeout`; kills it when the time is up.
-fn wait_with_deadline(child: &mut Child, timeout: Duration, what: &str) -> Result<ExitStatus> {
+pub fn wait_with_deadline(child: &mut Child, timeout: Duration, what: &str) -> Result<ExitStatus> {
     let deadline = Instant::now() + timeout;
     loop {
         if let Some(status) = child.try_wait().with_context(|| format!("waiting for `{what}`"))? {

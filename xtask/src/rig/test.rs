@@ -24,7 +24,7 @@ use serde_json::Value;
 use super::Timings;
 use super::boot::{Devices, Guest, sh_quote};
 use super::pmem::{self, DEVDAX_SETUP};
-use crate::util::{cargo, cargo_metadata, describe};
+use crate::util::{cargo, cargo_metadata, describe, wait_with_deadline};
 
 /// The package whose tests `rig test` runs by default.
 const DEFAULT_PACKAGE: &str = "ferry-rdma";
@@ -214,18 +214,7 @@ pub(super) fn run_json(cmd: &mut Command, timeout: Duration) -> Result<String> {
         let _ = pipe.read_to_string(&mut text);
         text
     });
-    let deadline = Instant::now() + timeout;
-    let status = loop {
-        if let Some(status) = child.try_wait().with_context(|| format!("waiting for `{what}`"))? {
-            break status;
-        }
-        if Instant::now() >= deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            bail!("`{what}` did not finish within {}s and was killed", timeout.as_secs());
-        }
-        thread::sleep(Duration::from_millis(20));
-    };
+    let status = wait_with_deadline(&mut child, timeout, &what)?;
     let stdout = reader.join().unwrap_or_default();
     if !status.success() {
         bail!("`{what}` failed ({status})");
