@@ -5,6 +5,7 @@
 //! timeout, every background server sits in a guard whose `Drop` kills it, and a missing tool is
 //! either installed (root on Debian, as in CI) or reported with the exact command that installs it.
 
+use std::ffi::OsStr;
 use std::fs::File;
 use std::io::Read;
 use std::net::TcpListener;
@@ -261,24 +262,20 @@ pub fn listening_in_proc_table(table: &str, port: u16) -> bool {
     })
 }
 
-/// Whether `name` is an executable file in a `PATH` directory.
-/// Whether a prerequisite is there: an absolute path names a file that must exist, anything else a
-/// binary on `PATH`.
-fn present(probe: &str) -> bool {
+/// Whether a prerequisite is there. The one predicate, used both before and after installing, so
+/// the two checks cannot disagree: an absolute path names a file that must exist (a library, a data
+/// file: nothing says it must be executable), anything else a binary that must be an executable file
+/// in a directory of `search_path` (the value of `PATH`).
+pub fn present(probe: &str, search_path: Option<&OsStr>) -> bool {
     if probe.starts_with('/') {
-        Path::new(probe).exists()
-    } else {
-        have_binary(probe)
+        return Path::new(probe).is_file();
     }
+    search_path.is_some_and(|path| std::env::split_paths(path).any(|dir| is_executable_file(&dir.join(probe))))
 }
 
-pub fn have_binary(name: &str) -> bool {
+fn is_executable_file(path: &Path) -> bool {
     use std::os::unix::fs::PermissionsExt;
-    let Some(path) = std::env::var_os("PATH") else {
-        return false;
-    };
-    std::env::split_paths(&path)
-        .any(|dir| std::fs::metadata(dir.join(name)).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0))
+    std::fs::metadata(path).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
 }
 
 fn is_root() -> bool {
@@ -291,12 +288,24 @@ fn is_root() -> bool {
 /// `apt-get update` runs at most once per xtask process.
 static APT_UPDATED: AtomicBool = AtomicBool::new(false);
 
-/// Makes sure each `(binary, debian_package)` is present: when some binary is missing and we are root
-/// on Debian, installs the packages with apt-get; otherwise fails naming the exact command to run.
+/// Makes sure each `(probe, debian_package)` is present (see [`present`]): when some probe is missing
+/// and we are root on Debian, installs the packages with apt-get; otherwise fails naming the exact
+/// command to run.
 pub fn ensure_debian_packages(needs: &[(&str, &str)]) -> Result<()> {
+    let search_path = std::env::var_os("PATH");
+    ensure_packages_with(needs, search_path.as_deref(), apt_install)
+}
+
+/// [`ensure_debian_packages`] with the installer and the search path as parameters, so that the
+/// branch a fresh machine takes (probe missing, install, probe again) is exercised by tests too.
+pub fn ensure_packages_with(
+    needs: &[(&str, &str)],
+    search_path: Option<&OsStr>,
+    install: impl FnOnce(&[&str]) -> Result<()>,
+) -> Result<()> {
     let mut packages: Vec<&str> = needs
         .iter()
-        .filter(|(probe, _)| !present(probe))
+        .filter(|(probe, _)| !present(probe, search_path))
         .map(|&(_, pkg)| pkg)
         .collect();
     packages.sort_unstable();
@@ -304,6 +313,25 @@ pub fn ensure_debian_packages(needs: &[(&str, &str)]) -> Result<()> {
     if packages.is_empty() {
         return Ok(());
     }
+    install(&packages)?;
+    let still_missing: Vec<String> = needs
+        .iter()
+        .filter(|(probe, _)| !present(probe, search_path))
+        .map(|(probe, pkg)| format!("`{probe}` (Debian package {pkg})"))
+        .collect();
+    if !still_missing.is_empty() {
+        bail!(
+            "still missing after installing {}: {}",
+            packages.join(", "),
+            still_missing.join(", ")
+        );
+    }
+    Ok(())
+}
+
+/// Installs Debian packages with apt-get as root (one `apt-get update` per process first), or fails
+/// with the command that would install them.
+pub fn apt_install(packages: &[&str]) -> Result<()> {
     let install = format!(
         "DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends {}",
         packages.join(" ")
@@ -323,14 +351,8 @@ pub fn ensure_debian_packages(needs: &[(&str, &str)]) -> Result<()> {
     let mut cmd = Command::new("apt-get");
     cmd.env("DEBIAN_FRONTEND", "noninteractive")
         .args(["install", "-y", "-qq", "--no-install-recommends"])
-        .args(&packages);
-    run_step(&mut cmd, timeout).with_context(|| format!("installing {}", packages.join(", ")))?;
-    for (bin, pkg) in needs {
-        if !have_binary(bin) {
-            bail!("`{bin}` is still missing after installing the Debian package {pkg}");
-        }
-    }
-    Ok(())
+        .args(packages);
+    run_step(&mut cmd, timeout).with_context(|| format!("installing {}", packages.join(", ")))
 }
 
 /// Parses a duration such as `3s`, `500ms`, `2m` or `3` (seconds).
@@ -386,6 +408,122 @@ mod tests {
         assert!(!listening_in_proc_table(table, 0x9C40));
         let table6 = "  sl  local_address                         remote_address                        st\n   0: 00000000000000000000000000000000:1451 00000000000000000000000000000000:0000 0A 0\n";
         assert!(listening_in_proc_table(table6, 5201));
+    }
+
+    /// A fresh folder under the temp directory, removed when dropped.
+    struct TempDir(PathBuf);
+
+    impl TempDir {
+        fn new(name: &str) -> Self {
+            let dir = std::env::temp_dir().join(format!("ferry-xtask-{name}-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&dir);
+            std::fs::create_dir_all(&dir).expect("creating a temp folder");
+            Self(dir)
+        }
+    }
+
+    impl Drop for TempDir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn write_file(path: &Path, mode: u32) {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::write(path, b"\x7fELF").expect("writing a probe file");
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).expect("chmod");
+    }
+
+    #[test]
+    fn probe_library_path_is_a_file_that_exists() {
+        let dir = TempDir::new("probe-lib");
+        let lib = dir.0.join("libfoo.so.1");
+        let probe = lib.to_str().expect("utf-8 temp path");
+        assert!(!present(probe, None));
+        write_file(&lib, 0o644);
+        assert!(
+            present(probe, None),
+            "a non-executable library named by path is present"
+        );
+        assert!(!present(dir.0.to_str().expect("utf-8"), None), "a folder is not a file");
+    }
+
+    #[test]
+    fn probe_binary_must_be_executable_on_the_search_path() {
+        let dir = TempDir::new("probe-bin");
+        let search = dir.0.clone().into_os_string();
+        assert!(!present("ferry-probe-tool", Some(&search)));
+        write_file(&dir.0.join("ferry-probe-tool"), 0o644);
+        assert!(!present("ferry-probe-tool", Some(&search)), "not executable");
+        write_file(&dir.0.join("ferry-probe-tool"), 0o755);
+        assert!(present("ferry-probe-tool", Some(&search)));
+        assert!(!present("ferry-probe-tool", None), "no PATH, no binary");
+        assert!(present("sh", std::env::var_os("PATH").as_deref()), "sh is on PATH");
+    }
+
+    /// The branch a fresh machine takes: probes missing, the installer runs, the same probes pass.
+    #[test]
+    fn install_branch_rechecks_with_the_same_predicate() {
+        let dir = TempDir::new("install");
+        let lib = dir.0.join("libbar.so.1");
+        let lib_probe = lib.to_str().expect("utf-8").to_owned();
+        let search = dir.0.clone().into_os_string();
+        let needs = [
+            (lib_probe.as_str(), "libbar1"),
+            ("bar-tool", "bar-utils"),
+            ("sh-probe", "bar-utils"),
+        ];
+        let mut asked = Vec::new();
+        let result = ensure_packages_with(&needs, Some(&search), |packages| {
+            asked = packages.iter().map(|p| p.to_string()).collect();
+            write_file(&lib, 0o644);
+            write_file(&dir.0.join("bar-tool"), 0o755);
+            write_file(&dir.0.join("sh-probe"), 0o755);
+            Ok(())
+        });
+        assert!(result.is_ok(), "{result:?}");
+        assert_eq!(asked, ["bar-utils", "libbar1"], "each package once, sorted");
+        let nothing_to_do = ensure_packages_with(&needs, Some(&search), |_| panic!("nothing is missing"));
+        assert!(nothing_to_do.is_ok());
+    }
+
+    #[test]
+    fn install_that_leaves_a_probe_missing_names_it() {
+        let dir = TempDir::new("install-fails");
+        let lib = dir.0.join("libbaz.so.1");
+        let probe = lib.to_str().expect("utf-8").to_owned();
+        let err = ensure_packages_with(&[(probe.as_str(), "libbaz1")], None, |_| Ok(()))
+            .expect_err("the probe is still missing");
+        let text = err.to_string();
+        assert!(text.contains(&probe) && text.contains("libbaz1"), "{text}");
+        let refused = ensure_packages_with(&[(probe.as_str(), "libbaz1")], None, |_| bail!("no apt here"));
+        assert_eq!(refused.expect_err("installer failed").to_string(), "no apt here");
+    }
+
+    /// The real installer on a package that nothing else uses: removed first, so every run installs
+    /// it through `apt_install` as a fresh machine would, probed by absolute path, then removed again.
+    #[test]
+    fn real_apt_install_of_a_removed_package() {
+        const PROBE: &str = "/usr/bin/hello";
+        if !(is_root() && Path::new("/etc/debian_version").exists()) {
+            assert!(
+                std::env::var_os("FERRY_REQUIRE_ALL").is_none(),
+                "this test installs the Debian package `hello` with apt-get: run it as root on Debian"
+            );
+            eprintln!("skipped: installing a package needs root on Debian");
+            return;
+        }
+        let purge = || {
+            let status = Command::new("dpkg").args(["--purge", "hello"]).output();
+            assert!(status.is_ok_and(|o| o.status.success()), "dpkg --purge hello");
+        };
+        purge();
+        assert!(!present(PROBE, None));
+        let result = ensure_debian_packages(&[(PROBE, "hello")]);
+        let installed = present(PROBE, None);
+        purge();
+        assert!(result.is_ok(), "{result:?}");
+        assert!(installed);
     }
 
     #[test]

@@ -16,13 +16,14 @@
 
 use bytes::{BufMut, BytesMut};
 
-use crate::error::{Error, ErrorCode, Result};
+use crate::error::{Error, ErrorCode, Result, WireError, io_kind_from_wire, io_kind_to_wire};
 use crate::types::{Access, Durability, RegionAd, RegionKey, TransportKind};
 
 /// First two bytes of every frame.
 pub const MAGIC: u16 = 0xF5E7;
-/// The protocol version this build speaks (2: durability on writes and the `Commit` frame).
-pub const VERSION: u8 = 2;
+/// The protocol version this build speaks (2: durability on writes and the `Commit` frame; 3: a
+/// status byte ends every read's data, and errors carry their I/O kind).
+pub const VERSION: u8 = 3;
 /// Size of the fixed header.
 pub const HEADER_LEN: usize = 16;
 
@@ -40,6 +41,34 @@ impl Default for Limits {
         Limits {
             max_body: 1 << 20,
             max_payload: 1 << 30,
+        }
+    }
+}
+
+/// The last byte of every [`Frame::ReadData`] payload.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum ReadStatus {
+    /// Every byte before it is the region's.
+    Intact = 0,
+    /// The region was deregistered while its bytes were sent: some of them are zeros.
+    RegionGone = 1,
+    /// The region's memory lost its backing while it was read (a mapped file shrank): some bytes
+    /// are zeros.
+    Unbacked = 2,
+}
+
+impl ReadStatus {
+    /// Its length at the end of the payload.
+    pub const LEN: u64 = 1;
+
+    /// Parses the status byte; an unknown value is a protocol error.
+    pub fn from_u8(b: u8) -> Result<Self> {
+        match b {
+            0 => Ok(ReadStatus::Intact),
+            1 => Ok(ReadStatus::RegionGone),
+            2 => Ok(ReadStatus::Unbacked),
+            other => Err(Error::Protocol(format!("unknown read status {other}"))),
         }
     }
 }
@@ -80,7 +109,7 @@ pub struct HelloAck {
     /// The target's engine id.
     pub engine_id: u64,
     /// `None` when accepted; the refusal otherwise.
-    pub refusal: Option<(ErrorCode, String)>,
+    pub refusal: Option<WireError>,
     /// Transports the target can use, best first.
     pub transports: Vec<TransportKind>,
     /// Identifies the target's host.
@@ -141,7 +170,9 @@ pub enum Frame {
         /// What to read.
         segments: Vec<Segment>,
     },
-    /// The data of a successful read; the payload follows.
+    /// The data of a read: the payload is the bytes read, then one [`ReadStatus`] byte that says whether
+    /// they are the region's. The header goes out before the data, so a region deregistered (or a file
+    /// truncated) while the data is sent can only be reported after it.
     ReadData {
         /// The read's id.
         id: u64,
@@ -151,7 +182,7 @@ pub enum Frame {
         /// The operation's id.
         id: u64,
         /// `None` on success.
-        error: Option<(ErrorCode, String)>,
+        error: Option<WireError>,
     },
     /// A notification for the target's queue.
     Notify {
@@ -202,7 +233,7 @@ pub enum Frame {
         /// The request's id.
         id: u64,
         /// `None` when the data path is ready on the target's side.
-        error: Option<(ErrorCode, String)>,
+        error: Option<WireError>,
         /// The target's setup data.
         blob: Vec<u8>,
     },
@@ -226,6 +257,27 @@ mod kind {
     pub const TRANSPORT_SETUP: u8 = 15;
     pub const TRANSPORT_SETUP_REPLY: u8 = 16;
     pub const COMMIT: u8 = 17;
+
+    /// Every kind this version speaks; a test checks that every [`super::Frame`] variant is here.
+    pub const ALL: [u8; 17] = [
+        HELLO,
+        HELLO_ACK,
+        REGION_ADDED,
+        REGION_REMOVED,
+        WRITE,
+        WRITE_BATCH,
+        READ,
+        READ_BATCH,
+        READ_DATA,
+        ACK,
+        NOTIFY,
+        PING,
+        PONG,
+        GOODBYE,
+        TRANSPORT_SETUP,
+        TRANSPORT_SETUP_REPLY,
+        COMMIT,
+    ];
 }
 
 impl Frame {
@@ -404,7 +456,7 @@ pub fn decode_header(buf: &[u8], limits: &Limits) -> Result<Option<Header>> {
         )));
     }
     let kind = h[3];
-    if !(kind::HELLO..=kind::COMMIT).contains(&kind) {
+    if !kind::ALL.contains(&kind) {
         return Err(Error::Protocol(format!("unknown frame kind {kind}")));
     }
     let body_len = u32::from_le_bytes([h[4], h[5], h[6], h[7]]);
@@ -602,17 +654,18 @@ fn put_bytes(out: &mut BytesMut, b: &[u8]) -> Result<()> {
     Ok(())
 }
 
-fn put_error(out: &mut BytesMut, e: &Option<(ErrorCode, String)>) -> Result<()> {
+fn put_error(out: &mut BytesMut, e: &Option<WireError>) -> Result<()> {
     match e {
         None => out.put_u16_le(0),
-        Some((code, msg)) => {
-            out.put_u16_le(*code as u16);
+        Some(e) => {
+            out.put_u16_le(e.code as u16);
+            out.put_u8(io_kind_to_wire(e.io_kind));
             // Messages are for people: cut long ones at a character boundary rather than fail.
-            let mut end = msg.len().min(4096);
-            while !msg.is_char_boundary(end) {
+            let mut end = e.message.len().min(4096);
+            while !e.message.is_char_boundary(end) {
                 end -= 1;
             }
-            put_str(out, &msg[..end])?;
+            put_str(out, &e.message[..end])?;
         }
     }
     Ok(())
@@ -705,13 +758,18 @@ impl<'a> Reader<'a> {
         let b = self.bytes()?;
         String::from_utf8(b.to_vec()).map_err(|_| Error::Protocol("string field is not UTF-8".into()))
     }
-    fn error(&mut self) -> Result<Option<(ErrorCode, String)>> {
+    fn error(&mut self) -> Result<Option<WireError>> {
         let code = self.u16()?;
         if code == 0 {
             return Ok(None);
         }
         let code = ErrorCode::from_u16(code).ok_or_else(|| Error::Protocol(format!("unknown error code {code}")))?;
-        Ok(Some((code, self.string()?)))
+        let io_kind = io_kind_from_wire(self.u8()?);
+        Ok(Some(WireError {
+            code,
+            io_kind,
+            message: self.string()?,
+        }))
     }
     fn durability(&mut self) -> Result<Durability> {
         match self.u8()? {
@@ -801,8 +859,12 @@ mod tests {
         )
     }
 
-    fn arb_error() -> impl Strategy<Value = Option<(ErrorCode, String)>> {
-        proptest::option::of((1u16..=11, ".{0,40}").prop_map(|(c, m)| (ErrorCode::from_u16(c).unwrap(), m)))
+    fn arb_error() -> impl Strategy<Value = Option<WireError>> {
+        proptest::option::of((1u16..=11, 0u8..=20, ".{0,40}").prop_map(|(c, k, message)| WireError {
+            code: ErrorCode::from_u16(c).unwrap(),
+            io_kind: io_kind_from_wire(k),
+            message,
+        }))
     }
 
     fn arb_region() -> impl Strategy<Value = RegionAd> {
@@ -938,6 +1000,7 @@ mod tests {
 
         #[test]
         fn encode_decode_round_trips((frame, payload_len) in arb_frame()) {
+            prop_assert!(kind::ALL.contains(&frame.kind()), "{:?} is missing from kind::ALL", frame);
             let mut buf = BytesMut::new();
             encode(&frame, payload_len, &mut buf).unwrap();
             let limits = Limits::default();
@@ -958,7 +1021,7 @@ mod tests {
 
         #[test]
         fn arbitrary_bodies_behind_a_valid_header_never_panic(
-            kind in 1u8..=16,
+            kind in proptest::sample::select(kind::ALL.to_vec()),
             body in proptest::collection::vec(any::<u8>(), 0..512),
             payload_len in prop_oneof![Just(0u64), any::<u64>(), 0u64..4096],
         ) {
@@ -992,6 +1055,28 @@ mod tests {
             buf.put_u32_le(count);
             let r = decode(&buf, &Limits::default());
             prop_assert!(matches!(r, Err(Error::Protocol(_))));
+        }
+    }
+
+    /// Every kind in the list decodes something or refuses it with `Protocol`, and kinds outside it
+    /// are refused: the fuzz test above draws from the same list, so a new kind is fuzzed by adding it.
+    #[test]
+    fn kind_list_is_complete_and_unknown_kinds_are_refused() {
+        let mut sorted = kind::ALL.to_vec();
+        sorted.sort_unstable();
+        sorted.dedup();
+        assert_eq!(sorted.len(), kind::ALL.len(), "duplicate kind numbers");
+        for k in 0..=u8::MAX {
+            let mut buf = BytesMut::new();
+            buf.put_u16_le(MAGIC);
+            buf.put_u8(VERSION);
+            buf.put_u8(k);
+            buf.put_u32_le(0);
+            buf.put_u64_le(0);
+            let result = decode(&buf, &Limits::default());
+            if !kind::ALL.contains(&k) {
+                assert!(matches!(result, Err(Error::Protocol(_))), "kind {k}: {result:?}");
+            }
         }
     }
 

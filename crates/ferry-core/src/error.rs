@@ -145,6 +145,85 @@ impl Error {
     }
 }
 
+/// An [`Error`] as it crosses the wire: its variant, the kind of an I/O error (so that a remote
+/// transient failure stays retryable), and its message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WireError {
+    /// The variant.
+    pub code: ErrorCode,
+    /// For [`ErrorCode::Io`], the `std::io::ErrorKind`; `Other` for the rest.
+    pub io_kind: std::io::ErrorKind,
+    /// What failed, as the peer said it.
+    pub message: String,
+}
+
+impl From<&Error> for WireError {
+    fn from(e: &Error) -> Self {
+        WireError {
+            code: e.code(),
+            io_kind: match e {
+                Error::Io { kind, .. } => *kind,
+                _ => std::io::ErrorKind::Other,
+            },
+            message: e.message().to_owned(),
+        }
+    }
+}
+
+impl WireError {
+    /// The error the peer reported, with the same variant (and I/O kind) it produced.
+    pub fn into_error(self) -> Error {
+        match Error::from_wire(self.code, self.message) {
+            Error::Io { message, .. } => Error::Io {
+                kind: self.io_kind,
+                message,
+            },
+            other => other,
+        }
+    }
+}
+
+/// The I/O error kinds that keep their identity on the wire, by wire number (index + 1). Others
+/// travel as `Other` (0): what a caller decides on (retry or not) is among these.
+const WIRE_IO_KINDS: [std::io::ErrorKind; 20] = {
+    use std::io::ErrorKind::*;
+    [
+        NotFound,
+        PermissionDenied,
+        ConnectionRefused,
+        ConnectionReset,
+        HostUnreachable,
+        NetworkUnreachable,
+        ConnectionAborted,
+        NotConnected,
+        AddrInUse,
+        AddrNotAvailable,
+        NetworkDown,
+        BrokenPipe,
+        AlreadyExists,
+        WouldBlock,
+        InvalidInput,
+        InvalidData,
+        TimedOut,
+        Interrupted,
+        UnexpectedEof,
+        OutOfMemory,
+    ]
+};
+
+/// The wire number of an I/O error kind (0 for `Other` and kinds without one).
+pub fn io_kind_to_wire(kind: std::io::ErrorKind) -> u8 {
+    WIRE_IO_KINDS.iter().position(|k| *k == kind).map_or(0, |i| i as u8 + 1)
+}
+
+/// The I/O error kind of a wire number; unknown numbers (a newer peer) read as `Other`.
+pub fn io_kind_from_wire(n: u8) -> std::io::ErrorKind {
+    match n {
+        1..=20 => WIRE_IO_KINDS[n as usize - 1],
+        _ => std::io::ErrorKind::Other,
+    }
+}
+
 /// The wire form of an [`Error`] variant.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[repr(u16)]
@@ -211,5 +290,31 @@ mod tests {
         }
         assert_eq!(ErrorCode::from_u16(0), None);
         assert_eq!(ErrorCode::from_u16(12), None);
+    }
+
+    #[test]
+    fn io_kind_survives_the_wire() {
+        let reset = Error::io("send", std::io::Error::from(std::io::ErrorKind::ConnectionReset));
+        let back = WireError::from(&reset).into_error();
+        assert!(
+            back.is_retryable(),
+            "a remote transient I/O error stays retryable: {back:?}"
+        );
+        assert!(matches!(
+            back,
+            Error::Io {
+                kind: std::io::ErrorKind::ConnectionReset,
+                ..
+            }
+        ));
+        for n in 0..=u8::MAX {
+            let kind = io_kind_from_wire(n);
+            if kind != std::io::ErrorKind::Other {
+                assert_eq!(io_kind_to_wire(kind), n);
+            }
+        }
+        assert_eq!(io_kind_to_wire(std::io::ErrorKind::Other), 0);
+        let denied = WireError::from(&Error::PermissionDenied("k".into())).into_error();
+        assert_eq!(denied, Error::PermissionDenied("peer reported: k".into()));
     }
 }

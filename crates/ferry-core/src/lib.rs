@@ -23,7 +23,7 @@ pub mod sync;
 pub mod transport;
 pub mod types;
 
-pub use error::{Error, ErrorCode, Result};
+pub use error::{Error, ErrorCode, Result, WireError};
 pub use memory::{MemoryBlock, MemoryRegistry, OwnedBuffer, RawMemory};
 pub use options::BufferPool;
 pub use region::{Fence, Lease, RegionEntry, RegionTable, RemoteRegions, Resolved};

@@ -67,6 +67,12 @@ pub unsafe trait MemoryBlock: Send + Sync + 'static {
     fn check_backing(&self) -> Result<()> {
         Ok(())
     }
+    /// Whether the memory is still what was registered, without a system call: an error once a fault
+    /// swapped a mapped file's pages for zeros. Checked after each remote copy, so that a copy that
+    /// raced a truncation is reported as failed, never acknowledged.
+    fn check_intact(&self) -> Result<()> {
+        Ok(())
+    }
     /// What persisting has cost so far, for blocks that persist.
     fn persist_stats(&self) -> Option<PersistStats> {
         None
@@ -88,34 +94,41 @@ pub trait MemoryRegistry: Send + Sync {
 }
 
 /// A buffer the caller hands over: a `Vec<u8>` or boxed slice, owned by the region from then on.
+///
+/// The allocation is held as a raw pointer from [`Box::into_raw`], never as a `Box`: a `Box` asserts
+/// unique access to its bytes whenever it is moved, which would invalidate the pointer that peers and
+/// copies write through.
 pub struct OwnedBuffer {
     ptr: *mut u8,
     len: usize,
-    // Keeps the allocation alive; never touched through a reference after construction.
-    _storage: Box<[u8]>,
 }
 
 impl OwnedBuffer {
     /// Takes ownership of `storage`.
     pub fn new(storage: impl Into<Box<[u8]>>) -> Self {
-        let mut storage: Box<[u8]> = storage.into();
-        let ptr = storage.as_mut_ptr();
+        let storage: Box<[u8]> = storage.into();
         let len = storage.len();
-        OwnedBuffer {
-            ptr,
-            len,
-            _storage: storage,
-        }
+        let ptr = Box::into_raw(storage).cast::<u8>();
+        OwnedBuffer { ptr, len }
     }
 }
 
-// SAFETY: the pointer is into a heap allocation owned by `self`, never reallocated or moved (moving the
-// Box moves only the pointer), and only accessed through raw pointers, which is sound from any thread.
+impl Drop for OwnedBuffer {
+    fn drop(&mut self) {
+        let slice = std::ptr::slice_from_raw_parts_mut(self.ptr, self.len);
+        // SAFETY: `slice` is exactly the pointer and length that `Box::into_raw` returned in `new`, and
+        // it is turned back into a Box once, here; no other pointer to it outlives `self`.
+        drop(unsafe { Box::from_raw(slice) });
+    }
+}
+
+// SAFETY: the pointer is to a heap allocation owned by `self` (released only in `Drop`), never
+// reallocated, and only accessed through raw pointers, which is sound from any thread.
 unsafe impl Send for OwnedBuffer {}
 // SAFETY: as above; shared access goes through raw pointers only.
 unsafe impl Sync for OwnedBuffer {}
 
-// SAFETY: `ptr` points to the `len` bytes of `_storage`, which lives as long as `self` and does not move.
+// SAFETY: `ptr` points to the `len` bytes leaked from the Box in `new`, freed only when `self` drops.
 unsafe impl MemoryBlock for OwnedBuffer {
     fn as_ptr(&self) -> *mut u8 {
         self.ptr
@@ -161,5 +174,29 @@ unsafe impl MemoryBlock for RawMemory {
     }
     fn kind(&self) -> &str {
         "host (caller-owned)"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Under Miri (`cargo miri test -p ferry-core owned_buffer`) this fails when the buffer holds its
+    /// storage as a `Box` that moves: the move retags the allocation and the kept pointer is invalid.
+    #[test]
+    fn owned_buffer_pointer_survives_moves() {
+        let block = OwnedBuffer::new(vec![7u8; 64]);
+        let moved = Box::new(block);
+        let ptr = moved.as_ptr();
+        let moved_again: Arc<dyn MemoryBlock> = Arc::new(*moved);
+        assert_eq!(moved_again.as_ptr(), ptr);
+        // SAFETY: `ptr` points to 64 live bytes owned by `moved_again`; no reference to them exists.
+        unsafe {
+            ptr.add(63).write(9);
+            assert_eq!(ptr.read(), 7);
+            assert_eq!(ptr.add(63).read(), 9);
+        }
+        let empty = OwnedBuffer::new(Vec::new());
+        assert_eq!(empty.len(), 0);
     }
 }

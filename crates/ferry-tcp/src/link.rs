@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
-use ferry_core::codec::{Frame, Hello, HelloAck, Limits, Segment};
+use ferry_core::codec::{Frame, Hello, HelloAck, Limits, ReadStatus, Segment};
 use ferry_core::sync::take_all;
 use ferry_core::{
     DataLink, Durability, Error, Notification, Op, PersistMethod, RegionEntry, RemoteRegions, Resolved, Result,
@@ -179,15 +179,15 @@ impl TcpLink {
             host_id: me.host_id,
         };
         let (r0, w0, ack) = open_stream(addr, hello(0), config.limits).await?;
-        if let Some((code, msg)) = ack.refusal {
-            return Err(Error::from_wire(code, msg));
+        if let Some(refusal) = ack.refusal {
+            return Err(refusal.into_error());
         }
         let mut halves = vec![(r0, w0)];
         let rest =
             futures::future::try_join_all((1..streams).map(|i| open_stream(addr, hello(i), config.limits))).await?;
         for (r, w, a) in rest {
-            if let Some((code, msg)) = a.refusal {
-                return Err(Error::from_wire(code, msg));
+            if let Some(refusal) = a.refusal {
+                return Err(refusal.into_error());
             }
             halves.push((r, w));
         }
@@ -686,11 +686,7 @@ async fn read_loop(shared: Arc<Shared>, stream: usize, mut reader: FrameReader) 
             Err(e) => break e,
         };
         match decoded.frame {
-            Frame::Ack { id, error } => shared.complete(
-                stream,
-                id,
-                error.map_or(Ok(()), |(code, msg)| Err(Error::from_wire(code, msg))),
-            ),
+            Frame::Ack { id, error } => shared.complete(stream, id, error.map_or(Ok(()), |e| Err(e.into_error()))),
             Frame::ReadData { id } => {
                 if let Err(e) = land_read(&shared, stream, id, decoded.payload_len, &mut reader).await {
                     break e;
@@ -711,7 +707,7 @@ async fn read_loop(shared: Arc<Shared>, stream: usize, mut reader: FrameReader) 
             Frame::TransportSetupReply { id, error, blob } if stream == 0 => {
                 let waiter = shared.setups.lock().ok().and_then(|mut m| m.remove(&id));
                 if let Some(w) = waiter {
-                    let _ = w.send(error.map_or(Ok(blob), |(code, msg)| Err(Error::from_wire(code, msg))));
+                    let _ = w.send(error.map_or(Ok(blob), |e| Err(e.into_error())));
                 }
             }
             Frame::Pong { .. } => {}
@@ -735,46 +731,40 @@ pub(crate) fn unbacked(region: &ferry_core::RegionEntry) -> Error {
     })
 }
 
-/// Puts a read's data where it belongs. Errors returned here break the stream; errors of the read
-/// itself (a region deregistered meanwhile) complete the read.
+/// Puts a read's data where it belongs, then reads the status byte that says whether the data is the
+/// source region's. Errors returned here break the stream; errors of the read itself (a region
+/// deregistered meanwhile, at either end) complete the read.
 async fn land_read(shared: &Shared, stream: usize, id: u64, payload_len: u64, reader: &mut FrameReader) -> Result<()> {
     let Some(pending) = shared.take_pending(stream, id) else {
         return reader.discard(payload_len).await;
     };
-    let result = match pending.read {
-        Some(ReadDest::Direct { region, offset, len }) if len == payload_len => {
-            match reader.read_into(&region, offset, len).await? {
-                Landed::Written => region
-                    .block()
-                    .commit_written(offset as usize, len as usize, Durability::Completed),
+    let data_len = payload_len.checked_sub(ReadStatus::LEN);
+    let landed = match pending.read {
+        Some(ReadDest::Direct { region, offset, len }) if Some(len) == data_len => {
+            let landed = reader.read_into(&region, offset, len).await?;
+            let status = read_status_byte(reader).await?;
+            source_intact(shared, status).and_then(|()| match landed {
+                Landed::Written => region.block().check_intact().and_then(|()| {
+                    region
+                        .block()
+                        .commit_written(offset as usize, len as usize, Durability::Completed)
+                }),
                 Landed::RegionGone => Err(region.gone()),
                 Landed::Unbacked => Err(unbacked(&region)),
-            }
+            })
         }
-        Some(ReadDest::Scatter { parts, staging }) if parts.iter().map(|p| p.len).sum::<u64>() == payload_len => {
+        Some(ReadDest::Scatter { parts, staging }) if Some(parts.iter().map(|p| p.len).sum::<u64>()) == data_len => {
             let mut staging = staging;
             let mut scratch = Vec::new();
             let buf = match staging.as_mut() {
                 Some(s) => &mut s.data,
                 None => &mut scratch,
             };
-            buf.resize(payload_len as usize, 0);
+            buf.resize(payload_len as usize - ReadStatus::LEN as usize, 0);
             reader.read_exact(buf).await?;
-            let mut at = 0usize;
-            let mut result = Ok(());
-            for p in &parts {
-                let n = p.len as usize;
-                let landed = p.region.copy_in(p.offset, &buf[at..at + n]).and_then(|()| {
-                    p.region
-                        .block()
-                        .commit_written(p.offset as usize, n, Durability::Completed)
-                });
-                if let Err(e) = landed {
-                    result = Err(e);
-                }
-                at += n;
-            }
-            result
+            let status = read_status_byte(reader).await?;
+            // Data the source could not vouch for is not copied into the destination at all.
+            source_intact(shared, status).and_then(|()| scatter(&parts, buf))
         }
         _ => {
             return Err(Error::Protocol(format!(
@@ -783,8 +773,51 @@ async fn land_read(shared: &Shared, stream: usize, id: u64, payload_len: u64, re
             )));
         }
     };
-    let _ = pending.done.send(result);
+    let _ = pending.done.send(landed);
     Ok(())
+}
+
+async fn read_status_byte(reader: &mut FrameReader) -> Result<ReadStatus> {
+    let mut status = [0u8; ReadStatus::LEN as usize];
+    reader.read_exact(&mut status).await?;
+    ReadStatus::from_u8(status[0])
+}
+
+/// The read's error when the target says the bytes it sent are not its region's.
+fn source_intact(shared: &Shared, status: ReadStatus) -> Result<()> {
+    match status {
+        ReadStatus::Intact => Ok(()),
+        ReadStatus::RegionGone => Err(Error::PermissionDenied(format!(
+            "{} deregistered the source region while this read was answered; the destination does not hold its bytes",
+            shared.peer
+        ))),
+        ReadStatus::Unbacked => Err(Error::Io {
+            kind: std::io::ErrorKind::InvalidData,
+            message: format!(
+                "{}'s source region lost its backing (a mapped file shrank) while this read was answered; the destination does not hold its bytes",
+                shared.peer
+            ),
+        }),
+    }
+}
+
+/// Copies a staged read's bytes to the local regions they belong to.
+fn scatter(parts: &[Resolved], buf: &[u8]) -> Result<()> {
+    let mut at = 0usize;
+    let mut result = Ok(());
+    for p in parts {
+        let n = p.len as usize;
+        let landed = p.region.copy_in(p.offset, &buf[at..at + n]).and_then(|()| {
+            p.region
+                .block()
+                .commit_written(p.offset as usize, n, Durability::Completed)
+        });
+        if let Err(e) = landed {
+            result = Err(e);
+        }
+        at += n;
+    }
+    result
 }
 
 impl ferry_core::SetupExchange for TcpLink {

@@ -15,8 +15,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use ferry_core::codec::{Frame, HelloAck, Limits, Segment};
-use ferry_core::{Durability, EngineContext, Error, LinkSlot, Notification, Op, RegionChange, Resolved, Result};
+use ferry_core::codec::{Frame, HelloAck, Limits, ReadStatus, Segment};
+use ferry_core::{
+    Durability, EngineContext, Error, LinkSlot, Notification, Op, RegionChange, Resolved, Result, WireError,
+};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 use tokio::task::AbortHandle;
@@ -200,7 +202,7 @@ async fn serve_stream(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>) 
     let ctx = &shared.ctx;
     let refuse = |e: Error| HelloAck {
         engine_id: ctx.engine_id,
-        refusal: Some((e.code(), e.message().to_string())),
+        refusal: Some(WireError::from(&e)),
         transports: ctx.transports.clone(),
         host_id: ctx.host_id,
         regions: Vec::new(),
@@ -317,7 +319,7 @@ async fn serve_requests(
     let ctx = &shared.ctx;
     let ack = |id: u64, r: Result<()>| Frame::Ack {
         id,
-        error: r.err().map(|e| (e.code(), e.message().to_string())),
+        error: r.err().map(|e| WireError::from(&e)),
     };
     loop {
         // Answer what is already in hand before waiting for more.
@@ -452,7 +454,7 @@ async fn serve_requests(
                     }
                     Err(e) => Frame::TransportSetupReply {
                         id,
-                        error: Some((e.code(), e.message().to_string())),
+                        error: Some(WireError::from(&e)),
                         blob: Vec::new(),
                     },
                 };
@@ -474,21 +476,44 @@ async fn serve_requests(
     }
 }
 
-/// Answers a read: the header, then each part straight from its region.
+/// Answers a read: the header, then each part straight from its region, then the status byte that
+/// says whether those bytes are the regions' (see [`ReadStatus`]).
 async fn send_read_data(writer: &mut FrameWriter, id: u64, parts: &[Resolved]) -> Result<()> {
-    let total = parts.iter().map(|p| p.len).sum();
-    writer.push(&Frame::ReadData { id }, total)?;
+    let total: u64 = parts.iter().map(|p| p.len).sum();
+    writer.push(&Frame::ReadData { id }, total + ReadStatus::LEN)?;
+    let mut copied = true;
     for p in parts {
-        let intact = if p.len <= 16 << 10 {
+        copied &= if p.len <= 16 << 10 {
             writer.push_region(&p.region, p.offset, p.len as usize)
         } else {
             writer.write_region(&p.region, p.offset, p.len).await?
         };
-        if !intact {
-            tracing::warn!(region = ?p.region.key(), "region deregistered while being read: zeros sent");
-        }
     }
+    let status = read_status(parts, copied);
+    if status != ReadStatus::Intact {
+        tracing::warn!(
+            ?status,
+            "a region changed while it was read: the read is reported as failed"
+        );
+    }
+    writer.push_bytes(&[status as u8]);
     Ok(())
+}
+
+/// Whether the bytes just sent for `parts` are the regions': `copied` is false when a copy was cut
+/// short (the region's fence closed, or the kernel could not read its memory).
+fn read_status(parts: &[Resolved], copied: bool) -> ReadStatus {
+    if !copied {
+        return match parts.iter().any(|p| p.region.fence().is_closed()) {
+            true => ReadStatus::RegionGone,
+            false => ReadStatus::Unbacked,
+        };
+    }
+    // A copy out of a file that shrank meanwhile read zero pages without failing.
+    match parts.iter().all(|p| p.region.block().check_intact().is_ok()) {
+        true => ReadStatus::Intact,
+        false => ReadStatus::Unbacked,
+    }
 }
 
 fn resolve_write(
@@ -531,10 +556,12 @@ fn resolve_reads(ctx: &EngineContext, segments: &[Segment], max_payload: u64) ->
 /// error breaks the stream; the inner result is the operation's.
 async fn land(reader: &mut FrameReader, r: &Resolved) -> Result<Result<()>> {
     Ok(match reader.read_into(&r.region, r.offset, r.len).await? {
-        Landed::Written => r
-            .region
-            .block()
-            .commit_written(r.offset as usize, r.len as usize, Durability::Completed),
+        // A copy into a file that shrank meanwhile landed in zero pages without failing.
+        Landed::Written => r.region.block().check_intact().and_then(|()| {
+            r.region
+                .block()
+                .commit_written(r.offset as usize, r.len as usize, Durability::Completed)
+        }),
         Landed::RegionGone => Err(r.region.gone()),
         Landed::Unbacked => Err(crate::link::unbacked(&r.region)),
     })

@@ -417,6 +417,9 @@ unsafe impl MemoryBlock for FileMapping {
             nanos: nanos.load(Ordering::Relaxed),
         })
     }
+    fn check_intact(&self) -> Result<()> {
+        self.check_guard()
+    }
     fn check_backing(&self) -> Result<()> {
         self.check_guard()?;
         let Some(guard) = &self.guard else {

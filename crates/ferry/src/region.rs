@@ -10,7 +10,15 @@ use crate::engine::Inner;
 /// removes it: peers are told, the fence closes, and once that returns no byte of it is touched again.
 ///
 /// Peers may write into the region at any time, so it offers copies ([`write_at`](Region::write_at),
-/// [`read_at`](Region::read_at)) rather than slices; [`as_slice`](Region::as_slice) is `unsafe`.
+/// [`read_at`](Region::read_at)) and a raw pointer ([`as_ptr`](Region::as_ptr)), never a slice: no
+/// caller can promise that no peer writes while a `&[u8]` lives, since a peer with write access may
+/// write at any moment, and a slice over bytes that change is undefined behaviour.
+///
+/// ```compile_fail
+/// fn view(region: &ferry::Region) -> &[u8] {
+///     unsafe { region.as_slice() } // no such method: a slice cannot be made sound here
+/// }
+/// ```
 pub struct Region {
     pub(crate) entry: Arc<RegionEntry>,
     pub(crate) engine: Weak<Inner>,
@@ -98,18 +106,6 @@ impl Region {
         let mut v = vec![0u8; self.len() as usize];
         self.read_at(0, &mut v)?;
         Ok(v)
-    }
-
-    /// The region's bytes as a slice.
-    ///
-    /// # Safety
-    ///
-    /// No peer may write into the region while the slice lives (for example, the application's own
-    /// protocol says the writer is done, with a notification), and the region must not be dropped.
-    pub unsafe fn as_slice(&self) -> &[u8] {
-        // SAFETY: the block is `len` valid bytes while the region lives; the caller promised that no
-        // write happens while the slice exists.
-        unsafe { std::slice::from_raw_parts(self.entry.block().as_ptr(), self.len() as usize) }
     }
 
     /// The first byte, for code that manages concurrency itself.

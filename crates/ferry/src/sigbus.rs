@@ -9,20 +9,36 @@
 //! every guarded mapping go to the handler that was installed before (Rust's stack-overflow handler,
 //! or the default action), so other crashes still crash.
 //!
+//! Only a fault whose `si_code` is `BUS_ADRERR` (an address past the end of the mapped object) is
+//! taken as truncation. Memory poison (`BUS_MCEERR_AR`, `BUS_MCEERR_AO`), alignment and object errors
+//! go to the previous handler even inside a guarded mapping: swapping poisoned memory for zeros
+//! would hide a hardware error behind a wrong answer.
+//!
 //! The handler only reads atomics and calls `mmap`, a plain system call, which is what a signal
-//! handler may do. A slot is cleared before its mapping is unmapped, and nothing accesses a mapping
-//! while it is being unmapped (the region's fence has closed), so the handler never remaps an address
-//! range that has been handed to something else.
+//! handler may do. Each slot's `(start, len)` pair is published under a sequence counter (a seqlock
+//! with one writer, the slot's owner), so the handler never sees the start of one mapping with the
+//! length of another: a torn read would map zero pages over an unrelated range. A pair that is being
+//! written is not matched; nothing touches a mapping while its guard is being set up or dropped. A
+//! slot is cleared before its mapping is unmapped, and nothing accesses a mapping while it is being
+//! unmapped (the region's fence has closed), so the handler never remaps an address range that has
+//! been handed to something else.
 
 use std::sync::OnceLock;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering, fence};
 
 use ferry_core::{Error, Result};
 
 /// How many mappings can be guarded at once (HIXL advises about 4K registrations in all).
 const SLOTS: usize = 4096;
 
+/// How often the handler re-reads a pair that changed under it before passing the slot by.
+const READ_RETRIES: usize = 4;
+
 struct Slot {
+    /// Whether a `Guard` owns the slot.
+    claimed: AtomicBool,
+    /// Odd while the owner rewrites `start`/`len`; bumped twice per rewrite.
+    seq: AtomicUsize,
     start: AtomicUsize,
     len: AtomicUsize,
     lost: AtomicBool,
@@ -30,6 +46,8 @@ struct Slot {
 
 #[allow(clippy::declare_interior_mutable_const)]
 const EMPTY: Slot = Slot {
+    claimed: AtomicBool::new(false),
+    seq: AtomicUsize::new(0),
     start: AtomicUsize::new(0),
     len: AtomicUsize::new(0),
     lost: AtomicBool::new(false),
@@ -37,6 +55,34 @@ const EMPTY: Slot = Slot {
 
 static TABLE: [Slot; SLOTS] = [EMPTY; SLOTS];
 static PREVIOUS: OnceLock<libc::sigaction> = OnceLock::new();
+
+impl Slot {
+    /// Publishes `(start, len)`; only the slot's owner calls this.
+    fn publish(&self, start: usize, len: usize) {
+        self.seq.fetch_add(1, Ordering::Relaxed);
+        fence(Ordering::Release);
+        self.start.store(start, Ordering::Relaxed);
+        self.len.store(len, Ordering::Relaxed);
+        self.seq.fetch_add(1, Ordering::Release);
+    }
+
+    /// The published pair, read consistently; `None` for an empty slot or one being rewritten.
+    fn mapping(&self) -> Option<(usize, usize)> {
+        for _ in 0..READ_RETRIES {
+            let before = self.seq.load(Ordering::Acquire);
+            if before % 2 == 1 {
+                return None;
+            }
+            let start = self.start.load(Ordering::Relaxed);
+            let len = self.len.load(Ordering::Relaxed);
+            fence(Ordering::Acquire);
+            if self.seq.load(Ordering::Relaxed) == before {
+                return (start != 0 && len != 0).then_some((start, len));
+            }
+        }
+        None
+    }
+}
 
 /// A mapping under guard; the slot is released on drop (before the caller unmaps).
 #[derive(Debug)]
@@ -50,13 +96,12 @@ impl Guard {
         install()?;
         for (i, slot) in TABLE.iter().enumerate() {
             if slot
-                .start
-                .compare_exchange(0, usize::MAX, Ordering::AcqRel, Ordering::Acquire)
+                .claimed
+                .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
                 .is_ok()
             {
                 slot.lost.store(false, Ordering::Release);
-                slot.len.store(len, Ordering::Release);
-                slot.start.store(start as usize, Ordering::Release);
+                slot.publish(start as usize, len);
                 return Ok(Guard { slot: i });
             }
         }
@@ -74,28 +119,24 @@ impl Guard {
     /// shorter than the mapping by other means.
     pub(crate) fn abandon(&self) {
         let slot = &TABLE[self.slot];
-        replace_with_zero_pages(slot);
+        if let Some(mapping) = slot.mapping() {
+            replace_with_zero_pages(slot, mapping);
+        }
     }
 }
 
 impl Drop for Guard {
     fn drop(&mut self) {
         let slot = &TABLE[self.slot];
-        slot.start.store(usize::MAX, Ordering::Release);
-        slot.len.store(0, Ordering::Release);
-        slot.start.store(0, Ordering::Release);
+        slot.publish(0, 0);
+        slot.claimed.store(false, Ordering::Release);
     }
 }
 
-fn replace_with_zero_pages(slot: &Slot) -> bool {
-    let start = slot.start.load(Ordering::Acquire);
-    let len = slot.len.load(Ordering::Acquire);
-    if start == 0 || start == usize::MAX || len == 0 {
-        return false;
-    }
-    // SAFETY: `[start, start + len)` is a live mapping owned by the slot's `FileMapping` (slots are
-    // cleared before unmapping); MAP_FIXED swaps its pages for private zero pages of the same size and
-    // protection, so every pointer into it stays valid.
+fn replace_with_zero_pages(slot: &Slot, (start, len): (usize, usize)) -> bool {
+    // SAFETY: `[start, start + len)` is a live mapping owned by the slot's `FileMapping`, read as one
+    // consistent pair (slots are cleared before unmapping); MAP_FIXED swaps its pages for private zero
+    // pages of the same size and protection, so every pointer into it stays valid.
     let p = unsafe {
         libc::mmap(
             start as *mut libc::c_void,
@@ -113,15 +154,23 @@ fn replace_with_zero_pages(slot: &Slot) -> bool {
     true
 }
 
+/// Whether the fault is an access past the end of a guarded mapping's file, which it then repairs.
+fn repaired_truncation(code: libc::c_int, addr: usize) -> bool {
+    if code != libc::BUS_ADRERR {
+        return false;
+    }
+    TABLE.iter().any(|slot| match slot.mapping() {
+        Some((start, len)) if addr >= start && addr - start < len => replace_with_zero_pages(slot, (start, len)),
+        _ => false,
+    })
+}
+
 extern "C" fn on_sigbus(signal: libc::c_int, info: *mut libc::siginfo_t, context: *mut libc::c_void) {
-    // SAFETY: the kernel passes a valid siginfo to an SA_SIGINFO handler.
-    let addr = unsafe { (*info).si_addr() } as usize;
-    for slot in &TABLE {
-        let start = slot.start.load(Ordering::Acquire);
-        let len = slot.len.load(Ordering::Acquire);
-        if start != 0 && start != usize::MAX && addr >= start && addr - start < len && replace_with_zero_pages(slot) {
-            return;
-        }
+    // SAFETY: the kernel passes a valid siginfo to an SA_SIGINFO handler; `si_addr` is meaningful for
+    // SIGBUS, the only signal this handler is installed for.
+    let (code, addr) = unsafe { ((*info).si_code, (*info).si_addr() as usize) };
+    if repaired_truncation(code, addr) {
+        return;
     }
     let Some(previous) = PREVIOUS.get() else { return };
     let handler = previous.sa_sigaction;
@@ -170,4 +219,155 @@ fn install() -> Result<()> {
             kind: std::io::ErrorKind::Other,
             message: format!("installing the SIGBUS guard for file regions: {e}"),
         })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::process::Command;
+
+    /// Set in the child process that runs the test body with a handler of its own installed first.
+    const CHILD: &str = "FERRY_SIGBUS_TEST_CHILD";
+    const NAME: &str = "sigbus::tests::only_truncation_faults_are_repaired";
+
+    static PREVIOUS_CALLS: AtomicUsize = AtomicUsize::new(0);
+
+    extern "C" fn counting_handler(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {
+        PREVIOUS_CALLS.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// Delivers SIGBUS to this thread with the given `si_code` and fault address, as the kernel would.
+    fn raise_sigbus(code: libc::c_int, addr: usize) {
+        /// `siginfo_t` for SIGBUS on Linux: three ints, padding, then the `_sigfault` union member.
+        #[repr(C)]
+        struct BusInfo {
+            signo: libc::c_int,
+            errno: libc::c_int,
+            code: libc::c_int,
+            _pad: libc::c_int,
+            addr: usize,
+            _rest: [u64; 13],
+        }
+        let info = BusInfo {
+            signo: libc::SIGBUS,
+            errno: 0,
+            code,
+            _pad: 0,
+            addr,
+            _rest: [0; 13],
+        };
+        // SAFETY: `info` is a complete 128-byte siginfo for this thread of this process; the signal is
+        // handled before the system call returns.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_rt_tgsigqueueinfo,
+                libc::getpid(),
+                libc::gettid(),
+                libc::SIGBUS,
+                &info as *const BusInfo,
+            )
+        };
+        assert_eq!(rc, 0, "rt_tgsigqueueinfo: {}", std::io::Error::last_os_error());
+    }
+
+    /// Memory poison inside a guarded mapping goes to the previous handler and leaves the mapping as
+    /// it was; an access past the file's end (`BUS_ADRERR`) is repaired with zero pages. Runs in a
+    /// child process, since it installs a handler of its own before the guard's.
+    #[test]
+    fn only_truncation_faults_are_repaired() {
+        if std::env::var_os(CHILD).is_none() {
+            let exe = std::env::current_exe().expect("the test binary's path");
+            let out = Command::new(exe)
+                .args(["--exact", NAME, "--nocapture", "--test-threads=1"])
+                .env(CHILD, "1")
+                .output()
+                .expect("running the child");
+            let text = format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            assert!(
+                out.status.success() && text.contains("1 passed"),
+                "child failed: {text}"
+            );
+            return;
+        }
+        // SAFETY: a zeroed sigaction filled with a handler of the SA_SIGINFO signature.
+        unsafe {
+            let mut action: libc::sigaction = std::mem::zeroed();
+            action.sa_sigaction = counting_handler as *const () as libc::sighandler_t;
+            action.sa_flags = libc::SA_SIGINFO;
+            libc::sigemptyset(&mut action.sa_mask);
+            assert_eq!(libc::sigaction(libc::SIGBUS, &action, std::ptr::null_mut()), 0);
+        }
+        let len = 2 * 4096;
+        // SAFETY: a fresh anonymous mapping; it stands in for a file mapping (the guard sees addresses).
+        let map = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(map, libc::MAP_FAILED);
+        let base = map.cast::<u8>();
+        // SAFETY: `base` points to `len` writable bytes that nothing else uses.
+        unsafe { std::ptr::write_bytes(base, 0xAB, len) };
+        let guard = Guard::new(base, len).expect("a free slot");
+        // SAFETY: reads one byte of the live mapping.
+        let byte = |offset: usize| unsafe { base.add(offset).read_volatile() };
+
+        raise_sigbus(libc::BUS_MCEERR_AR, base as usize + 100);
+        assert_eq!(
+            PREVIOUS_CALLS.load(Ordering::SeqCst),
+            1,
+            "poison reaches the previous handler"
+        );
+        assert!(
+            !guard.is_lost() && byte(100) == 0xAB,
+            "poison must not be papered over with zeros"
+        );
+
+        raise_sigbus(libc::BUS_ADRERR, base as usize + len + 4096 * 16);
+        assert_eq!(
+            PREVIOUS_CALLS.load(Ordering::SeqCst),
+            2,
+            "a fault outside every guard is not ours"
+        );
+
+        raise_sigbus(libc::BUS_ADRERR, base as usize + 100);
+        assert_eq!(PREVIOUS_CALLS.load(Ordering::SeqCst), 2);
+        assert!(
+            guard.is_lost() && byte(100) == 0 && byte(len - 1) == 0,
+            "truncation is repaired"
+        );
+
+        drop(guard);
+        // SAFETY: the guard is gone; the mapping is ours to unmap.
+        unsafe { libc::munmap(map, len) };
+    }
+
+    #[test]
+    fn a_slot_pair_is_read_whole_or_not_at_all() {
+        let slot = Slot {
+            claimed: AtomicBool::new(true),
+            seq: AtomicUsize::new(0),
+            start: AtomicUsize::new(0),
+            len: AtomicUsize::new(0),
+            lost: AtomicBool::new(false),
+        };
+        assert_eq!(slot.mapping(), None);
+        slot.publish(0x1000, 0x2000);
+        assert_eq!(slot.mapping(), Some((0x1000, 0x2000)));
+        slot.seq.fetch_add(1, Ordering::Relaxed);
+        slot.start.store(0x9000, Ordering::Relaxed);
+        assert_eq!(slot.mapping(), None, "a pair being rewritten is not matched");
+        slot.len.store(0x10, Ordering::Relaxed);
+        slot.seq.fetch_add(1, Ordering::Release);
+        assert_eq!(slot.mapping(), Some((0x9000, 0x10)));
+    }
 }

@@ -219,7 +219,7 @@ async fn flush_requests_persist_named_ranges_and_check_them() {
     ];
     for (id, s, code) in refusals {
         let err = ask(id, vec![s]).await;
-        assert_eq!(err.map(|e| e.0), Some(code), "request {id}");
+        assert_eq!(err.map(|e| e.code), Some(code), "request {id}");
     }
     assert_eq!(file.persist_stats().unwrap().batches, 1);
     drop(file);
@@ -276,6 +276,45 @@ async fn a_truncated_file_gives_an_error_not_a_sigbus() {
         .unwrap();
     drop(region);
     let _ = std::fs::remove_file(&path);
+}
+
+/// A small write whose header the target approved (the file was whole) but whose payload lands after
+/// the file shrank: the copy hits zero pages (the SIGBUS guard), and the write must be refused, not
+/// acknowledged. The frame's header and payload are sent apart to put the truncation between them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_small_write_racing_a_truncation_is_not_acknowledged() {
+    let target = target().await;
+    let (mut c, _) = RawClient::handshake(target.local_addr().unwrap()).await;
+    let len = 256 << 10;
+    for (id, durability) in [(1u64, Durability::Completed), (2, Durability::Persistent)] {
+        let (path, f) = temp_file(len);
+        let region = target.register_file(&path, 0, len, rw()).unwrap();
+        let write = Frame::Write {
+            id,
+            key: region.key(),
+            offset: 8192,
+            durability,
+        };
+        let mut header = bytes::BytesMut::new();
+        ferry::codec::encode(&write, 4096, &mut header).unwrap();
+        c.send_raw(&header).await.unwrap();
+        // The target has checked the file and waits for the payload.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        f.set_len(0).unwrap();
+        c.send_raw(&[0x5A; 4096]).await.unwrap();
+        let error = loop {
+            match c.recv().await.expect("an answer").frame {
+                Frame::Ack { id: got, error } if got == id => break error,
+                Frame::RegionAdded(_) | Frame::RegionRemoved { .. } => continue,
+                other => panic!("expected the ack of write {id}, got {other:?}"),
+            }
+        };
+        let error = error.unwrap_or_else(|| panic!("a {durability:?} write into a truncated file was acknowledged"));
+        assert_eq!(error.code, ferry::ErrorCode::Io, "{error:?}");
+        assert_eq!(error.io_kind, std::io::ErrorKind::InvalidData);
+        drop(region);
+        let _ = std::fs::remove_file(&path);
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
