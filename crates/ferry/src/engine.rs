@@ -363,19 +363,8 @@ impl Engine {
     /// Registers any memory block. Connected peers are told at once.
     pub fn register_block(&self, block: Arc<dyn MemoryBlock>, access: Access) -> Result<Region> {
         let inner = &self.inner;
-        let mut entry = RegionEntry::new(RegionKey::random()?, access, block)?;
-        for t in &inner.transports {
-            if let Some(key) = t.register_region(&entry)? {
-                entry = entry.with_transport_key(t.kind(), key);
-            }
-        }
-        let entry = Arc::new(entry);
-        inner
-            .ctx
-            .regions
-            .write()
-            .map_err(|_| poisoned())?
-            .insert(entry.clone())?;
+        let entry = RegionEntry::new(RegionKey::random()?, access, block)?;
+        let entry = register_entry(&inner.transports, &inner.ctx.regions, entry)?;
         if let Some(server) = &inner.server {
             server.announce(&RegionChange::Added(entry.advert()));
         }
@@ -733,6 +722,44 @@ fn prefix(e: Error, what: &str) -> Error {
     }
 }
 
+/// Registers `entry` with every transport, then enters it in the region table. All or nothing: when
+/// a transport or the table refuses it (an overlap, a limit), the transports that took it already
+/// forget it again, so no NIC registration of memory the engine does not know outlives the call.
+fn register_entry(
+    transports: &[Arc<dyn Transport>],
+    table: &RwLock<RegionTable>,
+    mut entry: RegionEntry,
+) -> Result<Arc<RegionEntry>> {
+    let key = entry.key();
+    let mut taken: Vec<&Arc<dyn Transport>> = Vec::with_capacity(transports.len());
+    let mut transport_keys = Vec::new();
+    let mut registered = Ok(());
+    for t in transports {
+        match t.register_region(&entry) {
+            Ok(transport_key) => {
+                taken.push(t);
+                transport_keys.extend(transport_key.map(|k| (t.kind(), k)));
+            }
+            Err(e) => {
+                registered = Err(e);
+                break;
+            }
+        }
+    }
+    for (kind, transport_key) in transport_keys {
+        entry = entry.with_transport_key(kind, transport_key);
+    }
+    let entry = Arc::new(entry);
+    let inserted = registered.and_then(|()| table.write().map_err(|_| poisoned())?.insert(entry.clone()));
+    if let Err(e) = inserted {
+        for t in taken {
+            t.deregister_region(key);
+        }
+        return Err(e);
+    }
+    Ok(entry)
+}
+
 fn poisoned() -> Error {
     Error::Protocol("an engine lock was poisoned by a panic".into())
 }
@@ -760,4 +787,96 @@ fn host_id() -> u64 {
     text.trim()
         .bytes()
         .fold(0xcbf29ce484222325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100000001b3))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashSet;
+
+    use ferry_core::Availability;
+
+    use super::*;
+
+    /// A transport that records which regions it holds, and can refuse every registration.
+    struct Recording {
+        kind: TransportKind,
+        refuse: bool,
+        held: Mutex<HashSet<RegionKey>>,
+    }
+
+    impl Recording {
+        fn new(kind: TransportKind, refuse: bool) -> Arc<Self> {
+            Arc::new(Recording {
+                kind,
+                refuse,
+                held: Mutex::new(HashSet::new()),
+            })
+        }
+        fn holds(&self, key: RegionKey) -> bool {
+            self.held.lock().unwrap().contains(&key)
+        }
+    }
+
+    impl Transport for Recording {
+        fn kind(&self) -> TransportKind {
+            self.kind
+        }
+        fn availability(&self) -> Availability {
+            Availability {
+                kind: self.kind,
+                compiled: true,
+                usable: true,
+                detail: "recording".into(),
+                devices: Vec::new(),
+            }
+        }
+        fn register_region(&self, region: &RegionEntry) -> Result<Option<Vec<u8>>> {
+            if self.refuse {
+                return Err(Error::ResourceExhausted("the device has no room".into()));
+            }
+            self.held.lock().unwrap().insert(region.key());
+            Ok(Some(vec![7]))
+        }
+        fn deregister_region(&self, key: RegionKey) {
+            self.held.lock().unwrap().remove(&key);
+        }
+    }
+
+    fn entry(block: &Arc<dyn MemoryBlock>) -> RegionEntry {
+        RegionEntry::new(RegionKey::random().unwrap(), Access::READ_WRITE, block.clone()).unwrap()
+    }
+
+    #[test]
+    fn a_region_the_table_refuses_is_taken_back_from_every_transport() {
+        let rdma = Recording::new(TransportKind::Rdma, false);
+        let transports: Vec<Arc<dyn Transport>> = vec![rdma.clone()];
+        let table = RwLock::new(RegionTable::new());
+        let block: Arc<dyn MemoryBlock> = Arc::new(OwnedBuffer::new(vec![0u8; 4096]));
+        let first = register_entry(&transports, &table, entry(&block)).unwrap();
+        assert!(rdma.holds(first.key()));
+        let overlapping = entry(&block);
+        let key = overlapping.key();
+        let refused = register_entry(&transports, &table, overlapping);
+        assert!(refused.is_err(), "the table refuses an overlap");
+        assert!(
+            !rdma.holds(key),
+            "the refused region is still registered with the transport"
+        );
+        assert!(rdma.holds(first.key()), "the first region is untouched");
+    }
+
+    #[test]
+    fn a_region_one_transport_refuses_is_taken_back_from_the_others() {
+        let tcp = Recording::new(TransportKind::Tcp, false);
+        let rdma = Recording::new(TransportKind::Rdma, true);
+        let transports: Vec<Arc<dyn Transport>> = vec![tcp.clone(), rdma];
+        let table = RwLock::new(RegionTable::new());
+        let block: Arc<dyn MemoryBlock> = Arc::new(OwnedBuffer::new(vec![0u8; 4096]));
+        let e = entry(&block);
+        let key = e.key();
+        let refused = register_entry(&transports, &table, e);
+        assert!(matches!(refused, Err(Error::ResourceExhausted(_))), "{refused:?}");
+        assert!(!tcp.holds(key));
+        assert_eq!(table.read().unwrap().len(), 0);
+    }
 }
