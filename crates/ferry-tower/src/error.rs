@@ -79,12 +79,12 @@ pub fn is_transient_ferry(err: &Error) -> bool {
     err.is_retryable()
 }
 
-/// Whether `err` says the link it happened on is unusable, so that the pool must replace it.
+/// Whether `err` by itself says the link it happened on is unusable, so that the pool must replace
+/// it. Only the variants that mean exactly that: an `Io` or `Protocol` error may be one operation's
+/// (a range refused on a truncated file, a peer's refusal of a frame), and when such an error did
+/// break the link, the engine has marked the link closed, which the pool checks as well.
 pub(crate) fn breaks_link(err: &Error) -> bool {
-    matches!(
-        err,
-        Error::PeerClosed(_) | Error::NotConnected(_) | Error::Protocol(_) | Error::Io { .. }
-    )
+    matches!(err, Error::PeerClosed(_) | Error::NotConnected(_))
 }
 
 #[cfg(test)]
@@ -136,5 +136,23 @@ mod tests {
         }
         assert!(is_transient(&Elapsed::new()));
         assert!(!is_transient(&Overloaded::new()));
+    }
+
+    #[test]
+    fn only_link_errors_retire_links() {
+        assert!(breaks_link(&Error::PeerClosed("c".into())));
+        assert!(breaks_link(&Error::NotConnected("n".into())));
+        let truncated = Error::Io {
+            kind: ErrorKind::InvalidData,
+            message: "peer reported: /data/f was truncated".into(),
+        };
+        for e in [
+            truncated,
+            Error::Protocol("peer reported: a frame it refused".into()),
+            Error::PermissionDenied("p".into()),
+            Error::Timeout("t".into()),
+        ] {
+            assert!(!breaks_link(&e), "{e:?}");
+        }
     }
 }

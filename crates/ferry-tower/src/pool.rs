@@ -33,8 +33,9 @@ use crate::request::primary_region;
 ///   `connect` is `AlreadyConnected`), so one link per peer is both enough and the most there can be;
 ///   the per-peer limit ([`Self::max_in_flight_per_peer`]) bounds the requests in flight on it.
 /// - **Dead links are replaced.** A link is dropped when the engine says it is closed
-///   ([`ferry::Peer::is_closed`]), when a transfer on it fails with an error that breaks links
-///   (`PeerClosed`, `NotConnected`, `Protocol`, `Io`), or after
+///   ([`ferry::Peer::is_closed`]: the engine marks a link closed on every error that breaks it), when
+///   a transfer on it fails with `PeerClosed` or `NotConnected` (an `Io` or `Protocol` error of one
+///   operation, such as a range refused on a truncated file, leaves a healthy link alone), or after
 ///   [`Self::timeouts_before_reconnect`] consecutive attempts on it that timed out or were
 ///   abandoned (an outer `tower::timeout` firing), which is how a silently partitioned peer shows.
 ///   The next request reconnects.

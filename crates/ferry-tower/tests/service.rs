@@ -130,6 +130,12 @@ async fn offsets_follow_a_restarted_target() {
     let old_absolute = first_region.addr_at(8192);
     drop(first_region);
     drop(first);
+    // The region's removal reaches the link before its end does: a request in between would find a
+    // live link whose peer advertises nothing (`OutOfBounds`, not retried). Wait for the end.
+    eventually("the old link is closed", || {
+        engine.peer_at(addr).is_none_or(|p| p.is_closed())
+    })
+    .await;
 
     // A new target on the same port, its region elsewhere.
     let deadline = tokio::time::Instant::now() + T;
@@ -376,6 +382,40 @@ async fn permanent_errors_are_not_retried() {
         .unwrap()
         .unwrap();
     assert!(!resp.new_link);
+}
+
+/// An I/O error of one operation (a range refused because the target's file shrank) fails that request
+/// only: the pool keeps the link, and the next request on it succeeds without reconnecting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operation_error_keeps_a_healthy_link() {
+    let (target_engine, dst, addr) = target().await;
+    let path = std::env::temp_dir().join(format!("ferry-tower-truncated-{}", std::process::id()));
+    let file = std::fs::File::create(&path).unwrap();
+    // Smaller than `dst`, which stays the primary region that offsets resolve against.
+    file.set_len(64 << 10).unwrap();
+    let mapped = target_engine
+        .register_file(&path, 0, 64 << 10, Access::READ_WRITE)
+        .unwrap();
+    let engine = initiator().await;
+    let service = TransferService::new(engine.clone());
+    let src = engine.alloc_host(4096, Access::READ_WRITE).unwrap();
+    let first = TransferRequest::write(addr, [Descriptor::at_offset(src.addr(), 0, 4096)]);
+    let resp = service.clone().oneshot(first).await.unwrap();
+    assert!(resp.new_link);
+    file.set_len(0).unwrap();
+    let into_file = TransferRequest::write(addr, [Descriptor::absolute(src.addr(), mapped.addr(), 4096)]);
+    let err = tokio::time::timeout(T, service.clone().oneshot(into_file))
+        .await
+        .expect("request hung")
+        .unwrap_err();
+    assert!(matches!(err, Error::Io { .. }), "{err:?}");
+    let again = TransferRequest::write(addr, [Descriptor::at_offset(src.addr(), 4096, 4096)]);
+    let resp = service.clone().oneshot(again).await.unwrap();
+    assert!(!resp.new_link, "the healthy link was replaced after {err}");
+    assert_eq!(service.stats().links_dropped, 0);
+    assert_eq!(dst.len(), 1 << 20);
+    drop(mapped);
+    let _ = std::fs::remove_file(&path);
 }
 
 #[tokio::test]
