@@ -13,7 +13,7 @@ use std::os::fd::AsRawFd;
 
 use bytes::{Buf, BytesMut};
 use ferry_core::codec::{self, Decoded, Frame, Limits};
-use ferry_core::{Error, RegionEntry, Result};
+use ferry_core::{Error, Fence, RegionEntry, Result};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
@@ -35,6 +35,9 @@ pub enum Landed {
     /// The kernel could not write into the region's memory (`EFAULT`: a mapped file that shrank):
     /// the rest were discarded.
     Unbacked,
+    /// The operation's caller returned or gave up (its [`Fence`] closed): the rest were discarded, so
+    /// that no byte lands in memory that is the caller's again.
+    Abandoned,
 }
 
 /// Reads frames and payloads from one stream.
@@ -103,8 +106,16 @@ impl FrameReader {
         }
     }
 
-    /// Reads `len` payload bytes into `region` at `offset` (a range the caller resolved).
-    pub async fn read_into(&mut self, region: &RegionEntry, offset: u64, len: u64) -> Result<Landed> {
+    /// Reads `len` payload bytes into `region` at `offset` (a range the caller resolved). Each copy
+    /// holds a lease of the region's fence and, when given, of `caller`'s: the fence of the operation
+    /// that asked for the bytes, which closes when that operation returns or is dropped.
+    pub async fn read_into(
+        &mut self,
+        region: &RegionEntry,
+        offset: u64,
+        len: u64,
+        caller: Option<&Fence>,
+    ) -> Result<Landed> {
         let mut done = 0u64;
         let mut landed = Landed::Written;
         // Bytes already buffered come first.
@@ -113,8 +124,13 @@ impl FrameReader {
                 self.fill().await?;
             }
             let n = self.buf.len().min((len - done) as usize);
-            if landed == Landed::Written && region.copy_in(offset + done, &self.buf[..n]).is_err() {
-                landed = Landed::RegionGone;
+            if landed == Landed::Written {
+                let held = caller.map(Fence::enter);
+                landed = match held {
+                    Some(None) => Landed::Abandoned,
+                    _ if region.copy_in(offset + done, &self.buf[..n]).is_err() => Landed::RegionGone,
+                    _ => Landed::Written,
+                };
             }
             self.buf.advance(n);
             done += n as u64;
@@ -122,39 +138,39 @@ impl FrameReader {
         let stream: &TcpStream = self.half.as_ref();
         while done < len {
             let want = ((len - done) as usize).min(MAX_CHUNK);
-            let n = match landed {
-                Landed::Written => {
-                    let at = offset + done;
-                    let res = raw_io(stream, Interest::READABLE, || {
-                        let Some(_lease) = region.fence().enter() else {
-                            return Ok(None);
-                        };
-                        // SAFETY: `[at, at + want)` lies inside the region (resolved by the caller, and
-                        // `done + want <= len`); the lease keeps the memory registered for the duration of
-                        // this non-blocking call; the kernel writes through the raw pointer, no Rust
-                        // reference to region memory exists.
-                        let r = unsafe { libc::read(stream.as_raw_fd(), region.ptr_at(at).cast(), want) };
-                        cvt(r).map(Some)
-                    })
-                    .await;
-                    match res {
-                        Ok(Some(n)) => n,
-                        Ok(None) => {
-                            landed = Landed::RegionGone;
-                            continue;
-                        }
-                        // The bytes stay in the socket: they are discarded below.
-                        Err(e) if e.raw_os_error() == Some(libc::EFAULT) => {
-                            landed = Landed::Unbacked;
-                            continue;
-                        }
-                        Err(e) => return Err(self.io_error(e)),
-                    }
+            if landed != Landed::Written {
+                self.discard(len - done).await?;
+                return Ok(landed);
+            }
+            let at = offset + done;
+            let res = raw_io(stream, Interest::READABLE, || {
+                let held = caller.map(Fence::enter);
+                if let Some(None) = held {
+                    return Ok(Err(Landed::Abandoned));
                 }
-                Landed::RegionGone | Landed::Unbacked => {
-                    self.discard(len - done).await?;
-                    return Ok(landed);
+                let Some(_lease) = region.fence().enter() else {
+                    return Ok(Err(Landed::RegionGone));
+                };
+                // SAFETY: `[at, at + want)` lies inside the region (resolved by the caller, and
+                // `done + want <= len`); the lease keeps the memory registered for the duration of
+                // this non-blocking call; the kernel writes through the raw pointer, no Rust
+                // reference to region memory exists.
+                let r = unsafe { libc::read(stream.as_raw_fd(), region.ptr_at(at).cast(), want) };
+                cvt(r).map(Ok)
+            })
+            .await;
+            let n = match res {
+                Ok(Ok(n)) => n,
+                Ok(Err(stopped)) => {
+                    landed = stopped;
+                    continue;
                 }
+                // The bytes stay in the socket: they are discarded above.
+                Err(e) if e.raw_os_error() == Some(libc::EFAULT) => {
+                    landed = Landed::Unbacked;
+                    continue;
+                }
+                Err(e) => return Err(self.io_error(e)),
             };
             if n == 0 {
                 return Err(self.closed());

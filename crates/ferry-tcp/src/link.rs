@@ -15,7 +15,7 @@ use std::time::Duration;
 use ferry_core::codec::{Frame, Hello, HelloAck, Limits, ReadStatus, Segment};
 use ferry_core::sync::take_all;
 use ferry_core::{
-    DataLink, Durability, Error, Notification, Op, PersistMethod, RegionEntry, RemoteRegions, Resolved, Result,
+    DataLink, Durability, Error, Fence, Notification, Op, PersistMethod, RegionEntry, RemoteRegions, Resolved, Result,
     TransferItem, TransferRequest, TransportKind,
 };
 use futures::future::BoxFuture;
@@ -61,16 +61,32 @@ pub struct LocalIdentity {
     pub transports: Vec<TransportKind>,
 }
 
+/// Where a read's data goes, and the fence of the transfer that asked for it: the data lands only
+/// while that fence is open (see [`CallerFence`]).
 enum ReadDest {
     Direct {
         region: Arc<RegionEntry>,
         offset: u64,
         len: u64,
+        caller: Arc<Fence>,
     },
     Scatter {
         parts: Vec<Resolved>,
         staging: Option<StagingBuf>,
+        caller: Arc<Fence>,
     },
+}
+
+/// A transfer's hold on its local buffers. Every copy of a read's data into them holds a lease of
+/// this fence; when the transfer returns, fails, times out or is dropped, the fence closes and waits
+/// out the lease in progress (one bounded copy or non-blocking `read(2)`, microseconds), so that no
+/// byte lands in the caller's memory afterwards. Data that arrives later is discarded.
+struct CallerFence(Arc<Fence>);
+
+impl Drop for CallerFence {
+    fn drop(&mut self) {
+        self.0.close_and_wait();
+    }
 }
 
 struct Pending {
@@ -479,6 +495,7 @@ async fn run_transfer(shared: Arc<Shared>, request: TransferRequest) -> Result<(
                 .prepare_read(item.local.offset as usize, item.local.len as usize)?;
         }
     }
+    let caller = CallerFence(Arc::new(Fence::default()));
     let pieces = plan(request.items, shared.streams.len(), shared.pool.as_deref());
     // A persistent write in several frames is persisted once per stream, after its last frame: the
     // frames go as completed writes and a commit follows them on each stream they used (in order on
@@ -555,6 +572,7 @@ async fn run_transfer(shared: Arc<Shared>, request: TransferRequest) -> Result<(
                     region: item.local.region.clone(),
                     offset: item.local.offset,
                     len: bytes,
+                    caller: caller.0.clone(),
                 }),
                 Some(budget),
                 Outgoing::Frame(Frame::Read {
@@ -575,7 +593,11 @@ async fn run_transfer(shared: Arc<Shared>, request: TransferRequest) -> Result<(
                     stream,
                     id,
                     bytes,
-                    Some(ReadDest::Scatter { parts, staging }),
+                    Some(ReadDest::Scatter {
+                        parts,
+                        staging,
+                        caller: caller.0.clone(),
+                    }),
                     Some(budget),
                     Outgoing::Frame(Frame::ReadBatch { id, segments }),
                 )?
@@ -740,20 +762,31 @@ async fn land_read(shared: &Shared, stream: usize, id: u64, payload_len: u64, re
     };
     let data_len = payload_len.checked_sub(ReadStatus::LEN);
     let landed = match pending.read {
-        Some(ReadDest::Direct { region, offset, len }) if Some(len) == data_len => {
-            let landed = reader.read_into(&region, offset, len).await?;
+        Some(ReadDest::Direct {
+            region,
+            offset,
+            len,
+            caller,
+        }) if Some(len) == data_len => {
+            let landed = reader.read_into(&region, offset, len, Some(&caller)).await?;
             let status = read_status_byte(reader).await?;
             source_intact(shared, status).and_then(|()| match landed {
                 Landed::Written => region.block().check_intact().and_then(|()| {
+                    let Some(_held) = caller.enter() else {
+                        return Err(abandoned());
+                    };
                     region
                         .block()
                         .commit_written(offset as usize, len as usize, Durability::Completed)
                 }),
                 Landed::RegionGone => Err(region.gone()),
                 Landed::Unbacked => Err(unbacked(&region)),
+                Landed::Abandoned => Err(abandoned()),
             })
         }
-        Some(ReadDest::Scatter { parts, staging }) if Some(parts.iter().map(|p| p.len).sum::<u64>()) == data_len => {
+        Some(ReadDest::Scatter { parts, staging, caller })
+            if Some(parts.iter().map(|p| p.len).sum::<u64>()) == data_len =>
+        {
             let mut staging = staging;
             let mut scratch = Vec::new();
             let buf = match staging.as_mut() {
@@ -763,8 +796,12 @@ async fn land_read(shared: &Shared, stream: usize, id: u64, payload_len: u64, re
             buf.resize(payload_len as usize - ReadStatus::LEN as usize, 0);
             reader.read_exact(buf).await?;
             let status = read_status_byte(reader).await?;
-            // Data the source could not vouch for is not copied into the destination at all.
-            source_intact(shared, status).and_then(|()| scatter(&parts, buf))
+            // Data the source could not vouch for is not copied into the destination at all, nor is
+            // data whose transfer has returned.
+            source_intact(shared, status).and_then(|()| match caller.enter() {
+                Some(_held) => scatter(&parts, buf),
+                None => Err(abandoned()),
+            })
         }
         _ => {
             return Err(Error::Protocol(format!(
@@ -775,6 +812,11 @@ async fn land_read(shared: &Shared, stream: usize, id: u64, payload_len: u64, re
     };
     let _ = pending.done.send(landed);
     Ok(())
+}
+
+/// The result of a read whose transfer returned before the data arrived (nobody receives it).
+fn abandoned() -> Error {
+    Error::Timeout("the transfer returned before this read's data arrived; the data was discarded".into())
 }
 
 async fn read_status_byte(reader: &mut FrameReader) -> Result<ReadStatus> {

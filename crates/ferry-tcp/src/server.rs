@@ -555,14 +555,15 @@ fn resolve_reads(ctx: &EngineContext, segments: &[Segment], max_payload: u64) ->
 /// Reads one resolved payload part into its region and commits it (a staged device copy). The outer
 /// error breaks the stream; the inner result is the operation's.
 async fn land(reader: &mut FrameReader, r: &Resolved) -> Result<Result<()>> {
-    Ok(match reader.read_into(&r.region, r.offset, r.len).await? {
+    Ok(match reader.read_into(&r.region, r.offset, r.len, None).await? {
         // A copy into a file that shrank meanwhile landed in zero pages without failing.
         Landed::Written => r.region.block().check_intact().and_then(|()| {
             r.region
                 .block()
                 .commit_written(r.offset as usize, r.len as usize, Durability::Completed)
         }),
-        Landed::RegionGone => Err(r.region.gone()),
+        // A target's copies have no caller fence, so `Abandoned` cannot happen here.
+        Landed::RegionGone | Landed::Abandoned => Err(r.region.gone()),
         Landed::Unbacked => Err(crate::link::unbacked(&r.region)),
     })
 }

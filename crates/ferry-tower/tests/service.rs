@@ -418,6 +418,39 @@ async fn an_operation_error_keeps_a_healthy_link() {
     let _ = std::fs::remove_file(&path);
 }
 
+/// When an outer `tower::timeout` gives up on a read, no byte of it lands in the local buffer later,
+/// so a retry's data cannot be overwritten by the first attempt's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_abandoned_by_a_timeout_leaves_the_buffer_alone() {
+    let target_engine = Engine::builder().listen("127.0.0.1:0").build().await.unwrap();
+    let len = 128usize << 20;
+    let _src = target_engine.register(vec![0x11u8; len], Access::READ_WRITE).unwrap();
+    let addr = target_engine.local_addr().unwrap();
+    let engine = initiator().await;
+    let dst = engine.alloc_host(len, Access::READ_WRITE).unwrap();
+    let service = ServiceBuilder::new()
+        .map_err(into_ferry_error)
+        .timeout(Duration::from_millis(3))
+        .service(TransferService::new(engine.clone()));
+    // Connect first, so that the timeout cuts the read and not the connect.
+    let small = TransferRequest::read(addr, [Descriptor::at_offset(dst.addr(), 0, 4096)]);
+    let mut connected = false;
+    for _ in 0..100 {
+        if service.clone().oneshot(small.clone()).await.is_ok() {
+            connected = true;
+            break;
+        }
+    }
+    assert!(connected, "a 4 KiB read never made it within 3 ms");
+    let whole = TransferRequest::read(addr, [Descriptor::at_offset(dst.addr(), 0, len as u64)]);
+    let err = service.clone().oneshot(whole).await.unwrap_err();
+    assert!(matches!(err, Error::Timeout(_)), "{err:?}");
+    dst.write_at(0, &vec![0xEEu8; len]).unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let late = dst.to_vec().unwrap().iter().filter(|&&b| b != 0xEE).count();
+    assert_eq!(late, 0, "{late} bytes landed after the service gave up");
+}
+
 #[tokio::test]
 async fn transient_errors_are_retried_until_success() {
     let calls = Arc::new(AtomicUsize::new(0));

@@ -43,6 +43,8 @@ impl TransferStatus {
 
 /// A transfer in progress. [`status`](TransferHandle::status) never blocks; awaiting the handle gives the
 /// result. Dropping it lets the transfer finish in the background (its memory stays safe either way).
+/// Once the status leaves `Waiting` (the handle resolves, or the timeout passed), no byte lands in the
+/// transfer's local buffers again.
 #[derive(Debug)]
 pub struct TransferHandle {
     pub(crate) status: Arc<AtomicU8>,

@@ -108,3 +108,57 @@ async fn async_transfer_reports_status_and_resolves() {
     handle.await.unwrap();
     assert_eq!(dst.to_vec().unwrap(), pattern(8 << 20, 1));
 }
+
+/// Once a transfer returns (here: timed out) or its future is dropped, no byte lands in its local
+/// buffer again: a canary painted right after stays intact while the target would still be sending.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_byte_lands_after_a_read_returns_or_is_dropped() {
+    use std::time::Duration;
+    let (target, initiator, peer) = pair().await;
+    let len = 256usize << 20;
+    let src = target.register(vec![0x11u8; len], rw()).unwrap();
+    wait_for_region(&peer, &src).await;
+    let dst = initiator.alloc_host(len, rw()).unwrap();
+    let desc = [TransferDesc::new(dst.addr(), src.addr(), len as u64)];
+    let canary = vec![0xEEu8; len];
+    let untouched = |what: &str| {
+        let now = dst.to_vec().unwrap();
+        let late = now.iter().filter(|&&b| b != 0xEE).count();
+        assert_eq!(late, 0, "{late} bytes landed after the read {what}");
+    };
+
+    let err = initiator
+        .transfer(&peer, Op::Read, &desc, Duration::from_millis(2))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, ferry::Error::Timeout(_)), "{err:?}");
+    dst.write_at(0, &canary).unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    untouched("timed out");
+
+    let read = {
+        let (initiator, peer) = (initiator.clone(), peer.clone());
+        tokio::spawn(async move { initiator.transfer(&peer, Op::Read, &desc, T).await })
+    };
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    read.abort();
+    assert!(
+        read.await.is_err_and(|e| e.is_cancelled()),
+        "the read finished before it was dropped"
+    );
+    dst.write_at(0, &canary).unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    untouched("was dropped");
+
+    let handle = initiator
+        .transfer_async(&peer, Op::Read, &desc, Duration::from_millis(2))
+        .unwrap();
+    assert!(matches!(handle.await, Err(ferry::Error::Timeout(_))));
+    dst.write_at(0, &canary).unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    untouched("was reported timed out by its handle");
+
+    // The link still serves whole reads.
+    initiator.transfer(&peer, Op::Read, &desc[..], T).await.unwrap();
+    assert!(dst.to_vec().unwrap().iter().all(|&b| b == 0x11));
+}
