@@ -26,8 +26,8 @@ mod responder;
 pub mod wire;
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Instant;
 
 use ferry_core::{
     AcceptSetup, Access, Availability, DataLink, Error, PersistMethod, RegionEntry, RegionKey, Result, SetupExchange,
@@ -114,9 +114,25 @@ pub(crate) struct RdmaShared {
     pub pd: Arc<ProtectionDomain>,
     pub options: RdmaOptions,
     regions: Mutex<HashMap<RegionKey, Arc<Registered>>>,
+    /// The initiator links on the device, for deregistration to stop those that use a region.
+    links: Mutex<Vec<Weak<link::Inner>>>,
 }
 
 impl RdmaShared {
+    pub(crate) fn add_link(&self, link: &Arc<link::Inner>) {
+        if let Ok(mut links) = self.links.lock() {
+            links.retain(|l| l.strong_count() > 0);
+            links.push(Arc::downgrade(link));
+        }
+    }
+
+    fn live_links(&self) -> Vec<Arc<link::Inner>> {
+        self.links
+            .lock()
+            .map(|l| l.iter().filter_map(Weak::upgrade).collect())
+            .unwrap_or_default()
+    }
+
     pub fn registered(&self, key: RegionKey) -> Result<Arc<Registered>> {
         self.regions
             .lock()
@@ -148,7 +164,7 @@ impl RdmaTransport {
             let device = device::open(options.device.as_deref())?;
             let pd = device.context.alloc_pd().map_err(|e| Error::Unsupported(format!("RDMA: allocating a protection domain on {}: {e}", device.name)))?;
             tracing::info!(device = %device.name, port = device.port, gid_index = device.gid_index, gid = %device.gid, "RDMA device open");
-            Ok(Arc::new(RdmaShared { device, pd, options, regions: Mutex::new(HashMap::new()) }))
+            Ok(Arc::new(RdmaShared { device, pd, options, regions: Mutex::new(HashMap::new()), links: Mutex::new(Vec::new()) }))
         });
         RdmaTransport { state }
     }
@@ -284,15 +300,26 @@ impl Transport for RdmaTransport {
         let Some(reg) = shared.regions.lock().ok().and_then(|mut r| r.remove(&key)) else {
             return;
         };
-        // Work requests posted before deregistration finish (or fail, when their link dies) within the
-        // queue pairs' retry timeout; wait for them before the NIC forgets the memory.
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while reg.in_use() > 0 && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(1));
+        // From here on no work request takes the region into use. Those posted already end now: their
+        // queue pairs move to the error state, and their completions (flush errors, or the success of
+        // those done meanwhile) are polled on this thread, which never waits for a runtime (this runs
+        // inside `Region::drop`, often on the runtime's only thread). Those links are down afterwards.
+        if reg.revoke() > 0 {
+            let halted: Vec<_> = shared
+                .live_links()
+                .into_iter()
+                .filter(|l| l.halt_if(|l| l.uses(&reg), "a region its work requests use is being deregistered"))
+                .collect();
+            let deadline = Instant::now() + link::DRAIN_LIMIT;
+            for l in &halted {
+                l.drain_until(deadline, |l| !l.uses(&reg));
+            }
+            if reg.in_use() > 0 {
+                tracing::error!(region = ?key, "RDMA work requests still use a region being deregistered after {:?}; the NIC forgets it now", link::DRAIN_LIMIT);
+            }
         }
-        if reg.in_use() > 0 {
-            tracing::error!(region = ?key, "deregistering a region that RDMA work requests still use");
-        }
+        // Before this returns, not when the last handle goes: the NIC refuses every access from now on.
+        reg.forget();
     }
 
     fn connect<'a>(&'a self, control: &'a dyn SetupExchange) -> BoxFuture<'a, Result<Arc<dyn DataLink>>> {

@@ -20,6 +20,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use ferry_core::codec::Segment;
 use ferry_core::sync::take_all;
@@ -30,12 +31,12 @@ use ferry_core::{
 use futures::future::BoxFuture;
 use rdma_mummy_sys::ibv_sge;
 use sideway::ibverbs::completion::WorkCompletionStatus;
-use sideway::ibverbs::queue_pair::{PostSendGuard, QueuePair, WorkRequestFlags};
+use sideway::ibverbs::queue_pair::{PostSendGuard, QueuePair, QueuePairAttribute, QueuePairState, WorkRequestFlags};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, oneshot};
 use tokio::task::AbortHandle;
 
 use crate::completions::{self, Completions};
-use crate::messages::{Message, MessageSlots, TAG_DATA, TAG_MASK, TAG_RECV, TAG_SEND};
+use crate::messages::{Message, MessageSlots, RECV_SLOTS, SEND_SLOTS, TAG_DATA, TAG_MASK, TAG_RECV, TAG_SEND};
 use crate::mr::Registered;
 use crate::post::{DataWr, post_data};
 use crate::qp::Rc;
@@ -47,18 +48,30 @@ pub const SIGNAL_EVERY: usize = 16;
 /// No single work request moves more than this, whatever the port allows.
 const MAX_WR_BYTES: u64 = 1 << 30;
 
+/// How long a caller that must see work requests end (a deregistration, a dropped READ) waits for
+/// the completions of a queue pair it moved to the error state. A NIC completes every outstanding
+/// work request with a flush error promptly once its queue pair is in that state; this bound only
+/// matters for a device that does not.
+pub const DRAIN_LIMIT: Duration = Duration::from_secs(2);
+
 struct Pending {
     done: oneshot::Sender<Result<()>>,
-    /// Regions the group's requests touch; their NIC registration waits for this completion.
+    /// Regions the group's requests took into use; released when this completion arrives.
     touched: Vec<Arc<Registered>>,
     _slots: OwnedSemaphorePermit,
 }
 
-struct Inner {
+/// A notification's waiter and its place in the window.
+type Unanswered = (oneshot::Sender<Result<()>>, OwnedSemaphorePermit);
+
+pub(crate) struct Inner {
     rc: Rc,
     // After `rc`: the queue pair is destroyed before the buffers it may write go away.
     messages: MessageSlots,
-    notifications: Mutex<HashMap<u64, oneshot::Sender<Result<()>>>>,
+    /// Notifications waiting for the target's reply, each with its place in the window.
+    notifications: Mutex<HashMap<u64, Unanswered>>,
+    /// Notifications unanswered at once: no more than the target has receive buffers and reply slots.
+    notify_window: Arc<Semaphore>,
     next_notification: AtomicU64,
     shared: Arc<RdmaShared>,
     control: Arc<dyn DataLink>,
@@ -159,6 +172,7 @@ impl RdmaLink {
             rc,
             messages,
             notifications: Mutex::new(HashMap::new()),
+            notify_window: Arc::new(Semaphore::new(RECV_SLOTS.min(SEND_SLOTS))),
             next_notification: AtomicU64::new(1),
             shared,
             control,
@@ -171,6 +185,7 @@ impl RdmaLink {
             persist,
             scratch,
         });
+        inner.shared.add_link(&inner);
         let task = tokio::spawn(completions::run(Arc::downgrade(&inner)));
         if let Ok(mut p) = inner.poller.lock() {
             *p = Some(task.abort_handle());
@@ -185,6 +200,7 @@ impl RdmaLink {
 }
 
 impl Inner {
+    /// The link is done, and its completion loop too: every waiter gets `error`.
     fn fail_all(&self, error: Error) {
         self.closed.store(true, Ordering::Release);
         for p in take_all(&self.pending) {
@@ -193,9 +209,17 @@ impl Inner {
             }
             let _ = p.done.send(Err(error.clone()));
         }
-        for w in take_all(&self.notifications) {
+        self.close_link(error);
+    }
+
+    /// The queue pair is in error: nothing more is posted, and notifications fail; posted groups wait
+    /// for their own (flush) completions.
+    fn close_link(&self, error: Error) {
+        self.closed.store(true, Ordering::Release);
+        for (w, _window) in take_all(&self.notifications) {
             let _ = w.send(Err(error.clone()));
         }
+        self.notify_window.close();
         self.messages.close();
     }
 
@@ -280,8 +304,9 @@ impl Inner {
         })
     }
 
-    /// Posts one signalled group of work requests and returns its completion.
-    async fn post_group(&self, group: Vec<WorkRequest>) -> Result<oneshot::Receiver<Result<()>>> {
+    /// Posts one signalled group of work requests and returns the id of its signalled request and its
+    /// completion.
+    async fn post_group(&self, group: Vec<WorkRequest>) -> Result<(u64, oneshot::Receiver<Result<()>>)> {
         if self.rc.flush.is_none() && group.iter().any(|w| matches!(w.op, WrOp::Flush { .. })) {
             return Err(Error::Unsupported(format!(
                 "the RDMA link to {} cannot post FLUSH",
@@ -300,27 +325,28 @@ impl Inner {
         let first = self.next_wr.fetch_add(group.len() as u64, Ordering::Relaxed);
         let signalled = first + group.len() as u64 - 1;
         let (done, rx) = oneshot::channel();
-        let touched: Vec<Arc<Registered>> = group.iter().flat_map(|w| w.touched.iter().cloned()).collect();
-        for r in &touched {
-            r.acquire();
-        }
-        self.pending
-            .lock()
-            .map_err(|_| Error::Protocol("pending table lock poisoned".into()))?
-            .insert(
-                signalled,
-                Pending {
-                    done,
-                    touched,
-                    _slots: slots,
-                },
-            );
+        let planned: Vec<Arc<Registered>> = group.iter().flat_map(|w| w.touched.iter().cloned()).collect();
         let posted = {
             let mut qp = self
                 .rc
                 .qp
                 .lock()
                 .map_err(|_| Error::Protocol("queue pair lock poisoned".into()))?;
+            // The regions are taken into use under the queue pair's lock: a deregistration that
+            // revokes one after this point finds the group in the pending table when it takes the
+            // lock, and stops the queue pair before it deregisters the memory.
+            let touched = take_into_use(&planned, &self.peer)?;
+            self.pending
+                .lock()
+                .map_err(|_| Error::Protocol("pending table lock poisoned".into()))?
+                .insert(
+                    signalled,
+                    Pending {
+                        done,
+                        touched,
+                        _slots: slots,
+                    },
+                );
             // READs and WRITEs first (they precede any FLUSH in a group), then the FLUSHes.
             let data: Vec<DataWr<'_>> = group
                 .iter()
@@ -336,9 +362,10 @@ impl Inner {
                 })
                 .collect();
             // SAFETY: the queue pair is live and its mutex held; every SGE names memory inside a region
-            // registered with this NIC (lkey from its registration, or the link's scratch buffer), kept
-            // registered by `acquire` until the group's completion arrives (the scratch buffer lives as
-            // long as the link).
+            // registered with this NIC (lkey from its registration, or the link's scratch buffer), taken
+            // into use above, so that its deregistration stops this queue pair and waits for the
+            // group's completion before the NIC forgets the memory (the scratch buffer lives as long as
+            // the link).
             let mut posted = unsafe { post_data(qp.qp(), &data) }.map_err(|e| e.to_string());
             let flushes = group
                 .iter()
@@ -373,7 +400,107 @@ impl Inner {
             self.complete(signalled, Err(err.clone()));
             return Err(err);
         }
-        Ok(rx)
+        Ok((signalled, rx))
+    }
+
+    /// Moves the queue pair to the error state if `stop` says so, judged under the queue pair's lock
+    /// (no group is being posted meanwhile). Nothing is posted on this link afterwards; every
+    /// outstanding work request completes with a flush error.
+    pub(crate) fn halt_if(&self, stop: impl FnOnce(&Inner) -> bool, why: &str) -> bool {
+        let stopping = {
+            let Ok(mut qp) = self.rc.qp.lock() else { return false };
+            if !stop(self) {
+                return false;
+            }
+            self.closed.store(true, Ordering::Release);
+            let mut attr = QueuePairAttribute::new();
+            attr.setup_state(QueuePairState::Error);
+            qp.modify(&attr)
+        };
+        tracing::warn!(peer = %self.peer, why, "RDMA queue pair stopped");
+        if let Err(e) = stopping {
+            tracing::error!(peer = %self.peer, error = %e, "cannot move the RDMA queue pair to the error state");
+        }
+        true
+    }
+
+    /// Polls this queue pair's completions on the caller's thread until `done` holds or `deadline`
+    /// passes; returns whether `done` held.
+    pub(crate) fn drain_until(&self, deadline: Instant, done: impl Fn(&Inner) -> bool) -> bool {
+        loop {
+            completions::drain(self);
+            if done(self) {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_micros(100));
+        }
+    }
+
+    /// Whether a posted group still uses `region`.
+    pub(crate) fn uses(&self, region: &Arc<Registered>) -> bool {
+        self.pending
+            .lock()
+            .map(|p| p.values().any(|g| g.touched.iter().any(|r| Arc::ptr_eq(r, region))))
+            .unwrap_or(false)
+    }
+
+    /// Whether any of the groups whose signalled requests are `ids` is still outstanding.
+    fn outstanding(&self, ids: &[u64]) -> bool {
+        self.pending
+            .lock()
+            .map(|p| ids.iter().any(|id| p.contains_key(id)))
+            .unwrap_or(false)
+    }
+}
+
+/// Takes every region of a group into use; a region deregistered since the group was planned fails
+/// the group (and gives back what was taken).
+fn take_into_use(planned: &[Arc<Registered>], peer: &str) -> Result<Vec<Arc<Registered>>> {
+    let mut taken: Vec<Arc<Registered>> = Vec::with_capacity(planned.len());
+    for r in planned {
+        if !r.try_acquire() {
+            for t in &taken {
+                t.release();
+            }
+            return Err(Error::PermissionDenied(format!(
+                "a local region of this transfer to {peer} was deregistered before its work requests were posted"
+            )));
+        }
+        taken.push(r.clone());
+    }
+    Ok(taken)
+}
+
+/// The work requests a READ posted into its local buffers, while it runs. Dropping it before the READ
+/// finished (its future was dropped: a timeout, a `select!`) stops the queue pair and waits, on the
+/// dropping thread and at most [`DRAIN_LIMIT`], until none of them can land any more: once the call
+/// is gone its buffers are the caller's again.
+struct Posted {
+    inner: Arc<Inner>,
+    ids: Vec<u64>,
+}
+
+impl Drop for Posted {
+    fn drop(&mut self) {
+        if self.ids.is_empty() {
+            return;
+        }
+        let inner = &*self.inner;
+        // Perhaps they finished and only the completion loop has not run yet.
+        completions::drain(inner);
+        let ids = &self.ids;
+        if !inner.halt_if(
+            |i| i.outstanding(ids),
+            "a READ was abandoned with work requests outstanding",
+        ) {
+            return;
+        }
+        if !inner.drain_until(Instant::now() + DRAIN_LIMIT, |i| !i.outstanding(ids)) {
+            tracing::error!(peer = %inner.peer, "an abandoned READ's work requests did not end within {DRAIN_LIMIT:?}");
+        }
     }
 }
 
@@ -411,8 +538,10 @@ impl Completions for Inner {
             if wr_id & TAG_MASK == TAG_DATA {
                 self.complete(wr_id, Err(err.clone()));
             }
-            // An RC queue pair in error flushes everything after: the link is done.
-            self.fail_all(err);
+            // An RC queue pair in error completes everything after with a flush error, each group
+            // with its own completion (which gives its regions back then, not before): the link is
+            // done.
+            self.close_link(err);
             return;
         }
         match wr_id & TAG_MASK {
@@ -427,7 +556,7 @@ impl Completions for Inner {
                 match reply {
                     Ok(Message::Reply { id, error }) => {
                         let waiter = self.notifications.lock().ok().and_then(|mut n| n.remove(&id));
-                        if let Some(w) = waiter {
+                        if let Some((w, _window)) = waiter {
                             let _ = w.send(error.map_or(Ok(()), |(code, msg)| Err(Error::from_wire(code, msg))));
                         }
                     }
@@ -451,6 +580,12 @@ impl Drop for Inner {
         if let Some(task) = self.poller.lock().ok().and_then(|mut p| p.take()) {
             task.abort();
         }
+        // The queue pair is destroyed with `rc` right after this: the NIC is done with every region.
+        for p in take_all(&self.pending) {
+            for r in &p.touched {
+                r.release();
+            }
+        }
     }
 }
 
@@ -459,13 +594,25 @@ async fn notify(inner: Arc<Inner>, notification: Notification) -> Result<()> {
     if inner.closed.load(Ordering::Acquire) {
         return Err(Error::PeerClosed(format!("the RDMA link to {} is closed", inner.peer)));
     }
+    // The place in the window is given back when the reply arrives (or the link fails), not when the
+    // SEND completes: the target answers from a bounded number of slots.
+    let window = inner
+        .notify_window
+        .clone()
+        .acquire_owned()
+        .await
+        .map_err(|_| Error::PeerClosed(format!("the RDMA link to {} is closed", inner.peer)))?;
     let id = inner.next_notification.fetch_add(1, Ordering::Relaxed);
     let (tx, rx) = oneshot::channel();
     inner
         .notifications
         .lock()
         .map_err(|_| Error::Protocol("notification table lock poisoned".into()))?
-        .insert(id, tx);
+        .insert(id, (tx, window));
+    if inner.closed.load(Ordering::Acquire) {
+        let _ = inner.notifications.lock().map(|mut n| n.remove(&id));
+        return Err(Error::PeerClosed(format!("the RDMA link to {} is closed", inner.peer)));
+    }
     if let Err(e) = inner
         .messages
         .send(&inner.rc, &Message::Notify { id, notification })
@@ -533,15 +680,26 @@ async fn run(inner: Arc<Inner>, request: TransferRequest) -> Result<()> {
     let depth = (inner.rc.max_send_wr as usize).max(1);
     let group_len = SIGNAL_EVERY.min(depth);
     let mut completions = Vec::new();
+    let mut posted = Posted {
+        inner: inner.clone(),
+        ids: Vec::new(),
+    };
     while !wrs.is_empty() {
         let rest = wrs.split_off(group_len.min(wrs.len()));
-        completions.push(inner.post_group(wrs).await?);
+        let (id, rx) = inner.post_group(wrs).await?;
+        // Only a READ writes local memory; a WRITE's buffers are only read, and its regions stay
+        // registered until its completions arrive.
+        if request.op == Op::Read {
+            posted.ids.push(id);
+        }
+        completions.push(rx);
         wrs = rest;
     }
     for rx in completions {
         rx.await
             .map_err(|_| Error::PeerClosed(format!("the RDMA link to {} closed", inner.peer)))??;
     }
+    posted.ids.clear();
     let segment = |i: &TransferItem| Segment {
         key: i.remote_key,
         offset: i.remote_offset,

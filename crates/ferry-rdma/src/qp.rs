@@ -31,6 +31,8 @@ pub(crate) struct Rc {
     pub local: QpEndpoint,
     pub max_send_wr: u32,
     pub max_sge: u32,
+    /// Held while the completion queue is polled (see [`crate::completions::drain`]).
+    pub poll: Mutex<()>,
 }
 
 fn io(what: &str, e: impl std::fmt::Display) -> Error {
@@ -176,6 +178,7 @@ impl Rc {
             local,
             max_send_wr,
             max_sge,
+            poll: Mutex::new(()),
         })
     }
 

@@ -1,7 +1,13 @@
 //! The target's side of an RDMA link: the NIC serves one-sided READs and WRITEs by itself; this
 //! answers the two-sided messages (notifications) that arrive on the queue pair.
+//!
+//! Every notification gets exactly one reply. A reply goes out from one of the send slots; one that
+//! finds every slot busy (their SENDs not yet acknowledged) waits in a queue and leaves as soon as a
+//! slot's completion returns it. The initiator keeps no more notifications unanswered than there are
+//! slots, so the queue stays short; [`MAX_BACKLOG`] bounds it against a peer that does not.
 
-use std::sync::Arc;
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
 
 use ferry_core::{Error, Notifier};
 use sideway::ibverbs::completion::WorkCompletionStatus;
@@ -11,10 +17,15 @@ use crate::completions::{self, Completions};
 use crate::messages::{Message, MessageSlots, TAG_MASK, TAG_RECV, TAG_SEND};
 use crate::qp::Rc;
 
+/// Replies waiting for a free send slot, at most.
+pub(crate) const MAX_BACKLOG: usize = 4096;
+
 struct Responder {
     rc: Rc,
     // After `rc`: the queue pair is destroyed before the buffers it may write go away.
     slots: MessageSlots,
+    /// Replies that found every send slot busy, oldest first.
+    backlog: Mutex<VecDeque<Message>>,
     notifier: Arc<dyn Notifier>,
     link: u64,
     peer_engine: u64,
@@ -48,6 +59,7 @@ pub(crate) fn start(
     let responder = Arc::new(Responder {
         rc,
         slots,
+        backlog: Mutex::new(VecDeque::new()),
         notifier,
         link,
         peer_engine,
@@ -58,6 +70,38 @@ pub(crate) fn start(
     Accepted {
         _responder: responder,
         task,
+    }
+}
+
+impl Responder {
+    /// Sends `reply` now, or queues it behind the replies already waiting for a slot.
+    fn reply(&self, reply: Message) {
+        let Ok(mut backlog) = self.backlog.lock() else { return };
+        if backlog.len() >= MAX_BACKLOG {
+            tracing::warn!(peer = %self.peer_addr, "{MAX_BACKLOG} RDMA replies wait for a slot; one is dropped");
+            return;
+        }
+        backlog.push_back(reply);
+        drop(backlog);
+        self.send_backlog();
+    }
+
+    /// Sends queued replies, oldest first, while send slots are free.
+    fn send_backlog(&self) {
+        let Ok(mut backlog) = self.backlog.lock() else { return };
+        while let Some(reply) = backlog.front() {
+            match self.slots.try_send(&self.rc, reply) {
+                Ok(()) => {
+                    backlog.pop_front();
+                }
+                // Every slot is busy: the next send completion comes back here.
+                Err(ferry_core::Error::ResourceExhausted(_)) => return,
+                Err(e) => {
+                    tracing::warn!(peer = %self.peer_addr, error = %e, "cannot answer an RDMA notification");
+                    backlog.pop_front();
+                }
+            }
+        }
     }
 }
 
@@ -78,7 +122,10 @@ impl Completions for Responder {
             return;
         }
         match wr_id & TAG_MASK {
-            TAG_SEND => self.slots.send_done(slot),
+            TAG_SEND => {
+                self.slots.send_done(slot);
+                self.send_backlog();
+            }
             TAG_RECV => {
                 let message = self.slots.received(slot, byte_len as usize);
                 if let Err(e) = self.slots.post_recv(&self.rc, slot) {
@@ -104,11 +151,7 @@ impl Completions for Responder {
                         return;
                     }
                 };
-                // One reply per notification, and the initiator has at most as many notifications in
-                // flight as there are send slots here, so a slot is free.
-                if let Err(e) = self.slots.try_send(&self.rc, &reply) {
-                    tracing::warn!(peer = %self.peer_addr, error = %e, "cannot answer an RDMA notification");
-                }
+                self.reply(reply);
             }
             _ => {}
         }
