@@ -102,6 +102,11 @@ pub trait SetupExchange: Send + Sync {
     fn exchange(&self, kind: TransportKind, blob: Vec<u8>) -> BoxFuture<'_, Result<Vec<u8>>>;
     /// A handle the data link may keep: notifications and liveness go over the control link.
     fn control_link(&self) -> Arc<dyn DataLink>;
+    /// An owned handle on this exchange, for a data link that sets its path up again later (an RDMA
+    /// link replacing a failed queue pair); `None` where the control link cannot lend one.
+    fn handle(&self) -> Option<Arc<dyn SetupExchange>> {
+        None
+    }
 }
 
 /// One element of a transfer, resolved on both sides.

@@ -116,6 +116,8 @@ pub(crate) struct RdmaShared {
     regions: Mutex<HashMap<RegionKey, Arc<Registered>>>,
     /// The initiator links on the device, for deregistration to stop those that use a region.
     links: Mutex<Vec<Weak<link::Inner>>>,
+    /// The target side's queue pairs, by link.
+    responders: responder::Responders,
 }
 
 impl RdmaShared {
@@ -164,7 +166,7 @@ impl RdmaTransport {
             let device = device::open(options.device.as_deref())?;
             let pd = device.context.alloc_pd().map_err(|e| Error::Unsupported(format!("RDMA: allocating a protection domain on {}: {e}", device.name)))?;
             tracing::info!(device = %device.name, port = device.port, gid_index = device.gid_index, gid = %device.gid, "RDMA device open");
-            Ok(Arc::new(RdmaShared { device, pd, options, regions: Mutex::new(HashMap::new()), links: Mutex::new(Vec::new()) }))
+            Ok(Arc::new(RdmaShared { device, pd, options, regions: Mutex::new(HashMap::new()), links: Mutex::new(Vec::new()), responders: Default::default() }))
         });
         RdmaTransport { state }
     }
@@ -325,19 +327,7 @@ impl Transport for RdmaTransport {
     fn connect<'a>(&'a self, control: &'a dyn SetupExchange) -> BoxFuture<'a, Result<Arc<dyn DataLink>>> {
         Box::pin(async move {
             let shared = self.shared()?.clone();
-            let mut rc = qp::Rc::create(&shared.device, &shared.pd, &shared.options)?;
-            if rc.flush.is_some() {
-                rc.local.flags |= wire::CAN_POST_FLUSH;
-            }
-            let slots = messages::MessageSlots::new(&shared.pd)?;
-            let answer = control.exchange(TransportKind::Rdma, rc.local.encode()).await?;
-            let remote = wire::QpEndpoint::decode(&answer)?;
-            let method = persist::choose(rc.local.flags, remote.flags, shared.options.persist_method)?;
-            rc.connect(&shared.device, &remote, &shared.options)?;
-            let control = control.control_link();
-            let peer = format!("RDMA peer (qpn {:#x}, gid {})", remote.qpn, remote.gid);
-            tracing::info!(%peer, persist = %method, "RDMA link: persistent writes by {method}");
-            let link = RdmaLink::start(rc, slots, shared, control, peer, method)?;
+            let link = RdmaLink::connect(&shared, control).await?;
             Ok(Arc::new(link) as Arc<dyn DataLink>)
         })
     }
@@ -364,6 +354,7 @@ impl Transport for RdmaTransport {
         );
         let local = rc.local.encode();
         let accepted = responder::start(
+            shared,
             rc,
             slots,
             setup.notifier,

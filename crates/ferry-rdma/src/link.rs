@@ -25,8 +25,8 @@ use std::time::{Duration, Instant};
 use ferry_core::codec::Segment;
 use ferry_core::sync::take_all;
 use ferry_core::{
-    Access, DataLink, Durability, Error, Notification, Op, PersistMethod, Result, TransferItem, TransferRequest,
-    TransportKind,
+    Access, DataLink, Durability, Error, Notification, Op, PersistMethod, Result, SetupExchange, TransferItem,
+    TransferRequest, TransportKind,
 };
 use futures::future::BoxFuture;
 use rdma_mummy_sys::ibv_sge;
@@ -143,7 +143,76 @@ enum WrOp {
 /// The RDMA data link to one peer.
 #[derive(Clone)]
 pub struct RdmaLink {
-    inner: Arc<Inner>,
+    state: Arc<LinkState>,
+}
+
+/// What outlives one queue pair: a link whose queue pair failed (an access the target's NIC refused,
+/// a deregistration or an abandoned READ that stopped it) sets up a new one over the control link
+/// when it is next used, as long as the control link is up.
+struct LinkState {
+    current: Mutex<Arc<Inner>>,
+    /// One renewal at a time.
+    renewing: tokio::sync::Mutex<()>,
+    exchange: Option<Arc<dyn SetupExchange>>,
+    shared: Arc<RdmaShared>,
+    control: Arc<dyn DataLink>,
+    /// Closed by this side: never renewed.
+    closed: AtomicBool,
+}
+
+impl LinkState {
+    fn current(&self) -> Arc<Inner> {
+        match self.current.lock() {
+            Ok(c) => c.clone(),
+            Err(p) => p.into_inner().clone(),
+        }
+    }
+
+    /// The queue pair to use: the current one, or a new one in place of a failed one.
+    async fn usable(&self) -> Result<Arc<Inner>> {
+        let inner = self.current();
+        if !inner.closed.load(Ordering::Acquire) {
+            return Ok(inner);
+        }
+        let down = || Error::PeerClosed(format!("the link to {} is down; connect again", inner.peer));
+        if self.closed.load(Ordering::Acquire) || self.control.is_closed() {
+            return Err(down());
+        }
+        let Some(exchange) = &self.exchange else {
+            return Err(down());
+        };
+        let _one = self.renewing.lock().await;
+        let inner = self.current();
+        if !inner.closed.load(Ordering::Acquire) {
+            return Ok(inner);
+        }
+        let fresh = open(&self.shared, &**exchange, self.control.clone()).await?;
+        tracing::info!(old = %inner.peer, new = %fresh.peer, "RDMA link: a new queue pair replaces the failed one");
+        if let Ok(mut c) = self.current.lock() {
+            *c = fresh.clone();
+        }
+        Ok(fresh)
+    }
+}
+
+/// Sets up a queue pair with the peer over `exchange` and starts its completion task.
+pub(crate) async fn open(
+    shared: &Arc<RdmaShared>,
+    exchange: &dyn SetupExchange,
+    control: Arc<dyn DataLink>,
+) -> Result<Arc<Inner>> {
+    let mut rc = Rc::create(&shared.device, &shared.pd, &shared.options)?;
+    if rc.flush.is_some() {
+        rc.local.flags |= crate::wire::CAN_POST_FLUSH;
+    }
+    let slots = MessageSlots::new(&shared.pd)?;
+    let answer = exchange.exchange(TransportKind::Rdma, rc.local.encode()).await?;
+    let remote = QpEndpoint::decode(&answer)?;
+    let method = crate::persist::choose(rc.local.flags, remote.flags, shared.options.persist_method)?;
+    rc.connect(&shared.device, &remote, &shared.options)?;
+    let peer = format!("RDMA peer (qpn {:#x}, gid {})", remote.qpn, remote.gid);
+    tracing::info!(%peer, persist = %method, "RDMA link: persistent writes by {method}");
+    Inner::start(rc, slots, shared.clone(), control, peer, method)
 }
 
 /// One work request: a remote range and the local pieces that fill or receive it.
@@ -156,15 +225,38 @@ struct WorkRequest {
 }
 
 impl RdmaLink {
+    /// Sets up the link over the control link's `exchange`.
+    pub(crate) async fn connect(shared: &Arc<RdmaShared>, exchange: &dyn SetupExchange) -> Result<Self> {
+        let control = exchange.control_link();
+        let inner = open(shared, exchange, control.clone()).await?;
+        Ok(RdmaLink {
+            state: Arc::new(LinkState {
+                current: Mutex::new(inner),
+                renewing: tokio::sync::Mutex::new(()),
+                exchange: exchange.handle(),
+                shared: shared.clone(),
+                control,
+                closed: AtomicBool::new(false),
+            }),
+        })
+    }
+
+    /// This side's queue pair address (of the queue pair in use).
+    pub fn local_endpoint(&self) -> QpEndpoint {
+        self.state.current().rc.local
+    }
+}
+
+impl Inner {
     /// Wraps a connected queue pair and starts its completion task.
-    pub(crate) fn start(
+    fn start(
         rc: Rc,
         messages: MessageSlots,
         shared: Arc<RdmaShared>,
         control: Arc<dyn DataLink>,
         peer: String,
         persist: PersistMethod,
-    ) -> Result<Self> {
+    ) -> Result<Arc<Self>> {
         messages.post_all_recvs(&rc)?;
         let scratch = Scratch::new(&shared.pd)?;
         let slots = Arc::new(Semaphore::new(rc.max_send_wr as usize));
@@ -190,12 +282,7 @@ impl RdmaLink {
         if let Ok(mut p) = inner.poller.lock() {
             *p = Some(task.abort_handle());
         }
-        Ok(RdmaLink { inner })
-    }
-
-    /// This side's queue pair address.
-    pub fn local_endpoint(&self) -> QpEndpoint {
-        self.inner.rc.local
+        Ok(inner)
     }
 }
 
@@ -770,16 +857,20 @@ impl DataLink for RdmaLink {
     }
 
     fn transfer(&self, request: TransferRequest) -> BoxFuture<'static, Result<()>> {
-        Box::pin(run(self.inner.clone(), request))
+        let state = self.state.clone();
+        Box::pin(async move { run(state.usable().await?, request).await })
     }
 
     fn notify(&self, notification: Notification) -> BoxFuture<'static, Result<()>> {
-        Box::pin(notify(self.inner.clone(), notification))
+        let state = self.state.clone();
+        Box::pin(async move { notify(state.usable().await?, notification).await })
     }
 
     fn close(&self) -> BoxFuture<'static, ()> {
-        let inner = self.inner.clone();
+        let state = self.state.clone();
         Box::pin(async move {
+            state.closed.store(true, Ordering::Release);
+            let inner = state.current();
             inner.fail_all(Error::PeerClosed(format!(
                 "the link to {} was closed locally",
                 inner.peer
@@ -791,14 +882,15 @@ impl DataLink for RdmaLink {
     }
 
     fn is_closed(&self) -> bool {
-        self.inner.closed.load(Ordering::Acquire) || self.inner.control.is_closed()
+        // A failed queue pair is replaced on next use while the control link is up.
+        self.state.closed.load(Ordering::Acquire) || self.state.control.is_closed()
     }
 
     fn commit(&self, segments: Vec<Segment>, durability: Durability) -> BoxFuture<'static, Result<()>> {
-        self.inner.control.commit(segments, durability)
+        self.state.control.commit(segments, durability)
     }
 
     fn persist_method(&self) -> PersistMethod {
-        self.inner.persist
+        self.state.current().persist
     }
 }

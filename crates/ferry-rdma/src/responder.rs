@@ -6,13 +6,14 @@
 //! slot's completion returns it. The initiator keeps no more notifications unanswered than there are
 //! slots, so the queue stays short; [`MAX_BACKLOG`] bounds it against a peer that does not.
 
-use std::collections::VecDeque;
-use std::sync::{Arc, Mutex};
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex, Weak};
 
 use ferry_core::{Error, Notifier};
 use sideway::ibverbs::completion::WorkCompletionStatus;
 use tokio::task::AbortHandle;
 
+use crate::RdmaShared;
 use crate::completions::{self, Completions};
 use crate::messages::{Message, MessageSlots, TAG_MASK, TAG_RECV, TAG_SEND};
 use crate::qp::Rc;
@@ -20,7 +21,7 @@ use crate::qp::Rc;
 /// Replies waiting for a free send slot, at most.
 pub(crate) const MAX_BACKLOG: usize = 4096;
 
-struct Responder {
+pub(crate) struct Responder {
     rc: Rc,
     // After `rc`: the queue pair is destroyed before the buffers it may write go away.
     slots: MessageSlots,
@@ -33,21 +34,52 @@ struct Responder {
     busy_poll: bool,
 }
 
+/// The responders of the links that set up an RDMA path, by link. An initiator sets up a new queue
+/// pair when its old one failed (see `crate::link`); the new responder replaces the link's old one,
+/// whose queue pair is destroyed then, so a link holds one queue pair however often it renews it.
+#[derive(Default)]
+pub(crate) struct Responders(Mutex<HashMap<u64, (Arc<Responder>, AbortHandle)>>);
+
+impl Responders {
+    fn insert(&self, link: u64, responder: Arc<Responder>, task: AbortHandle) {
+        let old = self.0.lock().ok().and_then(|mut m| m.insert(link, (responder, task)));
+        if let Some((old, task)) = old {
+            tracing::debug!(link, peer = %old.peer_addr, "RDMA queue pair replaced by a new one");
+            task.abort();
+        }
+    }
+
+    fn remove(&self, link: u64, responder: &Weak<Responder>) {
+        let removed = self.0.lock().ok().and_then(|mut m| {
+            let same = m
+                .get(&link)
+                .is_some_and(|(r, _)| std::ptr::eq(Arc::as_ptr(r), responder.as_ptr()));
+            if same { m.remove(&link) } else { None }
+        });
+        if let Some((_, task)) = removed {
+            task.abort();
+        }
+    }
+}
+
 /// What the link keeps while it lives; dropping it stops the completion task and destroys the queue
-/// pair.
+/// pair (unless a newer one of the same link replaced it already).
 pub(crate) struct Accepted {
-    _responder: Arc<Responder>,
-    task: AbortHandle,
+    shared: Arc<RdmaShared>,
+    link: u64,
+    responder: Weak<Responder>,
 }
 
 impl Drop for Accepted {
     fn drop(&mut self) {
-        self.task.abort();
+        self.shared.responders.remove(self.link, &self.responder);
     }
 }
 
 /// Starts answering messages on a connected queue pair.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn start(
+    shared: &Arc<RdmaShared>,
     rc: Rc,
     slots: MessageSlots,
     notifier: Arc<dyn Notifier>,
@@ -67,9 +99,12 @@ pub(crate) fn start(
         busy_poll,
     });
     let task = tokio::spawn(completions::run(Arc::downgrade(&responder))).abort_handle();
+    let weak = Arc::downgrade(&responder);
+    shared.responders.insert(link, responder, task);
     Accepted {
-        _responder: responder,
-        task,
+        shared: shared.clone(),
+        link,
+        responder: weak,
     }
 }
 

@@ -348,27 +348,22 @@ async fn a_region_dropped_before_posting_is_never_written() {
     let Some((target, initiator, peer)) = pair().await else {
         return;
     };
-    // Enough separate work requests to fill the send queue (256 deep) for a while.
-    const N: usize = 1024;
-    const PIECE: usize = 32 << 10;
-    let dst = target.alloc_host(N * PIECE, Access::READ_WRITE).unwrap();
+    // More work requests than the send queue holds (256), each long (the same MiB over and over:
+    // ranges that do not follow each other are never merged): the queue stays full for seconds, and a
+    // transfer started meanwhile waits for room long after it was planned.
+    const N: usize = 320;
+    const PIECE: u64 = 1 << 20;
+    let dst = target.alloc_host(PIECE as usize, Access::READ_WRITE).unwrap();
     wait_for(&peer, &dst).await;
-    let src = initiator.alloc_host(N * PIECE, Access::READ_WRITE).unwrap();
-    let descs: Vec<_> = (0..N as u64)
-        .rev()
-        .map(|i| {
-            TransferDesc::new(
-                src.addr_at(i * PIECE as u64),
-                dst.addr_at(i * PIECE as u64),
-                PIECE as u64,
-            )
-        })
+    let src = initiator.alloc_host(PIECE as usize, Access::READ_WRITE).unwrap();
+    let descs: Vec<_> = (0..N)
+        .map(|_| TransferDesc::new(src.addr(), dst.addr(), PIECE))
         .collect();
     let filler = {
         let (initiator, peer) = (initiator.clone(), peer.clone());
         tokio::spawn(async move { initiator.transfer(&peer, Op::Write, &descs, T).await })
     };
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
     let mut memory = vec![0u8; 1 << 20];
     // SAFETY: `memory` outlives the region (dropped below, before `memory`).
     let local = unsafe { initiator.register_raw(memory.as_mut_ptr(), 1 << 20, Access::READ_WRITE) }.unwrap();
@@ -377,12 +372,14 @@ async fn a_region_dropped_before_posting_is_never_written() {
         let desc = [TransferDesc::new(local.addr(), dst.addr(), 1 << 20)];
         tokio::spawn(async move { initiator.transfer(&peer, Op::Read, &desc, T).await })
     };
-    tokio::time::sleep(Duration::from_millis(20)).await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
     drop(local);
     memory.fill(0x5a);
     let filled = tokio::time::timeout(T, filler).await.expect("the filler hung").unwrap();
     let read = tokio::time::timeout(T, read).await.expect("the read hung").unwrap();
     eprintln!("filler: {filled:?}, read: {read:?}");
+    assert!(filled.is_ok(), "{filled:?}");
+    assert!(matches!(read, Err(Error::PermissionDenied(_))), "{read:?}");
     tokio::time::sleep(Duration::from_secs(1)).await;
     let landed = memory.iter().filter(|&&b| b != 0x5a).count();
     assert_eq!(landed, 0, "a READ landed in a deregistered region");
