@@ -94,6 +94,9 @@ pub struct AcceptSetup<'a> {
     pub peer_engine: u64,
     /// The initiator's address.
     pub peer_addr: &'a str,
+    /// The engine's region table, for requests that arrive over the new data path (an RDMA commit
+    /// request, which must travel behind the data it commits). Weak: the transport is part of it.
+    pub context: std::sync::Weak<EngineContext>,
 }
 
 /// A control link over which a transport exchanges its setup data with the peer.

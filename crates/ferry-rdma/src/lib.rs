@@ -10,8 +10,10 @@
 //!   class and service level are HIXL's options.
 //! - One-sided READ and WRITE with scatter-gather and selective signalling ([`link`]); completions in
 //!   tokio through the completion channel, or busy polling.
-//! - Persistent writes by the FLUSH verb, a READ after the writes, or a flush request over the
-//!   control link, chosen per link (`persist`).
+//! - Persistent writes by the FLUSH verb, a READ after the writes, or a flush request that follows the
+//!   writes on the queue pair, chosen per link (`persist`).
+//! - Deregistration ends the NIC's access before it returns, without waiting for the runtime: it
+//!   stops the queue pairs that still use the region and polls their completions itself (`link`).
 #![deny(missing_docs)]
 
 mod completions;
@@ -126,6 +128,31 @@ impl RdmaShared {
             links.retain(|l| l.strong_count() > 0);
             links.push(Arc::downgrade(link));
         }
+    }
+
+    /// Copies `ranges` of `region` in from its staging buffer, if the NIC reaches it through one.
+    pub(crate) fn commit_staged(&self, region: &RegionEntry, ranges: &[(u64, u64)]) -> Result<()> {
+        let Ok(reg) = self.registered(region.key()) else {
+            return Ok(());
+        };
+        if !reg.is_staged() {
+            return Ok(());
+        }
+        let _lease = region.fence().enter().ok_or_else(|| region.gone())?;
+        for &(offset, len) in ranges {
+            region.check_range(offset, len)?;
+            let from = reg
+                .staged_ptr(offset)
+                .ok_or_else(|| Error::OutOfBounds(format!("staged range at {offset} of region {:?}", region.key())))?;
+            // SAFETY: both ranges lie inside their buffers (the staging buffer is the region's size and
+            // the range was checked against the region); the lease keeps the region's memory mapped;
+            // the initiator's writes to these bytes were placed before it asked for this commit (the
+            // request travelled behind them on the queue pair), and no reference to either buffer
+            // exists.
+            unsafe { std::ptr::copy_nonoverlapping(from, region.ptr_at(offset), len as usize) };
+        }
+        // A mapped file that shrank meanwhile took the bytes into zero pages: say so.
+        region.block().check_backing()
     }
 
     fn live_links(&self) -> Vec<Arc<link::Inner>> {
@@ -274,27 +301,10 @@ impl Transport for RdmaTransport {
     }
 
     fn commit_staged(&self, region: &RegionEntry, ranges: &[(u64, u64)]) -> Result<()> {
-        let Ok(shared) = self.shared() else { return Ok(()) };
-        let Ok(reg) = shared.registered(region.key()) else {
-            return Ok(());
-        };
-        if !reg.is_staged() {
-            return Ok(());
+        match self.shared() {
+            Ok(shared) => shared.commit_staged(region, ranges),
+            Err(_) => Ok(()),
         }
-        let _lease = region.fence().enter().ok_or_else(|| region.gone())?;
-        for &(offset, len) in ranges {
-            region.check_range(offset, len)?;
-            let from = reg
-                .staged_ptr(offset)
-                .ok_or_else(|| Error::OutOfBounds(format!("staged range at {offset} of region {:?}", region.key())))?;
-            // SAFETY: both ranges lie inside their buffers (the staging buffer is the region's size and
-            // the range was checked against the region); the lease keeps the region's memory mapped;
-            // the initiator's writes to these bytes completed before it asked for this commit, and no
-            // reference to either buffer exists.
-            unsafe { std::ptr::copy_nonoverlapping(from, region.ptr_at(offset), len as usize) };
-        }
-        // A mapped file that shrank meanwhile took the bytes into zero pages: say so.
-        region.block().check_backing()
     }
 
     fn deregister_region(&self, key: RegionKey) {
@@ -355,6 +365,7 @@ impl Transport for RdmaTransport {
         let local = rc.local.encode();
         let accepted = responder::start(
             shared,
+            setup.context,
             rc,
             slots,
             setup.notifier,

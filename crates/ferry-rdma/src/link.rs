@@ -8,14 +8,44 @@
 //!
 //! Completions arrive through the completion channel's descriptor in tokio's `AsyncFd` (or by busy
 //! polling, an option; see [`crate::completions`]). Pending work lives in the link, not in the future
-//! that posted it: dropping that future abandons the result only; the region stays registered with
-//! the NIC until the completion arrives, and the queue pair stays usable for the next batch.
+//! that posted it, and each group takes its local regions into use when it is posted, so that their
+//! memory stays registered with the NIC until the group's completion arrives.
 //!
-//! Notifications are SENDs on the same queue pair ([`crate::messages`]), answered by the target.
+//! # When a call returns, its buffers are the caller's again
+//!
+//! A WRITE only reads its local buffers. A READ writes them, so a READ's future that is dropped (its
+//! timeout fired, a `select!` chose another branch) while its work requests are outstanding does not
+//! just walk away: its drop polls the completion queue on the dropping thread, and if the requests
+//! have not finished, moves the queue pair to the error state (the NIC executes none of them further)
+//! and polls until each of them has completed or been flushed, at most [`DRAIN_LIMIT`]. Deregistering
+//! a region that posted work requests still use does the same to the queue pairs concerned (see
+//! `RdmaTransport::deregister_region`). A drop cannot wait for the runtime, which may be the very
+//! thread it runs on; stopping the queue pair is what it can do synchronously, within a bound.
+//!
+//! # A failed queue pair is replaced
+//!
+//! A queue pair in the error state (stopped as above, or because the target's NIC refused an access:
+//! a READ racing the target's deregistration of its source fails with `PermissionDenied`) serves no
+//! further request. The link sets up a new one over the control link when it is next used, as long as
+//! the control link is up; only requests in flight on the old queue pair fail with it.
+//!
+//! # Notifications and commit requests
+//!
+//! Notifications are SENDs on the same queue pair ([`crate::messages`]), answered by the target; no
+//! more are unanswered at once than the target has receive buffers and reply slots.
 //!
 //! A persistent write is followed by what the link's persistence method asks for (see
 //! `crate::persist`): FLUSH work requests, or one READ, in the same stream of work requests, or a
-//! flush request over the control link once the writes completed.
+//! commit request. So is a write into a region the target stages (memory its NIC cannot pin): the
+//! target's CPU must copy the bytes in. A WRITE's completion here says only that the target's NIC has
+//! the bytes, not that they are in the target's memory, so whatever asks the target's CPU to act on
+//! them must be ordered behind their placement. The commit request is therefore a SEND on the same
+//! queue pair, posted right after the WRITEs: an RC responder executes requests in order and completes
+//! a receive only after the WRITEs before it are placed, so the target's CPU, which acts when the
+//! receive completes, finds the bytes in its memory. (A READ on the queue pair after the WRITEs would
+//! order the request too, but costs a round trip more, and needs a readable range at the target; a
+//! request over the control link is not ordered at all.) The SEND need not wait for the WRITEs'
+//! completions either, which saves the round trip a request sent after them would cost.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -36,7 +66,9 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, oneshot};
 use tokio::task::AbortHandle;
 
 use crate::completions::{self, Completions};
-use crate::messages::{Message, MessageSlots, RECV_SLOTS, SEND_SLOTS, TAG_DATA, TAG_MASK, TAG_RECV, TAG_SEND};
+use crate::messages::{
+    MAX_COMMIT_SEGMENTS, Message, MessageSlots, RECV_SLOTS, SEND_SLOTS, TAG_DATA, TAG_MASK, TAG_RECV, TAG_SEND,
+};
 use crate::mr::Registered;
 use crate::post::{DataWr, post_data};
 use crate::qp::Rc;
@@ -678,6 +710,15 @@ impl Drop for Inner {
 
 async fn notify(inner: Arc<Inner>, notification: Notification) -> Result<()> {
     notification.validate()?;
+    let reply = request(&inner, |id| Message::Notify { id, notification }).await?;
+    reply
+        .await
+        .map_err(|_| Error::PeerClosed(format!("the RDMA link to {} closed", inner.peer)))?
+}
+
+/// Sends a message the target answers (a notification, a commit request) and returns where its
+/// reply will arrive.
+async fn request(inner: &Inner, message: impl FnOnce(u64) -> Message) -> Result<oneshot::Receiver<Result<()>>> {
     if inner.closed.load(Ordering::Acquire) {
         return Err(Error::PeerClosed(format!("the RDMA link to {} is closed", inner.peer)));
     }
@@ -700,16 +741,34 @@ async fn notify(inner: Arc<Inner>, notification: Notification) -> Result<()> {
         let _ = inner.notifications.lock().map(|mut n| n.remove(&id));
         return Err(Error::PeerClosed(format!("the RDMA link to {} is closed", inner.peer)));
     }
-    if let Err(e) = inner
-        .messages
-        .send(&inner.rc, &Message::Notify { id, notification })
-        .await
-    {
+    if let Err(e) = inner.messages.send(&inner.rc, &message(id)).await {
         let _ = inner.notifications.lock().map(|mut n| n.remove(&id));
         return Err(e);
     }
-    rx.await
-        .map_err(|_| Error::PeerClosed(format!("the RDMA link to {} closed", inner.peer)))?
+    Ok(rx)
+}
+
+/// Asks the target to commit `segments` (copy in what it staged; persist them if `durability` says
+/// so), by SENDs on the queue pair after the WRITEs that filled them: the target acts only once those
+/// are placed in its memory. Returns where the answers will arrive.
+async fn request_commit(
+    inner: &Inner,
+    segments: Vec<Segment>,
+    durability: Durability,
+) -> Result<Vec<oneshot::Receiver<Result<()>>>> {
+    let mut replies = Vec::new();
+    for chunk in segments.chunks(MAX_COMMIT_SEGMENTS) {
+        let segments = chunk.to_vec();
+        replies.push(
+            request(inner, |id| Message::Commit {
+                id,
+                durability,
+                segments,
+            })
+            .await?,
+        );
+    }
+    Ok(replies)
 }
 
 async fn run(inner: Arc<Inner>, request: TransferRequest) -> Result<()> {
@@ -782,23 +841,27 @@ async fn run(inner: Arc<Inner>, request: TransferRequest) -> Result<()> {
         completions.push(rx);
         wrs = rest;
     }
-    for rx in completions {
-        rx.await
-            .map_err(|_| Error::PeerClosed(format!("the RDMA link to {} closed", inner.peer)))??;
-    }
-    posted.ids.clear();
+    // The commit request follows the WRITEs on the queue pair at once: the target's NIC completes its
+    // receive only after their data is placed, so it need not wait for their completions here.
     let segment = |i: &TransferItem| Segment {
         key: i.remote_key,
         offset: i.remote_offset,
         len: i.len(),
     };
-    if method == Some(PersistMethod::FlushRequest) {
+    let commits = if method == Some(PersistMethod::FlushRequest) {
         let segments = request.items.iter().map(segment).collect();
-        inner.control.commit(segments, Durability::Persistent).await?;
+        request_commit(&inner, segments, Durability::Persistent).await?
     } else if !staged_remote.is_empty() {
         let segments = staged_remote.into_iter().map(|i| segment(&request.items[i])).collect();
-        inner.control.commit(segments, Durability::Completed).await?;
+        request_commit(&inner, segments, Durability::Completed).await?
+    } else {
+        Vec::new()
+    };
+    for rx in completions.into_iter().chain(commits) {
+        rx.await
+            .map_err(|_| Error::PeerClosed(format!("the RDMA link to {} closed", inner.peer)))??;
     }
+    posted.ids.clear();
     Ok(())
 }
 

@@ -1,5 +1,7 @@
 //! The target's side of an RDMA link: the NIC serves one-sided READs and WRITEs by itself; this
-//! answers the two-sided messages (notifications) that arrive on the queue pair.
+//! answers the two-sided messages that arrive on the queue pair: notifications, and commit requests
+//! (ranges written by the WRITEs before them: copied in from the staging buffer, persisted if asked),
+//! which are carried out inline, before the next message of the link is looked at.
 //!
 //! Every notification gets exactly one reply. A reply goes out from one of the send slots; one that
 //! finds every slot busy (their SENDs not yet acknowledged) waits in a queue and leaves as soon as a
@@ -9,7 +11,8 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, Weak};
 
-use ferry_core::{Error, Notifier};
+use ferry_core::codec::Segment;
+use ferry_core::{Durability, EngineContext, Error, Notifier, Op, RegionKey};
 use sideway::ibverbs::completion::WorkCompletionStatus;
 use tokio::task::AbortHandle;
 
@@ -28,6 +31,10 @@ pub(crate) struct Responder {
     /// Replies that found every send slot busy, oldest first.
     backlog: Mutex<VecDeque<Message>>,
     notifier: Arc<dyn Notifier>,
+    /// The region table commit requests are resolved in.
+    context: Weak<EngineContext>,
+    /// For the staging buffers of regions the NIC cannot pin.
+    shared: Weak<RdmaShared>,
     link: u64,
     peer_engine: u64,
     peer_addr: String,
@@ -80,6 +87,7 @@ impl Drop for Accepted {
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn start(
     shared: &Arc<RdmaShared>,
+    context: Weak<EngineContext>,
     rc: Rc,
     slots: MessageSlots,
     notifier: Arc<dyn Notifier>,
@@ -93,6 +101,8 @@ pub(crate) fn start(
         slots,
         backlog: Mutex::new(VecDeque::new()),
         notifier,
+        context,
+        shared: Arc::downgrade(shared),
         link,
         peer_engine,
         peer_addr,
@@ -109,6 +119,45 @@ pub(crate) fn start(
 }
 
 impl Responder {
+    /// Commits ranges that WRITEs before the request filled: resolved in the region table (write
+    /// access, a persistent region for a persistent commit), copied in from the staging buffer where
+    /// the NIC reaches a region through one, then persisted if asked.
+    fn commit(&self, segments: &[Segment], durability: Durability) -> ferry_core::Result<()> {
+        let gone = || ferry_core::Error::PeerClosed("the engine is shutting down".into());
+        let context = self.context.upgrade().ok_or_else(gone)?;
+        let shared = self.shared.upgrade().ok_or_else(gone)?;
+        let mut parts = Vec::with_capacity(segments.len());
+        for s in segments {
+            let r = context.resolve(s.key, s.offset, s.len, Op::Write)?;
+            if durability == Durability::Persistent && !r.region.block().persistent() {
+                return Err(ferry_core::Error::InvalidArgument(format!(
+                    "a persistent write needs a persistent region; region {:?} is {}",
+                    s.key,
+                    r.region.block().kind()
+                )));
+            }
+            parts.push(r);
+        }
+        let mut done: Vec<RegionKey> = Vec::new();
+        for p in &parts {
+            let key = p.region.key();
+            if done.contains(&key) {
+                continue;
+            }
+            done.push(key);
+            let ranges: Vec<(u64, u64)> = parts
+                .iter()
+                .filter(|q| q.region.key() == key)
+                .map(|q| (q.offset, q.len))
+                .collect();
+            shared.commit_staged(&p.region, &ranges)?;
+            if durability == Durability::Persistent {
+                p.region.persist(&ranges)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Sends `reply` now, or queues it behind the replies already waiting for a slot.
     fn reply(&self, reply: Message) {
         let Ok(mut backlog) = self.backlog.lock() else { return };
@@ -177,6 +226,17 @@ impl Completions for Responder {
                             error: result.err().map(|e| (e.code(), e.message().to_string())),
                         }
                     }
+                    Ok(Message::Commit {
+                        id,
+                        durability,
+                        segments,
+                    }) => Message::Reply {
+                        id,
+                        error: self
+                            .commit(&segments, durability)
+                            .err()
+                            .map(|e| (e.code(), e.message().to_string())),
+                    },
                     Ok(other) => {
                         tracing::warn!(peer = %self.peer_addr, message = ?other, "unexpected RDMA message");
                         return;
