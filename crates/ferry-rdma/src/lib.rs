@@ -295,6 +295,7 @@ impl Transport for RdmaTransport {
                 rkey,
                 flushable,
                 staging_addr,
+                hooked: region.block().has_access_hooks(),
             }
             .encode(),
         ))

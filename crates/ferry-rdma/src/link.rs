@@ -36,8 +36,13 @@
 //!
 //! A persistent write is followed by what the link's persistence method asks for (see
 //! `crate::persist`): FLUSH work requests, or one READ, in the same stream of work requests, or a
-//! commit request. So is a write into a region the target stages (memory its NIC cannot pin): the
-//! target's CPU must copy the bytes in. A WRITE's completion here says only that the target's NIC has
+//! commit request. So is a write into a region the target stages (memory its NIC cannot pin: the
+//! target's CPU must copy the bytes in) or whose block has access hooks (device-local GPU memory
+//! behind a host staging buffer: the target's CPU must copy the bytes to the device,
+//! `MemoryBlock::commit_written`). A READ of such a block is preceded by a prepare request, answered
+//! once the target copied the ranges from the device (`MemoryBlock::prepare_read`), and only then
+//! posted. Local blocks with hooks get the same calls here: `prepare_read` before a WRITE reads them,
+//! `commit_written` after a READ filled them. A WRITE's completion here says only that the target's NIC has
 //! the bytes, not that they are in the target's memory, so whatever asks the target's CPU to act on
 //! them must be ordered behind their placement. The commit request is therefore a SEND on the same
 //! queue pair, posted right after the WRITEs: an RC responder executes requests in order and completes
@@ -157,6 +162,9 @@ struct Plan {
     wrs: Vec<WorkRequest>,
     /// The items whose remote region the target stages (their writes need a commit request).
     staged_remote: Vec<usize>,
+    /// The items whose remote region needs the target's CPU around each access (device memory
+    /// behind a staging buffer): a commit request after writes, a prepare request before reads.
+    hooked_remote: Vec<usize>,
     /// Whether a local region is staged here (the NIC cannot reach its bytes).
     staged_local: bool,
 }
@@ -363,6 +371,7 @@ impl Inner {
         let max_sge = self.rc.max_sge as usize;
         let mut wrs: Vec<WorkRequest> = Vec::new();
         let mut staged_remote = Vec::new();
+        let mut hooked_remote = Vec::new();
         let mut staged_local = false;
         for (i, item) in items.iter().enumerate() {
             let key = item.remote_transport_key.as_deref().ok_or_else(|| {
@@ -381,6 +390,8 @@ impl Inner {
             let region = self.shared.registered(item.local.region.key())?;
             if remote.is_staged() {
                 staged_remote.push(i);
+            } else if remote.hooked {
+                hooked_remote.push(i);
             }
             staged_local |= region.is_staged();
             let mut done = 0u64;
@@ -419,6 +430,7 @@ impl Inner {
         Ok(Plan {
             wrs,
             staged_remote,
+            hooked_remote,
             staged_local,
         })
     }
@@ -710,7 +722,7 @@ impl Drop for Inner {
 
 async fn notify(inner: Arc<Inner>, notification: Notification) -> Result<()> {
     notification.validate()?;
-    let reply = request(&inner, |id| Message::Notify { id, notification }).await?;
+    let reply = request_reply(&inner, |id| Message::Notify { id, notification }).await?;
     reply
         .await
         .map_err(|_| Error::PeerClosed(format!("the RDMA link to {} closed", inner.peer)))?
@@ -718,7 +730,7 @@ async fn notify(inner: Arc<Inner>, notification: Notification) -> Result<()> {
 
 /// Sends a message the target answers (a notification, a commit request) and returns where its
 /// reply will arrive.
-async fn request(inner: &Inner, message: impl FnOnce(u64) -> Message) -> Result<oneshot::Receiver<Result<()>>> {
+async fn request_reply(inner: &Inner, message: impl FnOnce(u64) -> Message) -> Result<oneshot::Receiver<Result<()>>> {
     if inner.closed.load(Ordering::Acquire) {
         return Err(Error::PeerClosed(format!("the RDMA link to {} is closed", inner.peer)));
     }
@@ -760,7 +772,7 @@ async fn request_commit(
     for chunk in segments.chunks(MAX_COMMIT_SEGMENTS) {
         let segments = chunk.to_vec();
         replies.push(
-            request(inner, |id| Message::Commit {
+            request_reply(inner, |id| Message::Commit {
                 id,
                 durability,
                 segments,
@@ -786,7 +798,8 @@ async fn run(inner: Arc<Inner>, request: TransferRequest) -> Result<()> {
     }
     let Plan {
         mut wrs,
-        staged_remote,
+        mut staged_remote,
+        hooked_remote,
         staged_local,
     } = inner.plan(request.op, &request.items)?;
     if staged_local || (request.op == Op::Read && !staged_remote.is_empty()) {
@@ -794,6 +807,27 @@ async fn run(inner: Arc<Inner>, request: TransferRequest) -> Result<()> {
         // count are in the region itself, which TCP reaches directly.
         return inner.control.transfer(request).await;
     }
+    let segment = |i: &TransferItem| Segment {
+        key: i.remote_key,
+        offset: i.remote_offset,
+        len: i.len(),
+    };
+    if request.op == Op::Read && !hooked_remote.is_empty() {
+        // The target copies the ranges from the device into what its NIC reads, and answers before
+        // the READs are posted.
+        let segments: Vec<Segment> = hooked_remote.iter().map(|&i| segment(&request.items[i])).collect();
+        let mut replies = Vec::new();
+        for chunk in segments.chunks(MAX_COMMIT_SEGMENTS) {
+            let segments = chunk.to_vec();
+            replies.push(request_reply(&inner, |id| Message::Prepare { id, segments }).await?);
+        }
+        for rx in replies {
+            rx.await
+                .map_err(|_| Error::PeerClosed(format!("the RDMA link to {} closed", inner.peer)))??;
+        }
+    }
+    // Written ranges the target's CPU must act on (copy in from its staging, or to the device).
+    staged_remote.extend(hooked_remote.iter().copied().filter(|_| request.op == Op::Write));
     let persistent = request.op == Op::Write && request.durability == Durability::Persistent;
     let method = if persistent {
         inner.method_for(&request.items)?
@@ -843,11 +877,6 @@ async fn run(inner: Arc<Inner>, request: TransferRequest) -> Result<()> {
     }
     // The commit request follows the WRITEs on the queue pair at once: the target's NIC completes its
     // receive only after their data is placed, so it need not wait for their completions here.
-    let segment = |i: &TransferItem| Segment {
-        key: i.remote_key,
-        offset: i.remote_offset,
-        len: i.len(),
-    };
     let commits = if method == Some(PersistMethod::FlushRequest) {
         let segments = request.items.iter().map(segment).collect();
         request_commit(&inner, segments, Durability::Persistent).await?
@@ -862,6 +891,20 @@ async fn run(inner: Arc<Inner>, request: TransferRequest) -> Result<()> {
             .map_err(|_| Error::PeerClosed(format!("the RDMA link to {} closed", inner.peer)))??;
     }
     posted.ids.clear();
+    if request.op == Op::Read {
+        // Local memory behind a staging buffer (device-local GPU memory) takes the bytes to the device.
+        for item in &request.items {
+            let region = &item.local.region;
+            if region.block().has_access_hooks() {
+                let _lease = region.fence().enter().ok_or_else(|| region.gone())?;
+                region.block().commit_written(
+                    item.local.offset as usize,
+                    item.local.len as usize,
+                    Durability::Completed,
+                )?;
+            }
+        }
+    }
     Ok(())
 }
 

@@ -45,6 +45,7 @@ pub const TAG_RECV: u64 = 2 << 62;
 const KIND_NOTIFY: u8 = 1;
 const KIND_REPLY: u8 = 2;
 const KIND_COMMIT: u8 = 3;
+const KIND_PREPARE: u8 = 4;
 
 /// Ranges one commit request names at most (each 24 bytes; the request fits a slot).
 pub const MAX_COMMIT_SEGMENTS: usize = 256;
@@ -60,6 +61,9 @@ pub enum Message {
         durability: Durability,
         segments: Vec<Segment>,
     },
+    /// Ranges the READs after it will read, to prepare at the target (copied from the device into
+    /// the staging buffer).
+    Prepare { id: u64, segments: Vec<Segment> },
     /// The target's answer.
     Reply {
         id: u64,
@@ -89,24 +93,18 @@ impl Message {
                 durability,
                 segments,
             } => {
-                if segments.len() > MAX_COMMIT_SEGMENTS {
-                    return Err(Error::InvalidArgument(format!(
-                        "a commit request of {} ranges (at most {MAX_COMMIT_SEGMENTS})",
-                        segments.len()
-                    )));
-                }
                 out.push(KIND_COMMIT);
                 out.extend_from_slice(&id.to_le_bytes());
                 out.push(match durability {
                     Durability::Completed => 0,
                     Durability::Persistent => 1,
                 });
-                out.extend_from_slice(&(segments.len() as u16).to_le_bytes());
-                for s in segments {
-                    out.extend_from_slice(&s.key.0.to_le_bytes());
-                    out.extend_from_slice(&s.offset.to_le_bytes());
-                    out.extend_from_slice(&s.len.to_le_bytes());
-                }
+                put_segments(out, segments)?;
+            }
+            Message::Prepare { id, segments } => {
+                out.push(KIND_PREPARE);
+                out.extend_from_slice(&id.to_le_bytes());
+                put_segments(out, segments)?;
             }
             Message::Reply { id, error } => {
                 out.push(KIND_REPLY);
@@ -147,6 +145,22 @@ impl Message {
             let n = u16::from_le_bytes(take(r, 2)?.try_into().map_err(|_| bad())?) as usize;
             String::from_utf8(take(r, n)?).map_err(|_| bad())
         };
+        let segments = |r: &mut &[u8]| -> Result<Vec<Segment>> {
+            let n = u16::from_le_bytes(take(r, 2)?.try_into().map_err(|_| bad())?) as usize;
+            if n > MAX_COMMIT_SEGMENTS {
+                return Err(bad());
+            }
+            let mut segments = Vec::with_capacity(n);
+            for _ in 0..n {
+                let mut u64_at =
+                    || -> Result<u64> { Ok(u64::from_le_bytes(take(r, 8)?.try_into().map_err(|_| bad())?)) };
+                let key = RegionKey(u64_at()?);
+                let offset = u64_at()?;
+                let len = u64_at()?;
+                segments.push(Segment { key, offset, len });
+            }
+            Ok(segments)
+        };
         let m = match kind {
             KIND_NOTIFY => {
                 let name = string(&mut r)?;
@@ -162,25 +176,17 @@ impl Message {
                     1 => Durability::Persistent,
                     _ => return Err(bad()),
                 };
-                let n = u16::from_le_bytes(take(&mut r, 2)?.try_into().map_err(|_| bad())?) as usize;
-                if n > MAX_COMMIT_SEGMENTS {
-                    return Err(bad());
-                }
-                let mut segments = Vec::with_capacity(n);
-                for _ in 0..n {
-                    let mut u64_at =
-                        || -> Result<u64> { Ok(u64::from_le_bytes(take(&mut r, 8)?.try_into().map_err(|_| bad())?)) };
-                    let key = RegionKey(u64_at()?);
-                    let offset = u64_at()?;
-                    let len = u64_at()?;
-                    segments.push(Segment { key, offset, len });
-                }
+                let segments = segments(&mut r)?;
                 Message::Commit {
                     id,
                     durability,
                     segments,
                 }
             }
+            KIND_PREPARE => Message::Prepare {
+                id,
+                segments: segments(&mut r)?,
+            },
             KIND_REPLY => {
                 let code = u16::from_le_bytes(take(&mut r, 2)?.try_into().map_err(|_| bad())?);
                 let msg = string(&mut r)?;
@@ -197,6 +203,23 @@ impl Message {
         }
         Ok(m)
     }
+}
+
+/// Writes a count and the segments (key, offset, length: little-endian u64s).
+fn put_segments(out: &mut Vec<u8>, segments: &[Segment]) -> Result<()> {
+    if segments.len() > MAX_COMMIT_SEGMENTS {
+        return Err(Error::InvalidArgument(format!(
+            "a request of {} ranges (at most {MAX_COMMIT_SEGMENTS})",
+            segments.len()
+        )));
+    }
+    out.extend_from_slice(&(segments.len() as u16).to_le_bytes());
+    for s in segments {
+        out.extend_from_slice(&s.key.0.to_le_bytes());
+        out.extend_from_slice(&s.offset.to_le_bytes());
+        out.extend_from_slice(&s.len.to_le_bytes());
+    }
+    Ok(())
 }
 
 /// The message buffers of one queue pair, registered with the NIC.
@@ -357,10 +380,14 @@ mod tests {
 
         #[test]
         fn commits_round_trip(id in any::<u64>(), persistent in any::<bool>(), segs in proptest::collection::vec(any::<(u64, u64, u64)>(), 0..=MAX_COMMIT_SEGMENTS)) {
-            let segments = segs.into_iter().map(|(k, offset, len)| Segment { key: RegionKey(k), offset, len }).collect();
+            let segments: Vec<Segment> = segs.into_iter().map(|(k, offset, len)| Segment { key: RegionKey(k), offset, len }).collect();
             let durability = if persistent { Durability::Persistent } else { Durability::Completed };
-            let m = Message::Commit { id, durability, segments };
+            let m = Message::Commit { id, durability, segments: segments.clone() };
             let mut b = Vec::new();
+            m.encode(&mut b).unwrap();
+            prop_assert!(b.len() <= SLOT_BYTES);
+            prop_assert_eq!(Message::decode(&b).unwrap(), m);
+            let m = Message::Prepare { id, segments };
             m.encode(&mut b).unwrap();
             prop_assert!(b.len() <= SLOT_BYTES);
             prop_assert_eq!(Message::decode(&b).unwrap(), m);

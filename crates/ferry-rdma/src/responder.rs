@@ -151,9 +151,33 @@ impl Responder {
                 .map(|q| (q.offset, q.len))
                 .collect();
             shared.commit_staged(&p.region, &ranges)?;
+            // Device memory behind a staging buffer takes the bytes to the device here.
+            if p.region.block().has_access_hooks() {
+                let _lease = p.region.fence().enter().ok_or_else(|| p.region.gone())?;
+                for &(offset, len) in &ranges {
+                    p.region
+                        .block()
+                        .commit_written(offset as usize, len as usize, Durability::Completed)?;
+                }
+            }
             if durability == Durability::Persistent {
                 p.region.persist(&ranges)?;
             }
+        }
+        Ok(())
+    }
+
+    /// Prepares ranges that READs after the request will read (device memory behind a staging buffer
+    /// copies them in from the device).
+    fn prepare(&self, segments: &[Segment]) -> ferry_core::Result<()> {
+        let context = self
+            .context
+            .upgrade()
+            .ok_or_else(|| ferry_core::Error::PeerClosed("the engine is shutting down".into()))?;
+        for s in segments {
+            let r = context.resolve(s.key, s.offset, s.len, Op::Read)?;
+            let _lease = r.region.fence().enter().ok_or_else(|| r.region.gone())?;
+            r.region.block().prepare_read(r.offset as usize, r.len as usize)?;
         }
         Ok(())
     }
@@ -234,6 +258,13 @@ impl Completions for Responder {
                         id,
                         error: self
                             .commit(&segments, durability)
+                            .err()
+                            .map(|e| (e.code(), e.message().to_string())),
+                    },
+                    Ok(Message::Prepare { id, segments }) => Message::Reply {
+                        id,
+                        error: self
+                            .prepare(&segments)
                             .err()
                             .map(|e| (e.code(), e.message().to_string())),
                     },
