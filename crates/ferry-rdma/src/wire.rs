@@ -31,7 +31,8 @@ pub const FLUSH_TARGET: u8 = 2;
 pub const ADR_WITHOUT_DDIO: u8 = 4;
 
 const LEN: usize = 4 + 4 + 16 + 2 + 1 + 1 + 1;
-const VERSION: u8 = 2;
+/// 3: commit and prepare requests travel on the queue pair; region keys may be hooked.
+const VERSION: u8 = 3;
 
 impl QpEndpoint {
     /// The wire form: little-endian fixed fields, then a version byte.
