@@ -548,7 +548,7 @@ impl Inner {
             attr.setup_state(QueuePairState::Error);
             qp.modify(&attr)
         };
-        tracing::warn!(peer = %self.peer, why, "RDMA queue pair stopped");
+        tracing::info!(peer = %self.peer, why, "RDMA queue pair stopped");
         if let Err(e) = stopping {
             tracing::error!(peer = %self.peer, error = %e, "cannot move the RDMA queue pair to the error state");
         }
@@ -977,6 +977,9 @@ impl DataLink for RdmaLink {
         Box::pin(async move {
             state.closed.store(true, Ordering::Release);
             let inner = state.current();
+            // The NIC executes nothing of this link any more: the regions its work requests used are
+            // given back below without waiting for their completions.
+            inner.halt_if(|_| true, "the link was closed locally");
             inner.fail_all(Error::PeerClosed(format!(
                 "the link to {} was closed locally",
                 inner.peer
