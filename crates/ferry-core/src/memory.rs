@@ -83,6 +83,13 @@ pub unsafe trait MemoryBlock: Send + Sync + 'static {
         let _ = (offset, len);
         Ok(())
     }
+    /// Whether [`commit_written`](Self::commit_written) (for a completed write) or
+    /// [`prepare_read`](Self::prepare_read) do anything: device memory behind a staging buffer, memory
+    /// that is not host-coherent. A transport whose peers reach the memory without this host's CPU
+    /// (RDMA) then has the peer ask for them around its accesses.
+    fn has_access_hooks(&self) -> bool {
+        false
+    }
 }
 
 /// A source of memory the engine did not allocate itself (a GPU allocator, a persistent-memory pool).

@@ -94,6 +94,9 @@ pub struct AcceptSetup<'a> {
     pub peer_engine: u64,
     /// The initiator's address.
     pub peer_addr: &'a str,
+    /// The engine's region table, for requests that arrive over the new data path (an RDMA commit
+    /// request, which must travel behind the data it commits). Weak: the transport is part of it.
+    pub context: std::sync::Weak<EngineContext>,
 }
 
 /// A control link over which a transport exchanges its setup data with the peer.
@@ -102,6 +105,11 @@ pub trait SetupExchange: Send + Sync {
     fn exchange(&self, kind: TransportKind, blob: Vec<u8>) -> BoxFuture<'_, Result<Vec<u8>>>;
     /// A handle the data link may keep: notifications and liveness go over the control link.
     fn control_link(&self) -> Arc<dyn DataLink>;
+    /// An owned handle on this exchange, for a data link that sets its path up again later (an RDMA
+    /// link replacing a failed queue pair); `None` where the control link cannot lend one.
+    fn handle(&self) -> Option<Arc<dyn SetupExchange>> {
+        None
+    }
 }
 
 /// One element of a transfer, resolved on both sides.

@@ -1,5 +1,10 @@
 //! The completion loop every queue pair runs: wait on the completion channel (tokio's `AsyncFd`) or
 //! busy-poll, drain the completion queue, and hand each completion to its owner.
+//!
+//! [`drain`] may also be called outside the loop, by code that must see certain work requests end
+//! before it returns and cannot wait for the loop's task (a deregistration or a dropped transfer on a
+//! runtime whose only thread it is running on). The queue pair's poll lock keeps the two from polling
+//! the completion queue at once.
 
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::{Arc, Weak};
@@ -31,8 +36,9 @@ impl AsRawFd for ChannelFd {
     }
 }
 
-/// Polls every completion present; returns how many there were.
-fn drain<C: Completions>(owner: &C) -> usize {
+/// Polls every completion present and hands it to `owner`; returns how many there were.
+pub(crate) fn drain<C: Completions + ?Sized>(owner: &C) -> usize {
+    let _polling = owner.rc().poll.lock().unwrap_or_else(|p| p.into_inner());
     let mut n = 0;
     loop {
         let poller = match owner.rc().cq.start_poll() {

@@ -10,8 +10,10 @@
 //!   class and service level are HIXL's options.
 //! - One-sided READ and WRITE with scatter-gather and selective signalling ([`link`]); completions in
 //!   tokio through the completion channel, or busy polling.
-//! - Persistent writes by the FLUSH verb, a READ after the writes, or a flush request over the
-//!   control link, chosen per link (`persist`).
+//! - Persistent writes by the FLUSH verb, a READ after the writes, or a flush request that follows the
+//!   writes on the queue pair, chosen per link (`persist`).
+//! - Deregistration ends the NIC's access before it returns, without waiting for the runtime: it
+//!   stops the queue pairs that still use the region and polls their completions itself (`link`).
 #![deny(missing_docs)]
 
 mod completions;
@@ -26,8 +28,8 @@ mod responder;
 pub mod wire;
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Instant;
 
 use ferry_core::{
     AcceptSetup, Access, Availability, DataLink, Error, PersistMethod, RegionEntry, RegionKey, Result, SetupExchange,
@@ -114,9 +116,52 @@ pub(crate) struct RdmaShared {
     pub pd: Arc<ProtectionDomain>,
     pub options: RdmaOptions,
     regions: Mutex<HashMap<RegionKey, Arc<Registered>>>,
+    /// The initiator links on the device, for deregistration to stop those that use a region.
+    links: Mutex<Vec<Weak<link::Inner>>>,
+    /// The target side's queue pairs, by link.
+    responders: responder::Responders,
 }
 
 impl RdmaShared {
+    pub(crate) fn add_link(&self, link: &Arc<link::Inner>) {
+        if let Ok(mut links) = self.links.lock() {
+            links.retain(|l| l.strong_count() > 0);
+            links.push(Arc::downgrade(link));
+        }
+    }
+
+    /// Copies `ranges` of `region` in from its staging buffer, if the NIC reaches it through one.
+    pub(crate) fn commit_staged(&self, region: &RegionEntry, ranges: &[(u64, u64)]) -> Result<()> {
+        let Ok(reg) = self.registered(region.key()) else {
+            return Ok(());
+        };
+        if !reg.is_staged() {
+            return Ok(());
+        }
+        let _lease = region.fence().enter().ok_or_else(|| region.gone())?;
+        for &(offset, len) in ranges {
+            region.check_range(offset, len)?;
+            let from = reg
+                .staged_ptr(offset)
+                .ok_or_else(|| Error::OutOfBounds(format!("staged range at {offset} of region {:?}", region.key())))?;
+            // SAFETY: both ranges lie inside their buffers (the staging buffer is the region's size and
+            // the range was checked against the region); the lease keeps the region's memory mapped;
+            // the initiator's writes to these bytes were placed before it asked for this commit (the
+            // request travelled behind them on the queue pair), and no reference to either buffer
+            // exists.
+            unsafe { std::ptr::copy_nonoverlapping(from, region.ptr_at(offset), len as usize) };
+        }
+        // A mapped file that shrank meanwhile took the bytes into zero pages: say so.
+        region.block().check_backing()
+    }
+
+    fn live_links(&self) -> Vec<Arc<link::Inner>> {
+        self.links
+            .lock()
+            .map(|l| l.iter().filter_map(Weak::upgrade).collect())
+            .unwrap_or_default()
+    }
+
     pub fn registered(&self, key: RegionKey) -> Result<Arc<Registered>> {
         self.regions
             .lock()
@@ -148,7 +193,7 @@ impl RdmaTransport {
             let device = device::open(options.device.as_deref())?;
             let pd = device.context.alloc_pd().map_err(|e| Error::Unsupported(format!("RDMA: allocating a protection domain on {}: {e}", device.name)))?;
             tracing::info!(device = %device.name, port = device.port, gid_index = device.gid_index, gid = %device.gid, "RDMA device open");
-            Ok(Arc::new(RdmaShared { device, pd, options, regions: Mutex::new(HashMap::new()) }))
+            Ok(Arc::new(RdmaShared { device, pd, options, regions: Mutex::new(HashMap::new()), links: Mutex::new(Vec::new()), responders: Default::default() }))
         });
         RdmaTransport { state }
     }
@@ -250,33 +295,17 @@ impl Transport for RdmaTransport {
                 rkey,
                 flushable,
                 staging_addr,
+                hooked: region.block().has_access_hooks(),
             }
             .encode(),
         ))
     }
 
     fn commit_staged(&self, region: &RegionEntry, ranges: &[(u64, u64)]) -> Result<()> {
-        let Ok(shared) = self.shared() else { return Ok(()) };
-        let Ok(reg) = shared.registered(region.key()) else {
-            return Ok(());
-        };
-        if !reg.is_staged() {
-            return Ok(());
+        match self.shared() {
+            Ok(shared) => shared.commit_staged(region, ranges),
+            Err(_) => Ok(()),
         }
-        let _lease = region.fence().enter().ok_or_else(|| region.gone())?;
-        for &(offset, len) in ranges {
-            region.check_range(offset, len)?;
-            let from = reg
-                .staged_ptr(offset)
-                .ok_or_else(|| Error::OutOfBounds(format!("staged range at {offset} of region {:?}", region.key())))?;
-            // SAFETY: both ranges lie inside their buffers (the staging buffer is the region's size and
-            // the range was checked against the region); the lease keeps the region's memory mapped;
-            // the initiator's writes to these bytes completed before it asked for this commit, and no
-            // reference to either buffer exists.
-            unsafe { std::ptr::copy_nonoverlapping(from, region.ptr_at(offset), len as usize) };
-        }
-        // A mapped file that shrank meanwhile took the bytes into zero pages: say so.
-        region.block().check_backing()
     }
 
     fn deregister_region(&self, key: RegionKey) {
@@ -284,33 +313,32 @@ impl Transport for RdmaTransport {
         let Some(reg) = shared.regions.lock().ok().and_then(|mut r| r.remove(&key)) else {
             return;
         };
-        // Work requests posted before deregistration finish (or fail, when their link dies) within the
-        // queue pairs' retry timeout; wait for them before the NIC forgets the memory.
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while reg.in_use() > 0 && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(1));
+        // From here on no work request takes the region into use. Those posted already end now: their
+        // queue pairs move to the error state, and their completions (flush errors, or the success of
+        // those done meanwhile) are polled on this thread, which never waits for a runtime (this runs
+        // inside `Region::drop`, often on the runtime's only thread). Those links are down afterwards.
+        if reg.revoke() > 0 {
+            let halted: Vec<_> = shared
+                .live_links()
+                .into_iter()
+                .filter(|l| l.halt_if(|l| l.uses(&reg), "a region its work requests use is being deregistered"))
+                .collect();
+            let deadline = Instant::now() + link::DRAIN_LIMIT;
+            for l in &halted {
+                l.drain_until(deadline, |l| !l.uses(&reg));
+            }
+            if reg.in_use() > 0 {
+                tracing::error!(region = ?key, "RDMA work requests still use a region being deregistered after {:?}; the NIC forgets it now", link::DRAIN_LIMIT);
+            }
         }
-        if reg.in_use() > 0 {
-            tracing::error!(region = ?key, "deregistering a region that RDMA work requests still use");
-        }
+        // Before this returns, not when the last handle goes: the NIC refuses every access from now on.
+        reg.forget();
     }
 
     fn connect<'a>(&'a self, control: &'a dyn SetupExchange) -> BoxFuture<'a, Result<Arc<dyn DataLink>>> {
         Box::pin(async move {
             let shared = self.shared()?.clone();
-            let mut rc = qp::Rc::create(&shared.device, &shared.pd, &shared.options)?;
-            if rc.flush.is_some() {
-                rc.local.flags |= wire::CAN_POST_FLUSH;
-            }
-            let slots = messages::MessageSlots::new(&shared.pd)?;
-            let answer = control.exchange(TransportKind::Rdma, rc.local.encode()).await?;
-            let remote = wire::QpEndpoint::decode(&answer)?;
-            let method = persist::choose(rc.local.flags, remote.flags, shared.options.persist_method)?;
-            rc.connect(&shared.device, &remote, &shared.options)?;
-            let control = control.control_link();
-            let peer = format!("RDMA peer (qpn {:#x}, gid {})", remote.qpn, remote.gid);
-            tracing::info!(%peer, persist = %method, "RDMA link: persistent writes by {method}");
-            let link = RdmaLink::start(rc, slots, shared, control, peer, method)?;
+            let link = RdmaLink::connect(&shared, control).await?;
             Ok(Arc::new(link) as Arc<dyn DataLink>)
         })
     }
@@ -337,6 +365,8 @@ impl Transport for RdmaTransport {
         );
         let local = rc.local.encode();
         let accepted = responder::start(
+            shared,
+            setup.context,
             rc,
             slots,
             setup.notifier,

@@ -8,34 +8,72 @@
 //!
 //! Completions arrive through the completion channel's descriptor in tokio's `AsyncFd` (or by busy
 //! polling, an option; see [`crate::completions`]). Pending work lives in the link, not in the future
-//! that posted it: dropping that future abandons the result only; the region stays registered with
-//! the NIC until the completion arrives, and the queue pair stays usable for the next batch.
+//! that posted it, and each group takes its local regions into use when it is posted, so that their
+//! memory stays registered with the NIC until the group's completion arrives.
 //!
-//! Notifications are SENDs on the same queue pair ([`crate::messages`]), answered by the target.
+//! # When a call returns, its buffers are the caller's again
+//!
+//! A WRITE only reads its local buffers. A READ writes them, so a READ's future that is dropped (its
+//! timeout fired, a `select!` chose another branch) while its work requests are outstanding does not
+//! just walk away: its drop polls the completion queue on the dropping thread, and if the requests
+//! have not finished, moves the queue pair to the error state (the NIC executes none of them further)
+//! and polls until each of them has completed or been flushed, at most [`DRAIN_LIMIT`]. Deregistering
+//! a region that posted work requests still use does the same to the queue pairs concerned (see
+//! `RdmaTransport::deregister_region`). A drop cannot wait for the runtime, which may be the very
+//! thread it runs on; stopping the queue pair is what it can do synchronously, within a bound.
+//!
+//! # A failed queue pair is replaced
+//!
+//! A queue pair in the error state (stopped as above, or because the target's NIC refused an access:
+//! a READ racing the target's deregistration of its source fails with `PermissionDenied`) serves no
+//! further request. The link sets up a new one over the control link when it is next used, as long as
+//! the control link is up; only requests in flight on the old queue pair fail with it.
+//!
+//! # Notifications and commit requests
+//!
+//! Notifications are SENDs on the same queue pair ([`crate::messages`]), answered by the target; no
+//! more are unanswered at once than the target has receive buffers and reply slots.
 //!
 //! A persistent write is followed by what the link's persistence method asks for (see
 //! `crate::persist`): FLUSH work requests, or one READ, in the same stream of work requests, or a
-//! flush request over the control link once the writes completed.
+//! commit request. So is a write into a region the target stages (memory its NIC cannot pin: the
+//! target's CPU must copy the bytes in) or whose block has access hooks (device-local GPU memory
+//! behind a host staging buffer: the target's CPU must copy the bytes to the device,
+//! `MemoryBlock::commit_written`). A READ of such a block is preceded by a prepare request, answered
+//! once the target copied the ranges from the device (`MemoryBlock::prepare_read`), and only then
+//! posted. Local blocks with hooks get the same calls here: `prepare_read` before a WRITE reads them,
+//! `commit_written` after a READ filled them. A WRITE's completion here says only that the target's NIC has
+//! the bytes, not that they are in the target's memory, so whatever asks the target's CPU to act on
+//! them must be ordered behind their placement. The commit request is therefore a SEND on the same
+//! queue pair, posted right after the WRITEs: an RC responder executes requests in order and completes
+//! a receive only after the WRITEs before it are placed, so the target's CPU, which acts when the
+//! receive completes, finds the bytes in its memory. (A READ on the queue pair after the WRITEs would
+//! order the request too, but costs a round trip more, and needs a readable range at the target; a
+//! request over the control link is not ordered at all.) The SEND need not wait for the WRITEs'
+//! completions either, which saves the round trip a request sent after them would cost.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use ferry_core::codec::Segment;
 use ferry_core::sync::take_all;
 use ferry_core::{
-    Access, DataLink, Durability, Error, Notification, Op, PersistMethod, Result, TransferItem, TransferRequest,
-    TransportKind,
+    Access, DataLink, Durability, Error, Notification, Op, PersistMethod, Result, SetupExchange, TransferItem,
+    TransferRequest, TransportKind,
 };
 use futures::future::BoxFuture;
 use rdma_mummy_sys::ibv_sge;
 use sideway::ibverbs::completion::WorkCompletionStatus;
-use sideway::ibverbs::queue_pair::{PostSendGuard, QueuePair, WorkRequestFlags};
+use sideway::ibverbs::queue_pair::{PostSendGuard, QueuePair, QueuePairAttribute, QueuePairState, WorkRequestFlags};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, oneshot};
 use tokio::task::AbortHandle;
 
 use crate::completions::{self, Completions};
-use crate::messages::{Message, MessageSlots, TAG_DATA, TAG_MASK, TAG_RECV, TAG_SEND};
+use crate::messages::{
+    MAX_COMMIT_SEGMENTS, Message, MessageSlots, RECV_SLOTS, SEND_SLOTS, TAG_DATA, TAG_MASK, TAG_RECV, TAG_SEND,
+};
 use crate::mr::Registered;
 use crate::post::{DataWr, post_data};
 use crate::qp::Rc;
@@ -47,18 +85,30 @@ pub const SIGNAL_EVERY: usize = 16;
 /// No single work request moves more than this, whatever the port allows.
 const MAX_WR_BYTES: u64 = 1 << 30;
 
+/// How long a caller that must see work requests end (a deregistration, a dropped READ) waits for
+/// the completions of a queue pair it moved to the error state. A NIC completes every outstanding
+/// work request with a flush error promptly once its queue pair is in that state; this bound only
+/// matters for a device that does not.
+pub const DRAIN_LIMIT: Duration = Duration::from_secs(2);
+
 struct Pending {
     done: oneshot::Sender<Result<()>>,
-    /// Regions the group's requests touch; their NIC registration waits for this completion.
+    /// Regions the group's requests took into use; released when this completion arrives.
     touched: Vec<Arc<Registered>>,
     _slots: OwnedSemaphorePermit,
 }
 
-struct Inner {
+/// A notification's waiter and its place in the window.
+type Unanswered = (oneshot::Sender<Result<()>>, OwnedSemaphorePermit);
+
+pub(crate) struct Inner {
     rc: Rc,
     // After `rc`: the queue pair is destroyed before the buffers it may write go away.
     messages: MessageSlots,
-    notifications: Mutex<HashMap<u64, oneshot::Sender<Result<()>>>>,
+    /// Notifications waiting for the target's reply, each with its place in the window.
+    notifications: Mutex<HashMap<u64, Unanswered>>,
+    /// Notifications unanswered at once: no more than the target has receive buffers and reply slots.
+    notify_window: Arc<Semaphore>,
     next_notification: AtomicU64,
     shared: Arc<RdmaShared>,
     control: Arc<dyn DataLink>,
@@ -112,6 +162,9 @@ struct Plan {
     wrs: Vec<WorkRequest>,
     /// The items whose remote region the target stages (their writes need a commit request).
     staged_remote: Vec<usize>,
+    /// The items whose remote region needs the target's CPU around each access (device memory
+    /// behind a staging buffer): a commit request after writes, a prepare request before reads.
+    hooked_remote: Vec<usize>,
     /// Whether a local region is staged here (the NIC cannot reach its bytes).
     staged_local: bool,
 }
@@ -130,7 +183,76 @@ enum WrOp {
 /// The RDMA data link to one peer.
 #[derive(Clone)]
 pub struct RdmaLink {
-    inner: Arc<Inner>,
+    state: Arc<LinkState>,
+}
+
+/// What outlives one queue pair: a link whose queue pair failed (an access the target's NIC refused,
+/// a deregistration or an abandoned READ that stopped it) sets up a new one over the control link
+/// when it is next used, as long as the control link is up.
+struct LinkState {
+    current: Mutex<Arc<Inner>>,
+    /// One renewal at a time.
+    renewing: tokio::sync::Mutex<()>,
+    exchange: Option<Arc<dyn SetupExchange>>,
+    shared: Arc<RdmaShared>,
+    control: Arc<dyn DataLink>,
+    /// Closed by this side: never renewed.
+    closed: AtomicBool,
+}
+
+impl LinkState {
+    fn current(&self) -> Arc<Inner> {
+        match self.current.lock() {
+            Ok(c) => c.clone(),
+            Err(p) => p.into_inner().clone(),
+        }
+    }
+
+    /// The queue pair to use: the current one, or a new one in place of a failed one.
+    async fn usable(&self) -> Result<Arc<Inner>> {
+        let inner = self.current();
+        if !inner.closed.load(Ordering::Acquire) {
+            return Ok(inner);
+        }
+        let down = || Error::PeerClosed(format!("the link to {} is down; connect again", inner.peer));
+        if self.closed.load(Ordering::Acquire) || self.control.is_closed() {
+            return Err(down());
+        }
+        let Some(exchange) = &self.exchange else {
+            return Err(down());
+        };
+        let _one = self.renewing.lock().await;
+        let inner = self.current();
+        if !inner.closed.load(Ordering::Acquire) {
+            return Ok(inner);
+        }
+        let fresh = open(&self.shared, &**exchange, self.control.clone()).await?;
+        tracing::info!(old = %inner.peer, new = %fresh.peer, "RDMA link: a new queue pair replaces the failed one");
+        if let Ok(mut c) = self.current.lock() {
+            *c = fresh.clone();
+        }
+        Ok(fresh)
+    }
+}
+
+/// Sets up a queue pair with the peer over `exchange` and starts its completion task.
+pub(crate) async fn open(
+    shared: &Arc<RdmaShared>,
+    exchange: &dyn SetupExchange,
+    control: Arc<dyn DataLink>,
+) -> Result<Arc<Inner>> {
+    let mut rc = Rc::create(&shared.device, &shared.pd, &shared.options)?;
+    if rc.flush.is_some() {
+        rc.local.flags |= crate::wire::CAN_POST_FLUSH;
+    }
+    let slots = MessageSlots::new(&shared.pd)?;
+    let answer = exchange.exchange(TransportKind::Rdma, rc.local.encode()).await?;
+    let remote = QpEndpoint::decode(&answer)?;
+    let method = crate::persist::choose(rc.local.flags, remote.flags, shared.options.persist_method)?;
+    rc.connect(&shared.device, &remote, &shared.options)?;
+    let peer = format!("RDMA peer (qpn {:#x}, gid {})", remote.qpn, remote.gid);
+    tracing::info!(%peer, persist = %method, "RDMA link: persistent writes by {method}");
+    Inner::start(rc, slots, shared.clone(), control, peer, method)
 }
 
 /// One work request: a remote range and the local pieces that fill or receive it.
@@ -143,15 +265,38 @@ struct WorkRequest {
 }
 
 impl RdmaLink {
+    /// Sets up the link over the control link's `exchange`.
+    pub(crate) async fn connect(shared: &Arc<RdmaShared>, exchange: &dyn SetupExchange) -> Result<Self> {
+        let control = exchange.control_link();
+        let inner = open(shared, exchange, control.clone()).await?;
+        Ok(RdmaLink {
+            state: Arc::new(LinkState {
+                current: Mutex::new(inner),
+                renewing: tokio::sync::Mutex::new(()),
+                exchange: exchange.handle(),
+                shared: shared.clone(),
+                control,
+                closed: AtomicBool::new(false),
+            }),
+        })
+    }
+
+    /// This side's queue pair address (of the queue pair in use).
+    pub fn local_endpoint(&self) -> QpEndpoint {
+        self.state.current().rc.local
+    }
+}
+
+impl Inner {
     /// Wraps a connected queue pair and starts its completion task.
-    pub(crate) fn start(
+    fn start(
         rc: Rc,
         messages: MessageSlots,
         shared: Arc<RdmaShared>,
         control: Arc<dyn DataLink>,
         peer: String,
         persist: PersistMethod,
-    ) -> Result<Self> {
+    ) -> Result<Arc<Self>> {
         messages.post_all_recvs(&rc)?;
         let scratch = Scratch::new(&shared.pd)?;
         let slots = Arc::new(Semaphore::new(rc.max_send_wr as usize));
@@ -159,6 +304,7 @@ impl RdmaLink {
             rc,
             messages,
             notifications: Mutex::new(HashMap::new()),
+            notify_window: Arc::new(Semaphore::new(RECV_SLOTS.min(SEND_SLOTS))),
             next_notification: AtomicU64::new(1),
             shared,
             control,
@@ -171,20 +317,17 @@ impl RdmaLink {
             persist,
             scratch,
         });
+        inner.shared.add_link(&inner);
         let task = tokio::spawn(completions::run(Arc::downgrade(&inner)));
         if let Ok(mut p) = inner.poller.lock() {
             *p = Some(task.abort_handle());
         }
-        Ok(RdmaLink { inner })
-    }
-
-    /// This side's queue pair address.
-    pub fn local_endpoint(&self) -> QpEndpoint {
-        self.inner.rc.local
+        Ok(inner)
     }
 }
 
 impl Inner {
+    /// The link is done, and its completion loop too: every waiter gets `error`.
     fn fail_all(&self, error: Error) {
         self.closed.store(true, Ordering::Release);
         for p in take_all(&self.pending) {
@@ -193,9 +336,17 @@ impl Inner {
             }
             let _ = p.done.send(Err(error.clone()));
         }
-        for w in take_all(&self.notifications) {
+        self.close_link(error);
+    }
+
+    /// The queue pair is in error: nothing more is posted, and notifications fail; posted groups wait
+    /// for their own (flush) completions.
+    fn close_link(&self, error: Error) {
+        self.closed.store(true, Ordering::Release);
+        for (w, _window) in take_all(&self.notifications) {
             let _ = w.send(Err(error.clone()));
         }
+        self.notify_window.close();
         self.messages.close();
     }
 
@@ -220,6 +371,7 @@ impl Inner {
         let max_sge = self.rc.max_sge as usize;
         let mut wrs: Vec<WorkRequest> = Vec::new();
         let mut staged_remote = Vec::new();
+        let mut hooked_remote = Vec::new();
         let mut staged_local = false;
         for (i, item) in items.iter().enumerate() {
             let key = item.remote_transport_key.as_deref().ok_or_else(|| {
@@ -238,6 +390,8 @@ impl Inner {
             let region = self.shared.registered(item.local.region.key())?;
             if remote.is_staged() {
                 staged_remote.push(i);
+            } else if remote.hooked {
+                hooked_remote.push(i);
             }
             staged_local |= region.is_staged();
             let mut done = 0u64;
@@ -276,12 +430,14 @@ impl Inner {
         Ok(Plan {
             wrs,
             staged_remote,
+            hooked_remote,
             staged_local,
         })
     }
 
-    /// Posts one signalled group of work requests and returns its completion.
-    async fn post_group(&self, group: Vec<WorkRequest>) -> Result<oneshot::Receiver<Result<()>>> {
+    /// Posts one signalled group of work requests and returns the id of its signalled request and its
+    /// completion.
+    async fn post_group(&self, group: Vec<WorkRequest>) -> Result<(u64, oneshot::Receiver<Result<()>>)> {
         if self.rc.flush.is_none() && group.iter().any(|w| matches!(w.op, WrOp::Flush { .. })) {
             return Err(Error::Unsupported(format!(
                 "the RDMA link to {} cannot post FLUSH",
@@ -300,27 +456,28 @@ impl Inner {
         let first = self.next_wr.fetch_add(group.len() as u64, Ordering::Relaxed);
         let signalled = first + group.len() as u64 - 1;
         let (done, rx) = oneshot::channel();
-        let touched: Vec<Arc<Registered>> = group.iter().flat_map(|w| w.touched.iter().cloned()).collect();
-        for r in &touched {
-            r.acquire();
-        }
-        self.pending
-            .lock()
-            .map_err(|_| Error::Protocol("pending table lock poisoned".into()))?
-            .insert(
-                signalled,
-                Pending {
-                    done,
-                    touched,
-                    _slots: slots,
-                },
-            );
+        let planned: Vec<Arc<Registered>> = group.iter().flat_map(|w| w.touched.iter().cloned()).collect();
         let posted = {
             let mut qp = self
                 .rc
                 .qp
                 .lock()
                 .map_err(|_| Error::Protocol("queue pair lock poisoned".into()))?;
+            // The regions are taken into use under the queue pair's lock: a deregistration that
+            // revokes one after this point finds the group in the pending table when it takes the
+            // lock, and stops the queue pair before it deregisters the memory.
+            let touched = take_into_use(&planned, &self.peer)?;
+            self.pending
+                .lock()
+                .map_err(|_| Error::Protocol("pending table lock poisoned".into()))?
+                .insert(
+                    signalled,
+                    Pending {
+                        done,
+                        touched,
+                        _slots: slots,
+                    },
+                );
             // READs and WRITEs first (they precede any FLUSH in a group), then the FLUSHes.
             let data: Vec<DataWr<'_>> = group
                 .iter()
@@ -336,9 +493,10 @@ impl Inner {
                 })
                 .collect();
             // SAFETY: the queue pair is live and its mutex held; every SGE names memory inside a region
-            // registered with this NIC (lkey from its registration, or the link's scratch buffer), kept
-            // registered by `acquire` until the group's completion arrives (the scratch buffer lives as
-            // long as the link).
+            // registered with this NIC (lkey from its registration, or the link's scratch buffer), taken
+            // into use above, so that its deregistration stops this queue pair and waits for the
+            // group's completion before the NIC forgets the memory (the scratch buffer lives as long as
+            // the link).
             let mut posted = unsafe { post_data(qp.qp(), &data) }.map_err(|e| e.to_string());
             let flushes = group
                 .iter()
@@ -373,7 +531,107 @@ impl Inner {
             self.complete(signalled, Err(err.clone()));
             return Err(err);
         }
-        Ok(rx)
+        Ok((signalled, rx))
+    }
+
+    /// Moves the queue pair to the error state if `stop` says so, judged under the queue pair's lock
+    /// (no group is being posted meanwhile). Nothing is posted on this link afterwards; every
+    /// outstanding work request completes with a flush error.
+    pub(crate) fn halt_if(&self, stop: impl FnOnce(&Inner) -> bool, why: &str) -> bool {
+        let stopping = {
+            let Ok(mut qp) = self.rc.qp.lock() else { return false };
+            if !stop(self) {
+                return false;
+            }
+            self.closed.store(true, Ordering::Release);
+            let mut attr = QueuePairAttribute::new();
+            attr.setup_state(QueuePairState::Error);
+            qp.modify(&attr)
+        };
+        tracing::info!(peer = %self.peer, why, "RDMA queue pair stopped");
+        if let Err(e) = stopping {
+            tracing::error!(peer = %self.peer, error = %e, "cannot move the RDMA queue pair to the error state");
+        }
+        true
+    }
+
+    /// Polls this queue pair's completions on the caller's thread until `done` holds or `deadline`
+    /// passes; returns whether `done` held.
+    pub(crate) fn drain_until(&self, deadline: Instant, done: impl Fn(&Inner) -> bool) -> bool {
+        loop {
+            completions::drain(self);
+            if done(self) {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_micros(100));
+        }
+    }
+
+    /// Whether a posted group still uses `region`.
+    pub(crate) fn uses(&self, region: &Arc<Registered>) -> bool {
+        self.pending
+            .lock()
+            .map(|p| p.values().any(|g| g.touched.iter().any(|r| Arc::ptr_eq(r, region))))
+            .unwrap_or(false)
+    }
+
+    /// Whether any of the groups whose signalled requests are `ids` is still outstanding.
+    fn outstanding(&self, ids: &[u64]) -> bool {
+        self.pending
+            .lock()
+            .map(|p| ids.iter().any(|id| p.contains_key(id)))
+            .unwrap_or(false)
+    }
+}
+
+/// Takes every region of a group into use; a region deregistered since the group was planned fails
+/// the group (and gives back what was taken).
+fn take_into_use(planned: &[Arc<Registered>], peer: &str) -> Result<Vec<Arc<Registered>>> {
+    let mut taken: Vec<Arc<Registered>> = Vec::with_capacity(planned.len());
+    for r in planned {
+        if !r.try_acquire() {
+            for t in &taken {
+                t.release();
+            }
+            return Err(Error::PermissionDenied(format!(
+                "a local region of this transfer to {peer} was deregistered before its work requests were posted"
+            )));
+        }
+        taken.push(r.clone());
+    }
+    Ok(taken)
+}
+
+/// The work requests a READ posted into its local buffers, while it runs. Dropping it before the READ
+/// finished (its future was dropped: a timeout, a `select!`) stops the queue pair and waits, on the
+/// dropping thread and at most [`DRAIN_LIMIT`], until none of them can land any more: once the call
+/// is gone its buffers are the caller's again.
+struct Posted {
+    inner: Arc<Inner>,
+    ids: Vec<u64>,
+}
+
+impl Drop for Posted {
+    fn drop(&mut self) {
+        if self.ids.is_empty() {
+            return;
+        }
+        let inner = &*self.inner;
+        // Perhaps they finished and only the completion loop has not run yet.
+        completions::drain(inner);
+        let ids = &self.ids;
+        if !inner.halt_if(
+            |i| i.outstanding(ids),
+            "a READ was abandoned with work requests outstanding",
+        ) {
+            return;
+        }
+        if !inner.drain_until(Instant::now() + DRAIN_LIMIT, |i| !i.outstanding(ids)) {
+            tracing::error!(peer = %inner.peer, "an abandoned READ's work requests did not end within {DRAIN_LIMIT:?}");
+        }
     }
 }
 
@@ -411,8 +669,10 @@ impl Completions for Inner {
             if wr_id & TAG_MASK == TAG_DATA {
                 self.complete(wr_id, Err(err.clone()));
             }
-            // An RC queue pair in error flushes everything after: the link is done.
-            self.fail_all(err);
+            // An RC queue pair in error completes everything after with a flush error, each group
+            // with its own completion (which gives its regions back then, not before): the link is
+            // done.
+            self.close_link(err);
             return;
         }
         match wr_id & TAG_MASK {
@@ -427,7 +687,7 @@ impl Completions for Inner {
                 match reply {
                     Ok(Message::Reply { id, error }) => {
                         let waiter = self.notifications.lock().ok().and_then(|mut n| n.remove(&id));
-                        if let Some(w) = waiter {
+                        if let Some((w, _window)) = waiter {
                             let _ = w.send(error.map_or(Ok(()), |(code, msg)| Err(Error::from_wire(code, msg))));
                         }
                     }
@@ -451,31 +711,76 @@ impl Drop for Inner {
         if let Some(task) = self.poller.lock().ok().and_then(|mut p| p.take()) {
             task.abort();
         }
+        // The queue pair is destroyed with `rc` right after this: the NIC is done with every region.
+        for p in take_all(&self.pending) {
+            for r in &p.touched {
+                r.release();
+            }
+        }
     }
 }
 
 async fn notify(inner: Arc<Inner>, notification: Notification) -> Result<()> {
     notification.validate()?;
+    let reply = request_reply(&inner, |id| Message::Notify { id, notification }).await?;
+    reply
+        .await
+        .map_err(|_| Error::PeerClosed(format!("the RDMA link to {} closed", inner.peer)))?
+}
+
+/// Sends a message the target answers (a notification, a commit request) and returns where its
+/// reply will arrive.
+async fn request_reply(inner: &Inner, message: impl FnOnce(u64) -> Message) -> Result<oneshot::Receiver<Result<()>>> {
     if inner.closed.load(Ordering::Acquire) {
         return Err(Error::PeerClosed(format!("the RDMA link to {} is closed", inner.peer)));
     }
+    // The place in the window is given back when the reply arrives (or the link fails), not when the
+    // SEND completes: the target answers from a bounded number of slots.
+    let window = inner
+        .notify_window
+        .clone()
+        .acquire_owned()
+        .await
+        .map_err(|_| Error::PeerClosed(format!("the RDMA link to {} is closed", inner.peer)))?;
     let id = inner.next_notification.fetch_add(1, Ordering::Relaxed);
     let (tx, rx) = oneshot::channel();
     inner
         .notifications
         .lock()
         .map_err(|_| Error::Protocol("notification table lock poisoned".into()))?
-        .insert(id, tx);
-    if let Err(e) = inner
-        .messages
-        .send(&inner.rc, &Message::Notify { id, notification })
-        .await
-    {
+        .insert(id, (tx, window));
+    if inner.closed.load(Ordering::Acquire) {
+        let _ = inner.notifications.lock().map(|mut n| n.remove(&id));
+        return Err(Error::PeerClosed(format!("the RDMA link to {} is closed", inner.peer)));
+    }
+    if let Err(e) = inner.messages.send(&inner.rc, &message(id)).await {
         let _ = inner.notifications.lock().map(|mut n| n.remove(&id));
         return Err(e);
     }
-    rx.await
-        .map_err(|_| Error::PeerClosed(format!("the RDMA link to {} closed", inner.peer)))?
+    Ok(rx)
+}
+
+/// Asks the target to commit `segments` (copy in what it staged; persist them if `durability` says
+/// so), by SENDs on the queue pair after the WRITEs that filled them: the target acts only once those
+/// are placed in its memory. Returns where the answers will arrive.
+async fn request_commit(
+    inner: &Inner,
+    segments: Vec<Segment>,
+    durability: Durability,
+) -> Result<Vec<oneshot::Receiver<Result<()>>>> {
+    let mut replies = Vec::new();
+    for chunk in segments.chunks(MAX_COMMIT_SEGMENTS) {
+        let segments = chunk.to_vec();
+        replies.push(
+            request_reply(inner, |id| Message::Commit {
+                id,
+                durability,
+                segments,
+            })
+            .await?,
+        );
+    }
+    Ok(replies)
 }
 
 async fn run(inner: Arc<Inner>, request: TransferRequest) -> Result<()> {
@@ -493,7 +798,8 @@ async fn run(inner: Arc<Inner>, request: TransferRequest) -> Result<()> {
     }
     let Plan {
         mut wrs,
-        staged_remote,
+        mut staged_remote,
+        hooked_remote,
         staged_local,
     } = inner.plan(request.op, &request.items)?;
     if staged_local || (request.op == Op::Read && !staged_remote.is_empty()) {
@@ -501,6 +807,27 @@ async fn run(inner: Arc<Inner>, request: TransferRequest) -> Result<()> {
         // count are in the region itself, which TCP reaches directly.
         return inner.control.transfer(request).await;
     }
+    let segment = |i: &TransferItem| Segment {
+        key: i.remote_key,
+        offset: i.remote_offset,
+        len: i.len(),
+    };
+    if request.op == Op::Read && !hooked_remote.is_empty() {
+        // The target copies the ranges from the device into what its NIC reads, and answers before
+        // the READs are posted.
+        let segments: Vec<Segment> = hooked_remote.iter().map(|&i| segment(&request.items[i])).collect();
+        let mut replies = Vec::new();
+        for chunk in segments.chunks(MAX_COMMIT_SEGMENTS) {
+            let segments = chunk.to_vec();
+            replies.push(request_reply(&inner, |id| Message::Prepare { id, segments }).await?);
+        }
+        for rx in replies {
+            rx.await
+                .map_err(|_| Error::PeerClosed(format!("the RDMA link to {} closed", inner.peer)))??;
+        }
+    }
+    // Written ranges the target's CPU must act on (copy in from its staging, or to the device).
+    staged_remote.extend(hooked_remote.iter().copied().filter(|_| request.op == Op::Write));
     let persistent = request.op == Op::Write && request.durability == Durability::Persistent;
     let method = if persistent {
         inner.method_for(&request.items)?
@@ -533,26 +860,50 @@ async fn run(inner: Arc<Inner>, request: TransferRequest) -> Result<()> {
     let depth = (inner.rc.max_send_wr as usize).max(1);
     let group_len = SIGNAL_EVERY.min(depth);
     let mut completions = Vec::new();
+    let mut posted = Posted {
+        inner: inner.clone(),
+        ids: Vec::new(),
+    };
     while !wrs.is_empty() {
         let rest = wrs.split_off(group_len.min(wrs.len()));
-        completions.push(inner.post_group(wrs).await?);
+        let (id, rx) = inner.post_group(wrs).await?;
+        // Only a READ writes local memory; a WRITE's buffers are only read, and its regions stay
+        // registered until its completions arrive.
+        if request.op == Op::Read {
+            posted.ids.push(id);
+        }
+        completions.push(rx);
         wrs = rest;
     }
-    for rx in completions {
+    // The commit request follows the WRITEs on the queue pair at once: the target's NIC completes its
+    // receive only after their data is placed, so it need not wait for their completions here.
+    let commits = if method == Some(PersistMethod::FlushRequest) {
+        let segments = request.items.iter().map(segment).collect();
+        request_commit(&inner, segments, Durability::Persistent).await?
+    } else if !staged_remote.is_empty() {
+        let segments = staged_remote.into_iter().map(|i| segment(&request.items[i])).collect();
+        request_commit(&inner, segments, Durability::Completed).await?
+    } else {
+        Vec::new()
+    };
+    for rx in completions.into_iter().chain(commits) {
         rx.await
             .map_err(|_| Error::PeerClosed(format!("the RDMA link to {} closed", inner.peer)))??;
     }
-    let segment = |i: &TransferItem| Segment {
-        key: i.remote_key,
-        offset: i.remote_offset,
-        len: i.len(),
-    };
-    if method == Some(PersistMethod::FlushRequest) {
-        let segments = request.items.iter().map(segment).collect();
-        inner.control.commit(segments, Durability::Persistent).await?;
-    } else if !staged_remote.is_empty() {
-        let segments = staged_remote.into_iter().map(|i| segment(&request.items[i])).collect();
-        inner.control.commit(segments, Durability::Completed).await?;
+    posted.ids.clear();
+    if request.op == Op::Read {
+        // Local memory behind a staging buffer (device-local GPU memory) takes the bytes to the device.
+        for item in &request.items {
+            let region = &item.local.region;
+            if region.block().has_access_hooks() {
+                let _lease = region.fence().enter().ok_or_else(|| region.gone())?;
+                region.block().commit_written(
+                    item.local.offset as usize,
+                    item.local.len as usize,
+                    Durability::Completed,
+                )?;
+            }
+        }
     }
     Ok(())
 }
@@ -612,16 +963,23 @@ impl DataLink for RdmaLink {
     }
 
     fn transfer(&self, request: TransferRequest) -> BoxFuture<'static, Result<()>> {
-        Box::pin(run(self.inner.clone(), request))
+        let state = self.state.clone();
+        Box::pin(async move { run(state.usable().await?, request).await })
     }
 
     fn notify(&self, notification: Notification) -> BoxFuture<'static, Result<()>> {
-        Box::pin(notify(self.inner.clone(), notification))
+        let state = self.state.clone();
+        Box::pin(async move { notify(state.usable().await?, notification).await })
     }
 
     fn close(&self) -> BoxFuture<'static, ()> {
-        let inner = self.inner.clone();
+        let state = self.state.clone();
         Box::pin(async move {
+            state.closed.store(true, Ordering::Release);
+            let inner = state.current();
+            // The NIC executes nothing of this link any more: the regions its work requests used are
+            // given back below without waiting for their completions.
+            inner.halt_if(|_| true, "the link was closed locally");
             inner.fail_all(Error::PeerClosed(format!(
                 "the link to {} was closed locally",
                 inner.peer
@@ -633,14 +991,15 @@ impl DataLink for RdmaLink {
     }
 
     fn is_closed(&self) -> bool {
-        self.inner.closed.load(Ordering::Acquire) || self.inner.control.is_closed()
+        // A failed queue pair is replaced on next use while the control link is up.
+        self.state.closed.load(Ordering::Acquire) || self.state.control.is_closed()
     }
 
     fn commit(&self, segments: Vec<Segment>, durability: Durability) -> BoxFuture<'static, Result<()>> {
-        self.inner.control.commit(segments, durability)
+        self.state.control.commit(segments, durability)
     }
 
     fn persist_method(&self) -> PersistMethod {
-        self.inner.persist
+        self.state.current().persist
     }
 }

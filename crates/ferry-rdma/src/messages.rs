@@ -1,16 +1,23 @@
-//! Two-sided messages on the queue pair: notifications (initiator to target) and their replies.
+//! Two-sided messages on the queue pair: notifications and commit requests (initiator to target) and
+//! their replies.
 //!
 //! A notification is a SEND on the same RC queue pair as the WRITEs before it, so the target's NIC
 //! completes its receive only after that data is in memory: a notification never overtakes the data
 //! of transfers that completed before it was sent. The target answers every notification with a
 //! SEND carrying its result (HIXL's limits: `ResourceExhausted` past 4096 undrained).
 //!
+//! A commit request (see `crate::link`) is a SEND for the same reason: it names ranges that WRITEs
+//! before it on the queue pair filled, and asks the target's CPU to copy them in from where they were
+//! staged and, for persistent writes, to persist them; the target acts only once the receive
+//! completed, so after those WRITEs are placed. At most [`MAX_COMMIT_SEGMENTS`] ranges per message.
+//!
 //! Both ends keep [`RECV_SLOTS`] receive buffers posted and [`SEND_SLOTS`] send buffers, in one memory
 //! region registered with the NIC.
 
 use std::sync::{Arc, Mutex};
 
-use ferry_core::{Error, ErrorCode, Notification, Result};
+use ferry_core::codec::Segment;
+use ferry_core::{Durability, Error, ErrorCode, Notification, RegionKey, Result};
 use sideway::ibverbs::AccessFlags;
 use sideway::ibverbs::memory_region::MemoryRegion;
 use sideway::ibverbs::protection_domain::ProtectionDomain;
@@ -37,12 +44,26 @@ pub const TAG_RECV: u64 = 2 << 62;
 
 const KIND_NOTIFY: u8 = 1;
 const KIND_REPLY: u8 = 2;
+const KIND_COMMIT: u8 = 3;
+const KIND_PREPARE: u8 = 4;
+
+/// Ranges one commit request names at most (each 24 bytes; the request fits a slot).
+pub const MAX_COMMIT_SEGMENTS: usize = 256;
 
 /// A message, decoded.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Message {
     /// A notification for the target's queue.
     Notify { id: u64, notification: Notification },
+    /// Ranges written by the WRITEs before it, to commit at the target.
+    Commit {
+        id: u64,
+        durability: Durability,
+        segments: Vec<Segment>,
+    },
+    /// Ranges the READs after it will read, to prepare at the target (copied from the device into
+    /// the staging buffer).
+    Prepare { id: u64, segments: Vec<Segment> },
     /// The target's answer.
     Reply {
         id: u64,
@@ -66,6 +87,24 @@ impl Message {
                 out.extend_from_slice(&id.to_le_bytes());
                 put_str(out, &notification.name)?;
                 put_str(out, &notification.msg)?;
+            }
+            Message::Commit {
+                id,
+                durability,
+                segments,
+            } => {
+                out.push(KIND_COMMIT);
+                out.extend_from_slice(&id.to_le_bytes());
+                out.push(match durability {
+                    Durability::Completed => 0,
+                    Durability::Persistent => 1,
+                });
+                put_segments(out, segments)?;
+            }
+            Message::Prepare { id, segments } => {
+                out.push(KIND_PREPARE);
+                out.extend_from_slice(&id.to_le_bytes());
+                put_segments(out, segments)?;
             }
             Message::Reply { id, error } => {
                 out.push(KIND_REPLY);
@@ -106,6 +145,22 @@ impl Message {
             let n = u16::from_le_bytes(take(r, 2)?.try_into().map_err(|_| bad())?) as usize;
             String::from_utf8(take(r, n)?).map_err(|_| bad())
         };
+        let segments = |r: &mut &[u8]| -> Result<Vec<Segment>> {
+            let n = u16::from_le_bytes(take(r, 2)?.try_into().map_err(|_| bad())?) as usize;
+            if n > MAX_COMMIT_SEGMENTS {
+                return Err(bad());
+            }
+            let mut segments = Vec::with_capacity(n);
+            for _ in 0..n {
+                let mut u64_at =
+                    || -> Result<u64> { Ok(u64::from_le_bytes(take(r, 8)?.try_into().map_err(|_| bad())?)) };
+                let key = RegionKey(u64_at()?);
+                let offset = u64_at()?;
+                let len = u64_at()?;
+                segments.push(Segment { key, offset, len });
+            }
+            Ok(segments)
+        };
         let m = match kind {
             KIND_NOTIFY => {
                 let name = string(&mut r)?;
@@ -115,6 +170,23 @@ impl Message {
                     notification: Notification { name, msg },
                 }
             }
+            KIND_COMMIT => {
+                let durability = match take(&mut r, 1)?[0] {
+                    0 => Durability::Completed,
+                    1 => Durability::Persistent,
+                    _ => return Err(bad()),
+                };
+                let segments = segments(&mut r)?;
+                Message::Commit {
+                    id,
+                    durability,
+                    segments,
+                }
+            }
+            KIND_PREPARE => Message::Prepare {
+                id,
+                segments: segments(&mut r)?,
+            },
             KIND_REPLY => {
                 let code = u16::from_le_bytes(take(&mut r, 2)?.try_into().map_err(|_| bad())?);
                 let msg = string(&mut r)?;
@@ -131,6 +203,23 @@ impl Message {
         }
         Ok(m)
     }
+}
+
+/// Writes a count and the segments (key, offset, length: little-endian u64s).
+fn put_segments(out: &mut Vec<u8>, segments: &[Segment]) -> Result<()> {
+    if segments.len() > MAX_COMMIT_SEGMENTS {
+        return Err(Error::InvalidArgument(format!(
+            "a request of {} ranges (at most {MAX_COMMIT_SEGMENTS})",
+            segments.len()
+        )));
+    }
+    out.extend_from_slice(&(segments.len() as u16).to_le_bytes());
+    for s in segments {
+        out.extend_from_slice(&s.key.0.to_le_bytes());
+        out.extend_from_slice(&s.offset.to_le_bytes());
+        out.extend_from_slice(&s.len.to_le_bytes());
+    }
+    Ok(())
 }
 
 /// The message buffers of one queue pair, registered with the NIC.
@@ -287,6 +376,21 @@ mod tests {
             let r = Message::Reply { id, error };
             r.encode(&mut b).unwrap();
             prop_assert_eq!(Message::decode(&b).unwrap(), r);
+        }
+
+        #[test]
+        fn commits_round_trip(id in any::<u64>(), persistent in any::<bool>(), segs in proptest::collection::vec(any::<(u64, u64, u64)>(), 0..=MAX_COMMIT_SEGMENTS)) {
+            let segments: Vec<Segment> = segs.into_iter().map(|(k, offset, len)| Segment { key: RegionKey(k), offset, len }).collect();
+            let durability = if persistent { Durability::Persistent } else { Durability::Completed };
+            let m = Message::Commit { id, durability, segments: segments.clone() };
+            let mut b = Vec::new();
+            m.encode(&mut b).unwrap();
+            prop_assert!(b.len() <= SLOT_BYTES);
+            prop_assert_eq!(Message::decode(&b).unwrap(), m);
+            let m = Message::Prepare { id, segments };
+            m.encode(&mut b).unwrap();
+            prop_assert!(b.len() <= SLOT_BYTES);
+            prop_assert_eq!(Message::decode(&b).unwrap(), m);
         }
 
         #[test]

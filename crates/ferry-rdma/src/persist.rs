@@ -8,7 +8,8 @@
 //!    target's device to execute it, and the region registered for it (persistent memory only);
 //! 2. a READ of the written region, where the target declared ADR with DDIO off (the READ drains
 //!    the I/O buffers, and ADR makes what reached the memory controller persistent);
-//! 3. a flush request over the control link naming the written ranges: the target's CPU persists
+//! 3. a flush request naming the written ranges, a SEND on the same queue pair after the writes (so the
+//!    target's CPU sees it only once they are placed; see `crate::link`): the target's CPU persists
 //!    them (cache-line write-back, or `msync`) and answers. Works everywhere.
 //!
 //! A link settles on the best method both ends offer; a transfer whose regions do not qualify for it

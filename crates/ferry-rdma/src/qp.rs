@@ -17,6 +17,7 @@ use sideway::ibverbs::queue_pair::{
 
 use crate::RdmaOptions;
 use crate::device::OpenDevice;
+use crate::messages::{RECV_SLOTS, SEND_SLOTS};
 use crate::wire::QpEndpoint;
 
 /// One reliable-connected queue pair (an extended one: the FLUSH verb exists only in the `ibv_wr_*`
@@ -29,8 +30,11 @@ pub(crate) struct Rc {
     pub cq: Arc<BasicCompletionQueue>,
     pub channel: Arc<CompletionChannel>,
     pub local: QpEndpoint,
+    /// The send queue's share for data work requests (READ, WRITE, FLUSH).
     pub max_send_wr: u32,
     pub max_sge: u32,
+    /// Held while the completion queue is polled (see [`crate::completions::drain`]).
+    pub poll: Mutex<()>,
 }
 
 fn io(what: &str, e: impl std::fmt::Display) -> Error {
@@ -123,7 +127,10 @@ fn build(builder: &mut QueuePairBuilder, try_flush: bool) -> Result<(ExtendedQue
 impl Rc {
     /// Creates a queue pair in the INIT state.
     pub fn create(dev: &OpenDevice, pd: &Arc<ProtectionDomain>, opts: &RdmaOptions) -> Result<Rc> {
-        let max_send_wr = opts.max_send_wr.min(dev.max_qp_wr);
+        // The send queue holds the data work requests and, beside them, a SEND per message slot (a
+        // notification or commit request may be posted while the data share is full).
+        let messages = SEND_SLOTS as u32;
+        let max_send_wr = opts.max_send_wr.min(dev.max_qp_wr.saturating_sub(messages)).max(1);
         let max_sge = dev.max_sge.min(16);
         let channel = dev
             .context
@@ -135,7 +142,7 @@ impl Rc {
         let cq = dev
             .context
             .create_cq_builder()
-            .setup_cqe(max_send_wr + 16)
+            .setup_cqe(max_send_wr + messages + RECV_SLOTS as u32)
             .setup_comp_channel(&channel, 0)
             .build()
             .map_err(|e| io("creating a completion queue", e))?;
@@ -143,8 +150,8 @@ impl Rc {
         builder
             .setup_send_cq(cq.clone())
             .setup_recv_cq(cq.clone())
-            .setup_max_send_wr(max_send_wr)
-            .setup_max_recv_wr(16)
+            .setup_max_send_wr(max_send_wr + messages)
+            .setup_max_recv_wr(RECV_SLOTS as u32)
             .setup_max_send_sge(max_sge)
             .setup_max_recv_sge(1)
             .setup_max_inline_data(0);
@@ -176,6 +183,7 @@ impl Rc {
             local,
             max_send_wr,
             max_sge,
+            poll: Mutex::new(()),
         })
     }
 

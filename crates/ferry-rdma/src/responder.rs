@@ -1,42 +1,93 @@
 //! The target's side of an RDMA link: the NIC serves one-sided READs and WRITEs by itself; this
-//! answers the two-sided messages (notifications) that arrive on the queue pair.
+//! answers the two-sided messages that arrive on the queue pair: notifications, and commit requests
+//! (ranges written by the WRITEs before them: copied in from the staging buffer, persisted if asked),
+//! which are carried out inline, before the next message of the link is looked at.
+//!
+//! Every notification gets exactly one reply. A reply goes out from one of the send slots; one that
+//! finds every slot busy (their SENDs not yet acknowledged) waits in a queue and leaves as soon as a
+//! slot's completion returns it. The initiator keeps no more notifications unanswered than there are
+//! slots, so the queue stays short; [`MAX_BACKLOG`] bounds it against a peer that does not.
 
-use std::sync::Arc;
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex, Weak};
 
-use ferry_core::{Error, Notifier};
+use ferry_core::codec::Segment;
+use ferry_core::{Durability, EngineContext, Error, Notifier, Op, RegionKey};
 use sideway::ibverbs::completion::WorkCompletionStatus;
 use tokio::task::AbortHandle;
 
+use crate::RdmaShared;
 use crate::completions::{self, Completions};
 use crate::messages::{Message, MessageSlots, TAG_MASK, TAG_RECV, TAG_SEND};
 use crate::qp::Rc;
 
-struct Responder {
+/// Replies waiting for a free send slot, at most.
+pub(crate) const MAX_BACKLOG: usize = 4096;
+
+pub(crate) struct Responder {
     rc: Rc,
     // After `rc`: the queue pair is destroyed before the buffers it may write go away.
     slots: MessageSlots,
+    /// Replies that found every send slot busy, oldest first.
+    backlog: Mutex<VecDeque<Message>>,
     notifier: Arc<dyn Notifier>,
+    /// The region table commit requests are resolved in.
+    context: Weak<EngineContext>,
+    /// For the staging buffers of regions the NIC cannot pin.
+    shared: Weak<RdmaShared>,
     link: u64,
     peer_engine: u64,
     peer_addr: String,
     busy_poll: bool,
 }
 
+/// The responders of the links that set up an RDMA path, by link. An initiator sets up a new queue
+/// pair when its old one failed (see `crate::link`); the new responder replaces the link's old one,
+/// whose queue pair is destroyed then, so a link holds one queue pair however often it renews it.
+#[derive(Default)]
+pub(crate) struct Responders(Mutex<HashMap<u64, (Arc<Responder>, AbortHandle)>>);
+
+impl Responders {
+    fn insert(&self, link: u64, responder: Arc<Responder>, task: AbortHandle) {
+        let old = self.0.lock().ok().and_then(|mut m| m.insert(link, (responder, task)));
+        if let Some((old, task)) = old {
+            tracing::debug!(link, peer = %old.peer_addr, "RDMA queue pair replaced by a new one");
+            task.abort();
+        }
+    }
+
+    fn remove(&self, link: u64, responder: &Weak<Responder>) {
+        let removed = self.0.lock().ok().and_then(|mut m| {
+            let same = m
+                .get(&link)
+                .is_some_and(|(r, _)| std::ptr::eq(Arc::as_ptr(r), responder.as_ptr()));
+            if same { m.remove(&link) } else { None }
+        });
+        if let Some((_, task)) = removed {
+            task.abort();
+        }
+    }
+}
+
 /// What the link keeps while it lives; dropping it stops the completion task and destroys the queue
-/// pair.
+/// pair (unless a newer one of the same link replaced it already).
 pub(crate) struct Accepted {
-    _responder: Arc<Responder>,
-    task: AbortHandle,
+    shared: Arc<RdmaShared>,
+    link: u64,
+    responder: Weak<Responder>,
 }
 
 impl Drop for Accepted {
     fn drop(&mut self) {
-        self.task.abort();
+        self.shared.responders.remove(self.link, &self.responder);
     }
 }
 
 /// Starts answering messages on a connected queue pair.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn start(
+    shared: &Arc<RdmaShared>,
+    context: Weak<EngineContext>,
     rc: Rc,
     slots: MessageSlots,
     notifier: Arc<dyn Notifier>,
@@ -48,16 +99,117 @@ pub(crate) fn start(
     let responder = Arc::new(Responder {
         rc,
         slots,
+        backlog: Mutex::new(VecDeque::new()),
         notifier,
+        context,
+        shared: Arc::downgrade(shared),
         link,
         peer_engine,
         peer_addr,
         busy_poll,
     });
     let task = tokio::spawn(completions::run(Arc::downgrade(&responder))).abort_handle();
+    let weak = Arc::downgrade(&responder);
+    shared.responders.insert(link, responder, task);
     Accepted {
-        _responder: responder,
-        task,
+        shared: shared.clone(),
+        link,
+        responder: weak,
+    }
+}
+
+impl Responder {
+    /// Commits ranges that WRITEs before the request filled: resolved in the region table (write
+    /// access, a persistent region for a persistent commit), copied in from the staging buffer where
+    /// the NIC reaches a region through one, then persisted if asked.
+    fn commit(&self, segments: &[Segment], durability: Durability) -> ferry_core::Result<()> {
+        let gone = || ferry_core::Error::PeerClosed("the engine is shutting down".into());
+        let context = self.context.upgrade().ok_or_else(gone)?;
+        let shared = self.shared.upgrade().ok_or_else(gone)?;
+        let mut parts = Vec::with_capacity(segments.len());
+        for s in segments {
+            let r = context.resolve(s.key, s.offset, s.len, Op::Write)?;
+            if durability == Durability::Persistent && !r.region.block().persistent() {
+                return Err(ferry_core::Error::InvalidArgument(format!(
+                    "a persistent write needs a persistent region; region {:?} is {}",
+                    s.key,
+                    r.region.block().kind()
+                )));
+            }
+            parts.push(r);
+        }
+        let mut done: Vec<RegionKey> = Vec::new();
+        for p in &parts {
+            let key = p.region.key();
+            if done.contains(&key) {
+                continue;
+            }
+            done.push(key);
+            let ranges: Vec<(u64, u64)> = parts
+                .iter()
+                .filter(|q| q.region.key() == key)
+                .map(|q| (q.offset, q.len))
+                .collect();
+            shared.commit_staged(&p.region, &ranges)?;
+            // Device memory behind a staging buffer takes the bytes to the device here.
+            if p.region.block().has_access_hooks() {
+                let _lease = p.region.fence().enter().ok_or_else(|| p.region.gone())?;
+                for &(offset, len) in &ranges {
+                    p.region
+                        .block()
+                        .commit_written(offset as usize, len as usize, Durability::Completed)?;
+                }
+            }
+            if durability == Durability::Persistent {
+                p.region.persist(&ranges)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Prepares ranges that READs after the request will read (device memory behind a staging buffer
+    /// copies them in from the device).
+    fn prepare(&self, segments: &[Segment]) -> ferry_core::Result<()> {
+        let context = self
+            .context
+            .upgrade()
+            .ok_or_else(|| ferry_core::Error::PeerClosed("the engine is shutting down".into()))?;
+        for s in segments {
+            let r = context.resolve(s.key, s.offset, s.len, Op::Read)?;
+            let _lease = r.region.fence().enter().ok_or_else(|| r.region.gone())?;
+            r.region.block().prepare_read(r.offset as usize, r.len as usize)?;
+        }
+        Ok(())
+    }
+
+    /// Sends `reply` now, or queues it behind the replies already waiting for a slot.
+    fn reply(&self, reply: Message) {
+        let Ok(mut backlog) = self.backlog.lock() else { return };
+        if backlog.len() >= MAX_BACKLOG {
+            tracing::warn!(peer = %self.peer_addr, "{MAX_BACKLOG} RDMA replies wait for a slot; one is dropped");
+            return;
+        }
+        backlog.push_back(reply);
+        drop(backlog);
+        self.send_backlog();
+    }
+
+    /// Sends queued replies, oldest first, while send slots are free.
+    fn send_backlog(&self) {
+        let Ok(mut backlog) = self.backlog.lock() else { return };
+        while let Some(reply) = backlog.front() {
+            match self.slots.try_send(&self.rc, reply) {
+                Ok(()) => {
+                    backlog.pop_front();
+                }
+                // Every slot is busy: the next send completion comes back here.
+                Err(ferry_core::Error::ResourceExhausted(_)) => return,
+                Err(e) => {
+                    tracing::warn!(peer = %self.peer_addr, error = %e, "cannot answer an RDMA notification");
+                    backlog.pop_front();
+                }
+            }
+        }
     }
 }
 
@@ -78,7 +230,10 @@ impl Completions for Responder {
             return;
         }
         match wr_id & TAG_MASK {
-            TAG_SEND => self.slots.send_done(slot),
+            TAG_SEND => {
+                self.slots.send_done(slot);
+                self.send_backlog();
+            }
             TAG_RECV => {
                 let message = self.slots.received(slot, byte_len as usize);
                 if let Err(e) = self.slots.post_recv(&self.rc, slot) {
@@ -95,6 +250,24 @@ impl Completions for Responder {
                             error: result.err().map(|e| (e.code(), e.message().to_string())),
                         }
                     }
+                    Ok(Message::Commit {
+                        id,
+                        durability,
+                        segments,
+                    }) => Message::Reply {
+                        id,
+                        error: self
+                            .commit(&segments, durability)
+                            .err()
+                            .map(|e| (e.code(), e.message().to_string())),
+                    },
+                    Ok(Message::Prepare { id, segments }) => Message::Reply {
+                        id,
+                        error: self
+                            .prepare(&segments)
+                            .err()
+                            .map(|e| (e.code(), e.message().to_string())),
+                    },
                     Ok(other) => {
                         tracing::warn!(peer = %self.peer_addr, message = ?other, "unexpected RDMA message");
                         return;
@@ -104,11 +277,7 @@ impl Completions for Responder {
                         return;
                     }
                 };
-                // One reply per notification, and the initiator has at most as many notifications in
-                // flight as there are send slots here, so a slot is free.
-                if let Err(e) = self.slots.try_send(&self.rc, &reply) {
-                    tracing::warn!(peer = %self.peer_addr, error = %e, "cannot answer an RDMA notification");
-                }
+                self.reply(reply);
             }
             _ => {}
         }

@@ -31,7 +31,8 @@ pub const FLUSH_TARGET: u8 = 2;
 pub const ADR_WITHOUT_DDIO: u8 = 4;
 
 const LEN: usize = 4 + 4 + 16 + 2 + 1 + 1 + 1;
-const VERSION: u8 = 2;
+/// 3: commit and prepare requests travel on the queue pair; region keys may be hooked.
+const VERSION: u8 = 3;
 
 impl QpEndpoint {
     /// The wire form: little-endian fixed fields, then a version byte.
@@ -85,17 +86,24 @@ pub struct RemoteKey {
     /// staging buffer's address, which a region offset is added to. Writes there need a commit
     /// request, and reads go over TCP.
     pub staging_addr: Option<u64>,
+    /// Whether the target's CPU must act around each access that bypasses it (device memory behind a
+    /// staging buffer, memory that is not host-coherent): a commit request after writes, a prepare
+    /// request before reads.
+    pub hooked: bool,
 }
 
 const FLUSHABLE: u8 = 1;
 const STAGED: u8 = 2;
+const HOOKED: u8 = 4;
 
 impl RemoteKey {
     /// The advert form: the rkey little-endian, a flags byte, and the staging address (little-endian)
     /// when staged.
     pub fn encode(&self) -> Vec<u8> {
         let mut v = self.rkey.to_le_bytes().to_vec();
-        let flags = if self.flushable { FLUSHABLE } else { 0 } | if self.staging_addr.is_some() { STAGED } else { 0 };
+        let flags = if self.flushable { FLUSHABLE } else { 0 }
+            | if self.staging_addr.is_some() { STAGED } else { 0 }
+            | if self.hooked { HOOKED } else { 0 };
         v.push(flags);
         if let Some(addr) = self.staging_addr {
             v.extend_from_slice(&addr.to_le_bytes());
@@ -108,7 +116,7 @@ impl RemoteKey {
         let bad = || Error::Protocol(format!("an RDMA key of {} bytes ({b:02x?})", b.len()));
         let (head, rest) = b.split_first_chunk::<5>().ok_or_else(bad)?;
         let [a, b0, c, d, flags] = *head;
-        if flags & !(FLUSHABLE | STAGED) != 0 {
+        if flags & !(FLUSHABLE | STAGED | HOOKED) != 0 {
             return Err(bad());
         }
         let staging_addr = match (flags & STAGED != 0, rest) {
@@ -120,12 +128,18 @@ impl RemoteKey {
             rkey: u32::from_le_bytes([a, b0, c, d]),
             flushable: flags & FLUSHABLE != 0,
             staging_addr,
+            hooked: flags & HOOKED != 0,
         })
     }
 
     /// Whether the target stages the region.
     pub fn is_staged(&self) -> bool {
         self.staging_addr.is_some()
+    }
+
+    /// Whether writes to the region need a commit request after them.
+    pub fn needs_commit(&self) -> bool {
+        self.is_staged() || self.hooked
     }
 }
 
@@ -142,8 +156,8 @@ mod tests {
         }
 
         #[test]
-        fn keys_round_trip(rkey in any::<u32>(), flushable in any::<bool>(), staging_addr in any::<Option<u64>>()) {
-            let k = RemoteKey { rkey, flushable, staging_addr };
+        fn keys_round_trip(rkey in any::<u32>(), flushable in any::<bool>(), staging_addr in any::<Option<u64>>(), hooked in any::<bool>()) {
+            let k = RemoteKey { rkey, flushable, staging_addr, hooked };
             prop_assert_eq!(RemoteKey::decode(&k.encode()).unwrap(), k);
         }
 

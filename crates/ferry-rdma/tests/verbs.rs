@@ -248,3 +248,199 @@ fn spawn_target() -> (std::process::Child, String, u64) {
         }
     }
 }
+
+/// A burst of notifications larger than the message slots on either end: every one is answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_notifications_is_answered() {
+    let Some((target, initiator, peer)) = pair().await else {
+        return;
+    };
+    const N: usize = 200;
+    let results = futures::future::join_all(
+        (0..N).map(|i| initiator.notify(&peer, Notification::new("burst", i.to_string()), T)),
+    )
+    .await;
+    let failed: Vec<_> = results.iter().enumerate().filter(|(_, r)| r.is_err()).collect();
+    assert!(
+        failed.is_empty(),
+        "{} of {N} failed, first: {:?}",
+        failed.len(),
+        failed.first()
+    );
+    let mut got: Vec<usize> = target
+        .take_notifications()
+        .iter()
+        .map(|n| n.notification.msg.parse().unwrap())
+        .collect();
+    got.sort_unstable();
+    assert_eq!(got, (0..N).collect::<Vec<_>>());
+}
+
+/// A READ that timed out lands nothing in its destination afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_timed_out_read_lands_nothing_later() {
+    let Some((target, initiator, peer)) = pair().await else {
+        return;
+    };
+    const PART: usize = 1 << 20;
+    const PARTS: usize = 32;
+    let src = target.register(pattern(PART * PARTS, 5), Access::READ_WRITE).unwrap();
+    wait_for(&peer, &src).await;
+    let dst = initiator.alloc_host(PART * PARTS, Access::READ_WRITE).unwrap();
+    let descs: Vec<_> = (0..PARTS as u64)
+        .map(|i| TransferDesc::new(dst.addr_at(i * PART as u64), src.addr_at(i * PART as u64), PART as u64))
+        .collect();
+    let err = initiator
+        .transfer(&peer, Op::Read, &descs, Duration::from_millis(1))
+        .await;
+    assert!(matches!(err, Err(Error::Timeout(_))), "{err:?}");
+    let canary = vec![0xa5u8; PART * PARTS];
+    dst.write_at(0, &canary).unwrap();
+    // Longer than the whole READ takes on the rig.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let now = dst.to_vec().unwrap();
+    let landed = now.iter().zip(&canary).filter(|(a, b)| a != b).count();
+    assert_eq!(landed, 0, "bytes of the timed-out READ landed after it returned");
+}
+
+/// Deregistering a region that RDMA READs still land in, on a current-thread runtime: it returns
+/// without waiting for the runtime, and the NIC never writes the memory again.
+#[tokio::test(flavor = "current_thread")]
+async fn deregistration_under_reads_ends_the_nics_access() {
+    let Some((target, initiator, peer)) = pair().await else {
+        return;
+    };
+    const LEN: usize = 4 << 20;
+    let src = target.register(pattern(LEN, 11), Access::READ_WRITE).unwrap();
+    wait_for(&peer, &src).await;
+    let mut memory = vec![0u8; LEN];
+    // SAFETY: `memory` outlives the region (dropped below, before `memory`).
+    let local = unsafe { initiator.register_raw(memory.as_mut_ptr(), LEN, Access::READ_WRITE) }.unwrap();
+    let descs: Vec<_> = (0..4u64)
+        .map(|i| TransferDesc::new(local.addr_at(i << 20), src.addr_at(i << 20), 1 << 20))
+        .collect();
+    let stream = {
+        let (initiator, peer) = (initiator.clone(), peer.clone());
+        tokio::spawn(async move {
+            loop {
+                if let Err(e) = initiator.transfer(&peer, Op::Read, &descs, T).await {
+                    return e;
+                }
+            }
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let watchdog = Watchdog::arm("deregistering a region in use", Duration::from_secs(20));
+    drop(local);
+    drop(watchdog);
+    memory.fill(0x5a);
+    let err = tokio::time::timeout(T, stream).await.expect("the stream hung").unwrap();
+    eprintln!("the stream of READs ended with: {err}");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let landed = memory.iter().filter(|&&b| b != 0x5a).count();
+    assert_eq!(landed, 0, "the NIC wrote into deregistered memory");
+}
+
+/// A local region dropped while its transfer waits for room on the send queue: nothing is posted
+/// into it, and the transfer fails with a named error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_region_dropped_before_posting_is_never_written() {
+    let Some((target, initiator, peer)) = pair().await else {
+        return;
+    };
+    // More work requests than the send queue holds (256), each long (the same MiB over and over:
+    // ranges that do not follow each other are never merged): the queue stays full for seconds, and a
+    // transfer started meanwhile waits for room long after it was planned.
+    const N: usize = 320;
+    const PIECE: u64 = 1 << 20;
+    let dst = target.alloc_host(PIECE as usize, Access::READ_WRITE).unwrap();
+    wait_for(&peer, &dst).await;
+    let src = initiator.alloc_host(PIECE as usize, Access::READ_WRITE).unwrap();
+    let descs: Vec<_> = (0..N)
+        .map(|_| TransferDesc::new(src.addr(), dst.addr(), PIECE))
+        .collect();
+    let filler = {
+        let (initiator, peer) = (initiator.clone(), peer.clone());
+        tokio::spawn(async move { initiator.transfer(&peer, Op::Write, &descs, T).await })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let mut memory = vec![0u8; 1 << 20];
+    // SAFETY: `memory` outlives the region (dropped below, before `memory`).
+    let local = unsafe { initiator.register_raw(memory.as_mut_ptr(), 1 << 20, Access::READ_WRITE) }.unwrap();
+    let read = {
+        let (initiator, peer) = (initiator.clone(), peer.clone());
+        let desc = [TransferDesc::new(local.addr(), dst.addr(), 1 << 20)];
+        tokio::spawn(async move { initiator.transfer(&peer, Op::Read, &desc, T).await })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    drop(local);
+    memory.fill(0x5a);
+    let filled = tokio::time::timeout(T, filler).await.expect("the filler hung").unwrap();
+    let read = tokio::time::timeout(T, read).await.expect("the read hung").unwrap();
+    eprintln!("filler: {filled:?}, read: {read:?}");
+    assert!(filled.is_ok(), "{filled:?}");
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let landed = memory.iter().filter(|&&b| b != 0x5a).count();
+    assert_eq!(landed, 0, "a READ landed in a deregistered region");
+    assert!(matches!(read, Err(Error::PermissionDenied(_))), "{read:?}");
+}
+
+/// READs racing the target's deregistration of their source: only they fail, and the link carries
+/// the next transfer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_racing_remote_deregistration_leaves_the_link_up() {
+    let Some((target, initiator, peer)) = pair().await else {
+        return;
+    };
+    let other = target.register(pattern(1 << 20, 21), Access::READ_WRITE).unwrap();
+    wait_for(&peer, &other).await;
+    let dst = initiator.alloc_host(1 << 20, Access::READ_WRITE).unwrap();
+    for round in 0..5 {
+        let src = target.register(pattern(1 << 20, round), Access::READ_WRITE).unwrap();
+        wait_for(&peer, &src).await;
+        let descs: Vec<_> = (0..16u64)
+            .map(|i| TransferDesc::new(dst.addr_at(i << 16), src.addr_at(i << 16), 1 << 16))
+            .collect();
+        let reads = {
+            let (initiator, peer) = (initiator.clone(), peer.clone());
+            tokio::spawn(async move {
+                loop {
+                    if let Err(e) = initiator.transfer(&peer, Op::Read, &descs, T).await {
+                        return e;
+                    }
+                }
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        drop(src);
+        let err = tokio::time::timeout(T, reads).await.expect("the reads hung").unwrap();
+        assert!(!matches!(err, Error::PeerClosed(_)), "round {round}: {err:?}");
+        initiator
+            .transfer(
+                &peer,
+                Op::Read,
+                &[TransferDesc::new(dst.addr(), other.addr(), 1 << 20)],
+                T,
+            )
+            .await
+            .unwrap_or_else(|e| panic!("round {round}: the next transfer on the link: {e:?}"));
+        assert!(dst.to_vec().unwrap() == pattern(1 << 20, 21), "round {round}");
+    }
+}
+
+/// Ends the process if not dropped within `limit`: a synchronous call that hangs cannot be timed out
+/// from inside the runtime it blocks. (Dropping the sender is what disarms it.)
+struct Watchdog(#[allow(dead_code)] std::sync::mpsc::Sender<()>);
+
+impl Watchdog {
+    fn arm(what: &'static str, limit: Duration) -> Self {
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        std::thread::spawn(move || {
+            if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = rx.recv_timeout(limit) {
+                eprintln!("watchdog: {what} did not return within {limit:?}");
+                std::process::exit(101);
+            }
+        });
+        Watchdog(tx)
+    }
+}

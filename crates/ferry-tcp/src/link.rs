@@ -884,6 +884,10 @@ impl ferry_core::SetupExchange for TcpLink {
     fn control_link(&self) -> Arc<dyn DataLink> {
         Arc::new(self.clone())
     }
+
+    fn handle(&self) -> Option<Arc<dyn ferry_core::SetupExchange>> {
+        Some(Arc::new(self.clone()))
+    }
 }
 
 impl DataLink for TcpLink {

@@ -442,6 +442,7 @@ async fn serve_requests(
                             notifier: ctx.notifier.clone(),
                             peer_engine: link.peer_engine,
                             peer_addr: &peer,
+                            context: Arc::downgrade(&shared.ctx),
                         })
                     });
                 let reply = match answer {

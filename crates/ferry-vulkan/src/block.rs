@@ -219,6 +219,10 @@ unsafe impl MemoryBlock for VulkanBlock {
         }
     }
 
+    fn has_access_hooks(&self) -> bool {
+        self.staging.is_some() || !self.device.is_coherent()
+    }
+
     fn prepare_read(&self, offset: usize, len: usize) -> Result<()> {
         self.check(offset, len)?;
         let (off, n) = (offset as u64, len as u64);

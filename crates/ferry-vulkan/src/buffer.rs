@@ -425,7 +425,7 @@ impl DeviceBuffer {
             .size(size)
     }
 
-    fn is_coherent(&self) -> bool {
+    pub(crate) fn is_coherent(&self) -> bool {
         self.flags.contains(vk::MemoryPropertyFlags::HOST_COHERENT)
     }
 
