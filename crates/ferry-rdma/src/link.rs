@@ -688,7 +688,7 @@ impl Completions for Inner {
                     Ok(Message::Reply { id, error }) => {
                         let waiter = self.notifications.lock().ok().and_then(|mut n| n.remove(&id));
                         if let Some((w, _window)) = waiter {
-                            let _ = w.send(error.map_or(Ok(()), |(code, msg)| Err(Error::from_wire(code, msg))));
+                            let _ = w.send(error.map_or(Ok(()), |e| Err(e.into_error())));
                         }
                     }
                     Ok(other) => {

@@ -17,7 +17,8 @@
 use std::sync::{Arc, Mutex};
 
 use ferry_core::codec::Segment;
-use ferry_core::{Durability, Error, ErrorCode, Notification, RegionKey, Result};
+use ferry_core::error::{io_kind_from_wire, io_kind_to_wire};
+use ferry_core::{Durability, Error, ErrorCode, Notification, RegionKey, Result, WireError};
 use sideway::ibverbs::AccessFlags;
 use sideway::ibverbs::memory_region::MemoryRegion;
 use sideway::ibverbs::protection_domain::ProtectionDomain;
@@ -64,11 +65,8 @@ pub enum Message {
     /// Ranges the READs after it will read, to prepare at the target (copied from the device into
     /// the staging buffer).
     Prepare { id: u64, segments: Vec<Segment> },
-    /// The target's answer.
-    Reply {
-        id: u64,
-        error: Option<(ErrorCode, String)>,
-    },
+    /// The target's answer: its error keeps the variant and, for I/O errors, the kind.
+    Reply { id: u64, error: Option<WireError> },
 }
 
 impl Message {
@@ -109,8 +107,11 @@ impl Message {
             Message::Reply { id, error } => {
                 out.push(KIND_REPLY);
                 out.extend_from_slice(&id.to_le_bytes());
-                let (code, msg) = error.as_ref().map_or((0, ""), |(c, m)| (*c as u16, m.as_str()));
+                let (code, io_kind, msg) = error.as_ref().map_or((0, 0, ""), |e| {
+                    (e.code as u16, io_kind_to_wire(e.io_kind), e.message.as_str())
+                });
                 out.extend_from_slice(&code.to_le_bytes());
+                out.push(io_kind);
                 let mut end = msg.len().min(1024);
                 while !msg.is_char_boundary(end) {
                     end -= 1;
@@ -189,10 +190,15 @@ impl Message {
             },
             KIND_REPLY => {
                 let code = u16::from_le_bytes(take(&mut r, 2)?.try_into().map_err(|_| bad())?);
-                let msg = string(&mut r)?;
+                let io_kind = io_kind_from_wire(take(&mut r, 1)?[0]);
+                let message = string(&mut r)?;
                 let error = match code {
                     0 => None,
-                    c => Some((ErrorCode::from_u16(c).ok_or_else(bad)?, msg)),
+                    c => Some(WireError {
+                        code: ErrorCode::from_u16(c).ok_or_else(bad)?,
+                        io_kind,
+                        message,
+                    }),
                 };
                 Message::Reply { id, error }
             }
@@ -367,12 +373,12 @@ mod tests {
 
     proptest! {
         #[test]
-        fn messages_round_trip(id in any::<u64>(), name in ".{0,100}", msg in ".{0,100}", code in 0u16..=11) {
+        fn messages_round_trip(id in any::<u64>(), name in ".{0,100}", msg in ".{0,100}", code in 0u16..=11, kind in 0u8..=20) {
             let m = Message::Notify { id, notification: Notification::new(name, msg.clone()) };
             let mut b = Vec::new();
             m.encode(&mut b).unwrap();
             prop_assert_eq!(Message::decode(&b).unwrap(), m);
-            let error = ErrorCode::from_u16(code).map(|c| (c, msg));
+            let error = ErrorCode::from_u16(code).map(|code| WireError { code, io_kind: io_kind_from_wire(kind), message: msg });
             let r = Message::Reply { id, error };
             r.encode(&mut b).unwrap();
             prop_assert_eq!(Message::decode(&b).unwrap(), r);

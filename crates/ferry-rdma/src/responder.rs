@@ -12,7 +12,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, Weak};
 
 use ferry_core::codec::Segment;
-use ferry_core::{Durability, EngineContext, Error, Notifier, Op, RegionKey};
+use ferry_core::{Durability, EngineContext, Error, Notifier, Op, RegionKey, WireError};
 use sideway::ibverbs::completion::WorkCompletionStatus;
 use tokio::task::AbortHandle;
 
@@ -247,7 +247,7 @@ impl Completions for Responder {
                         });
                         Message::Reply {
                             id,
-                            error: result.err().map(|e| (e.code(), e.message().to_string())),
+                            error: result.err().map(|e| WireError::from(&e)),
                         }
                     }
                     Ok(Message::Commit {
@@ -256,17 +256,11 @@ impl Completions for Responder {
                         segments,
                     }) => Message::Reply {
                         id,
-                        error: self
-                            .commit(&segments, durability)
-                            .err()
-                            .map(|e| (e.code(), e.message().to_string())),
+                        error: self.commit(&segments, durability).err().map(|e| WireError::from(&e)),
                     },
                     Ok(Message::Prepare { id, segments }) => Message::Reply {
                         id,
-                        error: self
-                            .prepare(&segments)
-                            .err()
-                            .map(|e| (e.code(), e.message().to_string())),
+                        error: self.prepare(&segments).err().map(|e| WireError::from(&e)),
                     },
                     Ok(other) => {
                         tracing::warn!(peer = %self.peer_addr, message = ?other, "unexpected RDMA message");
