@@ -216,8 +216,8 @@ pub enum Frame {
     },
     /// Commit ranges already written: with `staged`, copy them in from where the data path that wrote
     /// them (RDMA, bypassing the target's CPU) staged them; for [`Durability::Persistent`] persist them
-    /// (seed 002's flush request, and the one flush of a persistent TCP transfer spread over several
-    /// frames). Answered by [`Frame::Ack`] once done.
+    /// (the flush request of a persistent RDMA write, and the one flush of a persistent TCP transfer
+    /// spread over several frames). Answered by [`Frame::Ack`] once done.
     Commit {
         /// Operation id.
         id: u64,

@@ -71,7 +71,8 @@ impl fmt::Display for Op {
     }
 }
 
-/// What a completed WRITE promises about the bytes at the target (seed 002).
+/// What a completed WRITE promises about the bytes at the target: visible to its CPU, or also in its
+/// persistence domain (they survive a power cut).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum Durability {
     /// The bytes are in the target's memory and visible to its CPU. Not necessarily persistent.
@@ -81,7 +82,7 @@ pub enum Durability {
     Persistent,
 }
 
-/// How a link makes a [`Durability::Persistent`] write persistent at the target (seed 002).
+/// How a link makes a [`Durability::Persistent`] write persistent at the target.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum PersistMethod {
     /// The target persists the written ranges before it acknowledges them (TCP: its CPU does the

@@ -61,7 +61,8 @@ pub struct RdmaOptions {
     /// fails the data link's setup.
     pub persist_method: Option<PersistMethod>,
     /// Target: declare this platform ADR with DDIO off, so that initiators may make writes persistent
-    /// with a READ after them (seed 002). Never assumed: a wrong declaration loses data on power loss.
+    /// with a READ after them (the READ completes only after the WRITEs before it reached memory).
+    /// Never assumed: a wrong declaration loses data on power loss.
     pub adr_without_ddio: bool,
 }
 

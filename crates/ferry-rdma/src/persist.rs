@@ -1,4 +1,4 @@
-//! Making RDMA writes persistent (seed 002), and choosing how, per link.
+//! Making RDMA writes persistent, and choosing how, per link.
 //!
 //! An RDMA WRITE completes once the target's NIC has the data; the target's CPU never sees it. To
 //! make it persistent the initiator follows the writes with one of, best first:

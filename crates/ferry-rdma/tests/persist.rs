@@ -1,4 +1,4 @@
-//! Persistent RDMA writes (seed 002) on real verbs: the FLUSH verb into device-DAX persistent memory,
+//! Persistent RDMA writes on real verbs: the FLUSH verb into device-DAX persistent memory,
 //! and the fallbacks, forced.
 //!
 //! `cargo xtask rig test` runs this twice in a guest with an emulated NVDIMM turned into `/dev/dax0.0`

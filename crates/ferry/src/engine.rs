@@ -160,9 +160,10 @@ impl EngineBuilder {
         self
     }
 
-    /// Declares this host's platform ADR with DDIO off (seed 002): RDMA initiators may then make their
-    /// writes persistent with a READ after them. Off by default and never assumed: on a platform
-    /// without ADR, or with DDIO on, such writes are lost on power failure.
+    /// Declares this host's platform ADR with DDIO off (a write that reached the memory controller is
+    /// persistent, and the NIC writes to memory, not into the CPU's cache): RDMA initiators may then
+    /// make their writes persistent with a READ after them. Off by default and never assumed: on a
+    /// platform without ADR, or with DDIO on, such writes are lost on power failure.
     pub fn adr_without_ddio(mut self, declared: bool) -> Self {
         self.transport_options.adr_without_ddio = declared;
         self

@@ -1,4 +1,4 @@
-//! Persistent regions: a file mapped shared, so that a write can be made durable (seed 002).
+//! Persistent regions: a file mapped shared, so that a write can be made durable.
 //!
 //! Where the file system supports DAX, the mapping is made with `MAP_SHARED_VALIDATE | MAP_SYNC`: the
 //! page tables then point at persistent memory, and a write is persistent once its cache lines are

@@ -1,4 +1,4 @@
-//! Invariant 1 and 4: a peer reaches only what was registered for it, checked before a payload byte
+//! A peer reaches only what was registered for it, checked before a payload byte
 //! moves; bad input gets its named error, writes nothing, and leaves every other peer served.
 
 mod common;
