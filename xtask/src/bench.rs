@@ -88,6 +88,15 @@ const fn write(size: &'static str, batch: u32, streams: Option<u32>, depth: Opti
         depth,
         target_mem: None,
         durability: None,
+        scatter: false,
+    }
+}
+
+/// Writes of KV-cache blocks: `batch` blocks of `size`, scattered over block slots on both sides.
+const fn kv_blocks(size: &'static str, batch: u32) -> FerryCase {
+    FerryCase {
+        scatter: true,
+        ..write(size, batch, None, None)
     }
 }
 
@@ -123,6 +132,9 @@ const MEASURES: &[Measure] = &[
         probe: Probe::Ucx,
     },
     ferry("ferry write 4KiB x256", write("4KiB", 256, None, None), Metric::GbPerS),
+    ferry("ferry write 1MiB x8", write("1MiB", 8, None, None), Metric::GbPerS),
+    ferry("ferry KV 64KiB x256 scattered", kv_blocks("64KiB", 256), Metric::GbPerS),
+    ferry("ferry KV 16KiB x128 scattered", kv_blocks("16KiB", 128), Metric::GbPerS),
     ferry("ferry 64 B p50", write("64", 1, Some(1), Some(1)), Metric::P50Us),
     Measure {
         key: "sockperf p50 (one-way)",
@@ -278,6 +290,24 @@ const COMPARISONS: &[Comparison] = &[
         peer_scale: 1.0,
         unit: Unit::GbPerS,
         target: Target::RatioAtLeast(0.5),
+    },
+    Comparison {
+        id: "l",
+        name: "KV cache: write 64KiB x256 scattered / write 1MiB x8",
+        ferry: "ferry KV 64KiB x256 scattered",
+        peer: Some("ferry write 1MiB x8"),
+        peer_scale: 1.0,
+        unit: Unit::GbPerS,
+        target: Target::RatioAtLeast(0.8),
+    },
+    Comparison {
+        id: "m",
+        name: "KV cache: write 16KiB x128 scattered / write 1MiB x8",
+        ferry: "ferry KV 16KiB x128 scattered",
+        peer: Some("ferry write 1MiB x8"),
+        peer_scale: 1.0,
+        unit: Unit::GbPerS,
+        target: Target::Info,
     },
     Comparison {
         id: "e",

@@ -37,6 +37,8 @@ pub struct FerryCase {
     pub target_mem: Option<&'static str>,
     /// `--durability` ("completed" when `None`).
     pub durability: Option<&'static str>,
+    /// `--scatter`: descriptors over shuffled block slots on both sides (a paged KV cache).
+    pub scatter: bool,
 }
 
 impl FerryCase {
@@ -56,6 +58,9 @@ impl FerryCase {
         }
         if let Some(durability) = self.durability {
             args.extend(["--durability".into(), durability.into()]);
+        }
+        if self.scatter {
+            args.push("--scatter".into());
         }
         args.extend(["--duration".into(), duration.into(), "--json".into()]);
         args

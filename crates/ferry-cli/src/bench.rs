@@ -61,6 +61,10 @@ pub struct Args {
     /// persistence domain; the target registers a file), or both, side by side.
     #[arg(long, default_value = "completed", value_parser = ["completed", "persistent", "both"])]
     durability: String,
+    /// Place each batch's descriptors in a shuffled order of block slots, a different one on each
+    /// side, as the blocks of a paged KV cache lie (no two neighbours are adjacent in memory).
+    #[arg(long)]
+    scatter: bool,
     /// The file the in-process target registers as persistent memory (created or extended as
     /// needed); a temporary file by default. Only with --durability persistent or both.
     #[arg(long)]
@@ -80,6 +84,8 @@ struct CaseResult {
     persist_share: Option<f64>,
     size: u64,
     batch: usize,
+    /// Whether the descriptors were scattered over block slots (`--scatter`).
+    scatter: bool,
     streams: usize,
     depth: usize,
     gb_per_s: f64,
@@ -370,8 +376,15 @@ async fn run_case(
     duration: Duration,
     registered: u64,
 ) -> anyhow::Result<CaseResult> {
-    let descs: Vec<TransferDesc> = (0..case.batch as u64)
-        .map(|i| TransferDesc::new(local.addr_at(i * case.size), s.remote_addr + i * case.size, case.size))
+    let (local_slots, remote_slots) = if args.scatter {
+        (shuffled(case.batch, 0x5EED_0001), shuffled(case.batch, 0x5EED_0002))
+    } else {
+        ((0..case.batch as u64).collect(), (0..case.batch as u64).collect())
+    };
+    let descs: Vec<TransferDesc> = local_slots
+        .iter()
+        .zip(&remote_slots)
+        .map(|(&l, &r)| TransferDesc::new(local.addr_at(l * case.size), s.remote_addr + r * case.size, case.size))
         .collect();
     let one = || {
         let started = Instant::now();
@@ -436,6 +449,7 @@ async fn run_case(
         persist_share: persist_us_per_transfer.map(|p| if mean_us > 0.0 { p / mean_us } else { 0.0 }),
         size: case.size,
         batch: case.batch,
+        scatter: args.scatter,
         streams: s.peer.tcp_streams(),
         depth: args.depth,
         gb_per_s: bytes / secs / 1e9,
@@ -490,4 +504,33 @@ fn peak_rss() -> u64 {
         .find_map(|l| l.strip_prefix("VmHWM:"))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
         .map_or(0, |kb| kb * 1024)
+}
+
+/// `0..n` in an order fixed by `seed` (Fisher–Yates over a xorshift sequence), so that runs compare.
+fn shuffled(n: usize, seed: u64) -> Vec<u64> {
+    let mut slots: Vec<u64> = (0..n as u64).collect();
+    let mut state = seed | 1;
+    for i in (1..n).rev() {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        slots.swap(i, (state % (i as u64 + 1)) as usize);
+    }
+    slots
+}
+
+#[cfg(test)]
+mod scatter_tests {
+    use super::shuffled;
+
+    #[test]
+    fn shuffled_is_a_permutation_that_scatters() {
+        let slots = shuffled(256, 7);
+        let mut sorted = slots.clone();
+        sorted.sort_unstable();
+        assert_eq!(sorted, (0..256).collect::<Vec<_>>());
+        let adjacent = slots.windows(2).filter(|w| w[1] == w[0] + 1).count();
+        assert!(adjacent < 8, "{adjacent} neighbours stayed adjacent");
+        assert_eq!(shuffled(256, 7), slots, "the same seed gives the same order");
+    }
 }

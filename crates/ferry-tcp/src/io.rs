@@ -21,7 +21,7 @@ use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 /// Most bytes one system call moves, so that a lease is held briefly.
 const MAX_CHUNK: usize = 4 << 20;
 /// Payload pieces below this size are copied through the read buffer.
-const DIRECT_THRESHOLD: usize = 64 << 10;
+pub(crate) const DIRECT_THRESHOLD: usize = 64 << 10;
 /// How much the read buffer asks the socket for at once.
 const READ_AHEAD: usize = 256 << 10;
 
