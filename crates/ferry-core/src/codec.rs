@@ -860,7 +860,7 @@ mod tests {
     }
 
     fn arb_error() -> impl Strategy<Value = Option<WireError>> {
-        proptest::option::of((1u16..=11, 0u8..=20, ".{0,40}").prop_map(|(c, k, message)| WireError {
+        proptest::option::of((1u16..=12, 0u8..=20, ".{0,40}").prop_map(|(c, k, message)| WireError {
             code: ErrorCode::from_u16(c).unwrap(),
             io_kind: io_kind_from_wire(k),
             message,

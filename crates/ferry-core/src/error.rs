@@ -47,6 +47,10 @@ pub enum Error {
     /// The peer sent something the protocol does not allow (malformed frame, wrong version).
     #[error("protocol error: {0}")]
     Protocol(String),
+    /// A fault inside this process, not the peer's doing: a lock poisoned by a panic, a task that
+    /// panicked, a state the code should never reach. A bug to report; retrying does not help.
+    #[error("internal error: {0}")]
+    Internal(String),
     /// An operating-system call failed.
     #[error("I/O error ({kind:?}): {message}")]
     Io {
@@ -103,6 +107,7 @@ impl Error {
             Error::PeerClosed(_) => ErrorCode::PeerClosed,
             Error::Protocol(_) => ErrorCode::Protocol,
             Error::Io { .. } => ErrorCode::Io,
+            Error::Internal(_) => ErrorCode::Internal,
         }
     }
 
@@ -118,7 +123,8 @@ impl Error {
             | Error::PermissionDenied(m)
             | Error::OutOfBounds(m)
             | Error::PeerClosed(m)
-            | Error::Protocol(m) => m,
+            | Error::Protocol(m)
+            | Error::Internal(m) => m,
             Error::Io { message, .. } => message,
         }
     }
@@ -141,6 +147,7 @@ impl Error {
                 kind: std::io::ErrorKind::Other,
                 message,
             },
+            ErrorCode::Internal => Error::Internal(message),
         }
     }
 }
@@ -240,6 +247,7 @@ pub enum ErrorCode {
     PeerClosed = 9,
     Protocol = 10,
     Io = 11,
+    Internal = 12,
 }
 
 impl ErrorCode {
@@ -258,6 +266,7 @@ impl ErrorCode {
             9 => PeerClosed,
             10 => Protocol,
             11 => Io,
+            12 => Internal,
             _ => return None,
         })
     }
@@ -284,12 +293,13 @@ mod tests {
 
     #[test]
     fn wire_round_trip_keeps_variant() {
-        for code in 1..=11u16 {
+        for code in 1..=12u16 {
             let code = ErrorCode::from_u16(code).unwrap();
             assert_eq!(Error::from_wire(code, "m".into()).code(), code);
         }
         assert_eq!(ErrorCode::from_u16(0), None);
-        assert_eq!(ErrorCode::from_u16(12), None);
+        assert_eq!(ErrorCode::from_u16(13), None);
+        assert!(!Error::Internal("a lock was poisoned".into()).is_retryable());
     }
 
     #[test]

@@ -273,7 +273,7 @@ impl EngineContext {
     pub fn resolve(&self, key: RegionKey, offset: u64, len: u64, op: Op) -> Result<Resolved> {
         self.regions
             .read()
-            .map_err(|_| Error::Protocol("region table lock poisoned".into()))?
+            .map_err(|_| Error::Internal("region table lock poisoned".into()))?
             .resolve(key, offset, len, op.required_access())
     }
 }

@@ -166,7 +166,7 @@ impl RdmaShared {
     pub fn registered(&self, key: RegionKey) -> Result<Arc<Registered>> {
         self.regions
             .lock()
-            .map_err(|_| Error::Protocol("RDMA region table lock poisoned".into()))?
+            .map_err(|_| Error::Internal("RDMA region table lock poisoned".into()))?
             .get(&key)
             .cloned()
             .ok_or_else(|| Error::PermissionDenied(format!("region {key:?} is not registered with the NIC")))
@@ -289,7 +289,7 @@ impl Transport for RdmaTransport {
         shared
             .regions
             .lock()
-            .map_err(|_| Error::Protocol("RDMA region table lock poisoned".into()))?
+            .map_err(|_| Error::Internal("RDMA region table lock poisoned".into()))?
             .insert(region.key(), reg);
         Ok(Some(
             wire::RemoteKey {

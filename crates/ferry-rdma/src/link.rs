@@ -462,14 +462,14 @@ impl Inner {
                 .rc
                 .qp
                 .lock()
-                .map_err(|_| Error::Protocol("queue pair lock poisoned".into()))?;
+                .map_err(|_| Error::Internal("queue pair lock poisoned".into()))?;
             // The regions are taken into use under the queue pair's lock: a deregistration that
             // revokes one after this point finds the group in the pending table when it takes the
             // lock, and stops the queue pair before it deregisters the memory.
             let touched = take_into_use(&planned, &self.peer)?;
             self.pending
                 .lock()
-                .map_err(|_| Error::Protocol("pending table lock poisoned".into()))?
+                .map_err(|_| Error::Internal("pending table lock poisoned".into()))?
                 .insert(
                     signalled,
                     Pending {
@@ -747,7 +747,7 @@ async fn request_reply(inner: &Inner, message: impl FnOnce(u64) -> Message) -> R
     inner
         .notifications
         .lock()
-        .map_err(|_| Error::Protocol("notification table lock poisoned".into()))?
+        .map_err(|_| Error::Internal("notification table lock poisoned".into()))?
         .insert(id, (tx, window));
     if inner.closed.load(Ordering::Acquire) {
         let _ = inner.notifications.lock().map(|mut n| n.remove(&id));

@@ -262,7 +262,7 @@ impl MessageSlots {
         let mut qp = rc
             .qp
             .lock()
-            .map_err(|_| Error::Protocol("queue pair lock poisoned".into()))?;
+            .map_err(|_| Error::Internal("queue pair lock poisoned".into()))?;
         let mut guard = qp.start_post_recv();
         let wr = guard.construct_wr(TAG_RECV | slot as u64);
         // SAFETY: the slot lies inside `memory`, registered with `mr` for local writes, alive as long
@@ -331,7 +331,7 @@ impl MessageSlots {
             let mut qp = rc
                 .qp
                 .lock()
-                .map_err(|_| Error::Protocol("queue pair lock poisoned".into()))?;
+                .map_err(|_| Error::Internal("queue pair lock poisoned".into()))?;
             let mut guard = qp.start_post_send();
             let wr = guard
                 .construct_wr(TAG_SEND | slot as u64, WorkRequestFlags::Signaled)
@@ -373,7 +373,7 @@ mod tests {
 
     proptest! {
         #[test]
-        fn messages_round_trip(id in any::<u64>(), name in ".{0,100}", msg in ".{0,100}", code in 0u16..=11, kind in 0u8..=20) {
+        fn messages_round_trip(id in any::<u64>(), name in ".{0,100}", msg in ".{0,100}", code in 0u16..=12, kind in 0u8..=20) {
             let m = Message::Notify { id, notification: Notification::new(name, msg.clone()) };
             let mut b = Vec::new();
             m.encode(&mut b).unwrap();

@@ -192,7 +192,7 @@ impl Rc {
         let mut qp = self
             .qp
             .lock()
-            .map_err(|_| Error::Protocol("queue pair lock poisoned".into()))?;
+            .map_err(|_| Error::Internal("queue pair lock poisoned".into()))?;
         let rd_atom = 16u8;
         let mut attr = QueuePairAttribute::new();
         attr.setup_state(QueuePairState::ReadyToReceive)

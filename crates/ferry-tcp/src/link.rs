@@ -287,7 +287,7 @@ impl TcpLink {
             .shared
             .remote_regions
             .read()
-            .map_err(|_| Error::Protocol("remote region table lock poisoned".into()))?;
+            .map_err(|_| Error::Internal("remote region table lock poisoned".into()))?;
         Ok(f(&guard))
     }
 
@@ -348,7 +348,7 @@ impl Shared {
         let s = &self.streams[stream];
         s.pending
             .lock()
-            .map_err(|_| Error::Protocol("pending table lock poisoned".into()))?
+            .map_err(|_| Error::Internal("pending table lock poisoned".into()))?
             .insert(
                 id,
                 Pending {
@@ -557,7 +557,7 @@ async fn run_transfer(shared: Arc<Shared>, request: TransferRequest) -> Result<(
             )?,
             (Op::Write, Piece::Coalesced(group)) => {
                 let Some(pool) = shared.pool.as_ref() else {
-                    return Err(Error::Protocol("coalesced piece without a staging pool".into()));
+                    return Err(Error::Internal("coalesced piece without a staging pool".into()));
                 };
                 let mut staged = pool.acquire().await;
                 for item in &group {
@@ -889,7 +889,7 @@ impl ferry_core::SetupExchange for TcpLink {
             shared
                 .setups
                 .lock()
-                .map_err(|_| Error::Protocol("setup table lock poisoned".into()))?
+                .map_err(|_| Error::Internal("setup table lock poisoned".into()))?
                 .insert(id, tx);
             if let Err(e) = shared.send(0, Outgoing::Frame(Frame::TransportSetup { id, kind, blob })) {
                 let _ = shared.setups.lock().map(|mut m| m.remove(&id));

@@ -723,7 +723,7 @@ fn nanos_since(epoch: Instant) -> u64 {
 }
 
 fn poisoned() -> Error {
-    Error::Protocol("a connection pool lock was poisoned by a panic".into())
+    Error::Internal("a connection pool lock was poisoned by a panic".into())
 }
 
 #[cfg(test)]

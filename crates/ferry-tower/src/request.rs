@@ -203,7 +203,7 @@ impl TransferRequest {
                     offset_into(ad.addr, ad.len, offset, d.len, i)?
                 }
                 (_, None) => {
-                    return Err(Error::Protocol("relative descriptor without a region table".into()));
+                    return Err(Error::Internal("relative descriptor without a region table".into()));
                 }
             };
             Ok(TransferDesc::new(d.local_addr, remote_addr, d.len))

@@ -762,7 +762,7 @@ fn register_entry(
 }
 
 fn poisoned() -> Error {
-    Error::Protocol("an engine lock was poisoned by a panic".into())
+    Error::Internal("an engine lock was poisoned by a panic".into())
 }
 
 async fn resolve(addr: &str) -> Result<SocketAddr> {

@@ -81,7 +81,7 @@ impl Notifier for NotificationQueue {
         let mut s = self
             .state
             .lock()
-            .map_err(|_| Error::Protocol("notification queue lock poisoned".into()))?;
+            .map_err(|_| Error::Internal("notification queue lock poisoned".into()))?;
         let pending = s.per_link.entry(link).or_default();
         if *pending >= self.max_per_link {
             return Err(Error::ResourceExhausted(format!(

@@ -63,7 +63,7 @@ impl Future for TransferHandle {
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         Pin::new(&mut self.task).poll(cx).map(|joined| {
-            joined.unwrap_or_else(|e| Err(Error::Protocol(format!("the transfer task ended abnormally: {e}"))))
+            joined.unwrap_or_else(|e| Err(Error::Internal(format!("the transfer task ended abnormally: {e}"))))
         })
     }
 }
