@@ -215,6 +215,26 @@ impl RegionEntry {
     }
 }
 
+/// Calls `f` once per region of `parts`, in the order regions first appear, with that region's
+/// `(offset, len)` ranges: commits and flushes work per region, on all of its ranges at once.
+pub fn for_each_region(parts: &[Resolved], mut f: impl FnMut(&RegionEntry, &[(u64, u64)]) -> Result<()>) -> Result<()> {
+    let mut done: Vec<RegionKey> = Vec::new();
+    for p in parts {
+        let key = p.region.key();
+        if done.contains(&key) {
+            continue;
+        }
+        done.push(key);
+        let ranges: Vec<(u64, u64)> = parts
+            .iter()
+            .filter(|q| q.region.key() == key)
+            .map(|q| (q.offset, q.len))
+            .collect();
+        f(&p.region, &ranges)?;
+    }
+    Ok(())
+}
+
 /// A range resolved against the table: the region and the offset inside it.
 #[derive(Debug, Clone)]
 pub struct Resolved {

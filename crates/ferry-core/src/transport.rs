@@ -276,6 +276,19 @@ impl EngineContext {
             .map_err(|_| Error::Internal("region table lock poisoned".into()))?
             .resolve(key, offset, len, op.required_access())
     }
+
+    /// Resolves a remote write that promises `durability`: a persistent write needs a persistent
+    /// region, refused with `InvalidArgument` before a byte is written.
+    pub fn resolve_write(&self, key: RegionKey, offset: u64, len: u64, durability: Durability) -> Result<Resolved> {
+        let r = self.resolve(key, offset, len, Op::Write)?;
+        if durability == Durability::Persistent && !r.region.block().persistent() {
+            return Err(Error::InvalidArgument(format!(
+                "a persistent write needs a persistent region; region {key:?} is {}",
+                r.region.block().kind()
+            )));
+        }
+        Ok(r)
+    }
 }
 
 #[cfg(test)]

@@ -12,7 +12,8 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, Weak};
 
 use ferry_core::codec::Segment;
-use ferry_core::{Durability, EngineContext, Error, Notifier, Op, RegionKey, WireError};
+use ferry_core::region::for_each_region;
+use ferry_core::{Durability, EngineContext, Error, Notifier, Op, WireError};
 use sideway::ibverbs::completion::WorkCompletionStatus;
 use tokio::task::AbortHandle;
 
@@ -126,45 +127,26 @@ impl Responder {
         let gone = || ferry_core::Error::PeerClosed("the engine is shutting down".into());
         let context = self.context.upgrade().ok_or_else(gone)?;
         let shared = self.shared.upgrade().ok_or_else(gone)?;
-        let mut parts = Vec::with_capacity(segments.len());
-        for s in segments {
-            let r = context.resolve(s.key, s.offset, s.len, Op::Write)?;
-            if durability == Durability::Persistent && !r.region.block().persistent() {
-                return Err(ferry_core::Error::InvalidArgument(format!(
-                    "a persistent write needs a persistent region; region {:?} is {}",
-                    s.key,
-                    r.region.block().kind()
-                )));
-            }
-            parts.push(r);
-        }
-        let mut done: Vec<RegionKey> = Vec::new();
-        for p in &parts {
-            let key = p.region.key();
-            if done.contains(&key) {
-                continue;
-            }
-            done.push(key);
-            let ranges: Vec<(u64, u64)> = parts
-                .iter()
-                .filter(|q| q.region.key() == key)
-                .map(|q| (q.offset, q.len))
-                .collect();
-            shared.commit_staged(&p.region, &ranges)?;
+        let parts = segments
+            .iter()
+            .map(|s| context.resolve_write(s.key, s.offset, s.len, durability))
+            .collect::<ferry_core::Result<Vec<_>>>()?;
+        for_each_region(&parts, |region, ranges| {
+            shared.commit_staged(region, ranges)?;
             // Device memory behind a staging buffer takes the bytes to the device here.
-            if p.region.block().has_access_hooks() {
-                let _lease = p.region.fence().enter().ok_or_else(|| p.region.gone())?;
-                for &(offset, len) in &ranges {
-                    p.region
+            if region.block().has_access_hooks() {
+                let _lease = region.fence().enter().ok_or_else(|| region.gone())?;
+                for &(offset, len) in ranges {
+                    region
                         .block()
                         .commit_written(offset as usize, len as usize, Durability::Completed)?;
                 }
             }
             if durability == Durability::Persistent {
-                p.region.persist(&ranges)?;
+                region.persist(ranges)?;
             }
-        }
-        Ok(())
+            Ok(())
+        })
     }
 
     /// Prepares ranges that READs after the request will read (device memory behind a staging buffer

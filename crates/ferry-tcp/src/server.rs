@@ -16,6 +16,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use ferry_core::codec::{Frame, HelloAck, Limits, ReadStatus, Segment};
+use ferry_core::region::for_each_region;
 use ferry_core::{
     Durability, EngineContext, Error, LinkSlot, Notification, Op, RegionChange, Resolved, Result, WireError,
 };
@@ -349,7 +350,7 @@ async fn serve_requests(
                 offset,
                 durability,
             } => {
-                let result = match resolve_write(ctx, key, offset, payload, durability) {
+                let result = match ctx.resolve_write(key, offset, payload, durability) {
                     Ok(r) => {
                         let landed = land(&mut reader, &r).await?;
                         landed.and_then(|()| persist(&[r], durability))
@@ -368,7 +369,7 @@ async fn serve_requests(
             } => {
                 let resolved: Result<Vec<Resolved>> = segments
                     .iter()
-                    .map(|s| resolve_write(ctx, s.key, s.offset, s.len, durability))
+                    .map(|s| ctx.resolve_write(s.key, s.offset, s.len, durability))
                     .collect();
                 let result = match resolved {
                     Ok(parts) => {
@@ -398,7 +399,7 @@ async fn serve_requests(
                 // staged, then persist if asked.
                 let result = segments
                     .iter()
-                    .map(|s| resolve_write(ctx, s.key, s.offset, s.len, durability))
+                    .map(|s| ctx.resolve_write(s.key, s.offset, s.len, durability))
                     .collect::<Result<Vec<_>>>()
                     .and_then(|parts| {
                         if staged {
@@ -517,23 +518,6 @@ fn read_status(parts: &[Resolved], copied: bool) -> ReadStatus {
     }
 }
 
-fn resolve_write(
-    ctx: &EngineContext,
-    key: ferry_core::RegionKey,
-    offset: u64,
-    len: u64,
-    durability: Durability,
-) -> Result<Resolved> {
-    let r = ctx.resolve(key, offset, len, Op::Write)?;
-    if durability == Durability::Persistent && !r.region.block().persistent() {
-        return Err(Error::InvalidArgument(format!(
-            "a persistent write needs a persistent region; region {key:?} is {}",
-            r.region.block().kind()
-        )));
-    }
-    Ok(r)
-}
-
 fn resolve_reads(ctx: &EngineContext, segments: &[Segment], max_payload: u64) -> Result<Vec<Resolved>> {
     let mut total = 0u64;
     let mut parts = Vec::with_capacity(segments.len());
@@ -574,28 +558,6 @@ fn commit_staged(ctx: &EngineContext, parts: &[Resolved]) -> Result<()> {
     for_each_region(parts, |region, ranges| {
         ctx.acceptors.iter().try_for_each(|t| t.commit_staged(region, ranges))
     })
-}
-
-/// Calls `f` once per region of `parts` with that region's ranges.
-fn for_each_region(
-    parts: &[Resolved],
-    mut f: impl FnMut(&ferry_core::RegionEntry, &[(u64, u64)]) -> Result<()>,
-) -> Result<()> {
-    let mut done: Vec<ferry_core::RegionKey> = Vec::new();
-    for p in parts {
-        let key = p.region.key();
-        if done.contains(&key) {
-            continue;
-        }
-        done.push(key);
-        let ranges: Vec<(u64, u64)> = parts
-            .iter()
-            .filter(|q| q.region.key() == key)
-            .map(|q| (q.offset, q.len))
-            .collect();
-        f(&p.region, &ranges)?;
-    }
-    Ok(())
 }
 
 /// Makes the written `parts` persistent when asked, one batch per region: a page written by several
