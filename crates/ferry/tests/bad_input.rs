@@ -223,11 +223,12 @@ async fn a_read_cut_short_by_deregistration_ends_with_a_failure_status() {
         len: len as u64,
     };
     c.send(&read, &[]).await;
-    // Let the target fill the socket buffers and block on the rest.
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    tokio::task::spawn_blocking(move || drop(src)).await.unwrap();
+    // The header arrives once the target has started sending; it then fills the socket buffers and
+    // waits, since nothing reads the payload yet.
     let d = c.recv().await.unwrap();
     assert_eq!(d.frame, Frame::ReadData { id: 7 });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    tokio::task::spawn_blocking(move || drop(src)).await.unwrap();
     assert_eq!(d.payload_len, len as u64 + ReadStatus::LEN);
     let data = c.recv_payload(len).await;
     assert_ne!(

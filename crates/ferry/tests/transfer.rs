@@ -142,10 +142,12 @@ async fn no_byte_lands_after_a_read_returns_or_is_dropped() {
     };
     tokio::time::sleep(Duration::from_millis(5)).await;
     read.abort();
-    assert!(
-        read.await.is_err_and(|e| e.is_cancelled()),
-        "the read finished before it was dropped"
-    );
+    match read.await {
+        Err(e) => assert!(e.is_cancelled(), "{e}"),
+        // A loaded machine may let the whole read finish before the abort: then nothing may land
+        // after it either, which the canary below checks all the same.
+        Ok(result) => result.unwrap(),
+    }
     dst.write_at(0, &canary).unwrap();
     tokio::time::sleep(Duration::from_millis(500)).await;
     untouched("was dropped");
