@@ -214,17 +214,15 @@ pub enum Frame {
         /// The transport's own setup data (queue pair number, GID…).
         blob: Vec<u8>,
     },
-    /// Commit ranges already written: with `staged`, copy them in from where the data path that wrote
-    /// them (RDMA, bypassing the target's CPU) staged them; for [`Durability::Persistent`] persist them
-    /// (the flush request of a persistent RDMA write, and the one flush of a persistent TCP transfer
-    /// spread over several frames). Answered by [`Frame::Ack`] once done.
+    /// Commit ranges that frames before it on the same stream wrote: for [`Durability::Persistent`],
+    /// persist them (the one flush of a persistent TCP transfer spread over several frames). Only
+    /// ranges written by frames ahead of it on its stream: a data path that bypasses the target's CPU
+    /// (RDMA) orders its commits on its own queue pair instead. Answered by [`Frame::Ack`] once done.
     Commit {
         /// Operation id.
         id: u64,
         /// What the acknowledgement promises.
         durability: Durability,
-        /// Whether the bytes sit in a transport's staging buffer (written by RDMA), not yet in place.
-        staged: bool,
         /// The written ranges.
         segments: Vec<Segment>,
     },
@@ -388,12 +386,10 @@ pub fn encode(frame: &Frame, payload_len: u64, out: &mut BytesMut) -> Result<()>
         Frame::Commit {
             id,
             durability,
-            staged,
             segments,
         } => {
             out.put_u64_le(*id);
             out.put_u8(durability_byte(*durability));
-            out.put_u8(u8::from(*staged));
             put_segments(out, segments)?;
         }
         Frame::ReadData { id } => out.put_u64_le(*id),
@@ -557,11 +553,6 @@ pub fn decode(buf: &[u8], limits: &Limits) -> Result<Option<(Decoded, usize)>> {
         kind::COMMIT => Frame::Commit {
             id: r.u64()?,
             durability: r.durability()?,
-            staged: match r.u8()? {
-                0 => false,
-                1 => true,
-                b => return Err(Error::Protocol(format!("invalid staged flag {b}"))),
-            },
             segments: r.segments()?,
         },
         kind::READ_DATA => Frame::ReadData { id: r.u64()? },
@@ -965,17 +956,14 @@ mod tests {
             (any::<u64>(), arb_key(), any::<u64>(), any::<u64>())
                 .prop_map(|(id, key, offset, len)| (Frame::Read { id, key, offset, len }, 0)),
             (any::<u64>(), arb_segments()).prop_map(|(id, segments)| (Frame::ReadBatch { id, segments }, 0)),
-            (any::<u64>(), arb_durability(), any::<bool>(), arb_segments()).prop_map(
-                |(id, durability, staged, segments)| (
-                    Frame::Commit {
-                        id,
-                        durability,
-                        staged,
-                        segments
-                    },
-                    0
-                )
-            ),
+            (any::<u64>(), arb_durability(), arb_segments()).prop_map(|(id, durability, segments)| (
+                Frame::Commit {
+                    id,
+                    durability,
+                    segments
+                },
+                0
+            )),
             (any::<u64>(), 0u64..1 << 30).prop_map(|(id, len)| (Frame::ReadData { id }, len)),
             (any::<u64>(), arb_error()).prop_map(|(id, error)| (Frame::Ack { id, error }, 0)),
             (any::<u64>(), ".{0,64}", ".{0,64}").prop_map(|(id, name, msg)| (Frame::Notify { id, name, msg }, 0)),

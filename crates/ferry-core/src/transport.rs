@@ -15,7 +15,6 @@ use std::sync::{Arc, RwLock};
 
 use futures::future::BoxFuture;
 
-use crate::codec::Segment;
 use crate::error::{Error, Result};
 use crate::region::{RegionEntry, RegionTable, Resolved};
 use crate::types::{Access, Durability, Notification, Op, PersistMethod, RegionKey, TransportKind};
@@ -46,13 +45,6 @@ pub trait Transport: Send + Sync + 'static {
     fn register_region(&self, region: &RegionEntry) -> Result<Option<Vec<u8>>> {
         let _ = region;
         Ok(None)
-    }
-    /// Target side, on a peer's commit request: copies `ranges` of `region` in from wherever this
-    /// transport staged them (an RDMA bounce buffer for memory the NIC cannot reach), before they are
-    /// acknowledged or persisted. The caller holds no lease; the transport takes one.
-    fn commit_staged(&self, region: &RegionEntry, ranges: &[(u64, u64)]) -> Result<()> {
-        let _ = (region, ranges);
-        Ok(())
     }
     /// Called when a region is deregistered, after its fence closed. Returns once the transport will
     /// not touch the region again (an RDMA transport deregisters it from the NIC here).
@@ -162,14 +154,6 @@ pub trait DataLink: Send + Sync + 'static {
     /// Sends a notification; completes when the peer queued it. Ordered after every transfer that
     /// completed before it was called.
     fn notify(&self, notification: Notification) -> BoxFuture<'static, Result<()>>;
-    /// Asks the target to commit ranges already written to it by a path that bypasses its CPU: copy
-    /// them in from where they were staged and, for [`Durability::Persistent`], persist them (seed
-    /// 002's flush request). Links that cannot carry the request answer `Unsupported`.
-    fn commit(&self, segments: Vec<Segment>, durability: Durability) -> BoxFuture<'static, Result<()>> {
-        let _ = (segments, durability);
-        let kind = self.kind();
-        Box::pin(async move { Err(Error::Unsupported(format!("a {kind} link carries no flush request"))) })
-    }
     /// How this link makes a [`Durability::Persistent`] write persistent (for regions that allow it;
     /// a transfer may fall back to [`PersistMethod::FlushRequest`] for regions that do not).
     fn persist_method(&self) -> PersistMethod;

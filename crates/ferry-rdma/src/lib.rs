@@ -302,13 +302,6 @@ impl Transport for RdmaTransport {
         ))
     }
 
-    fn commit_staged(&self, region: &RegionEntry, ranges: &[(u64, u64)]) -> Result<()> {
-        match self.shared() {
-            Ok(shared) => shared.commit_staged(region, ranges),
-            Err(_) => Ok(()),
-        }
-    }
-
     fn deregister_region(&self, key: RegionKey) {
         let Ok(shared) = self.shared() else { return };
         let Some(reg) = shared.regions.lock().ok().and_then(|mut r| r.remove(&key)) else {

@@ -723,9 +723,16 @@ impl Drop for Inner {
 async fn notify(inner: Arc<Inner>, notification: Notification) -> Result<()> {
     notification.validate()?;
     let reply = request_reply(&inner, |id| Message::Notify { id, notification }).await?;
-    reply
-        .await
-        .map_err(|_| Error::PeerClosed(format!("the RDMA link to {} closed", inner.peer)))?
+    answered(&inner, [reply]).await
+}
+
+/// Waits for every reply (or work-request completion) in `replies`; the first error wins.
+async fn answered(inner: &Inner, replies: impl IntoIterator<Item = oneshot::Receiver<Result<()>>>) -> Result<()> {
+    for rx in replies {
+        rx.await
+            .map_err(|_| Error::PeerClosed(format!("the RDMA link to {} closed", inner.peer)))??;
+    }
+    Ok(())
 }
 
 /// Sends a message the target answers (a notification, a commit request) and returns where its
@@ -760,27 +767,34 @@ async fn request_reply(inner: &Inner, message: impl FnOnce(u64) -> Message) -> R
     Ok(rx)
 }
 
+/// Sends one request per `MAX_COMMIT_SEGMENTS` of `segments` (a commit or a prepare request, built by
+/// `message` from its id and segments) and returns where the answers will arrive.
+async fn request_per_chunk(
+    inner: &Inner,
+    segments: &[Segment],
+    message: impl Fn(u64, Vec<Segment>) -> Message,
+) -> Result<Vec<oneshot::Receiver<Result<()>>>> {
+    let mut replies = Vec::new();
+    for chunk in segments.chunks(MAX_COMMIT_SEGMENTS) {
+        replies.push(request_reply(inner, |id| message(id, chunk.to_vec())).await?);
+    }
+    Ok(replies)
+}
+
 /// Asks the target to commit `segments` (copy in what it staged; persist them if `durability` says
 /// so), by SENDs on the queue pair after the WRITEs that filled them: the target acts only once those
 /// are placed in its memory. Returns where the answers will arrive.
 async fn request_commit(
     inner: &Inner,
-    segments: Vec<Segment>,
+    segments: &[Segment],
     durability: Durability,
 ) -> Result<Vec<oneshot::Receiver<Result<()>>>> {
-    let mut replies = Vec::new();
-    for chunk in segments.chunks(MAX_COMMIT_SEGMENTS) {
-        let segments = chunk.to_vec();
-        replies.push(
-            request_reply(inner, |id| Message::Commit {
-                id,
-                durability,
-                segments,
-            })
-            .await?,
-        );
-    }
-    Ok(replies)
+    request_per_chunk(inner, segments, |id, segments| Message::Commit {
+        id,
+        durability,
+        segments,
+    })
+    .await
 }
 
 async fn run(inner: Arc<Inner>, request: TransferRequest) -> Result<()> {
@@ -816,15 +830,8 @@ async fn run(inner: Arc<Inner>, request: TransferRequest) -> Result<()> {
         // The target copies the ranges from the device into what its NIC reads, and answers before
         // the READs are posted.
         let segments: Vec<Segment> = hooked_remote.iter().map(|&i| segment(&request.items[i])).collect();
-        let mut replies = Vec::new();
-        for chunk in segments.chunks(MAX_COMMIT_SEGMENTS) {
-            let segments = chunk.to_vec();
-            replies.push(request_reply(&inner, |id| Message::Prepare { id, segments }).await?);
-        }
-        for rx in replies {
-            rx.await
-                .map_err(|_| Error::PeerClosed(format!("the RDMA link to {} closed", inner.peer)))??;
-        }
+        let replies = request_per_chunk(&inner, &segments, |id, segments| Message::Prepare { id, segments }).await?;
+        answered(&inner, replies).await?;
     }
     // Written ranges the target's CPU must act on (copy in from its staging, or to the device).
     staged_remote.extend(hooked_remote.iter().copied().filter(|_| request.op == Op::Write));
@@ -878,18 +885,15 @@ async fn run(inner: Arc<Inner>, request: TransferRequest) -> Result<()> {
     // The commit request follows the WRITEs on the queue pair at once: the target's NIC completes its
     // receive only after their data is placed, so it need not wait for their completions here.
     let commits = if method == Some(PersistMethod::FlushRequest) {
-        let segments = request.items.iter().map(segment).collect();
-        request_commit(&inner, segments, Durability::Persistent).await?
+        let segments: Vec<Segment> = request.items.iter().map(segment).collect();
+        request_commit(&inner, &segments, Durability::Persistent).await?
     } else if !staged_remote.is_empty() {
-        let segments = staged_remote.into_iter().map(|i| segment(&request.items[i])).collect();
-        request_commit(&inner, segments, Durability::Completed).await?
+        let segments: Vec<Segment> = staged_remote.into_iter().map(|i| segment(&request.items[i])).collect();
+        request_commit(&inner, &segments, Durability::Completed).await?
     } else {
         Vec::new()
     };
-    for rx in completions.into_iter().chain(commits) {
-        rx.await
-            .map_err(|_| Error::PeerClosed(format!("the RDMA link to {} closed", inner.peer)))??;
-    }
+    answered(&inner, completions.into_iter().chain(commits)).await?;
     posted.ids.clear();
     if request.op == Op::Read {
         // Local memory behind a staging buffer (device-local GPU memory) takes the bytes to the device.
@@ -993,10 +997,6 @@ impl DataLink for RdmaLink {
     fn is_closed(&self) -> bool {
         // A failed queue pair is replaced on next use while the control link is up.
         self.state.closed.load(Ordering::Acquire) || self.state.control.is_closed()
-    }
-
-    fn commit(&self, segments: Vec<Segment>, durability: Durability) -> BoxFuture<'static, Result<()>> {
-        self.state.control.commit(segments, durability)
     }
 
     fn persist_method(&self) -> PersistMethod {

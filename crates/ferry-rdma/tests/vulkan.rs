@@ -8,7 +8,7 @@
 
 use std::sync::Arc;
 
-use ferry::{Access, Op, TransferDesc};
+use ferry::{Access, Engine, Op, Peer, Region, TransferDesc};
 use ferry_vulkan::{AllocationPath, INSTALL_HINT, VulkanBlock, VulkanContext, VulkanRegistry};
 
 mod common;
@@ -72,15 +72,45 @@ fn assert_bytes(got: &[u8], want: &[u8], what: &str) {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn rdma_writes_into_staged_gpu_memory_reach_the_device() {
-    let Some(ctx) = context() else { return };
-    let Some((target, initiator, peer)) = pair().await else {
-        return;
-    };
+/// Two engines over RDMA, the target's region device-local GPU memory behind a staging buffer.
+struct StagedTarget {
+    ctx: Arc<VulkanContext>,
+    _target: Engine,
+    initiator: Engine,
+    peer: Peer,
+    gpu: Arc<VulkanBlock>,
+    region: Region,
+}
+
+async fn staged_target() -> Option<StagedTarget> {
+    let ctx = context()?;
+    let (target, initiator, peer) = pair().await?;
     let gpu = block(&ctx, AllocationPath::Staged);
     let region = target.register_block(gpu.clone(), Access::READ_WRITE).unwrap();
     wait_for(&peer, &region).await;
+    Some(StagedTarget {
+        ctx,
+        _target: target,
+        initiator,
+        peer,
+        gpu,
+        region,
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rdma_writes_into_staged_gpu_memory_reach_the_device() {
+    let Some(StagedTarget {
+        ctx,
+        initiator,
+        peer,
+        gpu,
+        region,
+        ..
+    }) = staged_target().await
+    else {
+        return;
+    };
     let want = pattern(LEN, 7);
     let src = initiator.register(want.clone(), Access::READ_WRITE).unwrap();
     initiator
@@ -92,13 +122,17 @@ async fn rdma_writes_into_staged_gpu_memory_reach_the_device() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rdma_reads_from_staged_gpu_memory_see_the_device() {
-    let Some(ctx) = context() else { return };
-    let Some((target, initiator, peer)) = pair().await else {
+    let Some(StagedTarget {
+        ctx,
+        initiator,
+        peer,
+        gpu,
+        region,
+        ..
+    }) = staged_target().await
+    else {
         return;
     };
-    let gpu = block(&ctx, AllocationPath::Staged);
-    let region = target.register_block(gpu.clone(), Access::READ_WRITE).unwrap();
-    wait_for(&peer, &region).await;
     let want = pattern(LEN, 99);
     device_write(&ctx, &gpu, &want);
     let back = initiator.alloc_host(LEN, Access::READ_WRITE).unwrap();

@@ -629,7 +629,6 @@ async fn run_transfer(shared: Arc<Shared>, request: TransferRequest) -> Result<(
             let frame = Frame::Commit {
                 id,
                 durability: Durability::Persistent,
-                staged: false,
                 segments: chunk.to_vec(),
             };
             completions.push(shared.submit(stream, id, 0, None, None, Outgoing::Frame(frame))?);
@@ -926,21 +925,6 @@ impl DataLink for TcpLink {
                 id,
                 name: notification.name,
                 msg: notification.msg,
-            };
-            let rx = shared.submit(0, id, 0, None, None, Outgoing::Frame(frame))?;
-            rx.await.map_err(|_| shared.closed_error())?
-        })
-    }
-
-    fn commit(&self, segments: Vec<Segment>, durability: Durability) -> BoxFuture<'static, Result<()>> {
-        let shared = self.shared.clone();
-        Box::pin(async move {
-            let id = shared.next_id();
-            let frame = Frame::Commit {
-                id,
-                durability,
-                staged: true,
-                segments,
             };
             let rx = shared.submit(0, id, 0, None, None, Outgoing::Frame(frame))?;
             rx.await.map_err(|_| shared.closed_error())?

@@ -392,21 +392,14 @@ async fn serve_requests(
             Frame::Commit {
                 id,
                 durability,
-                staged,
                 segments,
             } => {
-                // Ranges written earlier (by RDMA, or by this link's frames): bring in what a data path
-                // staged, then persist if asked.
+                // Ranges this stream's frames wrote before it: persist them if asked.
                 let result = segments
                     .iter()
                     .map(|s| ctx.resolve_write(s.key, s.offset, s.len, durability))
                     .collect::<Result<Vec<_>>>()
-                    .and_then(|parts| {
-                        if staged {
-                            commit_staged(ctx, &parts)?;
-                        }
-                        persist(&parts, durability)
-                    });
+                    .and_then(|parts| persist(&parts, durability));
                 writer.push(&ack(id, result), 0)?;
             }
             Frame::Read { id, key, offset, len } => {
@@ -550,13 +543,6 @@ async fn land(reader: &mut FrameReader, r: &Resolved) -> Result<Result<()>> {
         // A target's copies have no caller fence, so `Abandoned` cannot happen here.
         Landed::RegionGone | Landed::Abandoned => Err(r.region.gone()),
         Landed::Unbacked => Err(crate::link::unbacked(&r.region)),
-    })
-}
-
-/// Lets every transport copy in what it staged for `parts`, region by region.
-fn commit_staged(ctx: &EngineContext, parts: &[Resolved]) -> Result<()> {
-    for_each_region(parts, |region, ranges| {
-        ctx.acceptors.iter().try_for_each(|t| t.commit_staged(region, ranges))
     })
 }
 

@@ -185,7 +185,6 @@ async fn flush_requests_persist_named_ranges_and_check_them() {
             &Frame::Commit {
                 id,
                 durability,
-                staged: false,
                 segments,
             },
             &[],
