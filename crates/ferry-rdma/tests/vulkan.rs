@@ -72,7 +72,8 @@ fn assert_bytes(got: &[u8], want: &[u8], what: &str) {
     }
 }
 
-/// Two engines over RDMA, the target's region device-local GPU memory behind a staging buffer.
+/// Two engines over RDMA, the target's region device-local GPU memory behind a staging buffer. Bind
+/// every field when destructuring (`_target` too): a field left to `..` drops the target engine at once.
 struct StagedTarget {
     ctx: Arc<VulkanContext>,
     _target: Engine,
@@ -106,7 +107,7 @@ async fn rdma_writes_into_staged_gpu_memory_reach_the_device() {
         peer,
         gpu,
         region,
-        ..
+        _target,
     }) = staged_target().await
     else {
         return;
@@ -128,7 +129,7 @@ async fn rdma_reads_from_staged_gpu_memory_see_the_device() {
         peer,
         gpu,
         region,
-        ..
+        _target,
     }) = staged_target().await
     else {
         return;
