@@ -22,8 +22,9 @@ use crate::types::{Access, Durability, RegionAd, RegionKey, TransportKind};
 /// First two bytes of every frame.
 pub const MAGIC: u16 = 0xF5E7;
 /// The protocol version this build speaks (2: durability on writes and the `Commit` frame; 3: a
-/// status byte ends every read's data, and errors carry their I/O kind).
-pub const VERSION: u8 = 3;
+/// status byte ends every read's data, and errors carry their I/O kind; 4: `RegionTable`, the whole
+/// table resent when a link's queue of region updates overflowed).
+pub const VERSION: u8 = 4;
 /// Size of the fixed header.
 pub const HEADER_LEN: usize = 16;
 
@@ -131,6 +132,12 @@ pub enum Frame {
     RegionRemoved {
         /// Its key.
         key: RegionKey,
+    },
+    /// The sender's whole region table, replacing what the receiver knew: sent instead of the
+    /// updates that did not fit the link's queue.
+    RegionTable {
+        /// Every region the sender has registered.
+        regions: Vec<RegionAd>,
     },
     /// Write the payload at `key` + `offset`.
     Write {
@@ -255,9 +262,10 @@ mod kind {
     pub const TRANSPORT_SETUP: u8 = 15;
     pub const TRANSPORT_SETUP_REPLY: u8 = 16;
     pub const COMMIT: u8 = 17;
+    pub const REGION_TABLE: u8 = 18;
 
     /// Every kind this version speaks; a test checks that every [`super::Frame`] variant is here.
-    pub const ALL: [u8; 17] = [
+    pub const ALL: [u8; 18] = [
         HELLO,
         HELLO_ACK,
         REGION_ADDED,
@@ -275,6 +283,7 @@ mod kind {
         TRANSPORT_SETUP,
         TRANSPORT_SETUP_REPLY,
         COMMIT,
+        REGION_TABLE,
     ];
 }
 
@@ -285,6 +294,7 @@ impl Frame {
             Frame::HelloAck(_) => kind::HELLO_ACK,
             Frame::RegionAdded(_) => kind::REGION_ADDED,
             Frame::RegionRemoved { .. } => kind::REGION_REMOVED,
+            Frame::RegionTable { .. } => kind::REGION_TABLE,
             Frame::Write { .. } => kind::WRITE,
             Frame::WriteBatch { .. } => kind::WRITE_BATCH,
             Frame::Read { .. } => kind::READ,
@@ -346,13 +356,11 @@ pub fn encode(frame: &Frame, payload_len: u64, out: &mut BytesMut) -> Result<()>
             put_error(out, &a.refusal)?;
             out.put_u64_le(a.host_id);
             put_transports(out, &a.transports)?;
-            out.put_u32_le(len_u32(a.regions.len())?);
-            for r in &a.regions {
-                put_region(out, r)?;
-            }
+            put_regions(out, &a.regions)?;
         }
         Frame::RegionAdded(r) => put_region(out, r)?,
         Frame::RegionRemoved { key } => out.put_u64_le(key.0),
+        Frame::RegionTable { regions } => put_regions(out, regions)?,
         Frame::Write {
             id,
             key,
@@ -506,11 +514,7 @@ pub fn decode(buf: &[u8], limits: &Limits) -> Result<Option<(Decoded, usize)>> {
             let refusal = r.error()?;
             let host_id = r.u64()?;
             let transports = r.transports()?;
-            let n = r.count(MIN_REGION_LEN)?;
-            let mut regions = Vec::with_capacity(n);
-            for _ in 0..n {
-                regions.push(r.region()?);
-            }
+            let regions = r.regions()?;
             Frame::HelloAck(HelloAck {
                 engine_id,
                 refusal,
@@ -523,6 +527,7 @@ pub fn decode(buf: &[u8], limits: &Limits) -> Result<Option<(Decoded, usize)>> {
         kind::REGION_REMOVED => Frame::RegionRemoved {
             key: RegionKey(r.u64()?),
         },
+        kind::REGION_TABLE => Frame::RegionTable { regions: r.regions()? },
         kind::WRITE => Frame::Write {
             id: r.u64()?,
             key: RegionKey(r.u64()?),
@@ -682,6 +687,14 @@ fn put_segments(out: &mut BytesMut, segments: &[Segment]) -> Result<()> {
     Ok(())
 }
 
+fn put_regions(out: &mut BytesMut, regions: &[RegionAd]) -> Result<()> {
+    out.put_u32_le(len_u32(regions.len())?);
+    for r in regions {
+        put_region(out, r)?;
+    }
+    Ok(())
+}
+
 fn put_region(out: &mut BytesMut, r: &RegionAd) -> Result<()> {
     out.put_u64_le(r.key.0);
     out.put_u64_le(r.addr);
@@ -795,6 +808,15 @@ impl<'a> Reader<'a> {
         }
         Ok(v)
     }
+    fn regions(&mut self) -> Result<Vec<RegionAd>> {
+        let n = self.count(MIN_REGION_LEN)?;
+        let mut regions = Vec::with_capacity(n);
+        for _ in 0..n {
+            regions.push(self.region()?);
+        }
+        Ok(regions)
+    }
+
     fn region(&mut self) -> Result<RegionAd> {
         let key = RegionKey(self.u64()?);
         let addr = self.u64()?;
@@ -931,6 +953,7 @@ mod tests {
                 )),
             arb_region().prop_map(|r| (Frame::RegionAdded(r), 0)),
             arb_key().prop_map(|key| (Frame::RegionRemoved { key }, 0)),
+            proptest::collection::vec(arb_region(), 0..5).prop_map(|regions| (Frame::RegionTable { regions }, 0)),
             (any::<u64>(), arb_key(), any::<u64>(), arb_durability(), 1u64..1 << 30).prop_map(
                 |(id, key, offset, durability, len)| (
                     Frame::Write {

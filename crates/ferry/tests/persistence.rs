@@ -193,7 +193,7 @@ async fn flush_requests_persist_named_ranges_and_check_them() {
         loop {
             match c.recv().await.expect("an answer").frame {
                 Frame::Ack { id: got, error } if got == id => return error,
-                Frame::RegionAdded(_) | Frame::RegionRemoved { .. } => continue,
+                Frame::RegionAdded(_) | Frame::RegionRemoved { .. } | Frame::RegionTable { .. } => continue,
                 other => panic!("unexpected {other:?}"),
             }
         }
@@ -304,7 +304,7 @@ async fn a_small_write_racing_a_truncation_is_not_acknowledged() {
         let error = loop {
             match c.recv().await.expect("an answer").frame {
                 Frame::Ack { id: got, error } if got == id => break error,
-                Frame::RegionAdded(_) | Frame::RegionRemoved { .. } => continue,
+                Frame::RegionAdded(_) | Frame::RegionRemoved { .. } | Frame::RegionTable { .. } => continue,
                 other => panic!("expected the ack of write {id}, got {other:?}"),
             }
         };

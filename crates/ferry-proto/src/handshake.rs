@@ -1,0 +1,265 @@
+//! The handshake: the hello that opens every stream, and the target's decision on it.
+//!
+//! The first stream of a link (index 0, the control stream) opens the link: it declares how many
+//! streams the link will have, and the target admits it if that number is within
+//! [`LinkLimits::max_streams`], the engine has a free link slot (the caller's business: see
+//! [`LinkRegistry::open`]) and the link token is new. Every further stream joins by presenting the
+//! token, the same engine id and an index below the declared count that no stream of the link used
+//! before; so a link has at most the streams it declared, whatever its peer sends.
+
+use std::collections::HashMap;
+
+use ferry_core::codec::{Hello, HelloAck};
+use ferry_core::{Error, RegionAd, Result, TransportKind, WireError};
+
+use crate::ids::{LinkToken, StreamIndex};
+use crate::limits::LinkLimits;
+
+/// What an engine says about itself in a handshake.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Identity {
+    /// Engine id.
+    pub engine_id: u64,
+    /// Host id (equal on two engines of the same host).
+    pub host_id: u64,
+    /// Usable transports, best first.
+    pub transports: Vec<TransportKind>,
+}
+
+impl Identity {
+    /// The hello for stream `index` of a link of `count` streams named `token`.
+    pub fn hello(&self, token: LinkToken, index: StreamIndex, count: u16) -> Hello {
+        Hello {
+            engine_id: self.engine_id,
+            link_token: token.0,
+            stream_index: index.0,
+            stream_count: count,
+            transports: self.transports.clone(),
+            host_id: self.host_id,
+        }
+    }
+
+    /// A target's acceptance; `regions` go only to the control stream.
+    pub fn accept(&self, regions: Vec<RegionAd>) -> HelloAck {
+        HelloAck {
+            engine_id: self.engine_id,
+            refusal: None,
+            transports: self.transports.clone(),
+            host_id: self.host_id,
+            regions,
+        }
+    }
+
+    /// A target's refusal, carrying `error` to the initiator.
+    pub fn refuse(&self, error: &Error) -> HelloAck {
+        HelloAck {
+            refusal: Some(WireError::from(error)),
+            ..self.accept(Vec::new())
+        }
+    }
+}
+
+/// The initiator's check of a target's answer to the hello of stream `index`: a refusal becomes the
+/// error it carries, and only the control stream's answer may carry the region table.
+pub fn check_ack(ack: HelloAck, index: StreamIndex, peer: &str) -> Result<HelloAck> {
+    if let Some(refusal) = ack.refusal {
+        return Err(refusal.into_error());
+    }
+    if !index.is_control() && !ack.regions.is_empty() {
+        return Err(Error::Protocol(format!(
+            "{peer} sent a region table on {index}; only the control stream carries one"
+        )));
+    }
+    Ok(ack)
+}
+
+/// The target's decision on a hello.
+#[derive(Debug)]
+pub enum Admission<L> {
+    /// A control stream whose link may open: acquire a link slot, then call [`LinkRegistry::open`].
+    Open,
+    /// A further stream of a known link.
+    Join(L),
+}
+
+struct Entry<L> {
+    peer_engine: u64,
+    stream_count: u16,
+    joined: Vec<bool>,
+    link: L,
+}
+
+/// The target's table of open links, by token, and of the streams each has.
+pub struct LinkRegistry<L> {
+    limits: LinkLimits,
+    links: HashMap<LinkToken, Entry<L>>,
+}
+
+impl<L: Clone> LinkRegistry<L> {
+    /// An empty table.
+    pub fn new(limits: LinkLimits) -> Self {
+        LinkRegistry {
+            limits,
+            links: HashMap::new(),
+        }
+    }
+
+    /// Decides on `hello`: open a link, join one, or refuse (the error to send back).
+    pub fn admit(&mut self, hello: &Hello) -> Result<Admission<L>> {
+        let token = LinkToken(hello.link_token);
+        let index = StreamIndex(hello.stream_index);
+        if index.is_control() {
+            let max = self.limits.max_streams;
+            if hello.stream_count == 0 || hello.stream_count > max {
+                return Err(Error::InvalidArgument(format!(
+                    "{} streams asked for; 1 to {max} are allowed",
+                    hello.stream_count
+                )));
+            }
+            if self.links.contains_key(&token) {
+                return Err(Error::Protocol("link token reused".into()));
+            }
+            return Ok(Admission::Open);
+        }
+        let Some(entry) = self.links.get_mut(&token).filter(|e| e.peer_engine == hello.engine_id) else {
+            return Err(Error::Protocol("unknown link token".into()));
+        };
+        if hello.stream_index >= entry.stream_count {
+            return Err(Error::InvalidArgument(format!(
+                "{index} asked to join a link of {} streams",
+                entry.stream_count
+            )));
+        }
+        let joined = &mut entry.joined[index.get()];
+        if *joined {
+            return Err(Error::Protocol(format!("{index} of this link joined already")));
+        }
+        *joined = true;
+        Ok(Admission::Join(entry.link.clone()))
+    }
+
+    /// Records the link that `hello` (admitted with [`Admission::Open`]) opened.
+    pub fn open(&mut self, hello: &Hello, link: L) -> Result<()> {
+        let token = LinkToken(hello.link_token);
+        if self.links.contains_key(&token) {
+            return Err(Error::Protocol("link token reused".into()));
+        }
+        let mut joined = vec![false; hello.stream_count as usize];
+        if let Some(first) = joined.first_mut() {
+            *first = true;
+        }
+        self.links.insert(
+            token,
+            Entry {
+                peer_engine: hello.engine_id,
+                stream_count: hello.stream_count,
+                joined,
+                link,
+            },
+        );
+        Ok(())
+    }
+
+    /// Forgets a link (its control stream ended); its token cannot be joined any more.
+    pub fn close(&mut self, token: LinkToken) -> Option<L> {
+        self.links.remove(&token).map(|e| e.link)
+    }
+
+    /// Every open link.
+    pub fn links(&self) -> impl Iterator<Item = &L> {
+        self.links.values().map(|e| &e.link)
+    }
+
+    /// Removes and returns every link.
+    pub fn drain(&mut self) -> Vec<L> {
+        self.links.drain().map(|(_, e)| e.link).collect()
+    }
+
+    /// Number of open links.
+    pub fn len(&self) -> usize {
+        self.links.len()
+    }
+
+    /// Whether no link is open.
+    pub fn is_empty(&self) -> bool {
+        self.links.is_empty()
+    }
+
+    /// Streams of `token`'s link that have joined, the control stream included.
+    pub fn streams(&self, token: LinkToken) -> usize {
+        self.links
+            .get(&token)
+            .map_or(0, |e| e.joined.iter().filter(|j| **j).count())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hello(token: u64, engine: u64, index: u16, count: u16) -> Hello {
+        Identity {
+            engine_id: engine,
+            host_id: 1,
+            transports: vec![TransportKind::Tcp],
+        }
+        .hello(LinkToken(token), StreamIndex(index), count)
+    }
+
+    #[test]
+    fn a_link_has_at_most_the_streams_it_declared() {
+        let mut reg = LinkRegistry::new(LinkLimits::default());
+        let h0 = hello(7, 1, 0, 3);
+        assert!(matches!(reg.admit(&h0), Ok(Admission::Open)));
+        reg.open(&h0, "link").unwrap();
+        assert!(matches!(reg.admit(&hello(7, 1, 1, 3)), Ok(Admission::Join("link"))));
+        assert!(matches!(reg.admit(&hello(7, 1, 2, 3)), Ok(Admission::Join("link"))));
+        // The same index twice, an index past the count, the control index again, another engine.
+        assert!(matches!(reg.admit(&hello(7, 1, 1, 3)), Err(Error::Protocol(_))));
+        assert!(matches!(reg.admit(&hello(7, 1, 3, 3)), Err(Error::InvalidArgument(_))));
+        assert!(matches!(reg.admit(&hello(7, 1, 0, 3)), Err(Error::Protocol(_))));
+        assert!(matches!(reg.admit(&hello(7, 2, 2, 3)), Err(Error::Protocol(_))));
+        assert_eq!(reg.streams(LinkToken(7)), 3);
+        assert_eq!(reg.close(LinkToken(7)), Some("link"));
+        assert!(matches!(reg.admit(&hello(7, 1, 2, 3)), Err(Error::Protocol(_))));
+    }
+
+    #[test]
+    fn stream_counts_out_of_range_are_refused() {
+        let limits = LinkLimits {
+            max_streams: 4,
+            ..LinkLimits::default()
+        };
+        let mut reg: LinkRegistry<()> = LinkRegistry::new(limits);
+        assert!(matches!(reg.admit(&hello(1, 1, 0, 0)), Err(Error::InvalidArgument(_))));
+        assert!(matches!(reg.admit(&hello(1, 1, 0, 5)), Err(Error::InvalidArgument(_))));
+        assert!(matches!(reg.admit(&hello(1, 1, 0, 4)), Ok(Admission::Open)));
+    }
+
+    #[test]
+    fn a_refusal_becomes_its_error_and_only_stream_0_gets_regions() {
+        let me = Identity {
+            engine_id: 9,
+            host_id: 2,
+            transports: vec![TransportKind::Tcp],
+        };
+        let refused = me.refuse(&Error::ResourceExhausted("all link slots are in use".into()));
+        assert!(matches!(
+            check_ack(refused, StreamIndex(0), "peer"),
+            Err(Error::ResourceExhausted(m)) if m.contains("slots")
+        ));
+        let ad = RegionAd {
+            key: ferry_core::RegionKey(1),
+            addr: 0,
+            len: 1,
+            access: ferry_core::Access::READ,
+            persistent: false,
+            transport_keys: Vec::new(),
+        };
+        assert!(check_ack(me.accept(vec![ad.clone()]), StreamIndex(0), "peer").is_ok());
+        assert!(matches!(
+            check_ack(me.accept(vec![ad]), StreamIndex(1), "peer"),
+            Err(Error::Protocol(_))
+        ));
+    }
+}

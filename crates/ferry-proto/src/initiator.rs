@@ -1,0 +1,513 @@
+//! The initiator's side of a link: operations awaiting answers, and what the target tells it.
+//!
+//! Every operation the initiator sends that the target answers (a write's frame, a read, a commit, a
+//! notification, a data-path setup) is started here: it gets an [`OpId`] and a stream (the given one,
+//! or the one with the fewest bytes outstanding), and waits in that stream's table until its answer is
+//! handled. An answer must come on the operation's stream and be of its kind: a read is answered by
+//! its data or by an error, a setup by a setup reply, anything else by an acknowledgement. An answer
+//! for an id this link never issued, or of the wrong kind, breaks the link (`Error::Protocol`); an
+//! answer for an operation taken back locally ([`Initiator::take`]) is stale and ignored (its payload
+//! discarded). Closing the link hands every waiting operation back with the error, and refuses new ones.
+//!
+//! The per-operation state `P` is the transport's (a completion channel, where a read's data goes);
+//! this module only keeps it.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use ferry_core::codec::{Decoded, Frame};
+use ferry_core::{Error, RegionAd, RegionKey, RemoteRegions, Result};
+
+use crate::ids::{OpId, StreamIndex};
+use crate::keepalive::Keepalive;
+use crate::limits::LinkLimits;
+
+/// What an operation expects as its answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OpKind {
+    /// An acknowledgement (writes, commits, notifications).
+    Ack,
+    /// A read's data, or an acknowledgement carrying its error.
+    Read,
+    /// A data-path setup reply (control stream only).
+    Setup,
+}
+
+/// A change to the peer's region table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RegionUpdate {
+    /// A region was registered.
+    Added(RegionAd),
+    /// A region was deregistered.
+    Removed(RegionKey),
+    /// The whole table, replacing the old one.
+    Replaced(Vec<RegionAd>),
+}
+
+impl RegionUpdate {
+    /// The update a region frame carries; `None` for other frames.
+    pub fn from_frame(frame: Frame) -> Option<Self> {
+        match frame {
+            Frame::RegionAdded(ad) => Some(RegionUpdate::Added(ad)),
+            Frame::RegionRemoved { key } => Some(RegionUpdate::Removed(key)),
+            Frame::RegionTable { regions } => Some(RegionUpdate::Replaced(regions)),
+            _ => None,
+        }
+    }
+
+    /// Applies the update to a copy of the peer's table.
+    pub fn apply(self, table: &mut RemoteRegions) {
+        match self {
+            RegionUpdate::Added(ad) => table.insert(ad),
+            RegionUpdate::Removed(key) => table.remove(key),
+            RegionUpdate::Replaced(regions) => *table = RemoteRegions::new(regions),
+        }
+    }
+}
+
+/// What a frame from the target means to the transport.
+#[derive(Debug)]
+pub enum Event<P> {
+    /// An operation is answered: complete it with `result`.
+    Answered {
+        /// The operation's state.
+        op: P,
+        /// Its outcome.
+        result: Result<()>,
+    },
+    /// A read's data follows on the stream: `payload_len` bytes, the last of them its `ReadStatus`.
+    Data {
+        /// The read's state.
+        op: P,
+        /// Bytes that follow.
+        payload_len: u64,
+    },
+    /// A data-path setup is answered.
+    SetupAnswered {
+        /// The setup's state.
+        op: P,
+        /// The target's setup data, or its refusal.
+        result: Result<Vec<u8>>,
+    },
+    /// The answer of an operation taken back locally: discard `payload_len` bytes that follow.
+    Stale {
+        /// Bytes that follow.
+        payload_len: u64,
+    },
+    /// The peer's region table changed (see [`Initiator::regions`]).
+    RegionsChanged,
+    /// Nothing to do (a pong).
+    Nothing,
+}
+
+struct Waiting<P> {
+    op: P,
+    kind: OpKind,
+    bytes: u64,
+}
+
+struct StreamOps<P> {
+    waiting: HashMap<OpId, Waiting<P>>,
+    bytes: u64,
+}
+
+/// The initiator's state of one link.
+pub struct Initiator<P> {
+    peer: String,
+    limits: LinkLimits,
+    streams: Vec<StreamOps<P>>,
+    next_id: u64,
+    closed: Option<Error>,
+    regions: RemoteRegions,
+    keepalive: Keepalive,
+}
+
+impl<P> Initiator<P> {
+    /// A link to `peer` of `streams` streams (at least 1), whose handshake brought `regions`.
+    pub fn new(peer: String, streams: usize, regions: Vec<RegionAd>, limits: LinkLimits, keepalive: Keepalive) -> Self {
+        Initiator {
+            peer,
+            limits,
+            streams: (0..streams.max(1))
+                .map(|_| StreamOps {
+                    waiting: HashMap::new(),
+                    bytes: 0,
+                })
+                .collect(),
+            next_id: 1,
+            closed: None,
+            regions: RemoteRegions::new(regions),
+            keepalive,
+        }
+    }
+
+    /// The peer, for messages.
+    pub fn peer(&self) -> &str {
+        &self.peer
+    }
+
+    /// Number of streams.
+    pub fn stream_count(&self) -> usize {
+        self.streams.len()
+    }
+
+    /// The peer's region table as last heard.
+    pub fn regions(&self) -> &RemoteRegions {
+        &self.regions
+    }
+
+    /// The error the link was closed with, if it was.
+    pub fn closed(&self) -> Option<&Error> {
+        self.closed.as_ref()
+    }
+
+    /// The error for an operation on this closed link.
+    pub fn closed_error(&self) -> Error {
+        self.closed
+            .clone()
+            .unwrap_or_else(|| Error::PeerClosed(format!("the link to {} is closed", self.peer)))
+    }
+
+    /// The stream with the fewest bytes outstanding.
+    pub fn least_loaded(&self) -> StreamIndex {
+        let i = (0..self.streams.len())
+            .min_by_key(|&i| self.streams[i].bytes)
+            .unwrap_or(0);
+        StreamIndex(i as u16)
+    }
+
+    /// Operations waiting for an answer on `stream`.
+    pub fn outstanding(&self, stream: StreamIndex) -> usize {
+        self.streams.get(stream.get()).map_or(0, |s| s.waiting.len())
+    }
+
+    /// Starts an operation of `bytes` on `stream` (or the least loaded one): it waits for its answer
+    /// from now on. Fails once the link is closed, or when the stream has
+    /// [`LinkLimits::max_outstanding_per_stream`] operations waiting.
+    pub fn start(
+        &mut self,
+        stream: Option<StreamIndex>,
+        kind: OpKind,
+        bytes: u64,
+        op: P,
+    ) -> Result<(StreamIndex, OpId)> {
+        if self.closed.is_some() {
+            return Err(self.closed_error());
+        }
+        let stream = stream.unwrap_or_else(|| self.least_loaded());
+        if kind == OpKind::Setup && !stream.is_control() {
+            return Err(Error::InvalidArgument(
+                "data-path setup goes on the control stream".into(),
+            ));
+        }
+        let max = self.limits.max_outstanding_per_stream;
+        let Some(s) = self.streams.get_mut(stream.get()) else {
+            return Err(Error::InvalidArgument(format!("{stream} does not exist on this link")));
+        };
+        if s.waiting.len() >= max {
+            return Err(Error::ResourceExhausted(format!(
+                "{max} operations already wait for answers on {stream} of the link to {}; wait for some to finish",
+                self.peer
+            )));
+        }
+        let id = OpId(self.next_id);
+        self.next_id += 1;
+        s.bytes += bytes;
+        s.waiting.insert(id, Waiting { op, kind, bytes });
+        Ok((stream, id))
+    }
+
+    /// Takes an operation back before its answer (it failed locally); its answer will be stale.
+    pub fn take(&mut self, stream: StreamIndex, id: OpId) -> Option<P> {
+        let s = self.streams.get_mut(stream.get())?;
+        let w = s.waiting.remove(&id)?;
+        s.bytes -= w.bytes;
+        Some(w.op)
+    }
+
+    /// Handles a frame the target sent on `stream` at `now`. An error breaks the link: close it with
+    /// the error.
+    pub fn handle(&mut self, stream: StreamIndex, decoded: Decoded, now: Instant) -> Result<Event<P>> {
+        self.keepalive.heard(now);
+        let payload_len = decoded.payload_len;
+        match decoded.frame {
+            Frame::Ack { id, error } => {
+                let result = error.map_or(Ok(()), |e| Err(e.into_error()));
+                Ok(
+                    match self.answer(stream, OpId(id), &[OpKind::Ack, OpKind::Read], result.is_ok())? {
+                        Some(op) => Event::Answered { op, result },
+                        None => Event::Stale { payload_len },
+                    },
+                )
+            }
+            Frame::ReadData { id } => Ok(match self.answer(stream, OpId(id), &[OpKind::Read], true)? {
+                Some(op) => Event::Data { op, payload_len },
+                None => Event::Stale { payload_len },
+            }),
+            Frame::TransportSetupReply { id, error, blob } if stream.is_control() => {
+                let result = error.map_or(Ok(blob), |e| Err(e.into_error()));
+                Ok(match self.answer(stream, OpId(id), &[OpKind::Setup], true)? {
+                    Some(op) => Event::SetupAnswered { op, result },
+                    None => Event::Stale { payload_len },
+                })
+            }
+            frame @ (Frame::RegionAdded(_) | Frame::RegionRemoved { .. } | Frame::RegionTable { .. })
+                if stream.is_control() =>
+            {
+                if let Some(update) = RegionUpdate::from_frame(frame) {
+                    update.apply(&mut self.regions);
+                }
+                Ok(Event::RegionsChanged)
+            }
+            Frame::Pong { .. } => Ok(Event::Nothing),
+            Frame::Goodbye => Err(Error::PeerClosed(format!("{} closed the link", self.peer))),
+            other => Err(Error::Protocol(format!(
+                "{} sent an unexpected {other:?} on {stream}",
+                self.peer
+            ))),
+        }
+    }
+
+    /// Removes the operation `id` answered on `stream`, checking the answer fits it. `success` says
+    /// whether an acknowledgement reports success (a read may only be acknowledged with an error).
+    fn answer(&mut self, stream: StreamIndex, id: OpId, kinds: &[OpKind], success: bool) -> Result<Option<P>> {
+        if id.0 == 0 || id.0 >= self.next_id {
+            return Err(Error::Protocol(format!(
+                "{} answered {id}, which this link never sent",
+                self.peer
+            )));
+        }
+        let Some(s) = self.streams.get_mut(stream.get()) else {
+            return Err(Error::Protocol(format!("{} answered on unknown {stream}", self.peer)));
+        };
+        let Some(w) = s.waiting.get(&id) else {
+            return Ok(None);
+        };
+        let fits = kinds.contains(&w.kind) && !(w.kind == OpKind::Read && kinds.contains(&OpKind::Ack) && success);
+        if !fits {
+            return Err(Error::Protocol(format!(
+                "{} answered {id} (a {:?} operation) with the wrong kind of frame",
+                self.peer, w.kind
+            )));
+        }
+        let w = s
+            .waiting
+            .remove(&id)
+            .ok_or_else(|| Error::Internal("answered operation vanished".into()))?;
+        s.bytes -= w.bytes;
+        Ok(Some(w.op))
+    }
+
+    /// Closes the link with `error` (the first error wins): returns every waiting operation, to be
+    /// failed with [`Initiator::closed_error`]; new operations are refused from now on.
+    pub fn close(&mut self, error: Error) -> Vec<P> {
+        if self.closed.is_none() {
+            self.closed = Some(error);
+        }
+        let mut ops = Vec::new();
+        for s in &mut self.streams {
+            s.bytes = 0;
+            ops.extend(s.waiting.drain().map(|(_, w)| w.op));
+        }
+        ops
+    }
+
+    /// When [`Initiator::handle_timeout`] is next due.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.closed.is_none().then(|| self.keepalive.poll_timeout())
+    }
+
+    /// Time has come to `now`. An error means the peer is silent past the keepalive's bound: close
+    /// the link with it.
+    pub fn handle_timeout(&mut self, now: Instant) -> Result<()> {
+        if self.closed.is_some() {
+            return Ok(());
+        }
+        self.keepalive.handle_timeout(now, &self.peer)
+    }
+
+    /// A frame the protocol itself wants sent (a keepalive probe), with its stream.
+    pub fn poll_transmit(&mut self) -> Option<(StreamIndex, Frame)> {
+        if self.closed.is_some() {
+            return None;
+        }
+        self.keepalive.poll_transmit().map(|f| (StreamIndex::CONTROL, f))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use ferry_core::WireError;
+
+    use super::*;
+
+    fn link(streams: usize, max: usize) -> Initiator<&'static str> {
+        let limits = LinkLimits {
+            max_outstanding_per_stream: max,
+            ..LinkLimits::default()
+        };
+        let now = Instant::now();
+        Initiator::new(
+            "peer".into(),
+            streams,
+            Vec::new(),
+            limits,
+            Keepalive::new(now, Duration::from_secs(5), Duration::from_secs(60)),
+        )
+    }
+
+    fn d(frame: Frame, payload_len: u64) -> Decoded {
+        Decoded { frame, payload_len }
+    }
+
+    #[test]
+    fn answers_must_fit_their_operation() {
+        let mut l = link(2, 8);
+        let now = Instant::now();
+        let (s, read) = l.start(Some(StreamIndex(1)), OpKind::Read, 10, "read").unwrap();
+        let (_, write) = l.start(Some(StreamIndex(1)), OpKind::Ack, 10, "write").unwrap();
+        // Read data for a write, a success ack for a read, an id never sent, the wrong stream.
+        assert!(matches!(
+            l.handle(s, d(Frame::ReadData { id: write.0 }, 11), now),
+            Err(Error::Protocol(_))
+        ));
+        assert!(matches!(
+            l.handle(
+                s,
+                d(
+                    Frame::Ack {
+                        id: read.0,
+                        error: None
+                    },
+                    0
+                ),
+                now
+            ),
+            Err(Error::Protocol(_))
+        ));
+        assert!(matches!(
+            l.handle(s, d(Frame::Ack { id: 99, error: None }, 0), now),
+            Err(Error::Protocol(_))
+        ));
+        assert!(matches!(
+            l.handle(
+                StreamIndex(0),
+                d(
+                    Frame::Ack {
+                        id: write.0,
+                        error: None
+                    },
+                    0
+                ),
+                now
+            ),
+            Ok(Event::Stale { .. })
+        ));
+        let refused = Some(WireError::from(&Error::OutOfBounds("x".into())));
+        assert!(matches!(
+            l.handle(
+                s,
+                d(
+                    Frame::Ack {
+                        id: read.0,
+                        error: refused
+                    },
+                    0
+                ),
+                now
+            ),
+            Ok(Event::Answered {
+                op: "read",
+                result: Err(Error::OutOfBounds(_))
+            })
+        ));
+        assert!(matches!(
+            l.handle(
+                s,
+                d(
+                    Frame::Ack {
+                        id: write.0,
+                        error: None
+                    },
+                    0
+                ),
+                now
+            ),
+            Ok(Event::Answered {
+                op: "write",
+                result: Ok(())
+            })
+        ));
+        // Answered once: the second answer is stale.
+        assert!(matches!(
+            l.handle(
+                s,
+                d(
+                    Frame::Ack {
+                        id: write.0,
+                        error: None
+                    },
+                    0
+                ),
+                now
+            ),
+            Ok(Event::Stale { .. })
+        ));
+    }
+
+    #[test]
+    fn region_frames_only_on_the_control_stream() {
+        let mut l = link(2, 8);
+        let now = Instant::now();
+        let key = RegionKey(3);
+        assert!(matches!(
+            l.handle(StreamIndex(1), d(Frame::RegionRemoved { key }, 0), now),
+            Err(Error::Protocol(_))
+        ));
+        assert!(matches!(
+            l.handle(StreamIndex(0), d(Frame::RegionTable { regions: Vec::new() }, 0), now),
+            Ok(Event::RegionsChanged)
+        ));
+    }
+
+    #[test]
+    fn outstanding_operations_are_bounded_per_stream() {
+        let mut l = link(1, 2);
+        l.start(None, OpKind::Ack, 1, "a").unwrap();
+        l.start(None, OpKind::Ack, 1, "b").unwrap();
+        assert!(matches!(
+            l.start(None, OpKind::Ack, 1, "c"),
+            Err(Error::ResourceExhausted(_))
+        ));
+        assert!(matches!(
+            l.start(Some(StreamIndex(1)), OpKind::Ack, 1, "d"),
+            Err(Error::InvalidArgument(_))
+        ));
+    }
+
+    #[test]
+    fn close_returns_every_waiting_operation_and_refuses_new_ones() {
+        let mut l = link(3, 8);
+        for name in ["a", "b", "c", "d"] {
+            l.start(None, OpKind::Ack, 100, name).unwrap();
+        }
+        let mut failed = l.close(Error::PeerClosed("gone".into()));
+        failed.sort_unstable();
+        assert_eq!(failed, ["a", "b", "c", "d"]);
+        assert!(matches!(l.start(None, OpKind::Ack, 1, "e"), Err(Error::PeerClosed(m)) if m == "gone"));
+        assert!(l.close(Error::Timeout("later".into())).is_empty());
+        assert!(matches!(l.closed(), Some(Error::PeerClosed(_))));
+    }
+
+    #[test]
+    fn least_loaded_counts_bytes() {
+        let mut l = link(3, 8);
+        let (a, _) = l.start(None, OpKind::Ack, 100, "a").unwrap();
+        let (b, _) = l.start(None, OpKind::Ack, 10, "b").unwrap();
+        let (c, _) = l.start(None, OpKind::Ack, 50, "c").unwrap();
+        assert_eq!((a, b, c), (StreamIndex(0), StreamIndex(1), StreamIndex(2)));
+        assert_eq!(l.least_loaded(), StreamIndex(1));
+    }
+}

@@ -1,0 +1,36 @@
+//! ferry's link protocol, without sockets, tasks or clocks of its own.
+//!
+//! A link joins an initiator (the engine that dials) and a target (the engine that accepts) over one
+//! control stream and zero or more further streams, each an ordered byte stream carrying the frames of
+//! `ferry_core::codec`. This crate holds every decision the protocol makes, as plain state machines in
+//! the manner of `quinn-proto`: they take frames, time (as an [`std::time::Instant`] argument) and local
+//! requests, and they answer with frames to send and events to act on. Transports (TCP today; the
+//! same-host and RDMA paths use the same control link) only move bytes between sockets and memory and
+//! feed what they read in here.
+//!
+//! | module | side | decides |
+//! |---|---|---|
+//! | [`handshake`] | both | what a hello says; which hellos open a link or join one, and how many streams a link may have |
+//! | [`initiator`] | initiator | operation ids, which stream an operation takes, matching answers to operations, the limit on outstanding operations, the peer's region table |
+//! | [`target`] | target | which frames a target accepts on which stream, and the answers it owes |
+//! | [`adverts`] | target | the bounded queue of region updates per link, and the full table resent when it overflowed |
+//! | [`keepalive`] | initiator | when to probe a silent peer, and when to give it up |
+//!
+//! Everything here is deterministic, so the tests drive both sides in memory (`tests/pair.rs`), with
+//! random interleavings of the streams and broken streams, and check the outcome against a model.
+
+pub mod adverts;
+pub mod handshake;
+pub mod ids;
+pub mod initiator;
+pub mod keepalive;
+pub mod limits;
+pub mod target;
+
+pub use adverts::AdvertQueue;
+pub use handshake::{Admission, Identity, LinkRegistry};
+pub use ids::{LinkToken, OpId, StreamIndex};
+pub use initiator::{Event, Initiator};
+pub use keepalive::Keepalive;
+pub use limits::LinkLimits;
+pub use target::{Request, TargetStream};

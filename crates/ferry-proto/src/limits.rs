@@ -1,0 +1,23 @@
+//! The bounds a link keeps, whatever its peer sends.
+
+/// Limits of one link, enforced by the state machines of this crate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LinkLimits {
+    /// Most streams one link may have, the control stream included.
+    pub max_streams: u16,
+    /// Most operations awaiting an answer on one stream (transfers' frames, commits, notifications,
+    /// data-path setups).
+    pub max_outstanding_per_stream: usize,
+    /// Region updates queued for one link before they are replaced by one resend of the whole table.
+    pub advert_queue: usize,
+}
+
+impl Default for LinkLimits {
+    fn default() -> Self {
+        LinkLimits {
+            max_streams: 64,
+            max_outstanding_per_stream: 1 << 16,
+            advert_queue: 1024,
+        }
+    }
+}

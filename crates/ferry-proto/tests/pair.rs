@@ -1,0 +1,462 @@
+//! Both sides of a link in memory: an [`Initiator`] and a target made of [`TargetStream`]s, an
+//! [`AdvertQueue`] and a model of region memory, joined by one FIFO per stream and direction.
+//!
+//! Property tests run random sequences of operations, deliveries in random stream order, region
+//! changes, local give-ups, hostile answers and broken streams, and check the protocol's promises
+//! against a model: every operation ends exactly once; nothing succeeds on a closed link; a commit is
+//! served after every write started before it on its stream; without breaks, every operation succeeds
+//! and the initiator's region table ends equal to the target's.
+
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::time::{Duration, Instant};
+
+use ferry_core::codec::{Decoded, Frame, ReadStatus, Segment};
+use ferry_core::{Access, Durability, Error, RegionAd, RegionChange, RegionKey};
+use ferry_proto::initiator::OpKind;
+use ferry_proto::target::{Request, ack};
+use ferry_proto::{AdvertQueue, Event, Initiator, Keepalive, LinkLimits, OpId, StreamIndex, TargetStream};
+use proptest::prelude::*;
+
+const SLOT: u64 = 8;
+
+/// What the harness remembers of an operation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Op {
+    n: usize,
+    kind: OpKind,
+}
+
+struct Wire {
+    to_target: VecDeque<(Decoded, Vec<u8>)>,
+    to_initiator: VecDeque<(Decoded, Vec<u8>)>,
+}
+
+struct Pair {
+    initiator: Initiator<Op>,
+    targets: Vec<TargetStream>,
+    wires: Vec<Wire>,
+    memory: Vec<u8>,
+    table: BTreeMap<u64, RegionAd>,
+    adverts: AdvertQueue,
+    /// Per operation: how it ended (`Some(true)` success), at most once.
+    ended: HashMap<usize, bool>,
+    started: usize,
+    /// Operation ids in the order the target served them, per stream.
+    served: Vec<Vec<OpId>>,
+    ids: HashMap<usize, (StreamIndex, OpId)>,
+    /// Operations that may fail on an open link: given up locally, or reading a region that is not there.
+    may_fail: HashSet<usize>,
+    broken: bool,
+}
+
+fn ad(key: u64) -> RegionAd {
+    RegionAd {
+        key: RegionKey(key),
+        addr: key << 20,
+        len: 64 * SLOT,
+        access: Access::READ_WRITE,
+        persistent: false,
+        transport_keys: Vec::new(),
+    }
+}
+
+impl Pair {
+    fn new(streams: usize, advert_queue: usize) -> Pair {
+        let limits = LinkLimits {
+            advert_queue,
+            ..LinkLimits::default()
+        };
+        let keepalive = Keepalive::new(Instant::now(), Duration::from_secs(5), Duration::from_secs(60));
+        Pair {
+            initiator: Initiator::new("target".into(), streams, vec![ad(0)], limits, keepalive),
+            targets: (0..streams)
+                .map(|i| TargetStream::new(StreamIndex(i as u16), "initiator".into()))
+                .collect(),
+            wires: (0..streams)
+                .map(|_| Wire {
+                    to_target: VecDeque::new(),
+                    to_initiator: VecDeque::new(),
+                })
+                .collect(),
+            memory: vec![0; 64 * SLOT as usize],
+            table: BTreeMap::from([(0, ad(0))]),
+            adverts: AdvertQueue::new(advert_queue),
+            ended: HashMap::new(),
+            started: 0,
+            served: vec![Vec::new(); streams],
+            ids: HashMap::new(),
+            may_fail: HashSet::new(),
+            broken: false,
+        }
+    }
+
+    fn end(&mut self, n: usize, ok: bool) {
+        assert!(self.ended.insert(n, ok).is_none(), "operation {n} ended twice");
+        assert!(!(ok && self.broken), "operation {n} succeeded on a closed link");
+    }
+
+    fn send(&mut self, stream: StreamIndex, frame: Frame, payload: Vec<u8>) {
+        let decoded = Decoded {
+            frame,
+            payload_len: payload.len() as u64,
+        };
+        self.wires[stream.get()].to_target.push_back((decoded, payload));
+    }
+
+    /// Starts a write of one slot, or a commit on `stream` after it.
+    fn write(&mut self, slot: u64, byte: u8, stream: Option<StreamIndex>, commit: bool) {
+        let n = self.started;
+        self.started += 1;
+        let kind = OpKind::Ack;
+        let bytes = if commit { 0 } else { SLOT };
+        let Ok((s, id)) = self.initiator.start(stream, kind, bytes, Op { n, kind }) else {
+            assert!(self.broken, "a start refused on an open link");
+            self.end(n, false);
+            return;
+        };
+        if let Some(asked) = stream {
+            assert_eq!(s, asked, "an operation went to another stream than asked");
+        }
+        self.ids.insert(n, (s, id));
+        let seg = Segment {
+            key: RegionKey(0),
+            offset: slot * SLOT,
+            len: SLOT,
+        };
+        match commit {
+            false => self.send(
+                s,
+                Frame::WriteBatch {
+                    id: id.0,
+                    durability: Durability::Completed,
+                    segments: vec![seg],
+                },
+                vec![byte; SLOT as usize],
+            ),
+            true => self.send(
+                s,
+                Frame::Commit {
+                    id: id.0,
+                    durability: Durability::Persistent,
+                    segments: vec![seg],
+                },
+                Vec::new(),
+            ),
+        }
+    }
+
+    fn read(&mut self, slot: u64) {
+        let n = self.started;
+        self.started += 1;
+        let kind = OpKind::Read;
+        let Ok((s, id)) = self.initiator.start(None, kind, SLOT, Op { n, kind }) else {
+            assert!(self.broken);
+            self.end(n, false);
+            return;
+        };
+        self.ids.insert(n, (s, id));
+        if slot % 7 == 6 {
+            self.may_fail.insert(n);
+        }
+        let frame = Frame::Read {
+            id: id.0,
+            key: RegionKey(if slot % 7 == 6 { 99 } else { 0 }),
+            offset: slot * SLOT,
+            len: SLOT,
+        };
+        self.send(s, frame, Vec::new());
+    }
+
+    /// The target serves the next frame on `stream`.
+    fn serve(&mut self, stream: usize) {
+        let Some((decoded, payload)) = self.wires[stream].to_target.pop_front() else {
+            return;
+        };
+        let request = self.targets[stream]
+            .request(decoded)
+            .expect("an initiator sends only requests");
+        let answer = match request {
+            Request::WriteBatch { id, segments, .. } => {
+                for s in &segments {
+                    let at = s.offset as usize;
+                    self.memory[at..at + s.len as usize].copy_from_slice(&payload);
+                }
+                self.served[stream].push(id);
+                (ack(id, &Ok(())), Vec::new())
+            }
+            Request::Commit { id, .. } => {
+                self.served[stream].push(id);
+                (ack(id, &Ok(())), Vec::new())
+            }
+            Request::Read { id, segments } => {
+                self.served[stream].push(id);
+                let s = segments[0];
+                if !self.table.contains_key(&s.key.0) {
+                    (ack(id, &Err(Error::OutOfBounds("no such region".into()))), Vec::new())
+                } else {
+                    let at = s.offset as usize;
+                    let mut data = self.memory[at..at + s.len as usize].to_vec();
+                    data.push(ReadStatus::Intact as u8);
+                    (Frame::ReadData { id: id.0 }, data)
+                }
+            }
+            other => panic!("unexpected request {other:?}"),
+        };
+        let (frame, payload) = answer;
+        let decoded = Decoded {
+            frame,
+            payload_len: payload.len() as u64,
+        };
+        self.wires[stream].to_initiator.push_back((decoded, payload));
+    }
+
+    /// The initiator handles the next frame on `stream`.
+    fn receive(&mut self, stream: usize) {
+        let Some((decoded, payload)) = self.wires[stream].to_initiator.pop_front() else {
+            return;
+        };
+        match self
+            .initiator
+            .handle(StreamIndex(stream as u16), decoded, Instant::now())
+        {
+            Ok(Event::Answered { op, result }) => self.end(op.n, result.is_ok()),
+            Ok(Event::Data { op, payload_len }) => {
+                assert_eq!(op.kind, OpKind::Read);
+                assert_eq!(payload_len, SLOT + ReadStatus::LEN);
+                assert_eq!(payload.len() as u64, payload_len);
+                self.end(op.n, true);
+            }
+            Ok(Event::Stale { .. } | Event::RegionsChanged | Event::Nothing) => {}
+            Ok(Event::SetupAnswered { .. }) => panic!("no setups in this harness"),
+            Err(e) => self.close(e),
+        }
+    }
+
+    fn close(&mut self, e: Error) {
+        self.broken = true;
+        for op in self.initiator.close(e) {
+            self.end(op.n, false);
+        }
+        for w in &mut self.wires {
+            w.to_target.clear();
+            w.to_initiator.clear();
+        }
+    }
+
+    fn change_region(&mut self, key: u64, add: bool) {
+        let change = match add {
+            true => {
+                self.table.insert(key, ad(key));
+                RegionChange::Added(ad(key))
+            }
+            false => {
+                self.table.remove(&key);
+                RegionChange::Removed(RegionKey(key))
+            }
+        };
+        self.adverts.push(&change);
+    }
+
+    fn transmit_adverts(&mut self) {
+        let table = &self.table;
+        if let Some(frame) = self.adverts.poll_transmit(|| table.values().cloned().collect()) {
+            if !self.broken {
+                self.wires[0]
+                    .to_initiator
+                    .push_back((Decoded { frame, payload_len: 0 }, Vec::new()));
+            }
+        }
+    }
+
+    fn give_up(&mut self, n: usize) {
+        if self.ended.contains_key(&n) {
+            return;
+        }
+        if let Some(&(s, id)) = self.ids.get(&n) {
+            if self.initiator.take(s, id).is_some() {
+                self.may_fail.insert(n);
+                self.end(n, false);
+            }
+        }
+    }
+
+    fn settle(&mut self) {
+        loop {
+            let busy = self
+                .wires
+                .iter()
+                .any(|w| !w.to_target.is_empty() || !w.to_initiator.is_empty());
+            if !busy && self.adverts.is_empty() {
+                break;
+            }
+            self.transmit_adverts();
+            for s in 0..self.wires.len() {
+                self.serve(s);
+                self.receive(s);
+            }
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Step {
+    Write { slot: u64, byte: u8, stream: Option<u16> },
+    CommitAfter { slot: u64, stream: u16 },
+    Read { slot: u64 },
+    Serve(usize),
+    Receive(usize),
+    Region { key: u64, add: bool },
+    Adverts,
+    GiveUp(usize),
+    Hostile { stream: usize, id: u64, data: bool },
+    Break,
+}
+
+fn step(streams: usize) -> impl Strategy<Value = Step> {
+    let s = streams as u16;
+    prop_oneof![
+        4 => (0..64u64, any::<u8>(), proptest::option::of(0..s)).prop_map(|(slot, byte, stream)| Step::Write { slot, byte, stream }),
+        1 => (0..64u64, 0..s).prop_map(|(slot, stream)| Step::CommitAfter { slot, stream }),
+        2 => (0..64u64).prop_map(|slot| Step::Read { slot }),
+        5 => (0..streams).prop_map(Step::Serve),
+        5 => (0..streams).prop_map(Step::Receive),
+        2 => (1..10u64, any::<bool>()).prop_map(|(key, add)| Step::Region { key, add }),
+        1 => Just(Step::Adverts),
+        1 => (0..40usize).prop_map(Step::GiveUp),
+    ]
+}
+
+fn run(streams: usize, advert_queue: usize, steps: &[Step], hostile: &[Step]) -> Pair {
+    let mut p = Pair::new(streams, advert_queue);
+    for st in steps.iter().chain(hostile) {
+        match *st {
+            Step::Write { slot, byte, stream } => p.write(slot, byte, stream.map(StreamIndex), false),
+            Step::CommitAfter { slot, stream } => {
+                p.write(slot, 1, Some(StreamIndex(stream)), false);
+                p.write(slot, 0, Some(StreamIndex(stream)), true);
+            }
+            Step::Read { slot } => p.read(slot),
+            Step::Serve(s) => p.serve(s),
+            Step::Receive(s) => p.receive(s),
+            Step::Region { key, add } => p.change_region(key, add),
+            Step::Adverts => p.transmit_adverts(),
+            Step::GiveUp(n) => p.give_up(n),
+            Step::Hostile { stream, id, data } => {
+                let frame = match data {
+                    true => Frame::ReadData { id },
+                    false => Frame::Ack { id, error: None },
+                };
+                let payload_len = if data { SLOT + 1 } else { 0 };
+                p.wires[stream]
+                    .to_initiator
+                    .push_front((Decoded { frame, payload_len }, vec![0; payload_len as usize]));
+                p.receive(stream);
+            }
+            Step::Break => p.close(Error::PeerClosed("a stream broke".into())),
+        }
+    }
+    p.settle();
+    p
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// Without breaks: every operation ends once and succeeds unless given up or refused by the
+    /// target; commits are served after the writes before them on their stream; the region tables agree.
+    #[test]
+    fn every_operation_ends_once_and_tables_agree(
+        advert_queue in 1usize..4,
+        (streams, steps) in (1usize..4).prop_flat_map(|s| (Just(s), proptest::collection::vec(step(s), 0..80))),
+    ) {
+        let p = run(streams, advert_queue, &steps, &[]);
+        prop_assert_eq!(p.ended.len(), p.started, "an operation never ended");
+        for (n, ok) in &p.ended {
+            prop_assert!(*ok || p.may_fail.contains(n), "operation {} failed on an open link", n);
+        }
+        for s in 0..streams {
+            prop_assert_eq!(p.initiator.outstanding(StreamIndex(s as u16)), 0);
+        }
+        let mut got: Vec<u64> = p.initiator.regions().iter().map(|a| a.key.0).collect();
+        got.sort_unstable();
+        prop_assert_eq!(got, p.table.keys().copied().collect::<Vec<_>>());
+        check_commit_order(&p);
+    }
+
+    /// A hostile or broken peer: the link closes, every waiting operation fails exactly once, and
+    /// nothing succeeds afterwards.
+    #[test]
+    fn a_broken_link_fails_everything_once(
+        steps in proptest::collection::vec(step(2), 0..60),
+        bad in (0usize..2, 0u64..200, any::<bool>()),
+        after in proptest::collection::vec(step(2), 0..20),
+        hostile in any::<bool>(),
+    ) {
+        let (stream, id, data) = bad;
+        let trouble = match hostile {
+            true => Step::Hostile { stream, id, data },
+            false => Step::Break,
+        };
+        let mut tail = vec![trouble];
+        tail.extend(after);
+        let p = run(2, 4, &steps, &tail);
+        prop_assert_eq!(p.ended.len(), p.started);
+        if p.broken {
+            prop_assert!(p.initiator.closed().is_some());
+        }
+    }
+}
+
+/// Each stream's target served its operations in the order they were started on it, so a commit
+/// ran after every write started before it on its stream.
+fn check_commit_order(p: &Pair) {
+    for served in &p.served {
+        assert!(
+            served.windows(2).all(|w| w[0] < w[1]),
+            "a stream served out of order: {served:?}"
+        );
+    }
+}
+
+#[test]
+fn a_hostile_answer_for_an_unsent_id_breaks_the_link() {
+    let p = run(
+        1,
+        4,
+        &[Step::Write {
+            slot: 1,
+            byte: 7,
+            stream: None,
+        }],
+        &[Step::Hostile {
+            stream: 0,
+            id: 1000,
+            data: false,
+        }],
+    );
+    assert!(p.broken);
+    assert!(matches!(p.initiator.closed(), Some(Error::Protocol(_))));
+    assert_eq!(p.ended.get(&0), Some(&false));
+    assert_eq!(p.memory[8..16], [0; 8], "the write was dropped with the broken link");
+}
+
+#[test]
+fn writes_land_and_reads_see_them() {
+    let p = run(
+        2,
+        4,
+        &[
+            Step::Write {
+                slot: 3,
+                byte: 9,
+                stream: Some(1),
+            },
+            Step::Serve(1),
+            Step::Read { slot: 3 },
+        ],
+        &[],
+    );
+    assert!(!p.broken);
+    assert_eq!(p.ended, HashMap::from([(0, true), (1, true)]));
+    assert_eq!(p.memory[24..32], [9; 8]);
+}
