@@ -259,12 +259,12 @@ impl Pair {
 
     fn transmit_adverts(&mut self) {
         let table = &self.table;
-        if let Some(frame) = self.adverts.poll_transmit(|| table.values().cloned().collect()) {
-            if !self.broken {
-                self.wires[0]
-                    .to_initiator
-                    .push_back((Decoded { frame, payload_len: 0 }, Vec::new()));
-            }
+        if let Some(frame) = self.adverts.poll_transmit(|| table.values().cloned().collect())
+            && !self.broken
+        {
+            self.wires[0]
+                .to_initiator
+                .push_back((Decoded { frame, payload_len: 0 }, Vec::new()));
         }
     }
 
@@ -272,11 +272,11 @@ impl Pair {
         if self.ended.contains_key(&n) {
             return;
         }
-        if let Some(&(s, id)) = self.ids.get(&n) {
-            if self.initiator.take(s, id).is_some() {
-                self.may_fail.insert(n);
-                self.end(n, false);
-            }
+        if let Some(&(s, id)) = self.ids.get(&n)
+            && self.initiator.take(s, id).is_some()
+        {
+            self.may_fail.insert(n);
+            self.end(n, false);
         }
     }
 
