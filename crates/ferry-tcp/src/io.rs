@@ -59,6 +59,11 @@ impl FrameReader {
         }
     }
 
+    /// The peer, for messages.
+    pub fn peer(&self) -> &str {
+        &self.peer
+    }
+
     fn closed(&self) -> Error {
         Error::PeerClosed(format!("{} closed the connection", self.peer))
     }

@@ -6,19 +6,25 @@
 //! large enough to gain from it. Each piece takes its size from a per-link byte budget, goes to the
 //! stream with the fewest bytes outstanding, and completes when the target acknowledges it (writes) or
 //! its data has landed (reads). Stream 0 also carries notifications and the target's region updates.
+//!
+//! The protocol's decisions are `ferry-proto`'s [`Initiator`]: operation ids, which stream an operation
+//! takes, matching each answer to its operation, the peer's region table and the keepalive. This
+//! module moves bytes and keeps the byte budget (how much may be in flight, which needs waiting).
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use ferry_core::codec::{Frame, Hello, HelloAck, Limits, ReadStatus, Segment};
-use ferry_core::sync::take_all;
 use ferry_core::{
     DataLink, Durability, Error, Fence, Notification, Op, PersistMethod, RegionEntry, RemoteRegions, Resolved, Result,
     TransferItem, TransferRequest, TransportKind,
 };
+use ferry_proto::handshake::check_ack;
+use ferry_proto::initiator::OpKind;
+use ferry_proto::keepalive::{DEFAULT_DEAD, DEFAULT_IDLE};
+use ferry_proto::{Event, Identity, Initiator, Keepalive, LinkLimits, LinkToken, OpId, StreamIndex};
 use futures::future::BoxFuture;
 use tokio::net::TcpStream;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
@@ -49,18 +55,12 @@ pub struct LinkConfig {
     pub limits: Limits,
     /// The staging pool for small descriptors, if on.
     pub pool: Option<Arc<StagingPool>>,
+    /// The protocol's limits.
+    pub link_limits: LinkLimits,
 }
 
 /// What the initiator says about itself in its hello.
-#[derive(Debug, Clone)]
-pub struct LocalIdentity {
-    /// Engine id.
-    pub engine_id: u64,
-    /// Host id.
-    pub host_id: u64,
-    /// Usable transports, best first.
-    pub transports: Vec<TransportKind>,
-}
+pub type LocalIdentity = Identity;
 
 /// Where a read's data goes, and the fence of the transfer that asked for it: the data lands only
 /// while that fence is open (see [`CallerFence`]).
@@ -90,24 +90,42 @@ impl Drop for CallerFence {
     }
 }
 
+/// An operation waiting for its answer, as the protocol core keeps it.
+enum Waiter {
+    Op(Pending),
+    Setup(oneshot::Sender<Result<Vec<u8>>>),
+}
+
+impl Waiter {
+    fn fail(self, error: Error) {
+        match self {
+            Waiter::Op(p) => {
+                let _ = p.done.send(Err(error));
+            }
+            Waiter::Setup(s) => {
+                let _ = s.send(Err(error));
+            }
+        }
+    }
+}
+
 struct Pending {
     done: oneshot::Sender<Result<()>>,
     read: Option<ReadDest>,
-    bytes: u64,
     _budget: Option<OwnedSemaphorePermit>,
 }
 
 enum Outgoing {
     Frame(Frame),
     Write {
-        id: u64,
+        id: OpId,
         durability: Durability,
         remote_key: ferry_core::RegionKey,
         remote_offset: u64,
         local: Resolved,
     },
     WriteStaged {
-        id: u64,
+        id: OpId,
         durability: Durability,
         segments: Vec<Segment>,
         staged: StagingBuf,
@@ -115,27 +133,20 @@ enum Outgoing {
     Shutdown,
 }
 
-struct Stream {
-    tx: mpsc::UnboundedSender<Outgoing>,
-    pending: Mutex<HashMap<u64, Pending>>,
-    outstanding: AtomicU64,
-}
-
 struct Shared {
     peer: String,
     remote_engine: u64,
     remote_host: u64,
     remote_transports: Vec<TransportKind>,
-    remote_regions: RwLock<RemoteRegions>,
+    proto: Mutex<Initiator<Waiter>>,
     region_updates: tokio::sync::Notify,
-    streams: Vec<Stream>,
-    next_id: AtomicU64,
+    streams: Vec<mpsc::UnboundedSender<Outgoing>>,
+    /// Set once `proto` is closed, for checks that need no lock.
     closed: AtomicBool,
     budget: Arc<Semaphore>,
     budget_units: u32,
     pool: Option<Arc<StagingPool>>,
     tasks: Mutex<Vec<AbortHandle>>,
-    setups: Mutex<HashMap<u64, oneshot::Sender<Result<Vec<u8>>>>>,
 }
 
 /// A link to one peer over TCP.
@@ -155,6 +166,7 @@ impl std::fmt::Debug for TcpLink {
 
 async fn open_stream(addr: SocketAddr, hello: Hello, limits: Limits) -> Result<(FrameReader, FrameWriter, HelloAck)> {
     let peer = addr.to_string();
+    let index = StreamIndex(hello.stream_index);
     let stream = TcpStream::connect(addr)
         .await
         .map_err(|e| Error::io(format_args!("connecting to {addr}"), e))?;
@@ -168,7 +180,7 @@ async fn open_stream(addr: SocketAddr, hello: Hello, limits: Limits) -> Result<(
     writer.flush().await?;
     match reader.next().await? {
         Some(d) => match d.frame {
-            Frame::HelloAck(ack) => Ok((reader, writer, ack)),
+            Frame::HelloAck(ack) => Ok((reader, writer, check_ack(ack, index, &peer)?)),
             other => Err(Error::Protocol(format!("{peer} answered the hello with {other:?}"))),
         },
         None => Err(Error::PeerClosed(format!(
@@ -187,62 +199,37 @@ impl TcpLink {
             kind: std::io::ErrorKind::Other,
             message: format!("drawing a link token: {e}"),
         })?;
-        let hello = |i: usize| Hello {
-            engine_id: me.engine_id,
-            link_token: u64::from_le_bytes(token),
-            stream_index: i as u16,
-            stream_count: streams as u16,
-            transports: me.transports.clone(),
-            host_id: me.host_id,
-        };
+        let token = LinkToken(u64::from_le_bytes(token));
+        let hello = |i: usize| me.hello(token, StreamIndex(i as u16), streams as u16);
         let (r0, w0, ack) = open_stream(addr, hello(0), config.limits).await?;
-        if let Some(refusal) = ack.refusal {
-            return Err(refusal.into_error());
-        }
         let mut halves = vec![(r0, w0)];
         let rest =
             futures::future::try_join_all((1..streams).map(|i| open_stream(addr, hello(i), config.limits))).await?;
-        for (r, w, a) in rest {
-            if let Some(refusal) = a.refusal {
-                return Err(refusal.into_error());
-            }
-            halves.push((r, w));
-        }
+        halves.extend(rest.into_iter().map(|(r, w, _)| (r, w)));
         let budget_units = (config.max_inflight_bytes / BUDGET_UNIT).clamp(1, u32::MAX as u64 >> 4) as u32;
-        let mut txs = Vec::new();
-        let mut rxs = Vec::new();
-        for _ in 0..streams {
-            let (tx, rx) = mpsc::unbounded_channel();
-            txs.push(tx);
-            rxs.push(rx);
-        }
+        let (txs, rxs): (Vec<_>, Vec<_>) = (0..streams).map(|_| mpsc::unbounded_channel()).unzip();
+        let peer = addr.to_string();
+        let keepalive = Keepalive::new(Instant::now(), DEFAULT_IDLE, DEFAULT_DEAD);
+        let proto = Initiator::new(peer.clone(), streams, ack.regions, config.link_limits, keepalive);
         let shared = Arc::new(Shared {
-            peer: addr.to_string(),
+            peer,
             remote_engine: ack.engine_id,
             remote_host: ack.host_id,
             remote_transports: ack.transports,
-            remote_regions: RwLock::new(RemoteRegions::new(ack.regions)),
+            proto: Mutex::new(proto),
             region_updates: tokio::sync::Notify::new(),
-            streams: txs
-                .into_iter()
-                .map(|tx| Stream {
-                    tx,
-                    pending: Mutex::new(HashMap::new()),
-                    outstanding: AtomicU64::new(0),
-                })
-                .collect(),
-            next_id: AtomicU64::new(1),
+            streams: txs,
             closed: AtomicBool::new(false),
             budget: Arc::new(Semaphore::new(budget_units as usize)),
             budget_units,
             pool: config.pool.clone(),
             tasks: Mutex::new(Vec::new()),
-            setups: Mutex::new(HashMap::new()),
         });
-        let mut handles = Vec::new();
+        let mut handles = vec![tokio::spawn(keepalive_loop(shared.clone())).abort_handle()];
         for (i, ((reader, writer), rx)) in halves.into_iter().zip(rxs).enumerate() {
-            handles.push(tokio::spawn(write_loop(shared.clone(), i, writer, rx)).abort_handle());
-            handles.push(tokio::spawn(read_loop(shared.clone(), i, reader)).abort_handle());
+            let index = StreamIndex(i as u16);
+            handles.push(tokio::spawn(write_loop(shared.clone(), index, writer, rx)).abort_handle());
+            handles.push(tokio::spawn(read_loop(shared.clone(), index, reader)).abort_handle());
         }
         if let Ok(mut t) = shared.tasks.lock() {
             t.extend(handles);
@@ -278,17 +265,12 @@ impl TcpLink {
 
     /// A snapshot of the peer's regions.
     pub fn remote_regions(&self) -> RemoteRegions {
-        self.shared.remote_regions.read().map(|r| r.clone()).unwrap_or_default()
+        self.with_remote_regions(|r| r.clone()).unwrap_or_default()
     }
 
     /// Runs `f` on the peer's region table.
     pub fn with_remote_regions<T>(&self, f: impl FnOnce(&RemoteRegions) -> T) -> Result<T> {
-        let guard = self
-            .shared
-            .remote_regions
-            .read()
-            .map_err(|_| Error::Internal("remote region table lock poisoned".into()))?;
-        Ok(f(&guard))
+        Ok(f(self.shared.proto()?.regions()))
     }
 
     /// Waits until the peer's region table changes, or `timeout` passes.
@@ -312,87 +294,75 @@ impl TcpLink {
 
     /// Sends a ping and waits for nothing: a cheap way to find out that the peer is gone.
     pub fn ping(&self) -> Result<()> {
-        self.shared.send(0, Outgoing::Frame(Frame::Ping { nonce: 0 }))
+        self.shared
+            .send(StreamIndex::CONTROL, Outgoing::Frame(Frame::Ping { nonce: 0 }))
     }
 }
 
 impl Shared {
-    fn closed_error(&self) -> Error {
-        Error::PeerClosed(format!("the link to {} is closed", self.peer))
+    fn proto(&self) -> Result<MutexGuard<'_, Initiator<Waiter>>> {
+        self.proto
+            .lock()
+            .map_err(|_| Error::Internal("link state lock poisoned".into()))
     }
 
-    fn send(&self, stream: usize, out: Outgoing) -> Result<()> {
+    fn closed_error(&self) -> Error {
+        match self.proto() {
+            Ok(p) => p.closed_error(),
+            Err(e) => e,
+        }
+    }
+
+    fn send(&self, stream: StreamIndex, out: Outgoing) -> Result<()> {
         if self.closed.load(Ordering::Acquire) {
             return Err(self.closed_error());
         }
-        self.streams[stream].tx.send(out).map_err(|_| self.closed_error())
+        self.streams[stream.get()].send(out).map_err(|_| self.closed_error())
     }
 
-    fn least_loaded(&self) -> usize {
-        (0..self.streams.len())
-            .min_by_key(|&i| self.streams[i].outstanding.load(Ordering::Relaxed))
-            .unwrap_or(0)
-    }
-
-    /// Registers a pending operation on `stream`, then queues `out`. Returns the completion.
+    /// Starts an operation on `stream` (or the least loaded one) and queues the frame `out` builds
+    /// for its id. Returns the stream it took and the completion.
     fn submit(
         &self,
-        stream: usize,
-        id: u64,
+        stream: Option<StreamIndex>,
         bytes: u64,
         read: Option<ReadDest>,
         budget: Option<OwnedSemaphorePermit>,
-        out: Outgoing,
-    ) -> Result<oneshot::Receiver<Result<()>>> {
+        out: impl FnOnce(OpId) -> Outgoing,
+    ) -> Result<(StreamIndex, oneshot::Receiver<Result<()>>)> {
         let (done, rx) = oneshot::channel();
-        let s = &self.streams[stream];
-        s.pending
-            .lock()
-            .map_err(|_| Error::Internal("pending table lock poisoned".into()))?
-            .insert(
-                id,
-                Pending {
-                    done,
-                    read,
-                    bytes,
-                    _budget: budget,
-                },
-            );
-        s.outstanding.fetch_add(bytes, Ordering::Relaxed);
-        if let Err(e) = self.send(stream, out) {
+        let kind = if read.is_some() { OpKind::Read } else { OpKind::Ack };
+        let pending = Waiter::Op(Pending {
+            done,
+            read,
+            _budget: budget,
+        });
+        let (stream, id) = self.proto()?.start(stream, kind, bytes, pending)?;
+        if let Err(e) = self.send(stream, out(id)) {
             self.complete(stream, id, Err(e.clone()));
             return Err(e);
         }
-        // A close racing with the insert fails everything pending, including this one.
-        if self.closed.load(Ordering::Acquire) {
-            self.fail_all(self.closed_error());
-        }
-        Ok(rx)
+        Ok((stream, rx))
     }
 
-    fn take_pending(&self, stream: usize, id: u64) -> Option<Pending> {
-        let s = &self.streams[stream];
-        let p = s.pending.lock().ok()?.remove(&id)?;
-        s.outstanding.fetch_sub(p.bytes, Ordering::Relaxed);
-        Some(p)
-    }
-
-    fn complete(&self, stream: usize, id: u64, result: Result<()>) {
-        if let Some(p) = self.take_pending(stream, id) {
+    fn complete(&self, stream: StreamIndex, id: OpId, result: Result<()>) {
+        let waiter = self.proto().ok().and_then(|mut p| p.take(stream, id));
+        if let Some(Waiter::Op(p)) = waiter {
             let _ = p.done.send(result);
         }
     }
 
     fn fail_all(&self, error: Error) {
-        self.closed.store(true, Ordering::Release);
-        for s in &self.streams {
-            for p in take_all(&s.pending) {
-                s.outstanding.fetch_sub(p.bytes, Ordering::Relaxed);
-                let _ = p.done.send(Err(error.clone()));
+        let (waiters, error) = match self.proto() {
+            Ok(mut p) => {
+                let waiters = p.close(error);
+                (waiters, p.closed_error())
             }
-        }
-        for s in take_all(&self.setups) {
-            let _ = s.send(Err(error.clone()));
+            Err(e) => (Vec::new(), e),
+        };
+        self.closed.store(true, Ordering::Release);
+        for w in waiters {
+            w.fail(error.clone());
         }
         self.region_updates.notify_waiters();
     }
@@ -405,9 +375,30 @@ impl Shared {
             .await
             .map_err(|_| self.closed_error())
     }
+}
 
-    fn next_id(&self) -> u64 {
-        self.next_id.fetch_add(1, Ordering::Relaxed)
+/// Drives the protocol's timer: probes a silent peer, and gives the link up when it stays silent.
+async fn keepalive_loop(shared: Arc<Shared>) {
+    loop {
+        let Some(due) = shared.proto().ok().and_then(|p| p.poll_timeout()) else {
+            return;
+        };
+        tokio::time::sleep_until(due.into()).await;
+        let step = shared.proto().and_then(|mut p| {
+            p.handle_timeout(Instant::now())?;
+            Ok(p.poll_transmit())
+        });
+        match step {
+            Ok(Some((stream, frame))) => {
+                let _ = shared.send(stream, Outgoing::Frame(frame));
+            }
+            Ok(None) => {}
+            Err(e) => {
+                tracing::warn!(peer = %shared.peer, error = %e, "link given up");
+                shared.fail_all(e);
+                return;
+            }
+        }
     }
 }
 
@@ -532,29 +523,21 @@ async fn run_transfer(shared: Arc<Shared>, request: TransferRequest) -> Result<(
             Piece::Coalesced(g) => g.iter().map(|i| i.len()).sum(),
         };
         let budget = shared.budget(bytes).await?;
-        let stream = shared.least_loaded();
-        let id = shared.next_id();
-        if deferred {
-            match &piece {
-                Piece::Direct(item) => written[stream].extend(segments(std::slice::from_ref(item))),
-                Piece::Coalesced(group) => written[stream].extend(segments(group)),
-            }
-        }
-        let rx = match (request.op, piece) {
-            (Op::Write, Piece::Direct(item)) => shared.submit(
-                stream,
-                id,
-                bytes,
-                None,
-                Some(budget),
-                Outgoing::Write {
+        let wrote = match (deferred, &piece) {
+            (false, _) => Vec::new(),
+            (true, Piece::Direct(item)) => segments(std::slice::from_ref(item)),
+            (true, Piece::Coalesced(group)) => segments(group),
+        };
+        let (stream, rx) = match (request.op, piece) {
+            (Op::Write, Piece::Direct(item)) => {
+                shared.submit(None, bytes, None, Some(budget), |id| Outgoing::Write {
                     id,
                     durability,
                     remote_key: item.remote_key,
                     remote_offset: item.remote_offset,
                     local: item.local,
-                },
-            )?,
+                })?
+            }
             (Op::Write, Piece::Coalesced(group)) => {
                 let Some(pool) = shared.pool.as_ref() else {
                     return Err(Error::Internal("coalesced piece without a staging pool".into()));
@@ -568,38 +551,29 @@ async fn run_transfer(shared: Arc<Shared>, request: TransferRequest) -> Result<(
                         .copy_out(item.local.offset, &mut staged.data[start..])?;
                 }
                 let segments = segments(&group);
-                shared.submit(
-                    stream,
+                shared.submit(None, bytes, None, Some(budget), |id| Outgoing::WriteStaged {
                     id,
-                    bytes,
-                    None,
-                    Some(budget),
-                    Outgoing::WriteStaged {
-                        id,
-                        durability,
-                        segments,
-                        staged,
-                    },
-                )?
+                    durability,
+                    segments,
+                    staged,
+                })?
             }
-            (Op::Read, Piece::Direct(item)) => shared.submit(
-                stream,
-                id,
-                bytes,
-                Some(ReadDest::Direct {
+            (Op::Read, Piece::Direct(item)) => {
+                let dest = ReadDest::Direct {
                     region: item.local.region.clone(),
                     offset: item.local.offset,
                     len: bytes,
                     caller: caller.0.clone(),
-                }),
-                Some(budget),
-                Outgoing::Frame(Frame::Read {
-                    id,
-                    key: item.remote_key,
-                    offset: item.remote_offset,
-                    len: bytes,
-                }),
-            )?,
+                };
+                shared.submit(None, bytes, Some(dest), Some(budget), |id| {
+                    Outgoing::Frame(Frame::Read {
+                        id: id.0,
+                        key: item.remote_key,
+                        offset: item.remote_offset,
+                        len: bytes,
+                    })
+                })?
+            }
             (Op::Read, Piece::Coalesced(group)) => {
                 let staging = match shared.pool.as_ref() {
                     Some(pool) => Some(pool.acquire().await),
@@ -607,31 +581,30 @@ async fn run_transfer(shared: Arc<Shared>, request: TransferRequest) -> Result<(
                 };
                 let segments = segments(&group);
                 let parts = group.into_iter().map(|i| i.local).collect();
-                shared.submit(
-                    stream,
-                    id,
-                    bytes,
-                    Some(ReadDest::Scatter {
-                        parts,
-                        staging,
-                        caller: caller.0.clone(),
-                    }),
-                    Some(budget),
-                    Outgoing::Frame(Frame::ReadBatch { id, segments }),
-                )?
+                let dest = ReadDest::Scatter {
+                    parts,
+                    staging,
+                    caller: caller.0.clone(),
+                };
+                shared.submit(None, bytes, Some(dest), Some(budget), |id| {
+                    Outgoing::Frame(Frame::ReadBatch { id: id.0, segments })
+                })?
             }
         };
+        written[stream.get()].extend(wrote);
         completions.push(rx);
     }
     for (stream, segments) in written.into_iter().enumerate() {
         for chunk in segments.chunks(MAX_SEGMENTS) {
-            let id = shared.next_id();
-            let frame = Frame::Commit {
-                id,
-                durability: Durability::Persistent,
-                segments: chunk.to_vec(),
+            let commit = |id: OpId| {
+                Outgoing::Frame(Frame::Commit {
+                    id: id.0,
+                    durability: Durability::Persistent,
+                    segments: chunk.to_vec(),
+                })
             };
-            completions.push(shared.submit(stream, id, 0, None, None, Outgoing::Frame(frame))?);
+            let stream = Some(StreamIndex(stream as u16));
+            completions.push(shared.submit(stream, 0, None, None, commit)?.1);
         }
     }
     for rx in completions {
@@ -642,7 +615,7 @@ async fn run_transfer(shared: Arc<Shared>, request: TransferRequest) -> Result<(
 
 async fn write_loop(
     shared: Arc<Shared>,
-    stream: usize,
+    stream: StreamIndex,
     mut writer: FrameWriter,
     mut rx: mpsc::UnboundedReceiver<Outgoing>,
 ) {
@@ -664,7 +637,7 @@ async fn write_loop(
                         local,
                     } => {
                         let frame = Frame::Write {
-                            id,
+                            id: id.0,
                             key: remote_key,
                             offset: remote_offset,
                             durability,
@@ -687,7 +660,7 @@ async fn write_loop(
                     } => {
                         writer.push(
                             &Frame::WriteBatch {
-                                id,
+                                id: id.0,
                                 durability,
                                 segments,
                             },
@@ -711,50 +684,49 @@ async fn write_loop(
     }
     .await;
     if let Err(e) = result {
-        tracing::debug!(peer = %shared.peer, stream, error = %e, "tcp link writer stopped");
+        tracing::debug!(peer = %shared.peer, %stream, error = %e, "tcp link writer stopped");
         shared.fail_all(e);
     }
     writer.shutdown().await;
 }
 
-async fn read_loop(shared: Arc<Shared>, stream: usize, mut reader: FrameReader) {
+async fn read_loop(shared: Arc<Shared>, stream: StreamIndex, mut reader: FrameReader) {
     let error = loop {
         let decoded = match reader.next().await {
             Ok(Some(d)) => d,
             Ok(None) => break Error::PeerClosed(format!("{} closed the connection", shared.peer)),
             Err(e) => break e,
         };
-        match decoded.frame {
-            Frame::Ack { id, error } => shared.complete(stream, id, error.map_or(Ok(()), |e| Err(e.into_error()))),
-            Frame::ReadData { id } => {
-                if let Err(e) = land_read(&shared, stream, id, decoded.payload_len, &mut reader).await {
-                    break e;
+        let event = shared
+            .proto()
+            .and_then(|mut p| p.handle(stream, decoded, Instant::now()));
+        let handled = match event {
+            Ok(Event::Answered { op, result }) => {
+                if let Waiter::Op(p) = op {
+                    let _ = p.done.send(result);
                 }
+                Ok(())
             }
-            Frame::RegionAdded(ad) if stream == 0 => {
-                if let Ok(mut t) = shared.remote_regions.write() {
-                    t.insert(ad);
+            Ok(Event::Data { op, payload_len }) => land_read(&shared, op, payload_len, &mut reader).await,
+            Ok(Event::SetupAnswered { op, result }) => {
+                if let Waiter::Setup(s) = op {
+                    let _ = s.send(result);
                 }
+                Ok(())
+            }
+            Ok(Event::Stale { payload_len }) => reader.discard(payload_len).await,
+            Ok(Event::RegionsChanged) => {
                 shared.region_updates.notify_waiters();
+                Ok(())
             }
-            Frame::RegionRemoved { key } if stream == 0 => {
-                if let Ok(mut t) = shared.remote_regions.write() {
-                    t.remove(key);
-                }
-                shared.region_updates.notify_waiters();
-            }
-            Frame::TransportSetupReply { id, error, blob } if stream == 0 => {
-                let waiter = shared.setups.lock().ok().and_then(|mut m| m.remove(&id));
-                if let Some(w) = waiter {
-                    let _ = w.send(error.map_or(Ok(blob), |e| Err(e.into_error())));
-                }
-            }
-            Frame::Pong { .. } => {}
-            Frame::Goodbye => break Error::PeerClosed(format!("{} closed the link", shared.peer)),
-            other => break Error::Protocol(format!("{} sent an unexpected {other:?}", shared.peer)),
+            Ok(Event::Nothing) => Ok(()),
+            Err(e) => Err(e),
+        };
+        if let Err(e) = handled {
+            break e;
         }
     };
-    tracing::debug!(peer = %shared.peer, stream, %error, "tcp link reader stopped");
+    tracing::debug!(peer = %shared.peer, %stream, %error, "tcp link reader stopped");
     shared.fail_all(error);
 }
 
@@ -773,9 +745,9 @@ pub(crate) fn unbacked(region: &ferry_core::RegionEntry) -> Error {
 /// Puts a read's data where it belongs, then reads the status byte that says whether the data is the
 /// source region's. Errors returned here break the stream; errors of the read itself (a region
 /// deregistered meanwhile, at either end) complete the read.
-async fn land_read(shared: &Shared, stream: usize, id: u64, payload_len: u64, reader: &mut FrameReader) -> Result<()> {
-    let Some(pending) = shared.take_pending(stream, id) else {
-        return reader.discard(payload_len).await;
+async fn land_read(shared: &Shared, op: Waiter, payload_len: u64, reader: &mut FrameReader) -> Result<()> {
+    let Waiter::Op(pending) = op else {
+        return Err(Error::Internal("read data matched a data-path setup".into()));
     };
     let data_len = payload_len.checked_sub(ReadStatus::LEN);
     let landed = match pending.read {
@@ -822,7 +794,7 @@ async fn land_read(shared: &Shared, stream: usize, id: u64, payload_len: u64, re
         }
         _ => {
             return Err(Error::Protocol(format!(
-                "{} sent {payload_len} bytes for read {id} of another size",
+                "{} sent {payload_len} bytes for a read of another size",
                 shared.peer
             )));
         }
@@ -883,15 +855,12 @@ impl ferry_core::SetupExchange for TcpLink {
     fn exchange(&self, kind: TransportKind, blob: Vec<u8>) -> BoxFuture<'_, Result<Vec<u8>>> {
         Box::pin(async move {
             let shared = &self.shared;
-            let id = shared.next_id();
             let (tx, rx) = oneshot::channel();
-            shared
-                .setups
-                .lock()
-                .map_err(|_| Error::Internal("setup table lock poisoned".into()))?
-                .insert(id, tx);
-            if let Err(e) = shared.send(0, Outgoing::Frame(Frame::TransportSetup { id, kind, blob })) {
-                let _ = shared.setups.lock().map(|mut m| m.remove(&id));
+            let control = Some(StreamIndex::CONTROL);
+            let (stream, id) = shared.proto()?.start(control, OpKind::Setup, 0, Waiter::Setup(tx))?;
+            let frame = Frame::TransportSetup { id: id.0, kind, blob };
+            if let Err(e) = shared.send(stream, Outgoing::Frame(frame)) {
+                let _ = shared.proto().map(|mut p| p.take(stream, id));
                 return Err(e);
             }
             rx.await.map_err(|_| shared.closed_error())?
@@ -920,13 +889,14 @@ impl DataLink for TcpLink {
         let shared = self.shared.clone();
         Box::pin(async move {
             notification.validate()?;
-            let id = shared.next_id();
-            let frame = Frame::Notify {
-                id,
-                name: notification.name,
-                msg: notification.msg,
+            let frame = |id: OpId| {
+                Outgoing::Frame(Frame::Notify {
+                    id: id.0,
+                    name: notification.name,
+                    msg: notification.msg,
+                })
             };
-            let rx = shared.submit(0, id, 0, None, None, Outgoing::Frame(frame))?;
+            let (_, rx) = shared.submit(Some(StreamIndex::CONTROL), 0, None, None, frame)?;
             rx.await.map_err(|_| shared.closed_error())?
         })
     }
@@ -938,9 +908,9 @@ impl DataLink for TcpLink {
     fn close(&self) -> BoxFuture<'static, ()> {
         let shared = self.shared.clone();
         Box::pin(async move {
-            let _ = shared.send(0, Outgoing::Frame(Frame::Goodbye));
+            let _ = shared.send(StreamIndex::CONTROL, Outgoing::Frame(Frame::Goodbye));
             for s in &shared.streams {
-                let _ = s.tx.send(Outgoing::Shutdown);
+                let _ = s.send(Outgoing::Shutdown);
             }
             shared.fail_all(Error::PeerClosed(format!(
                 "the link to {} was closed locally",

@@ -1,36 +1,38 @@
 //! The target's side: accepts links, checks every operation against the region table, and moves
 //! payloads between the socket and registered memory.
 //!
+//! The protocol's decisions are `ferry-proto`'s: which hellos open or join a link
+//! ([`LinkRegistry`]), what a frame asks for on which stream ([`TargetStream`]), and the bounded queue
+//! of region updates per link ([`AdvertQueue`]). This module only does the I/O around them.
+//!
 //! Each accepted stream is served by one task that reads a request, applies it and writes the answer
 //! itself: no hand-off between tasks on the request path, and a peer that sends requests without
 //! reading the answers stalls only its own stream (its answers wait in the kernel, not in memory).
 //! Answers are flushed when no further complete request is buffered, so pipelined requests share a
-//! system call. Region updates for stream 0 arrive through a small queue the task also watches.
+//! system call. The control stream's task also sends the link's region updates.
 //! A frame that fails to decode ends that stream (and, for stream 0, its link); every other link keeps
 //! being served. A refused operation's payload is read and dropped, so the stream stays usable.
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use ferry_core::codec::{Frame, HelloAck, Limits, ReadStatus, Segment};
+use ferry_core::codec::{Frame, Hello, Limits, ReadStatus, Segment};
 use ferry_core::region::for_each_region;
-use ferry_core::{
-    Durability, EngineContext, Error, LinkSlot, Notification, Op, RegionChange, Resolved, Result, WireError,
+use ferry_core::{Durability, EngineContext, Error, LinkSlot, Op, RegionChange, Resolved, Result};
+use ferry_proto::target::{ack, setup_reply};
+use ferry_proto::{
+    Admission, AdvertQueue, Identity, LinkLimits, LinkRegistry, LinkToken, OpId, Request, StreamIndex, TargetStream,
 };
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::mpsc;
+use tokio::sync::Notify;
 use tokio::task::AbortHandle;
 
 use crate::io::{FrameReader, FrameWriter, Landed};
 
 /// Most streams one link may open.
 pub const MAX_STREAMS_PER_LINK: u16 = 64;
-/// Region updates queued per link; a peer that does not read its control stream loses the excess
-/// and learns of the change from the target's refusal instead.
-const ANNOUNCE_QUEUE: usize = 1024;
 
 /// How the server behaves.
 #[derive(Debug, Clone)]
@@ -39,6 +41,8 @@ pub struct ServerConfig {
     pub limits: Limits,
     /// How long a new connection may take to say hello.
     pub handshake_timeout: Duration,
+    /// The protocol's limits per link.
+    pub link_limits: LinkLimits,
 }
 
 impl Default for ServerConfig {
@@ -46,6 +50,10 @@ impl Default for ServerConfig {
         ServerConfig {
             limits: Limits::default(),
             handshake_timeout: Duration::from_secs(10),
+            link_limits: LinkLimits {
+                max_streams: MAX_STREAMS_PER_LINK,
+                ..LinkLimits::default()
+            },
         }
     }
 }
@@ -53,7 +61,8 @@ impl Default for ServerConfig {
 struct AcceptedLink {
     id: u64,
     peer_engine: u64,
-    announcements: mpsc::Sender<Frame>,
+    adverts: Mutex<AdvertQueue>,
+    adverts_due: Notify,
     streams: Mutex<Vec<AbortHandle>>,
     /// State of other data paths set up for this link (an RDMA queue pair), dropped with it.
     transport_state: Mutex<Vec<Box<dyn std::any::Any + Send + Sync>>>,
@@ -63,7 +72,7 @@ struct AcceptedLink {
 struct Shared {
     ctx: Arc<EngineContext>,
     config: ServerConfig,
-    links: Mutex<HashMap<u64, Arc<AcceptedLink>>>,
+    links: Mutex<LinkRegistry<Arc<AcceptedLink>>>,
     next_link: AtomicU64,
 }
 
@@ -93,8 +102,8 @@ impl TcpServer {
             .map_err(|e| Error::io("reading the bound address", e))?;
         let shared = Arc::new(Shared {
             ctx,
+            links: Mutex::new(LinkRegistry::new(config.link_limits)),
             config,
-            links: Mutex::new(HashMap::new()),
             next_link: AtomicU64::new(1),
         });
         let accept = tokio::spawn(accept_loop(listener, shared.clone())).abort_handle();
@@ -118,25 +127,25 @@ impl TcpServer {
 
     /// Tells every accepted link about a change to the region table.
     pub fn announce(&self, change: &RegionChange) {
-        let frame = match change {
-            RegionChange::Added(ad) => Frame::RegionAdded(ad.clone()),
-            RegionChange::Removed(key) => Frame::RegionRemoved { key: *key },
-        };
         let links: Vec<_> = self
             .shared
             .links
             .lock()
-            .map(|l| l.values().cloned().collect())
+            .map(|l| l.links().cloned().collect())
             .unwrap_or_default();
         for link in links {
-            let _ = link.announcements.try_send(frame.clone());
+            if let Ok(mut q) = link.adverts.lock() {
+                q.push(change);
+            }
+            link.adverts_due.notify_one();
         }
     }
 
     /// Stops accepting and closes every accepted link.
     pub fn shutdown(&self) {
         self.accept.abort();
-        for link in ferry_core::sync::take_all(&self.shared.links) {
+        let links = self.shared.links.lock().map(|mut l| l.drain()).unwrap_or_default();
+        for link in links {
             close_link(&self.shared, &link);
         }
     }
@@ -180,6 +189,73 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
     }
 }
 
+fn identity(ctx: &EngineContext) -> Identity {
+    Identity {
+        engine_id: ctx.engine_id,
+        host_id: ctx.host_id,
+        transports: ctx.transports.clone(),
+    }
+}
+
+/// Reads the hello, within the handshake timeout; `None` if the peer closed first.
+async fn read_hello(reader: &mut FrameReader, peer: SocketAddr, timeout: Duration) -> Result<Option<Hello>> {
+    match tokio::time::timeout(timeout, reader.next()).await {
+        Err(_) => Err(Error::Timeout(format!("{peer} did not say hello in time"))),
+        Ok(Ok(Some(d))) => match d.frame {
+            Frame::Hello(h) => Ok(Some(h)),
+            other => Err(Error::Protocol(format!(
+                "{peer} opened with {other:?} instead of a hello"
+            ))),
+        },
+        Ok(Ok(None)) => Ok(None),
+        Ok(Err(e)) => Err(e),
+    }
+}
+
+/// Decides on `hello` and answers it: the link the stream belongs to, or the refusal that was sent.
+fn admit(
+    shared: &Shared,
+    hello: &Hello,
+    writer: &mut FrameWriter,
+) -> Result<std::result::Result<Arc<AcceptedLink>, Error>> {
+    let ctx = &shared.ctx;
+    let me = identity(ctx);
+    let mut links = shared
+        .links
+        .lock()
+        .map_err(|_| Error::Internal("link table lock poisoned".into()))?;
+    let admitted = match links.admit(hello) {
+        Ok(Admission::Join(link)) => Ok((link, Vec::new())),
+        Ok(Admission::Open) => ctx.links.acquire().and_then(|slot| {
+            let link = Arc::new(AcceptedLink {
+                id: shared.next_link.fetch_add(1, Ordering::Relaxed),
+                peer_engine: hello.engine_id,
+                adverts: Mutex::new(AdvertQueue::new(shared.config.link_limits.advert_queue)),
+                adverts_due: Notify::new(),
+                streams: Mutex::new(Vec::new()),
+                transport_state: Mutex::new(Vec::new()),
+                _slot: slot,
+            });
+            // Under the registry's lock, so no update announced meanwhile is missed: it is either
+            // in this table or queued for the link.
+            let regions = ctx.regions.read().map(|t| t.adverts()).unwrap_or_default();
+            links.open(hello, link.clone())?;
+            Ok((link, regions))
+        }),
+        Err(e) => Err(e),
+    };
+    Ok(match admitted {
+        Ok((link, regions)) => {
+            writer.push(&Frame::HelloAck(me.accept(regions)), 0)?;
+            Ok(link)
+        }
+        Err(e) => {
+            writer.push(&Frame::HelloAck(me.refuse(&e)), 0)?;
+            Err(e)
+        }
+    })
+}
+
 async fn serve_stream(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>) -> Result<()> {
     stream
         .set_nodelay(true)
@@ -187,109 +263,24 @@ async fn serve_stream(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>) 
     let (r, w) = stream.into_split();
     let mut reader = FrameReader::new(r, shared.config.limits, peer.to_string());
     let mut writer = FrameWriter::new(w, peer.to_string());
-    let hello = match tokio::time::timeout(shared.config.handshake_timeout, reader.next()).await {
-        Err(_) => return Err(Error::Timeout(format!("{peer} did not say hello in time"))),
-        Ok(Ok(Some(d))) => match d.frame {
-            Frame::Hello(h) => h,
-            other => {
-                return Err(Error::Protocol(format!(
-                    "{peer} opened with {other:?} instead of a hello"
-                )));
-            }
-        },
-        Ok(Ok(None)) => return Ok(()),
-        Ok(Err(e)) => return Err(e),
+    let Some(hello) = read_hello(&mut reader, peer, shared.config.handshake_timeout).await? else {
+        return Ok(());
     };
-    let ctx = &shared.ctx;
-    let refuse = |e: Error| HelloAck {
-        engine_id: ctx.engine_id,
-        refusal: Some(WireError::from(&e)),
-        transports: ctx.transports.clone(),
-        host_id: ctx.host_id,
-        regions: Vec::new(),
-    };
-    let (announce_tx, announcements) = mpsc::channel(ANNOUNCE_QUEUE);
-    let (link, is_control) = if hello.stream_index == 0 {
-        let admitted = if hello.stream_count == 0 || hello.stream_count > MAX_STREAMS_PER_LINK {
-            Err(Error::InvalidArgument(format!(
-                "{} streams asked for; 1 to {MAX_STREAMS_PER_LINK} are allowed",
-                hello.stream_count
-            )))
-        } else {
-            ctx.links.acquire()
-        };
-        let slot = match admitted {
-            Ok(slot) => slot,
-            Err(e) => {
-                tracing::warn!(%peer, error = %e, "link refused");
-                writer.push(&Frame::HelloAck(refuse(e)), 0)?;
-                writer.flush().await?;
-                return Ok(());
-            }
-        };
-        let link = Arc::new(AcceptedLink {
-            id: shared.next_link.fetch_add(1, Ordering::Relaxed),
-            peer_engine: hello.engine_id,
-            announcements: announce_tx,
-            streams: Mutex::new(Vec::new()),
-            transport_state: Mutex::new(Vec::new()),
-            _slot: slot,
-        });
-        let regions = ctx.regions.read().map(|t| t.adverts()).unwrap_or_default();
-        let inserted = match shared.links.lock() {
-            Ok(mut links) if !links.contains_key(&hello.link_token) => {
-                links.insert(hello.link_token, link.clone());
-                true
-            }
-            _ => false,
-        };
-        if !inserted {
-            writer.push(&Frame::HelloAck(refuse(Error::Protocol("link token reused".into()))), 0)?;
+    let link = match admit(&shared, &hello, &mut writer)? {
+        Ok(link) => link,
+        Err(e) => {
+            tracing::warn!(%peer, error = %e, "stream refused");
             writer.flush().await?;
             return Ok(());
         }
-        let ack = HelloAck {
-            engine_id: ctx.engine_id,
-            refusal: None,
-            transports: ctx.transports.clone(),
-            host_id: ctx.host_id,
-            regions,
-        };
-        writer.push(&Frame::HelloAck(ack), 0)?;
-        tracing::info!(%peer, engine = format_args!("{:016x}", hello.engine_id), streams = hello.stream_count, "link accepted");
-        (link, true)
-    } else {
-        let link = shared.links.lock().ok().and_then(|l| l.get(&hello.link_token).cloned());
-        let Some(link) = link.filter(|l| l.peer_engine == hello.engine_id) else {
-            writer.push(
-                &Frame::HelloAck(refuse(Error::Protocol("unknown link token".into()))),
-                0,
-            )?;
-            writer.flush().await?;
-            return Ok(());
-        };
-        writer.push(
-            &Frame::HelloAck(HelloAck {
-                engine_id: ctx.engine_id,
-                refusal: None,
-                transports: ctx.transports.clone(),
-                host_id: ctx.host_id,
-                regions: Vec::new(),
-            }),
-            0,
-        )?;
-        (link, false)
     };
     writer.flush().await?;
-    let peer_name = peer.to_string();
-    let serving = serve_requests(
-        shared.clone(),
-        link.clone(),
-        peer_name,
-        reader,
-        writer,
-        is_control.then_some(announcements),
-    );
+    let index = StreamIndex(hello.stream_index);
+    if index.is_control() {
+        tracing::info!(%peer, engine = format_args!("{:016x}", hello.engine_id), streams = hello.stream_count, "link accepted");
+    }
+    let stream = TargetStream::new(index, peer.to_string());
+    let serving = serve_requests(shared.clone(), link.clone(), stream, reader, writer);
     // Closing the link aborts every stream's task through these handles.
     let task = tokio::spawn(serving);
     if let Ok(mut s) = link.streams.lock() {
@@ -298,9 +289,12 @@ async fn serve_stream(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>) 
     let result = task
         .await
         .unwrap_or_else(|e| Err(Error::PeerClosed(format!("{peer}: stream task ended: {e}"))));
-    if is_control {
-        let token = hello.link_token;
-        let removed = shared.links.lock().ok().and_then(|mut l| l.remove(&token));
+    if index.is_control() {
+        let removed = shared
+            .links
+            .lock()
+            .ok()
+            .and_then(|mut l| l.close(LinkToken(hello.link_token)));
         if let Some(link) = removed {
             close_link(&shared, &link);
         }
@@ -309,173 +303,177 @@ async fn serve_stream(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>) 
     result
 }
 
+/// Moves the link's due region updates into the control stream's writer.
+fn push_adverts(ctx: &EngineContext, link: &AcceptedLink, writer: &mut FrameWriter) -> Result<()> {
+    let mut q = link
+        .adverts
+        .lock()
+        .map_err(|_| Error::Internal("region update queue lock poisoned".into()))?;
+    while let Some(frame) = q.poll_transmit(|| ctx.regions.read().map(|t| t.adverts()).unwrap_or_default()) {
+        writer.push(&frame, 0)?;
+    }
+    Ok(())
+}
+
 async fn serve_requests(
     shared: Arc<Shared>,
     link: Arc<AcceptedLink>,
-    peer: String,
+    stream: TargetStream,
     mut reader: FrameReader,
     mut writer: FrameWriter,
-    mut announcements: Option<mpsc::Receiver<Frame>>,
 ) -> Result<()> {
     let ctx = &shared.ctx;
-    let ack = |id: u64, r: Result<()>| Frame::Ack {
-        id,
-        error: r.err().map(|e| WireError::from(&e)),
-    };
+    let control = stream.is_control();
     loop {
         // Answer what is already in hand before waiting for more.
         if !reader.has_frame() {
             writer.flush().await?;
         }
-        let next = match announcements.as_mut() {
-            Some(changes) => tokio::select! {
+        let next = match control {
+            true => tokio::select! {
                 biased;
-                change = changes.recv() => {
-                    match change {
-                        Some(frame) => writer.push(&frame, 0)?,
-                        None => announcements = None,
-                    }
+                () = link.adverts_due.notified() => {
+                    push_adverts(ctx, &link, &mut writer)?;
                     continue;
                 }
                 next = reader.next() => next?,
             },
-            None => reader.next().await?,
+            false => reader.next().await?,
         };
         let Some(decoded) = next else { return Ok(()) };
-        let payload = decoded.payload_len;
-        match decoded.frame {
-            Frame::Write {
+        let answer = match stream.request(decoded)? {
+            Request::Write {
                 id,
                 key,
                 offset,
                 durability,
+                payload_len,
             } => {
-                let result = match ctx.resolve_write(key, offset, payload, durability) {
-                    Ok(r) => {
-                        let landed = land(&mut reader, &r).await?;
-                        landed.and_then(|()| persist(&[r], durability))
-                    }
-                    Err(e) => {
-                        reader.discard(payload).await?;
-                        Err(e)
-                    }
+                let seg = Segment {
+                    key,
+                    offset,
+                    len: payload_len,
                 };
-                writer.push(&ack(id, result), 0)?;
+                serve_write(ctx, &mut reader, id, &[seg], payload_len, durability).await?
             }
-            Frame::WriteBatch {
+            Request::WriteBatch {
                 id,
                 durability,
                 segments,
-            } => {
-                let resolved: Result<Vec<Resolved>> = segments
-                    .iter()
-                    .map(|s| ctx.resolve_write(s.key, s.offset, s.len, durability))
-                    .collect();
-                let result = match resolved {
-                    Ok(parts) => {
-                        let mut result = Ok(());
-                        for r in &parts {
-                            let landed = land(&mut reader, r).await?;
-                            if result.is_ok() {
-                                result = landed;
-                            }
-                        }
-                        result.and_then(|()| persist(&parts, durability))
-                    }
-                    Err(e) => {
-                        reader.discard(payload).await?;
-                        Err(e)
-                    }
-                };
-                writer.push(&ack(id, result), 0)?;
-            }
-            Frame::Commit {
+                payload_len,
+            } => serve_write(ctx, &mut reader, id, &segments, payload_len, durability).await?,
+            Request::Commit {
                 id,
                 durability,
                 segments,
-            } => {
-                // Ranges this stream's frames wrote before it: persist them if asked.
-                let result = segments
-                    .iter()
-                    .map(|s| ctx.resolve_write(s.key, s.offset, s.len, durability))
-                    .collect::<Result<Vec<_>>>()
-                    .and_then(|parts| persist(&parts, durability));
-                writer.push(&ack(id, result), 0)?;
-            }
-            Frame::Read { id, key, offset, len } => {
-                let seg = [Segment { key, offset, len }];
-                match resolve_reads(ctx, &seg, shared.config.limits.max_payload) {
-                    Ok(parts) => send_read_data(&mut writer, id, &parts).await?,
-                    Err(e) => writer.push(&ack(id, Err(e)), 0)?,
+            } => ack(id, &serve_commit(ctx, &segments, durability)),
+            Request::Read { id, segments } => match resolve_reads(ctx, &segments, shared.config.limits.max_payload) {
+                Ok(parts) => {
+                    send_read_data(&mut writer, id, &parts).await?;
+                    continue;
                 }
+                Err(e) => ack(id, &Err(e)),
+            },
+            Request::Notify { id, notification } => {
+                let result = notification.validate().and_then(|()| {
+                    ctx.notifier
+                        .deliver(link.id, link.peer_engine, reader.peer(), notification)
+                });
+                ack(id, &result)
             }
-            Frame::ReadBatch { id, segments } => {
-                match resolve_reads(ctx, &segments, shared.config.limits.max_payload) {
-                    Ok(parts) => send_read_data(&mut writer, id, &parts).await?,
-                    Err(e) => writer.push(&ack(id, Err(e)), 0)?,
-                }
+            Request::Ping { nonce } => Frame::Pong { nonce },
+            Request::Setup { id, kind, blob } => {
+                setup_reply(id, serve_setup(&shared, &link, reader.peer(), kind, &blob))
             }
-            Frame::Notify { id, name, msg } => {
-                let n = Notification { name, msg };
-                let result = n
-                    .validate()
-                    .and_then(|()| ctx.notifier.deliver(link.id, link.peer_engine, &peer, n));
-                writer.push(&ack(id, result), 0)?;
-            }
-            Frame::Ping { nonce } => writer.push(&Frame::Pong { nonce }, 0)?,
-            Frame::TransportSetup { id, kind, blob } if announcements.is_some() => {
-                let answer = ctx
-                    .acceptors
-                    .iter()
-                    .find(|t| t.kind() == kind)
-                    .ok_or_else(|| Error::Unsupported(format!("this engine has no usable {kind} transport")))
-                    .and_then(|t| {
-                        t.accept(ferry_core::AcceptSetup {
-                            link: link.id,
-                            blob: &blob,
-                            notifier: ctx.notifier.clone(),
-                            peer_engine: link.peer_engine,
-                            peer_addr: &peer,
-                            context: Arc::downgrade(&shared.ctx),
-                        })
-                    });
-                let reply = match answer {
-                    Ok((blob, state)) => {
-                        if let Ok(mut s) = link.transport_state.lock() {
-                            s.push(state);
-                        }
-                        tracing::info!(%peer, transport = %kind, "data path set up");
-                        Frame::TransportSetupReply { id, error: None, blob }
-                    }
-                    Err(e) => Frame::TransportSetupReply {
-                        id,
-                        error: Some(WireError::from(&e)),
-                        blob: Vec::new(),
-                    },
-                };
-                writer.push(&reply, 0)?;
-            }
-            Frame::Goodbye => {
+            Request::Goodbye => {
                 writer.shutdown().await;
                 return Ok(());
             }
-            other => {
-                return Err(Error::Protocol(format!(
-                    "{peer} sent {other:?}, which a target does not accept"
-                )));
-            }
-        }
+        };
+        writer.push(&answer, 0)?;
         if writer.queued() >= 256 << 10 {
             writer.flush().await?;
         }
     }
 }
 
+/// Lands a write's payload in the regions its segments name, persisting it if asked; the answer to
+/// send. An error breaks the stream.
+async fn serve_write(
+    ctx: &EngineContext,
+    reader: &mut FrameReader,
+    id: OpId,
+    segments: &[Segment],
+    payload_len: u64,
+    durability: Durability,
+) -> Result<Frame> {
+    let resolved: Result<Vec<Resolved>> = segments
+        .iter()
+        .map(|s| ctx.resolve_write(s.key, s.offset, s.len, durability))
+        .collect();
+    let result = match resolved {
+        Ok(parts) => {
+            let mut result = Ok(());
+            for r in &parts {
+                let landed = land(reader, r).await?;
+                if result.is_ok() {
+                    result = landed;
+                }
+            }
+            result.and_then(|()| persist(&parts, durability))
+        }
+        Err(e) => {
+            reader.discard(payload_len).await?;
+            Err(e)
+        }
+    };
+    Ok(ack(id, &result))
+}
+
+/// Ranges this stream's frames wrote before the commit: persist them if asked.
+fn serve_commit(ctx: &EngineContext, segments: &[Segment], durability: Durability) -> Result<()> {
+    segments
+        .iter()
+        .map(|s| ctx.resolve_write(s.key, s.offset, s.len, durability))
+        .collect::<Result<Vec<_>>>()
+        .and_then(|parts| persist(&parts, durability))
+}
+
+/// Sets up another data path for the link: the transport's answer to send back.
+fn serve_setup(
+    shared: &Arc<Shared>,
+    link: &AcceptedLink,
+    peer: &str,
+    kind: ferry_core::TransportKind,
+    blob: &[u8],
+) -> Result<Vec<u8>> {
+    let ctx = &shared.ctx;
+    let transport = ctx
+        .acceptors
+        .iter()
+        .find(|t| t.kind() == kind)
+        .ok_or_else(|| Error::Unsupported(format!("this engine has no usable {kind} transport")))?;
+    let (blob, state) = transport.accept(ferry_core::AcceptSetup {
+        link: link.id,
+        blob,
+        notifier: ctx.notifier.clone(),
+        peer_engine: link.peer_engine,
+        peer_addr: peer,
+        context: Arc::downgrade(&shared.ctx),
+    })?;
+    link.transport_state
+        .lock()
+        .map_err(|_| Error::Internal("transport state lock poisoned".into()))?
+        .push(state);
+    tracing::info!(%peer, transport = %kind, "data path set up");
+    Ok(blob)
+}
+
 /// Answers a read: the header, then each part straight from its region, then the status byte that
 /// says whether those bytes are the regions' (see [`ReadStatus`]).
-async fn send_read_data(writer: &mut FrameWriter, id: u64, parts: &[Resolved]) -> Result<()> {
+async fn send_read_data(writer: &mut FrameWriter, id: OpId, parts: &[Resolved]) -> Result<()> {
     let total: u64 = parts.iter().map(|p| p.len).sum();
-    writer.push(&Frame::ReadData { id }, total + ReadStatus::LEN)?;
+    writer.push(&Frame::ReadData { id: id.0 }, total + ReadStatus::LEN)?;
     let mut copied = true;
     for p in parts {
         copied &= if p.len <= 16 << 10 {

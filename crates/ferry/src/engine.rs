@@ -233,6 +233,7 @@ impl EngineBuilder {
                 let config = ServerConfig {
                     limits: self.limits,
                     handshake_timeout: self.handshake_timeout,
+                    ..ServerConfig::default()
                 };
                 Some(TcpServer::bind(addr, ctx.clone(), config).await?)
             }
@@ -408,6 +409,7 @@ impl Engine {
                 max_inflight_bytes: self.inner.options.max_inflight_bytes,
                 limits: self.inner.options.limits,
                 pool: self.inner.pool.clone(),
+                link_limits: Default::default(),
             };
             let control = TcpLink::dial(addr, &me, &config).await?;
             let data = match self.data_link(&control).await {

@@ -106,14 +106,18 @@ pub mod raw {
 
         /// Connects and completes the handshake as stream 0 of a one-stream link.
         pub async fn handshake(addr: std::net::SocketAddr) -> (RawClient, HelloAck) {
+            RawClient::hello(addr, rand_token(), 0, 1).await
+        }
+
+        /// Connects and says hello as stream `index` of a link of `count` streams named `token`.
+        pub async fn hello(addr: std::net::SocketAddr, token: u64, index: u16, count: u16) -> (RawClient, HelloAck) {
             let mut c = RawClient::connect(addr).await;
-            let token = rand_token();
             c.send(
                 &Frame::Hello(Hello {
                     engine_id: 42,
                     link_token: token,
-                    stream_index: 0,
-                    stream_count: 1,
+                    stream_index: index,
+                    stream_count: count,
                     transports: vec![ferry::TransportKind::Tcp],
                     host_id: 0,
                 }),
