@@ -289,7 +289,7 @@ const COMPARISONS: &[Comparison] = &[
         peer: Some("ferry write 1MiB"),
         peer_scale: 1.0,
         unit: Unit::GbPerS,
-        target: Target::RatioAtLeast(0.5),
+        target: Target::RatioAtLeast(0.6),
     },
     Comparison {
         id: "l",
@@ -316,7 +316,7 @@ const COMPARISONS: &[Comparison] = &[
         peer: Some("sockperf p50 (one-way)"),
         peer_scale: 2.0,
         unit: Unit::Micros,
-        target: Target::RatioAtMost(2.0),
+        target: Target::RatioAtMost(1.5),
     },
     Comparison {
         id: "f",
@@ -343,7 +343,7 @@ const COMPARISONS: &[Comparison] = &[
         peer: None,
         peer_scale: 1.0,
         unit: Unit::Ratio,
-        target: Target::FerryAtLeast(0.9),
+        target: Target::FerryAtLeast(0.95),
     },
     Comparison {
         id: "j",
