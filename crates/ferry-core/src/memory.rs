@@ -2,7 +2,7 @@
 //!
 //! The engine never hands out `&[u8]` or `&mut [u8]` over registered memory: remote peers write into
 //! it concurrently with local code, so the bytes are reached through raw pointers, one bounded copy or
-//! system call at a time, under a [`Lease`](crate::region::Lease) of the region's fence.
+//! system call at a time, under a [`Permit`](crate::guard::Permit) of the region's access guard.
 //!
 //! A [`MemoryBlock`] is anything that owns (or borrows, `unsafe`ly) a contiguous range of host-addressable
 //! bytes: a boxed buffer, an engine allocation backed by a memfd, a mapped Vulkan allocation, a mapped
@@ -47,7 +47,7 @@ pub unsafe trait MemoryBlock: Send + Sync + 'static {
     }
     /// Makes the written ranges `(offset, len)` persistent, as one batch: a page or cache line that
     /// several ranges share is flushed once. Only persistent blocks can; the others refuse with
-    /// `InvalidArgument`. The caller holds a lease of the region's fence.
+    /// `InvalidArgument`. The caller holds a permit of the region's access guard.
     fn persist(&self, ranges: &[(usize, usize)]) -> Result<()> {
         if ranges.is_empty() {
             return Ok(());

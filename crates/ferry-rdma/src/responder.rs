@@ -135,7 +135,7 @@ impl Responder {
             shared.commit_staged(region, ranges)?;
             // Device memory behind a staging buffer takes the bytes to the device here.
             if region.block().has_access_hooks() {
-                let _lease = region.fence().enter().ok_or_else(|| region.gone())?;
+                let _permit = region.guard().enter().ok_or_else(|| region.gone())?;
                 for &(offset, len) in ranges {
                     region
                         .block()
@@ -158,7 +158,7 @@ impl Responder {
             .ok_or_else(|| ferry_core::Error::PeerClosed("the engine is shutting down".into()))?;
         for s in segments {
             let r = context.resolve(s.key, s.offset, s.len, Op::Read)?;
-            let _lease = r.region.fence().enter().ok_or_else(|| r.region.gone())?;
+            let _permit = r.region.guard().enter().ok_or_else(|| r.region.gone())?;
             r.region.block().prepare_read(r.offset as usize, r.len as usize)?;
         }
         Ok(())

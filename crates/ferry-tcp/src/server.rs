@@ -496,10 +496,10 @@ async fn send_read_data(writer: &mut FrameWriter, id: u64, parts: &[Resolved]) -
 }
 
 /// Whether the bytes just sent for `parts` are the regions': `copied` is false when a copy was cut
-/// short (the region's fence closed, or the kernel could not read its memory).
+/// short (the region's access guard closed, or the kernel could not read its memory).
 fn read_status(parts: &[Resolved], copied: bool) -> ReadStatus {
     if !copied {
-        return match parts.iter().any(|p| p.region.fence().is_closed()) {
+        return match parts.iter().any(|p| p.region.guard().is_closed()) {
             true => ReadStatus::RegionGone,
             false => ReadStatus::Unbacked,
         };
@@ -540,7 +540,7 @@ async fn land(reader: &mut FrameReader, r: &Resolved) -> Result<Result<()>> {
                 .block()
                 .commit_written(r.offset as usize, r.len as usize, Durability::Completed)
         }),
-        // A target's copies have no caller fence, so `Abandoned` cannot happen here.
+        // A target's copies have no caller guard, so `Abandoned` cannot happen here.
         Landed::RegionGone | Landed::Abandoned => Err(r.region.gone()),
         Landed::Unbacked => Err(crate::link::unbacked(&r.region)),
     })

@@ -226,7 +226,7 @@ impl FileMapping {
         let mut page = start;
         while page < end {
             // SAFETY: `page` lies inside the mapping (`merged` clamps to its length); an AtomicU8 has no
-            // alignment requirement; the caller holds the region's fence lease.
+            // alignment requirement; the caller holds a permit of the region's access guard.
             unsafe { AtomicU8::from_ptr(self.ptr.add(page)) }.fetch_or(0, Ordering::Relaxed);
             page += page_size();
         }
@@ -372,7 +372,7 @@ impl Drop for FileMapping {
         // The guard's slot is cleared first, so that the SIGBUS handler never remaps an address range
         // that has gone back to the kernel.
         drop(self.guard.take());
-        // SAFETY: the mapping made in `open`; the region's fence guarantees no access is in progress.
+        // SAFETY: the mapping made in `open`; the region's access guard guarantees no access is in progress.
         unsafe { libc::munmap(self.ptr.cast(), self.len) };
     }
 }
