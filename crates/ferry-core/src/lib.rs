@@ -27,7 +27,7 @@ pub mod types;
 
 pub use error::{Error, ErrorCode, Result, WireError};
 pub use guard::{AccessGuard, OwnedPermit, Permit};
-pub use memory::{MemoryBlock, MemoryRegistry, OwnedBuffer, RawMemory};
+pub use memory::{DmaView, MemoryBlock, MemoryRegistry, OwnedBuffer, RawMemory};
 pub use options::BufferPool;
 pub use region::{RegionEntry, RegionTable, RemoteRegions, Resolved};
 pub use transport::{

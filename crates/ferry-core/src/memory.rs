@@ -14,6 +14,27 @@ use std::sync::Arc;
 use crate::error::{Error, Result};
 use crate::types::{Durability, PersistStats};
 
+/// How the CPU and a NIC reach a block's bytes, and so what keeping them coherent costs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DmaView {
+    /// The CPU and the NIC reach the bytes directly at [`MemoryBlock::as_ptr`]: host memory, a mapped
+    /// file (page cache or DAX), host-visible coherent GPU memory. No hook is needed around accesses
+    /// (a persistent write still persists, see [`MemoryBlock::persist`]).
+    Host,
+    /// [`MemoryBlock::as_ptr`] is a host copy (or a non-coherent mapping) in front of memory that the
+    /// NIC and the CPU cannot reach coherently by themselves; [`MemoryBlock::commit_written`] and
+    /// [`MemoryBlock::prepare_read`] keep the two coherent and may block (a GPU copy and its fence,
+    /// a cache flush or invalidate). Transports run them off the runtime's threads, under a permit.
+    Staged,
+    /// Device memory a NIC can reach directly at `nic_address` (`VK_NV_external_memory_rdma`), and
+    /// the CPU cannot: [`MemoryBlock::as_ptr`] is then a host copy that only CPU transports use,
+    /// kept coherent by the hooks as for [`Staged`](DmaView::Staged).
+    Device {
+        /// The address a NIC names the memory by.
+        nic_address: u64,
+    },
+}
+
 /// A contiguous range of memory the engine may register.
 ///
 /// # Safety
@@ -83,12 +104,17 @@ pub unsafe trait MemoryBlock: Send + Sync + 'static {
         let _ = (offset, len);
         Ok(())
     }
+    /// How the CPU and a NIC reach the bytes; [`DmaView::Host`] unless the block says otherwise.
+    fn dma_view(&self) -> DmaView {
+        DmaView::Host
+    }
     /// Whether [`commit_written`](Self::commit_written) (for a completed write) or
-    /// [`prepare_read`](Self::prepare_read) do anything: device memory behind a staging buffer, memory
-    /// that is not host-coherent. A transport whose peers reach the memory without this host's CPU
-    /// (RDMA) then has the peer ask for them around its accesses.
+    /// [`prepare_read`](Self::prepare_read) do anything: every view but [`DmaView::Host`] (device
+    /// memory behind a staging buffer, memory that is not host-coherent). A transport whose peers
+    /// reach the memory without this host's CPU (RDMA) then has the peer ask for them around its
+    /// accesses.
     fn has_access_hooks(&self) -> bool {
-        false
+        self.dma_view() != DmaView::Host
     }
 }
 

@@ -16,8 +16,8 @@ use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::guard::AccessGuard;
-use crate::memory::MemoryBlock;
-use crate::types::{Access, RegionAd, RegionKey, TransportKind};
+use crate::memory::{DmaView, MemoryBlock};
+use crate::types::{Access, Durability, RegionAd, RegionKey, TransportKind};
 
 /// A registered region: its memory, key, access and access guard.
 pub struct RegionEntry {
@@ -157,6 +157,14 @@ impl RegionEntry {
         }
         let _permit = self.guard.enter().ok_or_else(|| self.gone())?;
         self.block.persist(&local)
+    }
+
+    /// Whether the work around an access with `durability` may block the calling thread: the hooks of
+    /// a block that is not [`DmaView::Host`] (a GPU copy, a cache flush), or a persist that is not a
+    /// cache-line write-back to persistent memory (an `msync`). Transports then run it on a blocking
+    /// thread, holding an [`OwnedPermit`](crate::guard::OwnedPermit) across it.
+    pub fn staging_may_block(&self, durability: Durability) -> bool {
+        self.block.dma_view() != DmaView::Host || (durability == Durability::Persistent && !self.block.is_pmem())
     }
 
     /// The error for an access to a region that is being deregistered.

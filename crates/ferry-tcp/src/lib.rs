@@ -11,6 +11,7 @@
 //!   memory under its access guard), never through an intermediate copy.
 #![deny(missing_docs)]
 
+mod blocking;
 mod io;
 mod link;
 mod server;

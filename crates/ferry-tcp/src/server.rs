@@ -16,7 +16,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use ferry_core::codec::{Frame, HelloAck, Limits, ReadStatus, Segment};
-use ferry_core::region::for_each_region;
 use ferry_core::{
     Durability, EngineContext, Error, LinkSlot, Notification, Op, RegionChange, Resolved, Result, WireError,
 };
@@ -353,7 +352,10 @@ async fn serve_requests(
                 let result = match ctx.resolve_write(key, offset, payload, durability) {
                     Ok(r) => {
                         let landed = land(&mut reader, &r).await?;
-                        landed.and_then(|()| persist(&[r], durability))
+                        match landed {
+                            Ok(()) => persist(&[r], durability).await,
+                            Err(e) => Err(e),
+                        }
                     }
                     Err(e) => {
                         reader.discard(payload).await?;
@@ -380,7 +382,10 @@ async fn serve_requests(
                                 result = landed;
                             }
                         }
-                        result.and_then(|()| persist(&parts, durability))
+                        match result {
+                            Ok(()) => persist(&parts, durability).await,
+                            Err(e) => Err(e),
+                        }
                     }
                     Err(e) => {
                         reader.discard(payload).await?;
@@ -395,22 +400,25 @@ async fn serve_requests(
                 segments,
             } => {
                 // Ranges this stream's frames wrote before it: persist them if asked.
-                let result = segments
+                let result = match segments
                     .iter()
                     .map(|s| ctx.resolve_write(s.key, s.offset, s.len, durability))
                     .collect::<Result<Vec<_>>>()
-                    .and_then(|parts| persist(&parts, durability));
+                {
+                    Ok(parts) => persist(&parts, durability).await,
+                    Err(e) => Err(e),
+                };
                 writer.push(&ack(id, result), 0)?;
             }
             Frame::Read { id, key, offset, len } => {
                 let seg = [Segment { key, offset, len }];
-                match resolve_reads(ctx, &seg, shared.config.limits.max_payload) {
+                match resolve_reads(ctx, &seg, shared.config.limits.max_payload).await {
                     Ok(parts) => send_read_data(&mut writer, id, &parts).await?,
                     Err(e) => writer.push(&ack(id, Err(e)), 0)?,
                 }
             }
             Frame::ReadBatch { id, segments } => {
-                match resolve_reads(ctx, &segments, shared.config.limits.max_payload) {
+                match resolve_reads(ctx, &segments, shared.config.limits.max_payload).await {
                     Ok(parts) => send_read_data(&mut writer, id, &parts).await?,
                     Err(e) => writer.push(&ack(id, Err(e)), 0)?,
                 }
@@ -511,7 +519,7 @@ fn read_status(parts: &[Resolved], copied: bool) -> ReadStatus {
     }
 }
 
-fn resolve_reads(ctx: &EngineContext, segments: &[Segment], max_payload: u64) -> Result<Vec<Resolved>> {
+async fn resolve_reads(ctx: &EngineContext, segments: &[Segment], max_payload: u64) -> Result<Vec<Resolved>> {
     let mut total = 0u64;
     let mut parts = Vec::with_capacity(segments.len());
     for s in segments {
@@ -525,7 +533,8 @@ fn resolve_reads(ctx: &EngineContext, segments: &[Segment], max_payload: u64) ->
         parts.push(r);
     }
     for r in &parts {
-        r.region.block().prepare_read(r.offset as usize, r.len as usize)?;
+        // A staged block's device copy: off the runtime, under a permit.
+        crate::blocking::prepare_read(r).await?;
     }
     Ok(parts)
 }
@@ -535,11 +544,11 @@ fn resolve_reads(ctx: &EngineContext, segments: &[Segment], max_payload: u64) ->
 async fn land(reader: &mut FrameReader, r: &Resolved) -> Result<Result<()>> {
     Ok(match reader.read_into(&r.region, r.offset, r.len, None).await? {
         // A copy into a file that shrank meanwhile landed in zero pages without failing.
-        Landed::Written => r.region.block().check_intact().and_then(|()| {
-            r.region
-                .block()
-                .commit_written(r.offset as usize, r.len as usize, Durability::Completed)
-        }),
+        Landed::Written => match r.region.block().check_intact() {
+            // A staged block's device copy: off the runtime, under a permit.
+            Ok(()) => crate::blocking::commit_written(r).await,
+            Err(e) => Err(e),
+        },
         // A target's copies have no caller guard, so `Abandoned` cannot happen here.
         Landed::RegionGone | Landed::Abandoned => Err(r.region.gone()),
         Landed::Unbacked => Err(crate::link::unbacked(&r.region)),
@@ -547,10 +556,7 @@ async fn land(reader: &mut FrameReader, r: &Resolved) -> Result<Result<()>> {
 }
 
 /// Makes the written `parts` persistent when asked, one batch per region: a page written by several
-/// parts of the request is flushed once.
-fn persist(parts: &[Resolved], durability: Durability) -> Result<()> {
-    if durability != Durability::Persistent {
-        return Ok(());
-    }
-    for_each_region(parts, |region, ranges| region.persist(ranges))
+/// parts of the request is flushed once; an `msync` runs off the runtime.
+async fn persist(parts: &[Resolved], durability: Durability) -> Result<()> {
+    crate::blocking::persist(parts, durability).await
 }

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::time::Instant;
 
-use ferry_core::{Error, MemoryBlock, PersistStats, Result};
+use ferry_core::{DmaView, Error, MemoryBlock, PersistStats, Result};
 
 use crate::sigbus;
 
@@ -394,6 +394,16 @@ unsafe impl MemoryBlock for FileMapping {
     }
     fn is_pmem(&self) -> bool {
         self.method == FlushMethod::CacheFlush
+    }
+    /// [`DmaView::Host`], for both kinds of file: the CPU reaches the bytes directly through the
+    /// mapping (the page cache itself, or DAX persistent memory), with no copy in front to keep
+    /// coherent, so a completed write needs no hook. A NIC that cannot pin page-cache pages reaches
+    /// them through the RDMA transport's own staging buffer, which that transport owns and commits;
+    /// nothing here. Persisting a page-cache file is an `msync` that may block: transports run it off
+    /// the runtime when a write asks for persistence (`RegionEntry::staging_may_block`), whatever the
+    /// view.
+    fn dma_view(&self) -> DmaView {
+        DmaView::Host
     }
     fn persist(&self, ranges: &[(usize, usize)]) -> Result<()> {
         self.check_backing()?;

@@ -76,6 +76,8 @@ impl Region {
 
     /// Copies `src` into the region at `offset` (and on to the device, for staged GPU memory).
     pub fn write_at(&self, offset: u64, src: &[u8]) -> Result<()> {
+        // One permit across the copy and the hook (the staged block's device copy).
+        let _permit = self.entry.guard().enter().ok_or_else(|| self.entry.gone())?;
         self.entry.copy_in(offset, src)?;
         // A mapped file that shrank meanwhile took the bytes into zero pages: say so.
         self.entry.block().check_backing()?;
@@ -99,6 +101,8 @@ impl Region {
     /// memory).
     pub fn read_at(&self, offset: u64, dst: &mut [u8]) -> Result<()> {
         self.entry.check_range(offset, dst.len() as u64)?;
+        // One permit across the hook (the staged block's device copy) and the copy.
+        let _permit = self.entry.guard().enter().ok_or_else(|| self.entry.gone())?;
         self.entry.block().prepare_read(offset as usize, dst.len())?;
         self.entry.copy_out(offset, dst)?;
         self.entry.block().check_backing()
