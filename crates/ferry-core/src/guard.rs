@@ -16,7 +16,7 @@
 //! for the copy, off the runtime's threads. So waiting is short, and the async wait never blocks a
 //! runtime thread: the last release wakes it.
 //!
-//! The counter and the waker list use [`crate::sync::shim`], which is loom's under `--cfg loom`, so
+//! The counter and the waker list use `sync::shim`, which is loom's under `--cfg loom`, so
 //! that `tests/loom_guard.rs` checks the interleavings.
 
 use std::future::Future;

@@ -1,5 +1,5 @@
 //! Lock helpers the transports share, and the atomics and mutex of the access guard and the link
-//! slots ([`shim`]).
+//! slots (`shim`).
 
 use std::collections::HashMap;
 use std::sync::{Mutex, PoisonError};

@@ -890,16 +890,20 @@ async fn run(inner: Arc<Inner>, request: TransferRequest) -> Result<()> {
     answered(&inner, completions.into_iter().chain(commits)).await?;
     posted.ids.clear();
     if request.op == Op::Read {
-        // Local memory behind a staging buffer (device-local GPU memory) takes the bytes to the device.
+        // Local memory behind a staging buffer (device-local GPU memory) takes the bytes to the device,
+        // on a blocking thread (a GPU copy waits for its fence), under an owned permit held across it.
         for item in &request.items {
             let region = &item.local.region;
             if region.block().has_access_hooks() {
-                let _permit = region.guard().enter().ok_or_else(|| region.gone())?;
-                region.block().commit_written(
-                    item.local.offset as usize,
-                    item.local.len as usize,
-                    Durability::Completed,
-                )?;
+                let permit = region.guard().enter_owned().ok_or_else(|| region.gone())?;
+                let (region, offset, len) = (region.clone(), item.local.offset as usize, item.local.len as usize);
+                tokio::task::spawn_blocking(move || {
+                    let result = region.block().commit_written(offset, len, Durability::Completed);
+                    drop(permit);
+                    result
+                })
+                .await
+                .map_err(|e| Error::Internal(format!("a staged commit on a blocking thread panicked: {e}")))??;
             }
         }
     }

@@ -376,8 +376,9 @@ impl Engine {
         })
     }
 
-    /// Deregisters a region (HIXL `DeregisterMem`); the same as dropping it. Once this returns, no byte
-    /// of the region is touched again.
+    /// Deregisters a region (HIXL `DeregisterMem`); the same as dropping it, on the calling thread (see
+    /// [`Region`]'s `Drop`). Once this returns, no byte of the region is touched again. Async code
+    /// awaits [`Region::deregister`] instead, which never blocks the runtime.
     pub fn deregister(&self, region: Region) {
         drop(region);
     }

@@ -1,4 +1,4 @@
-//! Registration after connect, deregistration with fencing (once it returns, no byte of the region is touched again), engine-allocated memory.
+//! Registration after connect, deregistration through the access guard (once it returns, sync or async, no byte of the region is touched again), engine-allocated memory.
 
 mod common;
 
