@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 
-use crate::util::{cargo, ensure_debian_packages, run_step, succeeds};
+use crate::util::{cargo, cargo_metadata, ensure_debian_packages, run_step, succeeds, target_dir};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -94,6 +94,24 @@ const STEPS: &[Step] = &[
                     .args(["test", "--workspace", "--release", "--", "--skip", "netem_"])
                     .env("FERRY_REQUIRE_ALL", "1"),
                 60 * MINUTE,
+            )
+        },
+    },
+    // Every interleaving of the access guard's enter, release, close and drain wake-up, and of the link
+    // slots, under loom. `--cfg loom` rebuilds every dependency, so it gets a target folder of its own
+    // (inside the workspace's) and never invalidates the normal build.
+    Step {
+        name: "loom model of the access guard",
+        lint: false,
+        run: |_| {
+            let meta = cargo_metadata()?;
+            let target = target_dir(&meta)?.join("loom");
+            run_step(
+                cargo()
+                    .args(["test", "-p", "ferry-core", "--release", "--test", "loom_guard"])
+                    .env("RUSTFLAGS", "--cfg loom")
+                    .env("CARGO_TARGET_DIR", target),
+                30 * MINUTE,
             )
         },
     },

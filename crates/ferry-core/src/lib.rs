@@ -7,8 +7,9 @@
 //! - the value types: [`Access`], [`Op`], [`Durability`], [`TransportKind`], [`TransferDesc`],
 //!   [`Notification`];
 //! - [`memory`]: what can be registered ([`MemoryBlock`]) and where memory comes from ([`MemoryRegistry`]);
-//! - [`region`]: the region table (unguessable keys, overflow-safe bounds, access checks) and the fence
-//!   that makes deregistration final;
+//! - [`guard`]: the [`AccessGuard`] every access to region memory holds a permit of (CPU copies,
+//!   system calls, NIC work requests, GPU copies), which makes deregistration final;
+//! - [`region`]: the region table (unguessable keys, overflow-safe bounds, access checks);
 //! - [`transport`]: the [`Transport`], [`DataLink`] and [`Notifier`] contracts;
 //! - [`codec`]: the wire protocol as a sans-IO codec;
 //! - [`options`]: HIXL-style option strings.
@@ -16,6 +17,7 @@
 
 pub mod codec;
 pub mod error;
+pub mod guard;
 pub mod memory;
 pub mod options;
 pub mod region;
@@ -24,9 +26,10 @@ pub mod transport;
 pub mod types;
 
 pub use error::{Error, ErrorCode, Result, WireError};
-pub use memory::{MemoryBlock, MemoryRegistry, OwnedBuffer, RawMemory};
+pub use guard::{AccessGuard, OwnedPermit, Permit};
+pub use memory::{DmaView, MemoryBlock, MemoryRegistry, OwnedBuffer, RawMemory};
 pub use options::BufferPool;
-pub use region::{Fence, Lease, RegionEntry, RegionTable, RemoteRegions, Resolved};
+pub use region::{RegionEntry, RegionTable, RemoteRegions, Resolved};
 pub use transport::{
     AcceptSetup, Availability, DataLink, EngineContext, LinkSlot, LinkSlots, Notifier, RegionChange, SetupExchange,
     TransferItem, TransferRequest, Transport,

@@ -2,7 +2,7 @@
 //!
 //! The engine never hands out `&[u8]` or `&mut [u8]` over registered memory: remote peers write into
 //! it concurrently with local code, so the bytes are reached through raw pointers, one bounded copy or
-//! system call at a time, under a [`Lease`](crate::region::Lease) of the region's fence.
+//! system call at a time, under a [`Permit`](crate::guard::Permit) of the region's access guard.
 //!
 //! A [`MemoryBlock`] is anything that owns (or borrows, `unsafe`ly) a contiguous range of host-addressable
 //! bytes: a boxed buffer, an engine allocation backed by a memfd, a mapped Vulkan allocation, a mapped
@@ -13,6 +13,27 @@ use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::types::{Durability, PersistStats};
+
+/// How the CPU and a NIC reach a block's bytes, and so what keeping them coherent costs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DmaView {
+    /// The CPU and the NIC reach the bytes directly at [`MemoryBlock::as_ptr`]: host memory, a mapped
+    /// file (page cache or DAX), host-visible coherent GPU memory. No hook is needed around accesses
+    /// (a persistent write still persists, see [`MemoryBlock::persist`]).
+    Host,
+    /// [`MemoryBlock::as_ptr`] is a host copy (or a non-coherent mapping) in front of memory that the
+    /// NIC and the CPU cannot reach coherently by themselves; [`MemoryBlock::commit_written`] and
+    /// [`MemoryBlock::prepare_read`] keep the two coherent and may block (a GPU copy and its fence,
+    /// a cache flush or invalidate). Transports run them off the runtime's threads, under a permit.
+    Staged,
+    /// Device memory a NIC can reach directly at `nic_address` (`VK_NV_external_memory_rdma`), and
+    /// the CPU cannot: [`MemoryBlock::as_ptr`] is then a host copy that only CPU transports use,
+    /// kept coherent by the hooks as for [`Staged`](DmaView::Staged).
+    Device {
+        /// The address a NIC names the memory by.
+        nic_address: u64,
+    },
+}
 
 /// A contiguous range of memory the engine may register.
 ///
@@ -47,7 +68,7 @@ pub unsafe trait MemoryBlock: Send + Sync + 'static {
     }
     /// Makes the written ranges `(offset, len)` persistent, as one batch: a page or cache line that
     /// several ranges share is flushed once. Only persistent blocks can; the others refuse with
-    /// `InvalidArgument`. The caller holds a lease of the region's fence.
+    /// `InvalidArgument`. The caller holds a permit of the region's access guard.
     fn persist(&self, ranges: &[(usize, usize)]) -> Result<()> {
         if ranges.is_empty() {
             return Ok(());
@@ -83,12 +104,17 @@ pub unsafe trait MemoryBlock: Send + Sync + 'static {
         let _ = (offset, len);
         Ok(())
     }
+    /// How the CPU and a NIC reach the bytes; [`DmaView::Host`] unless the block says otherwise.
+    fn dma_view(&self) -> DmaView {
+        DmaView::Host
+    }
     /// Whether [`commit_written`](Self::commit_written) (for a completed write) or
-    /// [`prepare_read`](Self::prepare_read) do anything: device memory behind a staging buffer, memory
-    /// that is not host-coherent. A transport whose peers reach the memory without this host's CPU
-    /// (RDMA) then has the peer ask for them around its accesses.
+    /// [`prepare_read`](Self::prepare_read) do anything: every view but [`DmaView::Host`] (device
+    /// memory behind a staging buffer, memory that is not host-coherent). A transport whose peers
+    /// reach the memory without this host's CPU (RDMA) then has the peer ask for them around its
+    /// accesses.
     fn has_access_hooks(&self) -> bool {
-        false
+        self.dma_view() != DmaView::Host
     }
 }
 

@@ -1,80 +1,30 @@
-//! The region table: which memory a peer may reach, and the fence that makes deregistration final.
+//! The region table: which memory a peer may reach, each region with the access guard that makes its
+//! deregistration final.
 //!
 //! Every remote operation names a region by its [`RegionKey`] and an offset; [`RegionTable::resolve`]
 //! checks the key, the bounds (overflow-safe) and the access before the first payload byte is read from
 //! the network or written to memory. Local descriptors name addresses; [`RegionTable::find_local`] finds
 //! the region that holds them wholly.
 //!
-//! Memory is touched only under a [`Lease`] of the region's [`Fence`], one bounded copy or non-blocking
-//! system call at a time. Deregistration closes the fence and waits for the leases out, which takes
-//! microseconds, so that after it returns no byte of the region is touched again.
+//! Memory is touched only under a [`Permit`](crate::guard::Permit) of the region's [`AccessGuard`]:
+//! CPU copies, system calls, NIC work requests and GPU copies alike. Deregistration closes the guard
+//! and waits for the permits out, so that after it returns no byte of the region is touched again (see
+//! [`crate::guard`]).
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crate::error::{Error, Result};
-use crate::memory::MemoryBlock;
-use crate::types::{Access, RegionAd, RegionKey, TransportKind};
+use crate::guard::AccessGuard;
+use crate::memory::{DmaView, MemoryBlock};
+use crate::types::{Access, Durability, RegionAd, RegionKey, TransportKind};
 
-const CLOSED: usize = 1 << (usize::BITS - 1);
-
-/// Counts the memory accesses in progress on a region and refuses new ones once closed.
-#[derive(Debug, Default)]
-pub struct Fence {
-    state: AtomicUsize,
-}
-
-impl Fence {
-    /// Starts an access; `None` once the region is being deregistered.
-    pub fn enter(&self) -> Option<Lease<'_>> {
-        let prev = self.state.fetch_add(1, Ordering::Acquire);
-        if prev & CLOSED != 0 {
-            self.state.fetch_sub(1, Ordering::Release);
-            return None;
-        }
-        Some(Lease { fence: self })
-    }
-
-    /// Whether the fence is closed.
-    pub fn is_closed(&self) -> bool {
-        self.state.load(Ordering::Acquire) & CLOSED != 0
-    }
-
-    /// Refuses new accesses and waits until the ones in progress have ended. Leases are held for one
-    /// bounded copy or non-blocking system call, so this spins for microseconds at most.
-    pub fn close_and_wait(&self) {
-        self.state.fetch_or(CLOSED, Ordering::AcqRel);
-        let mut spins = 0u32;
-        while self.state.load(Ordering::Acquire) & !CLOSED != 0 {
-            spins += 1;
-            if spins < 64 {
-                std::hint::spin_loop();
-            } else {
-                std::thread::yield_now();
-            }
-        }
-    }
-}
-
-/// Permission to touch a region's memory until dropped.
-#[derive(Debug)]
-pub struct Lease<'a> {
-    fence: &'a Fence,
-}
-
-impl Drop for Lease<'_> {
-    fn drop(&mut self) {
-        self.fence.state.fetch_sub(1, Ordering::Release);
-    }
-}
-
-/// A registered region: its memory, key, access and fence.
+/// A registered region: its memory, key, access and access guard.
 pub struct RegionEntry {
     key: RegionKey,
     access: Access,
     block: Arc<dyn MemoryBlock>,
-    fence: Fence,
+    guard: Arc<AccessGuard>,
     transport_keys: Vec<(TransportKind, Vec<u8>)>,
 }
 
@@ -100,7 +50,7 @@ impl RegionEntry {
             key,
             access,
             block,
-            fence: Fence::default(),
+            guard: Arc::new(AccessGuard::new()),
             transport_keys: Vec::new(),
         })
     }
@@ -135,9 +85,9 @@ impl RegionEntry {
     pub fn block(&self) -> &Arc<dyn MemoryBlock> {
         &self.block
     }
-    /// The fence guarding the memory.
-    pub fn fence(&self) -> &Fence {
-        &self.fence
+    /// The guard every access to the memory holds a permit of.
+    pub fn guard(&self) -> &Arc<AccessGuard> {
+        &self.guard
     }
     /// What peers are told about this region.
     pub fn advert(&self) -> RegionAd {
@@ -169,35 +119,35 @@ impl RegionEntry {
 
     /// A raw pointer to `offset`, after [`check_range`](Self::check_range) passed for the range used.
     ///
-    /// The pointer may be used only while a [`Lease`] of this region's fence is held.
+    /// The pointer may be used only while a permit of this region's [`guard`](Self::guard) is held.
     pub fn ptr_at(&self, offset: u64) -> *mut u8 {
         debug_assert!(offset <= self.len());
         // `offset <= len` and the block is `len` bytes long, so the result stays in (or one past) it.
         self.block.as_ptr().wrapping_add(offset as usize)
     }
 
-    /// Copies `src` into the region at `offset` under a lease. Fails if the region is being
+    /// Copies `src` into the region at `offset` under a permit. Fails if the region is being
     /// deregistered or the range is outside it.
     pub fn copy_in(&self, offset: u64, src: &[u8]) -> Result<()> {
         self.check_range(offset, src.len() as u64)?;
-        let _lease = self.fence.enter().ok_or_else(|| self.gone())?;
+        let _permit = self.guard.enter().ok_or_else(|| self.gone())?;
         // SAFETY: the range is inside the block (checked above), the block is valid while the entry
-        // lives, the lease keeps deregistration from completing, and `src` cannot overlap region memory
+        // lives, the permit keeps deregistration from completing, and `src` cannot overlap region memory
         // handed out as a slice because the engine never hands out such slices.
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr_at(offset), src.len()) };
         Ok(())
     }
 
-    /// Copies from the region at `offset` into `dst` under a lease.
+    /// Copies from the region at `offset` into `dst` under a permit.
     pub fn copy_out(&self, offset: u64, dst: &mut [u8]) -> Result<()> {
         self.check_range(offset, dst.len() as u64)?;
-        let _lease = self.fence.enter().ok_or_else(|| self.gone())?;
+        let _permit = self.guard.enter().ok_or_else(|| self.gone())?;
         // SAFETY: as in `copy_in`, with source and destination swapped.
         unsafe { std::ptr::copy_nonoverlapping(self.ptr_at(offset), dst.as_mut_ptr(), dst.len()) };
         Ok(())
     }
 
-    /// Makes the written ranges `(offset, len)` persistent in one batch, under a lease: once the
+    /// Makes the written ranges `(offset, len)` persistent in one batch, under a permit: once the
     /// region is being deregistered this fails and leaves the memory alone.
     pub fn persist(&self, ranges: &[(u64, u64)]) -> Result<()> {
         let mut local = Vec::with_capacity(ranges.len());
@@ -205,8 +155,16 @@ impl RegionEntry {
             self.check_range(offset, len)?;
             local.push((offset as usize, len as usize));
         }
-        let _lease = self.fence.enter().ok_or_else(|| self.gone())?;
+        let _permit = self.guard.enter().ok_or_else(|| self.gone())?;
         self.block.persist(&local)
+    }
+
+    /// Whether the work around an access with `durability` may block the calling thread: the hooks of
+    /// a block that is not [`DmaView::Host`] (a GPU copy, a cache flush), or a persist that is not a
+    /// cache-line write-back to persistent memory (an `msync`). Transports then run it on a blocking
+    /// thread, holding an [`OwnedPermit`](crate::guard::OwnedPermit) across it.
+    pub fn staging_may_block(&self, durability: Durability) -> bool {
+        self.block.dma_view() != DmaView::Host || (durability == Durability::Persistent && !self.block.is_pmem())
     }
 
     /// The error for an access to a region that is being deregistered.
@@ -303,7 +261,7 @@ impl RegionTable {
         Ok(())
     }
 
-    /// Removes a region; the caller then closes its fence.
+    /// Removes a region; the caller then closes its guard.
     pub fn remove(&mut self, key: RegionKey) -> Option<Arc<RegionEntry>> {
         let entry = self.by_key.remove(&key)?;
         self.by_addr.remove(&entry.addr());
@@ -369,7 +327,7 @@ impl RegionTable {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
     use crate::memory::OwnedBuffer;
@@ -414,23 +372,14 @@ mod tests {
     }
 
     #[test]
-    fn fence_refuses_after_close() {
-        let f = Fence::default();
-        {
-            let _l = f.enter().unwrap();
-        }
-        f.close_and_wait();
-        assert!(f.enter().is_none());
-    }
-
-    #[test]
     fn copy_after_deregistration_fails() {
         let r = entry(16, Access::READ_WRITE);
         r.copy_in(0, &[1, 2, 3]).unwrap();
         let mut out = [0u8; 3];
         r.copy_out(0, &mut out).unwrap();
         assert_eq!(out, [1, 2, 3]);
-        r.fence().close_and_wait();
+        r.guard().close();
+        assert!(r.guard().is_drained());
         assert!(matches!(r.copy_in(0, &[9]), Err(Error::PermissionDenied(_))));
     }
 

@@ -1,4 +1,5 @@
-//! Lock helpers the transports share.
+//! Lock helpers the transports share, and the atomics and mutex of the access guard and the link
+//! slots (`shim`).
 
 use std::collections::HashMap;
 use std::sync::{Mutex, PoisonError};
@@ -14,7 +15,21 @@ pub fn take_all<K, V>(map: &Mutex<HashMap<K, V>>) -> Vec<V> {
         .collect()
 }
 
-#[cfg(test)]
+/// The atomics and mutex that [`AccessGuard`](crate::AccessGuard) and
+/// [`LinkSlots`](crate::LinkSlots) are built on: std's, or loom's when built with `--cfg loom`, so
+/// that the loom model (`tests/loom_guard.rs`) explores their interleavings.
+pub(crate) mod shim {
+    #[cfg(loom)]
+    pub(crate) use loom::sync::Mutex;
+    #[cfg(loom)]
+    pub(crate) use loom::sync::atomic::{AtomicUsize, Ordering};
+    #[cfg(not(loom))]
+    pub(crate) use std::sync::Mutex;
+    #[cfg(not(loom))]
+    pub(crate) use std::sync::atomic::{AtomicUsize, Ordering};
+}
+
+#[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
 

@@ -10,8 +10,9 @@
 //! every operation in the region table before touching memory and delivers notifications to the
 //! [`Notifier`].
 
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
+
+use crate::sync::shim::{AtomicUsize, Ordering};
 
 use futures::future::BoxFuture;
 
@@ -46,10 +47,19 @@ pub trait Transport: Send + Sync + 'static {
         let _ = region;
         Ok(None)
     }
-    /// Called when a region is deregistered, after its fence closed. Returns once the transport will
-    /// not touch the region again (an RDMA transport deregisters it from the NIC here).
+    /// Called when a region is deregistered, after its access guard closed (no new permit is given)
+    /// and before the engine waits for the permits still held. Returns once the transport will not
+    /// touch the region again: permits its own pending accesses hold are released (an RDMA transport
+    /// halts the queue pairs whose work requests use the region, drains them, and deregisters the
+    /// region from the NIC here). May block for a bounded time; the engine's async deregistration
+    /// calls it off the runtime's threads when [`deregister_blocks`](Self::deregister_blocks) says so.
     fn deregister_region(&self, key: RegionKey) {
         let _ = key;
+    }
+    /// Whether [`deregister_region`](Self::deregister_region) may block (halting and draining queue
+    /// pairs), so that async callers run it on a blocking thread.
+    fn deregister_blocks(&self) -> bool {
+        false
     }
     /// Initiator side: builds a data link to a peer whose control link is `control`, exchanging
     /// setup data over it. Transports without a link of their own (TCP, which is the control link)
@@ -275,7 +285,7 @@ impl EngineContext {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
 

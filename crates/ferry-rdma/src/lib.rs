@@ -139,14 +139,14 @@ impl RdmaShared {
         if !reg.is_staged() {
             return Ok(());
         }
-        let _lease = region.fence().enter().ok_or_else(|| region.gone())?;
+        let _permit = region.guard().enter().ok_or_else(|| region.gone())?;
         for &(offset, len) in ranges {
             region.check_range(offset, len)?;
             let from = reg
                 .staged_ptr(offset)
                 .ok_or_else(|| Error::OutOfBounds(format!("staged range at {offset} of region {:?}", region.key())))?;
             // SAFETY: both ranges lie inside their buffers (the staging buffer is the region's size and
-            // the range was checked against the region); the lease keeps the region's memory mapped;
+            // the range was checked against the region); the permit keeps the region's memory mapped;
             // the initiator's writes to these bytes were placed before it asked for this commit (the
             // request travelled behind them on the queue pair), and no reference to either buffer
             // exists.
@@ -265,7 +265,7 @@ impl Transport for RdmaTransport {
             false => register(flags).map(|mr| (mr, false)),
         };
         let (reg, flushable, staging_addr) = match registered {
-            Ok((mr, flushable)) => (Registered::new(mr), flushable, None),
+            Ok((mr, flushable)) => (Registered::new(mr, region.guard().clone()), flushable, None),
             // A file in the page cache: the kernel will not pin its pages for the NIC. Stage instead.
             Err(e) if region.block().persistent() => {
                 let mut staging = mr::Staging::new(region.len() as usize);
@@ -280,7 +280,11 @@ impl Transport for RdmaTransport {
                     reason = %e,
                     "the NIC cannot pin this region; RDMA writes to it are staged and committed by request"
                 );
-                (Registered::staged(mr, staging), false, Some(addr))
+                (
+                    Registered::staged(mr, staging, region.guard().clone()),
+                    false,
+                    Some(addr),
+                )
             }
             Err(e) => return Err(reg_error(shared, region, e)),
         };
@@ -302,16 +306,23 @@ impl Transport for RdmaTransport {
         ))
     }
 
+    /// Halting and draining the queue pairs that use the region waits up to `link::DRAIN_LIMIT`.
+    fn deregister_blocks(&self) -> bool {
+        true
+    }
+
     fn deregister_region(&self, key: RegionKey) {
         let Ok(shared) = self.shared() else { return };
         let Some(reg) = shared.regions.lock().ok().and_then(|mut r| r.remove(&key)) else {
             return;
         };
-        // From here on no work request takes the region into use. Those posted already end now: their
-        // queue pairs move to the error state, and their completions (flush errors, or the success of
-        // those done meanwhile) are polled on this thread, which never waits for a runtime (this runs
-        // inside `Region::drop`, often on the runtime's only thread). Those links are down afterwards.
-        if reg.revoke() > 0 {
+        // From here on no work request takes the region into use (the engine closed the region's guard
+        // already; closing is idempotent). Those posted already end now: their queue pairs move to the
+        // error state, and their completions (flush errors, or the success of those done meanwhile)
+        // are polled on this thread, which never waits for a runtime (this runs inside `Region::drop`,
+        // often on the runtime's only thread, or on a blocking thread for `Region::deregister`). Those
+        // links are down afterwards. Permits held by CPU or GPU copies are the engine's to wait for.
+        if reg.close() > 0 {
             let halted: Vec<_> = shared
                 .live_links()
                 .into_iter()
@@ -321,7 +332,7 @@ impl Transport for RdmaTransport {
             for l in &halted {
                 l.drain_until(deadline, |l| !l.uses(&reg));
             }
-            if reg.in_use() > 0 {
+            if halted.iter().any(|l| l.uses(&reg)) {
                 tracing::error!(region = ?key, "RDMA work requests still use a region being deregistered after {:?}; the NIC forgets it now", link::DRAIN_LIMIT);
             }
         }

@@ -74,7 +74,7 @@ use crate::completions::{self, Completions};
 use crate::messages::{
     MAX_COMMIT_SEGMENTS, Message, MessageSlots, RECV_SLOTS, SEND_SLOTS, TAG_DATA, TAG_MASK, TAG_RECV, TAG_SEND,
 };
-use crate::mr::Registered;
+use crate::mr::{InUse, Registered};
 use crate::post::{DataWr, post_data};
 use crate::qp::Rc;
 use crate::wire::RemoteKey;
@@ -93,8 +93,9 @@ pub const DRAIN_LIMIT: Duration = Duration::from_secs(2);
 
 struct Pending {
     done: oneshot::Sender<Result<()>>,
-    /// Regions the group's requests took into use; released when this completion arrives.
-    touched: Vec<Arc<Registered>>,
+    /// Regions the group's requests took into use (permits of their access guards); released when
+    /// this completion arrives.
+    touched: Vec<InUse>,
     _slots: OwnedSemaphorePermit,
 }
 
@@ -330,10 +331,8 @@ impl Inner {
     /// The link is done, and its completion loop too: every waiter gets `error`.
     fn fail_all(&self, error: Error) {
         self.closed.store(true, Ordering::Release);
-        for p in take_all(&self.pending) {
-            for r in &p.touched {
-                r.release();
-            }
+        for mut p in take_all(&self.pending) {
+            drop(std::mem::take(&mut p.touched));
             let _ = p.done.send(Err(error.clone()));
         }
         self.close_link(error);
@@ -352,10 +351,8 @@ impl Inner {
 
     fn complete(&self, wr_id: u64, result: Result<()>) {
         let p = self.pending.lock().ok().and_then(|mut m| m.remove(&wr_id));
-        if let Some(p) = p {
-            for r in &p.touched {
-                r.release();
-            }
+        if let Some(mut p) = p {
+            drop(std::mem::take(&mut p.touched));
             let _ = p.done.send(result);
         }
     }
@@ -464,7 +461,7 @@ impl Inner {
                 .lock()
                 .map_err(|_| Error::Internal("queue pair lock poisoned".into()))?;
             // The regions are taken into use under the queue pair's lock: a deregistration that
-            // revokes one after this point finds the group in the pending table when it takes the
+            // closes one's guard after this point finds the group in the pending table when it takes the
             // lock, and stops the queue pair before it deregisters the memory.
             let touched = take_into_use(&planned, &self.peer)?;
             self.pending
@@ -574,7 +571,10 @@ impl Inner {
     pub(crate) fn uses(&self, region: &Arc<Registered>) -> bool {
         self.pending
             .lock()
-            .map(|p| p.values().any(|g| g.touched.iter().any(|r| Arc::ptr_eq(r, region))))
+            .map(|p| {
+                p.values()
+                    .any(|g| g.touched.iter().any(|r| Arc::ptr_eq(r.region(), region)))
+            })
             .unwrap_or(false)
     }
 
@@ -589,20 +589,18 @@ impl Inner {
 
 /// Takes every region of a group into use; a region deregistered since the group was planned fails
 /// the group (and gives back what was taken).
-fn take_into_use(planned: &[Arc<Registered>], peer: &str) -> Result<Vec<Arc<Registered>>> {
-    let mut taken: Vec<Arc<Registered>> = Vec::with_capacity(planned.len());
-    for r in planned {
-        if !r.try_acquire() {
-            for t in &taken {
-                t.release();
-            }
-            return Err(Error::PermissionDenied(format!(
-                "a local region of this transfer to {peer} was deregistered before its work requests were posted"
-            )));
-        }
-        taken.push(r.clone());
-    }
-    Ok(taken)
+fn take_into_use(planned: &[Arc<Registered>], peer: &str) -> Result<Vec<InUse>> {
+    // On a failure the permits taken so far are released as `collect` drops them.
+    planned
+        .iter()
+        .map(|r| {
+            r.take().ok_or_else(|| {
+                Error::PermissionDenied(format!(
+                    "a local region of this transfer to {peer} was deregistered before its work requests were posted"
+                ))
+            })
+        })
+        .collect()
 }
 
 /// The work requests a READ posted into its local buffers, while it runs. Dropping it before the READ
@@ -712,11 +710,7 @@ impl Drop for Inner {
             task.abort();
         }
         // The queue pair is destroyed with `rc` right after this: the NIC is done with every region.
-        for p in take_all(&self.pending) {
-            for r in &p.touched {
-                r.release();
-            }
-        }
+        drop(take_all(&self.pending));
     }
 }
 
@@ -896,16 +890,20 @@ async fn run(inner: Arc<Inner>, request: TransferRequest) -> Result<()> {
     answered(&inner, completions.into_iter().chain(commits)).await?;
     posted.ids.clear();
     if request.op == Op::Read {
-        // Local memory behind a staging buffer (device-local GPU memory) takes the bytes to the device.
+        // Local memory behind a staging buffer (device-local GPU memory) takes the bytes to the device,
+        // on a blocking thread (a GPU copy waits for its fence), under an owned permit held across it.
         for item in &request.items {
             let region = &item.local.region;
             if region.block().has_access_hooks() {
-                let _lease = region.fence().enter().ok_or_else(|| region.gone())?;
-                region.block().commit_written(
-                    item.local.offset as usize,
-                    item.local.len as usize,
-                    Durability::Completed,
-                )?;
+                let permit = region.guard().enter_owned().ok_or_else(|| region.gone())?;
+                let (region, offset, len) = (region.clone(), item.local.offset as usize, item.local.len as usize);
+                tokio::task::spawn_blocking(move || {
+                    let result = region.block().commit_written(offset, len, Durability::Completed);
+                    drop(permit);
+                    result
+                })
+                .await
+                .map_err(|e| Error::Internal(format!("a staged commit on a blocking thread panicked: {e}")))??;
             }
         }
     }

@@ -1,11 +1,13 @@
-//! Regions registered with the NIC, and the count of work requests that still use each.
+//! Regions registered with the NIC, and the work requests that still use each.
 //!
 //! A work request takes its regions into use when it is posted (under the queue pair's lock), not
-//! when it is planned: planning keeps only a handle. Deregistration first revokes the region, so
-//! that no work request can take it into use any more (a transfer planned before then fails with
-//! `PermissionDenied` instead of posting), then ends the NIC's use of what was posted already (see
-//! `RdmaTransport::deregister_region`), and only then deregisters the memory region, explicitly:
-//! handles that planning still holds keep this bookkeeping alive, never the NIC's access.
+//! when it is planned: planning keeps only a handle. Taking a region into use is taking an
+//! [`OwnedPermit`] of the region's [`AccessGuard`], the same guard CPU copies and GPU copies hold, and
+//! the permit is held until the work request's completion arrives. Deregistration first closes the
+//! guard, so that no work request can take the region into use any more (a transfer planned before
+//! then fails with `PermissionDenied` instead of posting), then ends the NIC's use of what was posted
+//! already (see `RdmaTransport::deregister_region`), and only then deregisters the memory region,
+//! explicitly: handles that planning still holds keep this bookkeeping alive, never the NIC's access.
 //!
 //! Memory the NIC cannot pin (a file in the page cache: since Linux 6.5 the kernel refuses long-term
 //! writable pins of file pages that need dirty tracking) is reached through a staging buffer: an
@@ -13,9 +15,9 @@
 //! target copies the written ranges into the region when the initiator's commit request names them
 //! (`RdmaTransport::commit_staged`); reads of such a region go over TCP.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
+use ferry_core::{AccessGuard, OwnedPermit};
 use sideway::ibverbs::memory_region::MemoryRegion;
 
 /// A region's registration with the NIC.
@@ -24,13 +26,24 @@ pub struct Registered {
     mr: Mutex<Option<Arc<MemoryRegion>>>,
     lkey: u32,
     rkey: u32,
-    /// Work requests posted that use the region, and [`REVOKED`].
-    state: AtomicUsize,
+    /// The region's access guard: a posted work request holds a permit of it until its completion.
+    guard: Arc<AccessGuard>,
     staging: Option<Staging>,
 }
 
-/// In [`Registered::state`]: the region is being deregistered; nothing may take it into use.
-const REVOKED: usize = 1 << (usize::BITS - 1);
+/// A region taken into use by a posted group of work requests: a permit of its access guard, released
+/// when this is dropped (the group's completion arrived, or its queue pair is gone).
+pub(crate) struct InUse {
+    region: Arc<Registered>,
+    _permit: OwnedPermit,
+}
+
+impl InUse {
+    /// The registration in use.
+    pub(crate) fn region(&self) -> &Arc<Registered> {
+        &self.region
+    }
+}
 
 /// The buffer a region that the NIC cannot pin is reached through.
 pub(crate) struct Staging {
@@ -55,23 +68,24 @@ impl Staging {
 }
 
 impl Registered {
-    pub(crate) fn new(mr: Arc<MemoryRegion>) -> Self {
+    /// The registration of a region whose accesses `guard` counts.
+    pub(crate) fn new(mr: Arc<MemoryRegion>, guard: Arc<AccessGuard>) -> Self {
         Registered {
             lkey: mr.lkey(),
             rkey: mr.rkey(),
             mr: Mutex::new(Some(mr)),
-            state: AtomicUsize::new(0),
+            guard,
             staging: None,
         }
     }
 
     /// A registration of `staging` standing in for a region the NIC cannot pin.
-    pub(crate) fn staged(mr: Arc<MemoryRegion>, staging: Staging) -> Self {
+    pub(crate) fn staged(mr: Arc<MemoryRegion>, staging: Staging, guard: Arc<AccessGuard>) -> Self {
         Registered {
             lkey: mr.lkey(),
             rkey: mr.rkey(),
             mr: Mutex::new(Some(mr)),
-            state: AtomicUsize::new(0),
+            guard,
             staging: Some(staging),
         }
     }
@@ -97,28 +111,23 @@ impl Registered {
         self.rkey
     }
 
-    /// Takes the region into use for one work request; false once it is revoked.
-    pub(crate) fn try_acquire(&self) -> bool {
-        self.state
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |s| {
-                (s & REVOKED == 0).then_some(s + 1)
-            })
-            .is_ok()
+    /// Takes the region into use for a group of work requests; `None` once its guard is closed.
+    pub(crate) fn take(self: &Arc<Self>) -> Option<InUse> {
+        Some(InUse {
+            _permit: self.guard.enter_owned()?,
+            region: self.clone(),
+        })
     }
 
-    /// A work request that used the region is done with it.
-    pub(crate) fn release(&self) {
-        self.state.fetch_sub(1, Ordering::AcqRel);
+    /// No work request (nor any other access) may take the region into use from now on; returns how
+    /// many accesses still hold a permit (work requests, and CPU or GPU copies in progress).
+    pub(crate) fn close(&self) -> usize {
+        self.guard.close()
     }
 
-    /// No work request may take the region into use from now on; returns how many still use it.
-    pub(crate) fn revoke(&self) -> usize {
-        self.state.fetch_or(REVOKED, Ordering::AcqRel) & !REVOKED
-    }
-
-    /// Work requests that still use the region.
+    /// Accesses that still hold a permit of the region's guard.
     pub fn in_use(&self) -> usize {
-        self.state.load(Ordering::Acquire) & !REVOKED
+        self.guard.held()
     }
 
     /// Deregisters the memory region: the NIC refuses every access to it from now on.

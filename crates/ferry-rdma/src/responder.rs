@@ -1,7 +1,9 @@
 //! The target's side of an RDMA link: the NIC serves one-sided READs and WRITEs by itself; this
 //! answers the two-sided messages that arrive on the queue pair: notifications, and commit requests
 //! (ranges written by the WRITEs before them: copied in from the staging buffer, persisted if asked),
-//! which are carried out inline, before the next message of the link is looked at.
+//! which are carried out inline, before the next message of the link is looked at, unless their work
+//! may block (a staged block's device copy, an `msync`): that runs on a blocking thread, under a
+//! permit of each region's access guard, and its reply goes out when it is done.
 //!
 //! Every notification gets exactly one reply. A reply goes out from one of the send slots; one that
 //! finds every slot busy (their SENDs not yet acknowledged) waits in a queue and leaves as soon as a
@@ -40,6 +42,8 @@ pub(crate) struct Responder {
     peer_engine: u64,
     peer_addr: String,
     busy_poll: bool,
+    /// This responder, for the commits and prepares that run on a blocking thread.
+    me: Weak<Responder>,
 }
 
 /// The responders of the links that set up an RDMA path, by link. An initiator sets up a new queue
@@ -97,7 +101,7 @@ pub(crate) fn start(
     peer_addr: String,
     busy_poll: bool,
 ) -> Accepted {
-    let responder = Arc::new(Responder {
+    let responder = Arc::new_cyclic(|me| Responder {
         rc,
         slots,
         backlog: Mutex::new(VecDeque::new()),
@@ -108,6 +112,7 @@ pub(crate) fn start(
         peer_engine,
         peer_addr,
         busy_poll,
+        me: me.clone(),
     });
     let task = tokio::spawn(completions::run(Arc::downgrade(&responder))).abort_handle();
     let weak = Arc::downgrade(&responder);
@@ -120,6 +125,44 @@ pub(crate) fn start(
 }
 
 impl Responder {
+    /// Whether the work of a commit or prepare request on `segments` may block (see
+    /// `RegionEntry::staging_may_block`). A segment that does not resolve answers no: the request
+    /// then fails inline.
+    fn may_block(&self, segments: &[Segment], durability: Durability) -> bool {
+        let Some(context) = self.context.upgrade() else {
+            return false;
+        };
+        segments.iter().any(|s| {
+            context
+                .resolve(s.key, s.offset, s.len, Op::Read)
+                .or_else(|_| context.resolve(s.key, s.offset, s.len, Op::Write))
+                .is_ok_and(|r| r.region.staging_may_block(durability))
+        })
+    }
+
+    /// Answers request `id` with `work`'s result: inline, or on a blocking thread when `blocking`. The
+    /// work takes a permit of each region it touches on the thread it runs on, for as long as it
+    /// touches it.
+    fn answer(
+        &self,
+        id: u64,
+        blocking: bool,
+        work: impl FnOnce(&Responder) -> ferry_core::Result<()> + Send + 'static,
+    ) {
+        if !blocking {
+            let error = work(self).err().map(|e| WireError::from(&e));
+            self.reply(Message::Reply { id, error });
+            return;
+        }
+        let me = self.me.clone();
+        tokio::task::spawn_blocking(move || {
+            // A responder that is gone has no queue pair to answer on.
+            let Some(me) = me.upgrade() else { return };
+            let error = work(&me).err().map(|e| WireError::from(&e));
+            me.reply(Message::Reply { id, error });
+        });
+    }
+
     /// Commits ranges that WRITEs before the request filled: resolved in the region table (write
     /// access, a persistent region for a persistent commit), copied in from the staging buffer where
     /// the NIC reaches a region through one, then persisted if asked.
@@ -135,7 +178,7 @@ impl Responder {
             shared.commit_staged(region, ranges)?;
             // Device memory behind a staging buffer takes the bytes to the device here.
             if region.block().has_access_hooks() {
-                let _lease = region.fence().enter().ok_or_else(|| region.gone())?;
+                let _permit = region.guard().enter().ok_or_else(|| region.gone())?;
                 for &(offset, len) in ranges {
                     region
                         .block()
@@ -158,7 +201,7 @@ impl Responder {
             .ok_or_else(|| ferry_core::Error::PeerClosed("the engine is shutting down".into()))?;
         for s in segments {
             let r = context.resolve(s.key, s.offset, s.len, Op::Read)?;
-            let _lease = r.region.fence().enter().ok_or_else(|| r.region.gone())?;
+            let _permit = r.region.guard().enter().ok_or_else(|| r.region.gone())?;
             r.region.block().prepare_read(r.offset as usize, r.len as usize)?;
         }
         Ok(())
@@ -222,6 +265,20 @@ impl Completions for Responder {
                     tracing::warn!(peer = %self.peer_addr, error = %e, "cannot repost an RDMA receive");
                 }
                 let reply = match message {
+                    Ok(Message::Commit {
+                        id,
+                        durability,
+                        segments,
+                    }) => {
+                        let blocking = self.may_block(&segments, durability);
+                        self.answer(id, blocking, move |me| me.commit(&segments, durability));
+                        return;
+                    }
+                    Ok(Message::Prepare { id, segments }) => {
+                        let blocking = self.may_block(&segments, Durability::Completed);
+                        self.answer(id, blocking, move |me| me.prepare(&segments));
+                        return;
+                    }
                     Ok(Message::Notify { id, notification }) => {
                         let result = notification.validate().and_then(|()| {
                             self.notifier
@@ -232,18 +289,6 @@ impl Completions for Responder {
                             error: result.err().map(|e| WireError::from(&e)),
                         }
                     }
-                    Ok(Message::Commit {
-                        id,
-                        durability,
-                        segments,
-                    }) => Message::Reply {
-                        id,
-                        error: self.commit(&segments, durability).err().map(|e| WireError::from(&e)),
-                    },
-                    Ok(Message::Prepare { id, segments }) => Message::Reply {
-                        id,
-                        error: self.prepare(&segments).err().map(|e| WireError::from(&e)),
-                    },
                     Ok(other) => {
                         tracing::warn!(peer = %self.peer_addr, message = ?other, "unexpected RDMA message");
                         return;

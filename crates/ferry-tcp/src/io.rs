@@ -3,7 +3,7 @@
 //! Headers and bodies go through a small buffer. A payload bound for a region is read with `read(2)`
 //! into the region itself, and a payload taken from a region is sent with `write(2)` from the region
 //! itself: no intermediate copy, and no `&[u8]` over memory that peers may be writing. Each system call
-//! runs under a lease of the region's fence and is non-blocking, so deregistration never waits on the
+//! runs under a permit of the region's access guard and is non-blocking, so deregistration never waits on the
 //! network.
 //!
 //! Small payloads are the exception: many small segments are read into the buffer in one call and
@@ -13,12 +13,12 @@ use std::os::fd::AsRawFd;
 
 use bytes::{Buf, BytesMut};
 use ferry_core::codec::{self, Decoded, Frame, Limits};
-use ferry_core::{Error, Fence, RegionEntry, Result};
+use ferry_core::{AccessGuard, Error, RegionEntry, Result};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 
-/// Most bytes one system call moves, so that a lease is held briefly.
+/// Most bytes one system call moves, so that a permit is held briefly.
 const MAX_CHUNK: usize = 4 << 20;
 /// Payload pieces below this size are copied through the read buffer.
 pub(crate) const DIRECT_THRESHOLD: usize = 64 << 10;
@@ -35,7 +35,7 @@ pub enum Landed {
     /// The kernel could not write into the region's memory (`EFAULT`: a mapped file that shrank):
     /// the rest were discarded.
     Unbacked,
-    /// The operation's caller returned or gave up (its [`Fence`] closed): the rest were discarded, so
+    /// The operation's caller returned or gave up (its [`AccessGuard`] closed): the rest were discarded, so
     /// that no byte lands in memory that is the caller's again.
     Abandoned,
 }
@@ -112,14 +112,14 @@ impl FrameReader {
     }
 
     /// Reads `len` payload bytes into `region` at `offset` (a range the caller resolved). Each copy
-    /// holds a lease of the region's fence and, when given, of `caller`'s: the fence of the operation
+    /// holds a permit of the region's access guard and, when given, of `caller`'s: the guard of the operation
     /// that asked for the bytes, which closes when that operation returns or is dropped.
     pub async fn read_into(
         &mut self,
         region: &RegionEntry,
         offset: u64,
         len: u64,
-        caller: Option<&Fence>,
+        caller: Option<&AccessGuard>,
     ) -> Result<Landed> {
         let mut done = 0u64;
         let mut landed = Landed::Written;
@@ -130,7 +130,7 @@ impl FrameReader {
             }
             let n = self.buf.len().min((len - done) as usize);
             if landed == Landed::Written {
-                let held = caller.map(Fence::enter);
+                let held = caller.map(AccessGuard::enter);
                 landed = match held {
                     Some(None) => Landed::Abandoned,
                     _ if region.copy_in(offset + done, &self.buf[..n]).is_err() => Landed::RegionGone,
@@ -149,15 +149,15 @@ impl FrameReader {
             }
             let at = offset + done;
             let res = raw_io(stream, Interest::READABLE, || {
-                let held = caller.map(Fence::enter);
+                let held = caller.map(AccessGuard::enter);
                 if let Some(None) = held {
                     return Ok(Err(Landed::Abandoned));
                 }
-                let Some(_lease) = region.fence().enter() else {
+                let Some(_permit) = region.guard().enter() else {
                     return Ok(Err(Landed::RegionGone));
                 };
                 // SAFETY: `[at, at + want)` lies inside the region (resolved by the caller, and
-                // `done + want <= len`); the lease keeps the memory registered for the duration of
+                // `done + want <= len`); the permit keeps the memory registered for the duration of
                 // this non-blocking call; the kernel writes through the raw pointer, no Rust
                 // reference to region memory exists.
                 let r = unsafe { libc::read(stream.as_raw_fd(), region.ptr_at(at).cast(), want) };
@@ -299,10 +299,10 @@ impl FrameWriter {
             let n = if intact {
                 let stream: &TcpStream = self.half.as_ref();
                 let res = raw_io(stream, Interest::WRITABLE, || {
-                    let Some(_lease) = region.fence().enter() else {
+                    let Some(_permit) = region.guard().enter() else {
                         return Ok(None);
                     };
-                    // SAFETY: `[at, at + want)` lies inside the region (resolved by the caller); the lease
+                    // SAFETY: `[at, at + want)` lies inside the region (resolved by the caller); the permit
                     // keeps it registered for this non-blocking call; the kernel reads through the raw
                     // pointer and no Rust reference to region memory is made.
                     let r =

@@ -8,9 +8,10 @@
 //!   number of bytes in flight, small descriptors coalesced through the [`StagingPool`], large ones
 //!   split across streams.
 //! - Payloads move straight between sockets and registered memory (`read(2)`/`send(2)` on region
-//!   memory under its fence), never through an intermediate copy.
+//!   memory under its access guard), never through an intermediate copy.
 #![deny(missing_docs)]
 
+mod blocking;
 mod io;
 mod link;
 mod server;

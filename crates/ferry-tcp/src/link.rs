@@ -18,8 +18,8 @@ use std::time::{Duration, Instant};
 
 use ferry_core::codec::{Frame, Hello, HelloAck, Limits, ReadStatus, Segment};
 use ferry_core::{
-    DataLink, Durability, Error, Fence, Notification, Op, PersistMethod, RegionEntry, RemoteRegions, Resolved, Result,
-    TransferItem, TransferRequest, TransportKind,
+    AccessGuard, DataLink, Durability, Error, Notification, Op, PersistMethod, RegionEntry, RemoteRegions, Resolved,
+    Result, TransferItem, TransferRequest, TransportKind,
 };
 use ferry_proto::handshake::check_ack;
 use ferry_proto::initiator::OpKind;
@@ -69,12 +69,12 @@ enum ReadDest {
         region: Arc<RegionEntry>,
         offset: u64,
         len: u64,
-        caller: Arc<Fence>,
+        caller: Arc<AccessGuard>,
     },
     Scatter {
         parts: Vec<Resolved>,
         staging: Option<StagingBuf>,
-        caller: Arc<Fence>,
+        caller: Arc<AccessGuard>,
     },
 }
 
@@ -82,11 +82,12 @@ enum ReadDest {
 /// this fence; when the transfer returns, fails, times out or is dropped, the fence closes and waits
 /// out the lease in progress (one bounded copy or non-blocking `read(2)`, microseconds), so that no
 /// byte lands in the caller's memory afterwards. Data that arrives later is discarded.
-struct CallerFence(Arc<Fence>);
+struct CallerFence(Arc<AccessGuard>);
 
 impl Drop for CallerFence {
     fn drop(&mut self) {
-        self.0.close_and_wait();
+        self.0.close();
+        self.0.wait_drained(Duration::MAX);
     }
 }
 
@@ -504,7 +505,7 @@ async fn run_transfer(shared: Arc<Shared>, request: TransferRequest) -> Result<(
                 .prepare_read(item.local.offset as usize, item.local.len as usize)?;
         }
     }
-    let caller = CallerFence(Arc::new(Fence::default()));
+    let caller = CallerFence(Arc::new(AccessGuard::new()));
     let pieces = plan(request.op, request.items, shared.streams.len(), shared.pool.as_deref());
     // A persistent write in several frames is persisted once per stream, after its last frame: the
     // frames go as completed writes and a commit follows them on each stream they used (in order on

@@ -19,7 +19,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use ferry_core::codec::{Frame, Hello, Limits, ReadStatus, Segment};
-use ferry_core::region::for_each_region;
 use ferry_core::{Durability, EngineContext, Error, LinkSlot, Op, RegionChange, Resolved, Result};
 use ferry_proto::target::{ack, setup_reply};
 use ferry_proto::{
@@ -366,14 +365,16 @@ async fn serve_requests(
                 id,
                 durability,
                 segments,
-            } => ack(id, &serve_commit(ctx, &segments, durability)),
-            Request::Read { id, segments } => match resolve_reads(ctx, &segments, shared.config.limits.max_payload) {
-                Ok(parts) => {
-                    send_read_data(&mut writer, id, &parts).await?;
-                    continue;
+            } => ack(id, &serve_commit(ctx, &segments, durability).await),
+            Request::Read { id, segments } => {
+                match resolve_reads(ctx, &segments, shared.config.limits.max_payload).await {
+                    Ok(parts) => {
+                        send_read_data(&mut writer, id, &parts).await?;
+                        continue;
+                    }
+                    Err(e) => ack(id, &Err(e)),
                 }
-                Err(e) => ack(id, &Err(e)),
-            },
+            }
             Request::Notify { id, notification } => {
                 let result = notification.validate().and_then(|()| {
                     ctx.notifier
@@ -420,7 +421,10 @@ async fn serve_write(
                     result = landed;
                 }
             }
-            result.and_then(|()| persist(&parts, durability))
+            match result {
+                Ok(()) => persist(&parts, durability).await,
+                Err(e) => Err(e),
+            }
         }
         Err(e) => {
             reader.discard(payload_len).await?;
@@ -431,12 +435,12 @@ async fn serve_write(
 }
 
 /// Ranges this stream's frames wrote before the commit: persist them if asked.
-fn serve_commit(ctx: &EngineContext, segments: &[Segment], durability: Durability) -> Result<()> {
-    segments
+async fn serve_commit(ctx: &EngineContext, segments: &[Segment], durability: Durability) -> Result<()> {
+    let parts = segments
         .iter()
         .map(|s| ctx.resolve_write(s.key, s.offset, s.len, durability))
-        .collect::<Result<Vec<_>>>()
-        .and_then(|parts| persist(&parts, durability))
+        .collect::<Result<Vec<_>>>()?;
+    persist(&parts, durability).await
 }
 
 /// Sets up another data path for the link: the transport's answer to send back.
@@ -494,10 +498,10 @@ async fn send_read_data(writer: &mut FrameWriter, id: OpId, parts: &[Resolved]) 
 }
 
 /// Whether the bytes just sent for `parts` are the regions': `copied` is false when a copy was cut
-/// short (the region's fence closed, or the kernel could not read its memory).
+/// short (the region's access guard closed, or the kernel could not read its memory).
 fn read_status(parts: &[Resolved], copied: bool) -> ReadStatus {
     if !copied {
-        return match parts.iter().any(|p| p.region.fence().is_closed()) {
+        return match parts.iter().any(|p| p.region.guard().is_closed()) {
             true => ReadStatus::RegionGone,
             false => ReadStatus::Unbacked,
         };
@@ -509,7 +513,7 @@ fn read_status(parts: &[Resolved], copied: bool) -> ReadStatus {
     }
 }
 
-fn resolve_reads(ctx: &EngineContext, segments: &[Segment], max_payload: u64) -> Result<Vec<Resolved>> {
+async fn resolve_reads(ctx: &EngineContext, segments: &[Segment], max_payload: u64) -> Result<Vec<Resolved>> {
     let mut total = 0u64;
     let mut parts = Vec::with_capacity(segments.len());
     for s in segments {
@@ -523,7 +527,8 @@ fn resolve_reads(ctx: &EngineContext, segments: &[Segment], max_payload: u64) ->
         parts.push(r);
     }
     for r in &parts {
-        r.region.block().prepare_read(r.offset as usize, r.len as usize)?;
+        // A staged block's device copy: off the runtime, under a permit.
+        crate::blocking::prepare_read(r).await?;
     }
     Ok(parts)
 }
@@ -533,22 +538,19 @@ fn resolve_reads(ctx: &EngineContext, segments: &[Segment], max_payload: u64) ->
 async fn land(reader: &mut FrameReader, r: &Resolved) -> Result<Result<()>> {
     Ok(match reader.read_into(&r.region, r.offset, r.len, None).await? {
         // A copy into a file that shrank meanwhile landed in zero pages without failing.
-        Landed::Written => r.region.block().check_intact().and_then(|()| {
-            r.region
-                .block()
-                .commit_written(r.offset as usize, r.len as usize, Durability::Completed)
-        }),
-        // A target's copies have no caller fence, so `Abandoned` cannot happen here.
+        Landed::Written => match r.region.block().check_intact() {
+            // A staged block's device copy: off the runtime, under a permit.
+            Ok(()) => crate::blocking::commit_written(r).await,
+            Err(e) => Err(e),
+        },
+        // A target's copies have no caller guard, so `Abandoned` cannot happen here.
         Landed::RegionGone | Landed::Abandoned => Err(r.region.gone()),
         Landed::Unbacked => Err(crate::link::unbacked(&r.region)),
     })
 }
 
 /// Makes the written `parts` persistent when asked, one batch per region: a page written by several
-/// parts of the request is flushed once.
-fn persist(parts: &[Resolved], durability: Durability) -> Result<()> {
-    if durability != Durability::Persistent {
-        return Ok(());
-    }
-    for_each_region(parts, |region, ranges| region.persist(ranges))
+/// parts of the request is flushed once; an `msync` runs off the runtime.
+async fn persist(parts: &[Resolved], durability: Durability) -> Result<()> {
+    crate::blocking::persist(parts, durability).await
 }

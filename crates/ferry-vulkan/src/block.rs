@@ -17,7 +17,7 @@ use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
 use ash::vk;
-use ferry_core::{Durability, Error, MemoryBlock, Result};
+use ferry_core::{DmaView, Durability, Error, MemoryBlock, Result};
 
 use crate::buffer::DeviceBuffer;
 use crate::context::VulkanContext;
@@ -219,8 +219,18 @@ unsafe impl MemoryBlock for VulkanBlock {
         }
     }
 
-    fn has_access_hooks(&self) -> bool {
-        self.staging.is_some() || !self.device.is_coherent()
+    /// [`DmaView::Staged`] for a staged block (path 3, and path 1 where the RDMA-capable memory is not
+    /// host-visible: the pointer is a staging buffer, coherent with the device only through GPU copies)
+    /// and for a mapping that is not host-coherent (the hooks flush and invalidate it);
+    /// [`DmaView::Host`] for a coherent mapping (path 2, and path 1 where the RDMA-capable memory is
+    /// host-visible), which the CPU and the NIC reach directly. No block is [`DmaView::Device`] yet:
+    /// the RDMA transport registers the host pointer with the NIC, never the device address of
+    /// path 1 ([`rdma_address`](VulkanBlock::rdma_address)).
+    fn dma_view(&self) -> DmaView {
+        match self.staging.is_some() || !self.device.is_coherent() {
+            true => DmaView::Staged,
+            false => DmaView::Host,
+        }
     }
 
     fn prepare_read(&self, offset: usize, len: usize) -> Result<()> {

@@ -10,6 +10,14 @@
 //! Each command buffer starts with a barrier that orders it after earlier transfers (earlier copies into
 //! the same bytes, the application's writes) and ends with one that makes its writes visible to the
 //! host, so a mapped staging buffer can be read as soon as the fence has signalled.
+//!
+//! This is not a second guard on region memory. A staged block's `commit_written` and `prepare_read`
+//! are called by transports (and `Region::write_at`/`read_at`) while they hold a permit of the
+//! region's access guard (`ferry_core::AccessGuard`), on a blocking thread where the caller is async
+//! code; the call returns only once
+//! each [`PendingCopy`] completed, so the GPU copy lies inside that permit and deregistration, which
+//! waits for the permit, waits for the copy. A `PendingCopy` is only the GPU-side completion of one
+//! chunk: its command slot and the buffers it copies between, kept alive until its fence signals.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -46,15 +54,15 @@ pub(crate) mod private {
     }
 }
 
-/// One submitted chunk: its slot and the buffers it copies between, kept alive until its fence
-/// signals.
-struct InFlight<'c> {
+/// One submitted chunk of a copy made under the caller's permit: its slot and the buffers it copies
+/// between, kept alive until its fence signals (the GPU-side completion of that copy, not a guard).
+struct PendingCopy<'c> {
     ctx: &'c VulkanContext,
     slot: Option<Slot>,
     keep: [Arc<DeviceBuffer>; 2],
 }
 
-impl InFlight<'_> {
+impl PendingCopy<'_> {
     /// Waits for the copy; returns the slot for reuse.
     fn finish(mut self) -> Result<Slot> {
         let slot = self
@@ -71,7 +79,7 @@ impl InFlight<'_> {
     }
 }
 
-impl Drop for InFlight<'_> {
+impl Drop for PendingCopy<'_> {
     fn drop(&mut self) {
         if let Some(slot) = self.slot.take() {
             match wait(self.ctx, &slot) {
@@ -136,7 +144,7 @@ impl VulkanContext {
             ));
         }
         let family = self.queue_family_index();
-        let mut inflight: VecDeque<InFlight<'_>> = VecDeque::with_capacity(DEPTH);
+        let mut inflight: VecDeque<PendingCopy<'_>> = VecDeque::with_capacity(DEPTH);
         let mut done = 0u64;
         while done < len {
             let n = (len - done).min(CHUNK);
@@ -161,7 +169,7 @@ impl VulkanContext {
                 self.slots.release(slot);
                 return Err(e);
             }
-            inflight.push_back(InFlight {
+            inflight.push_back(PendingCopy {
                 ctx: self,
                 slot: Some(slot),
                 keep: [src.clone(), dst.clone()],
@@ -241,7 +249,7 @@ impl VulkanContext {
 }
 
 /// Waits for the oldest in-flight chunk and hands back its slot.
-fn next_free(inflight: &mut VecDeque<InFlight<'_>>) -> Result<Slot> {
+fn next_free(inflight: &mut VecDeque<PendingCopy<'_>>) -> Result<Slot> {
     match inflight.pop_front() {
         Some(f) => f.finish(),
         None => Err(Error::Protocol("no copy in flight to wait for".into())),

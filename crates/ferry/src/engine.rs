@@ -377,8 +377,9 @@ impl Engine {
         })
     }
 
-    /// Deregisters a region (HIXL `DeregisterMem`); the same as dropping it. Once this returns, no byte
-    /// of the region is touched again.
+    /// Deregisters a region (HIXL `DeregisterMem`); the same as dropping it, on the calling thread (see
+    /// [`Region`]'s `Drop`). Once this returns, no byte of the region is touched again. Async code
+    /// awaits [`Region::deregister`] instead, which never blocks the runtime.
     pub fn deregister(&self, region: Region) {
         drop(region);
     }
@@ -686,18 +687,80 @@ async fn run_with_timeout(peer: &Peer, request: TransferRequest, timeout: Durati
     }
 }
 
+/// How long deregistration waits for the accesses to a region still in progress once its access
+/// guard closed: CPU copies and non-blocking system calls (microseconds), staged GPU copies and
+/// `msync`s (milliseconds to seconds), NIC work requests (ended by the RDMA transport within its drain
+/// bound before this wait starts). Past it, [`Region::deregister`] fails with `Timeout` and `Drop`
+/// logs an error and returns.
+pub const DEREGISTER_LIMIT: Duration = Duration::from_secs(5);
+
 impl Inner {
+    /// Takes the region out of the table and closes its access guard, so that no new access starts.
+    fn unlist_region(&self, key: RegionKey) -> Option<Arc<RegionEntry>> {
+        let entry = self.ctx.regions.write().ok().and_then(|mut t| t.remove(key))?;
+        entry.guard().close();
+        Some(entry)
+    }
+
+    fn announce_removed(&self, entry: &RegionEntry) {
+        if let Some(server) = &self.server {
+            server.announce(&RegionChange::Removed(entry.key()));
+        }
+        tracing::debug!(region = ?entry, "deregistered");
+    }
+
+    /// Deregisters on the calling thread (`Region::drop`): closes the guard, has every transport end
+    /// its accesses (the RDMA transport halts and drains the queue pairs that use the region, within
+    /// its drain bound), then waits for the permits still held, at most [`DEREGISTER_LIMIT`].
     pub(crate) fn remove_region(&self, key: RegionKey) {
-        let removed = self.ctx.regions.write().ok().and_then(|mut t| t.remove(key));
-        if let Some(entry) = removed {
-            entry.fence().close_and_wait();
-            for t in &self.transports {
-                t.deregister_region(key);
-            }
-            if let Some(server) = &self.server {
-                server.announce(&RegionChange::Removed(key));
-            }
-            tracing::debug!(region = ?entry, "deregistered");
+        let Some(entry) = self.unlist_region(key) else { return };
+        for t in &self.transports {
+            t.deregister_region(key);
+        }
+        if !entry.guard().wait_drained(DEREGISTER_LIMIT) {
+            tracing::error!(
+                region = ?entry,
+                held = entry.guard().held(),
+                "accesses still hold the region {DEREGISTER_LIMIT:?} after its deregistration began; it is dropped anyway"
+            );
+        }
+        self.announce_removed(&entry);
+    }
+
+    /// Deregisters without blocking the runtime: what the sync path does, with the transports whose
+    /// deregistration blocks ([`Transport::deregister_blocks`]) run on a blocking thread and the wait
+    /// for the permits an await of [`AccessGuard::drained`](ferry_core::AccessGuard::drained).
+    ///
+    /// Everything before the first await happens when the future is first polled (the table, the
+    /// guard, the announcement, and the start of the blocking deregistrations, which run to their end
+    /// even if this future is dropped), so a dropped future still leaves the region deregistered.
+    pub(crate) async fn remove_region_async(&self, entry: &Arc<RegionEntry>) -> Result<()> {
+        let key = entry.key();
+        if self.unlist_region(key).is_none() {
+            // Gone already (or never listed): only the wait for its accesses is left.
+            entry.guard().close();
+        } else {
+            self.announce_removed(entry);
+        }
+        let (blocking, inline): (Vec<_>, Vec<_>) = self.transports.iter().cloned().partition(|t| t.deregister_blocks());
+        for t in &inline {
+            t.deregister_region(key);
+        }
+        if !blocking.is_empty() {
+            tokio::task::spawn_blocking(move || {
+                for t in &blocking {
+                    t.deregister_region(key);
+                }
+            })
+            .await
+            .map_err(|e| Error::Internal(format!("deregistering region {key:?} from a transport panicked: {e}")))?;
+        }
+        match tokio::time::timeout(DEREGISTER_LIMIT, entry.guard().drained()).await {
+            Ok(()) => Ok(()),
+            Err(_) => Err(Error::Timeout(format!(
+                "region {key:?}: {} accesses still held {DEREGISTER_LIMIT:?} after its deregistration began",
+                entry.guard().held()
+            ))),
         }
     }
 }

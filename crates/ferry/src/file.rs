@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::time::Instant;
 
-use ferry_core::{Error, MemoryBlock, PersistStats, Result};
+use ferry_core::{DmaView, Error, MemoryBlock, PersistStats, Result};
 
 use crate::sigbus;
 
@@ -226,7 +226,7 @@ impl FileMapping {
         let mut page = start;
         while page < end {
             // SAFETY: `page` lies inside the mapping (`merged` clamps to its length); an AtomicU8 has no
-            // alignment requirement; the caller holds the region's fence lease.
+            // alignment requirement; the caller holds a permit of the region's access guard.
             unsafe { AtomicU8::from_ptr(self.ptr.add(page)) }.fetch_or(0, Ordering::Relaxed);
             page += page_size();
         }
@@ -372,7 +372,7 @@ impl Drop for FileMapping {
         // The guard's slot is cleared first, so that the SIGBUS handler never remaps an address range
         // that has gone back to the kernel.
         drop(self.guard.take());
-        // SAFETY: the mapping made in `open`; the region's fence guarantees no access is in progress.
+        // SAFETY: the mapping made in `open`; the region's access guard guarantees no access is in progress.
         unsafe { libc::munmap(self.ptr.cast(), self.len) };
     }
 }
@@ -394,6 +394,16 @@ unsafe impl MemoryBlock for FileMapping {
     }
     fn is_pmem(&self) -> bool {
         self.method == FlushMethod::CacheFlush
+    }
+    /// [`DmaView::Host`], for both kinds of file: the CPU reaches the bytes directly through the
+    /// mapping (the page cache itself, or DAX persistent memory), with no copy in front to keep
+    /// coherent, so a completed write needs no hook. A NIC that cannot pin page-cache pages reaches
+    /// them through the RDMA transport's own staging buffer, which that transport owns and commits;
+    /// nothing here. Persisting a page-cache file is an `msync` that may block: transports run it off
+    /// the runtime when a write asks for persistence (`RegionEntry::staging_may_block`), whatever the
+    /// view.
+    fn dma_view(&self) -> DmaView {
+        DmaView::Host
     }
     fn persist(&self, ranges: &[(usize, usize)]) -> Result<()> {
         self.check_backing()?;

@@ -75,7 +75,7 @@ fn os_error(what: &str) -> Error {
 
 impl Drop for HostAllocation {
     fn drop(&mut self) {
-        // SAFETY: `ptr`/`len` are the mapping made in `new`; the region's fence guarantees no access is in
+        // SAFETY: `ptr`/`len` are the mapping made in `new`; the region's access guard guarantees no access is in
         // progress once the block is dropped.
         unsafe { libc::munmap(self.ptr.cast(), self.len) };
     }

@@ -32,10 +32,13 @@ mod sigbus;
 mod transfer;
 
 pub use capabilities::{Capabilities, TransportInfo, TransportOptions, capabilities};
-pub use engine::{DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_INFLIGHT_BYTES, DEFAULT_STREAMS, Engine, EngineBuilder};
+pub use engine::{
+    DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_INFLIGHT_BYTES, DEFAULT_STREAMS, DEREGISTER_LIMIT, Engine, EngineBuilder,
+};
 pub use ferry_core::{
-    Access, BufferPool, Durability, Error, ErrorCode, MemoryBlock, MemoryRegistry, Notification, Op, PersistMethod,
-    PersistStats, ReceivedNotification, RegionAd, RegionKey, RemoteRegions, Result, TransferDesc, TransportKind,
+    Access, BufferPool, DmaView, Durability, Error, ErrorCode, MemoryBlock, MemoryRegistry, Notification, Op,
+    PersistMethod, PersistStats, ReceivedNotification, RegionAd, RegionKey, RemoteRegions, Result, TransferDesc,
+    TransportKind,
 };
 pub use file::{FileMapping, FlushMethod};
 pub use host::HostAllocation;

@@ -2,12 +2,15 @@
 
 use std::sync::{Arc, Weak};
 
-use ferry_core::{Access, Durability, RegionEntry, RegionKey, Result};
+use ferry_core::{Access, Durability, Error, RegionEntry, RegionKey, Result};
 
-use crate::engine::Inner;
+use crate::engine::{DEREGISTER_LIMIT, Inner};
 
-/// Memory registered with an engine. Dropping it (or [`Engine::deregister`](crate::Engine::deregister))
-/// removes it: peers are told, the fence closes, and once that returns no byte of it is touched again.
+/// Memory registered with an engine. [`deregister`](Region::deregister)`.await` removes it without
+/// blocking the runtime; dropping it (or [`Engine::deregister`](crate::Engine::deregister)) removes it
+/// on the dropping thread. Either way peers are told, the region's access guard closes, and once that
+/// returns no byte of it is touched again (within [`DEREGISTER_LIMIT`](crate::DEREGISTER_LIMIT); see
+/// there).
 ///
 /// Peers may write into the region at any time, so it offers copies ([`write_at`](Region::write_at),
 /// [`read_at`](Region::read_at)) and a raw pointer ([`as_ptr`](Region::as_ptr)), never a slice: no
@@ -73,6 +76,8 @@ impl Region {
 
     /// Copies `src` into the region at `offset` (and on to the device, for staged GPU memory).
     pub fn write_at(&self, offset: u64, src: &[u8]) -> Result<()> {
+        // One permit across the copy and the hook (the staged block's device copy).
+        let _permit = self.entry.guard().enter().ok_or_else(|| self.entry.gone())?;
         self.entry.copy_in(offset, src)?;
         // A mapped file that shrank meanwhile took the bytes into zero pages: say so.
         self.entry.block().check_backing()?;
@@ -96,6 +101,8 @@ impl Region {
     /// memory).
     pub fn read_at(&self, offset: u64, dst: &mut [u8]) -> Result<()> {
         self.entry.check_range(offset, dst.len() as u64)?;
+        // One permit across the hook (the staged block's device copy) and the copy.
+        let _permit = self.entry.guard().enter().ok_or_else(|| self.entry.gone())?;
         self.entry.block().prepare_read(offset as usize, dst.len())?;
         self.entry.copy_out(offset, dst)?;
         self.entry.block().check_backing()
@@ -112,13 +119,60 @@ impl Region {
     pub fn as_ptr(&self) -> *mut u8 {
         self.entry.block().as_ptr()
     }
+
+    /// Deregisters the region without blocking the runtime's threads: takes it out of the region
+    /// table (new remote operations on it fail with `PermissionDenied`), closes its access guard (no
+    /// new access starts), tells peers, has every transport end its own accesses (the RDMA transport
+    /// halts and drains the queue pairs whose work requests use the region, on a blocking thread), and
+    /// awaits the end of the accesses still in progress: a copy, a system call, a GPU copy or an
+    /// `msync`, each woken by the last release, never polled.
+    ///
+    /// Once this returns `Ok`, no byte of the region is touched again. The wait is bounded by
+    /// [`DEREGISTER_LIMIT`]: past it this fails with `Timeout`, naming the region and how many
+    /// accesses were still held; the region is deregistered all the same, but memory the caller owns
+    /// ([`RawMemory`](ferry_core::RawMemory)) may still be in use by those accesses, so it must not be
+    /// freed then. If this future is dropped before it completes, the region is deregistered all the
+    /// same; only the wait is cut short.
+    pub async fn deregister(self) -> Result<()> {
+        let result = match self.engine.upgrade() {
+            Some(engine) => engine.remove_region_async(&self.entry).await,
+            None => {
+                self.entry.guard().close();
+                match tokio::time::timeout(DEREGISTER_LIMIT, self.entry.guard().drained()).await {
+                    Ok(()) => Ok(()),
+                    Err(_) => Err(Error::Timeout(format!(
+                        "region {:?}: {} accesses still held {DEREGISTER_LIMIT:?} after its deregistration began",
+                        self.entry.key(),
+                        self.entry.guard().held()
+                    ))),
+                }
+            }
+        };
+        // `Drop` finds the guard closed and has nothing left to do.
+        drop(self);
+        result
+    }
 }
 
 impl Drop for Region {
+    /// Deregisters on the dropping thread, for callers that do not await
+    /// [`deregister`](Region::deregister): the same steps, with the RDMA transport's queue-pair drain
+    /// run here and the wait for the accesses in progress a bounded blocking wait
+    /// ([`AccessGuard::wait_drained`](ferry_core::AccessGuard::wait_drained), [`DEREGISTER_LIMIT`]),
+    /// after which an error is logged and the drop returns.
     fn drop(&mut self) {
+        if self.entry.guard().is_closed() {
+            // Deregistered already (`deregister` ran).
+            return;
+        }
         match self.engine.upgrade() {
             Some(engine) => engine.remove_region(self.entry.key()),
-            None => self.entry.fence().close_and_wait(),
+            None => {
+                self.entry.guard().close();
+                if !self.entry.guard().wait_drained(DEREGISTER_LIMIT) {
+                    tracing::error!(region = ?self.entry, held = self.entry.guard().held(), "accesses still hold a dropped region after {DEREGISTER_LIMIT:?}");
+                }
+            }
         }
     }
 }

@@ -20,7 +20,7 @@
 //! length of another: a torn read would map zero pages over an unrelated range. A pair that is being
 //! written is not matched; nothing touches a mapping while its guard is being set up or dropped. A
 //! slot is cleared before its mapping is unmapped, and nothing accesses a mapping while it is being
-//! unmapped (the region's fence has closed), so the handler never remaps an address range that has
+//! unmapped (the region's access guard has closed), so the handler never remaps an address range that has
 //! been handed to something else.
 
 use std::sync::OnceLock;

@@ -1,13 +1,13 @@
-//! Registration after connect, deregistration with fencing (once it returns, no byte of the region is touched again), engine-allocated memory.
+//! Registration after connect, deregistration through the access guard (once it returns, sync or async, no byte of the region is touched again), engine-allocated memory.
 
 mod common;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use common::*;
-use ferry::{Access, Durability, Error, Op, TransferDesc};
+use ferry::{Access, DmaView, Durability, Error, MemoryBlock, Op, TransferDesc};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn regions_registered_after_connect_reach_the_peer() {
@@ -115,4 +115,130 @@ async fn region_copies_check_bounds() {
     let mut two = [0u8; 2];
     r.read_at(98, &mut two).unwrap();
     assert_eq!(two, [1, 2]);
+}
+
+/// What the slow staged block's `prepare_read` did.
+#[derive(Default)]
+struct Hooks {
+    started: AtomicBool,
+    done: AtomicBool,
+}
+
+/// Host memory that says it is staged, whose `prepare_read` (the device copy of a staged GPU block)
+/// takes [`SLOW_HOOK`]: a read of it holds a permit of the region's guard that long, off the runtime.
+struct SlowStaged {
+    ptr: *mut u8,
+    len: usize,
+    hooks: Arc<Hooks>,
+}
+
+const SLOW_HOOK: Duration = Duration::from_millis(300);
+
+// SAFETY: `ptr` is a leaked allocation (never freed), reached only through raw pointers.
+unsafe impl Send for SlowStaged {}
+// SAFETY: as above.
+unsafe impl Sync for SlowStaged {}
+
+// SAFETY: `ptr` points to `len` bytes leaked by the test, valid for the rest of the process.
+unsafe impl MemoryBlock for SlowStaged {
+    fn as_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn kind(&self) -> &str {
+        "test (slow staged)"
+    }
+    fn dma_view(&self) -> DmaView {
+        DmaView::Staged
+    }
+    fn prepare_read(&self, _offset: usize, _len: usize) -> ferry::Result<()> {
+        self.hooks.started.store(true, Ordering::SeqCst);
+        std::thread::sleep(SLOW_HOOK);
+        self.hooks.done.store(true, Ordering::SeqCst);
+        Ok(())
+    }
+}
+
+/// On a current-thread runtime (one thread for both engines, the test and a ticker), a read of a
+/// staged region is in flight (its device copy holds a permit) when `deregister().await` starts: the
+/// runtime keeps running other tasks while it waits, it returns only once that access ended, and after
+/// it returns no byte of the region is touched: a canary written then is neither overwritten nor sent.
+#[tokio::test(flavor = "current_thread")]
+async fn async_deregister_waits_for_a_read_in_flight_without_blocking_the_runtime() {
+    let (target, initiator, peer) = pair().await;
+    const LEN: usize = 1 << 20;
+    let original = pattern(LEN, 3);
+    let memory: &'static mut [u8] = Box::leak(original.clone().into_boxed_slice());
+    let ptr = memory.as_mut_ptr();
+    let hooks = Arc::new(Hooks::default());
+    let block = Arc::new(SlowStaged {
+        ptr,
+        len: LEN,
+        hooks: hooks.clone(),
+    });
+    let region = target.register_block(block, Access::READ_WRITE).unwrap();
+    wait_for_region(&peer, &region).await;
+    let remote = region.addr();
+
+    let read = tokio::spawn(async move {
+        let dst = initiator.alloc_host(LEN, rw()).unwrap();
+        let result = initiator
+            .transfer(&peer, Op::Read, &[TransferDesc::new(dst.addr(), remote, LEN as u64)], T)
+            .await;
+        (result, dst.to_vec().unwrap())
+    });
+    let deadline = tokio::time::Instant::now() + T;
+    while !hooks.started.load(Ordering::SeqCst) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the read never reached the target"
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert!(
+        !hooks.done.load(Ordering::SeqCst),
+        "the hook runs off the runtime's thread"
+    );
+
+    let ticks = Arc::new(AtomicUsize::new(0));
+    let ticker = {
+        let ticks = ticks.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                ticks.fetch_add(1, Ordering::SeqCst);
+            }
+        })
+    };
+    region.deregister().await.unwrap();
+    assert!(
+        hooks.done.load(Ordering::SeqCst),
+        "deregister returned while the read's access was still in progress"
+    );
+    let ticked = ticks.load(Ordering::SeqCst);
+    ticker.abort();
+    assert!(
+        ticked >= 5,
+        "the runtime's only thread was blocked during deregistration ({ticked} ticks)"
+    );
+    assert_eq!(target.region_count(), 0);
+
+    // SAFETY: the region is deregistered; the bytes are the test's again, reached by raw pointer.
+    unsafe { std::ptr::write_bytes(ptr, 0xEE, LEN) };
+    let (result, got) = tokio::time::timeout(T, read).await.unwrap().unwrap();
+    match result {
+        // Finished before the guard closed: the bytes are the original ones.
+        Ok(()) => assert!(got == original, "the read returned bytes other than the region's"),
+        Err(e) => assert!(matches!(e, Error::PermissionDenied(_) | Error::OutOfBounds(_)), "{e:?}"),
+    }
+    assert!(
+        !got.contains(&0xEE),
+        "a byte of the region was read after deregister returned"
+    );
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    // SAFETY: as above; nothing else reaches these bytes.
+    let after = unsafe { std::slice::from_raw_parts(ptr, LEN) };
+    assert!(after.iter().all(|&b| b == 0xEE), "the canary was overwritten");
 }
