@@ -62,8 +62,8 @@ pub struct LinkConfig {
 /// What the initiator says about itself in its hello.
 pub type LocalIdentity = Identity;
 
-/// Where a read's data goes, and the fence of the transfer that asked for it: the data lands only
-/// while that fence is open (see [`CallerFence`]).
+/// Where a read's data goes, and the guard of the transfer that asked for it: the data lands only
+/// while that guard is open (see [`CallerGuard`]).
 enum ReadDest {
     Direct {
         region: Arc<RegionEntry>,
@@ -78,13 +78,15 @@ enum ReadDest {
     },
 }
 
-/// A transfer's hold on its local buffers. Every copy of a read's data into them holds a lease of
-/// this fence; when the transfer returns, fails, times out or is dropped, the fence closes and waits
-/// out the lease in progress (one bounded copy or non-blocking `read(2)`, microseconds), so that no
-/// byte lands in the caller's memory afterwards. Data that arrives later is discarded.
-struct CallerFence(Arc<AccessGuard>);
+/// A transfer's hold on its local buffers. Every copy of a read's data into them holds a permit of
+/// this guard; when the transfer returns, fails, times out or is dropped, the guard closes and waits
+/// out the permit in progress, so that no byte lands in the caller's memory afterwards. Data that
+/// arrives later is discarded. A permit lasts one bounded copy or non-blocking `read(2)`
+/// (microseconds), or, for a staged GPU block, its copy to the device (bounded by the block's own
+/// wait limit).
+struct CallerGuard(Arc<AccessGuard>);
 
-impl Drop for CallerFence {
+impl Drop for CallerGuard {
     fn drop(&mut self) {
         self.0.close();
         self.0.wait_drained(Duration::MAX);
@@ -497,15 +499,17 @@ async fn run_transfer(shared: Arc<Shared>, request: TransferRequest) -> Result<(
         return Err(shared.closed_error());
     }
     if request.op == Op::Write {
-        // Memory behind a staging buffer (device-local GPU memory) is brought to the host first.
-        for item in &request.items {
-            item.local
-                .region
-                .block()
-                .prepare_read(item.local.offset as usize, item.local.len as usize)?;
+        // Memory behind a staging buffer (device-local GPU memory) is brought to the host first,
+        // off the runtime.
+        for item in request
+            .items
+            .iter()
+            .filter(|i| i.local.region.block().has_access_hooks())
+        {
+            crate::blocking::prepare_read(&item.local).await?;
         }
     }
-    let caller = CallerFence(Arc::new(AccessGuard::new()));
+    let caller = CallerGuard(Arc::new(AccessGuard::new()));
     let pieces = plan(request.op, request.items, shared.streams.len(), shared.pool.as_deref());
     // A persistent write in several frames is persisted once per stream, after its last frame: the
     // frames go as completed writes and a commit follows them on each stream they used (in order on
@@ -760,19 +764,10 @@ async fn land_read(shared: &Shared, op: Waiter, payload_len: u64, reader: &mut F
         }) if Some(len) == data_len => {
             let landed = reader.read_into(&region, offset, len, Some(&caller)).await?;
             let status = read_status_byte(reader).await?;
-            source_intact(shared, status).and_then(|()| match landed {
-                Landed::Written => region.block().check_intact().and_then(|()| {
-                    let Some(_held) = caller.enter() else {
-                        return Err(abandoned());
-                    };
-                    region
-                        .block()
-                        .commit_written(offset as usize, len as usize, Durability::Completed)
-                }),
-                Landed::RegionGone => Err(region.gone()),
-                Landed::Unbacked => Err(unbacked(&region)),
-                Landed::Abandoned => Err(abandoned()),
-            })
+            match source_intact(shared, status).and_then(|()| landed_in(&region, landed)) {
+                Ok(()) => commit_for_caller(&caller, &[Resolved { region, offset, len }]).await,
+                Err(e) => Err(e),
+            }
         }
         Some(ReadDest::Scatter { parts, staging, caller })
             if Some(parts.iter().map(|p| p.len).sum::<u64>()) == data_len =>
@@ -788,10 +783,14 @@ async fn land_read(shared: &Shared, op: Waiter, payload_len: u64, reader: &mut F
             let status = read_status_byte(reader).await?;
             // Data the source could not vouch for is not copied into the destination at all, nor is
             // data whose transfer has returned.
-            source_intact(shared, status).and_then(|()| match caller.enter() {
+            let copied = source_intact(shared, status).and_then(|()| match caller.enter() {
                 Some(_held) => scatter(&parts, buf),
                 None => Err(abandoned()),
-            })
+            });
+            match copied {
+                Ok(()) => commit_for_caller(&caller, &parts).await,
+                Err(e) => Err(e),
+            }
         }
         _ => {
             return Err(Error::Protocol(format!(
@@ -802,6 +801,33 @@ async fn land_read(shared: &Shared, op: Waiter, payload_len: u64, reader: &mut F
     };
     let _ = pending.done.send(landed);
     Ok(())
+}
+
+/// Whether a direct read's data is in its region.
+fn landed_in(region: &RegionEntry, landed: Landed) -> Result<()> {
+    match landed {
+        // A copy into a file that shrank meanwhile landed in zero pages without failing.
+        Landed::Written => region.block().check_intact(),
+        Landed::RegionGone => Err(region.gone()),
+        Landed::Unbacked => Err(unbacked(region)),
+        Landed::Abandoned => Err(abandoned()),
+    }
+}
+
+/// A staged block's copy to the device of the read data that landed in `parts` (off the runtime),
+/// while the transfer that asked for it still waits: none once it returned.
+async fn commit_for_caller(caller: &Arc<AccessGuard>, parts: &[Resolved]) -> Result<()> {
+    let mut result = Ok(());
+    for p in parts.iter().filter(|p| p.region.block().has_access_hooks()) {
+        let Some(held) = caller.enter_owned() else {
+            return Err(abandoned());
+        };
+        if let Err(e) = crate::blocking::commit_written(p).await {
+            result = Err(e);
+        }
+        drop(held);
+    }
+    result
 }
 
 /// The result of a read whose transfer returned before the data arrived (nobody receives it).
@@ -839,12 +865,7 @@ fn scatter(parts: &[Resolved], buf: &[u8]) -> Result<()> {
     let mut result = Ok(());
     for p in parts {
         let n = p.len as usize;
-        let landed = p.region.copy_in(p.offset, &buf[at..at + n]).and_then(|()| {
-            p.region
-                .block()
-                .commit_written(p.offset as usize, n, Durability::Completed)
-        });
-        if let Err(e) = landed {
+        if let Err(e) = p.region.copy_in(p.offset, &buf[at..at + n]) {
             result = Err(e);
         }
         at += n;
