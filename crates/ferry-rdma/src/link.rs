@@ -433,7 +433,10 @@ impl Inner {
     }
 
     /// Posts one signalled group of work requests and returns the id of its signalled request and its
-    /// completion.
+    /// completion. Over 80 lines: taking the regions into use, recording the group and posting its
+    /// data and FLUSH requests happen under one hold of the queue pair's lock, which the SAFETY
+    /// arguments below rely on; split up, each part would need the lock passed in and the argument
+    /// restated.
     async fn post_group(&self, group: Vec<WorkRequest>) -> Result<(u64, oneshot::Receiver<Result<()>>)> {
         if self.rc.flush.is_none() && group.iter().any(|w| matches!(w.op, WrOp::Flush { .. })) {
             return Err(Error::Unsupported(format!(
@@ -798,10 +801,7 @@ async fn run(inner: Arc<Inner>, request: TransferRequest) -> Result<()> {
     if request.op == Op::Write {
         // Memory behind a staging buffer (device-local GPU memory) is brought to the host first.
         for item in &request.items {
-            item.local
-                .region
-                .block()
-                .prepare_read(item.local.offset as usize, item.local.len as usize)?;
+            off_runtime(&item.local, |block, offset, len| block.prepare_read(offset, len)).await?;
         }
     }
     let Plan {
@@ -835,29 +835,7 @@ async fn run(inner: Arc<Inner>, request: TransferRequest) -> Result<()> {
     } else {
         None
     };
-    match method {
-        Some(PersistMethod::FlushVerb) => {
-            let flushes = flush_requests(&wrs);
-            wrs.extend(flushes);
-        }
-        Some(PersistMethod::ReadAfterWrite) => {
-            if let Some(last) = wrs.last() {
-                let read_back = WorkRequest {
-                    op: WrOp::Read,
-                    rkey: last.rkey,
-                    remote_addr: last.remote_addr,
-                    sges: vec![
-                        inner
-                            .scratch
-                            .sge(last.sges.iter().map(|s| s.length).sum::<u32>().min(8)),
-                    ],
-                    touched: Vec::new(),
-                };
-                wrs.push(read_back);
-            }
-        }
-        _ => {}
-    }
+    inner.add_persist_work(&mut wrs, method);
     let depth = (inner.rc.max_send_wr as usize).max(1);
     let group_len = SIGNAL_EVERY.min(depth);
     let mut completions = Vec::new();
@@ -890,27 +868,63 @@ async fn run(inner: Arc<Inner>, request: TransferRequest) -> Result<()> {
     answered(&inner, completions.into_iter().chain(commits)).await?;
     posted.ids.clear();
     if request.op == Op::Read {
-        // Local memory behind a staging buffer (device-local GPU memory) takes the bytes to the device,
-        // on a blocking thread (a GPU copy waits for its fence), under an owned permit held across it.
+        // Local memory behind a staging buffer (device-local GPU memory) takes the bytes to the device.
         for item in &request.items {
-            let region = &item.local.region;
-            if region.block().has_access_hooks() {
-                let permit = region.guard().enter_owned().ok_or_else(|| region.gone())?;
-                let (region, offset, len) = (region.clone(), item.local.offset as usize, item.local.len as usize);
-                tokio::task::spawn_blocking(move || {
-                    let result = region.block().commit_written(offset, len, Durability::Completed);
-                    drop(permit);
-                    result
-                })
-                .await
-                .map_err(|e| Error::Internal(format!("a staged commit on a blocking thread panicked: {e}")))??;
-            }
+            off_runtime(&item.local, |block, offset, len| {
+                block.commit_written(offset, len, Durability::Completed)
+            })
+            .await?;
         }
     }
     Ok(())
 }
 
+/// Runs a staged block's hook (a GPU copy, which waits for its fence) on `part`: on a blocking thread,
+/// under an owned permit of the region's guard held across it. Nothing to do for plain host memory.
+async fn off_runtime(
+    part: &ferry_core::Resolved,
+    hook: impl FnOnce(&dyn ferry_core::MemoryBlock, usize, usize) -> Result<()> + Send + 'static,
+) -> Result<()> {
+    let region = &part.region;
+    if !region.block().has_access_hooks() {
+        return Ok(());
+    }
+    let permit = region.guard().enter_owned().ok_or_else(|| region.gone())?;
+    let (region, offset, len) = (region.clone(), part.offset as usize, part.len as usize);
+    tokio::task::spawn_blocking(move || {
+        let result = hook(region.block().as_ref(), offset, len);
+        drop(permit);
+        result
+    })
+    .await
+    .map_err(|e| Error::Internal(format!("a staged block's copy on a blocking thread panicked: {e}")))?
+}
+
 impl Inner {
+    /// Adds what `method` needs after the WRITEs of a persistent transfer: a FLUSH per written range,
+    /// or one small READ that the NIC answers only after the WRITEs before it are placed.
+    fn add_persist_work(&self, wrs: &mut Vec<WorkRequest>, method: Option<PersistMethod>) {
+        match method {
+            Some(PersistMethod::FlushVerb) => {
+                let flushes = flush_requests(wrs);
+                wrs.extend(flushes);
+            }
+            Some(PersistMethod::ReadAfterWrite) => {
+                if let Some(last) = wrs.last() {
+                    let read_back = WorkRequest {
+                        op: WrOp::Read,
+                        rkey: last.rkey,
+                        remote_addr: last.remote_addr,
+                        sges: vec![self.scratch.sge(last.sges.iter().map(|s| s.length).sum::<u32>().min(8))],
+                        touched: Vec::new(),
+                    };
+                    wrs.push(read_back);
+                }
+            }
+            _ => {}
+        }
+    }
+
     /// How this persistent transfer is made persistent: the link's method where every remote region
     /// qualifies for it, else the flush request.
     fn method_for(&self, items: &[TransferItem]) -> Result<Option<PersistMethod>> {

@@ -93,6 +93,9 @@ impl Drop for CallerGuard {
     }
 }
 
+/// The stream an operation went out on, and its completion.
+type Submitted = (StreamIndex, oneshot::Receiver<Result<()>>);
+
 /// An operation waiting for its answer, as the protocol core keeps it.
 enum Waiter {
     Op(Pending),
@@ -332,7 +335,7 @@ impl Shared {
         read: Option<ReadDest>,
         budget: Option<OwnedSemaphorePermit>,
         out: impl FnOnce(OpId) -> Outgoing,
-    ) -> Result<(StreamIndex, oneshot::Receiver<Result<()>>)> {
+    ) -> Result<Submitted> {
         let (done, rx) = oneshot::channel();
         let kind = if read.is_some() { OpKind::Read } else { OpKind::Ack };
         let pending = Waiter::Op(Pending {
@@ -523,78 +526,14 @@ async fn run_transfer(shared: Arc<Shared>, request: TransferRequest) -> Result<(
     let mut written: Vec<Vec<Segment>> = vec![Vec::new(); shared.streams.len()];
     let mut completions = Vec::with_capacity(pieces.len());
     for piece in pieces {
-        let bytes = match &piece {
-            Piece::Direct(i) => i.len(),
-            Piece::Coalesced(g) => g.iter().map(|i| i.len()).sum(),
-        };
-        let budget = shared.budget(bytes).await?;
         let wrote = match (deferred, &piece) {
             (false, _) => Vec::new(),
             (true, Piece::Direct(item)) => segments(std::slice::from_ref(item)),
             (true, Piece::Coalesced(group)) => segments(group),
         };
-        let (stream, rx) = match (request.op, piece) {
-            (Op::Write, Piece::Direct(item)) => {
-                shared.submit(None, bytes, None, Some(budget), |id| Outgoing::Write {
-                    id,
-                    durability,
-                    remote_key: item.remote_key,
-                    remote_offset: item.remote_offset,
-                    local: item.local,
-                })?
-            }
-            (Op::Write, Piece::Coalesced(group)) => {
-                let Some(pool) = shared.pool.as_ref() else {
-                    return Err(Error::Internal("coalesced piece without a staging pool".into()));
-                };
-                let mut staged = pool.acquire().await;
-                for item in &group {
-                    let start = staged.data.len();
-                    staged.data.resize(start + item.len() as usize, 0);
-                    item.local
-                        .region
-                        .copy_out(item.local.offset, &mut staged.data[start..])?;
-                }
-                let segments = segments(&group);
-                shared.submit(None, bytes, None, Some(budget), |id| Outgoing::WriteStaged {
-                    id,
-                    durability,
-                    segments,
-                    staged,
-                })?
-            }
-            (Op::Read, Piece::Direct(item)) => {
-                let dest = ReadDest::Direct {
-                    region: item.local.region.clone(),
-                    offset: item.local.offset,
-                    len: bytes,
-                    caller: caller.0.clone(),
-                };
-                shared.submit(None, bytes, Some(dest), Some(budget), |id| {
-                    Outgoing::Frame(Frame::Read {
-                        id: id.0,
-                        key: item.remote_key,
-                        offset: item.remote_offset,
-                        len: bytes,
-                    })
-                })?
-            }
-            (Op::Read, Piece::Coalesced(group)) => {
-                let staging = match shared.pool.as_ref() {
-                    Some(pool) => Some(pool.acquire().await),
-                    None => None,
-                };
-                let segments = segments(&group);
-                let parts = group.into_iter().map(|i| i.local).collect();
-                let dest = ReadDest::Scatter {
-                    parts,
-                    staging,
-                    caller: caller.0.clone(),
-                };
-                shared.submit(None, bytes, Some(dest), Some(budget), |id| {
-                    Outgoing::Frame(Frame::ReadBatch { id: id.0, segments })
-                })?
-            }
+        let (stream, rx) = match request.op {
+            Op::Write => submit_write(&shared, piece, durability).await?,
+            Op::Read => submit_read(&shared, piece, &caller.0).await?,
         };
         written[stream.get()].extend(wrote);
         completions.push(rx);
@@ -616,6 +555,91 @@ async fn run_transfer(shared: Arc<Shared>, request: TransferRequest) -> Result<(
         rx.await.map_err(|_| shared.closed_error())??;
     }
     Ok(())
+}
+
+/// The bytes a piece moves.
+fn piece_len(piece: &Piece) -> u64 {
+    match piece {
+        Piece::Direct(i) => i.len(),
+        Piece::Coalesced(g) => g.iter().map(|i| i.len()).sum(),
+    }
+}
+
+/// Sends one piece of a write, under its share of the byte budget: straight from the region, or
+/// copied into a staging buffer with the rest of its group.
+async fn submit_write(shared: &Shared, piece: Piece, durability: Durability) -> Result<Submitted> {
+    let bytes = piece_len(&piece);
+    let budget = Some(shared.budget(bytes).await?);
+    match piece {
+        Piece::Direct(item) => shared.submit(None, bytes, None, budget, |id| Outgoing::Write {
+            id,
+            durability,
+            remote_key: item.remote_key,
+            remote_offset: item.remote_offset,
+            local: item.local,
+        }),
+        Piece::Coalesced(group) => {
+            let Some(pool) = shared.pool.as_ref() else {
+                return Err(Error::Internal("coalesced piece without a staging pool".into()));
+            };
+            let mut staged = pool.acquire().await;
+            for item in &group {
+                let start = staged.data.len();
+                staged.data.resize(start + item.len() as usize, 0);
+                item.local
+                    .region
+                    .copy_out(item.local.offset, &mut staged.data[start..])?;
+            }
+            let segments = segments(&group);
+            shared.submit(None, bytes, None, budget, |id| Outgoing::WriteStaged {
+                id,
+                durability,
+                segments,
+                staged,
+            })
+        }
+    }
+}
+
+/// Asks for one piece of a read, under its share of the byte budget; its data lands straight in the
+/// region, or through a staging buffer that is scattered over its group.
+async fn submit_read(shared: &Shared, piece: Piece, caller: &Arc<AccessGuard>) -> Result<Submitted> {
+    let bytes = piece_len(&piece);
+    let budget = Some(shared.budget(bytes).await?);
+    match piece {
+        Piece::Direct(item) => {
+            let dest = ReadDest::Direct {
+                region: item.local.region.clone(),
+                offset: item.local.offset,
+                len: bytes,
+                caller: caller.clone(),
+            };
+            shared.submit(None, bytes, Some(dest), budget, |id| {
+                Outgoing::Frame(Frame::Read {
+                    id: id.0,
+                    key: item.remote_key,
+                    offset: item.remote_offset,
+                    len: bytes,
+                })
+            })
+        }
+        Piece::Coalesced(group) => {
+            let staging = match shared.pool.as_ref() {
+                Some(pool) => Some(pool.acquire().await),
+                None => None,
+            };
+            let segments = segments(&group);
+            let parts = group.into_iter().map(|i| i.local).collect();
+            let dest = ReadDest::Scatter {
+                parts,
+                staging,
+                caller: caller.clone(),
+            };
+            shared.submit(None, bytes, Some(dest), budget, |id| {
+                Outgoing::Frame(Frame::ReadBatch { id: id.0, segments })
+            })
+        }
+    }
 }
 
 async fn write_loop(
