@@ -163,6 +163,17 @@ impl RdmaShared {
             .unwrap_or_default()
     }
 
+    /// The NIC registration of region `key`, if it has one.
+    pub fn registered_if_any(&self, key: RegionKey) -> Result<Option<Arc<Registered>>> {
+        Ok(self
+            .regions
+            .lock()
+            .map_err(|_| Error::Internal("RDMA region table lock poisoned".into()))?
+            .get(&key)
+            .cloned())
+    }
+
+    /// The NIC registration of region `key`; `PermissionDenied` when it has none.
     pub fn registered(&self, key: RegionKey) -> Result<Arc<Registered>> {
         self.regions
             .lock()

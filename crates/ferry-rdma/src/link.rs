@@ -358,8 +358,9 @@ impl Inner {
     }
 
     /// Turns a batch into work requests, merging remote-contiguous descriptors and splitting long ones,
-    /// and notes which regions are staged.
-    fn plan(&self, op: Op, items: &[TransferItem]) -> Result<Plan> {
+    /// and notes which regions are staged. `None` when a region at either end is not registered with
+    /// its NIC (the registration was refused there, say): the control link moves such a batch.
+    fn plan(&self, op: Op, items: &[TransferItem]) -> Result<Option<Plan>> {
         let wr_op = match op {
             Op::Write => WrOp::Write,
             Op::Read => WrOp::Read,
@@ -371,12 +372,10 @@ impl Inner {
         let mut hooked_remote = Vec::new();
         let mut staged_local = false;
         for (i, item) in items.iter().enumerate() {
-            let key = item.remote_transport_key.as_deref().ok_or_else(|| {
-                Error::PermissionDenied(format!(
-                    "{} advertised no RDMA key for the region at {:#x}",
-                    self.peer, item.remote_addr
-                ))
-            })?;
+            let Some(key) = item.remote_transport_key.as_deref() else {
+                tracing::debug!(peer = %self.peer, addr = item.remote_addr, "no RDMA key advertised for this region; the batch goes over tcp");
+                return Ok(None);
+            };
             let remote = RemoteKey::decode(key)?;
             let rkey = remote.rkey;
             // A staged region is reached at its staging buffer, at the same offset.
@@ -384,7 +383,10 @@ impl Inner {
                 Some(staging) => staging + item.remote_offset,
                 None => item.remote_addr,
             };
-            let region = self.shared.registered(item.local.region.key())?;
+            let Some(region) = self.shared.registered_if_any(item.local.region.key())? else {
+                tracing::debug!(region = ?item.local.region.key(), "local region not registered with the NIC; the batch goes over tcp");
+                return Ok(None);
+            };
             if remote.is_staged() {
                 staged_remote.push(i);
             } else if remote.hooked {
@@ -424,12 +426,12 @@ impl Inner {
                 done += n;
             }
         }
-        Ok(Plan {
+        Ok(Some(Plan {
             wrs,
             staged_remote,
             hooked_remote,
             staged_local,
-        })
+        }))
     }
 
     /// Posts one signalled group of work requests and returns the id of its signalled request and its
@@ -804,12 +806,16 @@ async fn run(inner: Arc<Inner>, request: TransferRequest) -> Result<()> {
             off_runtime(&item.local, |block, offset, len| block.prepare_read(offset, len)).await?;
         }
     }
-    let Plan {
+    let Some(Plan {
         mut wrs,
         mut staged_remote,
         hooked_remote,
         staged_local,
-    } = inner.plan(request.op, &request.items)?;
+    }) = inner.plan(request.op, &request.items)?
+    else {
+        // A region at either end that the NIC does not reach: TCP reaches every region.
+        return inner.control.transfer(request).await;
+    };
     if staged_local || (request.op == Op::Read && !staged_remote.is_empty()) {
         // Memory the NIC reaches only through a staging buffer (a page-cache file): the bytes that
         // count are in the region itself, which TCP reaches directly.

@@ -806,6 +806,11 @@ fn register_entry(
                 taken.push(t);
                 transport_keys.extend(transport_key.map(|k| (t.kind(), k)));
             }
+            // A data path that cannot reach this region leaves it to the control link, which moves
+            // every region: peers find no key of that transport in its advert and use TCP for it.
+            Err(e) if t.kind() != TransportKind::Tcp => {
+                tracing::warn!(region = ?key, transport = %t.kind(), error = %e, "not reachable through this transport; peers reach it over tcp");
+            }
             Err(e) => {
                 registered = Err(e);
                 break;
@@ -932,17 +937,38 @@ mod tests {
     }
 
     #[test]
-    fn a_region_one_transport_refuses_is_taken_back_from_the_others() {
+    fn a_region_a_data_path_refuses_stays_reachable_over_the_control_link() {
         let tcp = Recording::new(TransportKind::Tcp, false);
         let rdma = Recording::new(TransportKind::Rdma, true);
-        let transports: Vec<Arc<dyn Transport>> = vec![tcp.clone(), rdma];
+        let transports: Vec<Arc<dyn Transport>> = vec![tcp.clone(), rdma.clone()];
+        let table = RwLock::new(RegionTable::new());
+        let block: Arc<dyn MemoryBlock> = Arc::new(OwnedBuffer::new(vec![0u8; 4096]));
+        let e = entry(&block);
+        let key = e.key();
+        let registered = register_entry(&transports, &table, e).expect("tcp reaches it");
+        assert!(tcp.holds(key));
+        assert!(!rdma.holds(key));
+        let kinds: Vec<TransportKind> = registered.advert().transport_keys.iter().map(|(k, _)| *k).collect();
+        assert_eq!(
+            kinds,
+            [TransportKind::Tcp],
+            "the advert carries no key of the refusing transport, so peers do not try it"
+        );
+        assert_eq!(table.read().unwrap().len(), 1);
+    }
+
+    #[test]
+    fn a_region_the_control_link_refuses_is_taken_back_from_the_others() {
+        let rdma = Recording::new(TransportKind::Rdma, false);
+        let tcp = Recording::new(TransportKind::Tcp, true);
+        let transports: Vec<Arc<dyn Transport>> = vec![rdma.clone(), tcp];
         let table = RwLock::new(RegionTable::new());
         let block: Arc<dyn MemoryBlock> = Arc::new(OwnedBuffer::new(vec![0u8; 4096]));
         let e = entry(&block);
         let key = e.key();
         let refused = register_entry(&transports, &table, e);
         assert!(matches!(refused, Err(Error::ResourceExhausted(_))), "{refused:?}");
-        assert!(!tcp.holds(key));
+        assert!(!rdma.holds(key));
         assert_eq!(table.read().unwrap().len(), 0);
     }
 }
