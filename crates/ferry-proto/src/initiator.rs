@@ -176,6 +176,11 @@ impl<P> Initiator<P> {
         StreamIndex(i as u16)
     }
 
+    /// Operations waiting for an answer on the whole link.
+    pub fn waiting(&self) -> usize {
+        self.streams.iter().map(|s| s.waiting.len()).sum()
+    }
+
     /// Operations waiting for an answer on `stream`.
     pub fn outstanding(&self, stream: StreamIndex) -> usize {
         self.streams.get(stream.get()).map_or(0, |s| s.waiting.len())

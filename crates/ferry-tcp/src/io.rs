@@ -274,6 +274,21 @@ impl FrameWriter {
         Ok(())
     }
 
+    /// Sends what is queued as far as the socket takes it without waiting: true once all is sent.
+    pub fn try_flush(&mut self) -> Result<bool> {
+        while !self.buf.is_empty() {
+            match self.half.try_write(&self.buf) {
+                Ok(n) => bytes::Buf::advance(&mut self.buf, n),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(false),
+                Err(e) => {
+                    self.buf.clear();
+                    return Err(self.io_error(e));
+                }
+            }
+        }
+        Ok(true)
+    }
+
     /// Flushes, then sends `bytes` (a staging buffer) without copying them into the frame buffer.
     pub async fn write_bytes(&mut self, bytes: &[u8]) -> Result<()> {
         self.flush().await?;

@@ -12,7 +12,7 @@
 //! module moves bytes and keeps the byte budget (how much may be in flight, which needs waiting).
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -136,7 +136,36 @@ enum Outgoing {
         segments: Vec<Segment>,
         staged: StagingBuf,
     },
+    /// Send what the writer holds (left there by a caller's write that the socket did not take whole).
+    Flush,
     Shutdown,
+}
+
+impl Outgoing {
+    /// Whether it goes into the frame buffer whole, with no wait: what a caller may write itself.
+    fn is_inline(&self) -> bool {
+        match self {
+            Outgoing::Frame(_) | Outgoing::Flush => true,
+            Outgoing::Write { local, .. } => local.len <= INLINE_PAYLOAD,
+            Outgoing::WriteStaged { staged, .. } => staged.data.len() as u64 <= INLINE_PAYLOAD,
+            Outgoing::Shutdown => false,
+        }
+    }
+}
+
+/// One TCP stream of the link, as the initiator writes to it.
+///
+/// Frames reach the writer in submission order through one of two paths. A caller whose frame is
+/// small, and who finds nothing queued for the write task and the writer free, puts its frame into
+/// the writer and sends it itself, without waking another task (the round trip of a small operation
+/// is most of its cost). Everything else goes through the write task's queue. `queued` counts what is
+/// in that queue and not yet in the writer; it drops only under the writer's lock, once the frame is
+/// in the writer, so a caller that sees zero under the lock appends after every frame submitted
+/// before it.
+struct Stream {
+    tx: mpsc::UnboundedSender<Outgoing>,
+    writer: Arc<tokio::sync::Mutex<FrameWriter>>,
+    queued: AtomicUsize,
 }
 
 struct Shared {
@@ -146,7 +175,7 @@ struct Shared {
     remote_transports: Vec<TransportKind>,
     proto: Mutex<Initiator<Waiter>>,
     region_updates: tokio::sync::Notify,
-    streams: Vec<mpsc::UnboundedSender<Outgoing>>,
+    streams: Vec<Stream>,
     /// Set once `proto` is closed, for checks that need no lock.
     closed: AtomicBool,
     budget: Arc<Semaphore>,
@@ -214,6 +243,16 @@ impl TcpLink {
         halves.extend(rest.into_iter().map(|(r, w, _)| (r, w)));
         let budget_units = (config.max_inflight_bytes / BUDGET_UNIT).clamp(1, u32::MAX as u64 >> 4) as u32;
         let (txs, rxs): (Vec<_>, Vec<_>) = (0..streams).map(|_| mpsc::unbounded_channel()).unzip();
+        let mut readers = Vec::with_capacity(streams);
+        let mut stream_list = Vec::with_capacity(streams);
+        for ((reader, writer), tx) in halves.into_iter().zip(txs) {
+            readers.push(reader);
+            stream_list.push(Stream {
+                tx,
+                writer: Arc::new(tokio::sync::Mutex::new(writer)),
+                queued: AtomicUsize::new(0),
+            });
+        }
         let peer = addr.to_string();
         let keepalive = Keepalive::new(Instant::now(), DEFAULT_IDLE, DEFAULT_DEAD);
         let proto = Initiator::new(peer.clone(), streams, ack.regions, config.link_limits, keepalive);
@@ -224,7 +263,7 @@ impl TcpLink {
             remote_transports: ack.transports,
             proto: Mutex::new(proto),
             region_updates: tokio::sync::Notify::new(),
-            streams: txs,
+            streams: stream_list,
             closed: AtomicBool::new(false),
             budget: Arc::new(Semaphore::new(budget_units as usize)),
             budget_units,
@@ -232,9 +271,9 @@ impl TcpLink {
             tasks: Mutex::new(Vec::new()),
         });
         let mut handles = vec![tokio::spawn(keepalive_loop(shared.clone())).abort_handle()];
-        for (i, ((reader, writer), rx)) in halves.into_iter().zip(rxs).enumerate() {
+        for (i, (reader, rx)) in readers.into_iter().zip(rxs).enumerate() {
             let index = StreamIndex(i as u16);
-            handles.push(tokio::spawn(write_loop(shared.clone(), index, writer, rx)).abort_handle());
+            handles.push(tokio::spawn(write_loop(shared.clone(), index, rx)).abort_handle());
             handles.push(tokio::spawn(read_loop(shared.clone(), index, reader)).abort_handle());
         }
         if let Ok(mut t) = shared.tasks.lock() {
@@ -319,11 +358,63 @@ impl Shared {
         }
     }
 
+    /// Queues `out` for `stream`'s write task.
     fn send(&self, stream: StreamIndex, out: Outgoing) -> Result<()> {
+        self.send_as(stream, out, false)
+    }
+
+    /// Puts `out` on `stream`: written by the caller when `idle` (no other operation waits on the
+    /// link) and it can be (see [`Stream`]), else queued for the stream's write task. While other
+    /// operations are in flight, queued frames share system calls at both ends (the target reads
+    /// several requests per wake-up and answers them in one write), which beats a call per caller
+    /// (4 KiB writes, 16 in flight: 0.93 GB/s queued, 0.58 GB/s written by each caller, 0.72 when only
+    /// callers finding their stream idle write); an idle link would wake the task for one frame (64 B
+    /// round trip: 30 µs queued, 22 µs written by the caller).
+    fn send_as(&self, stream: StreamIndex, out: Outgoing, idle: bool) -> Result<()> {
         if self.closed.load(Ordering::Acquire) {
             return Err(self.closed_error());
         }
-        self.streams[stream.get()].send(out).map_err(|_| self.closed_error())
+        let s = &self.streams[stream.get()];
+        let out = match idle {
+            true => match self.write_through(stream, s, out) {
+                Ok(()) => return Ok(()),
+                Err(out) => out,
+            },
+            false => out,
+        };
+        s.queued.fetch_add(1, Ordering::AcqRel);
+        s.tx.send(out).map_err(|_| self.closed_error())
+    }
+
+    /// Writes a small frame on the caller's task when nothing is queued before it and the writer is
+    /// free; hands it back otherwise. What the socket does not take at once is left in the writer for
+    /// the write task to send.
+    fn write_through(&self, index: StreamIndex, s: &Stream, out: Outgoing) -> std::result::Result<(), Outgoing> {
+        if !out.is_inline() || s.queued.load(Ordering::Acquire) != 0 {
+            return Err(out);
+        }
+        let Ok(mut writer) = s.writer.try_lock() else {
+            return Err(out);
+        };
+        if s.queued.load(Ordering::Acquire) != 0 {
+            return Err(out);
+        }
+        let sent = push_inline(self, index, &mut writer, out).and_then(|()| writer.try_flush());
+        drop(writer);
+        match sent {
+            Ok(true) => {}
+            Ok(false) => {
+                s.queued.fetch_add(1, Ordering::AcqRel);
+                if s.tx.send(Outgoing::Flush).is_err() {
+                    self.fail_all(self.closed_error());
+                }
+            }
+            Err(e) => {
+                tracing::debug!(peer = %self.peer, stream = %index, error = %e, "tcp link write failed");
+                self.fail_all(e);
+            }
+        }
+        Ok(())
     }
 
     /// Starts an operation on `stream` (or the least loaded one) and queues the frame `out` builds
@@ -343,8 +434,12 @@ impl Shared {
             read,
             _budget: budget,
         });
-        let (stream, id) = self.proto()?.start(stream, kind, bytes, pending)?;
-        if let Err(e) = self.send(stream, out(id)) {
+        let (stream, id, idle) = {
+            let mut proto = self.proto()?;
+            let (stream, id) = proto.start(stream, kind, bytes, pending)?;
+            (stream, id, proto.waiting() == 1)
+        };
+        if let Err(e) = self.send_as(stream, out(id), idle) {
             self.complete(stream, id, Err(e.clone()));
             return Err(e);
         }
@@ -642,65 +737,106 @@ async fn submit_read(shared: &Shared, piece: Piece, caller: &Arc<AccessGuard>) -
     }
 }
 
-async fn write_loop(
-    shared: Arc<Shared>,
-    stream: StreamIndex,
-    mut writer: FrameWriter,
-    mut rx: mpsc::UnboundedReceiver<Outgoing>,
-) {
+/// Puts a frame whose payload is in hand into the writer. A write whose region was deregistered
+/// meanwhile is sent with zeros (the stream stays framed) and fails at once.
+fn push_inline(shared: &Shared, stream: StreamIndex, writer: &mut FrameWriter, out: Outgoing) -> Result<()> {
+    match out {
+        Outgoing::Frame(f) => writer.push(&f, 0)?,
+        Outgoing::Write {
+            id,
+            durability,
+            remote_key,
+            remote_offset,
+            local,
+        } => {
+            let frame = Frame::Write {
+                id: id.0,
+                key: remote_key,
+                offset: remote_offset,
+                durability,
+            };
+            writer.push(&frame, local.len)?;
+            if !writer.push_region(&local.region, local.offset, local.len as usize) {
+                shared.complete(stream, id, Err(local.region.gone()));
+            }
+        }
+        Outgoing::WriteStaged {
+            id,
+            durability,
+            segments,
+            staged,
+        } => {
+            let frame = Frame::WriteBatch {
+                id: id.0,
+                durability,
+                segments,
+            };
+            writer.push(&frame, staged.data.len() as u64)?;
+            writer.push_bytes(&staged.data);
+        }
+        Outgoing::Flush | Outgoing::Shutdown => {}
+    }
+    Ok(())
+}
+
+/// Puts one queued item into the writer, sending large payloads straight from their memory.
+async fn write_one(shared: &Shared, stream: StreamIndex, writer: &mut FrameWriter, out: Outgoing) -> Result<()> {
+    if out.is_inline() {
+        return push_inline(shared, stream, writer, out);
+    }
+    match out {
+        Outgoing::Write {
+            id,
+            durability,
+            remote_key,
+            remote_offset,
+            local,
+        } => {
+            let frame = Frame::Write {
+                id: id.0,
+                key: remote_key,
+                offset: remote_offset,
+                durability,
+            };
+            writer.push(&frame, local.len)?;
+            if !writer.write_region(&local.region, local.offset, local.len).await? {
+                shared.complete(stream, id, Err(local.region.gone()));
+            }
+        }
+        Outgoing::WriteStaged {
+            id,
+            durability,
+            segments,
+            staged,
+        } => {
+            let frame = Frame::WriteBatch {
+                id: id.0,
+                durability,
+                segments,
+            };
+            writer.push(&frame, staged.data.len() as u64)?;
+            writer.write_bytes(&staged.data).await?;
+        }
+        Outgoing::Frame(_) | Outgoing::Flush | Outgoing::Shutdown => {}
+    }
+    Ok(())
+}
+
+/// Sends what callers queued on one stream, in order, several frames to a system call.
+async fn write_loop(shared: Arc<Shared>, stream: StreamIndex, mut rx: mpsc::UnboundedReceiver<Outgoing>) {
+    let s = &shared.streams[stream.get()];
     let result: Result<()> = async {
         while let Some(first) = rx.recv().await {
+            let mut writer = s.writer.lock().await;
             let mut next = Some(first);
             while let Some(out) = next.take() {
-                match out {
-                    Outgoing::Shutdown => {
-                        writer.flush().await?;
-                        return Ok(());
-                    }
-                    Outgoing::Frame(f) => writer.push(&f, 0)?,
-                    Outgoing::Write {
-                        id,
-                        durability,
-                        remote_key,
-                        remote_offset,
-                        local,
-                    } => {
-                        let frame = Frame::Write {
-                            id: id.0,
-                            key: remote_key,
-                            offset: remote_offset,
-                            durability,
-                        };
-                        writer.push(&frame, local.len)?;
-                        let intact = if local.len <= INLINE_PAYLOAD {
-                            writer.push_region(&local.region, local.offset, local.len as usize)
-                        } else {
-                            writer.write_region(&local.region, local.offset, local.len).await?
-                        };
-                        if !intact {
-                            shared.complete(stream, id, Err(local.region.gone()));
-                        }
-                    }
-                    Outgoing::WriteStaged {
-                        id,
-                        durability,
-                        segments,
-                        staged,
-                    } => {
-                        writer.push(
-                            &Frame::WriteBatch {
-                                id: id.0,
-                                durability,
-                                segments,
-                            },
-                            staged.data.len() as u64,
-                        )?;
-                        if staged.data.len() as u64 <= INLINE_PAYLOAD {
-                            writer.push_bytes(&staged.data);
-                        } else {
-                            writer.write_bytes(&staged.data).await?;
-                        }
-                    }
+                let shutdown = matches!(out, Outgoing::Shutdown);
+                let written = write_one(&shared, stream, &mut writer, out).await;
+                s.queued.fetch_sub(1, Ordering::AcqRel);
+                written?;
+                if shutdown {
+                    writer.flush().await?;
+                    return Ok(());
                 }
                 if writer.queued() >= 256 << 10 {
                     writer.flush().await?;
@@ -716,7 +852,7 @@ async fn write_loop(
         tracing::debug!(peer = %shared.peer, %stream, error = %e, "tcp link writer stopped");
         shared.fail_all(e);
     }
-    writer.shutdown().await;
+    s.writer.lock().await.shutdown().await;
 }
 
 async fn read_loop(shared: Arc<Shared>, stream: StreamIndex, mut reader: FrameReader) {
@@ -956,7 +1092,8 @@ impl DataLink for TcpLink {
         Box::pin(async move {
             let _ = shared.send(StreamIndex::CONTROL, Outgoing::Frame(Frame::Goodbye));
             for s in &shared.streams {
-                let _ = s.send(Outgoing::Shutdown);
+                s.queued.fetch_add(1, Ordering::AcqRel);
+                let _ = s.tx.send(Outgoing::Shutdown);
             }
             shared.fail_all(Error::PeerClosed(format!(
                 "the link to {} was closed locally",
