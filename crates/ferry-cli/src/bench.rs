@@ -47,7 +47,7 @@ pub struct Args {
     /// A `ferry serve` to measure against, "host:port"; two engines in this process when omitted.
     #[arg(long)]
     peer: Option<String>,
-    /// The staging pool, "BUFFER_NUM:BUFFER_SIZE_MB".
+    /// The buffer pool small descriptors are coalesced through, "BUFFER_NUM:BUFFER_SIZE_MB".
     #[arg(long, default_value = "4:8")]
     buffer_pool: String,
     /// One JSON object per case and line, instead of a table.

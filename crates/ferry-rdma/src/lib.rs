@@ -131,21 +131,21 @@ impl RdmaShared {
         }
     }
 
-    /// Copies `ranges` of `region` in from its staging buffer, if the NIC reaches it through one.
-    pub(crate) fn commit_staged(&self, region: &RegionEntry, ranges: &[(u64, u64)]) -> Result<()> {
+    /// Copies `ranges` of `region` in from its bounce buffer, if the NIC reaches it through one.
+    pub(crate) fn commit_bounced(&self, region: &RegionEntry, ranges: &[(u64, u64)]) -> Result<()> {
         let Ok(reg) = self.registered(region.key()) else {
             return Ok(());
         };
-        if !reg.is_staged() {
+        if !reg.is_bounced() {
             return Ok(());
         }
         let _permit = region.guard().enter().ok_or_else(|| region.gone())?;
         for &(offset, len) in ranges {
             region.check_range(offset, len)?;
             let from = reg
-                .staged_ptr(offset)
-                .ok_or_else(|| Error::OutOfBounds(format!("staged range at {offset} of region {:?}", region.key())))?;
-            // SAFETY: both ranges lie inside their buffers (the staging buffer is the region's size and
+                .bounce_ptr(offset)
+                .ok_or_else(|| Error::OutOfBounds(format!("bounced range at {offset} of region {:?}", region.key())))?;
+            // SAFETY: both ranges lie inside their buffers (the bounce buffer is the region's size and
             // the range was checked against the region); the permit keeps the region's memory mapped;
             // the initiator's writes to these bytes were placed before it asked for this commit (the
             // request travelled behind them on the queue pair), and no reference to either buffer
@@ -275,24 +275,24 @@ impl Transport for RdmaTransport {
             },
             false => register(flags).map(|mr| (mr, false)),
         };
-        let (reg, flushable, staging_addr) = match registered {
+        let (reg, flushable, bounce_addr) = match registered {
             Ok((mr, flushable)) => (Registered::new(mr, region.guard().clone()), flushable, None),
             // A file in the page cache: the kernel will not pin its pages for the NIC. Stage instead.
             Err(e) if region.block().persistent() => {
-                let mut staging = mr::Staging::new(region.len() as usize);
-                let addr = staging.as_ptr() as u64;
-                // SAFETY: the staging buffer is owned by the `Registered` built from this registration,
+                let mut bounce = mr::Bounce::new(region.len() as usize);
+                let addr = bounce.as_ptr() as u64;
+                // SAFETY: the bounce buffer is owned by the `Registered` built from this registration,
                 // which drops the memory region before the buffer.
-                let mr = unsafe { shared.pd.reg_mr(addr as usize, staging.len(), flags) }
+                let mr = unsafe { shared.pd.reg_mr(addr as usize, bounce.len(), flags) }
                     .map_err(|e| reg_error(shared, region, e))?;
                 tracing::info!(
                     region = ?region.key(),
                     kind = region.block().kind(),
                     reason = %e,
-                    "the NIC cannot pin this region; RDMA writes to it are staged and committed by request"
+                    "the NIC cannot pin this region; RDMA writes land in a bounce buffer and are committed by request"
                 );
                 (
-                    Registered::staged(mr, staging, region.guard().clone()),
+                    Registered::bounced(mr, bounce, region.guard().clone()),
                     false,
                     Some(addr),
                 )
@@ -310,7 +310,7 @@ impl Transport for RdmaTransport {
             wire::RemoteKey {
                 rkey,
                 flushable,
-                staging_addr,
+                bounce_addr,
                 hooked: region.block().has_access_hooks(),
             }
             .encode(),
@@ -369,7 +369,7 @@ impl Transport for RdmaTransport {
         if shared.options.adr_without_ddio {
             rc.local.flags |= wire::ADR_WITHOUT_DDIO;
         }
-        let slots = messages::MessageSlots::new(&shared.pd)?;
+        let slots = messages::MessageBuffers::new(&shared.pd)?;
         // Receives go up before the initiator learns our address, so its first message finds one.
         slots.post_all_recvs(&rc)?;
         rc.connect(&shared.device, &remote, &shared.options)?;

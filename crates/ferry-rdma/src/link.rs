@@ -72,7 +72,7 @@ use tokio::task::AbortHandle;
 
 use crate::completions::{self, Completions};
 use crate::messages::{
-    MAX_COMMIT_SEGMENTS, Message, MessageSlots, RECV_SLOTS, SEND_SLOTS, TAG_DATA, TAG_MASK, TAG_RECV, TAG_SEND,
+    MAX_COMMIT_SEGMENTS, Message, MessageBuffers, RECV_BUFFERS, SEND_BUFFERS, TAG_DATA, TAG_MASK, TAG_RECV, TAG_SEND,
 };
 use crate::mr::{InUse, Registered};
 use crate::post::{DataWr, post_data};
@@ -96,7 +96,7 @@ struct Pending {
     /// Regions the group's requests took into use (permits of their access guards); released when
     /// this completion arrives.
     touched: Vec<InUse>,
-    _slots: OwnedSemaphorePermit,
+    _send_queue: OwnedSemaphorePermit,
 }
 
 /// A notification's waiter and its place in the window.
@@ -105,7 +105,7 @@ type Unanswered = (oneshot::Sender<Result<()>>, OwnedSemaphorePermit);
 pub(crate) struct Inner {
     rc: Rc,
     // After `rc`: the queue pair is destroyed before the buffers it may write go away.
-    messages: MessageSlots,
+    messages: MessageBuffers,
     /// Notifications waiting for the target's reply, each with its place in the window.
     notifications: Mutex<HashMap<u64, Unanswered>>,
     /// Notifications unanswered at once: no more than the target has receive buffers and reply slots.
@@ -115,7 +115,8 @@ pub(crate) struct Inner {
     control: Arc<dyn DataLink>,
     peer: String,
     pending: Mutex<HashMap<u64, Pending>>,
-    slots: Arc<Semaphore>,
+    /// Free places in the send queue: a group waits for as many as it has work requests.
+    send_queue: Arc<Semaphore>,
     next_wr: AtomicU64,
     closed: AtomicBool,
     poller: Mutex<Option<AbortHandle>>,
@@ -162,12 +163,12 @@ impl Scratch {
 struct Plan {
     wrs: Vec<WorkRequest>,
     /// The items whose remote region the target stages (their writes need a commit request).
-    staged_remote: Vec<usize>,
+    bounced_remote: Vec<usize>,
     /// The items whose remote region needs the target's CPU around each access (device memory
     /// behind a staging buffer): a commit request after writes, a prepare request before reads.
     hooked_remote: Vec<usize>,
-    /// Whether a local region is staged here (the NIC cannot reach its bytes).
-    staged_local: bool,
+    /// Whether a local region is reached through a bounce buffer here (the NIC cannot pin its bytes).
+    bounced_local: bool,
 }
 
 /// What a work request does.
@@ -246,14 +247,14 @@ pub(crate) async fn open(
     if rc.flush.is_some() {
         rc.local.flags |= crate::wire::CAN_POST_FLUSH;
     }
-    let slots = MessageSlots::new(&shared.pd)?;
+    let messages = MessageBuffers::new(&shared.pd)?;
     let answer = exchange.exchange(TransportKind::Rdma, rc.local.encode()).await?;
     let remote = QpEndpoint::decode(&answer)?;
     let method = crate::persist::choose(rc.local.flags, remote.flags, shared.options.persist_method)?;
     rc.connect(&shared.device, &remote, &shared.options)?;
     let peer = format!("RDMA peer (qpn {:#x}, gid {})", remote.qpn, remote.gid);
     tracing::info!(%peer, persist = %method, "RDMA link: persistent writes by {method}");
-    Inner::start(rc, slots, shared.clone(), control, peer, method)
+    Inner::start(rc, messages, shared.clone(), control, peer, method)
 }
 
 /// One work request: a remote range and the local pieces that fill or receive it.
@@ -292,7 +293,7 @@ impl Inner {
     /// Wraps a connected queue pair and starts its completion task.
     fn start(
         rc: Rc,
-        messages: MessageSlots,
+        messages: MessageBuffers,
         shared: Arc<RdmaShared>,
         control: Arc<dyn DataLink>,
         peer: String,
@@ -300,18 +301,18 @@ impl Inner {
     ) -> Result<Arc<Self>> {
         messages.post_all_recvs(&rc)?;
         let scratch = Scratch::new(&shared.pd)?;
-        let slots = Arc::new(Semaphore::new(rc.max_send_wr as usize));
+        let send_queue = Arc::new(Semaphore::new(rc.max_send_wr as usize));
         let inner = Arc::new(Inner {
             rc,
             messages,
             notifications: Mutex::new(HashMap::new()),
-            notify_window: Arc::new(Semaphore::new(RECV_SLOTS.min(SEND_SLOTS))),
+            notify_window: Arc::new(Semaphore::new(RECV_BUFFERS.min(SEND_BUFFERS))),
             next_notification: AtomicU64::new(1),
             shared,
             control,
             peer,
             pending: Mutex::new(HashMap::new()),
-            slots,
+            send_queue,
             next_wr: AtomicU64::new(1),
             closed: AtomicBool::new(false),
             poller: Mutex::new(None),
@@ -358,7 +359,7 @@ impl Inner {
     }
 
     /// Turns a batch into work requests, merging remote-contiguous descriptors and splitting long ones,
-    /// and notes which regions are staged. `None` when a region at either end is not registered with
+    /// and notes which regions are reached through bounce buffers. `None` when a region at either end is not registered with
     /// its NIC (the registration was refused there, say): the control link moves such a batch.
     fn plan(&self, op: Op, items: &[TransferItem]) -> Result<Option<Plan>> {
         let wr_op = match op {
@@ -368,9 +369,9 @@ impl Inner {
         let max_msg = self.shared.device.max_msg.clamp(4096, MAX_WR_BYTES);
         let max_sge = self.rc.max_sge as usize;
         let mut wrs: Vec<WorkRequest> = Vec::new();
-        let mut staged_remote = Vec::new();
+        let mut bounced_remote = Vec::new();
         let mut hooked_remote = Vec::new();
-        let mut staged_local = false;
+        let mut bounced_local = false;
         for (i, item) in items.iter().enumerate() {
             let Some(key) = item.remote_transport_key.as_deref() else {
                 tracing::debug!(peer = %self.peer, addr = item.remote_addr, "no RDMA key advertised for this region; the batch goes over tcp");
@@ -378,21 +379,21 @@ impl Inner {
             };
             let remote = RemoteKey::decode(key)?;
             let rkey = remote.rkey;
-            // A staged region is reached at its staging buffer, at the same offset.
-            let remote_base = match remote.staging_addr {
-                Some(staging) => staging + item.remote_offset,
+            // A bounced region is reached at its bounce buffer, at the same offset.
+            let remote_base = match remote.bounce_addr {
+                Some(bounce) => bounce + item.remote_offset,
                 None => item.remote_addr,
             };
             let Some(region) = self.shared.registered_if_any(item.local.region.key())? else {
                 tracing::debug!(region = ?item.local.region.key(), "local region not registered with the NIC; the batch goes over tcp");
                 return Ok(None);
             };
-            if remote.is_staged() {
-                staged_remote.push(i);
+            if remote.is_bounced() {
+                bounced_remote.push(i);
             } else if remote.hooked {
                 hooked_remote.push(i);
             }
-            staged_local |= region.is_staged();
+            bounced_local |= region.is_bounced();
             let mut done = 0u64;
             while done < item.len() {
                 let n = (item.len() - done).min(max_msg);
@@ -428,9 +429,9 @@ impl Inner {
         }
         Ok(Some(Plan {
             wrs,
-            staged_remote,
+            bounced_remote,
             hooked_remote,
-            staged_local,
+            bounced_local,
         }))
     }
 
@@ -446,8 +447,8 @@ impl Inner {
                 self.peer
             )));
         }
-        let slots = self
-            .slots
+        let send_queue = self
+            .send_queue
             .clone()
             .acquire_many_owned(group.len() as u32)
             .await
@@ -477,7 +478,7 @@ impl Inner {
                     Pending {
                         done,
                         touched,
-                        _slots: slots,
+                        _send_queue: send_queue,
                     },
                 );
             // READs and WRITEs first (they precede any FLUSH in a group), then the FLUSHes.
@@ -780,7 +781,7 @@ async fn request_per_chunk(
     Ok(replies)
 }
 
-/// Asks the target to commit `segments` (copy in what it staged; persist them if `durability` says
+/// Asks the target to commit `segments` (copy in what its bounce buffers hold; persist them if `durability` says
 /// so), by SENDs on the queue pair after the WRITEs that filled them: the target acts only once those
 /// are placed in its memory. Returns where the answers will arrive.
 async fn request_commit(
@@ -808,16 +809,16 @@ async fn run(inner: Arc<Inner>, request: TransferRequest) -> Result<()> {
     }
     let Some(Plan {
         mut wrs,
-        mut staged_remote,
+        mut bounced_remote,
         hooked_remote,
-        staged_local,
+        bounced_local,
     }) = inner.plan(request.op, &request.items)?
     else {
         // A region at either end that the NIC does not reach: TCP reaches every region.
         return inner.control.transfer(request).await;
     };
-    if staged_local || (request.op == Op::Read && !staged_remote.is_empty()) {
-        // Memory the NIC reaches only through a staging buffer (a page-cache file): the bytes that
+    if bounced_local || (request.op == Op::Read && !bounced_remote.is_empty()) {
+        // Memory the NIC reaches only through a bounce buffer (a page-cache file): the bytes that
         // count are in the region itself, which TCP reaches directly.
         return inner.control.transfer(request).await;
     }
@@ -833,8 +834,8 @@ async fn run(inner: Arc<Inner>, request: TransferRequest) -> Result<()> {
         let replies = request_per_chunk(&inner, &segments, |id, segments| Message::Prepare { id, segments }).await?;
         answered(&inner, replies).await?;
     }
-    // Written ranges the target's CPU must act on (copy in from its staging, or to the device).
-    staged_remote.extend(hooked_remote.iter().copied().filter(|_| request.op == Op::Write));
+    // Written ranges the target's CPU must act on (copy in from its bounce buffer, or to the device).
+    bounced_remote.extend(hooked_remote.iter().copied().filter(|_| request.op == Op::Write));
     let persistent = request.op == Op::Write && request.durability == Durability::Persistent;
     let method = if persistent {
         inner.method_for(&request.items)?
@@ -865,8 +866,8 @@ async fn run(inner: Arc<Inner>, request: TransferRequest) -> Result<()> {
     let commits = if method == Some(PersistMethod::FlushRequest) {
         let segments: Vec<Segment> = request.items.iter().map(segment).collect();
         request_commit(&inner, &segments, Durability::Persistent).await?
-    } else if !staged_remote.is_empty() {
-        let segments: Vec<Segment> = staged_remote.into_iter().map(|i| segment(&request.items[i])).collect();
+    } else if !bounced_remote.is_empty() {
+        let segments: Vec<Segment> = bounced_remote.into_iter().map(|i| segment(&request.items[i])).collect();
         request_commit(&inner, &segments, Durability::Completed).await?
     } else {
         Vec::new()
@@ -941,8 +942,8 @@ impl Inner {
             };
             Ok(match self.persist {
                 PersistMethod::FlushVerb => key.flushable,
-                // Staged bytes reach the region only by a commit request.
-                PersistMethod::ReadAfterWrite => item.remote_access.contains(Access::READ) && !key.is_staged(),
+                // Bounced bytes reach the region only by a commit request.
+                PersistMethod::ReadAfterWrite => item.remote_access.contains(Access::READ) && !key.is_bounced(),
                 _ => true,
             })
         };

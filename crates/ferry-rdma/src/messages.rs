@@ -8,10 +8,10 @@
 //!
 //! A commit request (see `crate::link`) is a SEND for the same reason: it names ranges that WRITEs
 //! before it on the queue pair filled, and asks the target's CPU to copy them in from where they were
-//! staged and, for persistent writes, to persist them; the target acts only once the receive
+//! bounced and, for persistent writes, to persist them; the target acts only once the receive
 //! completed, so after those WRITEs are placed. At most [`MAX_COMMIT_SEGMENTS`] ranges per message.
 //!
-//! Both ends keep [`RECV_SLOTS`] receive buffers posted and [`SEND_SLOTS`] send buffers, in one memory
+//! Both ends keep [`RECV_BUFFERS`] receive buffers posted and [`SEND_BUFFERS`] send buffers, in one memory
 //! region registered with the NIC.
 
 use std::sync::{Arc, Mutex};
@@ -28,9 +28,9 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use crate::qp::Rc;
 
 /// Receive buffers kept posted on each end.
-pub const RECV_SLOTS: usize = 16;
+pub const RECV_BUFFERS: usize = 16;
 /// Send buffers on each end (notifications in flight).
-pub const SEND_SLOTS: usize = 16;
+pub const SEND_BUFFERS: usize = 16;
 /// Bytes per slot: a notification's two fields of 1024 characters of up to 4 bytes, and a header.
 pub const SLOT_BYTES: usize = (8 << 10) + 64;
 
@@ -63,7 +63,7 @@ pub enum Message {
         segments: Vec<Segment>,
     },
     /// Ranges the READs after it will read, to prepare at the target (copied from the device into
-    /// the staging buffer).
+    /// the bounce buffer).
     Prepare { id: u64, segments: Vec<Segment> },
     /// The target's answer: its error keeps the variant and, for I/O errors, the kind.
     Reply { id: u64, error: Option<WireError> },
@@ -229,7 +229,7 @@ fn put_segments(out: &mut Vec<u8>, segments: &[Segment]) -> Result<()> {
 }
 
 /// The message buffers of one queue pair, registered with the NIC.
-pub struct MessageSlots {
+pub struct MessageBuffers {
     // Declared (and so dropped) before `memory`: the NIC forgets the buffer before it is freed.
     mr: Arc<MemoryRegion>,
     memory: Box<[u8]>,
@@ -237,19 +237,19 @@ pub struct MessageSlots {
     send_permits: Arc<Semaphore>,
 }
 
-impl MessageSlots {
+impl MessageBuffers {
     /// Allocates and registers the slots.
     pub fn new(pd: &Arc<ProtectionDomain>) -> Result<Self> {
-        let mut memory = vec![0u8; (RECV_SLOTS + SEND_SLOTS) * SLOT_BYTES].into_boxed_slice();
+        let mut memory = vec![0u8; (RECV_BUFFERS + SEND_BUFFERS) * SLOT_BYTES].into_boxed_slice();
         // SAFETY: `memory` is owned by the returned value next to its registration, which is dropped
         // first (field order); the heap buffer never moves.
         let mr = unsafe { pd.reg_mr(memory.as_mut_ptr() as usize, memory.len(), AccessFlags::LocalWrite) }
             .map_err(|e| Error::ResourceExhausted(format!("registering RDMA message buffers: {e}")))?;
-        Ok(MessageSlots {
+        Ok(MessageBuffers {
             mr,
             memory,
-            free_sends: Mutex::new((0..SEND_SLOTS).collect()),
-            send_permits: Arc::new(Semaphore::new(SEND_SLOTS)),
+            free_sends: Mutex::new((0..SEND_BUFFERS).collect()),
+            send_permits: Arc::new(Semaphore::new(SEND_BUFFERS)),
         })
     }
 
@@ -257,7 +257,7 @@ impl MessageSlots {
         self.memory.as_ptr() as u64 + (slot * SLOT_BYTES) as u64
     }
 
-    /// Posts the receive buffer `slot` (0..RECV_SLOTS).
+    /// Posts the receive buffer `slot` (0..RECV_BUFFERS).
     pub fn post_recv(&self, rc: &Rc, slot: usize) -> Result<()> {
         let mut qp = rc
             .qp
@@ -276,14 +276,14 @@ impl MessageSlots {
 
     /// Posts every receive buffer.
     pub fn post_all_recvs(&self, rc: &Rc) -> Result<()> {
-        (0..RECV_SLOTS).try_for_each(|s| self.post_recv(rc, s))
+        (0..RECV_BUFFERS).try_for_each(|s| self.post_recv(rc, s))
     }
 
     /// The message that arrived in receive slot `slot`, `len` bytes long.
     pub fn received(&self, slot: usize, len: usize) -> Result<Message> {
         let start = slot
             .checked_mul(SLOT_BYTES)
-            .filter(|_| slot < RECV_SLOTS && len <= SLOT_BYTES);
+            .filter(|_| slot < RECV_BUFFERS && len <= SLOT_BYTES);
         let start = start.ok_or_else(|| Error::Protocol("RDMA receive completion for no slot".into()))?;
         // SAFETY: the NIC finished writing this slot (its completion was polled) and it is not reposted
         // until the caller is done with the copy this makes.
@@ -321,7 +321,7 @@ impl MessageSlots {
             .ok()
             .and_then(|mut f| f.pop())
             .ok_or_else(|| Error::ResourceExhausted("no free RDMA send slot".into()))?;
-        let index = RECV_SLOTS + slot;
+        let index = RECV_BUFFERS + slot;
         let addr = self.slot_addr(index);
         // SAFETY: the send slot is ours until its completion returns it; nothing else writes it.
         unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), addr as *mut u8, bytes.len()) };
@@ -352,7 +352,7 @@ impl MessageSlots {
 
     /// A send from `slot` completed: the slot is free again.
     pub fn send_done(&self, slot: usize) {
-        if slot < SEND_SLOTS {
+        if slot < SEND_BUFFERS {
             if let Ok(mut f) = self.free_sends.lock() {
                 f.push(slot);
             }

@@ -10,10 +10,10 @@
 //! explicitly: handles that planning still holds keep this bookkeeping alive, never the NIC's access.
 //!
 //! Memory the NIC cannot pin (a file in the page cache: since Linux 6.5 the kernel refuses long-term
-//! writable pins of file pages that need dirty tracking) is reached through a staging buffer: an
+//! writable pins of file pages that need dirty tracking) is reached through a bounce buffer: an
 //! anonymous buffer of the region's size, registered in its place. RDMA WRITEs land there and the
 //! target copies the written ranges into the region when the initiator's commit request names them
-//! (`RdmaTransport::commit_staged`); reads of such a region go over TCP.
+//! (`RdmaShared::commit_bounced`); reads of such a region go over TCP.
 
 use std::sync::{Arc, Mutex};
 
@@ -22,13 +22,13 @@ use sideway::ibverbs::memory_region::MemoryRegion;
 
 /// A region's registration with the NIC.
 pub struct Registered {
-    // Before `staging`: the NIC forgets the buffer before it is freed. `None` once deregistered.
+    // Before `bounce`: the NIC forgets the buffer before it is freed. `None` once deregistered.
     mr: Mutex<Option<Arc<MemoryRegion>>>,
     lkey: u32,
     rkey: u32,
     /// The region's access guard: a posted work request holds a permit of it until its completion.
     guard: Arc<AccessGuard>,
-    staging: Option<Staging>,
+    bounce: Option<Bounce>,
 }
 
 /// A region taken into use by a posted group of work requests: a permit of its access guard, released
@@ -46,13 +46,13 @@ impl InUse {
 }
 
 /// The buffer a region that the NIC cannot pin is reached through.
-pub(crate) struct Staging {
+pub(crate) struct Bounce {
     memory: Box<[u8]>,
 }
 
-impl Staging {
+impl Bounce {
     pub(crate) fn new(len: usize) -> Self {
-        Staging {
+        Bounce {
             memory: vec![0u8; len].into_boxed_slice(),
         }
     }
@@ -75,29 +75,29 @@ impl Registered {
             rkey: mr.rkey(),
             mr: Mutex::new(Some(mr)),
             guard,
-            staging: None,
+            bounce: None,
         }
     }
 
-    /// A registration of `staging` standing in for a region the NIC cannot pin.
-    pub(crate) fn staged(mr: Arc<MemoryRegion>, staging: Staging, guard: Arc<AccessGuard>) -> Self {
+    /// A registration of `bounce` standing in for a region the NIC cannot pin.
+    pub(crate) fn bounced(mr: Arc<MemoryRegion>, bounce: Bounce, guard: Arc<AccessGuard>) -> Self {
         Registered {
             lkey: mr.lkey(),
             rkey: mr.rkey(),
             mr: Mutex::new(Some(mr)),
             guard,
-            staging: Some(staging),
+            bounce: Some(bounce),
         }
     }
 
-    /// Whether RDMA reaches the region through a staging buffer.
-    pub fn is_staged(&self) -> bool {
-        self.staging.is_some()
+    /// Whether RDMA reaches the region through a bounce buffer.
+    pub fn is_bounced(&self) -> bool {
+        self.bounce.is_some()
     }
 
-    /// The staging buffer's byte at `offset` (`None` for a region registered directly).
-    pub(crate) fn staged_ptr(&self, offset: u64) -> Option<*const u8> {
-        let s = self.staging.as_ref()?;
+    /// The bounce buffer's byte at `offset` (`None` for a region registered directly).
+    pub(crate) fn bounce_ptr(&self, offset: u64) -> Option<*const u8> {
+        let s = self.bounce.as_ref()?;
         (offset as usize <= s.len()).then(|| s.memory.as_ptr().wrapping_add(offset as usize))
     }
 

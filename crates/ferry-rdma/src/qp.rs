@@ -17,7 +17,7 @@ use sideway::ibverbs::queue_pair::{
 
 use crate::RdmaOptions;
 use crate::device::OpenDevice;
-use crate::messages::{RECV_SLOTS, SEND_SLOTS};
+use crate::messages::{RECV_BUFFERS, SEND_BUFFERS};
 use crate::wire::QpEndpoint;
 
 /// One reliable-connected queue pair (an extended one: the FLUSH verb exists only in the `ibv_wr_*`
@@ -129,7 +129,7 @@ impl Rc {
     pub fn create(dev: &OpenDevice, pd: &Arc<ProtectionDomain>, opts: &RdmaOptions) -> Result<Rc> {
         // The send queue holds the data work requests and, beside them, a SEND per message slot (a
         // notification or commit request may be posted while the data share is full).
-        let messages = SEND_SLOTS as u32;
+        let messages = SEND_BUFFERS as u32;
         let max_send_wr = opts.max_send_wr.min(dev.max_qp_wr.saturating_sub(messages)).max(1);
         let max_sge = dev.max_sge.min(16);
         let channel = dev
@@ -142,7 +142,7 @@ impl Rc {
         let cq = dev
             .context
             .create_cq_builder()
-            .setup_cqe(max_send_wr + messages + RECV_SLOTS as u32)
+            .setup_cqe(max_send_wr + messages + RECV_BUFFERS as u32)
             .setup_comp_channel(&channel, 0)
             .build()
             .map_err(|e| io("creating a completion queue", e))?;
@@ -151,7 +151,7 @@ impl Rc {
             .setup_send_cq(cq.clone())
             .setup_recv_cq(cq.clone())
             .setup_max_send_wr(max_send_wr + messages)
-            .setup_max_recv_wr(RECV_SLOTS as u32)
+            .setup_max_recv_wr(RECV_BUFFERS as u32)
             .setup_max_send_sge(max_sge)
             .setup_max_recv_sge(1)
             .setup_max_inline_data(0);

@@ -1,6 +1,6 @@
 //! The target's side of an RDMA link: the NIC serves one-sided READs and WRITEs by itself; this
 //! answers the two-sided messages that arrive on the queue pair: notifications, and commit requests
-//! (ranges written by the WRITEs before them: copied in from the staging buffer, persisted if asked),
+//! (ranges written by the WRITEs before them: copied in from the bounce buffer, persisted if asked),
 //! which are carried out inline, before the next message of the link is looked at, unless their work
 //! may block (a staged block's device copy, an `msync`): that runs on a blocking thread, under a
 //! permit of each region's access guard, and its reply goes out when it is done.
@@ -21,7 +21,7 @@ use tokio::task::AbortHandle;
 
 use crate::RdmaShared;
 use crate::completions::{self, Completions};
-use crate::messages::{Message, MessageSlots, TAG_MASK, TAG_RECV, TAG_SEND};
+use crate::messages::{Message, MessageBuffers, TAG_MASK, TAG_RECV, TAG_SEND};
 use crate::qp::Rc;
 
 /// Replies waiting for a free send slot, at most.
@@ -30,13 +30,13 @@ pub(crate) const MAX_BACKLOG: usize = 4096;
 pub(crate) struct Responder {
     rc: Rc,
     // After `rc`: the queue pair is destroyed before the buffers it may write go away.
-    slots: MessageSlots,
+    slots: MessageBuffers,
     /// Replies that found every send slot busy, oldest first.
     backlog: Mutex<VecDeque<Message>>,
     notifier: Arc<dyn Notifier>,
     /// The region table commit requests are resolved in.
     context: Weak<EngineContext>,
-    /// For the staging buffers of regions the NIC cannot pin.
+    /// For the bounce buffers of regions the NIC cannot pin.
     shared: Weak<RdmaShared>,
     link: u64,
     peer_engine: u64,
@@ -94,7 +94,7 @@ pub(crate) fn start(
     shared: &Arc<RdmaShared>,
     context: Weak<EngineContext>,
     rc: Rc,
-    slots: MessageSlots,
+    slots: MessageBuffers,
     notifier: Arc<dyn Notifier>,
     link: u64,
     peer_engine: u64,
@@ -164,7 +164,7 @@ impl Responder {
     }
 
     /// Commits ranges that WRITEs before the request filled: resolved in the region table (write
-    /// access, a persistent region for a persistent commit), copied in from the staging buffer where
+    /// access, a persistent region for a persistent commit), copied in from the bounce buffer where
     /// the NIC reaches a region through one, then persisted if asked.
     fn commit(&self, segments: &[Segment], durability: Durability) -> ferry_core::Result<()> {
         let gone = || ferry_core::Error::PeerClosed("the engine is shutting down".into());
@@ -175,7 +175,7 @@ impl Responder {
             .map(|s| context.resolve_write(s.key, s.offset, s.len, durability))
             .collect::<ferry_core::Result<Vec<_>>>()?;
         for_each_region(&parts, |region, ranges| {
-            shared.commit_staged(region, ranges)?;
+            shared.commit_bounced(region, ranges)?;
             // Device memory behind a staging buffer takes the bytes to the device here.
             if region.block().has_access_hooks() {
                 let _permit = region.guard().enter().ok_or_else(|| region.gone())?;

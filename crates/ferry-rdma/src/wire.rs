@@ -82,30 +82,30 @@ pub struct RemoteKey {
     /// Whether the region was registered for persistent FLUSH (it is persistent memory and the
     /// target's device executes FLUSH).
     pub flushable: bool,
-    /// Where RDMA reaches the region when the target stages it (memory its NIC cannot pin): the
-    /// staging buffer's address, which a region offset is added to. Writes there need a commit
+    /// Where RDMA reaches the region when the target bounces it (memory its NIC cannot pin): the
+    /// bounce buffer's address, which a region offset is added to. Writes there need a commit
     /// request, and reads go over TCP.
-    pub staging_addr: Option<u64>,
-    /// Whether the target's CPU must act around each access that bypasses it (device memory behind a
-    /// staging buffer, memory that is not host-coherent): a commit request after writes, a prepare
-    /// request before reads.
+    pub bounce_addr: Option<u64>,
+    /// Whether the target's CPU must act around each access that bypasses it (a staged block: device
+    /// memory behind a host copy, memory that is not host-coherent): a commit request after writes, a
+    /// prepare request before reads.
     pub hooked: bool,
 }
 
 const FLUSHABLE: u8 = 1;
-const STAGED: u8 = 2;
+const BOUNCED: u8 = 2;
 const HOOKED: u8 = 4;
 
 impl RemoteKey {
-    /// The advert form: the rkey little-endian, a flags byte, and the staging address (little-endian)
-    /// when staged.
+    /// The advert form: the rkey little-endian, a flags byte, and the bounce buffer's address (little-endian)
+    /// when bounced.
     pub fn encode(&self) -> Vec<u8> {
         let mut v = self.rkey.to_le_bytes().to_vec();
         let flags = if self.flushable { FLUSHABLE } else { 0 }
-            | if self.staging_addr.is_some() { STAGED } else { 0 }
+            | if self.bounce_addr.is_some() { BOUNCED } else { 0 }
             | if self.hooked { HOOKED } else { 0 };
         v.push(flags);
-        if let Some(addr) = self.staging_addr {
+        if let Some(addr) = self.bounce_addr {
             v.extend_from_slice(&addr.to_le_bytes());
         }
         v
@@ -116,10 +116,10 @@ impl RemoteKey {
         let bad = || Error::Protocol(format!("an RDMA key of {} bytes ({b:02x?})", b.len()));
         let (head, rest) = b.split_first_chunk::<5>().ok_or_else(bad)?;
         let [a, b0, c, d, flags] = *head;
-        if flags & !(FLUSHABLE | STAGED | HOOKED) != 0 {
+        if flags & !(FLUSHABLE | BOUNCED | HOOKED) != 0 {
             return Err(bad());
         }
-        let staging_addr = match (flags & STAGED != 0, rest) {
+        let bounce_addr = match (flags & BOUNCED != 0, rest) {
             (false, []) => None,
             (true, rest) => Some(u64::from_le_bytes(<[u8; 8]>::try_from(rest).map_err(|_| bad())?)),
             (false, _) => return Err(bad()),
@@ -127,19 +127,19 @@ impl RemoteKey {
         Ok(RemoteKey {
             rkey: u32::from_le_bytes([a, b0, c, d]),
             flushable: flags & FLUSHABLE != 0,
-            staging_addr,
+            bounce_addr,
             hooked: flags & HOOKED != 0,
         })
     }
 
     /// Whether the target stages the region.
-    pub fn is_staged(&self) -> bool {
-        self.staging_addr.is_some()
+    pub fn is_bounced(&self) -> bool {
+        self.bounce_addr.is_some()
     }
 
     /// Whether writes to the region need a commit request after them.
     pub fn needs_commit(&self) -> bool {
-        self.is_staged() || self.hooked
+        self.is_bounced() || self.hooked
     }
 }
 
@@ -156,8 +156,8 @@ mod tests {
         }
 
         #[test]
-        fn keys_round_trip(rkey in any::<u32>(), flushable in any::<bool>(), staging_addr in any::<Option<u64>>(), hooked in any::<bool>()) {
-            let k = RemoteKey { rkey, flushable, staging_addr, hooked };
+        fn keys_round_trip(rkey in any::<u32>(), flushable in any::<bool>(), bounce_addr in any::<Option<u64>>(), hooked in any::<bool>()) {
+            let k = RemoteKey { rkey, flushable, bounce_addr, hooked };
             prop_assert_eq!(RemoteKey::decode(&k.encode()).unwrap(), k);
         }
 

@@ -1,4 +1,4 @@
-//! Staging work off the runtime: a staged block's device copies (`commit_written`, `prepare_read`)
+//! A staged block's work off the runtime: a staged block's device copies (`commit_written`, `prepare_read`)
 //! and a persist that is an `msync` may block for milliseconds or more, so the server runs them on a
 //! blocking thread, under an owned permit of the region's access guard held across it: the region's
 //! deregistration waits for the work, and the runtime's threads never do.
@@ -28,7 +28,7 @@ async fn under_permit(
         result
     })
     .await
-    .map_err(|e| Error::Internal(format!("staging work on a blocking thread panicked: {e}")))?
+    .map_err(|e| Error::Internal(format!("a staged block's work on a blocking thread panicked: {e}")))?
 }
 
 /// The staged block's copy to the device after a peer wrote `r` (a completed write).

@@ -185,7 +185,7 @@ impl FrameReader {
         Ok(landed)
     }
 
-    /// Reads `len` payload bytes into `dst` (a staging buffer).
+    /// Reads `len` payload bytes into `dst` (a pool buffer).
     pub async fn read_exact(&mut self, dst: &mut [u8]) -> Result<()> {
         let from_buf = self.buf.len().min(dst.len());
         dst[..from_buf].copy_from_slice(&self.buf[..from_buf]);
@@ -242,7 +242,7 @@ impl FrameWriter {
         codec::encode(frame, payload_len, &mut self.buf)
     }
 
-    /// Queues payload bytes already in hand (small payloads, staging buffers).
+    /// Queues payload bytes already in hand (small payloads, pool buffers).
     pub fn push_bytes(&mut self, bytes: &[u8]) {
         self.buf.extend_from_slice(bytes);
     }
@@ -289,7 +289,7 @@ impl FrameWriter {
         Ok(true)
     }
 
-    /// Flushes, then sends `bytes` (a staging buffer) without copying them into the frame buffer.
+    /// Flushes, then sends `bytes` (a pool buffer) without copying them into the frame buffer.
     pub async fn write_bytes(&mut self, bytes: &[u8]) -> Result<()> {
         self.flush().await?;
         self.half.write_all(bytes).await.map_err(|e| self.io_error(e))

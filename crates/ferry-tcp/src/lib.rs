@@ -5,21 +5,21 @@
 //!
 //! - [`TcpServer`] accepts links and serves remote operations against the engine's region table.
 //! - [`TcpLink`] is the initiator's side: several streams per peer, pipelined batches with a bounded
-//!   number of bytes in flight, small descriptors coalesced through the [`StagingPool`], large ones
+//!   number of bytes in flight, small descriptors coalesced through the [`CoalescePool`], large ones
 //!   split across streams.
 //! - Payloads move straight between sockets and registered memory (`read(2)`/`send(2)` on region
 //!   memory under its access guard), never through an intermediate copy.
 #![deny(missing_docs)]
 
 mod blocking;
+mod coalesce;
 mod io;
 mod link;
 mod server;
-mod staging;
 
+pub use coalesce::{CoalesceBuf, CoalescePool};
 pub use link::{LinkConfig, LocalIdentity, TcpLink};
 pub use server::{MAX_STREAMS_PER_LINK, ServerConfig, TcpServer};
-pub use staging::{StagingBuf, StagingPool};
 
 use ferry_core::{Availability, Transport, TransportKind};
 

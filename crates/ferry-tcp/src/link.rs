@@ -1,7 +1,7 @@
 //! The initiator's side of a link: several TCP streams to one peer, carrying pipelined batches.
 //!
 //! A batch is cut into pieces: descriptors whose own frame would copy them anyway (writes up to 16 KiB,
-//! reads under 64 KiB) are coalesced through the staging pool into one frame per piece, larger ones go
+//! reads under 64 KiB) are coalesced through the coalescing pool (HIXL's buffer pool) into one frame per piece, larger ones go
 //! as one frame each and are split across the streams when they are
 //! large enough to gain from it. Each piece takes its size from a per-link byte budget, goes to the
 //! stream with the fewest bytes outstanding, and completes when the target acknowledges it (writes) or
@@ -30,8 +30,8 @@ use tokio::net::TcpStream;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 use tokio::task::AbortHandle;
 
+use crate::coalesce::{CoalesceBuf, CoalescePool};
 use crate::io::{DIRECT_THRESHOLD, FrameReader, FrameWriter, Landed};
-use crate::staging::{StagingBuf, StagingPool};
 
 /// Payloads below this are copied into the frame buffer rather than sent from the region.
 const INLINE_PAYLOAD: u64 = 16 << 10;
@@ -53,8 +53,8 @@ pub struct LinkConfig {
     pub max_inflight_bytes: u64,
     /// Decoder limits.
     pub limits: Limits,
-    /// The staging pool for small descriptors, if on.
-    pub pool: Option<Arc<StagingPool>>,
+    /// The coalescing pool for small descriptors, if on.
+    pub pool: Option<Arc<CoalescePool>>,
     /// The protocol's limits.
     pub link_limits: LinkLimits,
 }
@@ -73,7 +73,7 @@ enum ReadDest {
     },
     Scatter {
         parts: Vec<Resolved>,
-        staging: Option<StagingBuf>,
+        buffer: Option<CoalesceBuf>,
         caller: Arc<AccessGuard>,
     },
 }
@@ -82,7 +82,7 @@ enum ReadDest {
 /// this guard; when the transfer returns, fails, times out or is dropped, the guard closes and waits
 /// out the permit in progress, so that no byte lands in the caller's memory afterwards. Data that
 /// arrives later is discarded. A permit lasts one bounded copy or non-blocking `read(2)`
-/// (microseconds), or, for a staged GPU block, its copy to the device (bounded by the block's own
+/// (microseconds), or, for a coalesced GPU block, its copy to the device (bounded by the block's own
 /// wait limit).
 struct CallerGuard(Arc<AccessGuard>);
 
@@ -130,11 +130,11 @@ enum Outgoing {
         remote_offset: u64,
         local: Resolved,
     },
-    WriteStaged {
+    WriteCoalesced {
         id: OpId,
         durability: Durability,
         segments: Vec<Segment>,
-        staged: StagingBuf,
+        coalesced: CoalesceBuf,
     },
     /// Send what the writer holds (left there by a caller's write that the socket did not take whole).
     Flush,
@@ -147,7 +147,7 @@ impl Outgoing {
         match self {
             Outgoing::Frame(_) | Outgoing::Flush => true,
             Outgoing::Write { local, .. } => local.len <= INLINE_PAYLOAD,
-            Outgoing::WriteStaged { staged, .. } => staged.data.len() as u64 <= INLINE_PAYLOAD,
+            Outgoing::WriteCoalesced { coalesced, .. } => coalesced.data.len() as u64 <= INLINE_PAYLOAD,
             Outgoing::Shutdown => false,
         }
     }
@@ -180,7 +180,7 @@ struct Shared {
     closed: AtomicBool,
     budget: Arc<Semaphore>,
     budget_units: u32,
-    pool: Option<Arc<StagingPool>>,
+    pool: Option<Arc<CoalescePool>>,
     tasks: Mutex<Vec<AbortHandle>>,
 }
 
@@ -509,29 +509,29 @@ enum Piece {
     Coalesced(Vec<TransferItem>),
 }
 
-/// Whether a descriptor of `len` bytes is worth coalescing through the staging pool: only where its
-/// own frame would copy its bytes anyway, so that staging saves frames and acknowledgements without
+/// Whether a descriptor of `len` bytes is worth coalescing through the pool: only where its
+/// own frame would copy its bytes anyway, so that coalescing saves frames and acknowledgements without
 /// adding a copy. A write's frame copies payloads up to [`INLINE_PAYLOAD`] into the frame buffer and
 /// sends larger ones straight from the region; a read's data lands through the read buffer below
-/// [`DIRECT_THRESHOLD`] and straight in the region above. Staging a larger descriptor costs a memcpy
-/// of every byte and was measured slower (64 KiB × 256 writes: 3.7 GB/s staged, 4.8 GB/s direct).
-fn worth_staging(op: Op, len: u64) -> bool {
+/// [`DIRECT_THRESHOLD`] and straight in the region above. Coalescing a larger descriptor costs a memcpy
+/// of every byte and was measured slower (64 KiB × 256 writes: 3.7 GB/s coalesced, 4.8 GB/s direct).
+fn worth_coalescing(op: Op, len: u64) -> bool {
     match op {
         Op::Write => len <= INLINE_PAYLOAD,
         Op::Read => len < DIRECT_THRESHOLD as u64,
     }
 }
 
-/// Splits a batch into frames: descriptors worth staging (see [`worth_staging`]; two at least, since
-/// a group of one only adds a copy) are coalesced into frames of up to a staging buffer, large ones are
+/// Splits a batch into frames: descriptors worth coalescing (see [`worth_coalescing`]; two at least, since
+/// a group of one only adds a copy) are coalesced into frames of up to a pool buffer, large ones are
 /// split across the streams, the rest go in frames of their own.
-fn plan(op: Op, items: Vec<TransferItem>, streams: usize, pool: Option<&StagingPool>) -> Vec<Piece> {
+fn plan(op: Op, items: Vec<TransferItem>, streams: usize, pool: Option<&CoalescePool>) -> Vec<Piece> {
     let mut pieces = Vec::new();
-    let stage = pool.is_some() && items.iter().filter(|i| worth_staging(op, i.len())).take(2).count() == 2;
+    let stage = pool.is_some() && items.iter().filter(|i| worth_coalescing(op, i.len())).take(2).count() == 2;
     let mut small = Vec::new();
     for item in items {
         let len = item.len();
-        if stage && worth_staging(op, len) {
+        if stage && worth_coalescing(op, len) {
             small.push(item);
             continue;
         }
@@ -560,7 +560,7 @@ fn plan(op: Op, items: Vec<TransferItem>, streams: usize, pool: Option<&StagingP
     }
     if let Some(pool) = pool.filter(|_| !small.is_empty()) {
         let total: u64 = small.iter().map(|i| i.len()).sum();
-        // Spread coalesced frames over the streams, but never beyond a staging buffer.
+        // Spread coalesced frames over the streams, but never beyond a pool buffer.
         let target = total
             .div_ceil(streams as u64)
             .clamp(64 << 10, pool.buffer_bytes() as u64);
@@ -597,7 +597,7 @@ async fn run_transfer(shared: Arc<Shared>, request: TransferRequest) -> Result<(
         return Err(shared.closed_error());
     }
     if request.op == Op::Write {
-        // Memory behind a staging buffer (device-local GPU memory) is brought to the host first,
+        // A staged block (device-local GPU memory behind a host copy) is brought to the host first,
         // off the runtime.
         for item in request
             .items
@@ -661,7 +661,7 @@ fn piece_len(piece: &Piece) -> u64 {
 }
 
 /// Sends one piece of a write, under its share of the byte budget: straight from the region, or
-/// copied into a staging buffer with the rest of its group.
+/// copied into a pool buffer with the rest of its group.
 async fn submit_write(shared: &Shared, piece: Piece, durability: Durability) -> Result<Submitted> {
     let bytes = piece_len(&piece);
     let budget = Some(shared.budget(bytes).await?);
@@ -675,29 +675,29 @@ async fn submit_write(shared: &Shared, piece: Piece, durability: Durability) -> 
         }),
         Piece::Coalesced(group) => {
             let Some(pool) = shared.pool.as_ref() else {
-                return Err(Error::Internal("coalesced piece without a staging pool".into()));
+                return Err(Error::Internal("coalesced piece without a coalescing pool".into()));
             };
-            let mut staged = pool.acquire().await;
+            let mut coalesced = pool.acquire().await;
             for item in &group {
-                let start = staged.data.len();
-                staged.data.resize(start + item.len() as usize, 0);
+                let start = coalesced.data.len();
+                coalesced.data.resize(start + item.len() as usize, 0);
                 item.local
                     .region
-                    .copy_out(item.local.offset, &mut staged.data[start..])?;
+                    .copy_out(item.local.offset, &mut coalesced.data[start..])?;
             }
             let segments = segments(&group);
-            shared.submit(None, bytes, None, budget, |id| Outgoing::WriteStaged {
+            shared.submit(None, bytes, None, budget, |id| Outgoing::WriteCoalesced {
                 id,
                 durability,
                 segments,
-                staged,
+                coalesced,
             })
         }
     }
 }
 
 /// Asks for one piece of a read, under its share of the byte budget; its data lands straight in the
-/// region, or through a staging buffer that is scattered over its group.
+/// region, or through a pool buffer that is scattered over its group.
 async fn submit_read(shared: &Shared, piece: Piece, caller: &Arc<AccessGuard>) -> Result<Submitted> {
     let bytes = piece_len(&piece);
     let budget = Some(shared.budget(bytes).await?);
@@ -719,7 +719,7 @@ async fn submit_read(shared: &Shared, piece: Piece, caller: &Arc<AccessGuard>) -
             })
         }
         Piece::Coalesced(group) => {
-            let staging = match shared.pool.as_ref() {
+            let buffer = match shared.pool.as_ref() {
                 Some(pool) => Some(pool.acquire().await),
                 None => None,
             };
@@ -727,7 +727,7 @@ async fn submit_read(shared: &Shared, piece: Piece, caller: &Arc<AccessGuard>) -
             let parts = group.into_iter().map(|i| i.local).collect();
             let dest = ReadDest::Scatter {
                 parts,
-                staging,
+                buffer,
                 caller: caller.clone(),
             };
             shared.submit(None, bytes, Some(dest), budget, |id| {
@@ -760,19 +760,19 @@ fn push_inline(shared: &Shared, stream: StreamIndex, writer: &mut FrameWriter, o
                 shared.complete(stream, id, Err(local.region.gone()));
             }
         }
-        Outgoing::WriteStaged {
+        Outgoing::WriteCoalesced {
             id,
             durability,
             segments,
-            staged,
+            coalesced,
         } => {
             let frame = Frame::WriteBatch {
                 id: id.0,
                 durability,
                 segments,
             };
-            writer.push(&frame, staged.data.len() as u64)?;
-            writer.push_bytes(&staged.data);
+            writer.push(&frame, coalesced.data.len() as u64)?;
+            writer.push_bytes(&coalesced.data);
         }
         Outgoing::Flush | Outgoing::Shutdown => {}
     }
@@ -803,19 +803,19 @@ async fn write_one(shared: &Shared, stream: StreamIndex, writer: &mut FrameWrite
                 shared.complete(stream, id, Err(local.region.gone()));
             }
         }
-        Outgoing::WriteStaged {
+        Outgoing::WriteCoalesced {
             id,
             durability,
             segments,
-            staged,
+            coalesced,
         } => {
             let frame = Frame::WriteBatch {
                 id: id.0,
                 durability,
                 segments,
             };
-            writer.push(&frame, staged.data.len() as u64)?;
-            writer.write_bytes(&staged.data).await?;
+            writer.push(&frame, coalesced.data.len() as u64)?;
+            writer.write_bytes(&coalesced.data).await?;
         }
         Outgoing::Frame(_) | Outgoing::Flush | Outgoing::Shutdown => {}
     }
@@ -929,12 +929,12 @@ async fn land_read(shared: &Shared, op: Waiter, payload_len: u64, reader: &mut F
                 Err(e) => Err(e),
             }
         }
-        Some(ReadDest::Scatter { parts, staging, caller })
+        Some(ReadDest::Scatter { parts, buffer, caller })
             if Some(parts.iter().map(|p| p.len).sum::<u64>()) == data_len =>
         {
-            let mut staging = staging;
+            let mut buffer = buffer;
             let mut scratch = Vec::new();
-            let buf = match staging.as_mut() {
+            let buf = match buffer.as_mut() {
                 Some(s) => &mut s.data,
                 None => &mut scratch,
             };
@@ -974,7 +974,7 @@ fn landed_in(region: &RegionEntry, landed: Landed) -> Result<()> {
     }
 }
 
-/// A staged block's copy to the device of the read data that landed in `parts` (off the runtime),
+/// A coalesced block's copy to the device of the read data that landed in `parts` (off the runtime),
 /// while the transfer that asked for it still waits: none once it returned.
 async fn commit_for_caller(caller: &Arc<AccessGuard>, parts: &[Resolved]) -> Result<()> {
     let mut result = Ok(());
@@ -1019,7 +1019,7 @@ fn source_intact(shared: &Shared, status: ReadStatus) -> Result<()> {
     }
 }
 
-/// Copies a staged read's bytes to the local regions they belong to.
+/// Copies a coalesced read's bytes to the local regions they belong to.
 fn scatter(parts: &[Resolved], buf: &[u8]) -> Result<()> {
     let mut at = 0usize;
     let mut result = Ok(());
@@ -1148,7 +1148,7 @@ mod tests {
     }
 
     /// Descriptor counts per piece: `Ok(n)` a coalesced piece of n, `Err(len)` a direct piece.
-    fn shape(op: Op, sizes: &[u64], pool: Option<&StagingPool>) -> Vec<std::result::Result<usize, u64>> {
+    fn shape(op: Op, sizes: &[u64], pool: Option<&CoalescePool>) -> Vec<std::result::Result<usize, u64>> {
         plan(op, items(sizes), 2, pool)
             .into_iter()
             .map(|p| match p {
@@ -1160,7 +1160,7 @@ mod tests {
 
     #[test]
     fn staging_only_where_a_frame_would_copy_anyway() {
-        let pool = StagingPool::new("4:8".parse().unwrap());
+        let pool = CoalescePool::new("4:8".parse().unwrap());
         let pool = pool.as_deref();
         let kib = 1024;
         // Small writes are coalesced; 64 KiB ones go from the region, uncopied.
@@ -1174,12 +1174,12 @@ mod tests {
             shape(Op::Read, &[32 * kib, 32 * kib, 64 * kib], pool),
             [Err(64 * kib), Ok(2)]
         );
-        // A lone small descriptor gains nothing from a staging copy.
+        // A lone small descriptor gains nothing from a pool copy.
         assert_eq!(
             shape(Op::Write, &[4 * kib, 1 << 20], pool),
             [Err(4 * kib), Err(512 * kib), Err(512 * kib)]
         );
-        // No pool, no staging.
+        // No pool, no coalescing.
         assert_eq!(
             shape(Op::Write, &[4 * kib, 4 * kib], None),
             [Err(4 * kib), Err(4 * kib)]

@@ -164,7 +164,7 @@ pub(crate) struct Pool {
     pub(crate) config: PoolConfig,
     /// The total in-flight bound that `poll_ready` acquires from.
     pub(crate) in_flight: Arc<Limit>,
-    slots: Mutex<HashMap<SocketAddr, Arc<Slot>>>,
+    slots: Mutex<HashMap<SocketAddr, Arc<PeerEntry>>>,
     epoch: Instant,
     /// Nanoseconds since `epoch`, as of the reaper's last tick (or a connect): a clock that requests
     /// can read without asking the OS, precise enough for idle and least-recently-used decisions.
@@ -175,7 +175,7 @@ pub(crate) struct Pool {
 }
 
 /// One peer address: its link (if any), its in-flight bound, and its reconnect state.
-struct Slot {
+struct PeerEntry {
     addr: SocketAddr,
     permits: Arc<Limit>,
     /// The pool's coarse clock.
@@ -221,10 +221,10 @@ pub(crate) struct Lease {
 /// A request's reference to a slot. While any exists the slot is in use and is not closed: the pool's
 /// map holds one reference, so a count above one means users (requests holding or waiting). New
 /// references are taken under the map's lock, and closing checks the count under it.
-struct SlotUse(Arc<Slot>);
+struct SlotUse(Arc<PeerEntry>);
 
 impl SlotUse {
-    fn unused(slot: &Arc<Slot>) -> bool {
+    fn unused(slot: &Arc<PeerEntry>) -> bool {
         Arc::strong_count(slot) == 1
     }
 }
@@ -235,9 +235,9 @@ impl Drop for SlotUse {
     }
 }
 
-impl Slot {
+impl PeerEntry {
     fn new(addr: SocketAddr, per_peer: usize, clock: Arc<AtomicU64>) -> Self {
-        Slot {
+        PeerEntry {
             addr,
             permits: Limit::new(per_peer),
             last_used: AtomicU64::new(clock.load(Ordering::Relaxed)),
@@ -382,7 +382,7 @@ impl Pool {
     }
 
     /// Connects `slot`'s address (its `connecting` lock held), or says why not.
-    async fn dial(&self, slot: &Arc<Slot>) -> Result<Link> {
+    async fn dial(&self, slot: &Arc<PeerEntry>) -> Result<Link> {
         let addr = slot.addr;
         let retired = {
             let mut st = slot.state()?;
@@ -470,7 +470,7 @@ impl Pool {
 
     /// Finds or makes the slot for `addr` and counts a user on it; at the link limit, takes the least
     /// recently used idle slot out (its links are returned, to be closed).
-    fn claim(&self, addr: SocketAddr) -> Result<(Arc<Slot>, Vec<Peer>)> {
+    fn claim(&self, addr: SocketAddr) -> Result<(Arc<PeerEntry>, Vec<Peer>)> {
         let mut slots = self.slots.lock().map_err(|_| poisoned())?;
         if let Some(slot) = slots.get(&addr) {
             // No need to note the time here: a slot in use is never idle, and the release notes it.
@@ -494,7 +494,11 @@ impl Pool {
             evicted = victim.take_links();
         }
         self.tick_clock();
-        let slot = Arc::new(Slot::new(addr, self.config.max_in_flight_per_peer, self.clock.clone()));
+        let slot = Arc::new(PeerEntry::new(
+            addr,
+            self.config.max_in_flight_per_peer,
+            self.clock.clone(),
+        ));
         slots.insert(addr, slot.clone());
         Ok((slot, evicted))
     }
@@ -589,7 +593,7 @@ impl Drop for Pool {
 /// A connect in progress; see [`Pool::checkout`].
 struct Dial<'a> {
     pool: &'a Pool,
-    slot: &'a Slot,
+    slot: &'a PeerEntry,
     done: bool,
 }
 
@@ -676,7 +680,7 @@ const REGION_REFRESH: Duration = Duration::from_secs(1);
 /// Keeps [`LinkState::primary`] current for the link of `generation`, so that requests with
 /// [`RemoteAddr::Offset`](crate::RemoteAddr::Offset) descriptors need not copy the peer's region table
 /// each time. Ends when the link is replaced or closed, or the slot leaves the pool.
-async fn watch_regions(slot: std::sync::Weak<Slot>, peer: Peer, generation: u64) {
+async fn watch_regions(slot: std::sync::Weak<PeerEntry>, peer: Peer, generation: u64) {
     loop {
         let mut changed = std::pin::pin!(peer.regions_changed(REGION_REFRESH));
         // Poll once before re-reading, so that a change during the re-read still ends the wait.

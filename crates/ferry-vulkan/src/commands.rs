@@ -3,7 +3,7 @@
 //! Several TCP streams commit ranges of the same staged region at once, each from its own thread. A
 //! command pool may be used by one thread at a time, so each slot has its own pool: recording in
 //! different slots runs in parallel, and only `vkQueueSubmit` takes the queue's lock. Slots are created
-//! on demand up to [`MAX_SLOTS`] and go back to the free list only once their fence has signalled; a slot
+//! on demand up to [`MAX_COPY_COMMANDS`] and go back to the free list only once their fence has signalled; a slot
 //! whose copy never finished (a hung or lost device) is parked, with the buffers it copies between, so
 //! that neither its command buffer nor those buffers are ever freed under the GPU.
 
@@ -17,14 +17,14 @@ use crate::buffer::DeviceBuffer;
 use crate::error::vk_error;
 
 /// Most slots one context creates.
-pub(crate) const MAX_SLOTS: usize = 16;
+pub(crate) const MAX_COPY_COMMANDS: usize = 16;
 
 /// How long a copy may take before it is reported as [`Error::Timeout`].
 pub(crate) const COPY_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// One command pool with one command buffer and its fence.
 #[derive(Debug)]
-pub(crate) struct Slot {
+pub(crate) struct CopyCommand {
     pub pool: vk::CommandPool,
     pub cmd: vk::CommandBuffer,
     pub fence: vk::Fence,
@@ -32,22 +32,22 @@ pub(crate) struct Slot {
 
 #[derive(Default)]
 struct State {
-    free: Vec<Slot>,
+    free: Vec<CopyCommand>,
     created: usize,
     /// Slots whose fence never signalled, with the buffers their copy uses.
-    parked: Vec<(Slot, Vec<Arc<DeviceBuffer>>)>,
+    parked: Vec<(CopyCommand, Vec<Arc<DeviceBuffer>>)>,
 }
 
 /// The slots of one context.
 #[derive(Default)]
-pub(crate) struct SlotPool {
+pub(crate) struct CopyCommands {
     state: Mutex<State>,
     returned: Condvar,
 }
 
-impl SlotPool {
+impl CopyCommands {
     pub fn new() -> Self {
-        SlotPool::default()
+        CopyCommands::default()
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -55,18 +55,18 @@ impl SlotPool {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// A free slot, a new one if fewer than [`MAX_SLOTS`] exist, or `None`.
-    pub fn try_acquire(&self, device: &ash::Device, family: u32) -> Result<Option<Slot>> {
+    /// A free slot, a new one if fewer than [`MAX_COPY_COMMANDS`] exist, or `None`.
+    pub fn try_acquire(&self, device: &ash::Device, family: u32) -> Result<Option<CopyCommand>> {
         let mut st = self.lock();
         if let Some(s) = st.free.pop() {
             return Ok(Some(s));
         }
-        if st.created >= MAX_SLOTS {
+        if st.created >= MAX_COPY_COMMANDS {
             return Ok(None);
         }
         st.created += 1;
         drop(st);
-        match create_slot(device, family) {
+        match create_copy_command(device, family) {
             Ok(s) => Ok(Some(s)),
             Err(e) => {
                 self.lock().created -= 1;
@@ -76,7 +76,7 @@ impl SlotPool {
     }
 
     /// A slot, waiting (at most [`COPY_TIMEOUT`]) for one to come back when all are in use.
-    pub fn acquire(&self, device: &ash::Device, family: u32) -> Result<Slot> {
+    pub fn acquire(&self, device: &ash::Device, family: u32) -> Result<CopyCommand> {
         if let Some(s) = self.try_acquire(device, family)? {
             return Ok(s);
         }
@@ -88,20 +88,20 @@ impl SlotPool {
         match st.free.pop() {
             Some(s) => Ok(s),
             None if waited.timed_out() => Err(Error::Timeout(format!(
-                "all {MAX_SLOTS} Vulkan command slots stayed busy for {COPY_TIMEOUT:?}"
+                "all {MAX_COPY_COMMANDS} Vulkan command slots stayed busy for {COPY_TIMEOUT:?}"
             ))),
             None => Err(Error::Timeout("no Vulkan command slot came back".into())),
         }
     }
 
     /// Returns a slot whose fence has signalled (or that was never submitted).
-    pub fn release(&self, slot: Slot) {
+    pub fn release(&self, slot: CopyCommand) {
         self.lock().free.push(slot);
         self.returned.notify_one();
     }
 
     /// Keeps a slot whose copy did not finish, and the buffers it uses, until the context goes.
-    pub fn park(&self, slot: Slot, keep: Vec<Arc<DeviceBuffer>>) {
+    pub fn park(&self, slot: CopyCommand, keep: Vec<Arc<DeviceBuffer>>) {
         tracing::error!("a Vulkan copy did not finish; its command slot and buffers are kept alive");
         self.lock().parked.push((slot, keep));
     }
@@ -113,7 +113,7 @@ impl SlotPool {
     /// The device must be idle and no slot may be in use.
     pub unsafe fn destroy(&self, device: &ash::Device) {
         let mut st = self.lock();
-        let parked: Vec<Slot> = st.parked.drain(..).map(|(s, _)| s).collect();
+        let parked: Vec<CopyCommand> = st.parked.drain(..).map(|(s, _)| s).collect();
         for s in st.free.drain(..).chain(parked) {
             // SAFETY: the caller promised the device is idle, so no slot's command buffer is pending;
             // destroying the pool frees its command buffer.
@@ -125,7 +125,7 @@ impl SlotPool {
     }
 }
 
-fn create_slot(device: &ash::Device, family: u32) -> Result<Slot> {
+fn create_copy_command(device: &ash::Device, family: u32) -> Result<CopyCommand> {
     let info = vk::CommandPoolCreateInfo::default()
         .queue_family_index(family)
         .flags(vk::CommandPoolCreateFlags::TRANSIENT);
@@ -154,5 +154,5 @@ fn create_slot(device: &ash::Device, family: u32) -> Result<Slot> {
             return Err(vk_error("vkCreateFence", e));
         }
     };
-    Ok(Slot { pool, cmd, fence })
+    Ok(CopyCommand { pool, cmd, fence })
 }

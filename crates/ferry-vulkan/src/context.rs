@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use ash::vk;
 use ferry_core::{Error, Result};
 
-use crate::commands::SlotPool;
+use crate::commands::CopyCommands;
 use crate::error::vk_error;
 use crate::ext::ExtFns;
 use crate::loader::Loaded;
@@ -51,7 +51,7 @@ pub struct VulkanContext {
     pub(crate) ext: ExtFns,
     queue: Mutex<vk::Queue>,
     queue_family: u32,
-    pub(crate) slots: SlotPool,
+    pub(crate) slots: CopyCommands,
     /// Bytes this context allocated, per heap.
     heap_usage: Mutex<Vec<u64>>,
     live_buffers: AtomicUsize,
@@ -134,7 +134,7 @@ impl VulkanContext {
             ext,
             queue: Mutex::new(queue),
             queue_family,
-            slots: SlotPool::new(),
+            slots: CopyCommands::new(),
             heap_usage: Mutex::new(vec![0; heaps]),
             live_buffers: AtomicUsize::new(0),
             live_memories: AtomicUsize::new(0),

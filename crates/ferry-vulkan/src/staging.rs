@@ -26,7 +26,7 @@ use ash::vk;
 use ferry_core::{Error, Result};
 
 use crate::buffer::DeviceBuffer;
-use crate::commands::{COPY_TIMEOUT, Slot};
+use crate::commands::{COPY_TIMEOUT, CopyCommand};
 use crate::context::VulkanContext;
 use crate::error::vk_error;
 
@@ -58,13 +58,13 @@ pub(crate) mod private {
 /// between, kept alive until its fence signals (the GPU-side completion of that copy, not a guard).
 struct PendingCopy<'c> {
     ctx: &'c VulkanContext,
-    slot: Option<Slot>,
+    slot: Option<CopyCommand>,
     keep: [Arc<DeviceBuffer>; 2],
 }
 
 impl PendingCopy<'_> {
     /// Waits for the copy; returns the slot for reuse.
-    fn finish(mut self) -> Result<Slot> {
+    fn finish(mut self) -> Result<CopyCommand> {
         let slot = self
             .slot
             .take()
@@ -90,7 +90,7 @@ impl Drop for PendingCopy<'_> {
     }
 }
 
-fn wait(ctx: &VulkanContext, slot: &Slot) -> Result<()> {
+fn wait(ctx: &VulkanContext, slot: &CopyCommand) -> Result<()> {
     // SAFETY: the fence belongs to this device and was submitted with the slot's command buffer.
     unsafe {
         ctx.device()
@@ -189,7 +189,7 @@ impl VulkanContext {
 
     fn record_and_submit(
         &self,
-        slot: &Slot,
+        slot: &CopyCommand,
         src: &DeviceBuffer,
         dst: &DeviceBuffer,
         region: vk::BufferCopy,
@@ -249,7 +249,7 @@ impl VulkanContext {
 }
 
 /// Waits for the oldest in-flight chunk and hands back its slot.
-fn next_free(inflight: &mut VecDeque<PendingCopy<'_>>) -> Result<Slot> {
+fn next_free(inflight: &mut VecDeque<PendingCopy<'_>>) -> Result<CopyCommand> {
     match inflight.pop_front() {
         Some(f) => f.finish(),
         None => Err(Error::Protocol("no copy in flight to wait for".into())),

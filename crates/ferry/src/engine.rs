@@ -12,7 +12,7 @@ use ferry_core::{
     Notification, Op, OwnedBuffer, RawMemory, ReceivedNotification, RegionChange, RegionEntry, RegionKey, RegionTable,
     Result, TransferDesc, TransferItem, TransferRequest, Transport, TransportKind,
 };
-use ferry_tcp::{LinkConfig, LocalIdentity, ServerConfig, StagingPool, TcpLink, TcpServer};
+use ferry_tcp::{CoalescePool, LinkConfig, LocalIdentity, ServerConfig, TcpLink, TcpServer};
 use futures::stream::BoxStream;
 
 use crate::capabilities::TransportOptions;
@@ -70,7 +70,7 @@ impl EngineBuilder {
         self
     }
 
-    /// HIXL's staging pool option, `"BUFFER_NUM:BUFFER_SIZE_MB"`: `"4:8"` by default, `"0:0"` off.
+    /// HIXL's buffer pool option (the coalescing pool), `"BUFFER_NUM:BUFFER_SIZE_MB"`: `"4:8"` by default, `"0:0"` off.
     /// An invalid value makes [`build`](Self::build) fail with `InvalidArgument`.
     pub fn buffer_pool(mut self, spec: &str) -> Self {
         match spec.parse() {
@@ -239,7 +239,7 @@ impl EngineBuilder {
             }
             None => None,
         };
-        let pool = StagingPool::new(self.buffer_pool);
+        let pool = CoalescePool::new(self.buffer_pool);
         Ok(Engine {
             inner: Arc::new(Inner {
                 ctx,
@@ -283,7 +283,7 @@ pub(crate) struct Inner {
     transports: Vec<Arc<dyn Transport>>,
     peers: Mutex<HashMap<SocketAddr, Peer>>,
     notifications: Arc<NotificationQueue>,
-    pool: Option<Arc<StagingPool>>,
+    pool: Option<Arc<CoalescePool>>,
     options: EngineBuilder,
 }
 

@@ -34,7 +34,7 @@ const SLOTS: usize = 4096;
 /// How often the handler re-reads a pair that changed under it before passing the slot by.
 const READ_RETRIES: usize = 4;
 
-struct Slot {
+struct GuardedMapping {
     /// Whether a `Guard` owns the slot.
     claimed: AtomicBool,
     /// Odd while the owner rewrites `start`/`len`; bumped twice per rewrite.
@@ -45,7 +45,7 @@ struct Slot {
 }
 
 #[allow(clippy::declare_interior_mutable_const)]
-const EMPTY: Slot = Slot {
+const EMPTY: GuardedMapping = GuardedMapping {
     claimed: AtomicBool::new(false),
     seq: AtomicUsize::new(0),
     start: AtomicUsize::new(0),
@@ -53,10 +53,10 @@ const EMPTY: Slot = Slot {
     lost: AtomicBool::new(false),
 };
 
-static TABLE: [Slot; SLOTS] = [EMPTY; SLOTS];
+static TABLE: [GuardedMapping; SLOTS] = [EMPTY; SLOTS];
 static PREVIOUS: OnceLock<libc::sigaction> = OnceLock::new();
 
-impl Slot {
+impl GuardedMapping {
     /// Publishes `(start, len)`; only the slot's owner calls this.
     fn publish(&self, start: usize, len: usize) {
         self.seq.fetch_add(1, Ordering::Relaxed);
@@ -133,7 +133,7 @@ impl Drop for Guard {
     }
 }
 
-fn replace_with_zero_pages(slot: &Slot, (start, len): (usize, usize)) -> bool {
+fn replace_with_zero_pages(slot: &GuardedMapping, (start, len): (usize, usize)) -> bool {
     // SAFETY: `[start, start + len)` is a live mapping owned by the slot's `FileMapping`, read as one
     // consistent pair (slots are cleared before unmapping); MAP_FIXED swaps its pages for private zero
     // pages of the same size and protection, so every pointer into it stays valid.
@@ -353,7 +353,7 @@ mod tests {
 
     #[test]
     fn a_slot_pair_is_read_whole_or_not_at_all() {
-        let slot = Slot {
+        let slot = GuardedMapping {
             claimed: AtomicBool::new(true),
             seq: AtomicUsize::new(0),
             start: AtomicUsize::new(0),

@@ -1,29 +1,29 @@
-//! The staging pool: HIXL's `"BUFFER_NUM:BUFFER_SIZE_MB"` buffers through which small descriptors are
+//! The coalescing pool: HIXL's `"BUFFER_NUM:BUFFER_SIZE_MB"` buffers through which small descriptors are
 //! coalesced into one frame.
 //!
 //! Buffers are allocated on first use and reused after; a caller waits for a free one, so the pool
-//! bounds the memory that staging can take to `count × size`.
+//! bounds the memory that coalescing can take to `count × size`.
 
 use std::sync::{Arc, Mutex};
 
 use ferry_core::BufferPool;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-/// A bounded set of reusable staging buffers.
+/// A bounded set of reusable buffers for coalescing.
 #[derive(Debug)]
-pub struct StagingPool {
+pub struct CoalescePool {
     free: Mutex<Vec<Vec<u8>>>,
     permits: Arc<Semaphore>,
     buffer_bytes: usize,
 }
 
-impl StagingPool {
+impl CoalescePool {
     /// A pool as configured; `None` when the pool is turned off.
     pub fn new(config: BufferPool) -> Option<Arc<Self>> {
         if config.is_off() {
             return None;
         }
-        Some(Arc::new(StagingPool {
+        Some(Arc::new(CoalescePool {
             free: Mutex::new(Vec::new()),
             permits: Arc::new(Semaphore::new(config.count)),
             buffer_bytes: config.buffer_bytes(),
@@ -36,13 +36,13 @@ impl StagingPool {
     }
 
     /// Waits for a free buffer, emptied and with room for `buffer_bytes`.
-    pub async fn acquire(self: &Arc<Self>) -> StagingBuf {
+    pub async fn acquire(self: &Arc<Self>) -> CoalesceBuf {
         // The semaphore is never closed, so acquiring only waits.
         let permit = self.permits.clone().acquire_owned().await.ok();
         let mut data = self.free.lock().map(|mut f| f.pop()).ok().flatten().unwrap_or_default();
         data.clear();
         data.reserve_exact(self.buffer_bytes);
-        StagingBuf {
+        CoalesceBuf {
             data,
             pool: self.clone(),
             _permit: permit,
@@ -52,14 +52,14 @@ impl StagingPool {
 
 /// A buffer on loan from the pool; goes back on drop.
 #[derive(Debug)]
-pub struct StagingBuf {
-    /// The bytes staged so far.
+pub struct CoalesceBuf {
+    /// The bytes coalesced so far.
     pub data: Vec<u8>,
-    pool: Arc<StagingPool>,
+    pool: Arc<CoalescePool>,
     _permit: Option<OwnedSemaphorePermit>,
 }
 
-impl Drop for StagingBuf {
+impl Drop for CoalesceBuf {
     fn drop(&mut self) {
         let data = std::mem::take(&mut self.data);
         if let Ok(mut free) = self.pool.free.lock() {
@@ -75,7 +75,7 @@ mod tests {
 
     #[tokio::test]
     async fn pool_bounds_and_reuses() {
-        let pool = StagingPool::new("2:1".parse().unwrap()).unwrap();
+        let pool = CoalescePool::new("2:1".parse().unwrap()).unwrap();
         let a = pool.acquire().await;
         let b = pool.acquire().await;
         assert!(a.data.capacity() >= 1 << 20);
@@ -86,6 +86,6 @@ mod tests {
         let c = pool.acquire().await;
         assert_eq!(c.data.as_ptr(), ptr, "buffers are reused");
         drop((b, c));
-        assert!(StagingPool::new(BufferPool::OFF).is_none());
+        assert!(CoalescePool::new(BufferPool::OFF).is_none());
     }
 }
