@@ -123,17 +123,15 @@ struct Pending {
 
 enum Outgoing {
     Frame(Frame),
+    /// A write frame (operation `id`) whose payload is the region range `local`.
     Write {
         id: OpId,
-        durability: Durability,
-        remote_key: ferry_core::RegionKey,
-        remote_offset: u64,
+        frame: Frame,
         local: Resolved,
     },
+    /// A write frame whose payload is a pool buffer.
     WriteCoalesced {
-        id: OpId,
-        durability: Durability,
-        segments: Vec<Segment>,
+        frame: Frame,
         coalesced: CoalesceBuf,
     },
     /// Send what the writer holds (left there by a caller's write that the socket did not take whole).
@@ -377,8 +375,8 @@ impl Shared {
         let s = &self.streams[stream.get()];
         let out = match idle {
             true => match self.write_through(stream, s, out) {
-                Ok(()) => return Ok(()),
-                Err(out) => out,
+                None => return Ok(()),
+                Some(out) => out,
             },
             false => out,
         };
@@ -387,17 +385,17 @@ impl Shared {
     }
 
     /// Writes a small frame on the caller's task when nothing is queued before it and the writer is
-    /// free; hands it back otherwise. What the socket does not take at once is left in the writer for
-    /// the write task to send.
-    fn write_through(&self, index: StreamIndex, s: &Stream, out: Outgoing) -> std::result::Result<(), Outgoing> {
+    /// free (`None`); hands it back otherwise. What the socket does not take at once is left in the
+    /// writer for the write task to send.
+    fn write_through(&self, index: StreamIndex, s: &Stream, out: Outgoing) -> Option<Outgoing> {
         if !out.is_inline() || s.queued.load(Ordering::Acquire) != 0 {
-            return Err(out);
+            return Some(out);
         }
         let Ok(mut writer) = s.writer.try_lock() else {
-            return Err(out);
+            return Some(out);
         };
         if s.queued.load(Ordering::Acquire) != 0 {
-            return Err(out);
+            return Some(out);
         }
         let sent = push_inline(self, index, &mut writer, out).and_then(|()| writer.try_flush());
         drop(writer);
@@ -414,7 +412,7 @@ impl Shared {
                 self.fail_all(e);
             }
         }
-        Ok(())
+        None
     }
 
     /// Starts an operation on `stream` (or the least loaded one) and queues the frame `out` builds
@@ -668,9 +666,12 @@ async fn submit_write(shared: &Shared, piece: Piece, durability: Durability) -> 
     match piece {
         Piece::Direct(item) => shared.submit(None, bytes, None, budget, |id| Outgoing::Write {
             id,
-            durability,
-            remote_key: item.remote_key,
-            remote_offset: item.remote_offset,
+            frame: Frame::Write {
+                id: id.0,
+                key: item.remote_key,
+                offset: item.remote_offset,
+                durability,
+            },
             local: item.local,
         }),
         Piece::Coalesced(group) => {
@@ -687,9 +688,11 @@ async fn submit_write(shared: &Shared, piece: Piece, durability: Durability) -> 
             }
             let segments = segments(&group);
             shared.submit(None, bytes, None, budget, |id| Outgoing::WriteCoalesced {
-                id,
-                durability,
-                segments,
+                frame: Frame::WriteBatch {
+                    id: id.0,
+                    durability,
+                    segments,
+                },
                 coalesced,
             })
         }
@@ -742,35 +745,13 @@ async fn submit_read(shared: &Shared, piece: Piece, caller: &Arc<AccessGuard>) -
 fn push_inline(shared: &Shared, stream: StreamIndex, writer: &mut FrameWriter, out: Outgoing) -> Result<()> {
     match out {
         Outgoing::Frame(f) => writer.push(&f, 0)?,
-        Outgoing::Write {
-            id,
-            durability,
-            remote_key,
-            remote_offset,
-            local,
-        } => {
-            let frame = Frame::Write {
-                id: id.0,
-                key: remote_key,
-                offset: remote_offset,
-                durability,
-            };
+        Outgoing::Write { id, frame, local } => {
             writer.push(&frame, local.len)?;
             if !writer.push_region(&local.region, local.offset, local.len as usize) {
                 shared.complete(stream, id, Err(local.region.gone()));
             }
         }
-        Outgoing::WriteCoalesced {
-            id,
-            durability,
-            segments,
-            coalesced,
-        } => {
-            let frame = Frame::WriteBatch {
-                id: id.0,
-                durability,
-                segments,
-            };
+        Outgoing::WriteCoalesced { frame, coalesced } => {
             writer.push(&frame, coalesced.data.len() as u64)?;
             writer.push_bytes(&coalesced.data);
         }
@@ -785,35 +766,13 @@ async fn write_one(shared: &Shared, stream: StreamIndex, writer: &mut FrameWrite
         return push_inline(shared, stream, writer, out);
     }
     match out {
-        Outgoing::Write {
-            id,
-            durability,
-            remote_key,
-            remote_offset,
-            local,
-        } => {
-            let frame = Frame::Write {
-                id: id.0,
-                key: remote_key,
-                offset: remote_offset,
-                durability,
-            };
+        Outgoing::Write { id, frame, local } => {
             writer.push(&frame, local.len)?;
             if !writer.write_region(&local.region, local.offset, local.len).await? {
                 shared.complete(stream, id, Err(local.region.gone()));
             }
         }
-        Outgoing::WriteCoalesced {
-            id,
-            durability,
-            segments,
-            coalesced,
-        } => {
-            let frame = Frame::WriteBatch {
-                id: id.0,
-                durability,
-                segments,
-            };
+        Outgoing::WriteCoalesced { frame, coalesced } => {
             writer.push(&frame, coalesced.data.len() as u64)?;
             writer.write_bytes(&coalesced.data).await?;
         }
