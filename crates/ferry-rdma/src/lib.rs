@@ -369,9 +369,9 @@ impl Transport for RdmaTransport {
         if shared.options.adr_without_ddio {
             rc.local.flags |= wire::ADR_WITHOUT_DDIO;
         }
-        let slots = messages::MessageBuffers::new(&shared.pd)?;
+        let messages = messages::MessageBuffers::new(&shared.pd)?;
         // Receives go up before the initiator learns our address, so its first message finds one.
-        slots.post_all_recvs(&rc)?;
+        messages.post_all_recvs(&rc)?;
         rc.connect(&shared.device, &remote, &shared.options)?;
         tracing::debug!(
             link = setup.link,
@@ -384,7 +384,7 @@ impl Transport for RdmaTransport {
             shared,
             setup.context,
             rc,
-            slots,
+            messages,
             setup.notifier,
             setup.link,
             setup.peer_engine,

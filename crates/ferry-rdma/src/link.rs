@@ -32,7 +32,7 @@
 //! # Notifications and commit requests
 //!
 //! Notifications are SENDs on the same queue pair ([`crate::messages`]), answered by the target; no
-//! more are unanswered at once than the target has receive buffers and reply slots.
+//! more are unanswered at once than the target has receive buffers and reply buffers.
 //!
 //! A persistent write is followed by what the link's persistence method asks for (see
 //! `crate::persist`): FLUSH work requests, or one READ, in the same stream of work requests, or a
@@ -108,7 +108,7 @@ pub(crate) struct Inner {
     messages: MessageBuffers,
     /// Notifications waiting for the target's reply, each with its place in the window.
     notifications: Mutex<HashMap<u64, Unanswered>>,
-    /// Notifications unanswered at once: no more than the target has receive buffers and reply slots.
+    /// Notifications unanswered at once: no more than the target has receive buffers and reply buffers.
     notify_window: Arc<Semaphore>,
     next_notification: AtomicU64,
     shared: Arc<RdmaShared>,
@@ -666,7 +666,7 @@ impl Completions for Inner {
     }
 
     fn completed(&self, wr_id: u64, status: u32, byte_len: u32) {
-        let slot = (wr_id & !TAG_MASK) as usize;
+        let buffer = (wr_id & !TAG_MASK) as usize;
         if status != WorkCompletionStatus::Success as u32 {
             let err = completion_error(WorkCompletionStatus::from(status), &self.peer);
             tracing::warn!(peer = %self.peer, error = %err, "RDMA work request failed; the link is down");
@@ -681,10 +681,10 @@ impl Completions for Inner {
         }
         match wr_id & TAG_MASK {
             TAG_DATA => self.complete(wr_id, Ok(())),
-            TAG_SEND => self.messages.send_done(slot),
+            TAG_SEND => self.messages.send_done(buffer),
             TAG_RECV => {
-                let reply = self.messages.received(slot, byte_len as usize);
-                if let Err(e) = self.messages.post_recv(&self.rc, slot) {
+                let reply = self.messages.received(buffer, byte_len as usize);
+                if let Err(e) = self.messages.post_recv(&self.rc, buffer) {
                     self.fail_all(e);
                     return;
                 }
@@ -742,7 +742,7 @@ async fn request_reply(inner: &Inner, message: impl FnOnce(u64) -> Message) -> R
         return Err(Error::PeerClosed(format!("the RDMA link to {} is closed", inner.peer)));
     }
     // The place in the window is given back when the reply arrives (or the link fails), not when the
-    // SEND completes: the target answers from a bounded number of slots.
+    // SEND completes: the target answers from a bounded number of buffers.
     let window = inner
         .notify_window
         .clone()

@@ -31,16 +31,16 @@ use crate::qp::Rc;
 pub const RECV_BUFFERS: usize = 16;
 /// Send buffers on each end (notifications in flight).
 pub const SEND_BUFFERS: usize = 16;
-/// Bytes per slot: a notification's two fields of 1024 characters of up to 4 bytes, and a header.
-pub const SLOT_BYTES: usize = (8 << 10) + 64;
+/// Bytes per buffer: a notification's two fields of 1024 characters of up to 4 bytes, and a header.
+pub const BUFFER_BYTES: usize = (8 << 10) + 64;
 
 /// Work request ids carry what they are in their top bits.
 pub const TAG_MASK: u64 = 0b11 << 62;
 /// A one-sided READ or WRITE.
 pub const TAG_DATA: u64 = 0;
-/// A SEND from a message slot.
+/// A SEND from a message buffer.
 pub const TAG_SEND: u64 = 1 << 62;
-/// A RECV into a message slot.
+/// A RECV into a message buffer.
 pub const TAG_RECV: u64 = 2 << 62;
 
 const KIND_NOTIFY: u8 = 1;
@@ -48,7 +48,7 @@ const KIND_REPLY: u8 = 2;
 const KIND_COMMIT: u8 = 3;
 const KIND_PREPARE: u8 = 4;
 
-/// Ranges one commit request names at most (each 24 bytes; the request fits a slot).
+/// Ranges one commit request names at most (each 24 bytes; the request fits a buffer).
 pub const MAX_COMMIT_SEGMENTS: usize = 256;
 
 /// A message, decoded.
@@ -63,14 +63,14 @@ pub enum Message {
         segments: Vec<Segment>,
     },
     /// Ranges the READs after it will read, to prepare at the target (copied from the device into
-    /// the bounce buffer).
+    /// the host copy of a staged block).
     Prepare { id: u64, segments: Vec<Segment> },
     /// The target's answer: its error keeps the variant and, for I/O errors, the kind.
     Reply { id: u64, error: Option<WireError> },
 }
 
 impl Message {
-    /// Writes the message into `out`; fails when it does not fit a slot.
+    /// Writes the message into `out`; fails when it does not fit a buffer.
     pub fn encode(&self, out: &mut Vec<u8>) -> Result<()> {
         out.clear();
         let put_str = |out: &mut Vec<u8>, s: &str| -> Result<()> {
@@ -119,9 +119,9 @@ impl Message {
                 put_str(out, &msg[..end])?;
             }
         }
-        if out.len() > SLOT_BYTES {
+        if out.len() > BUFFER_BYTES {
             return Err(Error::InvalidArgument(format!(
-                "a message of {} bytes does not fit a slot",
+                "a message of {} bytes does not fit a buffer",
                 out.len()
             )));
         }
@@ -238,9 +238,9 @@ pub struct MessageBuffers {
 }
 
 impl MessageBuffers {
-    /// Allocates and registers the slots.
+    /// Allocates and registers the buffers.
     pub fn new(pd: &Arc<ProtectionDomain>) -> Result<Self> {
-        let mut memory = vec![0u8; (RECV_BUFFERS + SEND_BUFFERS) * SLOT_BYTES].into_boxed_slice();
+        let mut memory = vec![0u8; (RECV_BUFFERS + SEND_BUFFERS) * BUFFER_BYTES].into_boxed_slice();
         // SAFETY: `memory` is owned by the returned value next to its registration, which is dropped
         // first (field order); the heap buffer never moves.
         let mr = unsafe { pd.reg_mr(memory.as_mut_ptr() as usize, memory.len(), AccessFlags::LocalWrite) }
@@ -253,21 +253,21 @@ impl MessageBuffers {
         })
     }
 
-    fn slot_addr(&self, slot: usize) -> u64 {
-        self.memory.as_ptr() as u64 + (slot * SLOT_BYTES) as u64
+    fn buffer_addr(&self, buffer: usize) -> u64 {
+        self.memory.as_ptr() as u64 + (buffer * BUFFER_BYTES) as u64
     }
 
-    /// Posts the receive buffer `slot` (0..RECV_BUFFERS).
-    pub fn post_recv(&self, rc: &Rc, slot: usize) -> Result<()> {
+    /// Posts the receive buffer `buffer` (0..RECV_BUFFERS).
+    pub fn post_recv(&self, rc: &Rc, buffer: usize) -> Result<()> {
         let mut qp = rc
             .qp
             .lock()
             .map_err(|_| Error::Internal("queue pair lock poisoned".into()))?;
         let mut guard = qp.start_post_recv();
-        let wr = guard.construct_wr(TAG_RECV | slot as u64);
-        // SAFETY: the slot lies inside `memory`, registered with `mr` for local writes, alive as long
+        let wr = guard.construct_wr(TAG_RECV | buffer as u64);
+        // SAFETY: the buffer lies inside `memory`, registered with `mr` for local writes, alive as long
         // as `self`, which outlives the queue pair's use of it (the owner drops the queue pair first).
-        unsafe { wr.setup_sge(self.mr.lkey(), self.slot_addr(slot), SLOT_BYTES as u32) };
+        unsafe { wr.setup_sge(self.mr.lkey(), self.buffer_addr(buffer), BUFFER_BYTES as u32) };
         guard.post().map_err(|e| Error::Io {
             kind: std::io::ErrorKind::Other,
             message: format!("posting a receive: {e}"),
@@ -279,51 +279,51 @@ impl MessageBuffers {
         (0..RECV_BUFFERS).try_for_each(|s| self.post_recv(rc, s))
     }
 
-    /// The message that arrived in receive slot `slot`, `len` bytes long.
-    pub fn received(&self, slot: usize, len: usize) -> Result<Message> {
-        let start = slot
-            .checked_mul(SLOT_BYTES)
-            .filter(|_| slot < RECV_BUFFERS && len <= SLOT_BYTES);
-        let start = start.ok_or_else(|| Error::Protocol("RDMA receive completion for no slot".into()))?;
-        // SAFETY: the NIC finished writing this slot (its completion was polled) and it is not reposted
+    /// The message that arrived in receive buffer `buffer`, `len` bytes long.
+    pub fn received(&self, buffer: usize, len: usize) -> Result<Message> {
+        let start = buffer
+            .checked_mul(BUFFER_BYTES)
+            .filter(|_| buffer < RECV_BUFFERS && len <= BUFFER_BYTES);
+        let start = start.ok_or_else(|| Error::Protocol("RDMA receive completion for no buffer".into()))?;
+        // SAFETY: the NIC finished writing this buffer (its completion was polled) and it is not reposted
         // until the caller is done with the copy this makes.
         let bytes = unsafe { std::slice::from_raw_parts(self.memory.as_ptr().add(start), len) }.to_vec();
         Message::decode(&bytes)
     }
 
-    /// Sends `message` from a free send slot; the slot returns when its completion arrives.
+    /// Sends `message` from a free send buffer; the buffer returns when its completion arrives.
     pub async fn send(&self, rc: &Rc, message: &Message) -> Result<()> {
         let permit = self
             .send_permits
             .clone()
             .acquire_owned()
             .await
-            .map_err(|_| Error::PeerClosed("RDMA message slots closed".into()))?;
+            .map_err(|_| Error::PeerClosed("RDMA message buffers closed".into()))?;
         self.send_with(rc, message, permit)
     }
 
-    /// Like [`send`](Self::send), without waiting: `ResourceExhausted` when every slot is busy.
+    /// Like [`send`](Self::send), without waiting: `ResourceExhausted` when every buffer is busy.
     pub fn try_send(&self, rc: &Rc, message: &Message) -> Result<()> {
         let permit = self
             .send_permits
             .clone()
             .try_acquire_owned()
-            .map_err(|_| Error::ResourceExhausted("every RDMA send slot is busy".into()))?;
+            .map_err(|_| Error::ResourceExhausted("every RDMA send buffer is busy".into()))?;
         self.send_with(rc, message, permit)
     }
 
     fn send_with(&self, rc: &Rc, message: &Message, permit: OwnedSemaphorePermit) -> Result<()> {
         let mut bytes = Vec::with_capacity(256);
         message.encode(&mut bytes)?;
-        let slot = self
+        let buffer = self
             .free_sends
             .lock()
             .ok()
             .and_then(|mut f| f.pop())
-            .ok_or_else(|| Error::ResourceExhausted("no free RDMA send slot".into()))?;
-        let index = RECV_BUFFERS + slot;
-        let addr = self.slot_addr(index);
-        // SAFETY: the send slot is ours until its completion returns it; nothing else writes it.
+            .ok_or_else(|| Error::ResourceExhausted("no free RDMA send buffer".into()))?;
+        let index = RECV_BUFFERS + buffer;
+        let addr = self.buffer_addr(index);
+        // SAFETY: the send buffer is ours until its completion returns it; nothing else writes it.
         unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), addr as *mut u8, bytes.len()) };
         // The permit is released when the send completes (`send_done`).
         permit.forget();
@@ -334,15 +334,15 @@ impl MessageBuffers {
                 .map_err(|_| Error::Internal("queue pair lock poisoned".into()))?;
             let mut guard = qp.start_post_send();
             let wr = guard
-                .construct_wr(TAG_SEND | slot as u64, WorkRequestFlags::Signaled)
+                .construct_wr(TAG_SEND | buffer as u64, WorkRequestFlags::Signaled)
                 .setup_send();
-            // SAFETY: the slot is inside `memory`, registered with `mr`, and stays untouched until the
+            // SAFETY: the buffer is inside `memory`, registered with `mr`, and stays untouched until the
             // send's completion.
             unsafe { wr.setup_sge(self.mr.lkey(), addr, bytes.len() as u32) };
             guard.post()
         };
         posted.map_err(|e| {
-            self.send_done(slot);
+            self.send_done(buffer);
             Error::Io {
                 kind: std::io::ErrorKind::Other,
                 message: format!("posting a message: {e}"),
@@ -350,11 +350,11 @@ impl MessageBuffers {
         })
     }
 
-    /// A send from `slot` completed: the slot is free again.
-    pub fn send_done(&self, slot: usize) {
-        if slot < SEND_BUFFERS {
+    /// A send from `buffer` completed: the buffer is free again.
+    pub fn send_done(&self, buffer: usize) {
+        if buffer < SEND_BUFFERS {
             if let Ok(mut f) = self.free_sends.lock() {
-                f.push(slot);
+                f.push(buffer);
             }
             self.send_permits.add_permits(1);
         }
@@ -391,11 +391,11 @@ mod tests {
             let m = Message::Commit { id, durability, segments: segments.clone() };
             let mut b = Vec::new();
             m.encode(&mut b).unwrap();
-            prop_assert!(b.len() <= SLOT_BYTES);
+            prop_assert!(b.len() <= BUFFER_BYTES);
             prop_assert_eq!(Message::decode(&b).unwrap(), m);
             let m = Message::Prepare { id, segments };
             m.encode(&mut b).unwrap();
-            prop_assert!(b.len() <= SLOT_BYTES);
+            prop_assert!(b.len() <= BUFFER_BYTES);
             prop_assert_eq!(Message::decode(&b).unwrap(), m);
         }
 
@@ -410,6 +410,6 @@ mod tests {
         let n = Notification::new("\u{10348}".repeat(1024), "\u{10348}".repeat(1024));
         let mut b = Vec::new();
         Message::Notify { id: 1, notification: n }.encode(&mut b).unwrap();
-        assert!(b.len() <= SLOT_BYTES);
+        assert!(b.len() <= BUFFER_BYTES);
     }
 }

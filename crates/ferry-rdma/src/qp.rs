@@ -127,7 +127,7 @@ fn build(builder: &mut QueuePairBuilder, try_flush: bool) -> Result<(ExtendedQue
 impl Rc {
     /// Creates a queue pair in the INIT state.
     pub fn create(dev: &OpenDevice, pd: &Arc<ProtectionDomain>, opts: &RdmaOptions) -> Result<Rc> {
-        // The send queue holds the data work requests and, beside them, a SEND per message slot (a
+        // The send queue holds the data work requests and, beside them, a SEND per message buffer (a
         // notification or commit request may be posted while the data share is full).
         let messages = SEND_BUFFERS as u32;
         let max_send_wr = opts.max_send_wr.min(dev.max_qp_wr.saturating_sub(messages)).max(1);

@@ -5,10 +5,10 @@
 //! may block (a staged block's device copy, an `msync`): that runs on a blocking thread, under a
 //! permit of each region's access guard, and its reply goes out when it is done.
 //!
-//! Every notification gets exactly one reply. A reply goes out from one of the send slots; one that
-//! finds every slot busy (their SENDs not yet acknowledged) waits in a queue and leaves as soon as a
-//! slot's completion returns it. The initiator keeps no more notifications unanswered than there are
-//! slots, so the queue stays short; [`MAX_BACKLOG`] bounds it against a peer that does not.
+//! Every notification gets exactly one reply. A reply goes out from one of the send buffers; one that
+//! finds every buffer busy (their SENDs not yet acknowledged) waits in a queue and leaves as soon as a
+//! buffer's completion returns it. The initiator keeps no more notifications unanswered than there are
+//! buffers, so the queue stays short; [`MAX_BACKLOG`] bounds it against a peer that does not.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, Weak};
@@ -24,14 +24,14 @@ use crate::completions::{self, Completions};
 use crate::messages::{Message, MessageBuffers, TAG_MASK, TAG_RECV, TAG_SEND};
 use crate::qp::Rc;
 
-/// Replies waiting for a free send slot, at most.
+/// Replies waiting for a free send buffer, at most.
 pub(crate) const MAX_BACKLOG: usize = 4096;
 
 pub(crate) struct Responder {
     rc: Rc,
     // After `rc`: the queue pair is destroyed before the buffers it may write go away.
-    slots: MessageBuffers,
-    /// Replies that found every send slot busy, oldest first.
+    buffers: MessageBuffers,
+    /// Replies that found every send buffer busy, oldest first.
     backlog: Mutex<VecDeque<Message>>,
     notifier: Arc<dyn Notifier>,
     /// The region table commit requests are resolved in.
@@ -94,7 +94,7 @@ pub(crate) fn start(
     shared: &Arc<RdmaShared>,
     context: Weak<EngineContext>,
     rc: Rc,
-    slots: MessageBuffers,
+    buffers: MessageBuffers,
     notifier: Arc<dyn Notifier>,
     link: u64,
     peer_engine: u64,
@@ -103,7 +103,7 @@ pub(crate) fn start(
 ) -> Accepted {
     let responder = Arc::new_cyclic(|me| Responder {
         rc,
-        slots,
+        buffers,
         backlog: Mutex::new(VecDeque::new()),
         notifier,
         context,
@@ -207,11 +207,11 @@ impl Responder {
         Ok(())
     }
 
-    /// Sends `reply` now, or queues it behind the replies already waiting for a slot.
+    /// Sends `reply` now, or queues it behind the replies already waiting for a buffer.
     fn reply(&self, reply: Message) {
         let Ok(mut backlog) = self.backlog.lock() else { return };
         if backlog.len() >= MAX_BACKLOG {
-            tracing::warn!(peer = %self.peer_addr, "{MAX_BACKLOG} RDMA replies wait for a slot; one is dropped");
+            tracing::warn!(peer = %self.peer_addr, "{MAX_BACKLOG} RDMA replies wait for a buffer; one is dropped");
             return;
         }
         backlog.push_back(reply);
@@ -219,15 +219,15 @@ impl Responder {
         self.send_backlog();
     }
 
-    /// Sends queued replies, oldest first, while send slots are free.
+    /// Sends queued replies, oldest first, while send buffers are free.
     fn send_backlog(&self) {
         let Ok(mut backlog) = self.backlog.lock() else { return };
         while let Some(reply) = backlog.front() {
-            match self.slots.try_send(&self.rc, reply) {
+            match self.buffers.try_send(&self.rc, reply) {
                 Ok(()) => {
                     backlog.pop_front();
                 }
-                // Every slot is busy: the next send completion comes back here.
+                // Every buffer is busy: the next send completion comes back here.
                 Err(ferry_core::Error::ResourceExhausted(_)) => return,
                 Err(e) => {
                     tracing::warn!(peer = %self.peer_addr, error = %e, "cannot answer an RDMA notification");
@@ -248,7 +248,7 @@ impl Completions for Responder {
     }
 
     fn completed(&self, wr_id: u64, status: u32, byte_len: u32) {
-        let slot = (wr_id & !TAG_MASK) as usize;
+        let buffer = (wr_id & !TAG_MASK) as usize;
         if status != WorkCompletionStatus::Success as u32 {
             // Flushed receives after the initiator went away: nothing to answer.
             tracing::debug!(peer = %self.peer_addr, status, "RDMA message work request ended");
@@ -256,12 +256,12 @@ impl Completions for Responder {
         }
         match wr_id & TAG_MASK {
             TAG_SEND => {
-                self.slots.send_done(slot);
+                self.buffers.send_done(buffer);
                 self.send_backlog();
             }
             TAG_RECV => {
-                let message = self.slots.received(slot, byte_len as usize);
-                if let Err(e) = self.slots.post_recv(&self.rc, slot) {
+                let message = self.buffers.received(buffer, byte_len as usize);
+                if let Err(e) = self.buffers.post_recv(&self.rc, buffer) {
                     tracing::warn!(peer = %self.peer_addr, error = %e, "cannot repost an RDMA receive");
                 }
                 let reply = match message {
