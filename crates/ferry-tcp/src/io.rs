@@ -13,7 +13,7 @@ use std::os::fd::AsRawFd;
 
 use bytes::{Buf, BytesMut};
 use ferry_core::codec::{self, Decoded, Frame, Limits};
-use ferry_core::{AccessGuard, Error, RegionEntry, Result};
+use ferry_core::{AccessGuard, Error, Permit, RegionEntry, Resolved, Result};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
@@ -24,6 +24,65 @@ const MAX_CHUNK: usize = 4 << 20;
 pub(crate) const DIRECT_THRESHOLD: usize = 64 << 10;
 /// How much the read buffer asks the socket for at once.
 const READ_AHEAD: usize = 256 << 10;
+/// Most ranges one `sendmsg(2)`/`readv(2)` names (Linux's `IOV_MAX` is 1024; one is kept for the read
+/// buffer).
+const MAX_IOV: usize = 1023;
+
+/// Where a sequence of region ranges stands: the range at `index`, `skip` bytes into it.
+#[derive(Debug, Clone, Copy, Default)]
+struct Cursor {
+    index: usize,
+    skip: u64,
+}
+
+impl Cursor {
+    /// Moves `n` bytes on.
+    fn advance(&mut self, parts: &[Resolved], mut n: u64) {
+        while n > 0 && self.index < parts.len() {
+            let rest = parts[self.index].len - self.skip;
+            if n >= rest {
+                n -= rest;
+                self.index += 1;
+                self.skip = 0;
+            } else {
+                self.skip += n;
+                n = 0;
+            }
+        }
+    }
+
+    fn done(&self, parts: &[Resolved]) -> bool {
+        self.index >= parts.len()
+    }
+
+    /// Bytes from here to the end.
+    fn remaining(&self, parts: &[Resolved]) -> u64 {
+        parts[self.index.min(parts.len())..].iter().map(|p| p.len).sum::<u64>() - self.skip
+    }
+}
+
+/// The ranges from `at` on, as `iovec`s into region memory, each under a permit of its region's
+/// guard (pushed to `permits`): at most [`MAX_IOV`] ranges and [`MAX_CHUNK`] bytes. `None` when a
+/// region is being deregistered.
+fn region_iovecs<'a>(parts: &'a [Resolved], at: Cursor, permits: &mut Vec<Permit<'a>>) -> Option<Vec<libc::iovec>> {
+    let mut iov = Vec::with_capacity((parts.len() - at.index).min(MAX_IOV));
+    let mut bytes = 0usize;
+    let mut skip = at.skip;
+    for p in &parts[at.index..] {
+        if iov.len() == MAX_IOV || bytes == MAX_CHUNK {
+            break;
+        }
+        permits.push(p.region.guard().enter()?);
+        let len = ((p.len - skip) as usize).min(MAX_CHUNK - bytes);
+        iov.push(libc::iovec {
+            iov_base: p.region.ptr_at(p.offset + skip).cast(),
+            iov_len: len,
+        });
+        bytes += len;
+        skip = 0;
+    }
+    Some(iov)
+}
 
 /// Where a payload segment read from the socket ended up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -197,6 +256,80 @@ impl FrameReader {
         Ok(())
     }
 
+    /// Reads a payload that goes to `parts`, back to back (a batched write's segments): bytes already
+    /// buffered are copied in, the rest is read with `readv(2)` straight into the regions, together
+    /// with whatever follows on the stream into the read buffer, so that many small segments and the
+    /// next frames cost one system call and no extra copy. Each call runs under permits of the
+    /// regions' guards. After a region is deregistered, or its memory is found unbacked, the rest of
+    /// the payload is read and dropped.
+    pub async fn read_parts(&mut self, parts: &[Resolved]) -> Result<Landed> {
+        let mut at = Cursor::default();
+        while !at.done(parts) && !self.buf.is_empty() {
+            let p = &parts[at.index];
+            let n = self.buf.len().min((p.len - at.skip) as usize);
+            if p.region.copy_in(p.offset + at.skip, &self.buf[..n]).is_err() {
+                let rest = at.remaining(parts);
+                self.discard(rest).await?;
+                return Ok(Landed::RegionGone);
+            }
+            self.buf.advance(n);
+            at.advance(parts, n as u64);
+        }
+        while !at.done(parts) {
+            let payload_left = at.remaining(parts);
+            self.buf.reserve(READ_AHEAD);
+            let stream: &TcpStream = self.half.as_ref();
+            let buf = &mut self.buf;
+            let res = raw_io(stream, Interest::READABLE, || {
+                let mut permits = Vec::new();
+                let Some(mut iov) = region_iovecs(parts, at, &mut permits) else {
+                    return Ok(None);
+                };
+                let named: u64 = iov.iter().map(|v| v.iov_len as u64).sum();
+                if named == payload_left {
+                    // What follows the payload lands in the read buffer.
+                    let spare = buf.spare_capacity_mut();
+                    iov.push(libc::iovec {
+                        iov_base: spare.as_mut_ptr().cast(),
+                        iov_len: spare.len(),
+                    });
+                }
+                // SAFETY: every iovec but the last names a range inside a region (resolved by the
+                // caller), registered for the duration of this non-blocking call by the permits held;
+                // the last, when present, is the read buffer's spare capacity. The kernel writes
+                // through the raw pointers; no Rust reference to region memory exists.
+                let r = unsafe { libc::readv(stream.as_raw_fd(), iov.as_ptr(), iov.len() as libc::c_int) };
+                cvt(r).map(|n| {
+                    let into_regions = (n as u64).min(named);
+                    Some((into_regions, n as u64 - into_regions))
+                })
+            })
+            .await;
+            let (into_regions, extra) = match res {
+                Ok(Some(n)) => n,
+                Ok(None) => {
+                    let rest = at.remaining(parts);
+                    self.discard(rest).await?;
+                    return Ok(Landed::RegionGone);
+                }
+                Err(e) if e.raw_os_error() == Some(libc::EFAULT) => {
+                    let rest = at.remaining(parts);
+                    self.discard(rest).await?;
+                    return Ok(Landed::Unbacked);
+                }
+                Err(e) => return Err(self.io_error(e)),
+            };
+            if into_regions == 0 && extra == 0 {
+                return Err(self.closed());
+            }
+            // SAFETY: the kernel initialised `extra` bytes of the spare capacity, right after the
+            // buffer's (empty) contents.
+            unsafe { self.buf.set_len(self.buf.len() + extra as usize) };
+            at.advance(parts, into_regions);
+        }
+        Ok(Landed::Written)
+    }
+
     /// Reads and drops `len` payload bytes: the payload of a refused operation.
     pub async fn discard(&mut self, mut len: u64) -> Result<()> {
         while len > 0 {
@@ -289,12 +422,6 @@ impl FrameWriter {
         Ok(true)
     }
 
-    /// Flushes, then sends `bytes` (a pool buffer) without copying them into the frame buffer.
-    pub async fn write_bytes(&mut self, bytes: &[u8]) -> Result<()> {
-        self.flush().await?;
-        self.half.write_all(bytes).await.map_err(|e| self.io_error(e))
-    }
-
     /// Flushes what is queued and shuts the write direction down; errors are moot by then.
     pub async fn shutdown(&mut self) {
         let _ = self.flush().await;
@@ -349,6 +476,59 @@ impl FrameWriter {
     }
 }
 
+impl FrameWriter {
+    /// Flushes, then sends the ranges `parts` back to back straight from their regions, several
+    /// ranges to a `sendmsg(2)` (a batched write's segments): no copy into a buffer. Each call runs
+    /// under permits of the regions' guards. If a region is deregistered part-way (or its memory is
+    /// found unbacked), the rest of the payload goes out as zeros so that the stream stays framed, and
+    /// false is returned.
+    pub async fn write_parts(&mut self, parts: &[Resolved]) -> Result<bool> {
+        self.flush().await?;
+        let mut at = Cursor::default();
+        while !at.done(parts) {
+            let stream: &TcpStream = self.half.as_ref();
+            let res = raw_io(stream, Interest::WRITABLE, || {
+                let mut permits = Vec::new();
+                let Some(mut iov) = region_iovecs(parts, at, &mut permits) else {
+                    return Ok(None);
+                };
+                // SAFETY: an all-zero msghdr is valid (no name, no control data).
+                let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+                msg.msg_iov = iov.as_mut_ptr();
+                msg.msg_iovlen = iov.len();
+                // SAFETY: every iovec names a range inside a region (resolved by the caller), kept
+                // registered for the duration of this non-blocking call by the permits held; the
+                // kernel only reads through the raw pointers, and no Rust reference to region memory
+                // is made.
+                let r = unsafe { libc::sendmsg(stream.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
+                cvt(r).map(Some)
+            })
+            .await;
+            match res {
+                Ok(Some(n)) => at.advance(parts, n as u64),
+                // Deregistered, or (EFAULT) a mapped file that shrank: zeros go out instead.
+                Ok(None) => return self.send_zeros(at.remaining(parts)).await.map(|()| false),
+                Err(e) if e.raw_os_error() == Some(libc::EFAULT) => {
+                    return self.send_zeros(at.remaining(parts)).await.map(|()| false);
+                }
+                Err(e) => return Err(self.io_error(e)),
+            }
+        }
+        Ok(true)
+    }
+
+    /// Sends `len` zero bytes: the rest of a payload whose memory went away, to keep the stream framed.
+    async fn send_zeros(&mut self, mut len: u64) -> Result<()> {
+        let zeros = vec![0u8; (len as usize).min(64 << 10)];
+        while len > 0 {
+            let n = (len as usize).min(zeros.len());
+            self.half.write_all(&zeros[..n]).await.map_err(|e| self.io_error(e))?;
+            len -= n as u64;
+        }
+        Ok(())
+    }
+}
+
 fn cvt(r: libc::ssize_t) -> std::io::Result<usize> {
     if r < 0 {
         Err(std::io::Error::last_os_error())
@@ -370,5 +550,70 @@ async fn raw_io<T>(
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
             other => return other,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use ferry_core::{Access, MemoryBlock, OwnedBuffer, RegionKey};
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn parts(lens: &[u64]) -> Vec<Resolved> {
+        let block: Arc<dyn MemoryBlock> = Arc::new(OwnedBuffer::new(vec![0u8; lens.iter().sum::<u64>() as usize + 1]));
+        let region = Arc::new(RegionEntry::new(RegionKey(1), Access::READ_WRITE, block).unwrap());
+        let mut at = 0;
+        lens.iter()
+            .map(|&len| {
+                let r = Resolved {
+                    region: region.clone(),
+                    offset: at,
+                    len,
+                };
+                at += len;
+                r
+            })
+            .collect()
+    }
+
+    proptest! {
+        /// Walking a list of ranges by arbitrary steps: what remains shrinks by exactly each step, the
+        /// walk ends exactly at the total, and the iovecs from any point cover what remains, in order.
+        #[test]
+        fn a_cursor_walks_ranges_exactly(
+            lens in proptest::collection::vec(1u64..5000, 1..40),
+            steps in proptest::collection::vec(0u64..7000, 0..60),
+        ) {
+            let parts = parts(&lens);
+            let total: u64 = lens.iter().sum();
+            let mut at = Cursor::default();
+            let mut walked = 0u64;
+            for step in steps {
+                let step = step.min(total - walked);
+                let mut permits = Vec::new();
+                let iov = region_iovecs(&parts, at, &mut permits).expect("the region is open");
+                let named: u64 = iov.iter().map(|v| v.iov_len as u64).sum();
+                prop_assert_eq!(named, at.remaining(&parts).min(MAX_CHUNK as u64));
+                if let Some(first) = iov.first() {
+                    let p = &parts[at.index];
+                    prop_assert_eq!(first.iov_base as usize, p.region.ptr_at(p.offset + at.skip) as usize);
+                }
+                drop(permits);
+                at.advance(&parts, step);
+                walked += step;
+                prop_assert_eq!(at.remaining(&parts), total - walked);
+                prop_assert_eq!(at.done(&parts), walked == total);
+            }
+        }
+    }
+
+    #[test]
+    fn no_iovecs_once_a_region_is_closing() {
+        let parts = parts(&[10, 20]);
+        parts[0].region.guard().close();
+        assert!(region_iovecs(&parts, Cursor::default(), &mut Vec::new()).is_none());
     }
 }

@@ -129,10 +129,11 @@ enum Outgoing {
         frame: Frame,
         local: Resolved,
     },
-    /// A write frame whose payload is a pool buffer.
-    WriteCoalesced {
+    /// A write frame (operation `id`) whose payload is the region ranges `parts`, back to back.
+    WriteGather {
+        id: OpId,
         frame: Frame,
-        coalesced: CoalesceBuf,
+        parts: Vec<Resolved>,
     },
     /// Send what the writer holds (left there by a caller's write that the socket did not take whole).
     Flush,
@@ -145,7 +146,7 @@ impl Outgoing {
         match self {
             Outgoing::Frame(_) | Outgoing::Flush => true,
             Outgoing::Write { local, .. } => local.len <= INLINE_PAYLOAD,
-            Outgoing::WriteCoalesced { coalesced, .. } => coalesced.data.len() as u64 <= INLINE_PAYLOAD,
+            Outgoing::WriteGather { parts, .. } => parts.iter().map(|p| p.len).sum::<u64>() <= INLINE_PAYLOAD,
             Outgoing::Shutdown => false,
         }
     }
@@ -507,15 +508,16 @@ enum Piece {
     Coalesced(Vec<TransferItem>),
 }
 
-/// Whether a descriptor of `len` bytes is worth coalescing through the pool: only where its
-/// own frame would copy its bytes anyway, so that coalescing saves frames and acknowledgements without
-/// adding a copy. A write's frame copies payloads up to [`INLINE_PAYLOAD`] into the frame buffer and
-/// sends larger ones straight from the region; a read's data lands through the read buffer below
-/// [`DIRECT_THRESHOLD`] and straight in the region above. Coalescing a larger descriptor costs a memcpy
-/// of every byte and was measured slower (64 KiB × 256 writes: 3.7 GB/s coalesced, 4.8 GB/s direct).
+/// Whether a descriptor of `len` bytes is worth coalescing into a frame with others: where that
+/// saves frames and acknowledgements without adding a copy. Writes are gathered: one `sendmsg(2)`
+/// names many ranges straight in their regions, and the target scatters them into its regions with
+/// one `readv(2)`, so coalescing costs no copy below [`MIN_SPLIT`], where splitting starts (64 KiB ×
+/// 256 scattered writes: 5.6 GB/s one frame each, 8.2 GB/s gathered; 1 MiB × 8: 7.6). Reads land in a
+/// pool buffer and are copied out, which pays only where a read's data would go through the read
+/// buffer anyway, below [`DIRECT_THRESHOLD`].
 fn worth_coalescing(op: Op, len: u64) -> bool {
     match op {
-        Op::Write => len <= INLINE_PAYLOAD,
+        Op::Write => len < MIN_SPLIT,
         Op::Read => len < DIRECT_THRESHOLD as u64,
     }
 }
@@ -675,25 +677,16 @@ async fn submit_write(shared: &Shared, piece: Piece, durability: Durability) -> 
             local: item.local,
         }),
         Piece::Coalesced(group) => {
-            let Some(pool) = shared.pool.as_ref() else {
-                return Err(Error::Internal("coalesced piece without a coalescing pool".into()));
-            };
-            let mut coalesced = pool.acquire().await;
-            for item in &group {
-                let start = coalesced.data.len();
-                coalesced.data.resize(start + item.len() as usize, 0);
-                item.local
-                    .region
-                    .copy_out(item.local.offset, &mut coalesced.data[start..])?;
-            }
             let segments = segments(&group);
-            shared.submit(None, bytes, None, budget, |id| Outgoing::WriteCoalesced {
+            let parts = group.into_iter().map(|i| i.local).collect();
+            shared.submit(None, bytes, None, budget, |id| Outgoing::WriteGather {
+                id,
                 frame: Frame::WriteBatch {
                     id: id.0,
                     durability,
                     segments,
                 },
-                coalesced,
+                parts,
             })
         }
     }
@@ -751,13 +744,30 @@ fn push_inline(shared: &Shared, stream: StreamIndex, writer: &mut FrameWriter, o
                 shared.complete(stream, id, Err(local.region.gone()));
             }
         }
-        Outgoing::WriteCoalesced { frame, coalesced } => {
-            writer.push(&frame, coalesced.data.len() as u64)?;
-            writer.push_bytes(&coalesced.data);
+        Outgoing::WriteGather { id, frame, parts } => {
+            writer.push(&frame, parts.iter().map(|p| p.len).sum())?;
+            let mut intact = true;
+            for p in &parts {
+                intact &= writer.push_region(&p.region, p.offset, p.len as usize);
+            }
+            if !intact {
+                shared.complete(stream, id, Err(gone(&parts)));
+            }
         }
         Outgoing::Flush | Outgoing::Shutdown => {}
     }
     Ok(())
+}
+
+/// The error of a write some of whose local regions went away while it was sent.
+fn gone(parts: &[Resolved]) -> Error {
+    match parts.iter().find(|p| p.region.guard().is_closed()) {
+        Some(p) => p.region.gone(),
+        None => parts.first().map_or_else(
+            || Error::Internal("a write of no parts failed".into()),
+            |p| unbacked(&p.region),
+        ),
+    }
 }
 
 /// Puts one queued item into the writer, sending large payloads straight from their memory.
@@ -772,9 +782,11 @@ async fn write_one(shared: &Shared, stream: StreamIndex, writer: &mut FrameWrite
                 shared.complete(stream, id, Err(local.region.gone()));
             }
         }
-        Outgoing::WriteCoalesced { frame, coalesced } => {
-            writer.push(&frame, coalesced.data.len() as u64)?;
-            writer.write_bytes(&coalesced.data).await?;
+        Outgoing::WriteGather { id, frame, parts } => {
+            writer.push(&frame, parts.iter().map(|p| p.len).sum())?;
+            if !writer.write_parts(&parts).await? {
+                shared.complete(stream, id, Err(gone(&parts)));
+            }
         }
         Outgoing::Frame(_) | Outgoing::Flush | Outgoing::Shutdown => {}
     }
@@ -1118,27 +1130,33 @@ mod tests {
     }
 
     #[test]
-    fn staging_only_where_a_frame_would_copy_anyway() {
+    fn coalescing_only_where_it_adds_no_copy() {
         let pool = CoalescePool::new("4:8".parse().unwrap());
         let pool = pool.as_deref();
         let kib = 1024;
-        // Small writes are coalesced; 64 KiB ones go from the region, uncopied.
+        // Writes below the split size are gathered, into frames of about a stream's share (at least
+        // 64 KiB); larger ones go on their own, split across the streams when large enough.
         assert_eq!(
             shape(Op::Write, &[4 * kib, 16 * kib, 64 * kib, 4 * kib], pool),
-            [Err(64 * kib), Ok(3)]
+            [Ok(2), Ok(1), Ok(1)]
         );
-        assert_eq!(shape(Op::Write, &[64 * kib; 3], pool), [Err(64 * kib); 3]);
-        // Reads below the direct threshold land through the read buffer anyway: coalesced.
+        assert_eq!(shape(Op::Write, &[64 * kib; 8], pool), [Ok(4), Ok(4)]);
+        assert_eq!(
+            shape(Op::Write, &[64 * kib, 256 * kib, 64 * kib], pool),
+            [Err(256 * kib), Ok(1), Ok(1)]
+        );
+        // Reads below the direct threshold land through the read buffer anyway: coalesced. Larger
+        // ones land straight in their region.
         assert_eq!(
             shape(Op::Read, &[32 * kib, 32 * kib, 64 * kib], pool),
             [Err(64 * kib), Ok(2)]
         );
-        // A lone small descriptor gains nothing from a pool copy.
+        // A lone small descriptor has nothing to be coalesced with.
         assert_eq!(
             shape(Op::Write, &[4 * kib, 1 << 20], pool),
             [Err(4 * kib), Err(512 * kib), Err(512 * kib)]
         );
-        // No pool, no coalescing.
+        // No pool (`buffer_pool("0:0")`), no coalescing.
         assert_eq!(
             shape(Op::Write, &[4 * kib, 4 * kib], None),
             [Err(4 * kib), Err(4 * kib)]

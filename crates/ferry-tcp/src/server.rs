@@ -415,19 +415,10 @@ async fn serve_write(
         .map(|s| ctx.resolve_write(s.key, s.offset, s.len, durability))
         .collect();
     let result = match resolved {
-        Ok(parts) => {
-            let mut result = Ok(());
-            for r in &parts {
-                let landed = land(reader, r).await?;
-                if result.is_ok() {
-                    result = landed;
-                }
-            }
-            match result {
-                Ok(()) => persist(&parts, durability).await,
-                Err(e) => Err(e),
-            }
-        }
+        Ok(parts) => match land(reader, &parts).await? {
+            Ok(()) => persist(&parts, durability).await,
+            Err(e) => Err(e),
+        },
         Err(e) => {
             reader.discard(payload_len).await?;
             Err(e)
@@ -535,19 +526,39 @@ async fn resolve_reads(ctx: &EngineContext, segments: &[Segment], max_payload: u
     Ok(parts)
 }
 
-/// Reads one resolved payload part into its region and commits it (a staged device copy). The outer
-/// error breaks the stream; the inner result is the operation's.
-async fn land(reader: &mut FrameReader, r: &Resolved) -> Result<Result<()>> {
-    Ok(match reader.read_into(&r.region, r.offset, r.len, None).await? {
-        // A copy into a file that shrank meanwhile landed in zero pages without failing.
-        Landed::Written => match r.region.block().check_intact() {
-            // A staged block's device copy: off the runtime, under a permit.
-            Ok(()) => crate::blocking::commit_written(r).await,
-            Err(e) => Err(e),
-        },
+/// Reads a write's payload into the resolved `parts` and commits them (a staged block's device
+/// copy). The outer error breaks the stream; the inner result is the operation's.
+async fn land(reader: &mut FrameReader, parts: &[Resolved]) -> Result<Result<()>> {
+    let Some(first) = parts.first() else {
+        return Ok(Ok(()));
+    };
+    let landed = match parts {
+        [one] => reader.read_into(&one.region, one.offset, one.len, None).await?,
+        _ => reader.read_parts(parts).await?,
+    };
+    let gone = || parts.iter().find(|p| p.region.guard().is_closed()).unwrap_or(first);
+    Ok(match landed {
+        Landed::Written => {
+            let mut result = Ok(());
+            for r in parts {
+                // A copy into a file that shrank meanwhile landed in zero pages without failing.
+                let committed = match r.region.block().check_intact() {
+                    // A staged block's device copy: off the runtime, under a permit.
+                    Ok(()) => crate::blocking::commit_written(r).await,
+                    Err(e) => Err(e),
+                };
+                if result.is_ok() {
+                    result = committed;
+                }
+            }
+            result
+        }
         // A target's copies have no caller guard, so `Abandoned` cannot happen here.
-        Landed::RegionGone | Landed::Abandoned => Err(r.region.gone()),
-        Landed::Unbacked => Err(crate::link::unbacked(&r.region)),
+        Landed::RegionGone | Landed::Abandoned => Err(gone().region.gone()),
+        Landed::Unbacked => Err(parts
+            .iter()
+            .find_map(|p| p.region.block().check_backing().err())
+            .unwrap_or_else(|| crate::link::unbacked(&first.region))),
     })
 }
 

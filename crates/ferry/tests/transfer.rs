@@ -164,3 +164,73 @@ async fn no_byte_lands_after_a_read_returns_or_is_dropped() {
     initiator.transfer(&peer, Op::Read, &desc[..], T).await.unwrap();
     assert!(dst.to_vec().unwrap().iter().all(|&b| b == 0x11));
 }
+
+/// Descriptors of mixed sizes, scattered (and in reverse order) at the target, more of them per
+/// frame than one `sendmsg(2)` or `readv(2)` names, in two regions at each end: every byte lands
+/// where its descriptor says, and nothing else is written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gathered_writes_land_scattered_bytes_exactly() {
+    let (target, initiator, peer) = pair().await;
+    let sizes: Vec<usize> = (0..3000)
+        .map(|i| [1, 256, 777, 4096, 13_000, 70_000][i % 6] * (i % 3 + 1) / 2 + 1)
+        .collect();
+    let total: usize = sizes.iter().sum();
+    let len = total + 5 * sizes.len();
+    let dsts = [
+        target.alloc_host(len, rw()).unwrap(),
+        target.alloc_host(len, rw()).unwrap(),
+    ];
+    for d in &dsts {
+        wait_for_region(&peer, d).await;
+    }
+    let src_bytes = [pattern(total, 11), pattern(total, 53)];
+    let srcs = [
+        initiator.register(src_bytes[0].clone(), rw()).unwrap(),
+        initiator.register(src_bytes[1].clone(), rw()).unwrap(),
+    ];
+    let mut expect = [vec![0u8; len], vec![0u8; len]];
+    let mut descs = Vec::new();
+    let mut at_src = 0usize;
+    let mut used = [0usize; 2];
+    for (i, &n) in sizes.iter().enumerate() {
+        let (s, d) = (i % 2, (i / 2) % 2);
+        // From the end of the region down, with gaps: the last descriptor lands lowest.
+        used[d] += n + i % 5;
+        let dst_off = len - used[d];
+        descs.push(TransferDesc::new(
+            srcs[s].addr_at(at_src as u64),
+            dsts[d].addr_at(dst_off as u64),
+            n as u64,
+        ));
+        expect[d][dst_off..dst_off + n].copy_from_slice(&src_bytes[s][at_src..at_src + n]);
+        at_src += n;
+    }
+    initiator.transfer(&peer, Op::Write, &descs, T).await.unwrap();
+    for (d, want) in dsts.iter().zip(&expect) {
+        assert!(
+            d.to_vec().unwrap() == *want,
+            "the target holds exactly the descriptors' bytes"
+        );
+    }
+    // 4000 descriptors of 100 bytes, every other 100 bytes of the target: frames of about 2000
+    // segments, more than one system call names.
+    let small: Vec<_> = (0..4000u64)
+        .map(|i| TransferDesc::new(srcs[0].addr_at(i * 100), dsts[0].addr_at(i * 200), 100))
+        .collect();
+    initiator.transfer(&peer, Op::Write, &small, T).await.unwrap();
+    let got = dsts[0].to_vec().unwrap();
+    for i in 0..4000usize {
+        assert_eq!(
+            got[i * 200..i * 200 + 100],
+            src_bytes[0][i * 100..i * 100 + 100],
+            "descriptor {i}"
+        );
+        if i * 200 + 200 <= len {
+            assert_eq!(
+                got[i * 200 + 100..i * 200 + 200],
+                expect[0][i * 200 + 100..i * 200 + 200],
+                "gap after {i}"
+            );
+        }
+    }
+}
