@@ -31,7 +31,7 @@ pub use memory::{DmaView, MemoryBlock, MemoryRegistry, OwnedBuffer, RawMemory};
 pub use options::BufferPool;
 pub use region::{RegionEntry, RegionTable, RemoteRegions, Resolved};
 pub use transport::{
-    AcceptSetup, Availability, DataLink, EngineContext, LinkSlot, LinkSlots, Notifier, RegionChange, SetupExchange,
-    TransferItem, TransferRequest, Transport,
+    AcceptSetup, AcceptedPath, Availability, DataLink, EngineContext, LinkSlot, LinkSlots, Notifier, RegionChange,
+    SetupExchange, TransferItem, TransferRequest, Transport,
 };
 pub use types::*;

@@ -73,15 +73,22 @@ pub trait Transport: Send + Sync + 'static {
             )))
         })
     }
-    /// Target side: answers an initiator's setup data. The returned state lives as long as the link
-    /// (a queue pair, say) and is dropped when it closes.
-    fn accept(&self, setup: AcceptSetup<'_>) -> Result<(Vec<u8>, Box<dyn std::any::Any + Send + Sync>)> {
+    /// Target side: answers an initiator's setup data with its own, and the data path it set up,
+    /// which the control link keeps as long as it lives and drops when it closes.
+    fn accept(&self, setup: AcceptSetup<'_>) -> Result<(Vec<u8>, Box<dyn AcceptedPath>)> {
         let _ = setup;
         Err(Error::Unsupported(format!(
             "{} accepts no separate data link",
             self.kind()
         )))
     }
+}
+
+/// A data path a target set up for one link (an RDMA queue pair and the task answering on it). The
+/// link's control channel holds it for the link's life; dropping it tears the path down.
+pub trait AcceptedPath: Send + Sync + 'static {
+    /// The transport it belongs to.
+    fn kind(&self) -> TransportKind;
 }
 
 /// What a target-side transport gets when a peer sets up a data link.

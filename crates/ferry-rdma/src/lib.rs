@@ -359,7 +359,7 @@ impl Transport for RdmaTransport {
         })
     }
 
-    fn accept(&self, setup: AcceptSetup<'_>) -> Result<(Vec<u8>, Box<dyn std::any::Any + Send + Sync>)> {
+    fn accept(&self, setup: AcceptSetup<'_>) -> Result<(Vec<u8>, Box<dyn ferry_core::AcceptedPath>)> {
         let shared = self.shared()?;
         let remote = wire::QpEndpoint::decode(setup.blob)?;
         let mut rc = qp::Rc::create(&shared.device, &shared.pd, &shared.options)?;

@@ -82,6 +82,12 @@ pub(crate) struct Accepted {
     responder: Weak<Responder>,
 }
 
+impl ferry_core::AcceptedPath for Accepted {
+    fn kind(&self) -> ferry_core::TransportKind {
+        ferry_core::TransportKind::Rdma
+    }
+}
+
 impl Drop for Accepted {
     fn drop(&mut self) {
         self.shared.responders.remove(self.link, &self.responder);

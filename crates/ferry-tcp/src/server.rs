@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use ferry_core::codec::{Frame, Hello, Limits, ReadStatus, Segment};
-use ferry_core::{Durability, EngineContext, Error, LinkSlot, Op, RegionChange, Resolved, Result};
+use ferry_core::{AcceptedPath, Durability, EngineContext, Error, LinkSlot, Op, RegionChange, Resolved, Result};
 use ferry_proto::target::{ack, setup_reply};
 use ferry_proto::{
     Admission, AdvertQueue, Identity, LinkLimits, LinkRegistry, LinkToken, OpId, Request, StreamIndex, TargetStream,
@@ -63,8 +63,8 @@ struct AcceptedLink {
     adverts: Mutex<AdvertQueue>,
     adverts_due: Notify,
     streams: Mutex<Vec<AbortHandle>>,
-    /// State of other data paths set up for this link (an RDMA queue pair), dropped with it.
-    transport_state: Mutex<Vec<Box<dyn std::any::Any + Send + Sync>>>,
+    /// Other data paths set up for this link (an RDMA queue pair), dropped with it.
+    data_paths: Mutex<Vec<Box<dyn AcceptedPath>>>,
     _slot: LinkSlot,
 }
 
@@ -162,8 +162,10 @@ fn close_link(shared: &Shared, link: &AcceptedLink) {
             s.abort();
         }
     }
-    if let Ok(mut state) = link.transport_state.lock() {
-        state.clear();
+    if let Ok(mut paths) = link.data_paths.lock() {
+        for p in paths.drain(..) {
+            tracing::debug!(link = link.id, transport = %p.kind(), "data path closed with its link");
+        }
     }
     shared.ctx.notifier.link_closed(link.id);
 }
@@ -232,7 +234,7 @@ fn admit(
                 adverts: Mutex::new(AdvertQueue::new(shared.config.link_limits.advert_queue)),
                 adverts_due: Notify::new(),
                 streams: Mutex::new(Vec::new()),
-                transport_state: Mutex::new(Vec::new()),
+                data_paths: Mutex::new(Vec::new()),
                 _slot: slot,
             });
             // Under the registry's lock, so no update announced meanwhile is missed: it is either
@@ -450,7 +452,7 @@ fn serve_setup(
         .iter()
         .find(|t| t.kind() == kind)
         .ok_or_else(|| Error::Unsupported(format!("this engine has no usable {kind} transport")))?;
-    let (blob, state) = transport.accept(ferry_core::AcceptSetup {
+    let (blob, path) = transport.accept(ferry_core::AcceptSetup {
         link: link.id,
         blob,
         notifier: ctx.notifier.clone(),
@@ -458,10 +460,10 @@ fn serve_setup(
         peer_addr: peer,
         context: Arc::downgrade(&shared.ctx),
     })?;
-    link.transport_state
+    link.data_paths
         .lock()
-        .map_err(|_| Error::Internal("transport state lock poisoned".into()))?
-        .push(state);
+        .map_err(|_| Error::Internal("data path table lock poisoned".into()))?
+        .push(path);
     tracing::info!(%peer, transport = %kind, "data path set up");
     Ok(blob)
 }
