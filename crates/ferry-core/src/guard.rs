@@ -87,11 +87,14 @@ impl AccessGuard {
         }
     }
 
+    /// The waiter list. Every change to it is one push, replace or removal, so a panic elsewhere
+    /// while it was held leaves it whole: a poisoned lock is used as it is.
+    fn lock_waiters(&self) -> impl std::ops::DerefMut<Target = Waiters> + '_ {
+        self.waiters.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
     fn wake_all(&self) {
-        let woken = match self.waiters.lock() {
-            Ok(mut w) => std::mem::take(&mut w.list),
-            Err(poisoned) => std::mem::take(&mut poisoned.into_inner().list),
-        };
+        let woken = std::mem::take(&mut self.lock_waiters().list);
         for (_, waker) in woken {
             waker.wake();
         }
@@ -201,10 +204,7 @@ impl Future for Drained<'_> {
         if guard.is_drained() {
             return Poll::Ready(());
         }
-        let mut waiters = match guard.waiters.lock() {
-            Ok(w) => w,
-            Err(poisoned) => poisoned.into_inner(),
-        };
+        let mut waiters = guard.lock_waiters();
         // Checked again under the lock: a release that drains the guard takes the lock after its
         // decrement, so either it sees the waker stored below or this sees its decrement.
         if guard.is_drained() {
@@ -232,11 +232,7 @@ impl Future for Drained<'_> {
 impl Drop for Drained<'_> {
     fn drop(&mut self) {
         if let Some(id) = self.id {
-            let mut waiters = match self.guard.waiters.lock() {
-                Ok(w) => w,
-                Err(poisoned) => poisoned.into_inner(),
-            };
-            waiters.list.retain(|(i, _)| *i != id);
+            self.guard.lock_waiters().list.retain(|(i, _)| *i != id);
         }
     }
 }

@@ -176,21 +176,25 @@ impl RegionEntry {
 /// Calls `f` once per region of `parts`, in the order regions first appear, with that region's
 /// `(offset, len)` ranges: commits and flushes work per region, on all of its ranges at once.
 pub fn for_each_region(parts: &[Resolved], mut f: impl FnMut(&RegionEntry, &[(u64, u64)]) -> Result<()>) -> Result<()> {
-    let mut done: Vec<RegionKey> = Vec::new();
-    for p in parts {
-        let key = p.region.key();
-        if done.contains(&key) {
-            continue;
-        }
-        done.push(key);
-        let ranges: Vec<(u64, u64)> = parts
-            .iter()
-            .filter(|q| q.region.key() == key)
-            .map(|q| (q.offset, q.len))
-            .collect();
-        f(&p.region, &ranges)?;
+    for (region, ranges) in by_region(parts) {
+        f(&region, &ranges)?;
     }
     Ok(())
+}
+
+/// A region and the `(offset, len)` ranges of it that an operation touches.
+pub type RegionRanges = (Arc<RegionEntry>, Vec<(u64, u64)>);
+
+/// `parts` grouped by region, in the order regions first appear.
+pub fn by_region(parts: &[Resolved]) -> Vec<RegionRanges> {
+    let mut groups: Vec<RegionRanges> = Vec::new();
+    for p in parts {
+        match groups.iter_mut().find(|(r, _)| r.key() == p.region.key()) {
+            Some((_, ranges)) => ranges.push((p.offset, p.len)),
+            None => groups.push((p.region.clone(), vec![(p.offset, p.len)])),
+        }
+    }
+    groups
 }
 
 /// A range resolved against the table: the region and the offset inside it.

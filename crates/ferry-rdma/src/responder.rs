@@ -182,7 +182,7 @@ impl Responder {
             .collect::<ferry_core::Result<Vec<_>>>()?;
         for_each_region(&parts, |region, ranges| {
             shared.commit_bounced(region, ranges)?;
-            // Device memory behind a staging buffer takes the bytes to the device here.
+            // A staged block (device memory behind a host copy) takes the bytes to the device here.
             if region.block().has_access_hooks() {
                 let _permit = region.guard().enter().ok_or_else(|| region.gone())?;
                 for &(offset, len) in ranges {

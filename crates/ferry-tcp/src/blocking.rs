@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use ferry_core::region::for_each_region;
+use ferry_core::region::by_region;
 use ferry_core::{Durability, Error, RegionEntry, Resolved, Result};
 
 /// Runs `work` on `region` under an owned permit: on a blocking thread when `blocking`, else here.
@@ -57,16 +57,7 @@ pub(crate) async fn persist(parts: &[Resolved], durability: Durability) -> Resul
     if durability != Durability::Persistent {
         return Ok(());
     }
-    // One region and the `(offset, len)` ranges of it to persist.
-    type Batch = (Arc<RegionEntry>, Vec<(u64, u64)>);
-    let mut batches: Vec<Batch> = Vec::new();
-    for_each_region(parts, |region, ranges| {
-        if let Some(p) = parts.iter().find(|p| p.region.key() == region.key()) {
-            batches.push((p.region.clone(), ranges.to_vec()));
-        }
-        Ok(())
-    })?;
-    for (region, ranges) in batches {
+    for (region, ranges) in by_region(parts) {
         let blocking = region.staging_may_block(durability);
         under_permit(&region, blocking, move |region| region.persist(&ranges)).await?;
     }

@@ -170,80 +170,6 @@ impl FrameReader {
         }
     }
 
-    /// Reads `len` payload bytes into `region` at `offset` (a range the caller resolved). Each copy
-    /// holds a permit of the region's access guard and, when given, of `caller`'s: the guard of the operation
-    /// that asked for the bytes, which closes when that operation returns or is dropped.
-    pub async fn read_into(
-        &mut self,
-        region: &RegionEntry,
-        offset: u64,
-        len: u64,
-        caller: Option<&AccessGuard>,
-    ) -> Result<Landed> {
-        let mut done = 0u64;
-        let mut landed = Landed::Written;
-        // Bytes already buffered come first.
-        while done < len && (!self.buf.is_empty() || len - done < DIRECT_THRESHOLD as u64) {
-            if self.buf.is_empty() {
-                self.fill().await?;
-            }
-            let n = self.buf.len().min((len - done) as usize);
-            if landed == Landed::Written {
-                let held = caller.map(AccessGuard::enter);
-                landed = match held {
-                    Some(None) => Landed::Abandoned,
-                    _ if region.copy_in(offset + done, &self.buf[..n]).is_err() => Landed::RegionGone,
-                    _ => Landed::Written,
-                };
-            }
-            self.buf.advance(n);
-            done += n as u64;
-        }
-        let stream: &TcpStream = self.half.as_ref();
-        while done < len {
-            let want = ((len - done) as usize).min(MAX_CHUNK);
-            if landed != Landed::Written {
-                self.discard(len - done).await?;
-                return Ok(landed);
-            }
-            let at = offset + done;
-            let res = raw_io(stream, Interest::READABLE, || {
-                let held = caller.map(AccessGuard::enter);
-                if let Some(None) = held {
-                    return Ok(Err(Landed::Abandoned));
-                }
-                let Some(_permit) = region.guard().enter() else {
-                    return Ok(Err(Landed::RegionGone));
-                };
-                // SAFETY: `[at, at + want)` lies inside the region (resolved by the caller, and
-                // `done + want <= len`); the permit keeps the memory registered for the duration of
-                // this non-blocking call; the kernel writes through the raw pointer, no Rust
-                // reference to region memory exists.
-                let r = unsafe { libc::read(stream.as_raw_fd(), region.ptr_at(at).cast(), want) };
-                cvt(r).map(Ok)
-            })
-            .await;
-            let n = match res {
-                Ok(Ok(n)) => n,
-                Ok(Err(stopped)) => {
-                    landed = stopped;
-                    continue;
-                }
-                // The bytes stay in the socket: they are discarded above.
-                Err(e) if e.raw_os_error() == Some(libc::EFAULT) => {
-                    landed = Landed::Unbacked;
-                    continue;
-                }
-                Err(e) => return Err(self.io_error(e)),
-            };
-            if n == 0 {
-                return Err(self.closed());
-            }
-            done += n as u64;
-        }
-        Ok(landed)
-    }
-
     /// Reads `len` payload bytes into `dst` (a pool buffer).
     pub async fn read_exact(&mut self, dst: &mut [u8]) -> Result<()> {
         let from_buf = self.buf.len().min(dst.len());
@@ -256,78 +182,107 @@ impl FrameReader {
         Ok(())
     }
 
-    /// Reads a payload that goes to `parts`, back to back (a batched write's segments): bytes already
-    /// buffered are copied in, the rest is read with `readv(2)` straight into the regions, together
-    /// with whatever follows on the stream into the read buffer, so that many small segments and the
-    /// next frames cost one system call and no extra copy. Each call runs under permits of the
-    /// regions' guards. After a region is deregistered, or its memory is found unbacked, the rest of
-    /// the payload is read and dropped.
-    pub async fn read_parts(&mut self, parts: &[Resolved]) -> Result<Landed> {
+    /// Reads a payload that goes to `parts`, back to back (one region range, or a batched write's
+    /// segments). Bytes already buffered are copied in; the rest is read with `readv(2)` straight into
+    /// the regions, together with whatever follows on the stream into the read buffer, so that many
+    /// small segments and the next frames cost one system call and no extra copy. Each copy and call
+    /// holds permits of the regions' guards and, when given, of `caller`'s: the guard of the operation
+    /// that asked for the bytes, which closes when that operation returns or is dropped. When a guard
+    /// refuses, or the kernel finds a region's memory unbacked, the rest of the payload is read and
+    /// dropped, and the result says why.
+    pub async fn read_parts(&mut self, parts: &[Resolved], caller: Option<&AccessGuard>) -> Result<Landed> {
         let mut at = Cursor::default();
-        while !at.done(parts) && !self.buf.is_empty() {
-            let p = &parts[at.index];
-            let n = self.buf.len().min((p.len - at.skip) as usize);
-            if p.region.copy_in(p.offset + at.skip, &self.buf[..n]).is_err() {
-                let rest = at.remaining(parts);
-                self.discard(rest).await?;
-                return Ok(Landed::RegionGone);
+        let stopped = loop {
+            if at.done(parts) {
+                return Ok(Landed::Written);
             }
-            self.buf.advance(n);
-            at.advance(parts, n as u64);
-        }
-        while !at.done(parts) {
-            let payload_left = at.remaining(parts);
-            self.buf.reserve(READ_AHEAD);
-            let stream: &TcpStream = self.half.as_ref();
-            let buf = &mut self.buf;
-            let res = raw_io(stream, Interest::READABLE, || {
-                let mut permits = Vec::new();
-                let Some(mut iov) = region_iovecs(parts, at, &mut permits) else {
-                    return Ok(None);
-                };
-                let named: u64 = iov.iter().map(|v| v.iov_len as u64).sum();
-                if named == payload_left {
-                    // What follows the payload lands in the read buffer.
-                    let spare = buf.spare_capacity_mut();
-                    iov.push(libc::iovec {
-                        iov_base: spare.as_mut_ptr().cast(),
-                        iov_len: spare.len(),
-                    });
-                }
-                // SAFETY: every iovec but the last names a range inside a region (resolved by the
-                // caller), registered for the duration of this non-blocking call by the permits held;
-                // the last, when present, is the read buffer's spare capacity. The kernel writes
-                // through the raw pointers; no Rust reference to region memory exists.
-                let r = unsafe { libc::readv(stream.as_raw_fd(), iov.as_ptr(), iov.len() as libc::c_int) };
-                cvt(r).map(|n| {
-                    let into_regions = (n as u64).min(named);
-                    Some((into_regions, n as u64 - into_regions))
-                })
-            })
-            .await;
-            let (into_regions, extra) = match res {
-                Ok(Some(n)) => n,
-                Ok(None) => {
-                    let rest = at.remaining(parts);
-                    self.discard(rest).await?;
-                    return Ok(Landed::RegionGone);
-                }
-                Err(e) if e.raw_os_error() == Some(libc::EFAULT) => {
-                    let rest = at.remaining(parts);
-                    self.discard(rest).await?;
-                    return Ok(Landed::Unbacked);
-                }
-                Err(e) => return Err(self.io_error(e)),
+            let step = match self.buf.is_empty() {
+                false => self.copy_buffered(parts, at, caller),
+                true => self.readv_into(parts, at, caller).await?,
             };
-            if into_regions == 0 && extra == 0 {
-                return Err(self.closed());
+            match step {
+                Ok(n) => at.advance(parts, n),
+                Err(stopped) => break stopped,
             }
-            // SAFETY: the kernel initialised `extra` bytes of the spare capacity, right after the
-            // buffer's (empty) contents.
-            unsafe { self.buf.set_len(self.buf.len() + extra as usize) };
-            at.advance(parts, into_regions);
+        };
+        let rest = at.remaining(parts);
+        self.discard(rest).await?;
+        Ok(stopped)
+    }
+
+    /// Copies buffered bytes into the range at `at`: how many, or why not.
+    fn copy_buffered(
+        &mut self,
+        parts: &[Resolved],
+        at: Cursor,
+        caller: Option<&AccessGuard>,
+    ) -> std::result::Result<u64, Landed> {
+        let p = &parts[at.index];
+        let n = self.buf.len().min((p.len - at.skip) as usize);
+        let _held = match caller.map(AccessGuard::enter) {
+            Some(None) => return Err(Landed::Abandoned),
+            held => held,
+        };
+        if p.region.copy_in(p.offset + at.skip, &self.buf[..n]).is_err() {
+            return Err(Landed::RegionGone);
         }
-        Ok(Landed::Written)
+        self.buf.advance(n);
+        Ok(n as u64)
+    }
+
+    /// One `readv(2)` into the ranges from `at` on (and, past the payload, into the read buffer): how
+    /// many payload bytes landed, or why none may. An error breaks the stream.
+    async fn readv_into(
+        &mut self,
+        parts: &[Resolved],
+        at: Cursor,
+        caller: Option<&AccessGuard>,
+    ) -> Result<std::result::Result<u64, Landed>> {
+        let payload_left = at.remaining(parts);
+        self.buf.reserve(READ_AHEAD);
+        let stream: &TcpStream = self.half.as_ref();
+        let buf = &mut self.buf;
+        let res = raw_io(stream, Interest::READABLE, || {
+            let _held = match caller.map(AccessGuard::enter) {
+                Some(None) => return Ok(Err(Landed::Abandoned)),
+                held => held,
+            };
+            let mut permits = Vec::new();
+            let Some(mut iov) = region_iovecs(parts, at, &mut permits) else {
+                return Ok(Err(Landed::RegionGone));
+            };
+            let named: u64 = iov.iter().map(|v| v.iov_len as u64).sum();
+            if named == payload_left {
+                // What follows the payload lands in the read buffer.
+                let spare = buf.spare_capacity_mut();
+                iov.push(libc::iovec {
+                    iov_base: spare.as_mut_ptr().cast(),
+                    iov_len: spare.len(),
+                });
+            }
+            // SAFETY: every iovec but the last names a range inside a region (resolved by the
+            // caller), registered for the duration of this non-blocking call by the permits held;
+            // the last, when present, is the read buffer's spare capacity. The kernel writes
+            // through the raw pointers; no Rust reference to region memory exists.
+            let r = unsafe { libc::readv(stream.as_raw_fd(), iov.as_ptr(), iov.len() as libc::c_int) };
+            cvt(r).map(|n| Ok((n as u64, named)))
+        })
+        .await;
+        let (n, named) = match res {
+            Ok(Ok(read)) => read,
+            Ok(Err(stopped)) => return Ok(Err(stopped)),
+            // The bytes stay in the socket: the caller discards them.
+            Err(e) if e.raw_os_error() == Some(libc::EFAULT) => return Ok(Err(Landed::Unbacked)),
+            Err(e) => return Err(self.io_error(e)),
+        };
+        if n == 0 {
+            return Err(self.closed());
+        }
+        let into_regions = n.min(named);
+        // SAFETY: the kernel initialised the bytes past the payload in the spare capacity, right
+        // after the buffer's (empty) contents.
+        unsafe { self.buf.set_len(self.buf.len() + (n - into_regions) as usize) };
+        Ok(Ok(into_regions))
     }
 
     /// Reads and drops `len` payload bytes: the payload of a refused operation.
@@ -427,56 +382,6 @@ impl FrameWriter {
         let _ = self.flush().await;
         let _ = self.half.shutdown().await;
     }
-
-    /// Flushes, then sends `len` bytes straight from `region` at `offset` (a range the caller resolved).
-    /// If the region is deregistered part-way, the rest of the payload is sent as zeros so that the
-    /// stream stays framed, and false is returned.
-    pub async fn write_region(&mut self, region: &RegionEntry, offset: u64, len: u64) -> Result<bool> {
-        self.flush().await?;
-        let mut done = 0u64;
-        let mut intact = true;
-        while done < len {
-            let want = ((len - done) as usize).min(MAX_CHUNK);
-            let at = offset + done;
-            let n = if intact {
-                let stream: &TcpStream = self.half.as_ref();
-                let res = raw_io(stream, Interest::WRITABLE, || {
-                    let Some(_permit) = region.guard().enter() else {
-                        return Ok(None);
-                    };
-                    // SAFETY: `[at, at + want)` lies inside the region (resolved by the caller); the permit
-                    // keeps it registered for this non-blocking call; the kernel reads through the raw
-                    // pointer and no Rust reference to region memory is made.
-                    let r =
-                        unsafe { libc::send(stream.as_raw_fd(), region.ptr_at(at).cast(), want, libc::MSG_NOSIGNAL) };
-                    cvt(r).map(Some)
-                })
-                .await;
-                match res {
-                    Ok(Some(n)) => n,
-                    // Deregistered, or (EFAULT) a mapped file that shrank: zeros go out instead.
-                    Ok(None) => {
-                        intact = false;
-                        continue;
-                    }
-                    Err(e) if e.raw_os_error() == Some(libc::EFAULT) => {
-                        intact = false;
-                        continue;
-                    }
-                    Err(e) => return Err(self.io_error(e)),
-                }
-            } else {
-                let zeros = vec![0u8; want.min(64 << 10)];
-                self.half.write_all(&zeros).await.map_err(|e| self.io_error(e))?;
-                zeros.len()
-            };
-            done += n as u64;
-        }
-        Ok(intact)
-    }
-}
-
-impl FrameWriter {
     /// Flushes, then sends the ranges `parts` back to back straight from their regions, several
     /// ranges to a `sendmsg(2)` (a batched write's segments): no copy into a buffer. Each call runs
     /// under permits of the regions' guards. If a region is deregistered part-way (or its memory is
@@ -526,6 +431,31 @@ impl FrameWriter {
             len -= n as u64;
         }
         Ok(())
+    }
+}
+
+/// The error for a region whose memory the kernel could not write (a mapped file that shrank).
+pub(crate) fn unbacked(region: &ferry_core::RegionEntry) -> Error {
+    region.block().check_backing().err().unwrap_or_else(|| Error::Io {
+        kind: std::io::ErrorKind::InvalidData,
+        message: format!(
+            "region {:?} ({}) could not be written: its memory is no longer backed",
+            region.key(),
+            region.block().kind()
+        ),
+    })
+}
+
+/// The error of an access to `parts` that stopped short: a region being deregistered (its guard
+/// closed), else a region whose memory is no longer backed.
+pub(crate) fn access_error(parts: &[Resolved]) -> Error {
+    if let Some(p) = parts.iter().find(|p| p.region.guard().is_closed()) {
+        return p.region.gone();
+    }
+    let unbacked_part = parts.iter().find(|p| p.region.block().check_backing().is_err());
+    match unbacked_part.or(parts.first()) {
+        Some(p) => unbacked(&p.region),
+        None => Error::Internal("an access to no memory stopped short".into()),
     }
 }
 

@@ -31,7 +31,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 use tokio::task::AbortHandle;
 
 use crate::coalesce::{CoalesceBuf, CoalescePool};
-use crate::io::{DIRECT_THRESHOLD, FrameReader, FrameWriter, Landed};
+use crate::io::{DIRECT_THRESHOLD, FrameReader, FrameWriter, Landed, access_error, unbacked};
 
 /// Payloads below this are copied into the frame buffer rather than sent from the region.
 const INLINE_PAYLOAD: u64 = 16 << 10;
@@ -66,9 +66,7 @@ pub type LocalIdentity = Identity;
 /// while that guard is open (see [`CallerGuard`]).
 enum ReadDest {
     Direct {
-        region: Arc<RegionEntry>,
-        offset: u64,
-        len: u64,
+        part: Resolved,
         caller: Arc<AccessGuard>,
     },
     Scatter {
@@ -123,14 +121,8 @@ struct Pending {
 
 enum Outgoing {
     Frame(Frame),
-    /// A write frame (operation `id`) whose payload is the region range `local`.
-    Write {
-        id: OpId,
-        frame: Frame,
-        local: Resolved,
-    },
     /// A write frame (operation `id`) whose payload is the region ranges `parts`, back to back.
-    WriteGather {
+    Write {
         id: OpId,
         frame: Frame,
         parts: Vec<Resolved>,
@@ -145,8 +137,7 @@ impl Outgoing {
     fn is_inline(&self) -> bool {
         match self {
             Outgoing::Frame(_) | Outgoing::Flush => true,
-            Outgoing::Write { local, .. } => local.len <= INLINE_PAYLOAD,
-            Outgoing::WriteGather { parts, .. } => parts.iter().map(|p| p.len).sum::<u64>() <= INLINE_PAYLOAD,
+            Outgoing::Write { parts, .. } => parts.iter().map(|p| p.len).sum::<u64>() <= INLINE_PAYLOAD,
             Outgoing::Shutdown => false,
         }
     }
@@ -674,12 +665,12 @@ async fn submit_write(shared: &Shared, piece: Piece, durability: Durability) -> 
                 offset: item.remote_offset,
                 durability,
             },
-            local: item.local,
+            parts: vec![item.local],
         }),
         Piece::Coalesced(group) => {
             let segments = segments(&group);
             let parts = group.into_iter().map(|i| i.local).collect();
-            shared.submit(None, bytes, None, budget, |id| Outgoing::WriteGather {
+            shared.submit(None, bytes, None, budget, |id| Outgoing::Write {
                 id,
                 frame: Frame::WriteBatch {
                     id: id.0,
@@ -700,9 +691,7 @@ async fn submit_read(shared: &Shared, piece: Piece, caller: &Arc<AccessGuard>) -
     match piece {
         Piece::Direct(item) => {
             let dest = ReadDest::Direct {
-                region: item.local.region.clone(),
-                offset: item.local.offset,
-                len: bytes,
+                part: item.local,
                 caller: caller.clone(),
             };
             shared.submit(None, bytes, Some(dest), budget, |id| {
@@ -738,36 +727,19 @@ async fn submit_read(shared: &Shared, piece: Piece, caller: &Arc<AccessGuard>) -
 fn push_inline(shared: &Shared, stream: StreamIndex, writer: &mut FrameWriter, out: Outgoing) -> Result<()> {
     match out {
         Outgoing::Frame(f) => writer.push(&f, 0)?,
-        Outgoing::Write { id, frame, local } => {
-            writer.push(&frame, local.len)?;
-            if !writer.push_region(&local.region, local.offset, local.len as usize) {
-                shared.complete(stream, id, Err(local.region.gone()));
-            }
-        }
-        Outgoing::WriteGather { id, frame, parts } => {
+        Outgoing::Write { id, frame, parts } => {
             writer.push(&frame, parts.iter().map(|p| p.len).sum())?;
             let mut intact = true;
             for p in &parts {
                 intact &= writer.push_region(&p.region, p.offset, p.len as usize);
             }
             if !intact {
-                shared.complete(stream, id, Err(gone(&parts)));
+                shared.complete(stream, id, Err(access_error(&parts)));
             }
         }
         Outgoing::Flush | Outgoing::Shutdown => {}
     }
     Ok(())
-}
-
-/// The error of a write some of whose local regions went away while it was sent.
-fn gone(parts: &[Resolved]) -> Error {
-    match parts.iter().find(|p| p.region.guard().is_closed()) {
-        Some(p) => p.region.gone(),
-        None => parts.first().map_or_else(
-            || Error::Internal("a write of no parts failed".into()),
-            |p| unbacked(&p.region),
-        ),
-    }
 }
 
 /// Puts one queued item into the writer, sending large payloads straight from their memory.
@@ -776,16 +748,10 @@ async fn write_one(shared: &Shared, stream: StreamIndex, writer: &mut FrameWrite
         return push_inline(shared, stream, writer, out);
     }
     match out {
-        Outgoing::Write { id, frame, local } => {
-            writer.push(&frame, local.len)?;
-            if !writer.write_region(&local.region, local.offset, local.len).await? {
-                shared.complete(stream, id, Err(local.region.gone()));
-            }
-        }
-        Outgoing::WriteGather { id, frame, parts } => {
+        Outgoing::Write { id, frame, parts } => {
             writer.push(&frame, parts.iter().map(|p| p.len).sum())?;
             if !writer.write_parts(&parts).await? {
-                shared.complete(stream, id, Err(gone(&parts)));
+                shared.complete(stream, id, Err(access_error(&parts)));
             }
         }
         Outgoing::Frame(_) | Outgoing::Flush | Outgoing::Shutdown => {}
@@ -866,18 +832,6 @@ async fn read_loop(shared: Arc<Shared>, stream: StreamIndex, mut reader: FrameRe
     shared.fail_all(error);
 }
 
-/// The error for a region whose memory the kernel could not write (a mapped file that shrank).
-pub(crate) fn unbacked(region: &ferry_core::RegionEntry) -> Error {
-    region.block().check_backing().err().unwrap_or_else(|| Error::Io {
-        kind: std::io::ErrorKind::InvalidData,
-        message: format!(
-            "region {:?} ({}) could not be written: its memory is no longer backed",
-            region.key(),
-            region.block().kind()
-        ),
-    })
-}
-
 /// Puts a read's data where it belongs, then reads the status byte that says whether the data is the
 /// source region's. Errors returned here break the stream; errors of the read itself (a region
 /// deregistered meanwhile, at either end) complete the read.
@@ -887,16 +841,12 @@ async fn land_read(shared: &Shared, op: Waiter, payload_len: u64, reader: &mut F
     };
     let data_len = payload_len.checked_sub(ReadStatus::LEN);
     let landed = match pending.read {
-        Some(ReadDest::Direct {
-            region,
-            offset,
-            len,
-            caller,
-        }) if Some(len) == data_len => {
-            let landed = reader.read_into(&region, offset, len, Some(&caller)).await?;
+        Some(ReadDest::Direct { part, caller }) if Some(part.len) == data_len => {
+            let part = std::slice::from_ref(&part);
+            let landed = reader.read_parts(part, Some(&caller)).await?;
             let status = read_status_byte(reader).await?;
-            match source_intact(shared, status).and_then(|()| landed_in(&region, landed)) {
-                Ok(()) => commit_for_caller(&caller, &[Resolved { region, offset, len }]).await,
+            match source_intact(shared, status).and_then(|()| landed_in(&part[0].region, landed)) {
+                Ok(()) => commit_for_caller(&caller, part).await,
                 Err(e) => Err(e),
             }
         }

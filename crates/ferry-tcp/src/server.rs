@@ -28,7 +28,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Notify;
 use tokio::task::AbortHandle;
 
-use crate::io::{FrameReader, FrameWriter, Landed};
+use crate::io::{FrameReader, FrameWriter, Landed, access_error};
 
 /// Most streams one link may open.
 pub const MAX_STREAMS_PER_LINK: u16 = 64;
@@ -473,14 +473,15 @@ fn serve_setup(
 async fn send_read_data(writer: &mut FrameWriter, id: OpId, parts: &[Resolved]) -> Result<()> {
     let total: u64 = parts.iter().map(|p| p.len).sum();
     writer.push(&Frame::ReadData { id: id.0 }, total + ReadStatus::LEN)?;
-    let mut copied = true;
-    for p in parts {
-        copied &= if p.len <= 16 << 10 {
-            writer.push_region(&p.region, p.offset, p.len as usize)
-        } else {
-            writer.write_region(&p.region, p.offset, p.len).await?
-        };
-    }
+    let copied = if total <= 16 << 10 {
+        let mut copied = true;
+        for p in parts {
+            copied &= writer.push_region(&p.region, p.offset, p.len as usize);
+        }
+        copied
+    } else {
+        writer.write_parts(parts).await?
+    };
     let status = read_status(parts, copied);
     if status != ReadStatus::Intact {
         tracing::warn!(
@@ -531,37 +532,23 @@ async fn resolve_reads(ctx: &EngineContext, segments: &[Segment], max_payload: u
 /// Reads a write's payload into the resolved `parts` and commits them (a staged block's device
 /// copy). The outer error breaks the stream; the inner result is the operation's.
 async fn land(reader: &mut FrameReader, parts: &[Resolved]) -> Result<Result<()>> {
-    let Some(first) = parts.first() else {
-        return Ok(Ok(()));
-    };
-    let landed = match parts {
-        [one] => reader.read_into(&one.region, one.offset, one.len, None).await?,
-        _ => reader.read_parts(parts).await?,
-    };
-    let gone = || parts.iter().find(|p| p.region.guard().is_closed()).unwrap_or(first);
-    Ok(match landed {
-        Landed::Written => {
-            let mut result = Ok(());
-            for r in parts {
-                // A copy into a file that shrank meanwhile landed in zero pages without failing.
-                let committed = match r.region.block().check_intact() {
-                    // A staged block's device copy: off the runtime, under a permit.
-                    Ok(()) => crate::blocking::commit_written(r).await,
-                    Err(e) => Err(e),
-                };
-                if result.is_ok() {
-                    result = committed;
-                }
-            }
-            result
+    // A target's copies have no caller guard, so only `Written` means the bytes are in.
+    if reader.read_parts(parts, None).await? != Landed::Written {
+        return Ok(Err(access_error(parts)));
+    }
+    let mut result = Ok(());
+    for r in parts {
+        // A copy into a file that shrank meanwhile landed in zero pages without failing.
+        let committed = match r.region.block().check_intact() {
+            // A staged block's device copy: off the runtime, under a permit.
+            Ok(()) => crate::blocking::commit_written(r).await,
+            Err(e) => Err(e),
+        };
+        if result.is_ok() {
+            result = committed;
         }
-        // A target's copies have no caller guard, so `Abandoned` cannot happen here.
-        Landed::RegionGone | Landed::Abandoned => Err(gone().region.gone()),
-        Landed::Unbacked => Err(parts
-            .iter()
-            .find_map(|p| p.region.block().check_backing().err())
-            .unwrap_or_else(|| crate::link::unbacked(&first.region))),
-    })
+    }
+    Ok(result)
 }
 
 /// Makes the written `parts` persistent when asked, one batch per region: a page written by several
