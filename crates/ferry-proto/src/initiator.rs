@@ -367,99 +367,45 @@ mod tests {
         Decoded { frame, payload_len }
     }
 
+    /// An acknowledgement of `id`, with `error` if any.
+    fn ack(id: u64, error: Option<Error>) -> Decoded {
+        let error = error.as_ref().map(WireError::from);
+        d(Frame::Ack { id, error }, 0)
+    }
+
     #[test]
     fn answers_must_fit_their_operation() {
         let mut l = link(2, 8);
         let now = Instant::now();
         let (s, read) = l.start(Some(StreamIndex(1)), OpKind::Read, 10, "read").unwrap();
         let (_, write) = l.start(Some(StreamIndex(1)), OpKind::Ack, 10, "write").unwrap();
-        // Read data for a write, a success ack for a read, an id never sent, the wrong stream.
+        // Read data for a write, a success ack for a read, an id never sent.
+        let wrong = [d(Frame::ReadData { id: write.0 }, 11), ack(read.0, None), ack(99, None)];
+        for frame in wrong {
+            assert!(matches!(l.handle(s, frame, now), Err(Error::Protocol(_))));
+        }
+        // On the wrong stream, an answer finds no operation: stale.
         assert!(matches!(
-            l.handle(s, d(Frame::ReadData { id: write.0 }, 11), now),
-            Err(Error::Protocol(_))
-        ));
-        assert!(matches!(
-            l.handle(
-                s,
-                d(
-                    Frame::Ack {
-                        id: read.0,
-                        error: None
-                    },
-                    0
-                ),
-                now
-            ),
-            Err(Error::Protocol(_))
-        ));
-        assert!(matches!(
-            l.handle(s, d(Frame::Ack { id: 99, error: None }, 0), now),
-            Err(Error::Protocol(_))
-        ));
-        assert!(matches!(
-            l.handle(
-                StreamIndex(0),
-                d(
-                    Frame::Ack {
-                        id: write.0,
-                        error: None
-                    },
-                    0
-                ),
-                now
-            ),
+            l.handle(StreamIndex(0), ack(write.0, None), now),
             Ok(Event::Stale { .. })
         ));
-        let refused = Some(WireError::from(&Error::OutOfBounds("x".into())));
+        let refused = ack(read.0, Some(Error::OutOfBounds("x".into())));
         assert!(matches!(
-            l.handle(
-                s,
-                d(
-                    Frame::Ack {
-                        id: read.0,
-                        error: refused
-                    },
-                    0
-                ),
-                now
-            ),
+            l.handle(s, refused, now),
             Ok(Event::Answered {
                 op: "read",
                 result: Err(Error::OutOfBounds(_))
             })
         ));
         assert!(matches!(
-            l.handle(
-                s,
-                d(
-                    Frame::Ack {
-                        id: write.0,
-                        error: None
-                    },
-                    0
-                ),
-                now
-            ),
+            l.handle(s, ack(write.0, None), now),
             Ok(Event::Answered {
                 op: "write",
                 result: Ok(())
             })
         ));
         // Answered once: the second answer is stale.
-        assert!(matches!(
-            l.handle(
-                s,
-                d(
-                    Frame::Ack {
-                        id: write.0,
-                        error: None
-                    },
-                    0
-                ),
-                now
-            ),
-            Ok(Event::Stale { .. })
-        ));
+        assert!(matches!(l.handle(s, ack(write.0, None), now), Ok(Event::Stale { .. })));
     }
 
     #[test]

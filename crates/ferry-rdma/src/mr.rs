@@ -82,11 +82,8 @@ impl Registered {
     /// A registration of `bounce` standing in for a region the NIC cannot pin.
     pub(crate) fn bounced(mr: Arc<MemoryRegion>, bounce: Bounce, guard: Arc<AccessGuard>) -> Self {
         Registered {
-            lkey: mr.lkey(),
-            rkey: mr.rkey(),
-            mr: Mutex::new(Some(mr)),
-            guard,
             bounce: Some(bounce),
+            ..Registered::new(mr, guard)
         }
     }
 

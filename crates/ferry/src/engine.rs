@@ -695,18 +695,15 @@ async fn run_with_timeout(peer: &Peer, request: TransferRequest, timeout: Durati
 pub const DEREGISTER_LIMIT: Duration = Duration::from_secs(5);
 
 impl Inner {
-    /// Takes the region out of the table and closes its access guard, so that no new access starts.
+    /// Takes the region out of the table, closes its access guard so that no new access starts, and
+    /// tells the peers.
     fn unlist_region(&self, key: RegionKey) -> Option<Arc<RegionEntry>> {
         let entry = self.ctx.regions.write().ok().and_then(|mut t| t.remove(key))?;
         entry.guard().close();
-        Some(entry)
-    }
-
-    fn announce_removed(&self, entry: &RegionEntry) {
         if let Some(server) = &self.server {
-            server.announce(&RegionChange::Removed(entry.key()));
+            server.announce(&RegionChange::Removed(key));
         }
-        tracing::debug!(region = ?entry, "deregistered");
+        Some(entry)
     }
 
     /// Deregisters on the calling thread (`Region::drop`): closes the guard, has every transport end
@@ -723,8 +720,9 @@ impl Inner {
                 held = entry.guard().held(),
                 "accesses still hold the region {DEREGISTER_LIMIT:?} after its deregistration began; it is dropped anyway"
             );
+            return;
         }
-        self.announce_removed(&entry);
+        tracing::debug!(region = ?entry, "deregistered");
     }
 
     /// Deregisters without blocking the runtime: what the sync path does, with the transports whose
@@ -739,8 +737,6 @@ impl Inner {
         if self.unlist_region(key).is_none() {
             // Gone already (or never listed): only the wait for its accesses is left.
             entry.guard().close();
-        } else {
-            self.announce_removed(entry);
         }
         let (blocking, inline): (Vec<_>, Vec<_>) = self.transports.iter().cloned().partition(|t| t.deregister_blocks());
         for t in &inline {
@@ -756,7 +752,10 @@ impl Inner {
             .map_err(|e| Error::Internal(format!("deregistering region {key:?} from a transport panicked: {e}")))?;
         }
         match tokio::time::timeout(DEREGISTER_LIMIT, entry.guard().drained()).await {
-            Ok(()) => Ok(()),
+            Ok(()) => {
+                tracing::debug!(region = ?entry, "deregistered");
+                Ok(())
+            }
             Err(_) => Err(Error::Timeout(format!(
                 "region {key:?}: {} accesses still held {DEREGISTER_LIMIT:?} after its deregistration began",
                 entry.guard().held()
