@@ -1,5 +1,5 @@
 //! A client that keeps working when its peers do not: ferry transfers through tower middleware
-//! (connection pool, retries with backoff and a budget, timeouts, a concurrency limit, load shedding).
+//! (connection pool, retries with backoff and a budget, deadlines, a concurrency limit, load shedding).
 //!
 //! It starts a target engine in this process, then:
 //!
@@ -19,7 +19,9 @@ use std::time::{Duration, Instant};
 
 use ferry::{Access, Engine};
 use ferry_tower::tower::{ServiceBuilder, ServiceExt};
-use ferry_tower::{Descriptor, PoolConfig, RetryPolicy, TransferRequest, TransferService, into_ferry_error};
+use ferry_tower::{
+    DeadlineLayer, Descriptor, PoolConfig, RetryPolicy, TransferRequest, TransferService, into_ferry_error,
+};
 
 const CALLERS: u64 = 16;
 const PER_CALLER: u64 = 500;
@@ -48,9 +50,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .map_err(into_ferry_error)
         .load_shed()
         .concurrency_limit(64)
-        .timeout(Duration::from_secs(10))
+        .layer(DeadlineLayer::new(Duration::from_secs(10)))
         .retry(RetryPolicy::default())
-        .timeout(Duration::from_secs(2))
+        .layer(DeadlineLayer::new(Duration::from_secs(2)))
         .map_request(move |r: TransferRequest| {
             counted.fetch_add(1, Ordering::Relaxed);
             r

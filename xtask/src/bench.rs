@@ -338,7 +338,7 @@ const COMPARISONS: &[Comparison] = &[
     },
     Comparison {
         id: "i",
-        name: "tower stack (pool+retry+timeout) / engine directly, 4KiB writes",
+        name: "tower stack (pool+retry+deadlines) / engine directly, 4KiB writes",
         ferry: "tower stack / engine, 4KiB writes",
         peer: None,
         peer_scale: 1.0,

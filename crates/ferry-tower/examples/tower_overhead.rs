@@ -1,9 +1,12 @@
 //! What the middleware costs: 4 KiB writes straight through `Engine::transfer` against the same writes
-//! through the pool, `tower::retry` and two `tower::timeout`s, in one run, on one link.
+//! through the recommended stack (the pool, `tower::retry`, and an overall and a per-attempt
+//! [`DeadlineLayer`]), in one run, on one link. The same stack with two `tower::timeout`s in place of
+//! the deadlines is measured beside it, for what a timer per layer costs.
 //!
-//! Rounds alternate (direct, tower) five times; each round runs 16 concurrent callers for 1 s; the
-//! medians are compared. Prints one JSON line:
-//! `{"case":"tower_overhead_4KiB","direct_ops_per_s":..,"tower_ops_per_s":..,"ratio":..}`.
+//! Rounds alternate (direct, deadlines, timeouts) five times; each round runs 16 concurrent callers
+//! for 1 s; the medians are compared. Prints one JSON line:
+//! `{"case":"tower_overhead_4KiB","direct_ops_per_s":..,"tower_ops_per_s":..,"ratio":..,
+//! "timeouts_ops_per_s":..,"timeouts_ratio":..}`.
 //!
 //! Run it with `cargo run --release -p ferry-tower --example tower_overhead`.
 
@@ -12,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use ferry::{Access, Engine, Op, Peer, Region, TransferDesc};
 use ferry_tower::tower::{Service, ServiceBuilder, ServiceExt};
-use ferry_tower::{Descriptor, RetryPolicy, TransferRequest, TransferService, into_ferry_error};
+use ferry_tower::{DeadlineLayer, Descriptor, RetryPolicy, TransferRequest, TransferService, into_ferry_error};
 
 const CALLERS: u64 = 16;
 const SIZE: u64 = 4096;
@@ -96,34 +99,45 @@ async fn main() -> ferry::Result<()> {
     let src = Arc::new(engine.alloc_host((CALLERS * SIZE) as usize, Access::READ_WRITE)?);
     // One link for both: the pool adopts the link the direct case made.
     let peer = engine.connect(&addr.to_string(), TIMEOUT).await?;
+    // Every layer of this stack answers with ferry::Error: nothing to map back.
     let service = ServiceBuilder::new()
+        .layer(DeadlineLayer::new(TIMEOUT))
+        .retry(RetryPolicy::default())
+        .layer(DeadlineLayer::new(TIMEOUT))
+        .service(TransferService::new(engine.clone()));
+    let timeouts = ServiceBuilder::new()
         .map_err(into_ferry_error)
         .timeout(TIMEOUT)
         .retry(RetryPolicy::default())
         .timeout(TIMEOUT)
         .service(TransferService::new(engine.clone()));
 
-    // Warm both paths up.
+    // Warm every path up.
     direct(&engine, &peer, &src, region.addr()).await;
     through_tower(&service, addr, &src).await;
+    through_tower(&timeouts, addr, &src).await;
 
-    let (mut a, mut b) = (Vec::new(), Vec::new());
+    let (mut a, mut b, mut c) = (Vec::new(), Vec::new(), Vec::new());
     for round in 0..ROUNDS {
         a.push(direct(&engine, &peer, &src, region.addr()).await);
         b.push(through_tower(&service, addr, &src).await);
+        c.push(through_tower(&timeouts, addr, &src).await);
         eprintln!(
-            "round {round}: direct {:.0} ops/s, tower {:.0} ops/s",
-            a[round], b[round]
+            "round {round}: direct {:.0} ops/s, deadlines {:.0} ops/s, timeouts {:.0} ops/s",
+            a[round], b[round], c[round]
         );
     }
-    let (direct_ops, tower_ops) = (median(a), median(b));
+    let (direct_ops, tower_ops, timeouts_ops) = (median(a), median(b), median(c));
+    let ratio = |ops: f64| (ops / direct_ops * 1000.0).round() / 1000.0;
     println!(
         "{}",
         serde_json::json!({
             "case": "tower_overhead_4KiB",
             "direct_ops_per_s": direct_ops.round(),
             "tower_ops_per_s": tower_ops.round(),
-            "ratio": (tower_ops / direct_ops * 1000.0).round() / 1000.0,
+            "ratio": ratio(tower_ops),
+            "timeouts_ops_per_s": timeouts_ops.round(),
+            "timeouts_ratio": ratio(timeouts_ops),
         })
     );
     Ok(())

@@ -354,19 +354,42 @@ impl Pool {
         }
     }
 
-    /// A live link to `addr`, connecting if needed, with a per-peer slot held.
-    pub(crate) async fn checkout(self: Arc<Self>, addr: SocketAddr) -> Result<Lease> {
+    /// A live link to `addr`, connecting if needed, with a per-peer slot held; waiting (for a slot, for
+    /// another request's connect, for its own) ends with `Timeout` at `deadline`.
+    pub(crate) async fn checkout(self: Arc<Self>, addr: SocketAddr, deadline: Option<Instant>) -> Result<Lease> {
         self.start_reaper();
         let (slot, evicted) = self.claim(addr)?;
         let slot = SlotUse(slot);
         for peer in evicted {
             self.close_in_background(peer);
         }
-        let permit = slot.0.permits.clone().acquire().await;
+        // The common case, a free slot on a live link, waits for nothing and so needs no timer.
+        let permit = match slot.0.permits.try_acquire() {
+            Some(permit) => match slot.0.live(&self)? {
+                Some(link) => return Ok(Lease::new(self, slot, permit, link, false)),
+                None => Some(permit),
+            },
+            None => None,
+        };
+        let waiting = self.wait_for_link(slot, permit);
+        match deadline {
+            None => waiting.await,
+            Some(at) => tokio::time::timeout_at(at, waiting)
+                .await
+                .unwrap_or_else(|_| Err(past_deadline(addr, "waiting for a link"))),
+        }
+    }
+
+    /// [`checkout`](Self::checkout) when it must wait: for a per-peer slot unless `permit` holds one,
+    /// then for a live link, dialling one if no other request is.
+    async fn wait_for_link(self: Arc<Self>, slot: SlotUse, permit: Option<Permit>) -> Result<Lease> {
+        let permit = match permit {
+            Some(permit) => permit,
+            None => slot.0.permits.clone().acquire().await,
+        };
         if let Some(link) = slot.0.live(&self)? {
             return Ok(Lease::new(self, slot, permit, link, false));
         }
-
         let dialled = {
             let _dialling = slot.0.connecting.lock().await;
             // Someone else may have connected while this request waited.
@@ -724,6 +747,11 @@ fn backed_off(last: Option<&Error>, addr: SocketAddr, left: Duration, failures: 
 
 fn nanos_since(epoch: Instant) -> u64 {
     u64::try_from(epoch.elapsed().as_nanos()).unwrap_or(u64::MAX)
+}
+
+/// The error for a request whose deadline (see [`crate::deadline`]) passed while it was `doing` something.
+pub(crate) fn past_deadline(addr: SocketAddr, doing: &str) -> Error {
+    Error::Timeout(format!("the request to {addr} reached its deadline {doing}"))
 }
 
 fn poisoned() -> Error {

@@ -16,6 +16,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ferry::{Access, Durability, Error, Op, Peer, RegionKey, RemoteRegions, Result, TransferDesc, TransportKind};
+use tokio::time::Instant;
 
 /// Where the remote side of a [`Descriptor`] lies in the peer's memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -96,6 +97,7 @@ pub struct TransferRequest {
     descs: Arc<[Descriptor]>,
     durability: Durability,
     timeout: Option<Duration>,
+    deadline: Option<Instant>,
 }
 
 impl TransferRequest {
@@ -107,6 +109,7 @@ impl TransferRequest {
             descs: descs.into(),
             durability: Durability::Completed,
             timeout: None,
+            deadline: None,
         }
     }
 
@@ -132,6 +135,19 @@ impl TransferRequest {
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = Some(timeout);
         self
+    }
+
+    /// The request must be done by `at`, or by its earlier deadline if it has one. Usually set by a
+    /// [`DeadlineLayer`](crate::DeadlineLayer); the [`TransferService`](crate::TransferService)
+    /// enforces it (see [`crate::deadline`]).
+    pub fn with_deadline(mut self, at: Instant) -> Self {
+        self.deadline = Some(self.deadline.map_or(at, |earlier| earlier.min(at)));
+        self
+    }
+
+    /// When the request must be done, if anything set a deadline.
+    pub fn deadline(&self) -> Option<Instant> {
+        self.deadline
     }
 
     /// The peer's listen address.

@@ -12,6 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ferry::{Error, Result};
+use tokio::time::Instant;
 use tower::BoxError;
 use tower::retry::Policy;
 use tower::retry::backoff::{Backoff, ExponentialBackoff, ExponentialBackoffMaker, MakeBackoff};
@@ -19,6 +20,7 @@ use tower::retry::budget::{Budget, TpsBudget};
 use tower::util::rng::HasherRng;
 
 use crate::error::{is_transient, is_transient_ferry};
+use crate::request::TransferRequest;
 
 /// Settings of a [`RetryPolicy`].
 #[derive(Debug, Clone)]
@@ -92,9 +94,10 @@ impl RetryConfig {
 /// Clones share the budget. `tower::retry::Retry` clones the policy for every request, which gives
 /// each request its own count of repeats and its own backoff sequence.
 ///
-/// It works for any cloneable request, with either error type a stack produces: [`ferry::Error`]
-/// (directly over [`TransferService`](crate::TransferService)) or [`tower::BoxError`] (over layers
-/// such as `tower::timeout`, whose `Elapsed` counts as transient).
+/// It works with either error type a stack produces: [`ferry::Error`] (directly over
+/// [`TransferService`](crate::TransferService)) or [`tower::BoxError`] (over layers such as
+/// `tower::timeout`, whose `Elapsed` counts as transient). A request whose
+/// [deadline](TransferRequest::deadline) would pass during the pause is not retried.
 #[derive(Debug, Clone)]
 pub struct RetryPolicy {
     max_retries: u32,
@@ -156,7 +159,7 @@ impl RetryPolicy {
         &self.budget
     }
 
-    fn decide(&mut self, failed: Option<bool>) -> Option<tokio::time::Sleep> {
+    fn decide(&mut self, failed: Option<bool>, deadline: Option<Instant>) -> Option<tokio::time::Sleep> {
         let transient = failed?;
         if !transient {
             tracing::debug!("not retrying: the error is not transient");
@@ -166,10 +169,6 @@ impl RetryPolicy {
             tracing::debug!(retries = self.retries, "not retrying: the request used all its retries");
             return None;
         }
-        if !self.budget.withdraw() {
-            tracing::debug!("not retrying: the retry budget is spent");
-            return None;
-        }
         if self.backoff.is_none() {
             // A fresh random source per request: a maker clones its generator into every backoff
             // it makes, which would give concurrent requests the same "random" pauses.
@@ -177,12 +176,21 @@ impl RetryPolicy {
             self.backoff = maker.ok().map(|mut m| m.make_backoff());
         }
         let pause = self.backoff.as_mut()?.next_backoff();
+        if deadline.is_some_and(|at| pause.deadline() >= at) {
+            tracing::debug!("not retrying: the request's deadline passes before the pause ends");
+            return None;
+        }
+        // Last, so that only a retry that happens draws on the budget.
+        if !self.budget.withdraw() {
+            tracing::debug!("not retrying: the retry budget is spent");
+            return None;
+        }
         self.retries += 1;
         tracing::debug!(retry = self.retries, "retrying after a transient failure");
         Some(pause)
     }
 
-    fn clone_and_deposit<Req: Clone>(&mut self, req: &Req) -> Option<Req> {
+    fn clone_and_deposit(&mut self, req: &TransferRequest) -> Option<TransferRequest> {
         // `Retry` calls this on its prototype policy for each new request (which has never retried)
         // and on the request's own clone after each retry: deposit once per original request.
         if self.retries == 0 {
@@ -192,26 +200,34 @@ impl RetryPolicy {
     }
 }
 
-impl<Req: Clone, Res> Policy<Req, Res, Error> for RetryPolicy {
+impl<Res> Policy<TransferRequest, Res, Error> for RetryPolicy {
     type Future = tokio::time::Sleep;
 
-    fn retry(&mut self, _req: &mut Req, result: &mut std::result::Result<Res, Error>) -> Option<Self::Future> {
-        self.decide(result.as_ref().err().map(is_transient_ferry))
+    fn retry(
+        &mut self,
+        req: &mut TransferRequest,
+        result: &mut std::result::Result<Res, Error>,
+    ) -> Option<Self::Future> {
+        self.decide(result.as_ref().err().map(is_transient_ferry), req.deadline())
     }
 
-    fn clone_request(&mut self, req: &Req) -> Option<Req> {
+    fn clone_request(&mut self, req: &TransferRequest) -> Option<TransferRequest> {
         self.clone_and_deposit(req)
     }
 }
 
-impl<Req: Clone, Res> Policy<Req, Res, BoxError> for RetryPolicy {
+impl<Res> Policy<TransferRequest, Res, BoxError> for RetryPolicy {
     type Future = tokio::time::Sleep;
 
-    fn retry(&mut self, _req: &mut Req, result: &mut std::result::Result<Res, BoxError>) -> Option<Self::Future> {
-        self.decide(result.as_ref().err().map(|e| is_transient(&**e)))
+    fn retry(
+        &mut self,
+        req: &mut TransferRequest,
+        result: &mut std::result::Result<Res, BoxError>,
+    ) -> Option<Self::Future> {
+        self.decide(result.as_ref().err().map(|e| is_transient(&**e)), req.deadline())
     }
 
-    fn clone_request(&mut self, req: &Req) -> Option<Req> {
+    fn clone_request(&mut self, req: &TransferRequest) -> Option<TransferRequest> {
         self.clone_and_deposit(req)
     }
 }

@@ -14,7 +14,7 @@ use ferry::{Engine, Error, Result};
 use tokio::time::Instant;
 
 use crate::limit::Permit;
-use crate::pool::{Pool, PoolConfig, PoolStats};
+use crate::pool::{Pool, PoolConfig, PoolStats, past_deadline};
 use crate::request::{TransferRequest, TransferResponse};
 
 /// The future a [`TransferService`] returns.
@@ -28,6 +28,9 @@ pub type TransferFuture = Pin<Box<dyn Future<Output = Result<TransferResponse>> 
 /// - `call` takes a pooled link to the request's peer (connecting on first use, or after the old link
 ///   died), resolves relative descriptors against the regions the peer advertises on that link, and
 ///   runs the transfer with the engine. Failures come back as [`ferry::Error`], unchanged.
+/// - A request's [deadline](TransferRequest::deadline) is enforced here: past it, `call` answers
+///   `Timeout` at once; waiting for a link ends at it; the engine gets the time left as the transfer's
+///   timeout (see [`crate::deadline`]).
 ///
 /// Clones share the pool (and so the links); each clone reserves its own slot in `poll_ready`, as
 /// tower requires of cloned services.
@@ -135,7 +138,11 @@ impl tower::Service<TransferRequest> for TransferService {
 
 async fn execute(pool: Arc<Pool>, request: TransferRequest) -> Result<TransferResponse> {
     let started = Instant::now();
-    let mut lease = pool.checkout(request.peer()).await?;
+    let deadline = request.deadline();
+    if deadline.is_some_and(|at| at <= started) {
+        return Err(past_deadline(request.peer(), "before an attempt started"));
+    }
+    let mut lease = pool.checkout(request.peer(), deadline).await?;
     let pool = &lease.pool;
     let descs = match request.resolve(&lease.peer, lease.primary) {
         Ok(descs) => descs,
@@ -144,7 +151,16 @@ async fn execute(pool: Arc<Pool>, request: TransferRequest) -> Result<TransferRe
             return Err(e);
         }
     };
-    let timeout = request.timeout().unwrap_or(pool.config.transfer_timeout);
+    let mut timeout = request.timeout().unwrap_or(pool.config.transfer_timeout);
+    if let Some(at) = deadline {
+        // The engine's own timer ends the transfer at the deadline: no second one here.
+        let left = at.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            lease.settle_neutral();
+            return Err(past_deadline(request.peer(), "before the transfer started"));
+        }
+        timeout = timeout.min(left);
+    }
     let result = pool
         .engine
         .transfer_durable(

@@ -1,0 +1,181 @@
+//! Deadlines carried by the request (`DeadlineLayer`) and what enforces them with no timer of their
+//! own: the service before an attempt, the pool while waiting for a link, the engine's transfer
+//! timeout during the transfer, and the retry policy between attempts. Each test would hang past its
+//! bound (and fail) if the deadline were ignored: the pool's and the engine's own limits are set far
+//! beyond it.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use ferry::{Access, Engine, Error};
+use ferry_tower::tower::{ServiceBuilder, ServiceExt};
+use ferry_tower::{DeadlineLayer, Descriptor, PoolConfig, RetryConfig, RetryPolicy, TransferRequest, TransferService};
+
+/// Bound on each test's requests: well under the pool's and engine's limits below, well over the
+/// deadlines.
+const HANG: Duration = Duration::from_secs(20);
+
+/// Limits the deadline must beat.
+fn patient_pool() -> PoolConfig {
+    PoolConfig {
+        connect_timeout: Duration::from_secs(120),
+        transfer_timeout: Duration::from_secs(120),
+        ..PoolConfig::default()
+    }
+}
+
+async fn silent_listener() -> (SocketAddr, tokio::task::JoinHandle<()>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let task = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((socket, _)) = listener.accept().await {
+            held.push(socket);
+        }
+    });
+    (addr, task)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_passed_deadline_fails_before_anything_is_sent() {
+    let target = Engine::builder().listen("127.0.0.1:0").build().await.unwrap();
+    let dst = target.alloc_host(4096, Access::READ_WRITE).unwrap();
+    let addr = target.local_addr().unwrap();
+    let engine = Engine::builder().build().await.unwrap();
+    let src = engine.alloc_host(4096, Access::READ_WRITE).unwrap();
+    src.write_at(0, &[0xab; 4096]).unwrap();
+    let service = TransferService::with_config(engine.clone(), patient_pool()).unwrap();
+
+    let req = TransferRequest::write(addr, [Descriptor::at_offset(src.addr(), 0, 4096)])
+        .with_deadline(tokio::time::Instant::now());
+    let err = tokio::time::timeout(HANG, service.clone().oneshot(req))
+        .await
+        .expect("hung")
+        .unwrap_err();
+    assert!(matches!(err, Error::Timeout(_)), "{err:?}");
+    assert_eq!(service.stats().connects, 0, "no link for a request already late");
+    let mut got = [0u8; 4096];
+    dst.read_at(0, &mut got).unwrap();
+    assert_eq!(got, [0u8; 4096], "nothing written");
+
+    // The earlier of two deadlines holds: a later one does not revive the request.
+    let later = tokio::time::Instant::now() + Duration::from_secs(60);
+    let req = TransferRequest::write(addr, [Descriptor::at_offset(src.addr(), 0, 4096)])
+        .with_deadline(tokio::time::Instant::now())
+        .with_deadline(later);
+    assert!(req.deadline().is_some_and(|at| at < later));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deadline_ends_a_dial_to_a_silent_peer() {
+    let (addr, listener) = silent_listener().await;
+    let engine = Engine::builder().build().await.unwrap();
+    let src = engine.alloc_host(4096, Access::READ_WRITE).unwrap();
+    let transfers = TransferService::with_config(engine.clone(), patient_pool()).unwrap();
+    let service = ServiceBuilder::new()
+        .layer(DeadlineLayer::new(Duration::from_millis(300)))
+        .service(transfers.clone());
+
+    let req = TransferRequest::write(addr, [Descriptor::at_offset(src.addr(), 0, 4096)]);
+    let err = tokio::time::timeout(HANG, service.oneshot(req))
+        .await
+        .expect("the deadline did not end the dial")
+        .unwrap_err();
+    assert!(matches!(err, Error::Timeout(_)), "{err:?}");
+    // The abandoned dial counts as a failed one, so the next request backs off rather than redial.
+    assert_eq!(transfers.stats().connect_failures, 1, "{:?}", transfers.stats());
+    listener.abort();
+}
+
+/// A target whose runtime is frozen after the link is up: the transfer itself must end at the
+/// deadline, through the engine's timeout, not the pool's 120 s default.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deadline_ends_a_transfer_to_a_frozen_target() {
+    let (addr_tx, addr_rx) = std::sync::mpsc::channel();
+    let (freeze_tx, freeze_rx) = std::sync::mpsc::channel::<()>();
+    let (thaw_tx, thaw_rx) = std::sync::mpsc::channel::<()>();
+    let target_thread = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            let target = Engine::builder().listen("127.0.0.1:0").build().await.unwrap();
+            let _dst = target.alloc_host(4096, Access::READ_WRITE).unwrap();
+            addr_tx.send(target.local_addr().unwrap()).unwrap();
+            // Serve until told to freeze, then block the only thread the target runs on.
+            let freeze = tokio::task::spawn_blocking(move || freeze_rx.recv());
+            let _ = freeze.await;
+            let _ = thaw_rx.recv_timeout(HANG * 2);
+        });
+    });
+    let addr = addr_rx.recv_timeout(HANG).unwrap();
+
+    let engine = Engine::builder().build().await.unwrap();
+    let src = engine.alloc_host(4096, Access::READ_WRITE).unwrap();
+    let transfers = TransferService::with_config(engine.clone(), patient_pool()).unwrap();
+    let service = ServiceBuilder::new()
+        .layer(DeadlineLayer::new(Duration::from_millis(500)))
+        .service(transfers);
+    let req = TransferRequest::write(addr, [Descriptor::at_offset(src.addr(), 0, 4096)]);
+    tokio::time::timeout(HANG, service.clone().oneshot(req.clone()))
+        .await
+        .expect("hung before the freeze")
+        .expect("the target serves before it freezes");
+
+    freeze_tx.send(()).unwrap();
+    let err = tokio::time::timeout(HANG, service.oneshot(req))
+        .await
+        .expect("the deadline did not end the transfer")
+        .unwrap_err();
+    assert!(matches!(err, Error::Timeout(_)), "{err:?}");
+    thaw_tx.send(()).unwrap();
+    target_thread.join().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_retry_waits_past_the_deadline() {
+    // A port nobody listens on: every attempt fails at once with a transient error.
+    let closed = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    };
+    let engine = Engine::builder().build().await.unwrap();
+    let src = engine.alloc_host(4096, Access::READ_WRITE).unwrap();
+    let policy = RetryPolicy::new(RetryConfig {
+        max_retries: 5,
+        backoff_min: Duration::from_secs(60),
+        backoff_max: Duration::from_secs(60),
+        ..RetryConfig::default()
+    })
+    .unwrap();
+    let attempts = Arc::new(AtomicUsize::new(0));
+    let counter = attempts.clone();
+    let service = ServiceBuilder::new()
+        .layer(DeadlineLayer::new(Duration::from_secs(1)))
+        .retry(policy)
+        .map_request(move |r: TransferRequest| {
+            counter.fetch_add(1, Ordering::SeqCst);
+            r
+        })
+        .service(TransferService::with_config(engine.clone(), patient_pool()).unwrap());
+
+    let req = TransferRequest::write(closed, [Descriptor::at_offset(src.addr(), 0, 4096)]);
+    let err = tokio::time::timeout(HANG, service.oneshot(req))
+        .await
+        .expect("a retry slept past the deadline")
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Io {
+                kind: std::io::ErrorKind::ConnectionRefused,
+                ..
+            }
+        ),
+        "the first attempt's error comes back: {err:?}"
+    );
+    assert_eq!(attempts.load(Ordering::SeqCst), 1);
+}
