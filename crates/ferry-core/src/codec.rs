@@ -23,8 +23,8 @@ use crate::types::{Access, Durability, RegionAd, RegionKey, TransportKind};
 pub const MAGIC: u16 = 0xF5E7;
 /// The protocol version this build speaks (2: durability on writes and the `Commit` frame; 3: a
 /// status byte ends every read's data, and errors carry their I/O kind; 4: `RegionTable`, the whole
-/// table resent when a link's queue of region updates overflowed).
-pub const VERSION: u8 = 4;
+/// table resent when a link's queue of region updates overflowed; 5: the join proof in `Hello`).
+pub const VERSION: u8 = 5;
 /// Size of the fixed header.
 pub const HEADER_LEN: usize = 16;
 
@@ -102,6 +102,10 @@ pub struct Hello {
     pub transports: Vec<TransportKind>,
     /// Identifies the initiator's host (same value means same host: shared memory is possible).
     pub host_id: u64,
+    /// On a further stream of an authenticated link, the proof that its sender holds the link's
+    /// session secret (a MAC over the token and index with a key derived from the control stream's
+    /// TLS session); zeros otherwise.
+    pub join_proof: [u8; 32],
 }
 
 /// The target's answer to [`Hello`].
@@ -350,6 +354,7 @@ pub fn encode(frame: &Frame, payload_len: u64, out: &mut BytesMut) -> Result<()>
             out.put_u16_le(h.stream_count);
             out.put_u64_le(h.host_id);
             put_transports(out, &h.transports)?;
+            out.put_slice(&h.join_proof);
         }
         Frame::HelloAck(a) => {
             out.put_u64_le(a.engine_id);
@@ -508,6 +513,7 @@ pub fn decode(buf: &[u8], limits: &Limits) -> Result<Option<(Decoded, usize)>> {
             stream_count: r.u16()?,
             host_id: r.u64()?,
             transports: r.transports()?,
+            join_proof: r.array()?,
         }),
         kind::HELLO_ACK => {
             let engine_id = r.u64()?;
@@ -727,6 +733,12 @@ impl<'a> Reader<'a> {
         self.buf = rest;
         Ok(head)
     }
+    fn array<const N: usize>(&mut self) -> Result<[u8; N]> {
+        let mut a = [0u8; N];
+        a.copy_from_slice(self.take(N)?);
+        Ok(a)
+    }
+
     fn u8(&mut self) -> Result<u8> {
         Ok(self.take(1)?[0])
     }
@@ -919,17 +931,19 @@ mod tests {
                 any::<u16>(),
                 any::<u16>(),
                 arb_transports(),
-                any::<u64>()
+                any::<u64>(),
+                any::<[u8; 32]>()
             )
                 .prop_map(
-                    |(engine_id, link_token, stream_index, stream_count, transports, host_id)| (
+                    |(engine_id, link_token, stream_index, stream_count, transports, host_id, join_proof)| (
                         Frame::Hello(Hello {
                             engine_id,
                             link_token,
                             stream_index,
                             stream_count,
                             transports,
-                            host_id
+                            host_id,
+                            join_proof
                         }),
                         0
                     )

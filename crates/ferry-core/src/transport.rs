@@ -18,7 +18,7 @@ use futures::future::BoxFuture;
 
 use crate::error::{Error, Result};
 use crate::region::{RegionEntry, RegionTable, Resolved};
-use crate::types::{Access, Durability, Notification, Op, PersistMethod, RegionKey, TransportKind};
+use crate::types::{Access, Durability, Notification, Op, PeerIdentity, PersistMethod, RegionKey, TransportKind};
 
 /// Whether a transport can be used on this host, and why not.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -103,6 +103,8 @@ pub struct AcceptSetup<'a> {
     pub peer_engine: u64,
     /// The initiator's address.
     pub peer_addr: &'a str,
+    /// Who the initiator proved to be, on an authenticated link.
+    pub peer_identity: Option<&'a PeerIdentity>,
     /// The engine's region table, for requests that arrive over the new data path (an RDMA commit
     /// request, which must travel behind the data it commits). Weak: the transport is part of it.
     pub context: std::sync::Weak<EngineContext>,
@@ -192,8 +194,15 @@ pub enum RegionChange {
 /// Where transports deliver notifications that arrive for this engine.
 pub trait Notifier: Send + Sync + 'static {
     /// Queues a notification from the link `link`; `ResourceExhausted` when that link already has the
-    /// maximum pending.
-    fn deliver(&self, link: u64, from_engine: u64, from_addr: &str, notification: Notification) -> Result<()>;
+    /// maximum pending. `from_identity` is who the link's peer proved to be, on an authenticated link.
+    fn deliver(
+        &self,
+        link: u64,
+        from_engine: u64,
+        from_addr: &str,
+        from_identity: Option<&PeerIdentity>,
+        notification: Notification,
+    ) -> Result<()>;
     /// The link is gone: its pending notifications stay, but no longer count against a live link.
     fn link_closed(&self, link: u64);
 }

@@ -302,12 +302,34 @@ impl Notification {
 /// A notification as received, with the engine it came from.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ReceivedNotification {
-    /// The sending engine's id.
+    /// The sending engine's id, as the sender's hello claimed it (any peer can claim any id: on an
+    /// engine that authenticates its links, [`from_identity`](Self::from_identity) is what to trust).
     pub from_engine: u64,
     /// The sender's address as this engine saw it.
     pub from_addr: String,
+    /// Who the sender proved to be on an authenticated link; `None` on an open engine.
+    pub from_identity: Option<PeerIdentity>,
     /// What was sent.
     pub notification: Notification,
+}
+
+/// Who a peer proved to be: the names in the certificate it presented when its link was authenticated
+/// (mutual TLS).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PeerIdentity {
+    /// The name to show and to grant access by: the certificate's first subject alternative name, else
+    /// its subject's common name, else the whole subject.
+    pub name: String,
+    /// The certificate's subject, as a distinguished name (`CN=decode-7, O=cluster`).
+    pub subject: String,
+    /// Every subject alternative name: DNS names, URIs, IP addresses, e-mail addresses, as text.
+    pub alt_names: Vec<String>,
+}
+
+impl std::fmt::Display for PeerIdentity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.name)
+    }
 }
 
 /// HIXL: a notification's name and message each hold at most this many characters.

@@ -6,12 +6,18 @@
 //! [`LinkRegistry::open`]) and the link token is new. Every further stream joins by presenting the
 //! token, the same engine id and an index below the declared count that no stream of the link used
 //! before; so a link has at most the streams it declared, whatever its peer sends.
+//!
+//! A registry made with [`LinkRegistry::authenticating`] opens links only from control streams that
+//! completed mutual TLS, and admits a further stream only with the join proof of that link's session
+//! (see [`crate::auth`]). What it answers a stream that has not authenticated names nothing about the
+//! engine ([`refuse_anonymously`]).
 
 use std::collections::HashMap;
 
 use ferry_core::codec::{Hello, HelloAck};
 use ferry_core::{Error, RegionAd, Result, TransportKind, WireError};
 
+use crate::auth::JoinKey;
 use crate::ids::{LinkToken, StreamIndex};
 use crate::limits::LinkLimits;
 
@@ -27,8 +33,13 @@ pub struct Identity {
 }
 
 impl Identity {
-    /// The hello for stream `index` of a link of `count` streams named `token`.
-    pub fn hello(&self, token: LinkToken, index: StreamIndex, count: u16) -> Hello {
+    /// The hello for stream `index` of a link of `count` streams named `token`; a further stream of
+    /// an authenticated link carries the join proof made with the link's `key`.
+    pub fn hello(&self, token: LinkToken, index: StreamIndex, count: u16, key: Option<&JoinKey>) -> Hello {
+        let join_proof = match key {
+            Some(key) if !index.is_control() => key.proof(token, index),
+            _ => [0; 32],
+        };
         Hello {
             engine_id: self.engine_id,
             link_token: token.0,
@@ -36,6 +47,7 @@ impl Identity {
             stream_count: count,
             transports: self.transports.clone(),
             host_id: self.host_id,
+            join_proof,
         }
     }
 
@@ -56,6 +68,18 @@ impl Identity {
             refusal: Some(WireError::from(error)),
             ..self.accept(Vec::new())
         }
+    }
+}
+
+/// A refusal that says nothing about the engine (no id, host or transports): the answer to a stream
+/// that has not authenticated, on an engine that requires it.
+pub fn refuse_anonymously(error: &Error) -> HelloAck {
+    HelloAck {
+        engine_id: 0,
+        refusal: Some(WireError::from(error)),
+        transports: Vec::new(),
+        host_id: 0,
+        regions: Vec::new(),
     }
 }
 
@@ -86,29 +110,52 @@ struct Entry<L> {
     peer_engine: u64,
     stream_count: u16,
     joined: Vec<bool>,
+    /// The key join proofs are checked with, on an authenticated link.
+    join_key: Option<JoinKey>,
     link: L,
 }
 
 /// The target's table of open links, by token, and of the streams each has.
 pub struct LinkRegistry<L> {
     limits: LinkLimits,
+    authenticating: bool,
     links: HashMap<LinkToken, Entry<L>>,
 }
 
 impl<L: Clone> LinkRegistry<L> {
-    /// An empty table.
+    /// An empty table of an engine open to anyone who reaches it.
     pub fn new(limits: LinkLimits) -> Self {
         LinkRegistry {
             limits,
+            authenticating: false,
             links: HashMap::new(),
         }
     }
 
-    /// Decides on `hello`: open a link, join one, or refuse (the error to send back).
-    pub fn admit(&mut self, hello: &Hello) -> Result<Admission<L>> {
+    /// An empty table of an engine that admits authenticated links only.
+    pub fn authenticating(limits: LinkLimits) -> Self {
+        LinkRegistry {
+            authenticating: true,
+            ..LinkRegistry::new(limits)
+        }
+    }
+
+    /// Whether only authenticated links are admitted.
+    pub fn is_authenticating(&self) -> bool {
+        self.authenticating
+    }
+
+    /// Decides on `hello`: open a link, join one, or refuse (the error to send back). `session` is the
+    /// join key of the stream's own TLS session, when it has one.
+    pub fn admit(&mut self, hello: &Hello, session: Option<&JoinKey>) -> Result<Admission<L>> {
         let token = LinkToken(hello.link_token);
         let index = StreamIndex(hello.stream_index);
         if index.is_control() {
+            if self.authenticating && session.is_none() {
+                return Err(Error::PermissionDenied(
+                    "this engine admits only links whose control stream authenticates with mutual TLS".into(),
+                ));
+            }
             let max = self.limits.max_streams;
             if hello.stream_count == 0 || hello.stream_count > max {
                 return Err(Error::InvalidArgument(format!(
@@ -124,6 +171,15 @@ impl<L: Clone> LinkRegistry<L> {
         let Some(entry) = self.links.get_mut(&token).filter(|e| e.peer_engine == hello.engine_id) else {
             return Err(Error::Protocol("unknown link token".into()));
         };
+        let proven = match &entry.join_key {
+            Some(key) => key.verify(token, index, &hello.join_proof),
+            None => !self.authenticating,
+        };
+        if !proven {
+            return Err(Error::PermissionDenied(format!(
+                "{index} did not prove it belongs to the authenticated link it names"
+            )));
+        }
         if hello.stream_index >= entry.stream_count {
             return Err(Error::InvalidArgument(format!(
                 "{index} asked to join a link of {} streams",
@@ -138,8 +194,9 @@ impl<L: Clone> LinkRegistry<L> {
         Ok(Admission::Join(entry.link.clone()))
     }
 
-    /// Records the link that `hello` (admitted with [`Admission::Open`]) opened.
-    pub fn open(&mut self, hello: &Hello, link: L) -> Result<()> {
+    /// Records the link that `hello` (admitted with [`Admission::Open`]) opened; `join_key` is its
+    /// session's, on an authenticated link.
+    pub fn open(&mut self, hello: &Hello, link: L, join_key: Option<JoinKey>) -> Result<()> {
         let token = LinkToken(hello.link_token);
         if self.links.contains_key(&token) {
             return Err(Error::Protocol("link token reused".into()));
@@ -154,6 +211,7 @@ impl<L: Clone> LinkRegistry<L> {
                 peer_engine: hello.engine_id,
                 stream_count: hello.stream_count,
                 joined,
+                join_key,
                 link,
             },
         );
@@ -203,25 +261,76 @@ mod tests {
             host_id: 1,
             transports: vec![TransportKind::Tcp],
         }
-        .hello(LinkToken(token), StreamIndex(index), count)
+        .hello(LinkToken(token), StreamIndex(index), count, None)
     }
 
     #[test]
     fn a_link_has_at_most_the_streams_it_declared() {
         let mut reg = LinkRegistry::new(LinkLimits::default());
         let h0 = hello(7, 1, 0, 3);
-        assert!(matches!(reg.admit(&h0), Ok(Admission::Open)));
-        reg.open(&h0, "link").unwrap();
-        assert!(matches!(reg.admit(&hello(7, 1, 1, 3)), Ok(Admission::Join("link"))));
-        assert!(matches!(reg.admit(&hello(7, 1, 2, 3)), Ok(Admission::Join("link"))));
+        assert!(matches!(reg.admit(&h0, None), Ok(Admission::Open)));
+        reg.open(&h0, "link", None).unwrap();
+        assert!(matches!(
+            reg.admit(&hello(7, 1, 1, 3), None),
+            Ok(Admission::Join("link"))
+        ));
+        assert!(matches!(
+            reg.admit(&hello(7, 1, 2, 3), None),
+            Ok(Admission::Join("link"))
+        ));
         // The same index twice, an index past the count, the control index again, another engine.
-        assert!(matches!(reg.admit(&hello(7, 1, 1, 3)), Err(Error::Protocol(_))));
-        assert!(matches!(reg.admit(&hello(7, 1, 3, 3)), Err(Error::InvalidArgument(_))));
-        assert!(matches!(reg.admit(&hello(7, 1, 0, 3)), Err(Error::Protocol(_))));
-        assert!(matches!(reg.admit(&hello(7, 2, 2, 3)), Err(Error::Protocol(_))));
+        assert!(matches!(reg.admit(&hello(7, 1, 1, 3), None), Err(Error::Protocol(_))));
+        assert!(matches!(
+            reg.admit(&hello(7, 1, 3, 3), None),
+            Err(Error::InvalidArgument(_))
+        ));
+        assert!(matches!(reg.admit(&hello(7, 1, 0, 3), None), Err(Error::Protocol(_))));
+        assert!(matches!(reg.admit(&hello(7, 2, 2, 3), None), Err(Error::Protocol(_))));
         assert_eq!(reg.streams(LinkToken(7)), 3);
         assert_eq!(reg.close(LinkToken(7)), Some("link"));
-        assert!(matches!(reg.admit(&hello(7, 1, 2, 3)), Err(Error::Protocol(_))));
+        assert!(matches!(reg.admit(&hello(7, 1, 2, 3), None), Err(Error::Protocol(_))));
+    }
+
+    #[test]
+    fn an_authenticating_registry_needs_a_session_and_join_proofs() {
+        let me = Identity {
+            engine_id: 1,
+            host_id: 1,
+            transports: vec![TransportKind::Tcp],
+        };
+        let key = JoinKey::from_exported(&[5; 32]);
+        let stolen = JoinKey::from_exported(&[6; 32]);
+        let mut reg = LinkRegistry::authenticating(LinkLimits::default());
+        let h0 = me.hello(LinkToken(9), StreamIndex(0), 3, Some(&key));
+        // A control stream without a TLS session opens nothing.
+        assert!(matches!(reg.admit(&h0, None), Err(Error::PermissionDenied(_))));
+        assert!(matches!(reg.admit(&h0, Some(&key)), Ok(Admission::Open)));
+        reg.open(&h0, "link", Some(key.clone())).unwrap();
+        // A join with the token but no proof, or another session's proof, is refused and uses no index.
+        let bare = me.hello(LinkToken(9), StreamIndex(1), 3, None);
+        assert!(matches!(reg.admit(&bare, None), Err(Error::PermissionDenied(_))));
+        let forged = me.hello(LinkToken(9), StreamIndex(1), 3, Some(&stolen));
+        assert!(matches!(reg.admit(&forged, None), Err(Error::PermissionDenied(_))));
+        // A proof for one index does not open another.
+        let mut moved = me.hello(LinkToken(9), StreamIndex(2), 3, None);
+        moved.join_proof = key.proof(LinkToken(9), StreamIndex(1));
+        assert!(matches!(reg.admit(&moved, None), Err(Error::PermissionDenied(_))));
+        let good = me.hello(LinkToken(9), StreamIndex(1), 3, Some(&key));
+        assert!(matches!(reg.admit(&good, None), Ok(Admission::Join("link"))));
+        // Replayed after it joined: refused.
+        assert!(matches!(reg.admit(&good, None), Err(Error::Protocol(_))));
+        assert_eq!(reg.streams(LinkToken(9)), 2);
+    }
+
+    #[test]
+    fn an_anonymous_refusal_names_nothing() {
+        let ack = refuse_anonymously(&Error::PermissionDenied("authenticate first".into()));
+        assert_eq!((ack.engine_id, ack.host_id), (0, 0));
+        assert!(ack.transports.is_empty() && ack.regions.is_empty());
+        assert!(matches!(
+            check_ack(ack, StreamIndex(0), "p"),
+            Err(Error::PermissionDenied(_))
+        ));
     }
 
     #[test]
@@ -231,9 +340,15 @@ mod tests {
             ..LinkLimits::default()
         };
         let mut reg: LinkRegistry<()> = LinkRegistry::new(limits);
-        assert!(matches!(reg.admit(&hello(1, 1, 0, 0)), Err(Error::InvalidArgument(_))));
-        assert!(matches!(reg.admit(&hello(1, 1, 0, 5)), Err(Error::InvalidArgument(_))));
-        assert!(matches!(reg.admit(&hello(1, 1, 0, 4)), Ok(Admission::Open)));
+        assert!(matches!(
+            reg.admit(&hello(1, 1, 0, 0), None),
+            Err(Error::InvalidArgument(_))
+        ));
+        assert!(matches!(
+            reg.admit(&hello(1, 1, 0, 5), None),
+            Err(Error::InvalidArgument(_))
+        ));
+        assert!(matches!(reg.admit(&hello(1, 1, 0, 4), None), Ok(Admission::Open)));
     }
 
     #[test]

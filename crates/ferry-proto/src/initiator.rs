@@ -120,6 +120,8 @@ pub struct Initiator<P> {
     closed: Option<Error>,
     regions: RemoteRegions,
     keepalive: Keepalive,
+    /// Whether operations that name no stream stay off the control stream.
+    control_reserved: bool,
 }
 
 impl<P> Initiator<P> {
@@ -138,7 +140,15 @@ impl<P> Initiator<P> {
             closed: None,
             regions: RemoteRegions::new(regions),
             keepalive,
+            control_reserved: false,
         }
+    }
+
+    /// Keeps data off the control stream when the link has other streams: an operation that names no
+    /// stream takes one of those. For links whose control stream is encrypted and the others are not,
+    /// so that bulk data does not pay for encryption.
+    pub fn reserve_control(&mut self) {
+        self.control_reserved = self.streams.len() > 1;
     }
 
     /// The peer, for messages.
@@ -168,11 +178,12 @@ impl<P> Initiator<P> {
             .unwrap_or_else(|| Error::PeerClosed(format!("the link to {} is closed", self.peer)))
     }
 
-    /// The stream with the fewest bytes outstanding.
+    /// The stream with the fewest bytes outstanding (not the control stream, when it is reserved).
     pub fn least_loaded(&self) -> StreamIndex {
-        let i = (0..self.streams.len())
+        let first = usize::from(self.control_reserved);
+        let i = (first..self.streams.len())
             .min_by_key(|&i| self.streams[i].bytes)
-            .unwrap_or(0);
+            .unwrap_or(first);
         StreamIndex(i as u16)
     }
 
@@ -460,5 +471,21 @@ mod tests {
         let (c, _) = l.start(None, OpKind::Ack, 50, "c").unwrap();
         assert_eq!((a, b, c), (StreamIndex(0), StreamIndex(1), StreamIndex(2)));
         assert_eq!(l.least_loaded(), StreamIndex(1));
+    }
+
+    #[test]
+    fn a_reserved_control_stream_carries_only_what_names_it() {
+        let mut l = link(3, 8);
+        l.reserve_control();
+        let picked: Vec<_> = (0..6)
+            .map(|_| l.start(None, OpKind::Ack, 10, "op").unwrap().0)
+            .collect();
+        assert!(picked.iter().all(|s| !s.is_control()), "{picked:?}");
+        let (s, _) = l.start(Some(StreamIndex::CONTROL), OpKind::Ack, 0, "notify").unwrap();
+        assert!(s.is_control());
+        // A link of one stream has nothing else to use.
+        let mut one = link(1, 8);
+        one.reserve_control();
+        assert_eq!(one.start(None, OpKind::Ack, 1, "op").unwrap().0, StreamIndex::CONTROL);
     }
 }

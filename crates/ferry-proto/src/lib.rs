@@ -11,6 +11,7 @@
 //! | module | side | decides |
 //! |---|---|---|
 //! | [`handshake`] | both | what a hello says; which hellos open a link or join one, and how many streams a link may have |
+//! | [`auth`] | both | how a further stream proves it belongs to an authenticated link |
 //! | [`initiator`] | initiator | operation ids, which stream an operation takes, matching answers to operations, the limit on outstanding operations, the peer's region table |
 //! | [`target`] | target | which frames a target accepts on which stream, and the answers it owes |
 //! | [`adverts`] | target | the bounded queue of region updates per link, and the full table resent when it overflowed |
@@ -20,6 +21,7 @@
 //! random interleavings of the streams and broken streams, and check the outcome against a model.
 
 pub mod adverts;
+pub mod auth;
 pub mod handshake;
 pub mod ids;
 pub mod initiator;
@@ -28,6 +30,7 @@ pub mod limits;
 pub mod target;
 
 pub use adverts::AdvertQueue;
+pub use auth::JoinKey;
 pub use handshake::{Admission, Identity, LinkRegistry};
 pub use ids::{LinkToken, OpId, StreamIndex};
 pub use initiator::{Event, Initiator};

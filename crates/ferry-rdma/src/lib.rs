@@ -389,6 +389,7 @@ impl Transport for RdmaTransport {
             setup.link,
             setup.peer_engine,
             setup.peer_addr.to_string(),
+            setup.peer_identity.cloned(),
             shared.options.busy_poll,
         );
         Ok((local, Box::new(accepted)))

@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex, Weak};
 
 use ferry_core::codec::Segment;
 use ferry_core::region::for_each_region;
-use ferry_core::{Durability, EngineContext, Error, Notifier, Op, WireError};
+use ferry_core::{Durability, EngineContext, Error, Notifier, Op, PeerIdentity, WireError};
 use sideway::ibverbs::completion::WorkCompletionStatus;
 use tokio::task::AbortHandle;
 
@@ -41,6 +41,7 @@ pub(crate) struct Responder {
     link: u64,
     peer_engine: u64,
     peer_addr: String,
+    peer_identity: Option<PeerIdentity>,
     busy_poll: bool,
     /// This responder, for the commits and prepares that run on a blocking thread.
     me: Weak<Responder>,
@@ -105,6 +106,7 @@ pub(crate) fn start(
     link: u64,
     peer_engine: u64,
     peer_addr: String,
+    peer_identity: Option<PeerIdentity>,
     busy_poll: bool,
 ) -> Accepted {
     let responder = Arc::new_cyclic(|me| Responder {
@@ -117,6 +119,7 @@ pub(crate) fn start(
         link,
         peer_engine,
         peer_addr,
+        peer_identity,
         busy_poll,
         me: me.clone(),
     });
@@ -287,8 +290,13 @@ impl Completions for Responder {
                     }
                     Ok(Message::Notify { id, notification }) => {
                         let result = notification.validate().and_then(|()| {
-                            self.notifier
-                                .deliver(self.link, self.peer_engine, &self.peer_addr, notification)
+                            self.notifier.deliver(
+                                self.link,
+                                self.peer_engine,
+                                &self.peer_addr,
+                                self.peer_identity.as_ref(),
+                                notification,
+                            )
                         });
                         Message::Reply {
                             id,

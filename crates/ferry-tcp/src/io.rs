@@ -8,15 +8,92 @@
 //!
 //! Small payloads are the exception: many small segments are read into the buffer in one call and
 //! copied out, which beats one system call per segment.
+//!
+//! A stream under TLS (a control stream, or every stream with data encryption on) cannot hand region
+//! memory to the kernel: its payloads go through the buffer, copied in and out under the same
+//! permits.
 
 use std::os::fd::AsRawFd;
+use std::pin::Pin;
+use std::task::{Context, Poll};
 
 use bytes::{Buf, BytesMut};
 use ferry_core::codec::{self, Decoded, Frame, Limits};
 use ferry_core::{AccessGuard, Error, Permit, RegionEntry, Resolved, Result};
-use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, Interest, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio_rustls::TlsStream;
+
+/// A connected stream: plain TCP, or TLS over TCP.
+pub(crate) enum Conn {
+    Plain(TcpStream),
+    Tls(Box<TlsStream<TcpStream>>),
+}
+
+impl Conn {
+    /// The read and write halves, for a [`FrameReader`] and a [`FrameWriter`].
+    pub(crate) fn split(self) -> (ReadHalf, WriteHalf) {
+        match self {
+            Conn::Plain(tcp) => {
+                let (r, w) = tcp.into_split();
+                (ReadHalf::Plain(r), WriteHalf::Plain(w))
+            }
+            Conn::Tls(tls) => {
+                let (r, w) = tokio::io::split(*tls);
+                (ReadHalf::Tls(r), WriteHalf::Tls(w))
+            }
+        }
+    }
+}
+
+/// The read half of a [`Conn`]. Only a plain one lets the kernel write payloads into regions.
+pub enum ReadHalf {
+    /// Plain TCP.
+    Plain(OwnedReadHalf),
+    /// TLS over TCP.
+    Tls(tokio::io::ReadHalf<TlsStream<TcpStream>>),
+}
+
+/// The write half of a [`Conn`]. Only a plain one lets the kernel read payloads from regions.
+pub enum WriteHalf {
+    /// Plain TCP.
+    Plain(OwnedWriteHalf),
+    /// TLS over TCP.
+    Tls(tokio::io::WriteHalf<TlsStream<TcpStream>>),
+}
+
+impl AsyncRead for ReadHalf {
+    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            ReadHalf::Plain(h) => Pin::new(h).poll_read(cx, buf),
+            ReadHalf::Tls(h) => Pin::new(h).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for WriteHalf {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
+        match self.get_mut() {
+            WriteHalf::Plain(h) => Pin::new(h).poll_write(cx, buf),
+            WriteHalf::Tls(h) => Pin::new(h).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            WriteHalf::Plain(h) => Pin::new(h).poll_flush(cx),
+            WriteHalf::Tls(h) => Pin::new(h).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            WriteHalf::Plain(h) => Pin::new(h).poll_shutdown(cx),
+            WriteHalf::Tls(h) => Pin::new(h).poll_shutdown(cx),
+        }
+    }
+}
 
 /// Most bytes one system call moves, so that a permit is held briefly.
 const MAX_CHUNK: usize = 4 << 20;
@@ -101,7 +178,7 @@ pub enum Landed {
 
 /// Reads frames and payloads from one stream.
 pub struct FrameReader {
-    half: OwnedReadHalf,
+    half: ReadHalf,
     buf: BytesMut,
     limits: Limits,
     peer: String,
@@ -109,7 +186,7 @@ pub struct FrameReader {
 
 impl FrameReader {
     /// Wraps the read half of a stream.
-    pub fn new(half: OwnedReadHalf, limits: Limits, peer: String) -> Self {
+    pub fn new(half: ReadHalf, limits: Limits, peer: String) -> Self {
         FrameReader {
             half,
             buf: BytesMut::with_capacity(READ_AHEAD),
@@ -241,9 +318,14 @@ impl FrameReader {
         at: Cursor,
         caller: Option<&AccessGuard>,
     ) -> Result<std::result::Result<u64, Landed>> {
+        let ReadHalf::Plain(half) = &self.half else {
+            // Decrypted bytes exist only in user space: through the buffer.
+            self.fill().await?;
+            return Ok(self.copy_buffered(parts, at, caller));
+        };
         let payload_left = at.remaining(parts);
         self.buf.reserve(READ_AHEAD);
-        let stream: &TcpStream = self.half.as_ref();
+        let stream: &TcpStream = half.as_ref();
         let buf = &mut self.buf;
         let res = raw_io(stream, Interest::READABLE, || {
             let _held = match caller.map(AccessGuard::enter) {
@@ -304,14 +386,14 @@ impl FrameReader {
 
 /// Writes frames and payloads to one stream.
 pub struct FrameWriter {
-    half: OwnedWriteHalf,
+    half: WriteHalf,
     buf: BytesMut,
     peer: String,
 }
 
 impl FrameWriter {
     /// Wraps the write half of a stream.
-    pub fn new(half: OwnedWriteHalf, peer: String) -> Self {
+    pub fn new(half: WriteHalf, peer: String) -> Self {
         FrameWriter {
             half,
             buf: BytesMut::with_capacity(64 << 10),
@@ -361,14 +443,22 @@ impl FrameWriter {
             let r = self.half.write_all(&self.buf).await;
             self.buf.clear();
             r.map_err(|e| self.io_error(e))?;
+            if let WriteHalf::Tls(_) = self.half {
+                // TLS keeps records it could not send yet; plain TCP keeps nothing.
+                self.half.flush().await.map_err(|e| self.io_error(e))?;
+            }
         }
         Ok(())
     }
 
     /// Sends what is queued as far as the socket takes it without waiting: true once all is sent.
+    /// Under TLS nothing is sent here (encrypting belongs on the write task): false while bytes wait.
     pub fn try_flush(&mut self) -> Result<bool> {
+        let WriteHalf::Plain(half) = &self.half else {
+            return Ok(self.buf.is_empty());
+        };
         while !self.buf.is_empty() {
-            match self.half.try_write(&self.buf) {
+            match half.try_write(&self.buf) {
                 Ok(n) => bytes::Buf::advance(&mut self.buf, n),
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(false),
                 Err(e) => {
@@ -392,9 +482,15 @@ impl FrameWriter {
     /// false is returned.
     pub async fn write_parts(&mut self, parts: &[Resolved]) -> Result<bool> {
         self.flush().await?;
+        if let WriteHalf::Tls(_) = self.half {
+            return self.write_parts_copied(parts).await;
+        }
         let mut at = Cursor::default();
         while !at.done(parts) {
-            let stream: &TcpStream = self.half.as_ref();
+            let WriteHalf::Plain(half) = &self.half else {
+                return Err(Error::Internal("a plain stream turned into a TLS one".into()));
+            };
+            let stream: &TcpStream = half.as_ref();
             let res = raw_io(stream, Interest::WRITABLE, || {
                 let mut permits = Vec::new();
                 let Some(mut iov) = region_iovecs(parts, at, &mut permits) else {
@@ -425,6 +521,22 @@ impl FrameWriter {
         Ok(true)
     }
 
+    /// [`write_parts`](Self::write_parts) on a stream under TLS: each range is copied into the buffer
+    /// (under its region's guard, [`MAX_CHUNK`] at a time) and sent from there.
+    async fn write_parts_copied(&mut self, parts: &[Resolved]) -> Result<bool> {
+        let mut intact = true;
+        for p in parts {
+            let mut done = 0u64;
+            while done < p.len {
+                let n = (p.len - done).min(MAX_CHUNK as u64) as usize;
+                intact &= self.push_region(&p.region, p.offset + done, n);
+                self.flush().await?;
+                done += n as u64;
+            }
+        }
+        Ok(intact)
+    }
+
     /// Sends `len` zero bytes: the rest of a payload whose memory went away, to keep the stream framed.
     async fn send_zeros(&mut self, mut len: u64) -> Result<()> {
         let zeros = vec![0u8; (len as usize).min(64 << 10)];
@@ -433,7 +545,7 @@ impl FrameWriter {
             self.half.write_all(&zeros[..n]).await.map_err(|e| self.io_error(e))?;
             len -= n as u64;
         }
-        Ok(())
+        self.half.flush().await.map_err(|e| self.io_error(e))
     }
 }
 

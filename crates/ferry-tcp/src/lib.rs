@@ -9,6 +9,8 @@
 //!   split across streams.
 //! - Payloads move straight between sockets and registered memory (`read(2)`/`send(2)` on region
 //!   memory under its access guard), never through an intermediate copy.
+//! - [`TlsConfig`] authenticates links with mutual TLS on the control stream; the other streams join
+//!   with a proof derived from that session.
 #![deny(missing_docs)]
 
 mod blocking;
@@ -16,10 +18,12 @@ mod coalesce;
 mod io;
 mod link;
 mod server;
+mod tls;
 
 pub use coalesce::{CoalesceBuf, CoalescePool};
 pub use link::{LinkConfig, LocalIdentity, TcpLink};
 pub use server::{MAX_STREAMS_PER_LINK, ServerConfig, TcpServer};
+pub use tls::TlsConfig;
 
 use ferry_core::{Availability, Transport, TransportKind};
 

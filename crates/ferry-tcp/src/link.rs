@@ -18,8 +18,8 @@ use std::time::{Duration, Instant};
 
 use ferry_core::codec::{Frame, Hello, HelloAck, Limits, ReadStatus, Segment};
 use ferry_core::{
-    AccessGuard, DataLink, Durability, Error, Notification, Op, PersistMethod, RegionEntry, RemoteRegions, Resolved,
-    Result, TransferItem, TransferRequest, TransportKind,
+    AccessGuard, DataLink, Durability, Error, Notification, Op, PeerIdentity, PersistMethod, RegionEntry,
+    RemoteRegions, Resolved, Result, TransferItem, TransferRequest, TransportKind,
 };
 use ferry_proto::handshake::check_ack;
 use ferry_proto::initiator::OpKind;
@@ -31,7 +31,8 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 use tokio::task::AbortHandle;
 
 use crate::coalesce::{CoalesceBuf, CoalescePool};
-use crate::io::{DIRECT_THRESHOLD, FrameReader, FrameWriter, Landed, access_error, unbacked};
+use crate::io::{Conn, DIRECT_THRESHOLD, FrameReader, FrameWriter, Landed, access_error, unbacked};
+use crate::tls::{Session, TlsConfig};
 
 /// Payloads below this are copied into the frame buffer rather than sent from the region.
 const INLINE_PAYLOAD: u64 = 16 << 10;
@@ -57,6 +58,9 @@ pub struct LinkConfig {
     pub pool: Option<Arc<CoalescePool>>,
     /// The protocol's limits.
     pub link_limits: LinkLimits,
+    /// Mutual TLS on the control stream (and on every stream, if it says so). A link under TLS
+    /// keeps its control stream for control frames, so it has at least two streams.
+    pub tls: Option<TlsConfig>,
 }
 
 /// What the initiator says about itself in its hello.
@@ -160,6 +164,8 @@ struct Stream {
 
 struct Shared {
     peer: String,
+    /// Who the target proved to be, on an authenticated link.
+    remote_identity: Option<PeerIdentity>,
     remote_engine: u64,
     remote_host: u64,
     remote_transports: Vec<TransportKind>,
@@ -189,7 +195,12 @@ impl std::fmt::Debug for TcpLink {
     }
 }
 
-async fn open_stream(addr: SocketAddr, hello: Hello, limits: Limits) -> Result<(FrameReader, FrameWriter, HelloAck)> {
+/// A stream as [`open_stream`] leaves it: its reader and writer, the target's answer, and what its TLS
+/// handshake established, if it had one.
+type Opened = (FrameReader, FrameWriter, HelloAck, Option<Session>);
+
+/// Connects one stream of a link and says hello on it (over TLS when `tls` is given).
+async fn open_stream(addr: SocketAddr, hello: Hello, limits: Limits, tls: Option<&TlsConfig>) -> Result<Opened> {
     let peer = addr.to_string();
     let index = StreamIndex(hello.stream_index);
     let stream = TcpStream::connect(addr)
@@ -198,14 +209,31 @@ async fn open_stream(addr: SocketAddr, hello: Hello, limits: Limits) -> Result<(
     stream
         .set_nodelay(true)
         .map_err(|e| Error::io("setting TCP_NODELAY", e))?;
-    let (r, w) = stream.into_split();
+    let (conn, session) = match tls {
+        None => (Conn::Plain(stream), None),
+        Some(tls) => {
+            let (stream, session) = tls.connect(stream, addr).await?;
+            (Conn::Tls(Box::new(stream)), Some(session))
+        }
+    };
+    let (r, w) = conn.split();
     let mut reader = FrameReader::new(r, limits, peer.clone());
     let mut writer = FrameWriter::new(w, peer.clone());
-    writer.push(&Frame::Hello(hello), 0)?;
-    writer.flush().await?;
-    match reader.next().await? {
+    let answer = async {
+        writer.push(&Frame::Hello(hello), 0)?;
+        writer.flush().await?;
+        reader.next().await
+    };
+    let answer = match (answer.await, session.is_some()) {
+        // Under TLS 1.3 the target checks this engine's certificate after the client's side of the
+        // handshake is done: a refusal shows up here, as an alert or a closed connection.
+        (Ok(None), true) => return Err(tls_refused(&peer, "it closed the connection")),
+        (Err(e @ (Error::Io { .. } | Error::PeerClosed(_))), true) => return Err(tls_refused(&peer, e.message())),
+        (answer, _) => answer?,
+    };
+    match answer {
         Some(d) => match d.frame {
-            Frame::HelloAck(ack) => Ok((reader, writer, check_ack(ack, index, &peer)?)),
+            Frame::HelloAck(ack) => Ok((reader, writer, check_ack(ack, index, &peer)?, session)),
             other => Err(Error::Protocol(format!("{peer} answered the hello with {other:?}"))),
         },
         None => Err(Error::PeerClosed(format!(
@@ -214,23 +242,46 @@ async fn open_stream(addr: SocketAddr, hello: Hello, limits: Limits) -> Result<(
     }
 }
 
+fn tls_refused(peer: &str, why: &str) -> Error {
+    Error::PermissionDenied(format!(
+        "{peer} ended the TLS session before answering the hello (it did not accept this engine's certificate, \
+         or failed): {why}"
+    ))
+}
+
 impl TcpLink {
     /// Connects to the engine listening at `addr`: the control stream first, then the others.
     /// The caller bounds the whole call with its connect timeout.
     pub async fn dial(addr: SocketAddr, me: &LocalIdentity, config: &LinkConfig) -> Result<TcpLink> {
-        let streams = config.streams.clamp(1, 64);
+        let tls = config.tls.as_ref();
+        // Under TLS the control stream carries no data (unless every stream is encrypted anyway).
+        let min_streams = match tls {
+            Some(tls) if !tls.encrypts_data() => 2,
+            _ => 1,
+        };
+        let streams = config.streams.clamp(min_streams, 64);
         let mut token = [0u8; 8];
         getrandom::fill(&mut token).map_err(|e| Error::Io {
             kind: std::io::ErrorKind::Other,
             message: format!("drawing a link token: {e}"),
         })?;
         let token = LinkToken(u64::from_le_bytes(token));
-        let hello = |i: usize| me.hello(token, StreamIndex(i as u16), streams as u16);
-        let (r0, w0, ack) = open_stream(addr, hello(0), config.limits).await?;
+        let (r0, w0, ack, session) = open_stream(
+            addr,
+            me.hello(token, StreamIndex(0), streams as u16, None),
+            config.limits,
+            tls,
+        )
+        .await?;
+        let key = session.as_ref().map(|s| &s.join_key);
+        let data_tls = tls.filter(|t| t.encrypts_data());
         let mut halves = vec![(r0, w0)];
-        let rest =
-            futures::future::try_join_all((1..streams).map(|i| open_stream(addr, hello(i), config.limits))).await?;
-        halves.extend(rest.into_iter().map(|(r, w, _)| (r, w)));
+        let rest = futures::future::try_join_all((1..streams).map(|i| {
+            let hello = me.hello(token, StreamIndex(i as u16), streams as u16, key);
+            open_stream(addr, hello, config.limits, data_tls)
+        }))
+        .await?;
+        halves.extend(rest.into_iter().map(|(r, w, _, _)| (r, w)));
         let budget_units = (config.max_inflight_bytes / BUDGET_UNIT).clamp(1, u32::MAX as u64 >> 4) as u32;
         let (txs, rxs): (Vec<_>, Vec<_>) = (0..streams).map(|_| mpsc::unbounded_channel()).unzip();
         let mut readers = Vec::with_capacity(streams);
@@ -245,9 +296,13 @@ impl TcpLink {
         }
         let peer = addr.to_string();
         let keepalive = Keepalive::new(Instant::now(), DEFAULT_IDLE, DEFAULT_DEAD);
-        let proto = Initiator::new(peer.clone(), streams, ack.regions, config.link_limits, keepalive);
+        let mut proto = Initiator::new(peer.clone(), streams, ack.regions, config.link_limits, keepalive);
+        if min_streams == 2 {
+            proto.reserve_control();
+        }
         let shared = Arc::new(Shared {
             peer,
+            remote_identity: session.map(|s| s.identity),
             remote_engine: ack.engine_id,
             remote_host: ack.host_id,
             remote_transports: ack.transports,
@@ -269,8 +324,18 @@ impl TcpLink {
         if let Ok(mut t) = shared.tasks.lock() {
             t.extend(handles);
         }
-        tracing::debug!(peer = %shared.peer, streams, "tcp link up");
+        let identity = shared
+            .remote_identity
+            .as_ref()
+            .map(|i| i.name.as_str())
+            .unwrap_or("unauthenticated");
+        tracing::debug!(peer = %shared.peer, streams, identity, "tcp link up");
         Ok(TcpLink { shared })
+    }
+
+    /// Who the target proved to be, on an authenticated link.
+    pub fn remote_identity(&self) -> Option<&PeerIdentity> {
+        self.shared.remote_identity.as_ref()
     }
 
     /// The peer's address.

@@ -19,16 +19,21 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use ferry_core::codec::{Frame, Hello, Limits, ReadStatus, Segment};
-use ferry_core::{AcceptedPath, Durability, EngineContext, Error, LinkSlot, Op, RegionChange, Resolved, Result};
+use ferry_core::{
+    AcceptedPath, Durability, EngineContext, Error, LinkSlot, Op, PeerIdentity, RegionChange, Resolved, Result,
+};
+use ferry_proto::handshake::refuse_anonymously;
 use ferry_proto::target::{ack, setup_reply};
 use ferry_proto::{
     Admission, AdvertQueue, Identity, LinkLimits, LinkRegistry, LinkToken, OpId, Request, StreamIndex, TargetStream,
 };
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::Notify;
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::task::AbortHandle;
+use tokio::time::Instant;
 
-use crate::io::{FrameReader, FrameWriter, Landed, access_error};
+use crate::io::{Conn, FrameReader, FrameWriter, Landed, access_error};
+use crate::tls::{Session, TLS_HANDSHAKE_RECORD, TlsConfig};
 
 /// Most streams one link may open.
 pub const MAX_STREAMS_PER_LINK: u16 = 64;
@@ -38,10 +43,17 @@ pub const MAX_STREAMS_PER_LINK: u16 = 64;
 pub struct ServerConfig {
     /// Decoder limits.
     pub limits: Limits,
-    /// How long a new connection may take to say hello.
+    /// How long a new connection may take to authenticate (when TLS is on) and say hello; past it
+    /// the connection is closed.
     pub handshake_timeout: Duration,
+    /// Most connections at once that have not yet been admitted (authenticating, or yet to say hello);
+    /// further ones are closed as they arrive, so that a flood of idle connections costs a bounded
+    /// amount and cannot hold the engine's link slots.
+    pub max_pending_handshakes: usize,
     /// The protocol's limits per link.
     pub link_limits: LinkLimits,
+    /// Mutual TLS: when set, only authenticated links are admitted (see [`TlsConfig`]).
+    pub tls: Option<TlsConfig>,
 }
 
 impl Default for ServerConfig {
@@ -49,10 +61,12 @@ impl Default for ServerConfig {
         ServerConfig {
             limits: Limits::default(),
             handshake_timeout: Duration::from_secs(10),
+            max_pending_handshakes: 256,
             link_limits: LinkLimits {
                 max_streams: MAX_STREAMS_PER_LINK,
                 ..LinkLimits::default()
             },
+            tls: None,
         }
     }
 }
@@ -60,6 +74,8 @@ impl Default for ServerConfig {
 struct AcceptedLink {
     id: u64,
     peer_engine: u64,
+    /// Who the peer proved to be, on an authenticated link.
+    identity: Option<PeerIdentity>,
     adverts: Mutex<AdvertQueue>,
     adverts_due: Notify,
     streams: Mutex<Vec<AbortHandle>>,
@@ -73,6 +89,8 @@ struct Shared {
     config: ServerConfig,
     links: Mutex<LinkRegistry<Arc<AcceptedLink>>>,
     next_link: AtomicU64,
+    /// Connections not yet admitted (see [`ServerConfig::max_pending_handshakes`]).
+    pending: Arc<Semaphore>,
 }
 
 /// A listening TCP endpoint serving remote operations on the engine's regions.
@@ -99,9 +117,14 @@ impl TcpServer {
         let local_addr = listener
             .local_addr()
             .map_err(|e| Error::io("reading the bound address", e))?;
+        let links = match config.tls {
+            Some(_) => LinkRegistry::authenticating(config.link_limits),
+            None => LinkRegistry::new(config.link_limits),
+        };
         let shared = Arc::new(Shared {
             ctx,
-            links: Mutex::new(LinkRegistry::new(config.link_limits)),
+            links: Mutex::new(links),
+            pending: Arc::new(Semaphore::new(config.max_pending_handshakes.max(1))),
             config,
             next_link: AtomicU64::new(1),
         });
@@ -174,9 +197,13 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
     loop {
         match listener.accept().await {
             Ok((stream, peer)) => {
+                let Ok(pending) = shared.pending.clone().try_acquire_owned() else {
+                    tracing::debug!(%peer, "too many connections awaiting admission; closing this one");
+                    continue;
+                };
                 let shared = shared.clone();
                 tokio::spawn(async move {
-                    if let Err(e) = serve_stream(stream, peer, shared).await {
+                    if let Err(e) = serve_stream(stream, peer, shared, pending).await {
                         tracing::debug!(%peer, error = %e, "stream ended");
                     }
                 });
@@ -198,9 +225,27 @@ fn identity(ctx: &EngineContext) -> Identity {
     }
 }
 
-/// Reads the hello, within the handshake timeout; `None` if the peer closed first.
-async fn read_hello(reader: &mut FrameReader, peer: SocketAddr, timeout: Duration) -> Result<Option<Hello>> {
-    match tokio::time::timeout(timeout, reader.next()).await {
+/// Authenticates the connection when the engine requires it and the peer opens with TLS (a stream
+/// that opens with a plain hello stays plain and must prove itself by its join proof).
+async fn open_conn(stream: TcpStream, peer: SocketAddr, tls: Option<&TlsConfig>) -> Result<(Conn, Option<Session>)> {
+    let Some(tls) = tls else {
+        return Ok((Conn::Plain(stream), None));
+    };
+    let mut first = [0u8; 1];
+    let n = stream
+        .peek(&mut first)
+        .await
+        .map_err(|e| Error::io(format_args!("reading from {peer}"), e))?;
+    if n == 0 || first[0] != TLS_HANDSHAKE_RECORD {
+        return Ok((Conn::Plain(stream), None));
+    }
+    let (tls, session) = tls.accept(stream, peer).await?;
+    Ok((Conn::Tls(Box::new(tls)), Some(session)))
+}
+
+/// Reads the hello by `deadline`; `None` if the peer closed first.
+async fn read_hello(reader: &mut FrameReader, peer: SocketAddr, deadline: Instant) -> Result<Option<Hello>> {
+    match tokio::time::timeout_at(deadline, reader.next()).await {
         Err(_) => Err(Error::Timeout(format!("{peer} did not say hello in time"))),
         Ok(Ok(Some(d))) => match d.frame {
             Frame::Hello(h) => Ok(Some(h)),
@@ -214,9 +259,11 @@ async fn read_hello(reader: &mut FrameReader, peer: SocketAddr, timeout: Duratio
 }
 
 /// Decides on `hello` and answers it: the link the stream belongs to, or the refusal that was sent.
+/// `session` is what the stream's own TLS handshake established, if it had one.
 fn admit(
     shared: &Shared,
     hello: &Hello,
+    session: Option<&Session>,
     writer: &mut FrameWriter,
 ) -> Result<std::result::Result<Arc<AcceptedLink>, Error>> {
     let ctx = &shared.ctx;
@@ -225,12 +272,13 @@ fn admit(
         .links
         .lock()
         .map_err(|_| Error::Internal("link table lock poisoned".into()))?;
-    let admitted = match links.admit(hello) {
+    let admitted = match links.admit(hello, session.map(|s| &s.join_key)) {
         Ok(Admission::Join(link)) => Ok((link, Vec::new())),
         Ok(Admission::Open) => ctx.links.acquire().and_then(|slot| {
             let link = Arc::new(AcceptedLink {
                 id: shared.next_link.fetch_add(1, Ordering::Relaxed),
                 peer_engine: hello.engine_id,
+                identity: session.map(|s| s.identity.clone()),
                 adverts: Mutex::new(AdvertQueue::new(shared.config.link_limits.advert_queue)),
                 adverts_due: Notify::new(),
                 streams: Mutex::new(Vec::new()),
@@ -240,7 +288,7 @@ fn admit(
             // Under the registry's lock, so no update announced meanwhile is missed: it is either
             // in this table or queued for the link.
             let regions = ctx.regions.read().map(|t| t.adverts()).unwrap_or_default();
-            links.open(hello, link.clone())?;
+            links.open(hello, link.clone(), session.map(|s| s.join_key.clone()))?;
             Ok((link, regions))
         }),
         Err(e) => Err(e),
@@ -251,23 +299,41 @@ fn admit(
             Ok(link)
         }
         Err(e) => {
-            writer.push(&Frame::HelloAck(me.refuse(&e)), 0)?;
+            // On an engine that authenticates, a refused stream learns nothing about it.
+            let refusal = match links.is_authenticating() {
+                true => refuse_anonymously(&e),
+                false => me.refuse(&e),
+            };
+            writer.push(&Frame::HelloAck(refusal), 0)?;
             Err(e)
         }
     })
 }
 
-async fn serve_stream(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>) -> Result<()> {
+/// Serves one accepted connection: authentication and hello by the handshake deadline (holding
+/// `pending`, a place among the connections awaiting admission), then its requests.
+async fn serve_stream(
+    stream: TcpStream,
+    peer: SocketAddr,
+    shared: Arc<Shared>,
+    pending: OwnedSemaphorePermit,
+) -> Result<()> {
     stream
         .set_nodelay(true)
         .map_err(|e| Error::io("setting TCP_NODELAY", e))?;
-    let (r, w) = stream.into_split();
+    let deadline = Instant::now() + shared.config.handshake_timeout;
+    let (conn, session) = tokio::time::timeout_at(deadline, open_conn(stream, peer, shared.config.tls.as_ref()))
+        .await
+        .map_err(|_| Error::Timeout(format!("{peer} did not authenticate in time")))??;
+    let (r, w) = conn.split();
     let mut reader = FrameReader::new(r, shared.config.limits, peer.to_string());
     let mut writer = FrameWriter::new(w, peer.to_string());
-    let Some(hello) = read_hello(&mut reader, peer, shared.config.handshake_timeout).await? else {
+    let Some(hello) = read_hello(&mut reader, peer, deadline).await? else {
         return Ok(());
     };
-    let link = match admit(&shared, &hello, &mut writer)? {
+    let admitted = admit(&shared, &hello, session.as_ref(), &mut writer)?;
+    drop(pending);
+    let link = match admitted {
         Ok(link) => link,
         Err(e) => {
             tracing::warn!(%peer, error = %e, "stream refused");
@@ -278,7 +344,12 @@ async fn serve_stream(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>) 
     writer.flush().await?;
     let index = StreamIndex(hello.stream_index);
     if index.is_control() {
-        tracing::info!(%peer, engine = format_args!("{:016x}", hello.engine_id), streams = hello.stream_count, "link accepted");
+        let identity = link
+            .identity
+            .as_ref()
+            .map(|i| i.name.as_str())
+            .unwrap_or("unauthenticated");
+        tracing::info!(%peer, engine = format_args!("{:016x}", hello.engine_id), streams = hello.stream_count, identity, "link accepted");
     }
     let stream = TargetStream::new(index, peer.to_string());
     let serving = serve_requests(shared.clone(), link.clone(), stream, reader, writer);
@@ -381,8 +452,13 @@ async fn serve_requests(
             }
             Request::Notify { id, notification } => {
                 let result = notification.validate().and_then(|()| {
-                    ctx.notifier
-                        .deliver(link.id, link.peer_engine, reader.peer(), notification)
+                    ctx.notifier.deliver(
+                        link.id,
+                        link.peer_engine,
+                        reader.peer(),
+                        link.identity.as_ref(),
+                        notification,
+                    )
                 });
                 ack(id, &result)
             }
@@ -458,6 +534,7 @@ fn serve_setup(
         notifier: ctx.notifier.clone(),
         peer_engine: link.peer_engine,
         peer_addr: peer,
+        peer_identity: link.identity.as_ref(),
         context: Arc::downgrade(&shared.ctx),
     })?;
     link.data_paths

@@ -12,7 +12,7 @@ use ferry_core::{
     Notification, Op, OwnedBuffer, RawMemory, ReceivedNotification, RegionChange, RegionEntry, RegionKey, RegionTable,
     Result, TransferDesc, TransferItem, TransferRequest, Transport, TransportKind,
 };
-use ferry_tcp::{CoalescePool, LinkConfig, LocalIdentity, ServerConfig, TcpLink, TcpServer};
+use ferry_tcp::{CoalescePool, LinkConfig, LocalIdentity, ServerConfig, TcpLink, TcpServer, TlsConfig};
 use futures::stream::BoxStream;
 
 use crate::capabilities::TransportOptions;
@@ -41,8 +41,10 @@ pub struct EngineBuilder {
     max_inflight_bytes: u64,
     limits: Limits,
     handshake_timeout: Duration,
+    max_pending_handshakes: usize,
     transport_options: TransportOptions,
     allowed: Option<Vec<TransportKind>>,
+    tls: Option<TlsConfig>,
 }
 
 impl Default for EngineBuilder {
@@ -57,8 +59,10 @@ impl Default for EngineBuilder {
             max_inflight_bytes: DEFAULT_MAX_INFLIGHT_BYTES,
             limits: Limits::default(),
             handshake_timeout: Duration::from_secs(10),
+            max_pending_handshakes: 256,
             transport_options: TransportOptions::default(),
             allowed: None,
+            tls: None,
         }
     }
 }
@@ -113,9 +117,27 @@ impl EngineBuilder {
         self
     }
 
-    /// How long a new incoming connection may take to say hello (default 10 s).
+    /// Authenticates every link with mutual TLS (see [`TlsConfig`]): this engine then admits only
+    /// peers whose certificates chain to its CA roots, tells nothing to those that do not, and dials
+    /// only targets that prove themselves the same way. There is no fallback to plaintext. Without
+    /// it, the engine is open to anyone who can reach its port.
+    pub fn tls(mut self, config: TlsConfig) -> Self {
+        self.tls = Some(config);
+        self
+    }
+
+    /// How long a new incoming connection may take to authenticate and say hello (default 10 s);
+    /// past it the connection is closed.
     pub fn handshake_timeout(mut self, t: Duration) -> Self {
         self.handshake_timeout = t;
+        self
+    }
+
+    /// Most incoming connections at once that are not yet admitted (default 256): further ones are
+    /// closed as they arrive, so that connections that never authenticate cost a bounded amount and
+    /// never hold a link slot.
+    pub fn max_pending_handshakes(mut self, n: usize) -> Self {
+        self.max_pending_handshakes = n;
         self
     }
 
@@ -233,6 +255,8 @@ impl EngineBuilder {
                 let config = ServerConfig {
                     limits: self.limits,
                     handshake_timeout: self.handshake_timeout,
+                    max_pending_handshakes: self.max_pending_handshakes,
+                    tls: self.tls.clone(),
                     ..ServerConfig::default()
                 };
                 Some(TcpServer::bind(addr, ctx.clone(), config).await?)
@@ -411,6 +435,7 @@ impl Engine {
                 limits: self.inner.options.limits,
                 pool: self.inner.pool.clone(),
                 link_limits: Default::default(),
+                tls: self.inner.options.tls.clone(),
             };
             let control = TcpLink::dial(addr, &me, &config).await?;
             let data = match self.data_link(&control).await {

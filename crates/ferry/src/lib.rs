@@ -37,9 +37,10 @@ pub use engine::{
 };
 pub use ferry_core::{
     Access, BufferPool, DmaView, Durability, Error, ErrorCode, MemoryBlock, MemoryRegistry, Notification, Op,
-    PersistMethod, PersistStats, ReceivedNotification, RegionAd, RegionKey, RemoteRegions, Result, TransferDesc,
-    TransportKind,
+    PeerIdentity, PersistMethod, PersistStats, ReceivedNotification, RegionAd, RegionKey, RemoteRegions, Result,
+    TransferDesc, TransportKind,
 };
+pub use ferry_tcp::TlsConfig;
 pub use file::{FileMapping, FlushMethod};
 pub use host::HostAllocation;
 pub use peer::Peer;

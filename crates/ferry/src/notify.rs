@@ -6,7 +6,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 
-use ferry_core::{Error, Notification, Notifier, ReceivedNotification, Result};
+use ferry_core::{Error, Notification, Notifier, PeerIdentity, ReceivedNotification, Result};
 use futures::StreamExt;
 use futures::stream::BoxStream;
 
@@ -77,7 +77,14 @@ impl NotificationQueue {
 }
 
 impl Notifier for NotificationQueue {
-    fn deliver(&self, link: u64, from_engine: u64, from_addr: &str, notification: Notification) -> Result<()> {
+    fn deliver(
+        &self,
+        link: u64,
+        from_engine: u64,
+        from_addr: &str,
+        from_identity: Option<&PeerIdentity>,
+        notification: Notification,
+    ) -> Result<()> {
         let mut s = self
             .state
             .lock()
@@ -95,6 +102,7 @@ impl Notifier for NotificationQueue {
             ReceivedNotification {
                 from_engine,
                 from_addr: from_addr.to_string(),
+                from_identity: from_identity.cloned(),
                 notification,
             },
         ));

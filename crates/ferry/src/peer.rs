@@ -3,7 +3,7 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use ferry_core::{DataLink, RemoteRegions, TransportKind};
+use ferry_core::{DataLink, PeerIdentity, RemoteRegions, TransportKind};
 use ferry_tcp::TcpLink;
 
 /// A link to a remote engine, made by [`Engine::connect`](crate::Engine::connect). Cheap to clone.
@@ -38,6 +38,12 @@ impl Peer {
     /// The name it was connected by.
     pub fn name(&self) -> &str {
         &self.inner.name
+    }
+
+    /// Who the peer proved to be (the names in its certificate), on an engine that authenticates its
+    /// links with mutual TLS; `None` on an open engine.
+    pub fn identity(&self) -> Option<&PeerIdentity> {
+        self.inner.control.remote_identity()
     }
 
     /// The data path the engine picked for this peer.

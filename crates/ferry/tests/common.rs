@@ -120,6 +120,7 @@ pub mod raw {
                     stream_count: count,
                     transports: vec![ferry::TransportKind::Tcp],
                     host_id: 0,
+                    join_proof: [0; 32],
                 }),
                 &[],
             )

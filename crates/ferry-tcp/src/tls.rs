@@ -1,0 +1,242 @@
+//! Mutual TLS 1.3 on a link's control stream (and, with [`TlsConfig::encrypt_data`], on every stream).
+//!
+//! Why only the control stream by default: it carries everything a peer must not learn or forge
+//! without authenticating (the region table with keys and addresses, engine ids, notifications, the
+//! RDMA queue-pair parameters and rkeys), while bulk data on a private fabric needs no secrecy from
+//! the network, only from peers that were never let in. The other streams join with a proof derived
+//! from this session (see `ferry_proto::auth`), so nobody joins a link without having held its
+//! session.
+//!
+//! Both sides present certificates, and each checks the other's against its own CA roots (rustls'
+//! WebPKI verifiers). The initiator checks the target's certificate against the name it dials (the
+//! IP address, unless [`TlsConfig::with_server_name`] names the DNS name the targets' certificates
+//! carry). rustls with the `ring` provider: TLS 1.3 only, no session tickets (links are long-lived,
+//! so resumption would save nothing and only widen what must be kept secret).
+
+use std::io::BufReader;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+
+use ferry_core::{Error, PeerIdentity, Result};
+use ferry_proto::JoinKey;
+use ferry_proto::auth::JOIN_EXPORTER_LABEL;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+use rustls::server::WebPkiClientVerifier;
+use rustls::{ClientConfig, RootCertStore, ServerConfig};
+use tokio::net::TcpStream;
+use tokio_rustls::{TlsAcceptor, TlsConnector, TlsStream};
+
+/// First byte of a TLS handshake record (content type 22): how a target tells a TLS control stream
+/// from a stream that starts with a plain hello (whose first byte is the frame magic's, 0xE7).
+pub(crate) const TLS_HANDSHAKE_RECORD: u8 = 0x16;
+
+/// How an engine authenticates its links: its certificate and key, and the CA roots its peers'
+/// certificates must chain to. See the [module documentation](self).
+#[derive(Clone)]
+pub struct TlsConfig {
+    server: Arc<ServerConfig>,
+    client: Arc<ClientConfig>,
+    server_name: Option<ServerName<'static>>,
+    encrypt_data: bool,
+}
+
+impl std::fmt::Debug for TlsConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TlsConfig")
+            .field("server_name", &self.server_name)
+            .field("encrypt_data", &self.encrypt_data)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What authenticating a stream established.
+#[derive(Debug, Clone)]
+pub(crate) struct Session {
+    /// Who the other end proved to be.
+    pub(crate) identity: PeerIdentity,
+    /// The link's key for stream join proofs.
+    pub(crate) join_key: JoinKey,
+}
+
+impl TlsConfig {
+    /// From PEM files: this engine's certificate chain (leaf first), its private key (PKCS#8, PKCS#1 or
+    /// SEC1), and the CA certificates that its peers' certificates must chain to.
+    pub fn from_pem_files(cert_chain: &Path, key: &Path, ca: &Path) -> Result<TlsConfig> {
+        let read = |what: &str, path: &Path| {
+            std::fs::read(path).map_err(|e| Error::io(format_args!("reading the {what} {}", path.display()), e))
+        };
+        TlsConfig::from_pem(
+            &read("certificate chain", cert_chain)?,
+            &read("private key", key)?,
+            &read("CA certificates", ca)?,
+        )
+    }
+
+    /// From PEM text: as [`from_pem_files`](Self::from_pem_files).
+    pub fn from_pem(cert_chain: &[u8], key: &[u8], ca: &[u8]) -> Result<TlsConfig> {
+        let certs = pem_certs(cert_chain, "certificate chain")?;
+        let key = PrivateKeyDer::from_pem_reader(BufReader::new(key))
+            .map_err(|e| invalid(format!("no usable private key in the key PEM: {e}")))?;
+        let mut roots = RootCertStore::empty();
+        for ca in pem_certs(ca, "CA certificates")? {
+            roots
+                .add(ca)
+                .map_err(|e| invalid(format!("a CA certificate is not usable as a trust anchor: {e}")))?;
+        }
+        let roots = Arc::new(roots);
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let verifier = WebPkiClientVerifier::builder_with_provider(roots.clone(), provider.clone())
+            .build()
+            .map_err(|e| invalid(format!("the CA roots cannot verify client certificates: {e}")))?;
+        let mut server = ServerConfig::builder_with_provider(provider.clone())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .map_err(|e| invalid(format!("TLS 1.3 with the ring provider: {e}")))?
+            .with_client_cert_verifier(verifier)
+            .with_single_cert(certs.clone(), key.clone_key())
+            .map_err(|e| invalid(format!("the certificate and key do not make a server identity: {e}")))?;
+        server.send_tls13_tickets = 0;
+        let client = ClientConfig::builder_with_provider(provider)
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .map_err(|e| invalid(format!("TLS 1.3 with the ring provider: {e}")))?
+            .with_root_certificates(roots)
+            .with_client_auth_cert(certs, key)
+            .map_err(|e| invalid(format!("the certificate and key do not make a client identity: {e}")))?;
+        Ok(TlsConfig::from_rustls(Arc::new(server), Arc::new(client)))
+    }
+
+    /// From rustls configurations made elsewhere. The server side must require client certificates
+    /// and the client side must present one: links are authenticated both ways, or not at all.
+    pub fn from_rustls(server: Arc<ServerConfig>, client: Arc<ClientConfig>) -> TlsConfig {
+        TlsConfig {
+            server,
+            client,
+            server_name: None,
+            encrypt_data: false,
+        }
+    }
+
+    /// The name the targets' certificates are checked against (a DNS name), instead of the IP address
+    /// dialled.
+    pub fn with_server_name(mut self, name: &str) -> Result<TlsConfig> {
+        let name = ServerName::try_from(name.to_string())
+            .map_err(|e| Error::InvalidArgument(format!("{name:?} is not a DNS name or IP address: {e}")))?;
+        self.server_name = Some(name);
+        Ok(self)
+    }
+
+    /// Encrypts every stream of the links this engine dials, not only the control stream (bulk data
+    /// then pays for AES-GCM, and moves through a buffer instead of straight between socket and
+    /// region).
+    pub fn encrypt_data(mut self, on: bool) -> TlsConfig {
+        self.encrypt_data = on;
+        self
+    }
+
+    /// Whether every stream is encrypted.
+    pub fn encrypts_data(&self) -> bool {
+        self.encrypt_data
+    }
+
+    /// Runs the target's side of the handshake on `tcp` (whose first byte is a TLS record).
+    pub(crate) async fn accept(&self, tcp: TcpStream, peer: SocketAddr) -> Result<(TlsStream<TcpStream>, Session)> {
+        let tls = TlsAcceptor::from(self.server.clone())
+            .accept(tcp)
+            .await
+            .map_err(|e| handshake_failed(peer, e))?;
+        let session = session_of(tls.get_ref().1, peer)?;
+        Ok((TlsStream::Server(tls), session))
+    }
+
+    /// Runs the initiator's side of the handshake with the target at `peer`.
+    pub(crate) async fn connect(&self, tcp: TcpStream, peer: SocketAddr) -> Result<(TlsStream<TcpStream>, Session)> {
+        let name = self
+            .server_name
+            .clone()
+            .unwrap_or_else(|| ServerName::IpAddress(peer.ip().into()));
+        let tls = TlsConnector::from(self.client.clone())
+            .connect(name, tcp)
+            .await
+            .map_err(|e| handshake_failed(peer, e))?;
+        let session = session_of(tls.get_ref().1, peer)?;
+        Ok((TlsStream::Client(tls), session))
+    }
+}
+
+fn session_of<D>(conn: &rustls::ConnectionCommon<D>, peer: SocketAddr) -> Result<Session> {
+    let certs = conn
+        .peer_certificates()
+        .ok_or_else(|| Error::PermissionDenied(format!("{peer} presented no certificate")))?;
+    let leaf = certs
+        .first()
+        .ok_or_else(|| Error::PermissionDenied(format!("{peer} presented no certificate")))?;
+    let identity = identity_of(leaf)?;
+    let secret = conn
+        .export_keying_material([0u8; 32], JOIN_EXPORTER_LABEL, None)
+        .map_err(|e| Error::Internal(format!("deriving the stream join key: {e}")))?;
+    Ok(Session {
+        identity,
+        join_key: JoinKey::from_exported(&secret),
+    })
+}
+
+/// The names in a certificate that verification accepted.
+pub(crate) fn identity_of(cert: &CertificateDer<'_>) -> Result<PeerIdentity> {
+    use x509_parser::extensions::GeneralName;
+    let (_, parsed) = x509_parser::parse_x509_certificate(cert.as_ref())
+        .map_err(|e| Error::PermissionDenied(format!("the peer's certificate does not parse: {e}")))?;
+    let subject = parsed.subject().to_string();
+    let mut alt_names = Vec::new();
+    if let Ok(Some(san)) = parsed.subject_alternative_name() {
+        for name in &san.value.general_names {
+            match name {
+                GeneralName::DNSName(n) | GeneralName::URI(n) | GeneralName::RFC822Name(n) => {
+                    alt_names.push((*n).to_string());
+                }
+                GeneralName::IPAddress(ip) => {
+                    if let Ok(v4) = <[u8; 4]>::try_from(*ip) {
+                        alt_names.push(std::net::Ipv4Addr::from(v4).to_string());
+                    } else if let Ok(v6) = <[u8; 16]>::try_from(*ip) {
+                        alt_names.push(std::net::Ipv6Addr::from(v6).to_string());
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    let common_name = parsed
+        .subject()
+        .iter_common_name()
+        .next()
+        .and_then(|cn| cn.as_str().ok())
+        .map(str::to_string);
+    let name = alt_names
+        .first()
+        .cloned()
+        .or(common_name)
+        .unwrap_or_else(|| subject.clone());
+    Ok(PeerIdentity {
+        name,
+        subject,
+        alt_names,
+    })
+}
+
+fn pem_certs(pem: &[u8], what: &str) -> Result<Vec<CertificateDer<'static>>> {
+    let certs = CertificateDer::pem_reader_iter(BufReader::new(pem))
+        .collect::<std::result::Result<Vec<_>, _>>()
+        .map_err(|e| invalid(format!("the {what} PEM does not parse: {e}")))?;
+    if certs.is_empty() {
+        return Err(invalid(format!("the {what} PEM holds no certificate")));
+    }
+    Ok(certs)
+}
+
+fn invalid(message: String) -> Error {
+    Error::InvalidArgument(message)
+}
+
+fn handshake_failed(peer: SocketAddr, e: std::io::Error) -> Error {
+    Error::PermissionDenied(format!("the TLS handshake with {peer} failed: {e}"))
+}

@@ -1,0 +1,311 @@
+//! Authenticated links: mutual TLS on the control stream, data streams that join only with the
+//! session's proof, and what an engine that authenticates tells (nothing) to those who do not.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{T, pattern, raw::RawClient};
+use ferry::codec::{Frame, Hello};
+use ferry::{Access, Engine, Error, ErrorCode, Notification, Op, TlsConfig, TransferDesc};
+use ferry_proto::auth::JOIN_EXPORTER_LABEL;
+use ferry_proto::{JoinKey, LinkToken, StreamIndex};
+use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// A certificate authority for one test.
+struct Ca {
+    issuer: CertifiedIssuer<'static, KeyPair>,
+}
+
+impl Ca {
+    fn new(name: &str) -> Ca {
+        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params.distinguished_name.push(DnType::CommonName, name);
+        Ca {
+            issuer: CertifiedIssuer::self_signed(params, KeyPair::generate().unwrap()).unwrap(),
+        }
+    }
+
+    /// PEM certificate and key for `name`, valid for that DNS name and 127.0.0.1.
+    fn issue(&self, name: &str) -> (String, String) {
+        let mut params = CertificateParams::new(vec![name.to_string(), "127.0.0.1".to_string()]).unwrap();
+        params.distinguished_name.push(DnType::CommonName, name);
+        let key = KeyPair::generate().unwrap();
+        let cert = params.signed_by(&key, &self.issuer).unwrap();
+        (cert.pem(), key.serialize_pem())
+    }
+
+    fn pem(&self) -> String {
+        self.issuer.pem()
+    }
+
+    /// A TLS configuration for an engine named `name`, trusting this CA.
+    fn config(&self, name: &str) -> TlsConfig {
+        let (cert, key) = self.issue(name);
+        TlsConfig::from_pem(cert.as_bytes(), key.as_bytes(), self.pem().as_bytes()).unwrap()
+    }
+}
+
+async fn tls_target(ca: &Ca, name: &str) -> (Engine, SocketAddr) {
+    let engine = Engine::builder()
+        .listen("127.0.0.1:0")
+        .tls(ca.config(name))
+        .build()
+        .await
+        .unwrap();
+    let addr = engine.local_addr().unwrap();
+    (engine, addr)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn authenticated_engines_move_data_and_know_who_they_talk_to() {
+    let ca = Ca::new("ferry test CA");
+    let (target, addr) = tls_target(&ca, "kv-cache-0").await;
+    let dst = target.alloc_host(4 << 20, Access::READ_WRITE).unwrap();
+    let initiator = Engine::builder().tls(ca.config("decode-3")).build().await.unwrap();
+    let src = initiator.alloc_host(4 << 20, Access::READ_WRITE).unwrap();
+    let data = pattern(4 << 20, 7);
+    src.write_at(0, &data).unwrap();
+
+    let peer = initiator.connect(&addr.to_string(), T).await.unwrap();
+    let identity = peer.identity().expect("an authenticated link names its peer");
+    assert_eq!(identity.name, "kv-cache-0");
+    assert!(identity.subject.contains("CN=kv-cache-0"), "{identity:?}");
+    assert!(identity.alt_names.contains(&"127.0.0.1".to_string()), "{identity:?}");
+
+    // Large and small writes, and a read back, over the plain data streams.
+    let descs = [
+        TransferDesc::new(src.addr(), dst.addr(), 3 << 20),
+        TransferDesc::new(src.addr_at(3 << 20), dst.addr_at(3 << 20), 64),
+        TransferDesc::new(src.addr_at((3 << 20) + 64), dst.addr_at((3 << 20) + 64), (1 << 20) - 64),
+    ];
+    initiator.transfer(&peer, Op::Write, &descs, T).await.unwrap();
+    let mut got = vec![0u8; 4 << 20];
+    dst.read_at(0, &mut got).unwrap();
+    assert!(got == data, "the target holds what was written");
+    let back = initiator.alloc_host(4 << 20, Access::READ_WRITE).unwrap();
+    initiator
+        .transfer(
+            &peer,
+            Op::Read,
+            &[TransferDesc::new(back.addr(), dst.addr(), 4 << 20)],
+            T,
+        )
+        .await
+        .unwrap();
+    back.read_at(0, &mut got).unwrap();
+    assert!(got == data, "the read brought the same bytes back");
+
+    // The target labels notifications with the certificate's name, not a claimed engine id.
+    initiator
+        .notify(&peer, Notification::new("kv", "block 7 ready"), T)
+        .await
+        .unwrap();
+    let received = target.take_notifications();
+    assert_eq!(received.len(), 1);
+    let from = received[0].from_identity.as_ref().expect("an authenticated sender");
+    assert_eq!(from.name, "decode-3");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn encrypting_every_stream_moves_the_same_bytes() {
+    let ca = Ca::new("ferry test CA");
+    let (target, addr) = tls_target(&ca, "target").await;
+    let dst = target.alloc_host(2 << 20, Access::READ_WRITE).unwrap();
+    let initiator = Engine::builder()
+        .tls(ca.config("client").encrypt_data(true))
+        .build()
+        .await
+        .unwrap();
+    let src = initiator.alloc_host(2 << 20, Access::READ_WRITE).unwrap();
+    let data = pattern(2 << 20, 3);
+    src.write_at(0, &data).unwrap();
+    let peer = initiator.connect(&addr.to_string(), T).await.unwrap();
+    let descs: Vec<_> = (0..64u64)
+        .map(|i| TransferDesc::new(src.addr_at(i * 32768), dst.addr_at(i * 32768), 32768))
+        .collect();
+    initiator.transfer(&peer, Op::Write, &descs, T).await.unwrap();
+    let back = initiator.alloc_host(2 << 20, Access::READ_WRITE).unwrap();
+    initiator
+        .transfer(
+            &peer,
+            Op::Read,
+            &[TransferDesc::new(back.addr(), dst.addr(), 2 << 20)],
+            T,
+        )
+        .await
+        .unwrap();
+    let mut got = vec![0u8; 2 << 20];
+    back.read_at(0, &mut got).unwrap();
+    assert!(got == data);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unauthenticated_client_learns_nothing() {
+    let ca = Ca::new("ferry test CA");
+    let (target, addr) = tls_target(&ca, "target").await;
+    let _secret = target.alloc_host(4096, Access::READ_WRITE).unwrap();
+
+    // A plain hello for a control stream: refused, with no engine id, host, transports or regions.
+    let (_c, ack) = RawClient::handshake(addr).await;
+    let refusal = ack.refusal.expect("refused");
+    assert_eq!(refusal.code, ErrorCode::PermissionDenied, "{refusal:?}");
+    assert_eq!((ack.engine_id, ack.host_id), (0, 0));
+    assert!(ack.transports.is_empty() && ack.regions.is_empty());
+
+    // An engine without TLS cannot connect, and the target holds no link for it.
+    let open = Engine::builder().build().await.unwrap();
+    let err = open.connect(&addr.to_string(), T).await.unwrap_err();
+    assert!(matches!(err, Error::PermissionDenied(_)), "{err:?}");
+    assert_eq!(target.link_count(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn certificates_from_another_ca_are_refused_both_ways() {
+    let ca = Ca::new("ferry test CA");
+    let rogue = Ca::new("rogue CA");
+    let (target, addr) = tls_target(&ca, "target").await;
+    let outsider = Engine::builder().tls(rogue.config("outsider")).build().await.unwrap();
+    let err = outsider.connect(&addr.to_string(), T).await.unwrap_err();
+    assert!(matches!(err, Error::PermissionDenied(_)), "{err:?}");
+    assert_eq!(target.link_count(), 0);
+
+    // A client of the right CA does not talk to a target of another, nor to an open one: no fallback.
+    let (_rogue_target, rogue_addr) = tls_target(&rogue, "rogue-target").await;
+    let client = Engine::builder().tls(ca.config("client")).build().await.unwrap();
+    let err = client.connect(&rogue_addr.to_string(), T).await.unwrap_err();
+    assert!(matches!(err, Error::PermissionDenied(_)), "{err:?}");
+    let open_target = Engine::builder().listen("127.0.0.1:0").build().await.unwrap();
+    let err = client
+        .connect(&open_target.local_addr().unwrap().to_string(), T)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::PermissionDenied(_)), "{err:?}");
+    assert_eq!(open_target.link_count(), 0);
+}
+
+/// Speaks the protocol by hand: a TLS control stream with a known token, then plain streams that
+/// try to join it with no proof, another session's proof, and the right one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_joins_only_with_the_sessions_proof() {
+    let ca = Ca::new("ferry test CA");
+    let (_target, addr) = tls_target(&ca, "target").await;
+    let (cert, key) = ca.issue("raw-client");
+    let client = {
+        use rustls::pki_types::pem::PemObject;
+        let mut roots = rustls::RootCertStore::empty();
+        roots
+            .add(rustls::pki_types::CertificateDer::from_pem_slice(ca.pem().as_bytes()).unwrap())
+            .unwrap();
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        rustls::ClientConfig::builder_with_provider(provider)
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .unwrap()
+            .with_root_certificates(roots)
+            .with_client_auth_cert(
+                vec![rustls::pki_types::CertificateDer::from_pem_slice(cert.as_bytes()).unwrap()],
+                rustls::pki_types::PrivateKeyDer::from_pem_slice(key.as_bytes()).unwrap(),
+            )
+            .unwrap()
+    };
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let name = rustls::pki_types::ServerName::IpAddress(addr.ip().into());
+    let mut tls = tokio_rustls::TlsConnector::from(Arc::new(client))
+        .connect(name, tcp)
+        .await
+        .unwrap();
+    let secret = tls
+        .get_ref()
+        .1
+        .export_keying_material([0u8; 32], JOIN_EXPORTER_LABEL, None)
+        .unwrap();
+    let key = JoinKey::from_exported(&secret);
+    let token = 0x5eed_0000_0000_0001u64;
+    let hello = |index: u16, join_proof: [u8; 32]| {
+        Frame::Hello(Hello {
+            engine_id: 42,
+            link_token: token,
+            stream_index: index,
+            stream_count: 3,
+            transports: vec![ferry::TransportKind::Tcp],
+            host_id: 0,
+            join_proof,
+        })
+    };
+    let mut out = bytes::BytesMut::new();
+    ferry::codec::encode(&hello(0, [0; 32]), 0, &mut out).unwrap();
+    tls.write_all(&out).await.unwrap();
+    tls.flush().await.unwrap();
+    let mut buf = vec![0u8; 4096];
+    let n = tokio::time::timeout(T, tls.read(&mut buf)).await.unwrap().unwrap();
+    let (decoded, _) = ferry::codec::decode(&buf[..n], &Default::default()).unwrap().unwrap();
+    let Frame::HelloAck(ack) = decoded.frame else {
+        panic!("no hello ack")
+    };
+    assert!(ack.refusal.is_none(), "{ack:?}");
+    assert_ne!(ack.engine_id, 0, "an authenticated stream learns the engine");
+
+    let join = |frame: Frame| async move {
+        let mut c = RawClient::connect(addr).await;
+        c.send(&frame, &[]).await;
+        match c.recv().await.expect("hello ack").frame {
+            Frame::HelloAck(ack) => ack,
+            other => panic!("expected a hello ack, got {other:?}"),
+        }
+    };
+    let no_proof = join(hello(1, [0; 32])).await;
+    assert_eq!(no_proof.refusal.map(|r| r.code), Some(ErrorCode::PermissionDenied));
+    assert_eq!(no_proof.engine_id, 0, "a refused join learns nothing");
+    let other_session = JoinKey::from_exported(&[9; 32]).proof(LinkToken(token), StreamIndex(1));
+    let forged = join(hello(1, other_session)).await;
+    assert_eq!(forged.refusal.map(|r| r.code), Some(ErrorCode::PermissionDenied));
+    let proven = join(hello(1, key.proof(LinkToken(token), StreamIndex(1)))).await;
+    assert!(proven.refusal.is_none(), "{proven:?}");
+    // The same proof again: that index joined already.
+    let replayed = join(hello(1, key.proof(LinkToken(token), StreamIndex(1)))).await;
+    assert!(replayed.refusal.is_some());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_that_never_authenticate_are_bounded_and_timed_out() {
+    let ca = Ca::new("ferry test CA");
+    let target = Engine::builder()
+        .listen("127.0.0.1:0")
+        .tls(ca.config("target"))
+        .handshake_timeout(Duration::from_millis(500))
+        .max_pending_handshakes(4)
+        .build()
+        .await
+        .unwrap();
+    let addr = target.local_addr().unwrap();
+    // Four connections that say nothing hold every place awaiting admission ...
+    let mut silent = Vec::new();
+    for _ in 0..4 {
+        silent.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+    }
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    // ... so a fifth is closed at once, before any deadline.
+    let mut fifth = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut byte = [0u8; 1];
+    let n = tokio::time::timeout(Duration::from_millis(400), fifth.read(&mut byte))
+        .await
+        .expect("the fifth connection was not closed at once")
+        .unwrap_or(0);
+    assert_eq!(n, 0);
+    // The silent ones are closed at the handshake deadline.
+    for mut s in silent {
+        let n = tokio::time::timeout(T, s.read(&mut byte))
+            .await
+            .expect("a silent connection outlived the handshake deadline")
+            .unwrap_or(0);
+        assert_eq!(n, 0);
+    }
+    // And an authenticated client then gets in.
+    let client = Engine::builder().tls(ca.config("client")).build().await.unwrap();
+    client.connect(&addr.to_string(), T).await.unwrap();
+    assert_eq!(target.link_count(), 1);
+}
