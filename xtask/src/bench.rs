@@ -14,7 +14,7 @@ use std::time::Duration;
 use anyhow::{Result, anyhow};
 use serde_json::{Value, json};
 
-use crate::peers::{self, FerryCase, FerryResult};
+use crate::peers::{self, FerryCase, FerryResult, Tls};
 use crate::util::{cargo, ensure_debian_packages, parse_duration, run_step};
 
 #[derive(clap::Args)]
@@ -89,6 +89,7 @@ const fn write(size: &'static str, batch: u32, streams: Option<u32>, depth: Opti
         target_mem: None,
         durability: None,
         scatter: false,
+        tls: Tls::Off,
     }
 }
 
@@ -110,6 +111,7 @@ const fn write_1mib_single(durability: &'static str) -> FerryCase {
 }
 
 const WRITE_1MIB: FerryCase = write("1MiB", 1, None, None);
+const WRITE_64B: FerryCase = write("64", 1, Some(1), Some(1));
 
 /// One round, in order: each ferry case right before or after the peer it is compared with.
 const MEASURES: &[Measure] = &[
@@ -123,6 +125,22 @@ const MEASURES: &[Measure] = &[
         probe: Probe::Iperf3 { streams: 1 },
     },
     ferry("ferry write 1MiB", WRITE_1MIB, Metric::GbPerS),
+    ferry(
+        "ferry write 1MiB, mutual TLS",
+        FerryCase {
+            tls: Tls::ControlStream,
+            ..WRITE_1MIB
+        },
+        Metric::GbPerS,
+    ),
+    ferry(
+        "ferry write 1MiB, TLS on every stream",
+        FerryCase {
+            tls: Tls::EveryStream,
+            ..WRITE_1MIB
+        },
+        Metric::GbPerS,
+    ),
     Measure {
         key: "iperf3 -P 2",
         probe: Probe::Iperf3 { streams: 2 },
@@ -135,7 +153,15 @@ const MEASURES: &[Measure] = &[
     ferry("ferry write 1MiB x8", write("1MiB", 8, None, None), Metric::GbPerS),
     ferry("ferry KV 64KiB x256 scattered", kv_blocks("64KiB", 256), Metric::GbPerS),
     ferry("ferry KV 16KiB x128 scattered", kv_blocks("16KiB", 128), Metric::GbPerS),
-    ferry("ferry 64 B p50", write("64", 1, Some(1), Some(1)), Metric::P50Us),
+    ferry("ferry 64 B p50", WRITE_64B, Metric::P50Us),
+    ferry(
+        "ferry 64 B p50, mutual TLS",
+        FerryCase {
+            tls: Tls::ControlStream,
+            ..WRITE_64B
+        },
+        Metric::P50Us,
+    ),
     Measure {
         key: "sockperf p50 (one-way)",
         probe: Probe::Sockperf,
@@ -317,6 +343,33 @@ const COMPARISONS: &[Comparison] = &[
         peer_scale: 2.0,
         unit: Unit::Micros,
         target: Target::RatioAtMost(1.5),
+    },
+    Comparison {
+        id: "n",
+        name: "write 1MiB, mutual TLS on the control stream / without",
+        ferry: "ferry write 1MiB, mutual TLS",
+        peer: Some("ferry write 1MiB"),
+        peer_scale: 1.0,
+        unit: Unit::GbPerS,
+        target: Target::RatioAtLeast(0.97),
+    },
+    Comparison {
+        id: "o",
+        name: "64 B p50 round trip, mutual TLS / without",
+        ferry: "ferry 64 B p50, mutual TLS",
+        peer: Some("ferry 64 B p50"),
+        peer_scale: 1.0,
+        unit: Unit::Micros,
+        target: Target::RatioAtMost(1.1),
+    },
+    Comparison {
+        id: "p",
+        name: "write 1MiB, TLS (AES-GCM) on every stream / without TLS",
+        ferry: "ferry write 1MiB, TLS on every stream",
+        peer: Some("ferry write 1MiB"),
+        peer_scale: 1.0,
+        unit: Unit::GbPerS,
+        target: Target::Info,
     },
     Comparison {
         id: "f",

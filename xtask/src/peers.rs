@@ -39,6 +39,16 @@ pub struct FerryCase {
     pub durability: Option<&'static str>,
     /// `--scatter`: descriptors over shuffled block slots on both sides (a paged KV cache).
     pub scatter: bool,
+    /// `--tls` (mutual TLS on the control stream), or with `--encrypt-data` on every stream.
+    pub tls: Tls,
+}
+
+/// How a bench case authenticates its link.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Tls {
+    Off,
+    ControlStream,
+    EveryStream,
 }
 
 impl FerryCase {
@@ -61,6 +71,11 @@ impl FerryCase {
         }
         if self.scatter {
             args.push("--scatter".into());
+        }
+        match self.tls {
+            Tls::Off => {}
+            Tls::ControlStream => args.push("--tls".into()),
+            Tls::EveryStream => args.extend(["--tls".into(), "--encrypt-data".into()]),
         }
         args.extend(["--duration".into(), duration.into(), "--json".into()]);
         args

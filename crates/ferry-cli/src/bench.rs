@@ -12,11 +12,12 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use ferry::{Access, Durability, Engine, Op, Peer, Region, TransferDesc, TransportKind};
+use ferry::{Access, Durability, Engine, Op, Peer, Region, TlsConfig, TransferDesc, TransportKind};
 use futures::stream::{FuturesUnordered, StreamExt};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
+use crate::tls::{Authority, TlsArgs};
 use crate::units::{format_size, parse_duration, parse_size};
 
 const TIMEOUT: Duration = Duration::from_secs(30);
@@ -69,6 +70,15 @@ pub struct Args {
     /// needed); a temporary file by default. Only with --durability persistent or both.
     #[arg(long)]
     target_file: Option<std::path::PathBuf>,
+    /// Authenticate the link with mutual TLS, both in-process engines holding certificates of a CA
+    /// made in memory for the run (against a --peer, give --tls-cert, --tls-key and --tls-ca instead).
+    #[arg(long, conflicts_with = "tls_cert")]
+    tls: bool,
+    /// With --tls: encrypt the data streams too, not only the control stream.
+    #[arg(long = "encrypt-data", requires = "tls")]
+    encrypt_data: bool,
+    #[command(flatten)]
+    tls_files: TlsArgs,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -167,16 +177,31 @@ struct Setup {
     remote_len: u64,
 }
 
+/// The TLS configurations of the initiator and the in-process target, if the run authenticates.
+fn tls_configs(args: &Args) -> anyhow::Result<(Option<TlsConfig>, Option<TlsConfig>)> {
+    if args.tls {
+        let ca = Authority::new("ferry bench CA")?;
+        return Ok((
+            Some(ca.config("bench-initiator", args.encrypt_data)?),
+            Some(ca.config("bench-target", false)?),
+        ));
+    }
+    let files = args.tls_files.config()?;
+    Ok((files.clone(), files))
+}
+
 async fn setup(args: &Args, max_bytes: u64) -> anyhow::Result<Setup> {
     let want: TransportKind = args.transport.parse()?;
     let mut temp_file = None;
-    let initiator = Engine::builder()
+    let (initiator_tls, target_tls) = tls_configs(args)?;
+    let mut initiator = Engine::builder()
         .transports([want])
         .streams(args.streams)
-        .buffer_pool(&args.buffer_pool)
-        .build()
-        .await
-        .context("starting the initiator engine")?;
+        .buffer_pool(&args.buffer_pool);
+    if let Some(tls) = initiator_tls {
+        initiator = initiator.tls(tls);
+    }
+    let initiator = initiator.build().await.context("starting the initiator engine")?;
     let (target, addr) = match &args.peer {
         Some(_) if args.target_mem != "host" => bail!(
             "--target-mem applies to the in-process target; a `ferry serve` peer allocates its own memory \
@@ -187,12 +212,11 @@ async fn setup(args: &Args, max_bytes: u64) -> anyhow::Result<Setup> {
         }
         Some(addr) => (None, addr.clone()),
         None => {
-            let target = Engine::builder()
-                .transports([want])
-                .listen("127.0.0.1:0")
-                .build()
-                .await
-                .context("starting the target engine")?;
+            let mut target = Engine::builder().transports([want]).listen("127.0.0.1:0");
+            if let Some(tls) = target_tls {
+                target = target.tls(tls);
+            }
+            let target = target.build().await.context("starting the target engine")?;
             let region = target_region(&target, args, max_bytes as usize, &mut temp_file)?;
             let addr = target.local_addr().context("target has no address")?.to_string();
             (Some((target, region)), addr)

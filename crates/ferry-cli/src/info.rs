@@ -8,6 +8,8 @@ use anyhow::Context;
 use ferry::{Access, Engine};
 use serde::Serialize;
 
+use crate::tls::TlsArgs;
+
 #[derive(clap::Args)]
 pub struct Args {
     /// Print one JSON object instead of a table.
@@ -19,11 +21,18 @@ pub struct Args {
     /// Map this file (or device-DAX device) as a persistent region and say how writes to it persist.
     #[arg(long)]
     file: Option<std::path::PathBuf>,
+    /// Authenticate to the peer with mutual TLS.
+    #[command(flatten)]
+    tls: TlsArgs,
 }
 
 #[derive(Serialize)]
 struct Link {
     peer: String,
+    /// "mutual TLS" or "none".
+    authentication: &'static str,
+    /// The name in the peer's certificate, on an authenticated link.
+    peer_identity: Option<String>,
     transport: String,
     persist_method: String,
     tcp_streams: usize,
@@ -50,7 +59,7 @@ struct Report {
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
     let link = match &args.peer {
-        Some(addr) => Some(link(addr).await?),
+        Some(addr) => Some(link(addr, &args.tls).await?),
         None => None,
     };
     let file = match &args.file {
@@ -80,6 +89,10 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             "link to {}: {} ({} TCP streams), persistent writes by {}; {} regions, {} persistent",
             l.peer, l.transport, l.tcp_streams, l.persist_method, l.regions, l.persistent_regions
         );
+        match &l.peer_identity {
+            Some(name) => println!("authentication: mutual TLS, the peer is {name}"),
+            None => println!("authentication: none (the peer admits anyone who reaches it)"),
+        }
     }
     if let Some(f) = &report.file {
         println!("file {}: {} ({} bytes mapped)", f.path, f.kind, f.mapped_bytes);
@@ -87,8 +100,12 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn link(addr: &str) -> anyhow::Result<Link> {
-    let engine = Engine::builder().build().await.context("starting an engine")?;
+async fn link(addr: &str, tls: &TlsArgs) -> anyhow::Result<Link> {
+    let mut builder = Engine::builder();
+    if let Some(tls) = tls.config()? {
+        builder = builder.tls(tls);
+    }
+    let engine = builder.build().await.context("starting an engine")?;
     let peer = engine
         .connect(addr, Duration::from_secs(5))
         .await
@@ -96,6 +113,12 @@ async fn link(addr: &str) -> anyhow::Result<Link> {
     let regions = peer.regions();
     Ok(Link {
         peer: addr.to_string(),
+        authentication: if peer.identity().is_some() {
+            "mutual TLS"
+        } else {
+            "none"
+        },
+        peer_identity: peer.identity().map(|i| i.name.clone()),
         transport: peer.transport().to_string(),
         persist_method: peer.persist_method().to_string(),
         tcp_streams: peer.tcp_streams(),

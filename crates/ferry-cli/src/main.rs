@@ -9,6 +9,7 @@
 mod bench;
 mod info;
 mod serve;
+mod tls;
 mod units;
 
 use clap::{Parser, Subcommand};
@@ -32,6 +33,8 @@ enum Command {
     Serve(serve::Args),
     /// Show the transports and devices this build can use here.
     Info(info::Args),
+    /// Make a certificate authority and certificates for engines that authenticate with mutual TLS.
+    Certs(tls::CertsArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -56,6 +59,7 @@ fn main() -> std::process::ExitCode {
             Command::Bench(a) => bench::run(a).await,
             Command::Serve(a) => serve::run(a).await,
             Command::Info(a) => info::run(a).await,
+            Command::Certs(a) => tls::certs(a).await,
         }
     });
     let result = runtime

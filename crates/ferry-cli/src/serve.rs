@@ -4,6 +4,7 @@
 use anyhow::Context;
 use ferry::{Access, Engine};
 
+use crate::tls::TlsArgs;
 use crate::units::{format_size, parse_size};
 
 #[derive(clap::Args)]
@@ -22,15 +23,20 @@ pub struct Args {
     /// their writes. Never assumed; a wrong declaration loses data on power loss.
     #[arg(long)]
     adr_without_ddio: bool,
+    #[command(flatten)]
+    tls: TlsArgs,
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
-    let engine = Engine::builder()
+    let tls = args.tls.config()?;
+    let authenticated = tls.is_some();
+    let mut builder = Engine::builder()
         .listen(&args.listen)
-        .adr_without_ddio(args.adr_without_ddio)
-        .build()
-        .await
-        .context("starting the engine")?;
+        .adr_without_ddio(args.adr_without_ddio);
+    if let Some(tls) = tls {
+        builder = builder.tls(tls);
+    }
+    let engine = builder.build().await.context("starting the engine")?;
     let len = usize::try_from(args.region_size).context("region size does not fit this machine")?;
     let region = match &args.file {
         None => engine
@@ -57,6 +63,14 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         }
     };
     let addr = engine.local_addr().context("the engine has no listen address")?;
+    if authenticated {
+        eprintln!("authentication: mutual TLS; only peers with a certificate from the given CA get in");
+    } else {
+        eprintln!(
+            "WARNING: authentication is off: anyone who can reach {addr} can read and overwrite this region \
+             (start with --tls-cert, --tls-key and --tls-ca to admit only peers with certificates)"
+        );
+    }
     // One line a script can wait for.
     println!(
         "listening on {addr} region {:#x} {}",

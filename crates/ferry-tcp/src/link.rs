@@ -58,8 +58,9 @@ pub struct LinkConfig {
     pub pool: Option<Arc<CoalescePool>>,
     /// The protocol's limits.
     pub link_limits: LinkLimits,
-    /// Mutual TLS on the control stream (and on every stream, if it says so). A link under TLS
-    /// keeps its control stream for control frames, so it has at least two streams.
+    /// Mutual TLS on the control stream (and on every stream, if it says so). A link whose data
+    /// streams are plain keeps its control stream for control frames: it opens `streams` data
+    /// streams besides it.
     pub tls: Option<TlsConfig>,
 }
 
@@ -254,12 +255,13 @@ impl TcpLink {
     /// The caller bounds the whole call with its connect timeout.
     pub async fn dial(addr: SocketAddr, me: &LocalIdentity, config: &LinkConfig) -> Result<TcpLink> {
         let tls = config.tls.as_ref();
-        // Under TLS the control stream carries no data (unless every stream is encrypted anyway).
-        let min_streams = match tls {
-            Some(tls) if !tls.encrypts_data() => 2,
-            _ => 1,
+        // Under TLS the control stream carries no data (unless every stream is encrypted anyway), so
+        // it comes on top of the configured streams, which all carry data.
+        let control_apart = tls.is_some_and(|t| !t.encrypts_data());
+        let streams = match control_apart {
+            true => config.streams.clamp(1, 63) + 1,
+            false => config.streams.clamp(1, 64),
         };
-        let streams = config.streams.clamp(min_streams, 64);
         let mut token = [0u8; 8];
         getrandom::fill(&mut token).map_err(|e| Error::Io {
             kind: std::io::ErrorKind::Other,
@@ -297,7 +299,7 @@ impl TcpLink {
         let peer = addr.to_string();
         let keepalive = Keepalive::new(Instant::now(), DEFAULT_IDLE, DEFAULT_DEAD);
         let mut proto = Initiator::new(peer.clone(), streams, ack.regions, config.link_limits, keepalive);
-        if min_streams == 2 {
+        if control_apart {
             proto.reserve_control();
         }
         let shared = Arc::new(Shared {

@@ -1,0 +1,146 @@
+//! The authentication options every command shares, the in-memory certificates `ferry bench --tls`
+//! uses, and `ferry certs`, which makes a small certificate authority for a cluster without one.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, bail};
+use ferry::TlsConfig;
+use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair};
+
+/// Mutual TLS from PEM files: all three, or none (an engine open to anyone who reaches it).
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct TlsArgs {
+    /// This engine's certificate chain (PEM), for mutual TLS; with --tls-key and --tls-ca.
+    #[arg(long, requires_all = ["tls_key", "tls_ca"])]
+    pub tls_cert: Option<PathBuf>,
+    /// This engine's private key (PEM).
+    #[arg(long, requires_all = ["tls_cert", "tls_ca"])]
+    pub tls_key: Option<PathBuf>,
+    /// The CA certificates (PEM) that peers' certificates must chain to.
+    #[arg(long, requires_all = ["tls_cert", "tls_key"])]
+    pub tls_ca: Option<PathBuf>,
+    /// The DNS name the peer's certificate must carry, instead of the IP address dialled.
+    #[arg(long, requires = "tls_cert")]
+    pub tls_server_name: Option<String>,
+    /// Encrypt every stream of the links this engine dials, not only the control stream.
+    #[arg(long, requires = "tls_cert")]
+    pub encrypt: bool,
+}
+
+impl TlsArgs {
+    /// The configuration the options name, if any.
+    pub fn config(&self) -> anyhow::Result<Option<TlsConfig>> {
+        let (Some(cert), Some(key), Some(ca)) = (&self.tls_cert, &self.tls_key, &self.tls_ca) else {
+            return Ok(None);
+        };
+        let mut config = TlsConfig::from_pem_files(cert, key, ca).context("loading the TLS certificates")?;
+        if let Some(name) = &self.tls_server_name {
+            config = config.with_server_name(name)?;
+        }
+        Ok(Some(config.encrypt_data(self.encrypt)))
+    }
+}
+
+/// A certificate authority made in memory.
+pub struct Authority {
+    issuer: CertifiedIssuer<'static, KeyPair>,
+}
+
+/// A certificate and its key, PEM.
+pub struct Issued {
+    pub cert: String,
+    pub key: String,
+}
+
+impl Authority {
+    pub fn new(name: &str) -> anyhow::Result<Authority> {
+        let mut params = CertificateParams::new(Vec::<String>::new())?;
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params.distinguished_name.push(DnType::CommonName, name);
+        let key = KeyPair::generate().context("generating the CA key")?;
+        Ok(Authority {
+            issuer: CertifiedIssuer::self_signed(params, key).context("signing the CA certificate")?,
+        })
+    }
+
+    /// A certificate for `name`, valid for `names` (DNS names and IP addresses) and 127.0.0.1.
+    pub fn issue(&self, name: &str, names: &[String]) -> anyhow::Result<Issued> {
+        let mut sans = vec![name.to_string()];
+        sans.extend(names.iter().cloned());
+        sans.push("127.0.0.1".into());
+        sans.dedup();
+        let mut params = CertificateParams::new(sans)?;
+        params.distinguished_name.push(DnType::CommonName, name);
+        let key = KeyPair::generate().context("generating a key")?;
+        let cert = params
+            .signed_by(&key, &self.issuer)
+            .with_context(|| format!("signing the certificate of {name}"))?;
+        Ok(Issued {
+            cert: cert.pem(),
+            key: key.serialize_pem(),
+        })
+    }
+
+    pub fn cert_pem(&self) -> String {
+        self.issuer.pem()
+    }
+
+    /// An engine configuration for `name` under this authority.
+    pub fn config(&self, name: &str, encrypt: bool) -> anyhow::Result<TlsConfig> {
+        let issued = self.issue(name, &[])?;
+        let config = TlsConfig::from_pem(
+            issued.cert.as_bytes(),
+            issued.key.as_bytes(),
+            self.cert_pem().as_bytes(),
+        )?;
+        Ok(config.encrypt_data(encrypt))
+    }
+}
+
+/// `ferry certs`: writes a new CA and one certificate per engine name.
+#[derive(clap::Args)]
+pub struct CertsArgs {
+    /// Directory to write `ca.pem` and `NAME.pem` / `NAME.key` for each name into (created if needed).
+    #[arg(long)]
+    out: PathBuf,
+    /// An engine to issue a certificate for (its common name and first DNS name); repeat for more.
+    #[arg(long = "name", required = true)]
+    names: Vec<String>,
+    /// Further DNS names or IP addresses every certificate is valid for (127.0.0.1 always is).
+    #[arg(long = "san")]
+    sans: Vec<String>,
+}
+
+pub async fn certs(args: CertsArgs) -> anyhow::Result<()> {
+    std::fs::create_dir_all(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
+    let ca = Authority::new("ferry cluster CA")?;
+    write(&args.out.join("ca.pem"), &ca.cert_pem(), false)?;
+    for name in &args.names {
+        if name.is_empty() || name.contains(['/', '\\']) || name.starts_with('.') {
+            bail!("{name:?} cannot be a file name");
+        }
+        let issued = ca.issue(name, &args.sans)?;
+        write(&args.out.join(format!("{name}.pem")), &issued.cert, false)?;
+        write(&args.out.join(format!("{name}.key")), &issued.key, true)?;
+    }
+    println!(
+        "wrote ca.pem and {} certificate(s) to {}; the CA key was not kept: issue new certificates with a new CA",
+        args.names.len(),
+        args.out.display()
+    );
+    Ok(())
+}
+
+fn write(path: &Path, text: &str, secret: bool) -> anyhow::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(if secret { 0o600 } else { 0o644 })
+        .open(path)
+        .with_context(|| format!("writing {}", path.display()))?;
+    file.write_all(text.as_bytes())
+        .with_context(|| format!("writing {}", path.display()))
+}
