@@ -431,32 +431,52 @@ mod tests {
     }
 }
 
+/// Most regions a peer's table may hold (see [`RemoteRegions`]).
+pub const MAX_REMOTE_REGIONS: usize = 1 << 17;
+
 /// A peer's regions as it advertised them, by address: the initiator-side lookup of remote
 /// descriptors. The target checks again; this table only lets the initiator refuse early and find keys.
+///
+/// A peer chooses what it advertises, so the table is bounded ([`MAX_REMOTE_REGIONS`]) and each update
+/// costs O(log n), whatever it sends.
 #[derive(Debug, Default, Clone)]
 pub struct RemoteRegions {
     by_addr: BTreeMap<u64, RegionAd>,
+    /// The address each key's region is filed under.
+    addr_of: HashMap<RegionKey, u64>,
 }
 
 impl RemoteRegions {
-    /// A table of `ads`.
-    pub fn new(ads: impl IntoIterator<Item = RegionAd>) -> Self {
+    /// A table of `ads`; `ResourceExhausted` past [`MAX_REMOTE_REGIONS`].
+    pub fn new(ads: impl IntoIterator<Item = RegionAd>) -> Result<Self> {
         let mut t = RemoteRegions::default();
         for ad in ads {
-            t.insert(ad);
+            t.insert(ad)?;
         }
-        t
+        Ok(t)
     }
 
-    /// Adds or replaces a region.
-    pub fn insert(&mut self, ad: RegionAd) {
-        self.by_addr.retain(|_, a| a.key != ad.key);
+    /// Adds or replaces a region (one region per key, and per address: a region advertised at the
+    /// address of another replaces it); `ResourceExhausted` when the table is full.
+    pub fn insert(&mut self, ad: RegionAd) -> Result<()> {
+        self.remove(ad.key);
+        if let Some(old) = self.by_addr.get(&ad.addr) {
+            self.addr_of.remove(&old.key);
+        } else if self.by_addr.len() >= MAX_REMOTE_REGIONS {
+            return Err(Error::ResourceExhausted(format!(
+                "the peer advertised more than {MAX_REMOTE_REGIONS} regions"
+            )));
+        }
+        self.addr_of.insert(ad.key, ad.addr);
         self.by_addr.insert(ad.addr, ad);
+        Ok(())
     }
 
     /// Removes the region under `key`.
     pub fn remove(&mut self, key: RegionKey) {
-        self.by_addr.retain(|_, a| a.key != key);
+        if let Some(addr) = self.addr_of.remove(&key) {
+            self.by_addr.remove(&addr);
+        }
     }
 
     /// All regions, by address.

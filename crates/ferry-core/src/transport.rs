@@ -270,8 +270,11 @@ pub struct EngineContext {
     pub regions: RwLock<RegionTable>,
     /// The notification queue.
     pub notifier: Arc<dyn Notifier>,
-    /// Links in use, incoming and outgoing.
-    pub links: Arc<LinkSlots>,
+    /// Links other engines opened to this one. Counted apart from [`outgoing`](Self::outgoing), so that
+    /// peers that fill every incoming slot cannot stop this engine from connecting out.
+    pub incoming: Arc<LinkSlots>,
+    /// Links this engine opened.
+    pub outgoing: Arc<LinkSlots>,
     /// Transports usable here, best first.
     pub transports: Vec<TransportKind>,
     /// The transports themselves, for answering a peer's setup of a data link.

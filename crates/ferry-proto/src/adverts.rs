@@ -105,7 +105,7 @@ mod tests {
             steps in proptest::collection::vec((any::<bool>(), 0u64..12, 0u8..4), 0..120),
         ) {
             let mut target: std::collections::BTreeMap<u64, RegionAd> = Default::default();
-            let mut initial = RemoteRegions::new(Vec::new());
+            let mut initial = RemoteRegions::default();
             let mut q = AdvertQueue::new(cap);
             for (add, key, sends) in steps {
                 let change = if add {
@@ -118,11 +118,11 @@ mod tests {
                 q.push(&change);
                 for _ in 0..sends {
                     let Some(frame) = q.poll_transmit(|| target.values().cloned().collect()) else { break };
-                    RegionUpdate::from_frame(frame).expect("region frames only").apply(&mut initial);
+                    RegionUpdate::from_frame(frame).expect("region frames only").apply(&mut initial).unwrap();
                 }
             }
             while let Some(frame) = q.poll_transmit(|| target.values().cloned().collect()) {
-                RegionUpdate::from_frame(frame).expect("region frames only").apply(&mut initial);
+                RegionUpdate::from_frame(frame).expect("region frames only").apply(&mut initial).unwrap();
             }
             let mut got: Vec<u64> = initial.iter().map(|a| a.key.0).collect();
             got.sort_unstable();

@@ -55,13 +55,15 @@ impl RegionUpdate {
         }
     }
 
-    /// Applies the update to a copy of the peer's table.
-    pub fn apply(self, table: &mut RemoteRegions) {
+    /// Applies the update to a copy of the peer's table; `ResourceExhausted` when the peer advertises
+    /// more regions than a table holds.
+    pub fn apply(self, table: &mut RemoteRegions) -> Result<()> {
         match self {
-            RegionUpdate::Added(ad) => table.insert(ad),
+            RegionUpdate::Added(ad) => table.insert(ad)?,
             RegionUpdate::Removed(key) => table.remove(key),
-            RegionUpdate::Replaced(regions) => *table = RemoteRegions::new(regions),
+            RegionUpdate::Replaced(regions) => *table = RemoteRegions::new(regions)?,
         }
+        Ok(())
     }
 }
 
@@ -125,9 +127,16 @@ pub struct Initiator<P> {
 }
 
 impl<P> Initiator<P> {
-    /// A link to `peer` of `streams` streams (at least 1), whose handshake brought `regions`.
-    pub fn new(peer: String, streams: usize, regions: Vec<RegionAd>, limits: LinkLimits, keepalive: Keepalive) -> Self {
-        Initiator {
+    /// A link to `peer` of `streams` streams (at least 1), whose handshake brought `regions`;
+    /// `ResourceExhausted` when those are more than a table holds.
+    pub fn new(
+        peer: String,
+        streams: usize,
+        regions: Vec<RegionAd>,
+        limits: LinkLimits,
+        keepalive: Keepalive,
+    ) -> Result<Self> {
+        Ok(Initiator {
             peer,
             limits,
             streams: (0..streams.max(1))
@@ -138,10 +147,10 @@ impl<P> Initiator<P> {
                 .collect(),
             next_id: 1,
             closed: None,
-            regions: RemoteRegions::new(regions),
+            regions: RemoteRegions::new(regions)?,
             keepalive,
             control_reserved: false,
-        }
+        })
     }
 
     /// Keeps data off the control stream when the link has other streams: an operation that names no
@@ -271,7 +280,7 @@ impl<P> Initiator<P> {
                 if stream.is_control() =>
             {
                 if let Some(update) = RegionUpdate::from_frame(frame) {
-                    update.apply(&mut self.regions);
+                    update.apply(&mut self.regions)?;
                 }
                 Ok(Event::RegionsChanged)
             }
@@ -372,6 +381,7 @@ mod tests {
             limits,
             Keepalive::new(now, Duration::from_secs(5), Duration::from_secs(60)),
         )
+        .unwrap()
     }
 
     fn d(frame: Frame, payload_len: u64) -> Decoded {
@@ -471,6 +481,33 @@ mod tests {
         let (c, _) = l.start(None, OpKind::Ack, 50, "c").unwrap();
         assert_eq!((a, b, c), (StreamIndex(0), StreamIndex(1), StreamIndex(2)));
         assert_eq!(l.least_loaded(), StreamIndex(1));
+    }
+
+    #[test]
+    fn a_peer_that_advertises_without_end_breaks_the_link() {
+        let mut l = link(1, 8);
+        let now = Instant::now();
+        let ad = |i: u64| ferry_core::RegionAd {
+            key: ferry_core::RegionKey(i),
+            addr: i << 20,
+            len: 1 << 20,
+            access: ferry_core::Access::READ_WRITE,
+            persistent: false,
+            transport_keys: Vec::new(),
+        };
+        let max = ferry_core::region::MAX_REMOTE_REGIONS as u64;
+        for i in 0..max {
+            l.handle(StreamIndex::CONTROL, d(Frame::RegionAdded(ad(i)), 0), now)
+                .unwrap();
+        }
+        // Re-advertising a known key or address replaces it and stays within the bound.
+        l.handle(StreamIndex::CONTROL, d(Frame::RegionAdded(ad(7)), 0), now)
+            .unwrap();
+        assert_eq!(l.regions().len(), max as usize);
+        let err = l
+            .handle(StreamIndex::CONTROL, d(Frame::RegionAdded(ad(max)), 0), now)
+            .unwrap_err();
+        assert!(matches!(err, Error::ResourceExhausted(_)), "{err:?}");
     }
 
     #[test]

@@ -68,7 +68,7 @@ impl Pair {
         };
         let keepalive = Keepalive::new(Instant::now(), Duration::from_secs(5), Duration::from_secs(60));
         Pair {
-            initiator: Initiator::new("target".into(), streams, vec![ad(0)], limits, keepalive),
+            initiator: Initiator::new("target".into(), streams, vec![ad(0)], limits, keepalive).unwrap(),
             targets: (0..streams)
                 .map(|i| TargetStream::new(StreamIndex(i as u16), "initiator".into()))
                 .collect(),

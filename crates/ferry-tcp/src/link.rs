@@ -298,7 +298,7 @@ impl TcpLink {
         }
         let peer = addr.to_string();
         let keepalive = Keepalive::new(Instant::now(), DEFAULT_IDLE, DEFAULT_DEAD);
-        let mut proto = Initiator::new(peer.clone(), streams, ack.regions, config.link_limits, keepalive);
+        let mut proto = Initiator::new(peer.clone(), streams, ack.regions, config.link_limits, keepalive)?;
         if control_apart {
             proto.reserve_control();
         }

@@ -274,7 +274,7 @@ fn admit(
         .map_err(|_| Error::Internal("link table lock poisoned".into()))?;
     let admitted = match links.admit(hello, session.map(|s| &s.join_key)) {
         Ok(Admission::Join(link)) => Ok((link, Vec::new())),
-        Ok(Admission::Open) => ctx.links.acquire().and_then(|slot| {
+        Ok(Admission::Open) => ctx.incoming.acquire().and_then(|slot| {
             let link = Arc::new(AcceptedLink {
                 id: shared.next_link.fetch_add(1, Ordering::Relaxed),
                 peer_engine: hello.engine_id,

@@ -28,6 +28,8 @@ pub const DEFAULT_STREAMS: usize = 2;
 pub const DEFAULT_MAX_INFLIGHT_BYTES: u64 = 64 << 20;
 /// HIXL's default connect timeout.
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_millis(1000);
+/// Default bound on the bytes of undrained notifications ([`EngineBuilder::max_notification_bytes`]).
+pub const DEFAULT_MAX_NOTIFICATION_BYTES: usize = 64 << 20;
 
 /// Configures and starts an [`Engine`] (HIXL `Initialize`).
 #[derive(Debug, Clone)]
@@ -37,6 +39,7 @@ pub struct EngineBuilder {
     buffer_pool_error: Option<Error>,
     max_links: usize,
     max_pending_notifications: usize,
+    max_notification_bytes: usize,
     streams: usize,
     max_inflight_bytes: u64,
     limits: Limits,
@@ -55,6 +58,7 @@ impl Default for EngineBuilder {
             buffer_pool_error: None,
             max_links: ferry_core::DEFAULT_MAX_LINKS,
             max_pending_notifications: ferry_core::DEFAULT_MAX_PENDING_NOTIFICATIONS,
+            max_notification_bytes: DEFAULT_MAX_NOTIFICATION_BYTES,
             streams: DEFAULT_STREAMS,
             max_inflight_bytes: DEFAULT_MAX_INFLIGHT_BYTES,
             limits: Limits::default(),
@@ -87,7 +91,8 @@ impl EngineBuilder {
         self
     }
 
-    /// Most links, incoming and outgoing together (default 512).
+    /// Most links in each direction (default 512, HIXL's limit): as many incoming as outgoing, counted
+    /// apart, so that peers holding every incoming slot cannot stop this engine from connecting out.
     pub fn max_links(mut self, n: usize) -> Self {
         self.max_links = n;
         self
@@ -96,6 +101,14 @@ impl EngineBuilder {
     /// Most undrained notifications per link (default 4096).
     pub fn max_pending_notifications(mut self, n: usize) -> Self {
         self.max_pending_notifications = n;
+        self
+    }
+
+    /// Most bytes all undrained notifications may hold together, whatever link they came on, closed
+    /// links included (default 64 MiB): past it, `notify` is refused with `ResourceExhausted` until the
+    /// application takes some.
+    pub fn max_notification_bytes(mut self, n: usize) -> Self {
+        self.max_notification_bytes = n;
         self
     }
 
@@ -239,13 +252,14 @@ impl EngineBuilder {
                 self.allowed
             )));
         }
-        let notifications = NotificationQueue::new(self.max_pending_notifications);
+        let notifications = NotificationQueue::new(self.max_pending_notifications, self.max_notification_bytes);
         let ctx = Arc::new(EngineContext {
             engine_id: random_u64()?,
             host_id: host_id(),
             regions: RwLock::new(RegionTable::new()),
             notifier: notifications.clone(),
-            links: Arc::new(LinkSlots::new(self.max_links)),
+            incoming: Arc::new(LinkSlots::new(self.max_links)),
+            outgoing: Arc::new(LinkSlots::new(self.max_links)),
             transports: transports.iter().map(|t| t.kind()).collect(),
             acceptors: transports.clone(),
         });
@@ -423,7 +437,7 @@ impl Engine {
                 }
                 self.forget(addr);
             }
-            let slot = self.inner.ctx.links.acquire()?;
+            let slot = self.inner.ctx.outgoing.acquire()?;
             let me = LocalIdentity {
                 engine_id: self.inner.ctx.engine_id,
                 host_id: self.inner.ctx.host_id,
@@ -697,7 +711,7 @@ impl Engine {
 
     /// Links in use, incoming and outgoing.
     pub fn link_count(&self) -> usize {
-        self.inner.ctx.links.used()
+        self.inner.ctx.incoming.used() + self.inner.ctx.outgoing.used()
     }
 }
 

@@ -33,7 +33,8 @@ mod transfer;
 
 pub use capabilities::{Capabilities, TransportInfo, TransportOptions, capabilities};
 pub use engine::{
-    DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_INFLIGHT_BYTES, DEFAULT_STREAMS, DEREGISTER_LIMIT, Engine, EngineBuilder,
+    DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_INFLIGHT_BYTES, DEFAULT_MAX_NOTIFICATION_BYTES, DEFAULT_STREAMS,
+    DEREGISTER_LIMIT, Engine, EngineBuilder,
 };
 pub use ferry_core::{
     Access, BufferPool, DmaView, Durability, Error, ErrorCode, MemoryBlock, MemoryRegistry, Notification, Op,

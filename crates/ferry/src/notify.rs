@@ -1,7 +1,10 @@
 //! The notification queue: what peers sent with `notify`, until the application drains it.
 //!
 //! HIXL's limits hold per link: at most 4096 notifications wait undrained; the next one is refused with
-//! `ResourceExhausted`, which the sender receives as the result of its `notify`.
+//! `ResourceExhausted`, which the sender receives as the result of its `notify`. A per-link count alone
+//! does not bound memory (a peer connects, fills its link's share, disconnects and starts again), so
+//! the queue also holds at most a number of bytes in all, and a closed link's notifications count
+//! against it until they are taken.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -14,6 +17,8 @@ use futures::stream::BoxStream;
 struct State {
     items: VecDeque<(u64, ReceivedNotification)>,
     per_link: HashMap<u64, usize>,
+    /// What the queued notifications weigh in all (see [`weight`]).
+    bytes: usize,
 }
 
 /// Notifications received and not yet taken.
@@ -21,14 +26,29 @@ pub(crate) struct NotificationQueue {
     state: Mutex<State>,
     wake: tokio::sync::Notify,
     max_per_link: usize,
+    max_bytes: usize,
+}
+
+/// What a queued notification costs: its text and the sender's names, and the queue entry around
+/// them.
+fn weight(n: &ReceivedNotification) -> usize {
+    let identity = n.from_identity.as_ref().map_or(0, |i| {
+        i.name.len() + i.subject.len() + i.alt_names.iter().map(String::len).sum::<usize>()
+    });
+    std::mem::size_of::<(u64, ReceivedNotification)>()
+        + n.notification.name.len()
+        + n.notification.msg.len()
+        + n.from_addr.len()
+        + identity
 }
 
 impl NotificationQueue {
-    pub(crate) fn new(max_per_link: usize) -> Arc<Self> {
+    pub(crate) fn new(max_per_link: usize, max_bytes: usize) -> Arc<Self> {
         Arc::new(NotificationQueue {
             state: Mutex::default(),
             wake: tokio::sync::Notify::new(),
             max_per_link,
+            max_bytes,
         })
     }
 
@@ -38,6 +58,7 @@ impl NotificationQueue {
         if let Some(c) = s.per_link.get_mut(&link) {
             *c -= 1;
         }
+        s.bytes -= weight(&n);
         Some(n)
     }
 
@@ -49,6 +70,7 @@ impl NotificationQueue {
         match self.state.lock() {
             Ok(mut s) => {
                 s.per_link.values_mut().for_each(|c| *c = 0);
+                s.bytes = 0;
                 s.items.drain(..).map(|(_, n)| n).collect()
             }
             Err(_) => Vec::new(),
@@ -89,6 +111,20 @@ impl Notifier for NotificationQueue {
             .state
             .lock()
             .map_err(|_| Error::Internal("notification queue lock poisoned".into()))?;
+        let received = ReceivedNotification {
+            from_engine,
+            from_addr: from_addr.to_string(),
+            from_identity: from_identity.cloned(),
+            notification,
+        };
+        let weight = weight(&received);
+        if s.bytes + weight > self.max_bytes {
+            return Err(Error::ResourceExhausted(format!(
+                "notifications waiting undrained hold {} bytes, the engine's limit \
+                 (EngineBuilder::max_notification_bytes); the receiver must take them first",
+                s.bytes
+            )));
+        }
         let pending = s.per_link.entry(link).or_default();
         if *pending >= self.max_per_link {
             return Err(Error::ResourceExhausted(format!(
@@ -97,15 +133,8 @@ impl Notifier for NotificationQueue {
             )));
         }
         *pending += 1;
-        s.items.push_back((
-            link,
-            ReceivedNotification {
-                from_engine,
-                from_addr: from_addr.to_string(),
-                from_identity: from_identity.cloned(),
-                notification,
-            },
-        ));
+        s.bytes += weight;
+        s.items.push_back((link, received));
         drop(s);
         self.wake.notify_waiters();
         Ok(())

@@ -386,3 +386,64 @@ async fn local_descriptor_outside_any_region() {
     assert!(matches!(err, Error::InvalidArgument(_)), "{err:?}");
     assert_eq!(dst.to_vec().unwrap(), vec![0u8; 4096]);
 }
+
+fn rss_kib() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
+    line.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+/// A 1 MiB `ReadBatch` naming one 16 KiB range 43,690 times asks for 683 MiB of reply: the target
+/// streams it from the region (the process grows by far less than the reply), and the link serves
+/// the next request after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_amplifying_read_batch_streams_with_bounded_memory() {
+    let target = target().await;
+    let region = target.alloc_host(16 << 10, Access::READ_WRITE).unwrap();
+    region.write_at(0, &pattern(16 << 10, 5)).unwrap();
+    let (mut c, ack) = RawClient::handshake(target.local_addr().unwrap()).await;
+    assert!(ack.refusal.is_none());
+    let count = 43_690usize;
+    let segments = vec![
+        Segment {
+            key: region.key(),
+            offset: 0,
+            len: 16 << 10,
+        };
+        count
+    ];
+    let before = rss_kib();
+    c.send(&Frame::ReadBatch { id: 1, segments }, &[]).await;
+    let header = tokio::time::timeout(T, c.recv()).await.unwrap().expect("an answer");
+    let Frame::ReadData { id: 1 } = header.frame else {
+        panic!("{:?}", header.frame)
+    };
+    let total = (count as u64) * (16 << 10) + 1;
+    assert_eq!(header.payload_len, total);
+    // Read the reply slowly enough that a target which buffered it would show it.
+    let mut left = total;
+    let mut peak = before;
+    let mut buf = vec![0u8; 1 << 20];
+    let mut first = Vec::new();
+    while left > 0 {
+        let n = (left as usize).min(buf.len());
+        let got = c.recv_payload(n).await;
+        if first.len() < 16 << 10 {
+            first.extend_from_slice(&got[..got.len().min((16 << 10) - first.len())]);
+        }
+        buf[..n].copy_from_slice(&got);
+        left -= n as u64;
+        peak = peak.max(rss_kib());
+    }
+    assert_eq!(first, pattern(16 << 10, 5), "the reply holds the region's bytes");
+    let grew_mib = peak.saturating_sub(before) / 1024;
+    println!("683 MiB reply: the process grew by {grew_mib} MiB at most");
+    assert!(
+        grew_mib < 64,
+        "the process grew by {grew_mib} MiB serving one amplifying read"
+    );
+    // The stream is still framed and served.
+    c.send(&Frame::Ping { nonce: 9 }, &[]).await;
+    let pong = tokio::time::timeout(T, c.recv()).await.unwrap().unwrap();
+    assert!(matches!(pong.frame, Frame::Pong { nonce: 9 }), "{:?}", pong.frame);
+}

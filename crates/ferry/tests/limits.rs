@@ -50,6 +50,33 @@ async fn outgoing_links_count_too() {
     assert!(matches!(err, Error::ResourceExhausted(_)), "{err:?}");
 }
 
+/// Peers that hold every incoming slot of an engine (anyone can, on an engine open to anyone) do not
+/// stop it from connecting out: the two directions are counted apart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn full_incoming_slots_leave_outgoing_ones_free() {
+    let busy = Engine::builder()
+        .listen("127.0.0.1:0")
+        .max_links(2)
+        .build()
+        .await
+        .unwrap();
+    let addr = busy.local_addr().unwrap().to_string();
+    let mut hostile = Vec::new();
+    for _ in 0..2 {
+        let e = Engine::builder().streams(1).build().await.unwrap();
+        let p = e.connect(&addr, T).await.unwrap();
+        hostile.push((e, p));
+    }
+    let one_more = Engine::builder().streams(1).build().await.unwrap();
+    let err = one_more.connect(&addr, T).await.unwrap_err();
+    assert!(matches!(err, Error::ResourceExhausted(_)), "incoming is full: {err:?}");
+    let other = target().await;
+    busy.connect(&other.local_addr().unwrap().to_string(), T)
+        .await
+        .expect("connecting out with every incoming slot taken");
+    assert_eq!(busy.link_count(), 3);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_4097th_pending_notification_is_refused() {
     let (target, initiator, peer) = pair().await;
@@ -77,6 +104,50 @@ async fn the_4097th_pending_notification_is_refused() {
         .await
         .unwrap();
     assert_eq!(target.take_notifications()[0].notification.msg, "after drain");
+}
+
+/// Connect, fill the link's share of the queue, disconnect, again: the notifications of closed links
+/// still count, against a byte budget for the whole queue, so memory stays bounded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn closed_links_notifications_count_against_a_byte_budget() {
+    let budget = 256 << 10;
+    let target = Engine::builder()
+        .listen("127.0.0.1:0")
+        .max_pending_notifications(64)
+        .max_notification_bytes(budget)
+        .build()
+        .await
+        .unwrap();
+    let addr = target.local_addr().unwrap().to_string();
+    let text = "x".repeat(1000);
+    let mut refused = None;
+    'flood: for round in 0..64 {
+        let e = Engine::builder().streams(1).build().await.unwrap();
+        let p = e.connect(&addr, T).await.unwrap();
+        for i in 0..64 {
+            if let Err(err) = e.notify(&p, Notification::new("flood", text.clone()), T).await {
+                refused = Some((round, i, err));
+                break 'flood;
+            }
+        }
+        e.disconnect(&p, T).await.unwrap();
+    }
+    let (round, _, err) = refused.expect("the queue never filled: its memory is unbounded");
+    assert!(
+        matches!(err, Error::ResourceExhausted(ref m) if m.contains("bytes")),
+        "{err:?}"
+    );
+    assert!(round >= 3, "refused by the per-link limit instead ({round})");
+    let held: usize = target
+        .take_notifications()
+        .iter()
+        .map(|n| n.notification.msg.len())
+        .sum();
+    assert!(held <= budget, "{held} bytes of text held against a budget of {budget}");
+    // Drained: a new link is served again.
+    let e = Engine::builder().build().await.unwrap();
+    let p = e.connect(&addr, T).await.unwrap();
+    e.notify(&p, Notification::new("n", "after drain"), T).await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
