@@ -213,11 +213,15 @@ async fn setup(args: &Args, max_bytes: u64) -> anyhow::Result<Setup> {
         Some(addr) => (None, addr.clone()),
         None => {
             let mut target = Engine::builder().transports([want]).listen("127.0.0.1:0");
+            let authenticated = target_tls.is_some();
             if let Some(tls) = target_tls {
                 target = target.tls(tls);
             }
             let target = target.build().await.context("starting the target engine")?;
             let region = target_region(&target, args, max_bytes as usize, &mut temp_file)?;
+            if authenticated {
+                region.grant_all(Access::READ_WRITE).await?;
+            }
             let addr = target.local_addr().context("target has no address")?.to_string();
             (Some((target, region)), addr)
         }

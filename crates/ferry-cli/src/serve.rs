@@ -25,6 +25,13 @@ pub struct Args {
     adr_without_ddio: bool,
     #[command(flatten)]
     tls: TlsArgs,
+    /// With TLS: let the peer whose certificate carries this name read and write the region; repeat
+    /// for more. Without --grant or --grant-all no peer may reach it.
+    #[arg(long = "grant", requires = "tls_cert")]
+    grants: Vec<String>,
+    /// With TLS: let every authenticated peer read and write the region.
+    #[arg(long, requires = "tls_cert")]
+    grant_all: bool,
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
@@ -64,7 +71,18 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     };
     let addr = engine.local_addr().context("the engine has no listen address")?;
     if authenticated {
-        eprintln!("authentication: mutual TLS; only peers with a certificate from the given CA get in");
+        for name in &args.grants {
+            region.grant(name, Access::READ_WRITE).await?;
+        }
+        if args.grant_all {
+            region.grant_all(Access::READ_WRITE).await?;
+        }
+        let who = match (args.grant_all, args.grants.is_empty()) {
+            (true, _) => "every peer with a certificate from the given CA".to_string(),
+            (false, false) => args.grants.join(", "),
+            (false, true) => "no peer yet (give --grant NAME or --grant-all)".to_string(),
+        };
+        eprintln!("authentication: mutual TLS; the region is granted to {who}");
     } else {
         eprintln!(
             "WARNING: authentication is off: anyone who can reach {addr} can read and overwrite this region \

@@ -49,7 +49,7 @@ fn a_served_region_is_reachable_only_with_a_certificate_of_its_ca() {
     certs(&other, &["stranger"]);
 
     let mut cmd = common::serve_command("127.0.0.1:0", "1MiB");
-    cmd.args(tls_args(&dir, "server"));
+    cmd.args(tls_args(&dir, "server")).args(["--grant", "client"]);
     let serve = common::start(cmd).expect("ferry serve with TLS starts");
     let addr = serve.addr.to_string();
 

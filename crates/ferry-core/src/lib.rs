@@ -17,6 +17,7 @@
 
 pub mod codec;
 pub mod error;
+pub mod grants;
 pub mod guard;
 pub mod memory;
 pub mod options;
@@ -26,6 +27,7 @@ pub mod transport;
 pub mod types;
 
 pub use error::{Error, ErrorCode, Result, WireError};
+pub use grants::{AccessEpochs, EpochTicket, Grants};
 pub use guard::{AccessGuard, OwnedPermit, Permit};
 pub use memory::{DmaView, MemoryBlock, MemoryRegistry, OwnedBuffer, RawMemory};
 pub use options::BufferPool;

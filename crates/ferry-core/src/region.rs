@@ -12,12 +12,13 @@
 //! [`crate::guard`]).
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 
 use crate::error::{Error, Result};
+use crate::grants::Grants;
 use crate::guard::AccessGuard;
 use crate::memory::{DmaView, MemoryBlock};
-use crate::types::{Access, Durability, RegionAd, RegionKey, TransportKind};
+use crate::types::{Access, Durability, PeerIdentity, RegionAd, RegionKey, TransportKind};
 
 /// A registered region: its memory, key, access and access guard.
 pub struct RegionEntry {
@@ -26,6 +27,8 @@ pub struct RegionEntry {
     block: Arc<dyn MemoryBlock>,
     guard: Arc<AccessGuard>,
     transport_keys: Vec<(TransportKind, Vec<u8>)>,
+    /// Who may reach it, on an engine that authenticates its links (see [`crate::grants`]).
+    grants: RwLock<Grants>,
 }
 
 impl std::fmt::Debug for RegionEntry {
@@ -52,6 +55,44 @@ impl RegionEntry {
             block,
             guard: Arc::new(AccessGuard::new()),
             transport_keys: Vec::new(),
+            grants: RwLock::new(Grants::default()),
+        })
+    }
+
+    /// What a peer may do here: `who` is its identity on an authenticated link, `None` on an engine
+    /// open to anyone (which grants every peer the region's access).
+    pub fn access_for(&self, who: Option<&PeerIdentity>) -> Access {
+        match who {
+            None => self.access,
+            Some(who) => match self.grants.read() {
+                Ok(g) => self.access.intersection(g.for_identity(who)),
+                Err(_) => Access::NONE,
+            },
+        }
+    }
+
+    /// The grants, now.
+    pub fn grants(&self) -> Grants {
+        self.grants.read().map(|g| g.clone()).unwrap_or_default()
+    }
+
+    /// Changes the grants.
+    pub fn update_grants(&self, change: impl FnOnce(&mut Grants)) -> Result<()> {
+        let mut g = self
+            .grants
+            .write()
+            .map_err(|_| Error::Internal("a region's grant lock was poisoned".into()))?;
+        change(&mut g);
+        Ok(())
+    }
+
+    /// The advert a peer (`who`, as in [`access_for`](Self::access_for)) is told of: `None` if it may
+    /// do nothing here.
+    pub fn advert_for(&self, who: Option<&PeerIdentity>) -> Option<RegionAd> {
+        let access = self.access_for(who);
+        (!access.is_none()).then(|| RegionAd {
+            access,
+            ..self.advert()
         })
     }
 
@@ -281,6 +322,40 @@ impl RegionTable {
     /// All regions, as peers see them.
     pub fn adverts(&self) -> Vec<RegionAd> {
         self.by_addr.values().map(|k| self.by_key[k].advert()).collect()
+    }
+
+    /// The regions the peer `who` may reach, with what it may do (see [`RegionEntry::access_for`]).
+    pub fn adverts_for(&self, who: Option<&PeerIdentity>) -> Vec<RegionAd> {
+        self.by_addr
+            .values()
+            .filter_map(|k| self.by_key[k].advert_for(who))
+            .collect()
+    }
+
+    /// [`resolve`](Self::resolve) for the peer `who`: a region it was not granted is as unknown to it
+    /// as a key never registered.
+    pub fn resolve_for(
+        &self,
+        who: Option<&PeerIdentity>,
+        key: RegionKey,
+        offset: u64,
+        len: u64,
+        access: Access,
+    ) -> Result<Resolved> {
+        if let (Some(who), Some(region)) = (who, self.by_key.get(&key)) {
+            let granted = region.access_for(Some(who));
+            if granted.is_none() {
+                return Err(Error::PermissionDenied(format!(
+                    "no region is registered under key {key:?}"
+                )));
+            }
+            if !granted.contains(access) {
+                return Err(Error::PermissionDenied(format!(
+                    "region {key:?} grants {who} {granted} but the operation needs {access}"
+                )));
+            }
+        }
+        self.resolve(key, offset, len, access)
     }
 
     /// The target-side check of a remote operation: the key exists, `[offset, offset + len)` lies in

@@ -17,6 +17,7 @@ use crate::sync::shim::{AtomicUsize, Ordering};
 use futures::future::BoxFuture;
 
 use crate::error::{Error, Result};
+use crate::grants::AccessEpochs;
 use crate::region::{RegionEntry, RegionTable, Resolved};
 use crate::types::{Access, Durability, Notification, Op, PeerIdentity, PersistMethod, RegionKey, TransportKind};
 
@@ -279,21 +280,38 @@ pub struct EngineContext {
     pub transports: Vec<TransportKind>,
     /// The transports themselves, for answering a peer's setup of a data link.
     pub acceptors: Vec<Arc<dyn Transport>>,
+    /// Remote operations in progress, for revokes to wait out (see [`crate::grants`]).
+    pub accesses: Arc<AccessEpochs>,
 }
 
 impl EngineContext {
-    /// Resolves a remote operation against the region table (see [`RegionTable::resolve`]).
-    pub fn resolve(&self, key: RegionKey, offset: u64, len: u64, op: Op) -> Result<Resolved> {
+    /// Resolves a remote operation of the peer `who` (its identity on an authenticated link) against
+    /// the region table and the region's grants (see [`RegionTable::resolve_for`]).
+    pub fn resolve(
+        &self,
+        who: Option<&PeerIdentity>,
+        key: RegionKey,
+        offset: u64,
+        len: u64,
+        op: Op,
+    ) -> Result<Resolved> {
         self.regions
             .read()
             .map_err(|_| Error::Internal("region table lock poisoned".into()))?
-            .resolve(key, offset, len, op.required_access())
+            .resolve_for(who, key, offset, len, op.required_access())
     }
 
     /// Resolves a remote write that promises `durability`: a persistent write needs a persistent
     /// region, refused with `InvalidArgument` before a byte is written.
-    pub fn resolve_write(&self, key: RegionKey, offset: u64, len: u64, durability: Durability) -> Result<Resolved> {
-        let r = self.resolve(key, offset, len, Op::Write)?;
+    pub fn resolve_write(
+        &self,
+        who: Option<&PeerIdentity>,
+        key: RegionKey,
+        offset: u64,
+        len: u64,
+        durability: Durability,
+    ) -> Result<Resolved> {
+        let r = self.resolve(who, key, offset, len, Op::Write)?;
         if durability == Durability::Persistent && !r.region.block().persistent() {
             return Err(Error::InvalidArgument(format!(
                 "a persistent write needs a persistent region; region {key:?} is {}",

@@ -8,7 +8,16 @@ use crate::error::{Error, Result};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Access(u8);
 
+impl Default for Access {
+    /// Nothing.
+    fn default() -> Self {
+        Access::NONE
+    }
+}
+
 impl Access {
+    /// No access: what an ungranted peer has. Never sent on the wire.
+    pub const NONE: Access = Access(0);
     /// Peers may read the region.
     pub const READ: Access = Access(0b01);
     /// Peers may write the region.
@@ -19,6 +28,21 @@ impl Access {
     /// Whether every permission in `other` is also in `self`.
     pub fn contains(self, other: Access) -> bool {
         self.0 & other.0 == other.0
+    }
+
+    /// The permissions in either.
+    pub fn union(self, other: Access) -> Access {
+        Access(self.0 | other.0)
+    }
+
+    /// The permissions in both.
+    pub fn intersection(self, other: Access) -> Access {
+        Access(self.0 & other.0)
+    }
+
+    /// Whether it permits nothing.
+    pub fn is_none(self) -> bool {
+        self.0 == 0
     }
 
     /// The wire byte.

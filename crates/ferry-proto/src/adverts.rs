@@ -22,6 +22,7 @@ pub struct AdvertQueue {
     cap: usize,
     resync: bool,
     resyncs: u64,
+    pushed: u64,
 }
 
 impl AdvertQueue {
@@ -32,11 +33,20 @@ impl AdvertQueue {
             cap: cap.max(1),
             resync: false,
             resyncs: 0,
+            pushed: 0,
         }
+    }
+
+    /// Changes pushed so far. Once [`poll_transmit`](Self::poll_transmit) returned `None`, what it
+    /// returned reflects every one of them: a caller that waits for a link to have sent a change
+    /// notes this count after pushing it.
+    pub fn pushed(&self) -> u64 {
+        self.pushed
     }
 
     /// Queues one change; past the bound, drops every queued update and asks for the whole table.
     pub fn push(&mut self, change: &RegionChange) {
+        self.pushed += 1;
         if self.resync {
             // The table read at the next transmit includes this change.
             return;

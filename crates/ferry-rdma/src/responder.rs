@@ -141,10 +141,11 @@ impl Responder {
         let Some(context) = self.context.upgrade() else {
             return false;
         };
+        let who = self.peer_identity.as_ref();
         segments.iter().any(|s| {
             context
-                .resolve(s.key, s.offset, s.len, Op::Read)
-                .or_else(|_| context.resolve(s.key, s.offset, s.len, Op::Write))
+                .resolve(who, s.key, s.offset, s.len, Op::Read)
+                .or_else(|_| context.resolve(who, s.key, s.offset, s.len, Op::Write))
                 .is_ok_and(|r| r.region.staging_may_block(durability))
         })
     }
@@ -181,7 +182,7 @@ impl Responder {
         let shared = self.shared.upgrade().ok_or_else(gone)?;
         let parts = segments
             .iter()
-            .map(|s| context.resolve_write(s.key, s.offset, s.len, durability))
+            .map(|s| context.resolve_write(self.peer_identity.as_ref(), s.key, s.offset, s.len, durability))
             .collect::<ferry_core::Result<Vec<_>>>()?;
         for_each_region(&parts, |region, ranges| {
             shared.commit_bounced(region, ranges)?;
@@ -209,7 +210,7 @@ impl Responder {
             .upgrade()
             .ok_or_else(|| ferry_core::Error::PeerClosed("the engine is shutting down".into()))?;
         for s in segments {
-            let r = context.resolve(s.key, s.offset, s.len, Op::Read)?;
+            let r = context.resolve(self.peer_identity.as_ref(), s.key, s.offset, s.len, Op::Read)?;
             let _permit = r.region.guard().enter().ok_or_else(|| r.region.gone())?;
             r.region.block().prepare_read(r.offset as usize, r.len as usize)?;
         }

@@ -22,7 +22,7 @@ mod tls;
 
 pub use coalesce::{CoalesceBuf, CoalescePool};
 pub use link::{LinkConfig, LocalIdentity, TcpLink};
-pub use server::{MAX_STREAMS_PER_LINK, ServerConfig, TcpServer};
+pub use server::{AdvertsSent, MAX_STREAMS_PER_LINK, ServerConfig, TcpServer};
 pub use tls::TlsConfig;
 
 use ferry_core::{Availability, Transport, TransportKind};

@@ -20,7 +20,8 @@ use std::time::Duration;
 
 use ferry_core::codec::{Frame, Hello, Limits, ReadStatus, Segment};
 use ferry_core::{
-    AcceptedPath, Durability, EngineContext, Error, LinkSlot, Op, PeerIdentity, RegionChange, Resolved, Result,
+    AcceptedPath, Durability, EngineContext, Error, LinkSlot, Op, PeerIdentity, RegionChange, RegionKey, Resolved,
+    Result,
 };
 use ferry_proto::handshake::refuse_anonymously;
 use ferry_proto::target::{ack, setup_reply};
@@ -28,7 +29,7 @@ use ferry_proto::{
     Admission, AdvertQueue, Identity, LinkLimits, LinkRegistry, LinkToken, OpId, Request, StreamIndex, TargetStream,
 };
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, watch};
 use tokio::task::AbortHandle;
 use tokio::time::Instant;
 
@@ -78,10 +79,40 @@ struct AcceptedLink {
     identity: Option<PeerIdentity>,
     adverts: Mutex<AdvertQueue>,
     adverts_due: Notify,
+    /// How many of the changes pushed to `adverts` the control stream has sent (see
+    /// [`AdvertQueue::pushed`]).
+    adverts_sent: watch::Sender<u64>,
     streams: Mutex<Vec<AbortHandle>>,
     /// Other data paths set up for this link (an RDMA queue pair), dropped with it.
     data_paths: Mutex<Vec<Box<dyn AcceptedPath>>>,
     _slot: LinkSlot,
+}
+
+impl AcceptedLink {
+    /// Queues a region update for the control stream; returns the queue's count of pushed changes.
+    fn push_advert(&self, change: &RegionChange) -> u64 {
+        let pushed = match self.adverts.lock() {
+            Ok(mut q) => {
+                q.push(change);
+                q.pushed()
+            }
+            Err(_) => 0,
+        };
+        self.adverts_due.notify_one();
+        pushed
+    }
+}
+
+/// Region updates queued on some links, until their control streams have sent them.
+pub struct AdvertsSent(Vec<(watch::Receiver<u64>, u64)>);
+
+impl AdvertsSent {
+    /// Waits until every link has sent its update (a link that closed meanwhile counts as done).
+    pub async fn wait(mut self) {
+        for (sent, pushed) in &mut self.0 {
+            let _ = sent.wait_for(|n| *n >= *pushed).await;
+        }
+    }
 }
 
 struct Shared {
@@ -147,20 +178,51 @@ impl TcpServer {
         self.shared.links.lock().map(|l| l.len()).unwrap_or(0)
     }
 
-    /// Tells every accepted link about a change to the region table.
+    /// Tells every accepted link about a change to the region table (a region it may reach, on an
+    /// engine that authenticates).
     pub fn announce(&self, change: &RegionChange) {
-        let links: Vec<_> = self
-            .shared
+        let entry = match change {
+            RegionChange::Added(ad) => self.shared.ctx.regions.read().ok().and_then(|t| t.get(ad.key).cloned()),
+            RegionChange::Removed(_) => None,
+        };
+        for link in self.links() {
+            let change = match (change, &entry) {
+                (RegionChange::Added(_), Some(entry)) => match entry.advert_for(link.identity.as_ref()) {
+                    Some(ad) => RegionChange::Added(ad),
+                    None => continue,
+                },
+                (change, _) => change.clone(),
+            };
+            link.push_advert(&change);
+        }
+    }
+
+    /// Tells the links of the peers whose grants on `key` may have changed what they may now do there
+    /// (the region, with their access; or its removal). Returns a wait that ends once every one of
+    /// them has sent it.
+    pub fn regranted(&self, key: RegionKey) -> AdvertsSent {
+        let Some(entry) = self.shared.ctx.regions.read().ok().and_then(|t| t.get(key).cloned()) else {
+            return AdvertsSent(Vec::new());
+        };
+        let mut waits = Vec::new();
+        for link in self.links() {
+            let Some(who) = link.identity.as_ref() else { continue };
+            let change = match entry.advert_for(Some(who)) {
+                Some(ad) => RegionChange::Added(ad),
+                None => RegionChange::Removed(key),
+            };
+            let pushed = link.push_advert(&change);
+            waits.push((link.adverts_sent.subscribe(), pushed));
+        }
+        AdvertsSent(waits)
+    }
+
+    fn links(&self) -> Vec<Arc<AcceptedLink>> {
+        self.shared
             .links
             .lock()
             .map(|l| l.links().cloned().collect())
-            .unwrap_or_default();
-        for link in links {
-            if let Ok(mut q) = link.adverts.lock() {
-                q.push(change);
-            }
-            link.adverts_due.notify_one();
-        }
+            .unwrap_or_default()
     }
 
     /// Stops accepting and closes every accepted link.
@@ -281,13 +343,18 @@ fn admit(
                 identity: session.map(|s| s.identity.clone()),
                 adverts: Mutex::new(AdvertQueue::new(shared.config.link_limits.advert_queue)),
                 adverts_due: Notify::new(),
+                adverts_sent: watch::Sender::new(0),
                 streams: Mutex::new(Vec::new()),
                 data_paths: Mutex::new(Vec::new()),
                 _slot: slot,
             });
             // Under the registry's lock, so no update announced meanwhile is missed: it is either
             // in this table or queued for the link.
-            let regions = ctx.regions.read().map(|t| t.adverts()).unwrap_or_default();
+            let regions = ctx
+                .regions
+                .read()
+                .map(|t| t.adverts_for(link.identity.as_ref()))
+                .unwrap_or_default();
             links.open(hello, link.clone(), session.map(|s| s.join_key.clone()))?;
             Ok((link, regions))
         }),
@@ -375,16 +442,18 @@ async fn serve_stream(
     result
 }
 
-/// Moves the link's due region updates into the control stream's writer.
-fn push_adverts(ctx: &EngineContext, link: &AcceptedLink, writer: &mut FrameWriter) -> Result<()> {
+/// Moves the link's due region updates into the control stream's writer; returns how many changes
+/// that covers (see [`AdvertQueue::pushed`]).
+fn push_adverts(ctx: &EngineContext, link: &AcceptedLink, writer: &mut FrameWriter) -> Result<u64> {
     let mut q = link
         .adverts
         .lock()
         .map_err(|_| Error::Internal("region update queue lock poisoned".into()))?;
-    while let Some(frame) = q.poll_transmit(|| ctx.regions.read().map(|t| t.adverts()).unwrap_or_default()) {
+    let who = link.identity.as_ref();
+    while let Some(frame) = q.poll_transmit(|| ctx.regions.read().map(|t| t.adverts_for(who)).unwrap_or_default()) {
         writer.push(&frame, 0)?;
     }
-    Ok(())
+    Ok(q.pushed())
 }
 
 /// Serves one stream until it ends: reads a request, applies it, queues the answer. Over 80 lines:
@@ -407,7 +476,9 @@ async fn serve_requests(
             true => tokio::select! {
                 biased;
                 () = link.adverts_due.notified() => {
-                    push_adverts(ctx, &link, &mut writer)?;
+                    let pushed = push_adverts(ctx, &link, &mut writer)?;
+                    writer.flush().await?;
+                    link.adverts_sent.send_replace(pushed);
                     continue;
                 }
                 next = reader.next() => next?,
@@ -415,6 +486,9 @@ async fn serve_requests(
             false => reader.next().await?,
         };
         let Some(decoded) = next else { return Ok(()) };
+        // Counted from before its grant check until it is answered, for revokes to wait out.
+        let _in_progress = ctx.accesses.begin();
+        let who = link.identity.as_ref();
         let answer = match stream.request(decoded)? {
             Request::Write {
                 id,
@@ -428,21 +502,21 @@ async fn serve_requests(
                     offset,
                     len: payload_len,
                 };
-                serve_write(ctx, &mut reader, id, &[seg], payload_len, durability).await?
+                serve_write(ctx, who, &mut reader, id, &[seg], payload_len, durability).await?
             }
             Request::WriteBatch {
                 id,
                 durability,
                 segments,
                 payload_len,
-            } => serve_write(ctx, &mut reader, id, &segments, payload_len, durability).await?,
+            } => serve_write(ctx, who, &mut reader, id, &segments, payload_len, durability).await?,
             Request::Commit {
                 id,
                 durability,
                 segments,
-            } => ack(id, &serve_commit(ctx, &segments, durability).await),
+            } => ack(id, &serve_commit(ctx, who, &segments, durability).await),
             Request::Read { id, segments } => {
-                match resolve_reads(ctx, &segments, shared.config.limits.max_payload).await {
+                match resolve_reads(ctx, who, &segments, shared.config.limits.max_payload).await {
                     Ok(parts) => {
                         send_read_data(&mut writer, id, &parts).await?;
                         continue;
@@ -482,6 +556,7 @@ async fn serve_requests(
 /// send. An error breaks the stream.
 async fn serve_write(
     ctx: &EngineContext,
+    who: Option<&PeerIdentity>,
     reader: &mut FrameReader,
     id: OpId,
     segments: &[Segment],
@@ -490,7 +565,7 @@ async fn serve_write(
 ) -> Result<Frame> {
     let resolved: Result<Vec<Resolved>> = segments
         .iter()
-        .map(|s| ctx.resolve_write(s.key, s.offset, s.len, durability))
+        .map(|s| ctx.resolve_write(who, s.key, s.offset, s.len, durability))
         .collect();
     let result = match resolved {
         Ok(parts) => match land(reader, &parts).await? {
@@ -506,10 +581,15 @@ async fn serve_write(
 }
 
 /// Ranges this stream's frames wrote before the commit: persist them if asked.
-async fn serve_commit(ctx: &EngineContext, segments: &[Segment], durability: Durability) -> Result<()> {
+async fn serve_commit(
+    ctx: &EngineContext,
+    who: Option<&PeerIdentity>,
+    segments: &[Segment],
+    durability: Durability,
+) -> Result<()> {
     let parts = segments
         .iter()
-        .map(|s| ctx.resolve_write(s.key, s.offset, s.len, durability))
+        .map(|s| ctx.resolve_write(who, s.key, s.offset, s.len, durability))
         .collect::<Result<Vec<_>>>()?;
     persist(&parts, durability).await
 }
@@ -586,11 +666,16 @@ fn read_status(parts: &[Resolved], copied: bool) -> ReadStatus {
     }
 }
 
-async fn resolve_reads(ctx: &EngineContext, segments: &[Segment], max_payload: u64) -> Result<Vec<Resolved>> {
+async fn resolve_reads(
+    ctx: &EngineContext,
+    who: Option<&PeerIdentity>,
+    segments: &[Segment],
+    max_payload: u64,
+) -> Result<Vec<Resolved>> {
     let mut total = 0u64;
     let mut parts = Vec::with_capacity(segments.len());
     for s in segments {
-        let r = ctx.resolve(s.key, s.offset, s.len, Op::Read)?;
+        let r = ctx.resolve(who, s.key, s.offset, s.len, Op::Read)?;
         total = total.saturating_add(s.len);
         if total > max_payload {
             return Err(Error::InvalidArgument(format!(

@@ -262,6 +262,7 @@ impl EngineBuilder {
             outgoing: Arc::new(LinkSlots::new(self.max_links)),
             transports: transports.iter().map(|t| t.kind()).collect(),
             acceptors: transports.clone(),
+            accesses: Default::default(),
         });
         let server = match &self.listen {
             Some(addr) => {
@@ -286,6 +287,7 @@ impl EngineBuilder {
                 peers: Mutex::new(HashMap::new()),
                 notifications,
                 pool,
+                revoking: tokio::sync::Mutex::new(()),
                 options: self,
             }),
         })
@@ -323,6 +325,8 @@ pub(crate) struct Inner {
     notifications: Arc<NotificationQueue>,
     pool: Option<Arc<CoalescePool>>,
     options: EngineBuilder,
+    /// Serializes revokes (see [`Inner::regrant`]).
+    revoking: tokio::sync::Mutex<()>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -733,7 +737,64 @@ async fn run_with_timeout(peer: &Peer, request: TransferRequest, timeout: Durati
 /// logs an error and returns.
 pub const DEREGISTER_LIMIT: Duration = Duration::from_secs(5);
 
+/// How long [`Region::revoke`](crate::Region::revoke) waits for the peers' links to have sent the
+/// removal and for the operations that passed the old grant to end.
+pub const REVOKE_LIMIT: Duration = Duration::from_secs(5);
+
 impl Inner {
+    /// Whether links are authenticated, and so whether regions have grants.
+    pub(crate) fn authenticates(&self) -> bool {
+        self.options.tls.is_some()
+    }
+
+    /// Changes `entry`'s grants and tells the peers whose view of it changed; a revoke (`waits`)
+    /// then waits, at most [`REVOKE_LIMIT`], until their links sent the change and every remote
+    /// operation that started before it ended.
+    pub(crate) async fn regrant(
+        &self,
+        entry: &RegionEntry,
+        change: impl FnOnce(&mut ferry_core::Grants),
+        waits: bool,
+    ) -> Result<()> {
+        if !self.authenticates() {
+            return Err(Error::InvalidArgument(
+                "this engine does not authenticate its links, so every peer reaches every region: grants \
+                 need EngineBuilder::tls"
+                    .into(),
+            ));
+        }
+        if !waits {
+            entry.update_grants(change)?;
+            if let Some(server) = &self.server {
+                server.regranted(entry.key());
+            }
+            return Ok(());
+        }
+        let _one_at_a_time = self.revoking.lock().await;
+        entry.update_grants(change)?;
+        let epoch = self
+            .ctx
+            .accesses
+            .advance()
+            .ok_or_else(|| Error::Internal("two revokes advanced the access epoch at once".into()))?;
+        let sent = self.server.as_ref().map(|s| s.regranted(entry.key()));
+        let settled = async {
+            if let Some(sent) = sent {
+                sent.wait().await;
+            }
+            while !epoch.settled() {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        };
+        tokio::time::timeout(REVOKE_LIMIT, settled).await.map_err(|_| {
+            Error::Timeout(format!(
+                "region {:?}: the revoke holds for every new operation, but after {REVOKE_LIMIT:?} a peer's link \
+                 had not yet sent the change or an operation begun before it had not ended",
+                entry.key()
+            ))
+        })
+    }
+
     /// Takes the region out of the table, closes its access guard so that no new access starts, and
     /// tells the peers.
     fn unlist_region(&self, key: RegionKey) -> Option<Arc<RegionEntry>> {

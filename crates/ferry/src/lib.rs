@@ -34,10 +34,10 @@ mod transfer;
 pub use capabilities::{Capabilities, TransportInfo, TransportOptions, capabilities};
 pub use engine::{
     DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_INFLIGHT_BYTES, DEFAULT_MAX_NOTIFICATION_BYTES, DEFAULT_STREAMS,
-    DEREGISTER_LIMIT, Engine, EngineBuilder,
+    DEREGISTER_LIMIT, Engine, EngineBuilder, REVOKE_LIMIT,
 };
 pub use ferry_core::{
-    Access, BufferPool, DmaView, Durability, Error, ErrorCode, MemoryBlock, MemoryRegistry, Notification, Op,
+    Access, BufferPool, DmaView, Durability, Error, ErrorCode, Grants, MemoryBlock, MemoryRegistry, Notification, Op,
     PeerIdentity, PersistMethod, PersistStats, ReceivedNotification, RegionAd, RegionKey, RemoteRegions, Result,
     TransferDesc, TransportKind,
 };

@@ -120,6 +120,68 @@ impl Region {
         self.entry.block().as_ptr()
     }
 
+    /// Lets the peer named `peer` (the name in its certificate, or one of its alternative names) reach
+    /// this region with `access` (within the region's own access), on an engine that authenticates its
+    /// links ([`EngineBuilder::tls`](crate::EngineBuilder::tls)); there regions are private until
+    /// granted. The peer's links are told at once. `InvalidArgument` on an open engine, where every
+    /// peer reaches every region.
+    pub async fn grant(&self, peer: &str, access: Access) -> Result<()> {
+        let engine = self.engine()?;
+        let name = peer.to_string();
+        engine
+            .regrant(
+                &self.entry,
+                |g| {
+                    g.named.insert(name, access);
+                },
+                false,
+            )
+            .await
+    }
+
+    /// Lets every authenticated peer reach this region with `access`, as [`grant`](Self::grant) does
+    /// for one.
+    pub async fn grant_all(&self, access: Access) -> Result<()> {
+        self.engine()?
+            .regrant(&self.entry, |g| g.everyone = access, false)
+            .await
+    }
+
+    /// Takes back what [`grant`](Self::grant) gave `peer`. When this returns `Ok`, every link of that
+    /// peer has sent it the region's removal (or its narrower access, if a grant to every peer
+    /// remains), every later operation of it on the region is refused, and no operation it began
+    /// before has a byte left to move. The wait is bounded by [`REVOKE_LIMIT`](crate::REVOKE_LIMIT):
+    /// past it this fails with `Timeout`, the revoke in force for new operations.
+    pub async fn revoke(&self, peer: &str) -> Result<()> {
+        self.engine()?
+            .regrant(
+                &self.entry,
+                |g| {
+                    g.named.remove(peer);
+                },
+                true,
+            )
+            .await
+    }
+
+    /// Takes back a [`grant_all`](Self::grant_all), as [`revoke`](Self::revoke) does for one peer.
+    pub async fn revoke_all(&self) -> Result<()> {
+        self.engine()?
+            .regrant(&self.entry, |g| g.everyone = Access::NONE, true)
+            .await
+    }
+
+    /// What this region grants, by peer.
+    pub fn grants(&self) -> ferry_core::Grants {
+        self.entry.grants()
+    }
+
+    fn engine(&self) -> Result<Arc<Inner>> {
+        self.engine
+            .upgrade()
+            .ok_or_else(|| Error::InvalidArgument("the engine of this region is gone".into()))
+    }
+
     /// Deregisters the region without blocking the runtime's threads: takes it out of the region
     /// table (new remote operations on it fail with `PermissionDenied`), closes its access guard (no
     /// new access starts), tells peers, has every transport end its own accesses (the RDMA transport

@@ -66,6 +66,7 @@ async fn authenticated_engines_move_data_and_know_who_they_talk_to() {
     let ca = Ca::new("ferry test CA");
     let (target, addr) = tls_target(&ca, "kv-cache-0").await;
     let dst = target.alloc_host(4 << 20, Access::READ_WRITE).unwrap();
+    dst.grant("decode-3", Access::READ_WRITE).await.unwrap();
     let initiator = Engine::builder().tls(ca.config("decode-3")).build().await.unwrap();
     let src = initiator.alloc_host(4 << 20, Access::READ_WRITE).unwrap();
     let data = pattern(4 << 20, 7);
@@ -116,6 +117,7 @@ async fn encrypting_every_stream_moves_the_same_bytes() {
     let ca = Ca::new("ferry test CA");
     let (target, addr) = tls_target(&ca, "target").await;
     let dst = target.alloc_host(2 << 20, Access::READ_WRITE).unwrap();
+    dst.grant_all(Access::READ_WRITE).await.unwrap();
     let initiator = Engine::builder()
         .tls(ca.config("client").encrypt_data(true))
         .build()
@@ -188,34 +190,32 @@ async fn certificates_from_another_ca_are_refused_both_ways() {
     assert_eq!(open_target.link_count(), 0);
 }
 
-/// Speaks the protocol by hand: a TLS control stream with a known token, then plain streams that
-/// try to join it with no proof, another session's proof, and the right one.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stream_joins_only_with_the_sessions_proof() {
-    let ca = Ca::new("ferry test CA");
-    let (_target, addr) = tls_target(&ca, "target").await;
-    let (cert, key) = ca.issue("raw-client");
-    let client = {
-        use rustls::pki_types::pem::PemObject;
-        let mut roots = rustls::RootCertStore::empty();
-        roots
-            .add(rustls::pki_types::CertificateDer::from_pem_slice(ca.pem().as_bytes()).unwrap())
-            .unwrap();
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        rustls::ClientConfig::builder_with_provider(provider)
-            .with_protocol_versions(&[&rustls::version::TLS13])
-            .unwrap()
-            .with_root_certificates(roots)
-            .with_client_auth_cert(
-                vec![rustls::pki_types::CertificateDer::from_pem_slice(cert.as_bytes()).unwrap()],
-                rustls::pki_types::PrivateKeyDer::from_pem_slice(key.as_bytes()).unwrap(),
-            )
-            .unwrap()
-    };
+/// A TLS connection to `addr` with a certificate for `name`, and the join key of its session.
+async fn raw_tls(
+    ca: &Ca,
+    name: &str,
+    addr: SocketAddr,
+) -> (tokio_rustls::client::TlsStream<tokio::net::TcpStream>, JoinKey) {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+    let (cert, key) = ca.issue(name);
+    let mut roots = rustls::RootCertStore::empty();
+    roots
+        .add(CertificateDer::from_pem_slice(ca.pem().as_bytes()).unwrap())
+        .unwrap();
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let client = rustls::ClientConfig::builder_with_provider(provider)
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_client_auth_cert(
+            vec![CertificateDer::from_pem_slice(cert.as_bytes()).unwrap()],
+            PrivateKeyDer::from_pem_slice(key.as_bytes()).unwrap(),
+        )
+        .unwrap();
     let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let name = rustls::pki_types::ServerName::IpAddress(addr.ip().into());
-    let mut tls = tokio_rustls::TlsConnector::from(Arc::new(client))
-        .connect(name, tcp)
+    let tls = tokio_rustls::TlsConnector::from(Arc::new(client))
+        .connect(ServerName::IpAddress(addr.ip().into()), tcp)
         .await
         .unwrap();
     let secret = tls
@@ -223,7 +223,43 @@ async fn a_stream_joins_only_with_the_sessions_proof() {
         .1
         .export_keying_material([0u8; 32], JOIN_EXPORTER_LABEL, None)
         .unwrap();
-    let key = JoinKey::from_exported(&secret);
+    (tls, JoinKey::from_exported(&secret))
+}
+
+/// Sends `frame` (and `payload`) on a raw TLS stream and returns the next frame that comes back (its
+/// payload, if any, read and dropped).
+async fn exchange(
+    tls: &mut tokio_rustls::client::TlsStream<tokio::net::TcpStream>,
+    frame: &Frame,
+    payload: &[u8],
+) -> Frame {
+    let mut out = bytes::BytesMut::new();
+    ferry::codec::encode(frame, payload.len() as u64, &mut out).unwrap();
+    out.extend_from_slice(payload);
+    tls.write_all(&out).await.unwrap();
+    tls.flush().await.unwrap();
+    // Exactly one frame: the header says how long its body is.
+    let mut frame = vec![0u8; ferry::codec::HEADER_LEN];
+    tokio::time::timeout(T, tls.read_exact(&mut frame))
+        .await
+        .unwrap()
+        .unwrap();
+    let body_len = u32::from_le_bytes(frame[4..8].try_into().unwrap()) as usize;
+    frame.resize(ferry::codec::HEADER_LEN + body_len, 0);
+    tls.read_exact(&mut frame[ferry::codec::HEADER_LEN..]).await.unwrap();
+    let (decoded, _) = ferry::codec::decode(&frame, &Default::default()).unwrap().unwrap();
+    let mut payload = vec![0u8; decoded.payload_len as usize];
+    tls.read_exact(&mut payload).await.unwrap();
+    decoded.frame
+}
+
+/// Speaks the protocol by hand: a TLS control stream with a known token, then plain streams that
+/// try to join it with no proof, another session's proof, and the right one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_joins_only_with_the_sessions_proof() {
+    let ca = Ca::new("ferry test CA");
+    let (_target, addr) = tls_target(&ca, "target").await;
+    let (mut tls, key) = raw_tls(&ca, "raw-client", addr).await;
     let token = 0x5eed_0000_0000_0001u64;
     let hello = |index: u16, join_proof: [u8; 32]| {
         Frame::Hello(Hello {
@@ -308,4 +344,188 @@ async fn connections_that_never_authenticate_are_bounded_and_timed_out() {
     let client = Engine::builder().tls(ca.config("client")).build().await.unwrap();
     client.connect(&addr.to_string(), T).await.unwrap();
     assert_eq!(target.link_count(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn regions_are_private_until_granted_and_grants_are_per_peer() {
+    let ca = Ca::new("ferry test CA");
+    let (target, addr) = tls_target(&ca, "target").await;
+    let private = target.alloc_host(4096, Access::READ_WRITE).unwrap();
+    let shared = target.alloc_host(4096, Access::READ_WRITE).unwrap();
+    shared.grant("reader", Access::READ).await.unwrap();
+    let reader = Engine::builder().tls(ca.config("reader")).build().await.unwrap();
+    let other = Engine::builder().tls(ca.config("other")).build().await.unwrap();
+    let to_reader = reader.connect(&addr.to_string(), T).await.unwrap();
+    let to_other = other.connect(&addr.to_string(), T).await.unwrap();
+    // Each is told of what it may reach, with what it may do there.
+    let seen = to_reader.regions();
+    assert_eq!(seen.len(), 1);
+    let ad = seen.iter().next().unwrap();
+    assert_eq!((ad.key, ad.access), (shared.key(), Access::READ));
+    assert!(to_other.regions().is_empty(), "nothing was granted to `other`");
+
+    // The target refuses what was not granted even when the peer names the key itself: a raw
+    // authenticated client that knows both keys reads and writes nothing.
+    private.write_at(0, &[7; 64]).unwrap();
+    let (mut raw, _) = raw_tls(&ca, "reader", addr).await;
+    let hello = Frame::Hello(Hello {
+        engine_id: 5,
+        link_token: 0x1234,
+        stream_index: 0,
+        stream_count: 1,
+        transports: vec![ferry::TransportKind::Tcp],
+        host_id: 0,
+        join_proof: [0; 32],
+    });
+    assert!(matches!(exchange(&mut raw, &hello, &[]).await, Frame::HelloAck(a) if a.refusal.is_none()));
+    let read = |key, id| Frame::Read {
+        id,
+        key,
+        offset: 0,
+        len: 64,
+    };
+    let write = |key, id| Frame::Write {
+        id,
+        key,
+        offset: 0,
+        durability: ferry::Durability::Completed,
+    };
+    for (frame, payload) in [
+        (read(private.key(), 1), &[][..]),
+        (write(private.key(), 2), &[1u8; 64][..]),
+        (write(shared.key(), 3), &[1u8; 64][..]),
+    ] {
+        let answer = exchange(&mut raw, &frame, payload).await;
+        assert!(
+            matches!(&answer, Frame::Ack { error: Some(e), .. } if e.code == ErrorCode::PermissionDenied),
+            "{frame:?} -> {answer:?}"
+        );
+    }
+    assert!(matches!(
+        exchange(&mut raw, &read(shared.key(), 4), &[]).await,
+        Frame::ReadData { id: 4 }
+    ));
+    let mut got = [0u8; 64];
+    private.read_at(0, &mut got).unwrap();
+    assert_eq!(got, [7; 64], "the ungranted region is untouched");
+    shared.read_at(0, &mut got).unwrap();
+    assert_eq!(got, [0; 64], "the read-only grant wrote nothing");
+
+    // Grants exist only where links are authenticated.
+    let open = Engine::builder().build().await.unwrap();
+    let r = open.alloc_host(4096, Access::READ_WRITE).unwrap();
+    assert!(matches!(
+        r.grant("x", Access::READ).await,
+        Err(Error::InvalidArgument(_))
+    ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revoke_stops_a_peer_mid_stream() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let ca = Ca::new("ferry test CA");
+    let (target, addr) = tls_target(&ca, "target").await;
+    let dst = target.alloc_host(1 << 20, Access::READ_WRITE).unwrap();
+    dst.grant("writer", Access::READ_WRITE).await.unwrap();
+    let writer = Engine::builder().tls(ca.config("writer")).build().await.unwrap();
+    let src = writer.alloc_host(1 << 20, Access::READ_WRITE).unwrap();
+    src.write_at(0, &pattern(1 << 20, 1)).unwrap();
+    let peer = writer.connect(&addr.to_string(), T).await.unwrap();
+    let descs: Vec<_> = (0..16u64)
+        .map(|i| TransferDesc::new(src.addr_at(i << 16), dst.addr_at(i << 16), 1 << 16))
+        .collect();
+    let stop = Arc::new(AtomicBool::new(false));
+    let writes = common::keep_writing(&writer, &peer, descs, ferry::Durability::Completed, stop.clone());
+    tokio::time::sleep(Duration::from_millis(200)).await;
+
+    tokio::time::timeout(T, dst.revoke("writer")).await.unwrap().unwrap();
+    // Nothing lands after the revoke returned, though the writer keeps trying.
+    dst.write_at(0, &vec![0u8; 1 << 20]).unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stop.store(true, Ordering::Relaxed);
+    let (ok, refused) = tokio::time::timeout(T, writes).await.unwrap().unwrap();
+    let after = dst.to_vec().unwrap();
+    assert!(
+        after.iter().all(|b| *b == 0),
+        "a write landed after the revoke returned"
+    );
+    assert!(ok > 0, "the writer wrote before the revoke");
+    assert!(refused > 0, "the writer was refused after it");
+    assert!(peer.regions().is_empty(), "the writer was told the region is gone");
+}
+
+/// A write that passed its grant check before the revoke and is still receiving its payload holds the
+/// revoke until it has landed: after `revoke` returns, no byte of it arrives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revoke_waits_for_a_write_already_under_way() {
+    let ca = Ca::new("ferry test CA");
+    let (target, addr) = tls_target(&ca, "target").await;
+    let dst = Arc::new(target.alloc_host(64 << 10, Access::READ_WRITE).unwrap());
+    dst.grant("writer", Access::READ_WRITE).await.unwrap();
+    let (mut raw, _) = raw_tls(&ca, "writer", addr).await;
+    let hello = Frame::Hello(Hello {
+        engine_id: 5,
+        link_token: 0x4321,
+        stream_index: 0,
+        stream_count: 1,
+        transports: vec![ferry::TransportKind::Tcp],
+        host_id: 0,
+        join_proof: [0; 32],
+    });
+    assert!(matches!(exchange(&mut raw, &hello, &[]).await, Frame::HelloAck(a) if a.refusal.is_none()));
+    // The write's header and the first half of its payload; the rest comes later.
+    let mut out = bytes::BytesMut::new();
+    let write = Frame::Write {
+        id: 1,
+        key: dst.key(),
+        offset: 0,
+        durability: ferry::Durability::Completed,
+    };
+    ferry::codec::encode(&write, 64 << 10, &mut out).unwrap();
+    out.extend_from_slice(&[0xaa; 32 << 10]);
+    raw.write_all(&out).await.unwrap();
+    raw.flush().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+
+    let revoking = {
+        let dst = dst.clone();
+        tokio::spawn(async move { dst.revoke("writer").await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !revoking.is_finished(),
+        "the revoke returned while a granted write was still landing"
+    );
+    raw.write_all(&[0xbb; 32 << 10]).await.unwrap();
+    raw.flush().await.unwrap();
+    tokio::time::timeout(T, revoking).await.unwrap().unwrap().unwrap();
+    let got = dst.to_vec().unwrap();
+    assert!(got[..32 << 10].iter().all(|b| *b == 0xaa) && got[32 << 10..].iter().all(|b| *b == 0xbb));
+
+    // Then the peer is refused, and the region stays as it was.
+    dst.write_at(0, &vec![0u8; 64 << 10]).unwrap();
+    let write = Frame::Write {
+        id: 2,
+        key: dst.key(),
+        offset: 0,
+        durability: ferry::Durability::Completed,
+    };
+    let mut answers = Vec::new();
+    let mut answer = exchange(&mut raw, &write, &[0xcc; 64 << 10]).await;
+    // Frames already on their way (the first write's ack, the region's removal) come first.
+    while !matches!(answer, Frame::Ack { id: 2, .. }) {
+        answers.push(answer);
+        answer = exchange(&mut raw, &Frame::Ping { nonce: 1 }, &[]).await;
+    }
+    assert!(
+        matches!(&answer, Frame::Ack { error: Some(e), .. } if e.code == ErrorCode::PermissionDenied),
+        "{answer:?}"
+    );
+    assert!(
+        answers
+            .iter()
+            .any(|f| matches!(f, Frame::RegionRemoved { key } if *key == dst.key())),
+        "the peer was told: {answers:?}"
+    );
+    assert!(dst.to_vec().unwrap().iter().all(|b| *b == 0));
 }

@@ -1,0 +1,189 @@
+//! Who may reach a region, and how a revoke knows that no access it forbids is still under way.
+//!
+//! An engine open to anyone (no authentication) has nobody to grant to: every peer reaches every
+//! region with the region's own access. Once links are authenticated, regions are private: a peer
+//! reaches a region only with what was granted to its identity (the name in its certificate) or to
+//! every authenticated peer, never more than the region's access. The target checks this on every
+//! operation, and tells each peer only of the regions it may reach.
+//!
+//! A revoke must also wait out the operations that passed the check before it and are still moving
+//! bytes. [`AccessEpochs`] counts operations in progress by the epoch they started in, two epochs at
+//! a time (the current one and the one before), so that a revoke advances the epoch and waits for
+//! the old one to empty: one atomic add when an operation starts and one when it ends.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+
+use crate::types::{Access, PeerIdentity};
+
+/// What a region grants, by peer identity.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Grants {
+    /// Granted to every authenticated peer.
+    pub everyone: Access,
+    /// Granted to peers by name (a certificate's name or any of its alternative names).
+    pub named: BTreeMap<String, Access>,
+}
+
+impl Grants {
+    /// What `who` is granted (before the region's own access limits it).
+    pub fn for_identity(&self, who: &PeerIdentity) -> Access {
+        let mut access = self.everyone;
+        for name in std::iter::once(&who.name).chain(&who.alt_names) {
+            if let Some(a) = self.named.get(name) {
+                access = access.union(*a);
+            }
+        }
+        access
+    }
+}
+
+/// Operations in progress, by the epoch they started in (see the module documentation).
+#[derive(Debug, Default)]
+pub struct AccessEpochs {
+    epoch: AtomicU64,
+    /// Operations in progress that started in an even and an odd epoch.
+    active: [AtomicUsize; 2],
+    /// Set by whoever advances the epoch, until its wait is dropped: one advance at a time.
+    advancing: AtomicBool,
+    /// An advance gave up before its old epoch emptied: that epoch's operations now share a slot
+    /// with newer ones, so the next advance waits for both slots to empty.
+    stale: AtomicBool,
+}
+
+/// An operation in progress; ends when dropped.
+#[derive(Debug)]
+pub struct EpochTicket {
+    epochs: Arc<AccessEpochs>,
+    slot: usize,
+}
+
+impl Drop for EpochTicket {
+    fn drop(&mut self) {
+        self.epochs.active[self.slot].fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl AccessEpochs {
+    /// Counts an operation as started now. Take it before checking the grant the operation relies on.
+    pub fn begin(self: &Arc<Self>) -> EpochTicket {
+        loop {
+            let epoch = self.epoch.load(Ordering::SeqCst);
+            let slot = (epoch & 1) as usize;
+            self.active[slot].fetch_add(1, Ordering::SeqCst);
+            // Counted under the epoch it read: if the epoch moved meanwhile, the advancer may already
+            // be waiting on the other slot; count again under the new one.
+            if self.epoch.load(Ordering::SeqCst) == epoch {
+                return EpochTicket {
+                    epochs: self.clone(),
+                    slot,
+                };
+            }
+            self.active[slot].fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
+    /// Starts a new epoch and returns a check that is true once every operation started before it
+    /// has ended. One advance at a time (callers serialize them): `None` while another one's wait
+    /// lives.
+    pub fn advance(&self) -> Option<EpochWait<'_>> {
+        if self.advancing.swap(true, Ordering::SeqCst) {
+            return None;
+        }
+        let old = self.epoch.fetch_add(1, Ordering::SeqCst);
+        Some(EpochWait {
+            epochs: self,
+            slot: (old & 1) as usize,
+            both: self.stale.load(Ordering::SeqCst),
+        })
+    }
+}
+
+/// The old epoch's operations, until they end (from [`AccessEpochs::advance`]).
+#[derive(Debug)]
+pub struct EpochWait<'a> {
+    epochs: &'a AccessEpochs,
+    slot: usize,
+    /// Wait for both slots (see [`AccessEpochs::stale`]).
+    both: bool,
+}
+
+impl EpochWait<'_> {
+    /// Whether every operation started before the advance has ended.
+    pub fn settled(&self) -> bool {
+        let empty = |slot: usize| self.epochs.active[slot].load(Ordering::SeqCst) == 0;
+        let settled = empty(self.slot) && (!self.both || empty(1 - self.slot));
+        if settled && self.both {
+            self.epochs.stale.store(false, Ordering::SeqCst);
+        }
+        settled
+    }
+}
+
+impl Drop for EpochWait<'_> {
+    fn drop(&mut self) {
+        if !self.settled() {
+            self.epochs.stale.store(true, Ordering::SeqCst);
+        }
+        self.epochs.advancing.store(false, Ordering::SeqCst);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn who(name: &str, alt: &[&str]) -> PeerIdentity {
+        PeerIdentity {
+            name: name.into(),
+            subject: format!("CN={name}"),
+            alt_names: alt.iter().map(|s| s.to_string()).collect(),
+        }
+    }
+
+    #[test]
+    fn grants_add_up_by_name_and_for_everyone() {
+        let mut g = Grants::default();
+        assert_eq!(g.for_identity(&who("a", &[])), Access::NONE);
+        g.named.insert("a".into(), Access::READ);
+        g.named.insert("b.example".into(), Access::WRITE);
+        assert_eq!(g.for_identity(&who("a", &[])), Access::READ);
+        assert_eq!(g.for_identity(&who("a", &["b.example"])), Access::READ_WRITE);
+        g.everyone = Access::WRITE;
+        assert_eq!(g.for_identity(&who("c", &[])), Access::WRITE);
+    }
+
+    #[test]
+    fn an_advance_waits_for_what_started_before_it_only() {
+        let epochs = Arc::new(AccessEpochs::default());
+        let before = epochs.begin();
+        let wait = epochs.advance().unwrap();
+        assert!(epochs.advance().is_none(), "one advance at a time");
+        assert!(!wait.settled());
+        let after = epochs.begin();
+        drop(before);
+        assert!(
+            wait.settled(),
+            "an operation started after the advance does not hold it"
+        );
+        drop(wait);
+        let wait = epochs.advance().unwrap();
+        assert!(!wait.settled(), "it does hold the next one");
+        drop(after);
+        assert!(wait.settled());
+    }
+
+    #[test]
+    fn an_advance_that_gave_up_makes_the_next_wait_for_everything() {
+        let epochs = Arc::new(AccessEpochs::default());
+        let old = epochs.begin();
+        drop(epochs.advance().unwrap()); // gave up with `old` still running
+        let newer = epochs.begin(); // shares `old`'s slot
+        let wait = epochs.advance().unwrap();
+        drop(newer);
+        assert!(!wait.settled(), "`old` started before both advances and still runs");
+        drop(old);
+        assert!(wait.settled());
+    }
+}
