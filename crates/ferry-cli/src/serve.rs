@@ -95,6 +95,18 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         region.addr(),
         format_size(region.len())
     );
+    // Nobody reads notifications here: log and drop them, so that they hold no memory.
+    let mut notifications = engine.notifications();
+    tokio::spawn(async move {
+        use futures::StreamExt;
+        while let Some(n) = notifications.next().await {
+            let from = n
+                .from_identity
+                .as_ref()
+                .map_or(n.from_addr.as_str(), |i| i.name.as_str());
+            tracing::info!(%from, name = %n.notification.name, "notification");
+        }
+    });
     tokio::signal::ctrl_c().await.context("waiting for Ctrl-C")?;
     drop(region);
     Ok(())

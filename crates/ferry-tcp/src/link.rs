@@ -58,6 +58,9 @@ pub struct LinkConfig {
     pub pool: Option<Arc<CoalescePool>>,
     /// The protocol's limits.
     pub link_limits: LinkLimits,
+    /// How long sent data may wait unacknowledged before the link's connection is given up (see
+    /// [`ServerConfig::send_timeout`](crate::ServerConfig::send_timeout)).
+    pub send_timeout: Duration,
     /// Mutual TLS on the control stream (and on every stream, if it says so). A link whose data
     /// streams are plain keeps its control stream for control frames: it opens `streams` data
     /// streams besides it.
@@ -201,15 +204,19 @@ impl std::fmt::Debug for TcpLink {
 type Opened = (FrameReader, FrameWriter, HelloAck, Option<Session>);
 
 /// Connects one stream of a link and says hello on it (over TLS when `tls` is given).
-async fn open_stream(addr: SocketAddr, hello: Hello, limits: Limits, tls: Option<&TlsConfig>) -> Result<Opened> {
+async fn open_stream(
+    addr: SocketAddr,
+    hello: Hello,
+    limits: Limits,
+    tls: Option<&TlsConfig>,
+    send_timeout: Duration,
+) -> Result<Opened> {
     let peer = addr.to_string();
     let index = StreamIndex(hello.stream_index);
     let stream = TcpStream::connect(addr)
         .await
         .map_err(|e| Error::io(format_args!("connecting to {addr}"), e))?;
-    stream
-        .set_nodelay(true)
-        .map_err(|e| Error::io("setting TCP_NODELAY", e))?;
+    crate::io::configure(&stream, send_timeout)?;
     let (conn, session) = match tls {
         None => (Conn::Plain(stream), None),
         Some(tls) => {
@@ -273,6 +280,7 @@ impl TcpLink {
             me.hello(token, StreamIndex(0), streams as u16, None),
             config.limits,
             tls,
+            config.send_timeout,
         )
         .await?;
         let key = session.as_ref().map(|s| &s.join_key);
@@ -280,7 +288,7 @@ impl TcpLink {
         let mut halves = vec![(r0, w0)];
         let rest = futures::future::try_join_all((1..streams).map(|i| {
             let hello = me.hello(token, StreamIndex(i as u16), streams as u16, key);
-            open_stream(addr, hello, config.limits, data_tls)
+            open_stream(addr, hello, config.limits, data_tls, config.send_timeout)
         }))
         .await?;
         halves.extend(rest.into_iter().map(|(r, w, _, _)| (r, w)));

@@ -55,6 +55,9 @@ pub struct ServerConfig {
     pub link_limits: LinkLimits,
     /// Mutual TLS: when set, only authenticated links are admitted (see [`TlsConfig`]).
     pub tls: Option<TlsConfig>,
+    /// A connection whose sent data waits this long unacknowledged (a dead peer, or one that stopped
+    /// reading) is closed by the kernel; idle connections are probed so that dead ones end too.
+    pub send_timeout: Duration,
 }
 
 impl Default for ServerConfig {
@@ -68,6 +71,7 @@ impl Default for ServerConfig {
                 ..LinkLimits::default()
             },
             tls: None,
+            send_timeout: crate::io::DEFAULT_SEND_TIMEOUT,
         }
     }
 }
@@ -385,9 +389,7 @@ async fn serve_stream(
     shared: Arc<Shared>,
     pending: OwnedSemaphorePermit,
 ) -> Result<()> {
-    stream
-        .set_nodelay(true)
-        .map_err(|e| Error::io("setting TCP_NODELAY", e))?;
+    crate::io::configure(&stream, shared.config.send_timeout)?;
     let deadline = Instant::now() + shared.config.handshake_timeout;
     let (conn, session) = tokio::time::timeout_at(deadline, open_conn(stream, peer, shared.config.tls.as_ref()))
         .await

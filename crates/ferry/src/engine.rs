@@ -45,6 +45,7 @@ pub struct EngineBuilder {
     limits: Limits,
     handshake_timeout: Duration,
     max_pending_handshakes: usize,
+    send_timeout: Duration,
     transport_options: TransportOptions,
     allowed: Option<Vec<TransportKind>>,
     tls: Option<TlsConfig>,
@@ -64,6 +65,7 @@ impl Default for EngineBuilder {
             limits: Limits::default(),
             handshake_timeout: Duration::from_secs(10),
             max_pending_handshakes: 256,
+            send_timeout: ferry_tcp::DEFAULT_SEND_TIMEOUT,
             transport_options: TransportOptions::default(),
             allowed: None,
             tls: None,
@@ -143,6 +145,14 @@ impl EngineBuilder {
     /// past it the connection is closed.
     pub fn handshake_timeout(mut self, t: Duration) -> Self {
         self.handshake_timeout = t;
+        self
+    }
+
+    /// How long data sent on a link may wait unacknowledged, because the peer died or stopped
+    /// reading, before the link is given up (default 30 s; `TCP_USER_TIMEOUT`, with keepalive probes on
+    /// idle connections, so no timer runs per send).
+    pub fn send_timeout(mut self, t: Duration) -> Self {
+        self.send_timeout = t;
         self
     }
 
@@ -271,6 +281,7 @@ impl EngineBuilder {
                     limits: self.limits,
                     handshake_timeout: self.handshake_timeout,
                     max_pending_handshakes: self.max_pending_handshakes,
+                    send_timeout: self.send_timeout,
                     tls: self.tls.clone(),
                     ..ServerConfig::default()
                 };
@@ -453,6 +464,7 @@ impl Engine {
                 limits: self.inner.options.limits,
                 pool: self.inner.pool.clone(),
                 link_limits: Default::default(),
+                send_timeout: self.inner.options.send_timeout,
                 tls: self.inner.options.tls.clone(),
             };
             let control = TcpLink::dial(addr, &me, &config).await?;

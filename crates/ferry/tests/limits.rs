@@ -310,3 +310,69 @@ async fn restricting_to_an_unavailable_transport_is_unsupported() {
         .unwrap();
     assert_eq!(tcp_only.transports(), vec![ferry::TransportKind::Tcp]);
 }
+
+/// A peer that asks for data and stops reading the answers: once the sent data has waited
+/// unacknowledged past the send timeout (its receive window stays shut), the target gives the
+/// connection up, without a timer per send, and serves others meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_stops_reading_is_cut_off_after_the_send_timeout() {
+    use common::raw::RawClient;
+    use ferry::codec::Frame;
+    use tokio::io::AsyncReadExt;
+    let target = Engine::builder()
+        .listen("127.0.0.1:0")
+        .send_timeout(Duration::from_secs(1))
+        .build()
+        .await
+        .unwrap();
+    let region = target.alloc_host(1 << 20, ferry::Access::READ_WRITE).unwrap();
+    let addr = target.local_addr().unwrap();
+    let (mut c, _) = RawClient::handshake(addr).await;
+    // 64 MiB of answers asked for, far more than the socket buffers hold; none read.
+    for id in 0..64 {
+        c.send(
+            &Frame::Read {
+                id,
+                key: region.key(),
+                offset: 0,
+                len: 1 << 20,
+            },
+            &[],
+        )
+        .await;
+    }
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    // Another peer is served meanwhile.
+    let (initiator, peer) = {
+        let e = Engine::builder().build().await.unwrap();
+        let p = e.connect(&addr.to_string(), T).await.unwrap();
+        (e, p)
+    };
+    let mine = initiator.alloc_host(4096, ferry::Access::READ_WRITE).unwrap();
+    initiator
+        .transfer(
+            &peer,
+            ferry::Op::Read,
+            &[ferry::TransferDesc::new(mine.addr(), region.addr(), 4096)],
+            T,
+        )
+        .await
+        .unwrap();
+    // Now read: what the kernels buffered, then the end the target made, well before all 64 MiB.
+    let mut total = 0usize;
+    let mut buf = vec![0u8; 1 << 20];
+    let ended = tokio::time::timeout(T, async {
+        loop {
+            match c.stream.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => total += n,
+            }
+        }
+    })
+    .await;
+    assert!(ended.is_ok(), "the connection was never cut off");
+    assert!(
+        total < 64 << 20,
+        "every answer arrived ({total} bytes): nothing was cut off"
+    );
+}
