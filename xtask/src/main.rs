@@ -11,6 +11,7 @@
 //! servers on every exit path, parsing the peers' output) are ordinary code with unit tests.
 
 mod bench;
+mod fuzz;
 mod peers;
 mod rig;
 mod test;
@@ -35,6 +36,8 @@ enum Command {
     Bench(bench::Args),
     /// RDMA test rig: a qemu guest with Soft-RoCE (rxe0). `rig build`, `rig -- CMD…`, `rig test`, `rig bench`.
     Rig(rig::Args),
+    /// Coverage-guided fuzzing of the frame decoder, the handshake and the protocol state machines.
+    Fuzz(fuzz::Args),
 }
 
 fn main() -> ExitCode {
@@ -45,6 +48,13 @@ fn main() -> ExitCode {
             Ok(code) => code,
             Err(e) => {
                 eprintln!("xtask bench: error: {e:#}");
+                ExitCode::FAILURE
+            }
+        },
+        Command::Fuzz(args) => match fuzz::run(&args) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("xtask fuzz: error: {e:#}");
                 ExitCode::FAILURE
             }
         },

@@ -32,6 +32,8 @@ const DEBIAN_PACKAGES: &[(&str, &str)] = &[
     // The netem fault tests build network namespaces and shape a veth pair.
     ("ip", "iproute2"),
     ("tc", "iproute2"),
+    // The fuzz targets link libFuzzer, which `libfuzzer-sys` compiles from C++.
+    ("g++", "g++"),
 ];
 
 const MINUTE: Duration = Duration::from_secs(60);
@@ -114,6 +116,13 @@ const STEPS: &[Step] = &[
                 30 * MINUTE,
             )
         },
+    },
+    // The fuzz targets, briefly: the repository's corpus (past crashes included) replayed, then new
+    // inputs for a few seconds each. `cargo xtask fuzz` runs them longer.
+    Step {
+        name: "fuzz (frame decoder, handshake, protocol; 15 s each)",
+        lint: false,
+        run: |_| crate::fuzz::fuzz(crate::fuzz::TARGETS, Duration::from_secs(15)),
     },
     // Real verbs: ferry-rdma's tests inside the Soft-RoCE guest (the host has no RDMA device).
     Step {
