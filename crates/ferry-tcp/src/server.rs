@@ -619,12 +619,21 @@ fn serve_setup(
         peer_identity: link.identity.as_ref(),
         context: Arc::downgrade(&shared.ctx),
     })?;
-    link.data_paths
+    let mut paths = link
+        .data_paths
         .lock()
-        .map_err(|_| Error::Internal("data path table lock poisoned".into()))?
-        .push(path);
+        .map_err(|_| Error::Internal("data path table lock poisoned".into()))?;
+    keep_one_per_kind(&mut paths, path);
     tracing::info!(%peer, transport = %kind, "data path set up");
     Ok(blob)
+}
+
+/// Adds a link's new data path, dropping (and so closing) an older one of the same kind: an
+/// initiator sets a path up again when its old one failed, and however often a peer asks, a link
+/// holds at most one path per transport.
+fn keep_one_per_kind(paths: &mut Vec<Box<dyn AcceptedPath>>, path: Box<dyn AcceptedPath>) {
+    paths.retain(|p| p.kind() != path.kind());
+    paths.push(path);
 }
 
 /// Answers a read: the header, then each part straight from its region, then the status byte that
@@ -719,4 +728,39 @@ async fn land(reader: &mut FrameReader, parts: &[Resolved]) -> Result<Result<()>
 /// parts of the request is flushed once; an `msync` runs off the runtime.
 async fn persist(parts: &[Resolved], durability: Durability) -> Result<()> {
     crate::blocking::persist(parts, durability).await
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicUsize;
+
+    use ferry_core::TransportKind;
+
+    use super::*;
+
+    struct Path(TransportKind, Arc<AtomicUsize>);
+
+    impl AcceptedPath for Path {
+        fn kind(&self) -> TransportKind {
+            self.0
+        }
+    }
+
+    impl Drop for Path {
+        fn drop(&mut self) {
+            self.1.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    #[test]
+    fn repeated_setups_keep_one_path_per_transport() {
+        let closed = Arc::new(AtomicUsize::new(0));
+        let mut paths: Vec<Box<dyn AcceptedPath>> = Vec::new();
+        for _ in 0..1000 {
+            keep_one_per_kind(&mut paths, Box::new(Path(TransportKind::Rdma, closed.clone())));
+        }
+        keep_one_per_kind(&mut paths, Box::new(Path(TransportKind::Tcp, closed.clone())));
+        assert_eq!(paths.len(), 2);
+        assert_eq!(closed.load(Ordering::SeqCst), 999, "each replaced path was dropped");
+    }
 }
