@@ -14,6 +14,7 @@
 //! | [`auth`] | both | how a further stream proves it belongs to an authenticated link |
 //! | [`initiator`] | initiator | operation ids, which stream an operation takes, matching answers to operations, the limit on outstanding operations, the peer's region table |
 //! | [`target`] | target | which frames a target accepts on which stream, and the answers it owes |
+//! | [`written`] | target | which part of a `Commit` a stream may persist: what its earlier writes covered |
 //! | [`adverts`] | target | the bounded queue of region updates per link, and the full table resent when it overflowed |
 //! | [`keepalive`] | initiator | when to probe a silent peer, and when to give it up |
 //!
@@ -28,6 +29,7 @@ pub mod initiator;
 pub mod keepalive;
 pub mod limits;
 pub mod target;
+pub mod written;
 
 pub use adverts::AdvertQueue;
 pub use auth::JoinKey;
@@ -37,3 +39,4 @@ pub use initiator::{Event, Initiator};
 pub use keepalive::Keepalive;
 pub use limits::LinkLimits;
 pub use target::{Request, TargetStream};
+pub use written::WrittenRanges;

@@ -27,6 +27,7 @@ use ferry_proto::handshake::refuse_anonymously;
 use ferry_proto::target::{ack, setup_reply};
 use ferry_proto::{
     Admission, AdvertQueue, Identity, LinkLimits, LinkRegistry, LinkToken, OpId, Request, StreamIndex, TargetStream,
+    WrittenRanges,
 };
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, watch};
@@ -469,6 +470,8 @@ async fn serve_requests(
 ) -> Result<()> {
     let ctx = &shared.ctx;
     let control = stream.is_control();
+    // What this stream wrote into persistent regions and no commit has persisted yet.
+    let mut written = WrittenRanges::default();
     loop {
         // Answer what is already in hand before waiting for more.
         if !reader.has_frame() {
@@ -504,19 +507,29 @@ async fn serve_requests(
                     offset,
                     len: payload_len,
                 };
-                serve_write(ctx, who, &mut reader, id, &[seg], payload_len, durability).await?
+                let write = (id, &[seg][..], payload_len, durability);
+                serve_write(ctx, who, &mut reader, &mut written, write).await?
             }
             Request::WriteBatch {
                 id,
                 durability,
                 segments,
                 payload_len,
-            } => serve_write(ctx, who, &mut reader, id, &segments, payload_len, durability).await?,
+            } => {
+                let write = (id, &segments[..], payload_len, durability);
+                serve_write(ctx, who, &mut reader, &mut written, write).await?
+            }
             Request::Commit {
                 id,
                 durability,
                 segments,
-            } => ack(id, &serve_commit(ctx, who, &segments, durability).await),
+            } => {
+                // A link with another data path (RDMA) also commits what that path wrote, which this
+                // stream never saw: its commits are taken as they come.
+                let bypassed = link.data_paths.lock().map_or(true, |p| !p.is_empty());
+                let written = (!bypassed).then_some(&mut written);
+                ack(id, &serve_commit(ctx, who, written, &segments, durability).await)
+            }
             Request::Read { id, segments } => {
                 match resolve_reads(ctx, who, &segments, shared.config.limits.max_payload).await {
                     Ok(parts) => {
@@ -554,16 +567,16 @@ async fn serve_requests(
     }
 }
 
-/// Lands a write's payload in the regions its segments name, persisting it if asked; the answer to
-/// send. An error breaks the stream.
+/// Lands a write's payload (operation `id` on `segments`, `payload_len` bytes, with `durability`) in
+/// the regions its segments name, persisting it if asked; notes what a completed write put in a
+/// persistent region in `written`, for a later commit. Returns the answer to send; an error breaks the
+/// stream.
 async fn serve_write(
     ctx: &EngineContext,
     who: Option<&PeerIdentity>,
     reader: &mut FrameReader,
-    id: OpId,
-    segments: &[Segment],
-    payload_len: u64,
-    durability: Durability,
+    written: &mut WrittenRanges,
+    (id, segments, payload_len, durability): (OpId, &[Segment], u64, Durability),
 ) -> Result<Frame> {
     let resolved: Result<Vec<Resolved>> = segments
         .iter()
@@ -571,7 +584,16 @@ async fn serve_write(
         .collect();
     let result = match resolved {
         Ok(parts) => match land(reader, &parts).await? {
-            Ok(()) => persist(&parts, durability).await,
+            Ok(()) => {
+                if durability == Durability::Completed {
+                    for (s, p) in segments.iter().zip(&parts) {
+                        if p.region.block().persistent() {
+                            written.record(s.key, s.offset, s.len);
+                        }
+                    }
+                }
+                persist(&parts, durability).await
+            }
             Err(e) => Err(e),
         },
         Err(e) => {
@@ -582,17 +604,28 @@ async fn serve_write(
     Ok(ack(id, &result))
 }
 
-/// Ranges this stream's frames wrote before the commit: persist them if asked.
+/// A commit of `segments`: checks every one (grants, bounds, a persistent region), then persists, if
+/// asked, the part of them this stream's earlier writes covered (`written`, see [`WrittenRanges`]),
+/// or all of them when the link's writes may bypass this stream (`None`).
 async fn serve_commit(
     ctx: &EngineContext,
     who: Option<&PeerIdentity>,
+    written: Option<&mut WrittenRanges>,
     segments: &[Segment],
     durability: Durability,
 ) -> Result<()> {
-    let parts = segments
+    let named = segments
         .iter()
         .map(|s| ctx.resolve_write(who, s.key, s.offset, s.len, durability))
         .collect::<Result<Vec<_>>>()?;
+    let parts = match written {
+        None => named,
+        Some(written) => written
+            .commit(segments)
+            .iter()
+            .map(|s| ctx.resolve_write(who, s.key, s.offset, s.len, durability))
+            .collect::<Result<Vec<_>>>()?,
+    };
     persist(&parts, durability).await
 }
 

@@ -170,26 +170,21 @@ fn io_kind(e: &Error) -> Option<std::io::ErrorKind> {
     }
 }
 
-/// The flush request a data path that bypasses the target's CPU sends (RDMA's fallback), spoken raw.
+/// Commits, spoken raw on a TCP-only link: the target persists what the stream wrote, and no more (a
+/// 60-byte frame naming a whole file flushes nothing else), after checking every named range. (On a
+/// link with an RDMA path, whose writes the target never sees, commits are flush requests taken as
+/// they come: the rig's persistence tests cover those.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn flush_requests_persist_named_ranges_and_check_them() {
+async fn commits_persist_what_the_stream_wrote_and_check_every_range() {
     let target = target().await;
     let len = 64 << 10;
     let (path, _f) = temp_file(len);
     let file = target.register_file(&path, 0, len, rw()).unwrap();
     let plain = target.alloc_host(4096, rw()).unwrap();
     let (mut c, _ack) = RawClient::handshake(target.local_addr().unwrap()).await;
-    let mut ask = async |id: u64, segments: Vec<Segment>| {
-        let durability = Durability::Persistent;
-        c.send(
-            &Frame::Commit {
-                id,
-                durability,
-                segments,
-            },
-            &[],
-        )
-        .await;
+    let seg = |key, offset, len| Segment { key, offset, len };
+    let mut ask = async |id: u64, frame: Frame, payload: &[u8]| {
+        c.send(&frame, payload).await;
         loop {
             match c.recv().await.expect("an answer").frame {
                 Frame::Ack { id: got, error } if got == id => return error,
@@ -198,26 +193,45 @@ async fn flush_requests_persist_named_ranges_and_check_them() {
             }
         }
     };
-    // Written behind the engine's back, the way a NIC writes: then persisted on request.
-    file.write_at(8192, &[7u8; 100]).unwrap();
-    let seg = |key, offset, len| Segment { key, offset, len };
-    let err = ask(1, vec![seg(file.key(), 8192, 100), seg(file.key(), 8292, 50)]).await;
+    let commit = |id, segments| Frame::Commit {
+        id,
+        durability: Durability::Persistent,
+        segments,
+    };
+    // A commit of the whole file with nothing written: nothing to flush.
+    let err = ask(1, commit(1, vec![seg(file.key(), 0, len as u64)]), &[]).await;
+    assert!(err.is_none(), "{err:?}");
+    assert_eq!(
+        file.persist_stats().unwrap().bytes,
+        0,
+        "a commit flushed what nobody wrote"
+    );
+    // Two completed writes, then a commit naming the whole file: the 150 written bytes are flushed.
+    for (id, offset, n) in [(2, 8192u64, 100usize), (3, 8292, 50)] {
+        let write = Frame::WriteBatch {
+            id,
+            durability: Durability::Completed,
+            segments: vec![seg(file.key(), offset, n as u64)],
+        };
+        assert!(ask(id, write, &vec![7u8; n]).await.is_none());
+    }
+    let err = ask(4, commit(4, vec![seg(file.key(), 0, len as u64)]), &[]).await;
     assert!(err.is_none(), "{err:?}");
     let stats = file.persist_stats().unwrap();
-    assert_eq!((stats.batches, stats.bytes), (1, 150), "one batch for the request");
-    assert_eq!(&std::fs::read(&path).unwrap()[8192..8292], &[7u8; 100]);
+    assert_eq!((stats.batches, stats.bytes), (1, 150), "one batch, of what was written");
+    assert_eq!(&std::fs::read(&path).unwrap()[8192..8342], &[7u8; 150]);
     // A region that cannot persist, a range past the end, an unknown key: refused, nothing flushed.
     let refusals = [
-        (2, seg(plain.key(), 0, 16), ferry::ErrorCode::InvalidArgument),
-        (3, seg(file.key(), len as u64 - 10, 20), ferry::ErrorCode::OutOfBounds),
+        (5, seg(plain.key(), 0, 16), ferry::ErrorCode::InvalidArgument),
+        (6, seg(file.key(), len as u64 - 10, 20), ferry::ErrorCode::OutOfBounds),
         (
-            4,
+            7,
             seg(ferry::RegionKey(12345), 0, 16),
             ferry::ErrorCode::PermissionDenied,
         ),
     ];
     for (id, s, code) in refusals {
-        let err = ask(id, vec![s]).await;
+        let err = ask(id, commit(id, vec![s]), &[]).await;
         assert_eq!(err.map(|e| e.code), Some(code), "request {id}");
     }
     assert_eq!(file.persist_stats().unwrap().batches, 1);

@@ -1,0 +1,194 @@
+//! What a stream wrote and has not committed yet: the ranges a `Commit` on that stream may persist.
+//!
+//! A persistent write in several frames goes as completed writes followed, on each stream it used, by
+//! a `Commit` naming what those frames wrote. The target persists only the part of a commit that the
+//! stream's earlier writes cover, so that a small frame cannot make it flush a whole file (and hold the
+//! region's deregistration meanwhile). Commits of several transfers may interleave on a stream, so a
+//! commit takes out only the ranges it persisted.
+//!
+//! Bounded: at most [`MAX_RANGES`] ranges in all; past it, a region's ranges merge into the one range
+//! that spans them (a commit may then persist gaps between writes, never beyond them).
+
+use std::collections::{BTreeMap, HashMap};
+
+use ferry_core::RegionKey;
+use ferry_core::codec::Segment;
+
+/// Most disjoint ranges kept per stream.
+pub const MAX_RANGES: usize = 4096;
+
+/// Written, not yet committed ranges of one stream, by region.
+#[derive(Debug, Default)]
+pub struct WrittenRanges {
+    /// Per region: disjoint, non-adjacent ranges, start → end (exclusive).
+    by_key: HashMap<RegionKey, BTreeMap<u64, u64>>,
+    count: usize,
+}
+
+impl WrittenRanges {
+    /// Notes that `len` bytes at `offset` of region `key` were written.
+    pub fn record(&mut self, key: RegionKey, offset: u64, len: u64) {
+        let Some(end) = offset.checked_add(len).filter(|_| len > 0) else {
+            return;
+        };
+        let ranges = self.by_key.entry(key).or_default();
+        let before = ranges.len();
+        let (mut start, mut end) = (offset, end);
+        // Absorb every range that overlaps or touches [start, end).
+        let touching: Vec<u64> = ranges
+            .range(..=end)
+            .rev()
+            .take_while(|(_, e)| **e >= start)
+            .map(|(s, _)| *s)
+            .collect();
+        for s in touching {
+            if let Some(e) = ranges.remove(&s) {
+                start = start.min(s);
+                end = end.max(e);
+            }
+        }
+        ranges.insert(start, end);
+        self.count = self.count + ranges.len() - before;
+        if self.count > MAX_RANGES {
+            let n = ranges.len();
+            let span = (
+                *ranges.keys().next().unwrap_or(&start),
+                ranges.values().copied().max().unwrap_or(end),
+            );
+            ranges.clear();
+            ranges.insert(span.0, span.1);
+            self.count -= n - 1;
+        }
+    }
+
+    /// The parts of `segments` this stream wrote, which a commit of them may persist; they are no
+    /// longer counted as uncommitted.
+    pub fn commit(&mut self, segments: &[Segment]) -> Vec<Segment> {
+        let mut covered = Vec::new();
+        for seg in segments {
+            let Some(end) = seg.offset.checked_add(seg.len) else {
+                continue;
+            };
+            let Some(ranges) = self.by_key.get_mut(&seg.key) else {
+                continue;
+            };
+            let overlapping: Vec<(u64, u64)> = ranges
+                .range(..end)
+                .rev()
+                .take_while(|(_, e)| **e > seg.offset)
+                .map(|(s, e)| (*s, *e))
+                .collect();
+            for (s, e) in overlapping.into_iter().rev() {
+                let (from, to) = (s.max(seg.offset), e.min(end));
+                covered.push(Segment {
+                    key: seg.key,
+                    offset: from,
+                    len: to - from,
+                });
+                ranges.remove(&s);
+                self.count -= 1;
+                if s < from {
+                    ranges.insert(s, from);
+                    self.count += 1;
+                }
+                if to < e {
+                    ranges.insert(to, e);
+                    self.count += 1;
+                }
+            }
+            if ranges.is_empty() {
+                self.by_key.remove(&seg.key);
+            }
+        }
+        covered
+    }
+
+    /// Ranges kept now.
+    pub fn len(&self) -> usize {
+        self.count
+    }
+
+    /// Whether nothing is uncommitted.
+    pub fn is_empty(&self) -> bool {
+        self.count == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    const K: RegionKey = RegionKey(1);
+
+    fn seg(offset: u64, len: u64) -> Segment {
+        Segment { key: K, offset, len }
+    }
+
+    #[test]
+    fn a_commit_persists_only_what_was_written() {
+        let mut w = WrittenRanges::default();
+        w.record(K, 100, 50);
+        w.record(K, 150, 50); // touches: one range [100, 200)
+        w.record(K, 1000, 10);
+        assert_eq!(w.len(), 2);
+        // A commit naming the whole file persists what was written, and only that.
+        assert_eq!(w.commit(&[seg(0, 1 << 40)]), vec![seg(100, 100), seg(1000, 10)]);
+        assert!(w.is_empty());
+        assert!(w.commit(&[seg(0, 1 << 40)]).is_empty(), "nothing twice");
+    }
+
+    #[test]
+    fn interleaved_commits_each_find_their_writes() {
+        let mut w = WrittenRanges::default();
+        w.record(K, 0, 10); // transfer A
+        w.record(K, 100, 10); // transfer B
+        assert_eq!(w.commit(&[seg(0, 10)]), vec![seg(0, 10)]); // A's commit
+        assert_eq!(w.commit(&[seg(100, 10)]), vec![seg(100, 10)]); // B's
+        assert!(w.is_empty());
+    }
+
+    #[test]
+    fn the_ranges_stay_bounded() {
+        let mut w = WrittenRanges::default();
+        for i in 0..(MAX_RANGES as u64 * 3) {
+            w.record(K, i * 10, 1);
+        }
+        assert!(w.len() <= MAX_RANGES, "{}", w.len());
+        // Merged into the span of the writes: a commit persists no byte beyond them.
+        let covered = w.commit(&[seg(0, u64::MAX)]);
+        let end = covered.iter().map(|s| s.offset + s.len).max().unwrap();
+        assert!(end <= (MAX_RANGES as u64 * 3 - 1) * 10 + 1);
+    }
+
+    proptest! {
+        /// Against a model: a commit returns exactly the written, uncommitted bytes it names.
+        #[test]
+        fn commits_match_a_byte_model(ops in proptest::collection::vec((any::<bool>(), 0u64..512, 1u64..64), 1..64)) {
+            let mut w = WrittenRanges::default();
+            let mut model = vec![false; 600];
+            for (is_write, offset, len) in ops {
+                if is_write {
+                    w.record(K, offset, len);
+                    for b in &mut model[offset as usize..(offset + len) as usize] {
+                        *b = true;
+                    }
+                } else {
+                    let mut got = vec![false; 600];
+                    for s in w.commit(&[seg(offset, len)]) {
+                        prop_assert!(s.offset >= offset && s.offset + s.len <= offset + len);
+                        for b in &mut got[s.offset as usize..(s.offset + s.len) as usize] {
+                            prop_assert!(!*b, "a byte returned twice");
+                            *b = true;
+                        }
+                    }
+                    for i in offset as usize..(offset + len) as usize {
+                        prop_assert_eq!(got[i], model[i], "byte {}", i);
+                        model[i] = false;
+                    }
+                }
+            }
+        }
+    }
+}
