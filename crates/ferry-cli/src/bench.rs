@@ -72,7 +72,7 @@ pub struct Args {
     target_file: Option<std::path::PathBuf>,
     /// Authenticate the link with mutual TLS, both in-process engines holding certificates of a CA
     /// made in memory for the run (against a --peer, give --tls-cert, --tls-key and --tls-ca instead).
-    #[arg(long, conflicts_with = "tls_cert")]
+    #[arg(long, conflicts_with_all = ["tls_cert", "tls_psk_file"])]
     tls: bool,
     /// With --tls: encrypt the data streams too, not only the control stream.
     #[arg(long = "encrypt-data", requires = "tls")]

@@ -27,16 +27,21 @@ pub struct Args {
     tls: TlsArgs,
     /// With TLS: let the peer whose certificate carries this name read and write the region; repeat
     /// for more. Without --grant or --grant-all no peer may reach it.
-    #[arg(long = "grant", requires = "tls_cert")]
+    #[arg(long = "grant")]
     grants: Vec<String>,
     /// With TLS: let every authenticated peer read and write the region.
-    #[arg(long, requires = "tls_cert")]
+    #[arg(long)]
     grant_all: bool,
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
     let tls = args.tls.config()?;
     let authenticated = tls.is_some();
+    anyhow::ensure!(
+        authenticated || (args.grants.is_empty() && !args.grant_all),
+        "--grant and --grant-all need authentication (--tls-cert/--tls-key/--tls-ca or --tls-psk-file): \
+         without it every peer reaches the region"
+    );
     let mut builder = Engine::builder()
         .listen(&args.listen)
         .adr_without_ddio(args.adr_without_ddio);

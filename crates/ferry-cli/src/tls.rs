@@ -22,15 +22,30 @@ pub struct TlsArgs {
     /// The DNS name the peer's certificate must carry, instead of the IP address dialled.
     #[arg(long, requires = "tls_cert")]
     pub tls_server_name: Option<String>,
-    /// Encrypt every stream of the links this engine dials, not only the control stream.
-    #[arg(long, requires = "tls_cert")]
+    /// Pre-shared-key mode instead of certificates: a file of at least 32 random bytes (e.g. `head -c
+    /// 32 /dev/urandom > ferry.key`), the same on every engine; with --tls-name.
+    #[arg(long, conflicts_with = "tls_cert", requires = "tls_name")]
+    pub tls_psk_file: Option<PathBuf>,
+    /// With --tls-psk-file: the name this engine goes by (what peers grant to).
+    #[arg(long, requires = "tls_psk_file")]
+    pub tls_name: Option<String>,
+    /// Encrypt every stream of the links this engine dials, not only the control stream (with TLS).
+    #[arg(long)]
     pub encrypt: bool,
 }
 
 impl TlsArgs {
     /// The configuration the options name, if any.
     pub fn config(&self) -> anyhow::Result<Option<TlsConfig>> {
+        if let (Some(file), Some(name)) = (&self.tls_psk_file, &self.tls_name) {
+            let key = std::fs::read(file).with_context(|| format!("reading the pre-shared key {}", file.display()))?;
+            let config = TlsConfig::from_psk(&key, name).context("setting up pre-shared-key mode")?;
+            return Ok(Some(config.encrypt_data(self.encrypt)));
+        }
         let (Some(cert), Some(key), Some(ca)) = (&self.tls_cert, &self.tls_key, &self.tls_ca) else {
+            if self.encrypt {
+                bail!("--encrypt needs TLS: give --tls-cert, --tls-key and --tls-ca, or --tls-psk-file");
+            }
             return Ok(None);
         };
         let mut config = TlsConfig::from_pem_files(cert, key, ca).context("loading the TLS certificates")?;

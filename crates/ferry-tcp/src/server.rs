@@ -406,7 +406,11 @@ async fn serve_stream(
     let link = match admitted {
         Ok(link) => link,
         Err(e) => {
-            tracing::warn!(%peer, error = %e, "stream refused");
+            // Anyone can make an engine refuse an unauthenticated stream: at a rate worth no warning.
+            match session {
+                None if shared.config.tls.is_some() => tracing::debug!(%peer, error = %e, "stream refused"),
+                _ => tracing::warn!(%peer, error = %e, "stream refused"),
+            }
             writer.flush().await?;
             return Ok(());
         }

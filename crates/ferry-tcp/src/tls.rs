@@ -28,6 +28,10 @@ use rustls::{ClientConfig, RootCertStore, ServerConfig};
 use tokio::net::TcpStream;
 use tokio_rustls::{TlsAcceptor, TlsConnector, TlsStream};
 
+/// The name every certificate of pre-shared-key mode carries, and that initiators check
+/// ([`TlsConfig::from_psk`]).
+pub const PSK_SERVER_NAME: &str = "psk.ferry.invalid";
+
 /// First byte of a TLS handshake record (content type 22): how a target tells a TLS control stream
 /// from a stream that starts with a plain hello (whose first byte is the frame magic's, 0xE7).
 pub(crate) const TLS_HANDSHAKE_RECORD: u8 = 0x16;
@@ -104,6 +108,56 @@ impl TlsConfig {
             .with_client_auth_cert(certs, key)
             .map_err(|e| invalid(format!("the certificate and key do not make a client identity: {e}")))?;
         Ok(TlsConfig::from_rustls(Arc::new(server), Arc::new(client)))
+    }
+
+    /// Pre-shared-key mode, for clusters without a PKI: every engine given the same `psk` (at least
+    /// 32 bytes, from a secure random source) admits every other, and nobody else. This engine is
+    /// known to its peers as `name` (a DNS-style name), which any holder of the key could also claim:
+    /// in this mode the key, not the name, is what is proven.
+    ///
+    /// How: rustls has no TLS 1.3 external-PSK mode, so the key becomes a certificate authority
+    /// instead. An Ed25519 CA key is derived from the PSK (HKDF-SHA256), each engine issues itself a
+    /// certificate with it at start, and links run the same mutual TLS as with a real PKI: a peer
+    /// without the key cannot make a certificate that verifies. The certificates carry the fixed name
+    /// [`PSK_SERVER_NAME`] that initiators check.
+    pub fn from_psk(psk: &[u8], name: &str) -> Result<TlsConfig> {
+        if psk.len() < 32 {
+            return Err(invalid(format!(
+                "a pre-shared key needs at least 32 bytes (256 bits) of random data, not {}",
+                psk.len()
+            )));
+        }
+        let salt = ring::hkdf::Salt::new(ring::hkdf::HKDF_SHA256, b"ferry psk ca v1");
+        let mut seed = [0u8; 32];
+        salt.extract(psk)
+            .expand(&[b"ed25519 ca key"], ring::hkdf::HKDF_SHA256)
+            .and_then(|okm| okm.fill(&mut seed))
+            .map_err(|_| Error::Internal("deriving the CA key from the pre-shared key".into()))?;
+        // PKCS#8 v1 of an Ed25519 private key: a fixed prefix, then the 32-byte seed (RFC 8410).
+        let mut pkcs8 = vec![
+            0x30, 0x2e, 0x02, 0x01, 0x00, 0x30, 0x05, 0x06, 0x03, 0x2b, 0x65, 0x70, 0x04, 0x22, 0x04, 0x20,
+        ];
+        pkcs8.extend_from_slice(&seed);
+        let ca_key = rcgen::KeyPair::from_pkcs8_der_and_sign_algo(&pkcs8.into(), &rcgen::PKCS_ED25519)
+            .map_err(|e| Error::Internal(format!("the derived CA key: {e}")))?;
+        let mut ca = rcgen::CertificateParams::new(Vec::<String>::new()).map_err(rcgen_error)?;
+        ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        ca.distinguished_name
+            .push(rcgen::DnType::CommonName, "ferry pre-shared-key CA");
+        ca.not_before = rcgen::date_time_ymd(2025, 1, 1);
+        ca.not_after = rcgen::date_time_ymd(2125, 1, 1);
+        let ca = rcgen::CertifiedIssuer::self_signed(ca, ca_key).map_err(rcgen_error)?;
+        let mut leaf = rcgen::CertificateParams::new(vec![name.to_string(), PSK_SERVER_NAME.to_string()])
+            .map_err(|e| invalid(format!("{name:?} cannot name an engine in a certificate: {e}")))?;
+        leaf.distinguished_name.push(rcgen::DnType::CommonName, name);
+        let key = rcgen::KeyPair::generate().map_err(rcgen_error)?;
+        let cert = leaf.signed_by(&key, &ca).map_err(rcgen_error)?;
+        TlsConfig::from_pem(
+            cert.pem().as_bytes(),
+            key.serialize_pem().as_bytes(),
+            ca.pem().as_bytes(),
+        )?
+        .with_server_name(PSK_SERVER_NAME)
     }
 
     /// From rustls configurations made elsewhere. The server side must require client certificates
@@ -231,6 +285,10 @@ fn pem_certs(pem: &[u8], what: &str) -> Result<Vec<CertificateDer<'static>>> {
         return Err(invalid(format!("the {what} PEM holds no certificate")));
     }
     Ok(certs)
+}
+
+fn rcgen_error(e: rcgen::Error) -> Error {
+    Error::Internal(format!("making a certificate: {e}"))
 }
 
 fn invalid(message: String) -> Error {

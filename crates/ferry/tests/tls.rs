@@ -529,3 +529,51 @@ async fn a_revoke_waits_for_a_write_already_under_way() {
     );
     assert!(dst.to_vec().unwrap().iter().all(|b| *b == 0));
 }
+
+/// Pre-shared-key mode: engines with the same key admit each other (and know each other's names);
+/// an engine with another key, or none, gets nothing; a short key is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engines_sharing_a_key_admit_each_other_and_nobody_else() {
+    let key = [0x42u8; 32];
+    let target = Engine::builder()
+        .listen("127.0.0.1:0")
+        .tls(TlsConfig::from_psk(&key, "cache-1").unwrap())
+        .build()
+        .await
+        .unwrap();
+    let addr = target.local_addr().unwrap().to_string();
+    let dst = target.alloc_host(4096, Access::READ_WRITE).unwrap();
+    dst.grant("decode-1", Access::READ_WRITE).await.unwrap();
+
+    let member = Engine::builder()
+        .tls(TlsConfig::from_psk(&key, "decode-1").unwrap())
+        .build()
+        .await
+        .unwrap();
+    let peer = member.connect(&addr, T).await.unwrap();
+    assert_eq!(peer.identity().map(|i| i.name.as_str()), Some("cache-1"));
+    let src = member.alloc_host(4096, Access::READ_WRITE).unwrap();
+    src.write_at(0, &pattern(4096, 9)).unwrap();
+    member
+        .transfer(&peer, Op::Write, &[TransferDesc::new(src.addr(), dst.addr(), 4096)], T)
+        .await
+        .unwrap();
+    assert_eq!(dst.to_vec().unwrap(), pattern(4096, 9));
+
+    let mut other_key = key;
+    other_key[31] ^= 1;
+    let outsider = Engine::builder()
+        .tls(TlsConfig::from_psk(&other_key, "decode-1").unwrap())
+        .build()
+        .await
+        .unwrap();
+    let err = outsider.connect(&addr, T).await.unwrap_err();
+    assert!(matches!(err, Error::PermissionDenied(_)), "{err:?}");
+    let open = Engine::builder().build().await.unwrap();
+    assert!(matches!(open.connect(&addr, T).await, Err(Error::PermissionDenied(_))));
+    assert_eq!(target.link_count(), 1);
+    assert!(matches!(
+        TlsConfig::from_psk(&key[..16], "x"),
+        Err(Error::InvalidArgument(_))
+    ));
+}
