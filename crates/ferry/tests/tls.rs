@@ -226,6 +226,22 @@ async fn raw_tls(
     (tls, JoinKey::from_exported(&secret))
 }
 
+/// The control stream of a one-stream link of `name`'s, opened by hand: TLS, then an accepted hello.
+async fn raw_link(ca: &Ca, name: &str, addr: SocketAddr) -> tokio_rustls::client::TlsStream<tokio::net::TcpStream> {
+    let (mut raw, _) = raw_tls(ca, name, addr).await;
+    let hello = Frame::Hello(Hello {
+        engine_id: 5,
+        link_token: 0x1234,
+        stream_index: 0,
+        stream_count: 1,
+        transports: vec![ferry::TransportKind::Tcp],
+        host_id: 0,
+        join_proof: [0; 32],
+    });
+    assert!(matches!(exchange(&mut raw, &hello, &[]).await, Frame::HelloAck(a) if a.refusal.is_none()));
+    raw
+}
+
 /// Sends `frame` (and `payload`) on a raw TLS stream and returns the next frame that comes back (its
 /// payload, if any, read and dropped).
 async fn exchange(
@@ -367,17 +383,7 @@ async fn regions_are_private_until_granted_and_grants_are_per_peer() {
     // The target refuses what was not granted even when the peer names the key itself: a raw
     // authenticated client that knows both keys reads and writes nothing.
     private.write_at(0, &[7; 64]).unwrap();
-    let (mut raw, _) = raw_tls(&ca, "reader", addr).await;
-    let hello = Frame::Hello(Hello {
-        engine_id: 5,
-        link_token: 0x1234,
-        stream_index: 0,
-        stream_count: 1,
-        transports: vec![ferry::TransportKind::Tcp],
-        host_id: 0,
-        join_proof: [0; 32],
-    });
-    assert!(matches!(exchange(&mut raw, &hello, &[]).await, Frame::HelloAck(a) if a.refusal.is_none()));
+    let mut raw = raw_link(&ca, "reader", addr).await;
     let read = |key, id| Frame::Read {
         id,
         key,
@@ -462,17 +468,7 @@ async fn a_revoke_waits_for_a_write_already_under_way() {
     let (target, addr) = tls_target(&ca, "target").await;
     let dst = Arc::new(target.alloc_host(64 << 10, Access::READ_WRITE).unwrap());
     dst.grant("writer", Access::READ_WRITE).await.unwrap();
-    let (mut raw, _) = raw_tls(&ca, "writer", addr).await;
-    let hello = Frame::Hello(Hello {
-        engine_id: 5,
-        link_token: 0x4321,
-        stream_index: 0,
-        stream_count: 1,
-        transports: vec![ferry::TransportKind::Tcp],
-        host_id: 0,
-        join_proof: [0; 32],
-    });
-    assert!(matches!(exchange(&mut raw, &hello, &[]).await, Frame::HelloAck(a) if a.refusal.is_none()));
+    let mut raw = raw_link(&ca, "writer", addr).await;
     // The write's header and the first half of its payload; the rest comes later.
     let mut out = bytes::BytesMut::new();
     let write = Frame::Write {
