@@ -176,6 +176,9 @@ struct Shared {
     proto: Mutex<Initiator<Waiter>>,
     region_updates: tokio::sync::Notify,
     streams: Vec<Stream>,
+    /// How many of them carry data (all but the control stream when it is kept for control frames):
+    /// what a batch is spread over.
+    data_streams: usize,
     /// Set once `proto` is closed, for checks that need no lock.
     closed: AtomicBool,
     budget: Arc<Semaphore>,
@@ -319,6 +322,7 @@ impl TcpLink {
             proto: Mutex::new(proto),
             region_updates: tokio::sync::Notify::new(),
             streams: stream_list,
+            data_streams: if control_apart { streams - 1 } else { streams },
             closed: AtomicBool::new(false),
             budget: Arc::new(Semaphore::new(budget_units as usize)),
             budget_units,
@@ -674,7 +678,7 @@ async fn run_transfer(shared: Arc<Shared>, request: TransferRequest) -> Result<(
         }
     }
     let caller = CallerGuard(Arc::new(AccessGuard::new()));
-    let pieces = plan(request.op, request.items, shared.streams.len(), shared.pool.as_deref());
+    let pieces = plan(request.op, request.items, shared.data_streams, shared.pool.as_deref());
     // A persistent write in several frames is persisted once per stream, after its last frame: the
     // frames go as completed writes and a commit follows them on each stream they used (in order on
     // that stream, so no extra round trip), naming what they wrote.
