@@ -20,8 +20,8 @@ use std::time::Duration;
 
 use ferry_core::codec::{Frame, Hello, Limits, ReadStatus, Segment};
 use ferry_core::{
-    AcceptedPath, Durability, EngineContext, Error, LinkSlot, Op, PeerIdentity, RegionChange, RegionKey, Resolved,
-    Result,
+    AcceptedPath, Durability, EngineContext, Error, LinkSlot, Op, PeerIdentity, RegionChange, RegionEntry, RegionKey,
+    Resolved, Result,
 };
 use ferry_proto::handshake::refuse_anonymously;
 use ferry_proto::target::{ack, setup_reply};
@@ -183,20 +183,16 @@ impl TcpServer {
         self.shared.links.lock().map(|l| l.len()).unwrap_or(0)
     }
 
-    /// Tells every accepted link about a change to the region table (a region it may reach, on an
-    /// engine that authenticates).
-    pub fn announce(&self, change: &RegionChange) {
-        let entry = match change {
-            RegionChange::Added(ad) => self.shared.ctx.regions.read().ok().and_then(|t| t.get(ad.key).cloned()),
-            RegionChange::Removed(_) => None,
-        };
+    /// Tells every accepted link whose peer may reach `region` (every link, on an open engine) that it
+    /// was registered (`added`) or deregistered. A peer never granted it hears of it neither way.
+    pub fn announce(&self, region: &RegionEntry, added: bool) {
         for link in self.links() {
-            let change = match (change, &entry) {
-                (RegionChange::Added(_), Some(entry)) => match entry.advert_for(link.identity.as_ref()) {
-                    Some(ad) => RegionChange::Added(ad),
-                    None => continue,
-                },
-                (change, _) => change.clone(),
+            let Some(ad) = region.advert_for(link.identity.as_ref()) else {
+                continue;
+            };
+            let change = match added {
+                true => RegionChange::Added(ad),
+                false => RegionChange::Removed(region.key()),
             };
             link.push_advert(&change);
         }

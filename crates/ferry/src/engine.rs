@@ -9,8 +9,8 @@ use std::time::Duration;
 use ferry_core::codec::Limits;
 use ferry_core::{
     Access, BufferPool, DataLink, Durability, EngineContext, Error, LinkSlots, MemoryBlock, MemoryRegistry,
-    Notification, Op, OwnedBuffer, RawMemory, ReceivedNotification, RegionChange, RegionEntry, RegionKey, RegionTable,
-    Result, TransferDesc, TransferItem, TransferRequest, Transport, TransportKind,
+    Notification, Op, OwnedBuffer, RawMemory, ReceivedNotification, RegionEntry, RegionKey, RegionTable, Result,
+    TransferDesc, TransferItem, TransferRequest, Transport, TransportKind,
 };
 use ferry_tcp::{CoalescePool, LinkConfig, LocalIdentity, ServerConfig, TcpLink, TcpServer, TlsConfig};
 use futures::stream::BoxStream;
@@ -421,7 +421,7 @@ impl Engine {
         let entry = RegionEntry::new(RegionKey::random()?, access, block)?;
         let entry = register_entry(&inner.transports, &inner.ctx.regions, entry)?;
         if let Some(server) = &inner.server {
-            server.announce(&RegionChange::Added(entry.advert()));
+            server.announce(&entry, true);
         }
         tracing::debug!(region = ?entry, "registered");
         Ok(Region {
@@ -813,7 +813,7 @@ impl Inner {
         let entry = self.ctx.regions.write().ok().and_then(|mut t| t.remove(key))?;
         entry.guard().close();
         if let Some(server) = &self.server {
-            server.announce(&RegionChange::Removed(key));
+            server.announce(&entry, false);
         }
         Some(entry)
     }

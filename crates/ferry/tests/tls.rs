@@ -417,6 +417,24 @@ async fn regions_are_private_until_granted_and_grants_are_per_peer() {
     shared.read_at(0, &mut got).unwrap();
     assert_eq!(got, [0; 64], "the read-only grant wrote nothing");
 
+    // Deregistration is announced only to those told of the region.
+    let (private_key, shared_key) = (private.key(), shared.key());
+    drop(private);
+    drop(shared);
+    let mut heard = Vec::new();
+    loop {
+        match exchange(&mut raw, &Frame::Ping { nonce: 7 }, &[]).await {
+            Frame::Pong { .. } if heard.iter().any(|f| matches!(f, Frame::RegionRemoved { .. })) => break,
+            Frame::Pong { .. } => tokio::time::sleep(Duration::from_millis(20)).await,
+            other => heard.push(other),
+        }
+    }
+    assert!(
+        heard.iter().all(|f| !matches!(f, Frame::RegionRemoved { key } if *key == private_key)),
+        "the removal of an ungranted region was announced: {heard:?}"
+    );
+    assert!(heard.iter().any(|f| matches!(f, Frame::RegionRemoved { key } if *key == shared_key)));
+
     // Grants exist only where links are authenticated.
     let open = Engine::builder().build().await.unwrap();
     let r = open.alloc_host(4096, Access::READ_WRITE).unwrap();
