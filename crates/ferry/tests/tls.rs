@@ -430,10 +430,16 @@ async fn regions_are_private_until_granted_and_grants_are_per_peer() {
         }
     }
     assert!(
-        heard.iter().all(|f| !matches!(f, Frame::RegionRemoved { key } if *key == private_key)),
+        heard
+            .iter()
+            .all(|f| !matches!(f, Frame::RegionRemoved { key } if *key == private_key)),
         "the removal of an ungranted region was announced: {heard:?}"
     );
-    assert!(heard.iter().any(|f| matches!(f, Frame::RegionRemoved { key } if *key == shared_key)));
+    assert!(
+        heard
+            .iter()
+            .any(|f| matches!(f, Frame::RegionRemoved { key } if *key == shared_key))
+    );
 
     // Grants exist only where links are authenticated.
     let open = Engine::builder().build().await.unwrap();
