@@ -526,15 +526,12 @@ impl FrameWriter {
     /// false is returned.
     pub async fn write_parts(&mut self, parts: &[Resolved]) -> Result<bool> {
         self.flush().await?;
-        if let WriteHalf::Tls(_) = self.half {
+        let WriteHalf::Plain(half) = &self.half else {
             return self.write_parts_copied(parts).await;
-        }
+        };
+        let stream: &TcpStream = half.as_ref();
         let mut at = Cursor::default();
         while !at.done(parts) {
-            let WriteHalf::Plain(half) = &self.half else {
-                return Err(Error::Internal("a plain stream turned into a TLS one".into()));
-            };
-            let stream: &TcpStream = half.as_ref();
             let res = raw_io(stream, Interest::WRITABLE, || {
                 let mut permits = Vec::new();
                 let Some(mut iov) = region_iovecs(parts, at, &mut permits) else {
