@@ -88,18 +88,23 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             (false, true) => "no peer yet (give --grant NAME or --grant-all)".to_string(),
         };
         eprintln!("authentication: mutual TLS; the region is granted to {who}");
+        // Each peer knows the region by an address of its own: what to hand a peer out of band.
+        for name in &args.grants {
+            eprintln!("peer {name} knows the region at {:#x}", region.addr_for(name));
+        }
     } else {
         eprintln!(
             "WARNING: authentication is off: anyone who can reach {addr} can read and overwrite this region \
              (start with --tls-cert, --tls-key and --tls-ca to admit only peers with certificates)"
         );
     }
-    // One line a script can wait for.
-    println!(
-        "listening on {addr} region {:#x} {}",
-        region.addr(),
-        format_size(region.len())
-    );
+    // One line a script can wait for. With authentication each peer has its own address for the
+    // region, which it learns when it connects.
+    let shown = match authenticated {
+        true => "per-peer".to_string(),
+        false => format!("{:#x}", region.addr()),
+    };
+    println!("listening on {addr} region {shown} {}", format_size(region.len()));
     // Nobody reads notifications here: log and drop them, so that they hold no memory.
     let mut notifications = engine.notifications();
     tokio::spawn(async move {

@@ -10,6 +10,8 @@
 //! - [`guard`]: the [`AccessGuard`] every access to region memory holds a permit of (CPU copies,
 //!   system calls, NIC work requests, GPU copies), which makes deregistration final;
 //! - [`region`]: the region table (unguessable keys, overflow-safe bounds, access checks);
+//! - [`peer_view`]: what one peer sees of the engine (per-link keys, opaque bases, per-peer transport
+//!   keys);
 //! - [`transport`]: the [`Transport`], [`DataLink`] and [`Notifier`] contracts;
 //! - [`codec`]: the wire protocol as a sans-IO codec;
 //! - [`options`]: HIXL-style option strings.
@@ -21,6 +23,7 @@ pub mod grants;
 pub mod guard;
 pub mod memory;
 pub mod options;
+pub mod peer_view;
 pub mod region;
 pub mod sync;
 pub mod transport;
@@ -31,6 +34,7 @@ pub use grants::{AccessEpochs, EpochTicket, Grants};
 pub use guard::{AccessGuard, OwnedPermit, Permit};
 pub use memory::{DmaView, MemoryBlock, MemoryRegistry, OwnedBuffer, RawMemory};
 pub use options::BufferPool;
+pub use peer_view::{PeerNames, PeerScope, PeerView};
 pub use region::{RegionEntry, RegionTable, RemoteRegions, Resolved};
 pub use transport::{
     AcceptSetup, AcceptedPath, Availability, DataLink, EngineContext, LinkSlot, LinkSlots, Notifier, RegionChange,

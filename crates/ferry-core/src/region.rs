@@ -319,6 +319,11 @@ impl RegionTable {
         self.by_key.get(&key)
     }
 
+    /// Every region, in address order.
+    pub fn entries(&self) -> impl Iterator<Item = &Arc<RegionEntry>> {
+        self.by_addr.values().map(|k| &self.by_key[k])
+    }
+
     /// All regions, as peers see them.
     pub fn adverts(&self) -> Vec<RegionAd> {
         self.by_addr.values().map(|k| self.by_key[k].advert()).collect()

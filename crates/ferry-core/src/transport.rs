@@ -18,6 +18,7 @@ use futures::future::BoxFuture;
 
 use crate::error::{Error, Result};
 use crate::grants::AccessEpochs;
+use crate::peer_view::{PeerNames, PeerScope, PeerView};
 use crate::region::{RegionEntry, RegionTable, Resolved};
 use crate::types::{Access, Durability, Notification, Op, PeerIdentity, PersistMethod, RegionKey, TransportKind};
 
@@ -74,6 +75,13 @@ pub trait Transport: Send + Sync + 'static {
             )))
         })
     }
+    /// Target side, on an engine that authenticates its links: the transport's state for the peer of
+    /// a link just admitted, where the transport gives each peer its own keys (see [`PeerScope`]).
+    /// `None` (the default): the region's one transport key serves every peer.
+    fn peer_scope(&self, link: u64) -> Result<Option<Arc<dyn PeerScope>>> {
+        let _ = link;
+        Ok(None)
+    }
     /// Target side: answers an initiator's setup data with its own, and the data path it set up,
     /// which the control link keeps as long as it lives and drops when it closes.
     fn accept(&self, setup: AcceptSetup<'_>) -> Result<(Vec<u8>, Box<dyn AcceptedPath>)> {
@@ -104,8 +112,9 @@ pub struct AcceptSetup<'a> {
     pub peer_engine: u64,
     /// The initiator's address.
     pub peer_addr: &'a str,
-    /// Who the initiator proved to be, on an authenticated link.
-    pub peer_identity: Option<&'a PeerIdentity>,
+    /// What the initiator sees of this engine: who it proved to be (on an authenticated link) and
+    /// the names it knows regions by.
+    pub peer: &'a Arc<PeerView>,
     /// The engine's region table, for requests that arrive over the new data path (an RDMA commit
     /// request, which must travel behind the data it commits). Weak: the transport is part of it.
     pub context: std::sync::Weak<EngineContext>,
@@ -282,36 +291,31 @@ pub struct EngineContext {
     pub acceptors: Vec<Arc<dyn Transport>>,
     /// Remote operations in progress, for revokes to wait out (see [`crate::grants`]).
     pub accesses: Arc<AccessEpochs>,
+    /// The secret authenticated peers' names for regions are derived from (see [`crate::peer_view`]).
+    pub peer_names: Arc<PeerNames>,
 }
 
 impl EngineContext {
-    /// Resolves a remote operation of the peer `who` (its identity on an authenticated link) against
-    /// the region table and the region's grants (see [`RegionTable::resolve_for`]).
-    pub fn resolve(
-        &self,
-        who: Option<&PeerIdentity>,
-        key: RegionKey,
-        offset: u64,
-        len: u64,
-        op: Op,
-    ) -> Result<Resolved> {
+    /// Resolves a remote operation of `peer` on the region it names `key` (see [`PeerView::real_key`])
+    /// against the region table and the region's grants (see [`RegionTable::resolve_for`]).
+    pub fn resolve(&self, peer: &PeerView, key: RegionKey, offset: u64, len: u64, op: Op) -> Result<Resolved> {
         self.regions
             .read()
             .map_err(|_| Error::Internal("region table lock poisoned".into()))?
-            .resolve_for(who, key, offset, len, op.required_access())
+            .resolve_for(peer.identity(), peer.real_key(key), offset, len, op.required_access())
     }
 
     /// Resolves a remote write that promises `durability`: a persistent write needs a persistent
     /// region, refused with `InvalidArgument` before a byte is written.
     pub fn resolve_write(
         &self,
-        who: Option<&PeerIdentity>,
+        peer: &PeerView,
         key: RegionKey,
         offset: u64,
         len: u64,
         durability: Durability,
     ) -> Result<Resolved> {
-        let r = self.resolve(who, key, offset, len, Op::Write)?;
+        let r = self.resolve(peer, key, offset, len, Op::Write)?;
         if durability == Durability::Persistent && !r.region.block().persistent() {
             return Err(Error::InvalidArgument(format!(
                 "a persistent write needs a persistent region; region {key:?} is {}",

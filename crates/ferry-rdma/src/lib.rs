@@ -4,7 +4,12 @@
 //! on hosts without RDMA packages and reports the transport unavailable there).
 //!
 //! - One protection domain on the chosen device; every region the engine registers is registered with
-//!   the NIC, and its rkey travels in the region's advert.
+//!   the NIC. On an engine open to anyone its rkey travels in the region's advert; on one that
+//!   authenticates its links each accepted link gets a protection domain of its own, with only the
+//!   regions its peer was granted ([`scope`]), and the engine's own registrations grant no remote
+//!   access.
+//! - The target checks that the GID an initiator's queue pair sends from is the address of the TCP
+//!   peer that set it up (RoCE), so that a queue pair cannot be set up on behalf of another host.
 //! - One RC queue pair per link, connected over the engine's TCP control link (QPN, PSN, GID, MTU
 //!   exchanged); the GID is chosen by type (RoCEv2 over IPv4 first), never by a fixed index; the traffic
 //!   class and service level are HIXL's options.
@@ -25,6 +30,7 @@ mod persist;
 mod post;
 mod qp;
 mod responder;
+pub mod scope;
 pub mod wire;
 
 use std::collections::HashMap;
@@ -64,6 +70,10 @@ pub struct RdmaOptions {
     /// with a READ after them (the READ completes only after the WRITEs before it reached memory).
     /// Never assumed: a wrong declaration loses data on power loss.
     pub adr_without_ddio: bool,
+    /// Target: serve each accepted link in a protection domain of its own, holding only the regions
+    /// its peer was granted (see [`scope`]); the engine's own registrations and initiator queue pairs
+    /// then grant no remote access. Engines that authenticate their links set this.
+    pub per_peer_domains: bool,
 }
 
 impl Default for RdmaOptions {
@@ -76,6 +86,7 @@ impl Default for RdmaOptions {
             max_send_wr: 256,
             persist_method: None,
             adr_without_ddio: false,
+            per_peer_domains: false,
         }
     }
 }
@@ -121,6 +132,8 @@ pub(crate) struct RdmaShared {
     links: Mutex<Vec<Weak<link::Inner>>>,
     /// The target side's queue pairs, by link.
     responders: responder::Responders,
+    /// The protection domain of each authenticated link's peer, by link (see [`scope`]).
+    domains: Mutex<HashMap<u64, Weak<scope::PeerDomain>>>,
 }
 
 impl RdmaShared {
@@ -156,6 +169,23 @@ impl RdmaShared {
         region.block().check_backing()
     }
 
+    fn live_domains(&self) -> Vec<Arc<scope::PeerDomain>> {
+        self.domains
+            .lock()
+            .map(|d| d.values().filter_map(Weak::upgrade).collect())
+            .unwrap_or_default()
+    }
+
+    /// The protection domain of the link's peer; `PermissionDenied` when the link has none.
+    fn domain(&self, link: u64) -> Result<Arc<scope::PeerDomain>> {
+        self.domains
+            .lock()
+            .map_err(|_| Error::Internal("RDMA peer domain table lock poisoned".into()))?
+            .get(&link)
+            .and_then(Weak::upgrade)
+            .ok_or_else(|| Error::PermissionDenied(format!("link {link} has no RDMA protection domain: refused")))
+    }
+
     fn live_links(&self) -> Vec<Arc<link::Inner>> {
         self.links
             .lock()
@@ -184,6 +214,80 @@ impl RdmaShared {
     }
 }
 
+/// The engine's own registration of a region on an engine whose peers each have a domain of their
+/// own (see [`scope`]): for the work requests this engine posts, with no remote access; peers get
+/// theirs as they are granted the region.
+fn register_local(shared: &Arc<RdmaShared>, region: &RegionEntry) -> Result<Option<Vec<u8>>> {
+    let flushable = region.block().is_pmem() && region.access().contains(Access::WRITE) && shared.device.flush_capable;
+    // SAFETY: the engine keeps the region's memory alive until `deregister_region` returns, which
+    // deregisters the memory region first.
+    let registered = unsafe {
+        shared
+            .pd
+            .reg_mr(region.addr() as usize, region.len() as usize, AccessFlags::LocalWrite)
+    };
+    let (reg, bounce_addr) = match registered {
+        Ok(mr) => (Registered::new(mr, region.guard().clone()), None),
+        // A file in the page cache: peers' writes land in a bounce buffer, which each peer's own
+        // registration reaches; the engine's own work requests on the region go over TCP.
+        Err(e) if region.block().persistent() => {
+            let bounce = mr::Bounce::new(region.len() as usize);
+            let addr = bounce.as_ptr() as u64;
+            // SAFETY: as in `register_region`: the bounce buffer outlives its registration.
+            let mr = unsafe { shared.pd.reg_mr(addr as usize, bounce.len(), AccessFlags::LocalWrite) }
+                .map_err(|e| reg_error(shared, region, e))?;
+            tracing::info!(region = ?region.key(), reason = %e, "the NIC cannot pin this region; RDMA writes land in a bounce buffer");
+            (Registered::bounced(mr, bounce, region.guard().clone()), Some(addr))
+        }
+        Err(e) => return Err(reg_error(shared, region, e)),
+    };
+    let key = wire::RemoteKey {
+        rkey: 0,
+        flushable,
+        bounce_addr,
+        hooked: region.block().has_access_hooks(),
+    };
+    shared
+        .regions
+        .lock()
+        .map_err(|_| Error::Internal("RDMA region table lock poisoned".into()))?
+        .insert(region.key(), Arc::new(reg.advertising(key)));
+    // The region's advert names the transport; each peer's own key replaces this one.
+    Ok(Some(key.encode()))
+}
+
+/// Refuses a queue pair whose GID is not the address of the TCP peer that set it up (RoCE, where a
+/// GID is an IP address): without this, an authenticated peer could connect this engine's queue pair
+/// to a third host. A peer on this host (TCP over loopback) must send from this device's own GID.
+/// InfiniBand GIDs are not IP addresses and are not checked.
+fn check_gid(shared: &RdmaShared, remote: &wire::QpEndpoint, peer_addr: &str) -> Result<()> {
+    match shared.device.roce_v2 {
+        true => gid_matches_peer(shared.device.gid, remote.gid, peer_addr),
+        false => Ok(()),
+    }
+}
+
+/// Whether `remote_gid` is the address of the TCP peer at `peer_addr` ("ip:port"), or, for a peer on
+/// this host (loopback), this device's own GID `own_gid`.
+fn gid_matches_peer(own_gid: std::net::Ipv6Addr, remote_gid: std::net::Ipv6Addr, peer_addr: &str) -> Result<()> {
+    let Ok(peer) = peer_addr.parse::<std::net::SocketAddr>() else {
+        return Err(Error::PermissionDenied(format!(
+            "RDMA setup from {peer_addr}: the TCP peer's address cannot be checked against its GID"
+        )));
+    };
+    let ip = peer.ip().to_canonical();
+    let matches = match ip.is_loopback() {
+        true => remote_gid == own_gid,
+        false => std::net::IpAddr::V6(remote_gid).to_canonical() == ip,
+    };
+    match matches {
+        true => Ok(()),
+        false => Err(Error::PermissionDenied(format!(
+            "RDMA setup from {peer_addr} names GID {remote_gid}, which is not that peer's address: refused"
+        ))),
+    }
+}
+
 fn reg_error(shared: &RdmaShared, region: &RegionEntry, e: impl std::fmt::Display) -> Error {
     Error::ResourceExhausted(format!(
         "registering {} bytes with {}: {e}",
@@ -205,7 +309,7 @@ impl RdmaTransport {
             let device = device::open(options.device.as_deref())?;
             let pd = device.context.alloc_pd().map_err(|e| Error::Unsupported(format!("RDMA: allocating a protection domain on {}: {e}", device.name)))?;
             tracing::info!(device = %device.name, port = device.port, gid_index = device.gid_index, gid = %device.gid, "RDMA device open");
-            Ok(Arc::new(RdmaShared { device, pd, options, regions: Mutex::new(HashMap::new()), links: Mutex::new(Vec::new()), responders: Default::default() }))
+            Ok(Arc::new(RdmaShared { device, pd, options, regions: Mutex::new(HashMap::new()), links: Mutex::new(Vec::new()), responders: Default::default(), domains: Mutex::new(HashMap::new()) }))
         });
         RdmaTransport { state }
     }
@@ -249,6 +353,9 @@ impl Transport for RdmaTransport {
 
     fn register_region(&self, region: &RegionEntry) -> Result<Option<Vec<u8>>> {
         let shared = self.shared()?;
+        if shared.options.per_peer_domains {
+            return register_local(shared, region);
+        }
         let mut flags = AccessFlags::LocalWrite;
         if region.access().contains(Access::READ) {
             flags |= AccessFlags::RemoteRead;
@@ -279,7 +386,7 @@ impl Transport for RdmaTransport {
             Ok((mr, flushable)) => (Registered::new(mr, region.guard().clone()), flushable, None),
             // A file in the page cache: the kernel will not pin its pages for the NIC. Stage instead.
             Err(e) if region.block().persistent() => {
-                let mut bounce = mr::Bounce::new(region.len() as usize);
+                let bounce = mr::Bounce::new(region.len() as usize);
                 let addr = bounce.as_ptr() as u64;
                 // SAFETY: the bounce buffer is owned by the `Registered` built from this registration,
                 // which drops the memory region before the buffer.
@@ -299,22 +406,18 @@ impl Transport for RdmaTransport {
             }
             Err(e) => return Err(reg_error(shared, region, e)),
         };
-        let reg = Arc::new(reg);
-        let rkey = reg.rkey();
+        let key = wire::RemoteKey {
+            rkey: reg.rkey(),
+            flushable,
+            bounce_addr,
+            hooked: region.block().has_access_hooks(),
+        };
         shared
             .regions
             .lock()
             .map_err(|_| Error::Internal("RDMA region table lock poisoned".into()))?
-            .insert(region.key(), reg);
-        Ok(Some(
-            wire::RemoteKey {
-                rkey,
-                flushable,
-                bounce_addr,
-                hooked: region.block().has_access_hooks(),
-            }
-            .encode(),
-        ))
+            .insert(region.key(), Arc::new(reg.advertising(key)));
+        Ok(Some(key.encode()))
     }
 
     /// Halting and draining the queue pairs that use the region waits up to `link::DRAIN_LIMIT`.
@@ -347,8 +450,27 @@ impl Transport for RdmaTransport {
                 tracing::error!(region = ?key, "RDMA work requests still use a region being deregistered after {:?}; the NIC forgets it now", link::DRAIN_LIMIT);
             }
         }
-        // Before this returns, not when the last handle goes: the NIC refuses every access from now on.
+        // Before this returns, not when the last handle goes: the NIC refuses every access from now on,
+        // through every peer's registration and the engine's own.
+        for domain in shared.live_domains() {
+            ferry_core::PeerScope::forget(&*domain, key);
+        }
         reg.forget();
+    }
+
+    fn peer_scope(&self, link: u64) -> Result<Option<Arc<dyn ferry_core::PeerScope>>> {
+        let Ok(shared) = self.shared() else { return Ok(None) };
+        if !shared.options.per_peer_domains {
+            return Ok(None);
+        }
+        let domain = scope::PeerDomain::new(shared, link)?;
+        let mut domains = shared
+            .domains
+            .lock()
+            .map_err(|_| Error::Internal("RDMA peer domain table lock poisoned".into()))?;
+        domains.retain(|_, d| d.strong_count() > 0);
+        domains.insert(link, Arc::downgrade(&domain));
+        Ok(Some(domain))
     }
 
     fn connect<'a>(&'a self, control: &'a dyn SetupExchange) -> BoxFuture<'a, Result<Arc<dyn DataLink>>> {
@@ -362,14 +484,21 @@ impl Transport for RdmaTransport {
     fn accept(&self, setup: AcceptSetup<'_>) -> Result<(Vec<u8>, Box<dyn ferry_core::AcceptedPath>)> {
         let shared = self.shared()?;
         let remote = wire::QpEndpoint::decode(setup.blob)?;
-        let mut rc = qp::Rc::create(&shared.device, &shared.pd, &shared.options)?;
+        check_gid(shared, &remote, setup.peer_addr)?;
+        // Where each peer has a domain of its own, the queue pair and its buffers live in it.
+        let domain = match shared.options.per_peer_domains {
+            true => Some(shared.domain(setup.link)?),
+            false => None,
+        };
+        let pd = domain.as_ref().map_or(&shared.pd, |d| &d.pd);
+        let mut rc = qp::Rc::create(&shared.device, pd, &shared.options, true)?;
         if shared.device.flush_capable {
             rc.local.flags |= wire::FLUSH_TARGET;
         }
         if shared.options.adr_without_ddio {
             rc.local.flags |= wire::ADR_WITHOUT_DDIO;
         }
-        let messages = messages::MessageBuffers::new(&shared.pd)?;
+        let messages = messages::MessageBuffers::new(pd)?;
         // Receives go up before the initiator learns our address, so its first message finds one.
         messages.post_all_recvs(&rc)?;
         rc.connect(&shared.device, &remote, &shared.options)?;
@@ -389,7 +518,7 @@ impl Transport for RdmaTransport {
             setup.link,
             setup.peer_engine,
             setup.peer_addr.to_string(),
-            setup.peer_identity.cloned(),
+            setup.peer.clone(),
             shared.options.busy_poll,
         );
         Ok((local, Box::new(accepted)))
@@ -426,6 +555,29 @@ mod tests {
             .validate(),
             Err(Error::InvalidArgument(_))
         ));
+    }
+
+    #[test]
+    fn a_gid_must_be_the_tcp_peers_address() {
+        let own: std::net::Ipv6Addr = "::ffff:10.0.2.15".parse().unwrap();
+        let other: std::net::Ipv6Addr = "::ffff:10.0.2.16".parse().unwrap();
+        let v6: std::net::Ipv6Addr = "fd00::7".parse().unwrap();
+        assert!(gid_matches_peer(own, other, "10.0.2.16:4000").is_ok());
+        assert!(gid_matches_peer(own, v6, "[fd00::7]:4000").is_ok());
+        // A peer on this host sends from this device.
+        assert!(gid_matches_peer(own, own, "127.0.0.1:4000").is_ok());
+        assert!(gid_matches_peer(own, own, "[::ffff:127.0.0.1]:4000").is_ok());
+        for (gid, peer) in [
+            (other, "10.0.2.17:4000"),
+            (other, "127.0.0.1:4000"),
+            (own, "[fd00::7]:4000"),
+            (own, "not an address"),
+        ] {
+            assert!(
+                matches!(gid_matches_peer(own, gid, peer), Err(Error::PermissionDenied(_))),
+                "{gid} from {peer}"
+            );
+        }
     }
 
     #[test]

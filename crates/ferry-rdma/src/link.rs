@@ -243,7 +243,13 @@ pub(crate) async fn open(
     exchange: &dyn SetupExchange,
     control: Arc<dyn DataLink>,
 ) -> Result<Arc<Inner>> {
-    let mut rc = Rc::create(&shared.device, &shared.pd, &shared.options)?;
+    // The initiator's queue pair serves no peer where each peer has a domain of its own.
+    let mut rc = Rc::create(
+        &shared.device,
+        &shared.pd,
+        &shared.options,
+        !shared.options.per_peer_domains,
+    )?;
     if rc.flush.is_some() {
         rc.local.flags |= crate::wire::CAN_POST_FLUSH;
     }

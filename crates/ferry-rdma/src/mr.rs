@@ -20,6 +20,8 @@ use std::sync::{Arc, Mutex};
 use ferry_core::{AccessGuard, OwnedPermit};
 use sideway::ibverbs::memory_region::MemoryRegion;
 
+use crate::wire::RemoteKey;
+
 /// A region's registration with the NIC.
 pub struct Registered {
     // Before `bounce`: the NIC forgets the buffer before it is freed. `None` once deregistered.
@@ -29,6 +31,9 @@ pub struct Registered {
     /// The region's access guard: a posted work request holds a permit of it until its completion.
     guard: Arc<AccessGuard>,
     bounce: Option<Bounce>,
+    /// What the region's advert carries for RDMA (on an engine that authenticates its links, the
+    /// template of each peer's own key: see `crate::scope`).
+    advertised: RemoteKey,
 }
 
 /// A region taken into use by a posted group of work requests: a permit of its access guard, released
@@ -48,18 +53,26 @@ impl InUse {
 /// The buffer a region that the NIC cannot pin is reached through.
 pub(crate) struct Bounce {
     memory: Box<[u8]>,
+    /// The first byte, taken once from a unique borrow: the NIC writes through it.
+    first: *mut u8,
 }
+
+// SAFETY: `first` points into `memory`, which this value owns; the bytes are only copied out of under
+// the region's guard (see `RdmaShared::commit_bounced`).
+unsafe impl Send for Bounce {}
+// SAFETY: as above; no `&self` method writes through `first`.
+unsafe impl Sync for Bounce {}
 
 impl Bounce {
     pub(crate) fn new(len: usize) -> Self {
-        Bounce {
-            memory: vec![0u8; len].into_boxed_slice(),
-        }
+        let mut memory = vec![0u8; len].into_boxed_slice();
+        let first = memory.as_mut_ptr();
+        Bounce { memory, first }
     }
 
     /// The first byte (for registering it, and for copying out of it under the NIC's feet).
-    pub(crate) fn as_ptr(&mut self) -> *mut u8 {
-        self.memory.as_mut_ptr()
+    pub(crate) fn as_ptr(&self) -> *mut u8 {
+        self.first
     }
 
     pub(crate) fn len(&self) -> usize {
@@ -73,10 +86,35 @@ impl Registered {
         Registered {
             lkey: mr.lkey(),
             rkey: mr.rkey(),
+            advertised: RemoteKey {
+                rkey: mr.rkey(),
+                flushable: false,
+                bounce_addr: None,
+                hooked: false,
+            },
             mr: Mutex::new(Some(mr)),
             guard,
             bounce: None,
         }
+    }
+
+    /// The registration, with what its advert carries for RDMA.
+    pub(crate) fn advertising(self, key: RemoteKey) -> Self {
+        Registered {
+            advertised: key,
+            ..self
+        }
+    }
+
+    /// What the region's advert carries for RDMA.
+    pub(crate) fn advertised(&self) -> RemoteKey {
+        self.advertised
+    }
+
+    /// The bounce buffer's first byte, for registering it for a peer (`None` for a region registered
+    /// directly).
+    pub(crate) fn bounce_first(&self) -> Option<*mut u8> {
+        self.bounce.as_ref().map(Bounce::as_ptr)
     }
 
     /// A registration of `bounce` standing in for a region the NIC cannot pin.
@@ -95,7 +133,7 @@ impl Registered {
     /// The bounce buffer's byte at `offset` (`None` for a region registered directly).
     pub(crate) fn bounce_ptr(&self, offset: u64) -> Option<*const u8> {
         let s = self.bounce.as_ref()?;
-        (offset as usize <= s.len()).then(|| s.memory.as_ptr().wrapping_add(offset as usize))
+        (offset as usize <= s.len()).then(|| s.first.cast_const().wrapping_add(offset as usize))
     }
 
     /// The key local work requests name.

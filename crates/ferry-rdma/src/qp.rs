@@ -125,8 +125,10 @@ fn build(builder: &mut QueuePairBuilder, try_flush: bool) -> Result<(ExtendedQue
 }
 
 impl Rc {
-    /// Creates a queue pair in the INIT state.
-    pub fn create(dev: &OpenDevice, pd: &Arc<ProtectionDomain>, opts: &RdmaOptions) -> Result<Rc> {
+    /// Creates a queue pair in the INIT state. `remote_access`: whether the peer may read and write
+    /// through it (a target's queue pair); an initiator's on an engine that authenticates its links
+    /// accepts no RDMA READ or WRITE at all.
+    pub fn create(dev: &OpenDevice, pd: &Arc<ProtectionDomain>, opts: &RdmaOptions, remote_access: bool) -> Result<Rc> {
         // The send queue holds the data work requests and, beside them, a SEND per message buffer (a
         // notification or commit request may be posted while the data share is full).
         let messages = SEND_BUFFERS as u32;
@@ -156,8 +158,11 @@ impl Rc {
             .setup_max_recv_sge(1)
             .setup_max_inline_data(0);
         let (mut qp, flush) = build(&mut builder, dev.flush_capable)?;
-        let mut access = AccessFlags::LocalWrite | AccessFlags::RemoteWrite | AccessFlags::RemoteRead;
-        if dev.flush_capable {
+        let mut access = AccessFlags::LocalWrite;
+        if remote_access {
+            access |= AccessFlags::RemoteWrite | AccessFlags::RemoteRead;
+        }
+        if remote_access && dev.flush_capable {
             // A responder refuses FLUSH (invalid request) on a queue pair without these.
             access |= AccessFlags::FlushGlobal | AccessFlags::FlushPersistent;
         }

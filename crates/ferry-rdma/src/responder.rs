@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex, Weak};
 
 use ferry_core::codec::Segment;
 use ferry_core::region::for_each_region;
-use ferry_core::{Durability, EngineContext, Error, Notifier, Op, PeerIdentity, WireError};
+use ferry_core::{Durability, EngineContext, Error, Notifier, Op, PeerView, WireError};
 use sideway::ibverbs::completion::WorkCompletionStatus;
 use tokio::task::AbortHandle;
 
@@ -41,7 +41,8 @@ pub(crate) struct Responder {
     link: u64,
     peer_engine: u64,
     peer_addr: String,
-    peer_identity: Option<PeerIdentity>,
+    /// What the peer sees of this engine: its identity and the names it knows regions by.
+    peer: Arc<PeerView>,
     busy_poll: bool,
     /// This responder, for the commits and prepares that run on a blocking thread.
     me: Weak<Responder>,
@@ -106,7 +107,7 @@ pub(crate) fn start(
     link: u64,
     peer_engine: u64,
     peer_addr: String,
-    peer_identity: Option<PeerIdentity>,
+    peer: Arc<PeerView>,
     busy_poll: bool,
 ) -> Accepted {
     let responder = Arc::new_cyclic(|me| Responder {
@@ -119,7 +120,7 @@ pub(crate) fn start(
         link,
         peer_engine,
         peer_addr,
-        peer_identity,
+        peer,
         busy_poll,
         me: me.clone(),
     });
@@ -141,7 +142,7 @@ impl Responder {
         let Some(context) = self.context.upgrade() else {
             return false;
         };
-        let who = self.peer_identity.as_ref();
+        let who = &*self.peer;
         segments.iter().any(|s| {
             context
                 .resolve(who, s.key, s.offset, s.len, Op::Read)
@@ -182,7 +183,7 @@ impl Responder {
         let shared = self.shared.upgrade().ok_or_else(gone)?;
         let parts = segments
             .iter()
-            .map(|s| context.resolve_write(self.peer_identity.as_ref(), s.key, s.offset, s.len, durability))
+            .map(|s| context.resolve_write(&self.peer, s.key, s.offset, s.len, durability))
             .collect::<ferry_core::Result<Vec<_>>>()?;
         for_each_region(&parts, |region, ranges| {
             shared.commit_bounced(region, ranges)?;
@@ -210,7 +211,7 @@ impl Responder {
             .upgrade()
             .ok_or_else(|| ferry_core::Error::PeerClosed("the engine is shutting down".into()))?;
         for s in segments {
-            let r = context.resolve(self.peer_identity.as_ref(), s.key, s.offset, s.len, Op::Read)?;
+            let r = context.resolve(&self.peer, s.key, s.offset, s.len, Op::Read)?;
             let _permit = r.region.guard().enter().ok_or_else(|| r.region.gone())?;
             r.region.block().prepare_read(r.offset as usize, r.len as usize)?;
         }
@@ -295,7 +296,7 @@ impl Completions for Responder {
                                 self.link,
                                 self.peer_engine,
                                 &self.peer_addr,
-                                self.peer_identity.as_ref(),
+                                self.peer.identity(),
                                 notification,
                             )
                         });

@@ -20,8 +20,8 @@ use std::time::Duration;
 
 use ferry_core::codec::{Frame, Hello, Limits, ReadStatus, Segment};
 use ferry_core::{
-    AcceptedPath, Durability, EngineContext, Error, LinkSlot, Op, PeerIdentity, RegionChange, RegionEntry, RegionKey,
-    Resolved, Result,
+    AcceptedPath, Durability, EngineContext, Error, LinkSlot, Op, PeerIdentity, PeerView, RegionChange, RegionEntry,
+    RegionKey, Resolved, Result,
 };
 use ferry_proto::handshake::refuse_anonymously;
 use ferry_proto::target::{ack, setup_reply};
@@ -80,8 +80,8 @@ impl Default for ServerConfig {
 struct AcceptedLink {
     id: u64,
     peer_engine: u64,
-    /// Who the peer proved to be, on an authenticated link.
-    identity: Option<PeerIdentity>,
+    /// Who the peer proved to be (on an authenticated link), and the names it knows regions by.
+    view: Arc<PeerView>,
     adverts: Mutex<AdvertQueue>,
     adverts_due: Notify,
     /// How many of the changes pushed to `adverts` the control stream has sent (see
@@ -94,6 +94,19 @@ struct AcceptedLink {
 }
 
 impl AcceptedLink {
+    fn identity(&self) -> Option<&PeerIdentity> {
+        self.view.identity()
+    }
+
+    /// The update that tells the peer what it may now do in `region` (its advert, or its removal
+    /// where it may do nothing, which also ends the peer's per-transport access to it).
+    fn change_for(&self, region: &RegionEntry) -> RegionChange {
+        match self.view.advert(region) {
+            Some(ad) => RegionChange::Added(ad),
+            None => RegionChange::Removed(self.view.forget(region.key())),
+        }
+    }
+
     /// Queues a region update for the control stream; returns the queue's count of pushed changes.
     fn push_advert(&self, change: &RegionChange) -> u64 {
         let pushed = match self.adverts.lock() {
@@ -187,12 +200,12 @@ impl TcpServer {
     /// was registered (`added`) or deregistered. A peer never granted it hears of it neither way.
     pub fn announce(&self, region: &RegionEntry, added: bool) {
         for link in self.links() {
-            let Some(ad) = region.advert_for(link.identity.as_ref()) else {
+            if region.access_for(link.identity()).is_none() {
                 continue;
-            };
+            }
             let change = match added {
-                true => RegionChange::Added(ad),
-                false => RegionChange::Removed(region.key()),
+                true => link.change_for(region),
+                false => RegionChange::Removed(link.view.forget(region.key())),
             };
             link.push_advert(&change);
         }
@@ -207,11 +220,10 @@ impl TcpServer {
         };
         let mut waits = Vec::new();
         for link in self.links() {
-            let Some(who) = link.identity.as_ref() else { continue };
-            let change = match entry.advert_for(Some(who)) {
-                Some(ad) => RegionChange::Added(ad),
-                None => RegionChange::Removed(key),
-            };
+            if link.identity().is_none() {
+                continue;
+            }
+            let change = link.change_for(&entry);
             let pushed = link.push_advert(&change);
             waits.push((link.adverts_sent.subscribe(), pushed));
         }
@@ -280,6 +292,23 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
     }
 }
 
+/// What the peer of the link `id` sees: on an authenticated link, its identity, per-link names and the
+/// per-peer state of each transport that keeps one (see [`PeerView`]).
+fn peer_view(ctx: &EngineContext, id: u64, session: Option<&Session>) -> Result<PeerView> {
+    let Some(session) = session else {
+        return Ok(PeerView::open());
+    };
+    let mut scopes = Vec::new();
+    for transport in &ctx.acceptors {
+        scopes.extend(transport.peer_scope(id)?);
+    }
+    Ok(PeerView::authenticated(
+        session.identity.clone(),
+        ctx.peer_names.clone(),
+        scopes,
+    ))
+}
+
 fn identity(ctx: &EngineContext) -> Identity {
     Identity {
         engine_id: ctx.engine_id,
@@ -338,10 +367,11 @@ fn admit(
     let admitted = match links.admit(hello, session.map(|s| &s.join_key)) {
         Ok(Admission::Join(link)) => Ok((link, Vec::new())),
         Ok(Admission::Open) => ctx.incoming.acquire().and_then(|slot| {
+            let id = shared.next_link.fetch_add(1, Ordering::Relaxed);
             let link = Arc::new(AcceptedLink {
-                id: shared.next_link.fetch_add(1, Ordering::Relaxed),
+                id,
                 peer_engine: hello.engine_id,
-                identity: session.map(|s| s.identity.clone()),
+                view: Arc::new(peer_view(ctx, id, session)?),
                 adverts: Mutex::new(AdvertQueue::new(shared.config.link_limits.advert_queue)),
                 adverts_due: Notify::new(),
                 adverts_sent: watch::Sender::new(0),
@@ -351,11 +381,7 @@ fn admit(
             });
             // Under the registry's lock, so no update announced meanwhile is missed: it is either
             // in this table or queued for the link.
-            let regions = ctx
-                .regions
-                .read()
-                .map(|t| t.adverts_for(link.identity.as_ref()))
-                .unwrap_or_default();
+            let regions = ctx.regions.read().map(|t| link.view.adverts(&t)).unwrap_or_default();
             links.open(hello, link.clone(), session.map(|s| s.join_key.clone()))?;
             Ok((link, regions))
         }),
@@ -414,11 +440,7 @@ async fn serve_stream(
     writer.flush().await?;
     let index = StreamIndex(hello.stream_index);
     if index.is_control() {
-        let identity = link
-            .identity
-            .as_ref()
-            .map(|i| i.name.as_str())
-            .unwrap_or("unauthenticated");
+        let identity = link.identity().map(|i| i.name.as_str()).unwrap_or("unauthenticated");
         tracing::info!(%peer, engine = format_args!("{:016x}", hello.engine_id), streams = hello.stream_count, identity, "link accepted");
     }
     let stream = TargetStream::new(index, peer.to_string());
@@ -452,8 +474,8 @@ fn push_adverts(ctx: &EngineContext, link: &AcceptedLink, writer: &mut FrameWrit
         .adverts
         .lock()
         .map_err(|_| Error::Internal("region update queue lock poisoned".into()))?;
-    let who = link.identity.as_ref();
-    while let Some(frame) = q.poll_transmit(|| ctx.regions.read().map(|t| t.adverts_for(who)).unwrap_or_default()) {
+    let view = &link.view;
+    while let Some(frame) = q.poll_transmit(|| ctx.regions.read().map(|t| view.adverts(&t)).unwrap_or_default()) {
         writer.push(&frame, 0)?;
     }
     Ok(q.pushed())
@@ -493,7 +515,7 @@ async fn serve_requests(
         let Some(decoded) = next else { return Ok(()) };
         // Counted from before its grant check until it is answered, for revokes to wait out.
         let _in_progress = ctx.accesses.begin();
-        let who = link.identity.as_ref();
+        let who = &*link.view;
         let answer = match stream.request(decoded)? {
             Request::Write {
                 id,
@@ -541,13 +563,8 @@ async fn serve_requests(
             }
             Request::Notify { id, notification } => {
                 let result = notification.validate().and_then(|()| {
-                    ctx.notifier.deliver(
-                        link.id,
-                        link.peer_engine,
-                        reader.peer(),
-                        link.identity.as_ref(),
-                        notification,
-                    )
+                    ctx.notifier
+                        .deliver(link.id, link.peer_engine, reader.peer(), link.identity(), notification)
                 });
                 ack(id, &result)
             }
@@ -573,7 +590,7 @@ async fn serve_requests(
 /// stream.
 async fn serve_write(
     ctx: &EngineContext,
-    who: Option<&PeerIdentity>,
+    who: &PeerView,
     reader: &mut FrameReader,
     written: &mut WrittenRanges,
     (id, segments, payload_len, durability): (OpId, &[Segment], u64, Durability),
@@ -609,7 +626,7 @@ async fn serve_write(
 /// or all of them when the link's writes may bypass this stream (`None`).
 async fn serve_commit(
     ctx: &EngineContext,
-    who: Option<&PeerIdentity>,
+    who: &PeerView,
     written: Option<&mut WrittenRanges>,
     segments: &[Segment],
     durability: Durability,
@@ -649,7 +666,7 @@ fn serve_setup(
         notifier: ctx.notifier.clone(),
         peer_engine: link.peer_engine,
         peer_addr: peer,
-        peer_identity: link.identity.as_ref(),
+        peer: &link.view,
         context: Arc::downgrade(&shared.ctx),
     })?;
     let mut paths = link
@@ -712,7 +729,7 @@ fn read_status(parts: &[Resolved], copied: bool) -> ReadStatus {
 
 async fn resolve_reads(
     ctx: &EngineContext,
-    who: Option<&PeerIdentity>,
+    who: &PeerView,
     segments: &[Segment],
     max_payload: u64,
 ) -> Result<Vec<Resolved>> {

@@ -113,8 +113,9 @@ impl TransportOptions {
     }
 }
 
-/// The transports compiled into this build, best first.
-pub(crate) fn compiled_transports(options: &TransportOptions) -> Vec<Arc<dyn Transport>> {
+/// The transports compiled into this build, best first. `authenticates`: the engine authenticates its
+/// links, so each peer gets only what it was granted, enforced by the NIC where there is one.
+pub(crate) fn compiled_transports(options: &TransportOptions, authenticates: bool) -> Vec<Arc<dyn Transport>> {
     let mut v: Vec<Arc<dyn Transport>> = Vec::with_capacity(3);
     #[cfg(feature = "rdma")]
     v.push(Arc::new(ferry_rdma::RdmaTransport::new(ferry_rdma::RdmaOptions {
@@ -124,10 +125,11 @@ pub(crate) fn compiled_transports(options: &TransportOptions) -> Vec<Arc<dyn Tra
         busy_poll: options.rdma_busy_poll,
         persist_method: options.rdma_persist_method,
         adr_without_ddio: options.adr_without_ddio,
+        per_peer_domains: authenticates,
         ..Default::default()
     })));
     #[cfg(not(feature = "rdma"))]
-    let _ = options;
+    let _ = (options, authenticates);
     if cfg!(feature = "tcp") {
         v.push(Arc::new(ferry_tcp::TcpTransport));
     }
@@ -146,7 +148,7 @@ fn not_compiled(kind: TransportKind, why: &str) -> Availability {
 
 /// What this build can do on this host.
 pub fn capabilities() -> Capabilities {
-    let mut transports: Vec<Availability> = compiled_transports(&TransportOptions::default())
+    let mut transports: Vec<Availability> = compiled_transports(&TransportOptions::default(), false)
         .iter()
         .map(|t| t.availability())
         .collect();

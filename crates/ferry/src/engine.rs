@@ -9,8 +9,8 @@ use std::time::Duration;
 use ferry_core::codec::Limits;
 use ferry_core::{
     Access, BufferPool, DataLink, Durability, EngineContext, Error, LinkSlots, MemoryBlock, MemoryRegistry,
-    Notification, Op, OwnedBuffer, RawMemory, ReceivedNotification, RegionEntry, RegionKey, RegionTable, Result,
-    TransferDesc, TransferItem, TransferRequest, Transport, TransportKind,
+    Notification, Op, OwnedBuffer, PeerNames, RawMemory, ReceivedNotification, RegionEntry, RegionKey, RegionTable,
+    Result, TransferDesc, TransferItem, TransferRequest, Transport, TransportKind,
 };
 use ferry_tcp::{CoalescePool, LinkConfig, LocalIdentity, ServerConfig, TcpLink, TcpServer, TlsConfig};
 use futures::stream::BoxStream;
@@ -245,17 +245,18 @@ impl EngineBuilder {
     /// Starts the engine: validates the options and, with a listen address, starts serving.
     pub async fn build(self) -> Result<Engine> {
         self.validate()?;
-        let transports: Vec<Arc<dyn Transport>> = crate::capabilities::compiled_transports(&self.transport_options)
-            .into_iter()
-            .filter(|t| self.allowed.as_ref().is_none_or(|a| a.contains(&t.kind())))
-            .filter(|t| {
-                let a = t.availability();
-                if !a.usable {
-                    tracing::info!(transport = %a.kind, reason = %a.detail, "transport unavailable");
-                }
-                a.usable
-            })
-            .collect();
+        let transports: Vec<Arc<dyn Transport>> =
+            crate::capabilities::compiled_transports(&self.transport_options, self.tls.is_some())
+                .into_iter()
+                .filter(|t| self.allowed.as_ref().is_none_or(|a| a.contains(&t.kind())))
+                .filter(|t| {
+                    let a = t.availability();
+                    if !a.usable {
+                        tracing::info!(transport = %a.kind, reason = %a.detail, "transport unavailable");
+                    }
+                    a.usable
+                })
+                .collect();
         if transports.is_empty() {
             return Err(Error::Unsupported(format!(
                 "no data transport is compiled in, usable here and allowed ({:?}); see `ferry info`",
@@ -273,6 +274,7 @@ impl EngineBuilder {
             transports: transports.iter().map(|t| t.kind()).collect(),
             acceptors: transports.clone(),
             accesses: Default::default(),
+            peer_names: Arc::new(PeerNames::random()?),
         });
         let server = match &self.listen {
             Some(addr) => {
@@ -329,7 +331,7 @@ pub struct Engine {
 }
 
 pub(crate) struct Inner {
-    ctx: Arc<EngineContext>,
+    pub(crate) ctx: Arc<EngineContext>,
     server: Option<TcpServer>,
     transports: Vec<Arc<dyn Transport>>,
     peers: Mutex<HashMap<SocketAddr, Peer>>,

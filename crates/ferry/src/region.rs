@@ -44,6 +44,17 @@ impl Region {
         self.entry.addr() + offset
     }
 
+    /// The address the peer named `peer` knows this region's first byte by, for descriptors that peer
+    /// builds. On an engine that authenticates its links each peer is told an opaque base of its own
+    /// (see [`ferry_core::peer_view`]): hand it this, not [`addr`](Self::addr), out of band. On an
+    /// engine open to anyone, the region's own address.
+    pub fn addr_for(&self, peer: &str) -> u64 {
+        match self.engine.upgrade() {
+            Some(engine) if engine.authenticates() => engine.ctx.peer_names.base(peer, &self.entry),
+            _ => self.entry.addr(),
+        }
+    }
+
     /// Length in bytes.
     pub fn len(&self) -> u64 {
         self.entry.len()
@@ -54,9 +65,22 @@ impl Region {
         self.entry.is_empty()
     }
 
-    /// The key peers name this region by.
+    /// The key of this region in the engine's table. Peers of an engine open to anyone name it by this
+    /// key; on an engine that authenticates its links each peer is told a key of its own.
     pub fn key(&self) -> RegionKey {
         self.entry.key()
+    }
+
+    /// The key the peer named `peer` knows this region by: on an engine that authenticates its links,
+    /// a key of that peer's own (see [`ferry_core::peer_view`]); on an engine open to anyone,
+    /// [`key`](Self::key).
+    pub fn key_for(&self, peer: &str) -> RegionKey {
+        match self.engine.upgrade() {
+            Some(engine) if engine.authenticates() => {
+                RegionKey(self.entry.key().0 ^ engine.ctx.peer_names.key_mask(peer))
+            }
+            _ => self.entry.key(),
+        }
     }
 
     /// What peers may do.

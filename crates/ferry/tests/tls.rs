@@ -77,12 +77,19 @@ async fn authenticated_engines_move_data_and_know_who_they_talk_to() {
     assert_eq!(identity.name, "kv-cache-0");
     assert!(identity.subject.contains("CN=kv-cache-0"), "{identity:?}");
     assert!(identity.alt_names.contains(&"127.0.0.1".to_string()), "{identity:?}");
+    // The peer knows the region by a key and an address of its own, which the target's application
+    // can look up to hand out; the raw ones are never told.
+    let ad = peer.regions().iter().next().cloned().unwrap();
+    let at = dst.addr_for("decode-3");
+    assert_eq!((ad.key, ad.addr), (dst.key_for("decode-3"), at));
+    assert_ne!(ad.key, dst.key());
+    assert_ne!(ad.addr, dst.addr());
 
     // Large and small writes, and a read back, over the plain data streams.
     let descs = [
-        TransferDesc::new(src.addr(), dst.addr(), 3 << 20),
-        TransferDesc::new(src.addr_at(3 << 20), dst.addr_at(3 << 20), 64),
-        TransferDesc::new(src.addr_at((3 << 20) + 64), dst.addr_at((3 << 20) + 64), (1 << 20) - 64),
+        TransferDesc::new(src.addr(), at, 3 << 20),
+        TransferDesc::new(src.addr_at(3 << 20), at + (3 << 20), 64),
+        TransferDesc::new(src.addr_at((3 << 20) + 64), at + (3 << 20) + 64, (1 << 20) - 64),
     ];
     initiator.transfer(&peer, Op::Write, &descs, T).await.unwrap();
     let mut got = vec![0u8; 4 << 20];
@@ -90,12 +97,7 @@ async fn authenticated_engines_move_data_and_know_who_they_talk_to() {
     assert!(got == data, "the target holds what was written");
     let back = initiator.alloc_host(4 << 20, Access::READ_WRITE).unwrap();
     initiator
-        .transfer(
-            &peer,
-            Op::Read,
-            &[TransferDesc::new(back.addr(), dst.addr(), 4 << 20)],
-            T,
-        )
+        .transfer(&peer, Op::Read, &[TransferDesc::new(back.addr(), at, 4 << 20)], T)
         .await
         .unwrap();
     back.read_at(0, &mut got).unwrap();
@@ -128,7 +130,7 @@ async fn encrypting_every_stream_moves_the_same_bytes() {
     src.write_at(0, &data).unwrap();
     let peer = initiator.connect(&addr.to_string(), T).await.unwrap();
     let descs: Vec<_> = (0..64u64)
-        .map(|i| TransferDesc::new(src.addr_at(i * 32768), dst.addr_at(i * 32768), 32768))
+        .map(|i| TransferDesc::new(src.addr_at(i * 32768), dst.addr_for("client") + i * 32768, 32768))
         .collect();
     initiator.transfer(&peer, Op::Write, &descs, T).await.unwrap();
     let back = initiator.alloc_host(2 << 20, Access::READ_WRITE).unwrap();
@@ -136,7 +138,7 @@ async fn encrypting_every_stream_moves_the_same_bytes() {
         .transfer(
             &peer,
             Op::Read,
-            &[TransferDesc::new(back.addr(), dst.addr(), 2 << 20)],
+            &[TransferDesc::new(back.addr(), dst.addr_for("client"), 2 << 20)],
             T,
         )
         .await
@@ -377,11 +379,12 @@ async fn regions_are_private_until_granted_and_grants_are_per_peer() {
     let seen = to_reader.regions();
     assert_eq!(seen.len(), 1);
     let ad = seen.iter().next().unwrap();
-    assert_eq!((ad.key, ad.access), (shared.key(), Access::READ));
+    assert_eq!((ad.key, ad.access), (shared.key_for("reader"), Access::READ));
     assert!(to_other.regions().is_empty(), "nothing was granted to `other`");
 
     // The target refuses what was not granted even when the peer names the key itself: a raw
-    // authenticated client that knows both keys reads and writes nothing.
+    // authenticated client that knows its keys of both regions reads and writes nothing; the regions'
+    // raw keys, and the keys another peer is told, name nothing for it.
     private.write_at(0, &[7; 64]).unwrap();
     let mut raw = raw_link(&ca, "reader", addr).await;
     let read = |key, id| Frame::Read {
@@ -397,9 +400,11 @@ async fn regions_are_private_until_granted_and_grants_are_per_peer() {
         durability: ferry::Durability::Completed,
     };
     for (frame, payload) in [
-        (read(private.key(), 1), &[][..]),
-        (write(private.key(), 2), &[1u8; 64][..]),
-        (write(shared.key(), 3), &[1u8; 64][..]),
+        (read(private.key_for("reader"), 1), &[][..]),
+        (write(private.key_for("reader"), 2), &[1u8; 64][..]),
+        (write(shared.key_for("reader"), 3), &[1u8; 64][..]),
+        (read(shared.key(), 5), &[][..]),
+        (read(shared.key_for("other"), 6), &[][..]),
     ] {
         let answer = exchange(&mut raw, &frame, payload).await;
         assert!(
@@ -408,7 +413,7 @@ async fn regions_are_private_until_granted_and_grants_are_per_peer() {
         );
     }
     assert!(matches!(
-        exchange(&mut raw, &read(shared.key(), 4), &[]).await,
+        exchange(&mut raw, &read(shared.key_for("reader"), 4), &[]).await,
         Frame::ReadData { id: 4 }
     ));
     let mut got = [0u8; 64];
@@ -418,7 +423,7 @@ async fn regions_are_private_until_granted_and_grants_are_per_peer() {
     assert_eq!(got, [0; 64], "the read-only grant wrote nothing");
 
     // Deregistration is announced only to those told of the region.
-    let (private_key, shared_key) = (private.key(), shared.key());
+    let (private_key, shared_key) = (private.key_for("reader"), shared.key_for("reader"));
     drop(private);
     drop(shared);
     let mut heard = Vec::new();
@@ -462,7 +467,7 @@ async fn a_revoke_stops_a_peer_mid_stream() {
     src.write_at(0, &pattern(1 << 20, 1)).unwrap();
     let peer = writer.connect(&addr.to_string(), T).await.unwrap();
     let descs: Vec<_> = (0..16u64)
-        .map(|i| TransferDesc::new(src.addr_at(i << 16), dst.addr_at(i << 16), 1 << 16))
+        .map(|i| TransferDesc::new(src.addr_at(i << 16), dst.addr_for("writer") + (i << 16), 1 << 16))
         .collect();
     let stop = Arc::new(AtomicBool::new(false));
     let writes = common::keep_writing(&writer, &peer, descs, ferry::Durability::Completed, stop.clone());
@@ -497,7 +502,7 @@ async fn a_revoke_waits_for_a_write_already_under_way() {
     let mut out = bytes::BytesMut::new();
     let write = Frame::Write {
         id: 1,
-        key: dst.key(),
+        key: dst.key_for("writer"),
         offset: 0,
         durability: ferry::Durability::Completed,
     };
@@ -526,7 +531,7 @@ async fn a_revoke_waits_for_a_write_already_under_way() {
     dst.write_at(0, &vec![0u8; 64 << 10]).unwrap();
     let write = Frame::Write {
         id: 2,
-        key: dst.key(),
+        key: dst.key_for("writer"),
         offset: 0,
         durability: ferry::Durability::Completed,
     };
@@ -544,7 +549,7 @@ async fn a_revoke_waits_for_a_write_already_under_way() {
     assert!(
         answers
             .iter()
-            .any(|f| matches!(f, Frame::RegionRemoved { key } if *key == dst.key())),
+            .any(|f| matches!(f, Frame::RegionRemoved { key } if *key == dst.key_for("writer"))),
         "the peer was told: {answers:?}"
     );
     assert!(dst.to_vec().unwrap().iter().all(|b| *b == 0));
@@ -575,7 +580,12 @@ async fn engines_sharing_a_key_admit_each_other_and_nobody_else() {
     let src = member.alloc_host(4096, Access::READ_WRITE).unwrap();
     src.write_at(0, &pattern(4096, 9)).unwrap();
     member
-        .transfer(&peer, Op::Write, &[TransferDesc::new(src.addr(), dst.addr(), 4096)], T)
+        .transfer(
+            &peer,
+            Op::Write,
+            &[TransferDesc::new(src.addr(), dst.addr_for("decode-1"), 4096)],
+            T,
+        )
         .await
         .unwrap();
     assert_eq!(dst.to_vec().unwrap(), pattern(4096, 9));

@@ -10,7 +10,7 @@ pub struct Serve {
     pub child: Child,
     /// Where it listens.
     pub addr: SocketAddr,
-    /// The address of its one region.
+    /// The address of its one region (0 where each peer has its own: ask the peer's adverts).
     pub region: u64,
 }
 
@@ -49,7 +49,11 @@ pub fn start(mut cmd: Command) -> Option<Serve> {
         return None;
     }
     serve.addr = words.get(2)?.parse().ok()?;
-    serve.region = u64::from_str_radix(words.get(4)?.trim_start_matches("0x"), 16).ok()?;
+    // "per-peer" on a server that authenticates: each peer learns its own address when it connects.
+    serve.region = match *words.get(4)? {
+        "per-peer" => 0,
+        hex => u64::from_str_radix(hex.trim_start_matches("0x"), 16).ok()?,
+    };
     Some(serve)
 }
 
