@@ -34,6 +34,8 @@ struct Link {
     /// The name in the peer's certificate, on an authenticated link.
     peer_identity: Option<String>,
     transport: String,
+    /// Better transports both ends offer that could not be used, with why ("shm: …").
+    passed_over: Vec<String>,
     persist_method: String,
     tcp_streams: usize,
     regions: usize,
@@ -89,6 +91,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             "link to {}: {} ({} TCP streams), persistent writes by {}; {} regions, {} persistent",
             l.peer, l.transport, l.tcp_streams, l.persist_method, l.regions, l.persistent_regions
         );
+        for why in &l.passed_over {
+            println!("not used: {why}");
+        }
         match &l.peer_identity {
             Some(name) => println!("authentication: mutual TLS, the peer is {name}"),
             None => println!("authentication: none (the peer admits anyone who reaches it)"),
@@ -120,6 +125,11 @@ async fn link(addr: &str, tls: &TlsArgs) -> anyhow::Result<Link> {
         },
         peer_identity: peer.identity().map(|i| i.name.clone()),
         transport: peer.transport().to_string(),
+        passed_over: peer
+            .passed_over()
+            .iter()
+            .map(|(k, why)| format!("{k}: {why}"))
+            .collect(),
         persist_method: peer.persist_method().to_string(),
         tcp_streams: peer.tcp_streams(),
         regions: regions.len(),

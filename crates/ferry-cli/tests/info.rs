@@ -31,7 +31,9 @@ fn info_describes_a_link_to_a_persistent_target() {
 
     let v = info(&["--peer", &serve.addr.to_string()]);
     let link = &v["link"];
-    assert_eq!(link["transport"], "tcp");
+    // Two processes on one host: shared memory, whose target persists before it answers.
+    assert_eq!(link["transport"], "shm", "{link}");
+    assert_eq!(link["passed_over"], serde_json::json!([]));
     assert_eq!(link["persist_method"], "flush-before-ack");
     assert_eq!(link["persistent_regions"], 1);
     assert!(v["transports"].is_array(), "the capabilities are there too: {v}");

@@ -102,7 +102,14 @@ async fn a_deadline_ends_a_transfer_to_a_frozen_target() {
             .build()
             .unwrap();
         rt.block_on(async move {
-            let target = Engine::builder().listen("127.0.0.1:0").build().await.unwrap();
+            // TCP: its target serves on the runtime this test freezes (a shared-memory target copies on
+            // a thread of its own, which a frozen runtime does not stop).
+            let target = Engine::builder()
+                .transports([ferry::TransportKind::Tcp])
+                .listen("127.0.0.1:0")
+                .build()
+                .await
+                .unwrap();
             let _dst = target.alloc_host(4096, Access::READ_WRITE).unwrap();
             addr_tx.send(target.local_addr().unwrap()).unwrap();
             // Serve until told to freeze, then block the only thread the target runs on.

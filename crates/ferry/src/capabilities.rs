@@ -117,6 +117,9 @@ impl TransportOptions {
 /// links, so each peer gets only what it was granted, enforced by the NIC where there is one.
 pub(crate) fn compiled_transports(options: &TransportOptions, authenticates: bool) -> Vec<Arc<dyn Transport>> {
     let mut v: Vec<Arc<dyn Transport>> = Vec::with_capacity(3);
+    // Best first: on one host, nothing beats one copy.
+    #[cfg(feature = "shm")]
+    v.push(Arc::new(ferry_shm::ShmTransport));
     #[cfg(feature = "rdma")]
     v.push(Arc::new(ferry_rdma::RdmaTransport::new(ferry_rdma::RdmaOptions {
         device: options.rdma_device.clone(),
@@ -153,10 +156,7 @@ pub fn capabilities() -> Capabilities {
         .map(|t| t.availability())
         .collect();
     for (kind, why) in [
-        (
-            TransportKind::Shm,
-            "not in this build: ferry has no shared-memory transport yet",
-        ),
+        (TransportKind::Shm, "not in this build: enable the `shm` feature"),
         (TransportKind::Rdma, "not in this build: enable the `rdma` feature"),
         (TransportKind::Tcp, "not in this build: enable the `tcp` feature"),
     ] {

@@ -470,7 +470,7 @@ impl Engine {
                 tls: self.inner.options.tls.clone(),
             };
             let control = TcpLink::dial(addr, &me, &config).await?;
-            let data = match self.data_link(&control).await {
+            let (data, passed_over) = match self.data_link(&control).await {
                 Ok(data) => data,
                 Err(e) => {
                     control.abort();
@@ -483,6 +483,7 @@ impl Engine {
                     name: remote.to_string(),
                     control,
                     data,
+                    passed_over,
                     _slot: slot,
                 }),
             };
@@ -507,21 +508,26 @@ impl Engine {
 
     /// Picks the best data path both ends offer; a transport that fails to set up falls back to the
     /// next one, and the log says why.
-    async fn data_link(&self, control: &TcpLink) -> Result<Arc<dyn DataLink>> {
+    async fn data_link(&self, control: &TcpLink) -> Result<(Arc<dyn DataLink>, Vec<(TransportKind, String)>)> {
         let theirs = control.remote_transports();
-        let mut refusals = Vec::new();
+        let mut refusals: Vec<(TransportKind, String)> = Vec::new();
         for t in self.inner.transports.iter().filter(|t| theirs.contains(&t.kind())) {
-            if t.kind() == TransportKind::Tcp {
-                if !refusals.is_empty() {
-                    tracing::warn!(peer = %control.peer(), reasons = ?refusals, "falling back to tcp");
+            let link = match t.kind() {
+                TransportKind::Tcp => Ok(Arc::new(control.clone()) as Arc<dyn DataLink>),
+                _ => t.connect(control).await,
+            };
+            match link {
+                Ok(link) => {
+                    if !refusals.is_empty() {
+                        let reasons: Vec<String> = refusals.iter().map(|(k, why)| format!("{k}: {why}")).collect();
+                        tracing::warn!(peer = %control.peer(), transport = %t.kind(), ?reasons, "a better transport could not be used");
+                    }
+                    return Ok((link, refusals));
                 }
-                return Ok(Arc::new(control.clone()));
-            }
-            match t.connect(control).await {
-                Ok(link) => return Ok(link),
-                Err(e) => refusals.push(format!("{}: {e}", t.kind())),
+                Err(e) => refusals.push((t.kind(), e.to_string())),
             }
         }
+        let refusals: Vec<String> = refusals.iter().map(|(k, why)| format!("{k}: {why}")).collect();
         Err(Error::Unsupported(format!(
             "{} offers {theirs:?} and this engine {:?}: no transport in common{}",
             control.peer(),

@@ -17,6 +17,8 @@ pub(crate) struct PeerInner {
     pub(crate) name: String,
     pub(crate) control: TcpLink,
     pub(crate) data: Arc<dyn DataLink>,
+    /// The better transports both ends offered that could not be set up, with why.
+    pub(crate) passed_over: Vec<(TransportKind, String)>,
     pub(crate) _slot: ferry_core::LinkSlot,
 }
 
@@ -49,6 +51,13 @@ impl Peer {
     /// The data path the engine picked for this peer.
     pub fn transport(&self) -> TransportKind {
         self.inner.data.kind()
+    }
+
+    /// The transports better than [`transport`](Self::transport) that both ends offer but that could
+    /// not be used for this peer, each with the reason (shared memory with a peer in another PID
+    /// namespace, for example). Empty when the engine got the best transport both ends have.
+    pub fn passed_over(&self) -> &[(TransportKind, String)] {
+        &self.inner.passed_over
     }
 
     /// How a [`Durability::Persistent`](crate::Durability) write to this peer is made persistent:

@@ -13,9 +13,10 @@ pub fn in_rig() -> bool {
     std::env::var_os("FERRY_RIG").is_some()
 }
 
-/// An engine builder on the device the rig names (`FERRY_RDMA_DEVICE`), if it names one.
+/// An engine builder on the device the rig names (`FERRY_RDMA_DEVICE`), if it names one. RDMA or TCP
+/// only: the engines of these tests share a host, where shared memory would otherwise win.
 pub fn builder() -> EngineBuilder {
-    let b = Engine::builder();
+    let b = Engine::builder().transports([TransportKind::Rdma, TransportKind::Tcp]);
     match std::env::var("FERRY_RDMA_DEVICE") {
         Ok(dev) => b.rdma_device(dev),
         Err(_) => b,
