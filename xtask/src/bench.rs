@@ -60,6 +60,14 @@ enum Probe {
         streams: u32,
     },
     Ucx,
+    /// ucx_perftest between two processes over UCX's shared-memory transports: a bandwidth test's
+    /// overall GB/s, or a latency test's typical latency (one way, as UCX prints it).
+    UcxShm {
+        test: &'static str,
+        size: &'static str,
+    },
+    /// One core's memory copy of 1 MiB, GB/s.
+    Memcpy,
     /// One-way p50 as sockperf prints it.
     Sockperf,
     /// 4 KiB writes through ferry-tower's stack over the same writes on the engine directly, both in
@@ -90,6 +98,15 @@ const fn write(size: &'static str, batch: u32, streams: Option<u32>, depth: Opti
         durability: None,
         scatter: false,
         tls: Tls::Off,
+        transport: None,
+    }
+}
+
+/// A case over the same-host transport.
+const fn shm(case: FerryCase) -> FerryCase {
+    FerryCase {
+        transport: Some("shm"),
+        ..case
     }
 }
 
@@ -191,6 +208,46 @@ const MEASURES: &[Measure] = &[
         },
         Metric::GbPerS,
     ),
+    ferry("ferry shm write 1MiB", shm(WRITE_1MIB), Metric::GbPerS),
+    Measure {
+        key: "ucx_perftest put_bw 1MiB, shared memory",
+        probe: Probe::UcxShm {
+            test: "ucp_put_bw",
+            size: "1048576",
+        },
+    },
+    Measure {
+        key: "memcpy 1MiB, one core",
+        probe: Probe::Memcpy,
+    },
+    ferry(
+        "ferry shm read 1MiB",
+        shm(FerryCase {
+            op: "read",
+            ..WRITE_1MIB
+        }),
+        Metric::GbPerS,
+    ),
+    Measure {
+        key: "ucx_perftest get_bw 1MiB, shared memory",
+        probe: Probe::UcxShm {
+            test: "ucp_get",
+            size: "1048576",
+        },
+    },
+    ferry(
+        "ferry shm write 4KiB x256",
+        shm(write("4KiB", 256, None, None)),
+        Metric::GbPerS,
+    ),
+    ferry("ferry shm 64 B p50", shm(WRITE_64B), Metric::P50Us),
+    Measure {
+        key: "ucx_perftest am_lat 64 B, shared memory (one-way)",
+        probe: Probe::UcxShm {
+            test: "ucp_am_lat",
+            size: "64",
+        },
+    },
     ferry(
         "ferry write 1MiB completed, 1 stream, depth 1",
         write_1mib_single("completed"),
@@ -417,6 +474,69 @@ const COMPARISONS: &[Comparison] = &[
         target: Target::Info,
     },
     Comparison {
+        id: "q",
+        name: "shm: write 1MiB / ucx_perftest put_bw (posix,cma)",
+        ferry: "ferry shm write 1MiB",
+        peer: Some("ucx_perftest put_bw 1MiB, shared memory"),
+        peer_scale: 1.0,
+        unit: Unit::GbPerS,
+        target: Target::RatioAtLeast(1.0),
+    },
+    Comparison {
+        id: "r",
+        name: "shm: read 1MiB / ucx_perftest get_bw (posix,cma)",
+        ferry: "ferry shm read 1MiB",
+        peer: Some("ucx_perftest get_bw 1MiB, shared memory"),
+        peer_scale: 1.0,
+        unit: Unit::GbPerS,
+        target: Target::RatioAtLeast(1.0),
+    },
+    Comparison {
+        id: "s",
+        name: "shm: write 1MiB / one core's memcpy of 1MiB",
+        ferry: "ferry shm write 1MiB",
+        peer: Some("memcpy 1MiB, one core"),
+        peer_scale: 1.0,
+        unit: Unit::GbPerS,
+        target: Target::RatioAtLeast(0.9),
+    },
+    Comparison {
+        id: "t",
+        name: "shm: write 4KiB x256 batch / write 1MiB",
+        ferry: "ferry shm write 4KiB x256",
+        peer: Some("ferry shm write 1MiB"),
+        peer_scale: 1.0,
+        unit: Unit::GbPerS,
+        target: Target::RatioAtLeast(0.5),
+    },
+    Comparison {
+        id: "u",
+        name: "shm: 64 B p50 round trip / ucx_perftest am_lat RTT (posix,cma)",
+        ferry: "ferry shm 64 B p50",
+        peer: Some("ucx_perftest am_lat 64 B, shared memory (one-way)"),
+        peer_scale: 2.0,
+        unit: Unit::Micros,
+        target: Target::RatioAtMost(1.0),
+    },
+    Comparison {
+        id: "v",
+        name: "write 1MiB: shm / tcp (what a same-host user gains)",
+        ferry: "ferry shm write 1MiB",
+        peer: Some("ferry write 1MiB"),
+        peer_scale: 1.0,
+        unit: Unit::GbPerS,
+        target: Target::Info,
+    },
+    Comparison {
+        id: "w",
+        name: "64 B p50: shm / tcp",
+        ferry: "ferry shm 64 B p50",
+        peer: Some("ferry 64 B p50"),
+        peer_scale: 1.0,
+        unit: Unit::Micros,
+        target: Target::Info,
+    },
+    Comparison {
         id: "g",
         name: "read 1MiB / write 1MiB",
         ferry: "ferry read 1MiB",
@@ -542,6 +662,19 @@ impl Bench<'_> {
             Probe::Iperf3 { streams } => peers::iperf3(streams, self.duration),
             Probe::Sockperf => peers::sockperf_p50(self.duration),
             Probe::Ucx => self.ucx(),
+            Probe::UcxShm { test, size } => {
+                let fields = peers::ucx_shm(test, size)?;
+                // Final: iters, typical latency (us), average, overall, bandwidth average, overall (MB/s)…
+                let (at, scale) = match test.ends_with("_lat") {
+                    true => (1, 1.0),
+                    false => (5, (1u64 << 20) as f64 / 1e9),
+                };
+                let v = fields
+                    .get(at)
+                    .ok_or_else(|| anyhow!("a short `Final:` row from ucx_perftest"))?;
+                Ok(v * scale)
+            }
+            Probe::Memcpy => Ok(peers::memcpy_gb_per_s(1 << 20, self.duration)),
             Probe::TowerOverHead => peers::tower_overhead(&self.tower_bin, self.duration),
         }
     }
@@ -575,6 +708,8 @@ impl Bench<'_> {
             Probe::Ferry(case, _) => case.describe(&self.args.duration),
             Probe::Iperf3 { streams } => peers::iperf3_describe(streams, self.duration),
             Probe::Ucx => peers::ucx_describe(self.ucx_tls.unwrap_or(peers::UCX_TLS_CHOICES[0])),
+            Probe::UcxShm { test, size } => peers::ucx_shm_describe(test, size),
+            Probe::Memcpy => "1 MiB copy_from_slice in a loop, one thread of xtask".into(),
             Probe::Sockperf => peers::sockperf_describe(self.duration),
             Probe::TowerOverHead => self.tower_bin.display().to_string(),
         }

@@ -41,6 +41,8 @@ pub struct FerryCase {
     pub scatter: bool,
     /// `--tls` (mutual TLS on the control stream), or with `--encrypt-data` on every stream.
     pub tls: Tls,
+    /// `--transport` ("tcp", ferry bench's default, when `None`).
+    pub transport: Option<&'static str>,
 }
 
 /// How a bench case authenticates its link.
@@ -57,6 +59,9 @@ impl FerryCase {
             .map(String::from)
             .to_vec();
         args.extend(["--batch".into(), self.batch.to_string()]);
+        if let Some(transport) = self.transport {
+            args.extend(["--transport".into(), transport.into()]);
+        }
         if let Some(streams) = self.streams {
             args.extend(["--streams".into(), streams.to_string()]);
         }
@@ -260,6 +265,64 @@ pub fn ucx_put_bw(tls: &str) -> Result<f64> {
     }
     drop(server);
     parse_ucx_put_bw(&out.stdout).with_context(|| format!("reading the output of `{what}`"))
+}
+
+/// The UCX transports of the same-host comparisons: shared memory and cross-memory attach.
+pub const UCX_SHM_TLS: &str = "posix,cma,self";
+
+pub fn ucx_shm_describe(test: &str, size: &str) -> String {
+    format!(
+        "UCX_TLS={UCX_SHM_TLS} ucx_perftest 127.0.0.1 -p PORT -t {test} -s {size} -n {UCX_ITERS} (server: ucx_perftest -p PORT)"
+    )
+}
+
+/// Runs ucx_perftest `test` (`ucp_put_bw`, `ucp_get_bw`, `ucp_am_lat`) with `size`-byte messages
+/// between two processes of this host over UCX's shared-memory transports; returns the `Final:` row's
+/// fields (see [`parse_ucx_put_bw`] for their order).
+pub fn ucx_shm(test: &str, size: &str) -> Result<Vec<f64>> {
+    let port = free_port()?.to_string();
+    let mut server_cmd = Command::new("ucx_perftest");
+    server_cmd.env("UCX_TLS", UCX_SHM_TLS).args(["-p", &port]);
+    let mut server = ServerGuard::spawn("ucx_perftest", &mut server_cmd)?;
+    server.wait_listening(port.parse()?, LISTEN_TIMEOUT)?;
+    let mut cmd = Command::new("ucx_perftest");
+    cmd.env("UCX_TLS", UCX_SHM_TLS)
+        .args(["127.0.0.1", "-p", &port, "-t", test, "-s", size, "-n", UCX_ITERS]);
+    let what = describe(&cmd);
+    let out = run_captured(&mut cmd, Duration::from_secs(120) + SLACK)?;
+    if !out.status.success() {
+        bail!("`{what}` failed ({}): {}", out.status, tail(&out.combined()));
+    }
+    drop(server);
+    parse_ucx_final(&out.stdout).with_context(|| format!("reading the output of `{what}`"))
+}
+
+/// The numbers of ucx_perftest's `Final:` row.
+pub fn parse_ucx_final(stdout: &str) -> Result<Vec<f64>> {
+    let line = stdout
+        .lines()
+        .rev()
+        .find(|l| l.trim_start().starts_with("Final:"))
+        .ok_or_else(|| anyhow!("no `Final:` line in ucx_perftest output"))?;
+    line.split_whitespace()
+        .skip(1)
+        .map(|f| f.parse::<f64>().with_context(|| format!("a field of `{line}`")))
+        .collect()
+}
+
+/// GB/s of a single-threaded copy of `size` bytes between two buffers, repeated for `duration`: what
+/// one core's memory copy reaches here.
+pub fn memcpy_gb_per_s(size: usize, duration: Duration) -> f64 {
+    let src = vec![0x5au8; size];
+    let mut dst = vec![0u8; size];
+    let started = std::time::Instant::now();
+    let mut copies = 0u64;
+    while started.elapsed() < duration {
+        dst.copy_from_slice(std::hint::black_box(&src));
+        std::hint::black_box(&mut dst);
+        copies += 1;
+    }
+    copies as f64 * size as f64 / started.elapsed().as_secs_f64() / 1e9
 }
 
 /// The `Final:` row of ucx_perftest's table, bandwidth "overall" column (MB/s with MB = 2^20 B), in
