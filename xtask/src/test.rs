@@ -99,6 +99,21 @@ const STEPS: &[Step] = &[
             )
         },
     },
+    // The engine's tests run their two engines in one process, where shared memory wins: again over
+    // TCP, so that both data paths keep every test.
+    Step {
+        name: "test (crate ferry, over TCP)",
+        lint: false,
+        run: |_| {
+            run_step(
+                cargo()
+                    .args(["test", "-p", "ferry", "--release"])
+                    .env("FERRY_REQUIRE_ALL", "1")
+                    .env("FERRY_TEST_TRANSPORTS", "tcp"),
+                30 * MINUTE,
+            )
+        },
+    },
     // Every interleaving of the access guard's enter, release, close and drain wake-up, and of the link
     // slots, under loom. `--cfg loom` rebuilds every dependency, so it gets a target folder of its own
     // (inside the workspace's) and never invalidates the normal build.

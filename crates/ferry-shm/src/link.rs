@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use ferry_core::{
-    DataLink, Error, Notification, Op, OwnedPermit, PersistMethod, Result, TransferRequest, TransportKind,
+    DataLink, Error, Notification, Op, OwnedPermit, PersistMethod, Result, TransferItem, TransferRequest, TransportKind,
 };
 use futures::future::BoxFuture;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -42,6 +42,48 @@ struct Inner {
     closed: AtomicBool,
     control: Arc<dyn DataLink>,
     peer: String,
+}
+
+/// Bytes of one READ request, and so of its staging buffer: a large READ runs as several requests in
+/// turn, so that a transfer holds no more than this in staging (a copy of 4 MiB takes far longer than
+/// the round trip that separates two requests).
+const READ_STAGING: u64 = 4 << 20;
+
+/// A READ's requests: its items cut into pieces of at most [`READ_STAGING`] bytes in all and
+/// [`MAX_ITEMS`] ranges each, in order.
+fn read_pieces(request: &TransferRequest) -> Vec<TransferRequest> {
+    let mut pieces = Vec::new();
+    let mut items: Vec<TransferItem> = Vec::new();
+    let mut bytes = 0u64;
+    for item in &request.items {
+        let mut done = 0u64;
+        while done < item.len() {
+            if bytes == READ_STAGING || items.len() == MAX_ITEMS {
+                pieces.push(std::mem::take(&mut items));
+                bytes = 0;
+            }
+            let n = (item.len() - done).min(READ_STAGING - bytes);
+            let mut part = item.clone();
+            part.local.offset += done;
+            part.local.len = n;
+            part.remote_offset += done;
+            part.remote_addr += done;
+            items.push(part);
+            bytes += n;
+            done += n;
+        }
+    }
+    if !items.is_empty() {
+        pieces.push(items);
+    }
+    pieces
+        .into_iter()
+        .map(|items| TransferRequest {
+            op: request.op,
+            durability: request.durability,
+            items,
+        })
+        .collect()
 }
 
 /// A same-host data link (see the crate documentation).
@@ -207,6 +249,13 @@ impl DataLink for ShmLink {
             if inner.closed.load(Ordering::Acquire) {
                 return Err(inner.down());
             }
+            if request.op == Op::Read {
+                // One staging buffer of at most READ_STAGING bytes at a time per transfer.
+                for piece in read_pieces(&request) {
+                    inner.clone().request(piece).await?;
+                }
+                return Ok(());
+            }
             if request.items.len() <= MAX_ITEMS {
                 return inner.request(request).await;
             }
@@ -244,5 +293,49 @@ impl DataLink for ShmLink {
 
     fn is_closed(&self) -> bool {
         self.inner.closed.load(Ordering::Acquire) || self.inner.control.is_closed()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use ferry_core::{Access, MemoryBlock, OwnedBuffer, RegionEntry, RegionKey, Resolved};
+
+    use super::*;
+
+    #[test]
+    fn a_large_read_is_cut_into_pieces_that_cover_it_in_order() {
+        let block: Arc<dyn MemoryBlock> = Arc::new(OwnedBuffer::new(vec![0u8; 16 << 20]));
+        let region = Arc::new(RegionEntry::new(RegionKey(1), Access::READ_WRITE, block).unwrap());
+        let item = |offset: u64, len: u64| TransferItem {
+            local: Resolved {
+                region: region.clone(),
+                offset,
+                len,
+            },
+            remote_key: RegionKey(2),
+            remote_offset: offset + 7,
+            remote_addr: 0x1000 + offset + 7,
+            remote_transport_key: Some(vec![1]),
+            remote_access: Access::READ,
+        };
+        let request = TransferRequest {
+            op: Op::Read,
+            durability: ferry_core::Durability::Completed,
+            items: vec![item(0, 10 << 20), item(10 << 20, 3), item((10 << 20) + 3, 1 << 20)],
+        };
+        let pieces = read_pieces(&request);
+        let mut next = 0u64;
+        for p in &pieces {
+            assert!(p.items.iter().map(|i| i.len()).sum::<u64>() <= READ_STAGING);
+            for i in &p.items {
+                assert_eq!(i.local.offset, next, "pieces follow each other");
+                assert_eq!((i.remote_offset, i.remote_addr), (next + 7, 0x1000 + next + 7));
+                next += i.len();
+            }
+        }
+        assert_eq!(next, (11 << 20) + 3, "every byte is covered once");
+        assert_eq!(pieces.len(), 3);
     }
 }

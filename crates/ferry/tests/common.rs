@@ -47,12 +47,28 @@ pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
         .collect()
 }
 
-pub async fn target() -> Engine {
-    Engine::builder().listen("127.0.0.1:0").build().await.unwrap()
+/// An engine builder for the tests' targets and initiators. Both live in this process, where shared
+/// memory wins; `FERRY_TEST_TRANSPORTS=tcp` (a step of `cargo xtask test`) runs the same tests over TCP.
+pub fn builder() -> ferry::EngineBuilder {
+    match std::env::var("FERRY_TEST_TRANSPORTS").as_deref() {
+        Ok("tcp") => Engine::builder().transports([ferry::TransportKind::Tcp]),
+        Ok(other) => panic!("FERRY_TEST_TRANSPORTS={other}: only `tcp` is known"),
+        Err(_) => Engine::builder(),
+    }
 }
 
+pub async fn target() -> Engine {
+    builder().listen("127.0.0.1:0").build().await.unwrap()
+}
+
+/// A target and an initiator built from `builder` (restricted like [`builder`]'s when the tests run
+/// over one transport), and the initiator's link to the target.
 pub async fn pair_with(builder: ferry::EngineBuilder) -> (Engine, Engine, Peer) {
     let target = target().await;
+    let builder = match std::env::var("FERRY_TEST_TRANSPORTS").as_deref() {
+        Ok("tcp") => builder.transports([ferry::TransportKind::Tcp]),
+        _ => builder,
+    };
     let initiator = builder.build().await.unwrap();
     let peer = initiator
         .connect(&target.local_addr().unwrap().to_string(), T)
