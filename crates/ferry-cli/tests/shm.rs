@@ -139,3 +139,31 @@ async fn a_target_killed_mid_batch_gives_a_typed_error() {
     );
     assert!(peer.is_closed());
 }
+
+/// The initiator dies (SIGKILL) in the middle of its batches: the target's side of that link ends, and
+/// the target goes on serving the next peer over shared memory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_initiator_killed_mid_batch_leaves_the_target_serving() {
+    let serve = start(serve_command("127.0.0.1:0", "16MiB")).expect("ferry serve starts");
+    let mut bench = Command::new(env!("CARGO_BIN_EXE_ferry"))
+        .args(["bench", "--peer", &serve.addr.to_string(), "--transport", "shm"])
+        .args(["--op", "write", "--size", "1MiB", "--batch", "8", "--duration", "30s"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("start ferry bench");
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(bench.try_wait().unwrap().is_none(), "the bench is still writing");
+    bench.kill().unwrap();
+    bench.wait().unwrap();
+
+    let engine = Engine::builder().build().await.unwrap();
+    let peer = engine.connect(&serve.addr.to_string(), T).await.unwrap();
+    assert_eq!(
+        peer.transport(),
+        TransportKind::Shm,
+        "passed over: {:?}",
+        peer.passed_over()
+    );
+    round_trip(&engine, &peer, serve.region, 16 << 20).await;
+}

@@ -1,0 +1,98 @@
+//! The same-host transport's guarantees, with both engines in this process (the two-process tests are
+//! `shm_processes.rs` and ferry-cli's `shm.rs`): deregistration ends the peer's access before it
+//! returns, and a bad descriptor is refused before any byte moves.
+#![cfg(feature = "shm")]
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use common::{T, pattern, rw, wait_for_region};
+use ferry::{Engine, Error, Op, TransferDesc, TransportKind};
+
+async fn shm_pair() -> (Engine, Engine, ferry::Peer) {
+    let target = Engine::builder().listen("127.0.0.1:0").build().await.unwrap();
+    let initiator = Engine::builder().build().await.unwrap();
+    let peer = initiator
+        .connect(&target.local_addr().unwrap().to_string(), T)
+        .await
+        .unwrap();
+    assert_eq!(peer.transport(), TransportKind::Shm, "{:?}", peer.passed_over());
+    (target, initiator, peer)
+}
+
+/// Writes stream into caller-owned memory while it is deregistered: once `deregister` returns, a
+/// canary painted there stays intact, though the writer keeps trying.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deregistration_ends_the_peers_access_before_it_returns() {
+    let (target, initiator, peer) = shm_pair().await;
+    const LEN: usize = 4 << 20;
+    let memory: &'static mut [u8] = Box::leak(vec![0u8; LEN].into_boxed_slice());
+    let ptr = memory.as_mut_ptr();
+    // SAFETY: the leaked buffer lives forever and is reached only through the region until it is
+    // deregistered, then only by raw pointer.
+    let region = unsafe { target.register_raw(ptr, LEN, rw()) }.unwrap();
+    wait_for_region(&peer, &region).await;
+    let remote = region.addr();
+    let src = initiator.register(pattern(LEN, 4), rw()).unwrap();
+    let descs: Vec<_> = (0..64u64)
+        .map(|i| TransferDesc::new(src.addr_at(i << 16), remote + (i << 16), 1 << 16))
+        .collect();
+    let stop = Arc::new(AtomicBool::new(false));
+    let writes = {
+        let (initiator, peer, stop) = (initiator.clone(), peer.clone(), stop.clone());
+        tokio::spawn(async move {
+            let (mut ok, mut refused) = (0u32, 0u32);
+            while !stop.load(Ordering::Relaxed) {
+                match initiator.transfer(&peer, Op::Write, &descs, T).await {
+                    Ok(()) => ok += 1,
+                    Err(Error::PermissionDenied(_) | Error::OutOfBounds(_)) => {
+                        refused += 1;
+                        tokio::task::yield_now().await;
+                    }
+                    Err(e) => panic!("unexpected {e:?}"),
+                }
+            }
+            (ok, refused)
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    region.deregister().await.unwrap();
+    // SAFETY: the region is deregistered; the bytes are the test's again.
+    unsafe { std::ptr::write_bytes(ptr, 0xEE, LEN) };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stop.store(true, Ordering::Relaxed);
+    let (ok, refused) = tokio::time::timeout(T, writes).await.unwrap().unwrap();
+    // SAFETY: as above.
+    let after = unsafe { std::slice::from_raw_parts(ptr, LEN) };
+    assert!(
+        after.iter().all(|&b| b == 0xEE),
+        "a write landed after deregister returned"
+    );
+    assert!(ok > 0 && refused > 0, "{ok} writes before, {refused} refused after");
+    assert_eq!(peer.transport(), TransportKind::Shm);
+}
+
+/// A batch with one range past the end of the target's region: refused whole, and none of its other
+/// ranges was copied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_with_a_bad_range_moves_nothing() {
+    let (target, initiator, peer) = shm_pair().await;
+    let dst = target.alloc_host(1 << 20, rw()).unwrap();
+    wait_for_region(&peer, &dst).await;
+    let src = initiator.register(pattern(2 << 20, 6), rw()).unwrap();
+    // The engine checks descriptors against the peer's adverts before sending; what the target sees
+    // from a peer that does not is covered by the target's own checks, the same for every transport.
+    let descs = [
+        TransferDesc::new(src.addr(), dst.addr(), 4096),
+        TransferDesc::new(src.addr_at(4096), dst.addr_at((1 << 20) - 100), 4096),
+    ];
+    let err = initiator.transfer(&peer, Op::Write, &descs, T).await.unwrap_err();
+    assert!(matches!(err, Error::OutOfBounds(_)), "{err:?}");
+    assert!(
+        dst.to_vec().unwrap().iter().all(|&b| b == 0),
+        "a byte of the batch was written"
+    );
+}
