@@ -35,6 +35,21 @@ async fn round_trip(engine: &Engine, peer: &ferry::Peer, region: u64, len: u64) 
     assert!(back.to_vec().unwrap() == data, "the bytes came back as written");
 }
 
+/// Connects to `cmd`'s `ferry serve` and checks that the link fell back to TCP because shared memory
+/// was refused for a reason that contains `reason`; then moves bytes over it.
+async fn falls_back_to_tcp(cmd: Command, reason: &str) {
+    let serve = start(cmd).expect("ferry serve starts");
+    let engine = Engine::builder().build().await.unwrap();
+    let peer = engine.connect(&serve.addr.to_string(), T).await.unwrap();
+    assert_eq!(peer.transport(), TransportKind::Tcp);
+    let [(kind, why)] = peer.passed_over() else {
+        panic!("one transport passed over: {:?}", peer.passed_over())
+    };
+    assert_eq!(*kind, TransportKind::Shm);
+    assert!(why.contains(reason), "{why}");
+    round_trip(&engine, &peer, serve.region, 4 << 20).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_processes_on_one_host_use_shared_memory() {
     let serve = start(serve_command("127.0.0.1:0", "16MiB")).expect("ferry serve starts");
@@ -58,16 +73,7 @@ async fn a_peer_in_another_pid_namespace_falls_back_to_tcp_and_says_why() {
     let mut cmd = Command::new("unshare");
     cmd.args(["--pid", "--fork", "--kill-child", env!("CARGO_BIN_EXE_ferry")]);
     cmd.args(["serve", "--listen", "127.0.0.1:0", "--region-size", "4MiB"]);
-    let serve = start(cmd).expect("ferry serve starts in its own PID namespace");
-    let engine = Engine::builder().build().await.unwrap();
-    let peer = engine.connect(&serve.addr.to_string(), T).await.unwrap();
-    assert_eq!(peer.transport(), TransportKind::Tcp);
-    let [(kind, why)] = peer.passed_over() else {
-        panic!("one transport passed over: {:?}", peer.passed_over())
-    };
-    assert_eq!(*kind, TransportKind::Shm);
-    assert!(why.contains("PID namespace"), "{why}");
-    round_trip(&engine, &peer, serve.region, 4 << 20).await;
+    falls_back_to_tcp(cmd, "PID namespace").await;
 }
 
 /// A target that may not attach to this process (another user, so the kernel denies it): the setup's
@@ -89,17 +95,8 @@ async fn a_peer_the_kernel_denies_falls_back_to_tcp_and_says_why() {
     cmd.args(["--reuid=65534", "--regid=65534", "--clear-groups"]);
     cmd.arg(&bin);
     cmd.args(["serve", "--listen", "127.0.0.1:0", "--region-size", "4MiB"]);
-    let serve = start(cmd).expect("ferry serve starts as nobody");
-    let engine = Engine::builder().build().await.unwrap();
-    let peer = engine.connect(&serve.addr.to_string(), T).await.unwrap();
+    falls_back_to_tcp(cmd, "EPERM").await;
     let _ = std::fs::remove_dir_all(&dir);
-    assert_eq!(peer.transport(), TransportKind::Tcp);
-    let [(kind, why)] = peer.passed_over() else {
-        panic!("one transport passed over: {:?}", peer.passed_over())
-    };
-    assert_eq!(*kind, TransportKind::Shm);
-    assert!(why.contains("EPERM"), "{why}");
-    round_trip(&engine, &peer, serve.region, 4 << 20).await;
 }
 
 /// The target dies (SIGKILL) while batches are under way: the transfer fails with a typed error well

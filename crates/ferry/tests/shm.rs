@@ -41,23 +41,7 @@ async fn deregistration_ends_the_peers_access_before_it_returns() {
         .map(|i| TransferDesc::new(src.addr_at(i << 16), remote + (i << 16), 1 << 16))
         .collect();
     let stop = Arc::new(AtomicBool::new(false));
-    let writes = {
-        let (initiator, peer, stop) = (initiator.clone(), peer.clone(), stop.clone());
-        tokio::spawn(async move {
-            let (mut ok, mut refused) = (0u32, 0u32);
-            while !stop.load(Ordering::Relaxed) {
-                match initiator.transfer(&peer, Op::Write, &descs, T).await {
-                    Ok(()) => ok += 1,
-                    Err(Error::PermissionDenied(_) | Error::OutOfBounds(_)) => {
-                        refused += 1;
-                        tokio::task::yield_now().await;
-                    }
-                    Err(e) => panic!("unexpected {e:?}"),
-                }
-            }
-            (ok, refused)
-        })
-    };
+    let writes = common::keep_writing(&initiator, &peer, descs, ferry::Durability::Completed, stop.clone());
     tokio::time::sleep(Duration::from_millis(200)).await;
     region.deregister().await.unwrap();
     // SAFETY: the region is deregistered; the bytes are the test's again.
