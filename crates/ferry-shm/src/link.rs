@@ -20,7 +20,6 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::oneshot;
-use tokio::task::AbortHandle;
 
 use crate::wire::{self, Item, MAX_ITEMS, REPLY_HEAD};
 
@@ -36,7 +35,8 @@ struct Pending {
 }
 
 struct Inner {
-    writer: tokio::sync::Mutex<OwnedWriteHalf>,
+    /// `None` once the link is closed (dropping the half shuts the socket down for writing).
+    writer: tokio::sync::Mutex<Option<OwnedWriteHalf>>,
     pending: Mutex<HashMap<u64, Pending>>,
     next_id: AtomicU64,
     closed: AtomicBool,
@@ -89,12 +89,42 @@ fn read_pieces(request: &TransferRequest) -> Vec<TransferRequest> {
 /// A same-host data link (see the crate documentation).
 pub struct ShmLink {
     inner: Arc<Inner>,
-    reader: AbortHandle,
 }
 
+/// Dropping the link shuts its socket down for writing; the target finishes the request it is copying,
+/// sees the end and closes its side, and only then does the reader task end and free what requests in
+/// flight hold. The target may be writing a READ's bytes into a staging buffer until that moment: the
+/// buffer must outlive its copy, not the caller's interest in it.
 impl Drop for ShmLink {
     fn drop(&mut self) {
-        self.reader.abort();
+        self.inner.closed.store(true, Ordering::Release);
+        if let Ok(mut w) = self.inner.writer.try_lock() {
+            w.take();
+            return;
+        }
+        // A request is being written: close once it is sent (no runtime left: nothing is in flight).
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            let inner = self.inner.clone();
+            rt.spawn(async move {
+                inner.writer.lock().await.take();
+            });
+        }
+    }
+}
+
+/// Requests still pending when the link's state goes (its runtime was shut down before the target
+/// answered) may have the target writing into their staging buffers still: those are leaked, not freed.
+impl Drop for Inner {
+    fn drop(&mut self) {
+        let pending = match self.pending.get_mut() {
+            Ok(p) => std::mem::take(p),
+            Err(p) => std::mem::take(p.into_inner()),
+        };
+        for (_, p) in pending {
+            if let Some(staging) = p.staging {
+                std::mem::forget(staging);
+            }
+        }
     }
 }
 
@@ -195,7 +225,10 @@ impl Inner {
                 },
             );
         }
-        let sent = self.writer.lock().await.write_all(&out).await;
+        let sent = match self.writer.lock().await.as_mut() {
+            Some(w) => w.write_all(&out).await,
+            None => Err(std::io::ErrorKind::NotConnected.into()),
+        };
         if let Err(e) = sent {
             let e = Error::PeerClosed(format!("sending to {} over shared memory: {e}", self.peer));
             self.fail_all(&e);
@@ -221,15 +254,17 @@ impl ShmLink {
     pub(crate) fn start(stream: UnixStream, control: Arc<dyn DataLink>, peer: String) -> Self {
         let (reader, writer) = stream.into_split();
         let inner = Arc::new(Inner {
-            writer: tokio::sync::Mutex::new(writer),
+            writer: tokio::sync::Mutex::new(Some(writer)),
             pending: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(1),
             closed: AtomicBool::new(false),
             control,
             peer,
         });
-        let reader = tokio::spawn(inner.clone().read_replies(reader)).abort_handle();
-        ShmLink { inner, reader }
+        // The reader task, not the link, keeps `inner` (and the staging buffers of requests in flight)
+        // alive until the target closes its end: see `Drop`.
+        tokio::spawn(inner.clone().read_replies(reader));
+        ShmLink { inner }
     }
 }
 
@@ -287,7 +322,9 @@ impl DataLink for ShmLink {
         let inner = self.inner.clone();
         Box::pin(async move {
             inner.closed.store(true, Ordering::Release);
-            let _ = inner.writer.lock().await.shutdown().await;
+            if let Some(mut w) = inner.writer.lock().await.take() {
+                let _ = w.shutdown().await;
+            }
         })
     }
 
