@@ -664,15 +664,14 @@ impl Bench<'_> {
             Probe::Ucx => self.ucx(),
             Probe::UcxShm { test, size } => {
                 let fields = peers::ucx_shm(test, size)?;
-                // Final: iters, typical latency (us), average, overall, bandwidth average, overall (MB/s)…
-                let (at, scale) = match test.ends_with("_lat") {
-                    true => (1, 1.0),
-                    false => (5, (1u64 << 20) as f64 / 1e9),
-                };
-                let v = fields
-                    .get(at)
-                    .ok_or_else(|| anyhow!("a short `Final:` row from ucx_perftest"))?;
-                Ok(v * scale)
+                match test.ends_with("_lat") {
+                    // Final: iters, typical latency (us), …
+                    true => fields
+                        .get(1)
+                        .copied()
+                        .ok_or_else(|| anyhow!("a short `Final:` row from ucx_perftest")),
+                    false => peers::bandwidth_gb_per_s(&fields),
+                }
             }
             Probe::Memcpy => Ok(peers::memcpy_gb_per_s(1 << 20, self.duration)),
             Probe::TowerOverHead => peers::tower_overhead(&self.tower_bin, self.duration),

@@ -241,30 +241,19 @@ pub fn ucx_describe(tls: &str) -> String {
 
 /// Runs ucx_perftest `ucp_put_bw` with 1 MiB messages over loopback with `UCX_TLS=tls`; returns GB/s.
 pub fn ucx_put_bw(tls: &str) -> Result<f64> {
-    let port = free_port()?.to_string();
-    let mut server_cmd = Command::new("ucx_perftest");
-    server_cmd.env("UCX_TLS", tls).args(["-p", &port]);
-    let mut server = ServerGuard::spawn("ucx_perftest", &mut server_cmd)?;
-    server.wait_listening(port.parse()?, LISTEN_TIMEOUT)?;
-    let mut cmd = Command::new("ucx_perftest");
-    cmd.env("UCX_TLS", tls).args([
-        "127.0.0.1",
-        "-p",
-        &port,
-        "-t",
-        "ucp_put_bw",
-        "-s",
-        "1048576",
-        "-n",
-        UCX_ITERS,
-    ]);
-    let what = describe(&cmd);
-    let out = run_captured(&mut cmd, Duration::from_secs(120) + SLACK)?;
-    if !out.status.success() {
-        bail!("`{what}` failed ({}): {}", out.status, tail(&out.combined()));
-    }
-    drop(server);
-    parse_ucx_put_bw(&out.stdout).with_context(|| format!("reading the output of `{what}`"))
+    let fields = ucx_final(tls, "ucp_put_bw", "1048576")?;
+    bandwidth_gb_per_s(&fields)
+}
+
+/// The bandwidth "overall" column of a `Final:` row (MB/s with MB = 2^20 B), in GB/s (10^9 B/s). The
+/// row's "average" column is the moment average over the last report interval only (ucx_perftest
+/// prints `bandwidth.moment_average` there), so the whole run is "overall".
+pub fn bandwidth_gb_per_s(fields: &[f64]) -> Result<f64> {
+    // iters, latency p50, latency avg, latency overall, bw avg, bw overall, rate avg, rate overall
+    let overall_mb = fields
+        .get(5)
+        .ok_or_else(|| anyhow!("a short `Final:` row from ucx_perftest"))?;
+    Ok(overall_mb * (1u64 << 20) as f64 / 1e9)
 }
 
 /// The UCX transports of the same-host comparisons: shared memory and cross-memory attach.
@@ -278,15 +267,21 @@ pub fn ucx_shm_describe(test: &str, size: &str) -> String {
 
 /// Runs ucx_perftest `test` (`ucp_put_bw`, `ucp_get_bw`, `ucp_am_lat`) with `size`-byte messages
 /// between two processes of this host over UCX's shared-memory transports; returns the `Final:` row's
-/// fields (see [`parse_ucx_put_bw`] for their order).
+/// fields (see [`bandwidth_gb_per_s`] for their order).
 pub fn ucx_shm(test: &str, size: &str) -> Result<Vec<f64>> {
+    ucx_final(UCX_SHM_TLS, test, size)
+}
+
+/// Runs ucx_perftest `test` with `size`-byte messages over loopback with `UCX_TLS=tls`; returns the
+/// numbers of its `Final:` row.
+fn ucx_final(tls: &str, test: &str, size: &str) -> Result<Vec<f64>> {
     let port = free_port()?.to_string();
     let mut server_cmd = Command::new("ucx_perftest");
-    server_cmd.env("UCX_TLS", UCX_SHM_TLS).args(["-p", &port]);
+    server_cmd.env("UCX_TLS", tls).args(["-p", &port]);
     let mut server = ServerGuard::spawn("ucx_perftest", &mut server_cmd)?;
     server.wait_listening(port.parse()?, LISTEN_TIMEOUT)?;
     let mut cmd = Command::new("ucx_perftest");
-    cmd.env("UCX_TLS", UCX_SHM_TLS)
+    cmd.env("UCX_TLS", tls)
         .args(["127.0.0.1", "-p", &port, "-t", test, "-s", size, "-n", UCX_ITERS]);
     let what = describe(&cmd);
     let out = run_captured(&mut cmd, Duration::from_secs(120) + SLACK)?;
@@ -323,25 +318,6 @@ pub fn memcpy_gb_per_s(size: usize, duration: Duration) -> f64 {
         copies += 1;
     }
     copies as f64 * size as f64 / started.elapsed().as_secs_f64() / 1e9
-}
-
-/// The `Final:` row of ucx_perftest's table, bandwidth "overall" column (MB/s with MB = 2^20 B), in
-/// GB/s (10^9 B/s). The row's "average" column is the moment average over the last report interval
-/// only (ucx_perftest prints `bandwidth.moment_average` there), so the whole run is "overall".
-pub fn parse_ucx_put_bw(stdout: &str) -> Result<f64> {
-    let line = stdout
-        .lines()
-        .rev()
-        .find(|l| l.trim_start().starts_with("Final:"))
-        .ok_or_else(|| anyhow!("no `Final:` line in ucx_perftest output"))?;
-    // Final: iters, latency p50, latency avg, latency overall, bw avg, bw overall, rate avg, rate overall
-    let fields: Vec<&str> = line.split_whitespace().collect();
-    let overall_mb: f64 = fields
-        .get(6)
-        .ok_or_else(|| anyhow!("short `Final:` line: {line}"))?
-        .parse()
-        .with_context(|| format!("bandwidth column of `{line}`"))?;
-    Ok(overall_mb * (1u64 << 20) as f64 / 1e9)
 }
 
 pub fn sockperf_describe(duration: Duration) -> String {
@@ -440,9 +416,12 @@ Final:                  2000      0.140  2549.087  1278.732      392.30     782.
 
     #[test]
     fn ucx_final_overall_column() {
-        let gb = parse_ucx_put_bw(UCX_OUT).ok().unwrap_or_default();
+        let gb = parse_ucx_final(UCX_OUT)
+            .and_then(|f| bandwidth_gb_per_s(&f))
+            .ok()
+            .unwrap_or_default();
         assert!((gb - 782.02 * 1048576.0 / 1e9).abs() < 1e-9, "{gb}");
-        assert!(parse_ucx_put_bw("Waiting for connection...\n").is_err());
+        assert!(parse_ucx_final("Waiting for connection...\n").is_err());
     }
 
     /// Captured from `sockperf ping-pong --tcp -i 127.0.0.1 -p P -m 64 -t 2` (sockperf 3.7).

@@ -50,9 +50,8 @@ async fn falls_back_to_tcp(cmd: Command, reason: &str) {
     round_trip(&engine, &peer, serve.region, 4 << 20).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn two_processes_on_one_host_use_shared_memory() {
-    let serve = start(serve_command("127.0.0.1:0", "16MiB")).expect("ferry serve starts");
+/// An engine linked to `serve` over shared memory (the test fails with the reason otherwise).
+async fn connect_over_shm(serve: &common::Serve) -> (Engine, ferry::Peer) {
     let engine = Engine::builder().build().await.unwrap();
     let peer = engine.connect(&serve.addr.to_string(), T).await.unwrap();
     assert_eq!(
@@ -61,6 +60,13 @@ async fn two_processes_on_one_host_use_shared_memory() {
         "passed over: {:?}",
         peer.passed_over()
     );
+    (engine, peer)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_processes_on_one_host_use_shared_memory() {
+    let serve = start(serve_command("127.0.0.1:0", "16MiB")).expect("ferry serve starts");
+    let (engine, peer) = connect_over_shm(&serve).await;
     assert!(peer.passed_over().is_empty());
     round_trip(&engine, &peer, serve.region, 16 << 20).await;
 }
@@ -104,9 +110,7 @@ async fn a_peer_the_kernel_denies_falls_back_to_tcp_and_says_why() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_target_killed_mid_batch_gives_a_typed_error() {
     let mut serve = start(serve_command("127.0.0.1:0", "64MiB")).expect("ferry serve starts");
-    let engine = Engine::builder().build().await.unwrap();
-    let peer = engine.connect(&serve.addr.to_string(), T).await.unwrap();
-    assert_eq!(peer.transport(), TransportKind::Shm);
+    let (engine, peer) = connect_over_shm(&serve).await;
     let src = engine.alloc_host(64 << 20, Access::READ_WRITE).unwrap();
     let descs: Vec<_> = (0..1024u64)
         .map(|i| TransferDesc::new(src.addr_at(i << 16), serve.region + (i << 16), 64 << 10))
@@ -154,13 +158,6 @@ async fn an_initiator_killed_mid_batch_leaves_the_target_serving() {
     bench.kill().unwrap();
     bench.wait().unwrap();
 
-    let engine = Engine::builder().build().await.unwrap();
-    let peer = engine.connect(&serve.addr.to_string(), T).await.unwrap();
-    assert_eq!(
-        peer.transport(),
-        TransportKind::Shm,
-        "passed over: {:?}",
-        peer.passed_over()
-    );
+    let (engine, peer) = connect_over_shm(&serve).await;
     round_trip(&engine, &peer, serve.region, 16 << 20).await;
 }

@@ -214,6 +214,44 @@ impl RdmaShared {
     }
 }
 
+/// A registration of a bounce buffer of `region`'s size standing in for a region the NIC cannot pin
+/// (`reason` says why), with `flags`; returns it and the buffer's address.
+fn register_bounced(
+    shared: &RdmaShared,
+    region: &RegionEntry,
+    flags: AccessFlags,
+    reason: &dyn std::fmt::Display,
+) -> Result<(Registered, u64)> {
+    let bounce = mr::Bounce::new(region.len() as usize);
+    let addr = bounce.as_ptr() as u64;
+    // SAFETY: the bounce buffer is owned by the `Registered` built from this registration, which drops
+    // the memory region before the buffer.
+    let mr =
+        unsafe { shared.pd.reg_mr(addr as usize, bounce.len(), flags) }.map_err(|e| reg_error(shared, region, e))?;
+    tracing::info!(
+        region = ?region.key(),
+        kind = region.block().kind(),
+        %reason,
+        "the NIC cannot pin this region; RDMA writes land in a bounce buffer and are committed by request"
+    );
+    Ok((Registered::bounced(mr, bounce, region.guard().clone()), addr))
+}
+
+/// Keeps `reg` as the NIC registration of `region`, advertised as `key`; returns the key's wire form.
+fn keep_registered(
+    shared: &RdmaShared,
+    region: &RegionEntry,
+    reg: Registered,
+    key: wire::RemoteKey,
+) -> Result<Option<Vec<u8>>> {
+    shared
+        .regions
+        .lock()
+        .map_err(|_| Error::Internal("RDMA region table lock poisoned".into()))?
+        .insert(region.key(), Arc::new(reg.advertising(key)));
+    Ok(Some(key.encode()))
+}
+
 /// The engine's own registration of a region on an engine whose peers each have a domain of their
 /// own (see [`scope`]): for the work requests this engine posts, with no remote access; peers get
 /// theirs as they are granted the region.
@@ -231,13 +269,8 @@ fn register_local(shared: &Arc<RdmaShared>, region: &RegionEntry) -> Result<Opti
         // A file in the page cache: peers' writes land in a bounce buffer, which each peer's own
         // registration reaches; the engine's own work requests on the region go over TCP.
         Err(e) if region.block().persistent() => {
-            let bounce = mr::Bounce::new(region.len() as usize);
-            let addr = bounce.as_ptr() as u64;
-            // SAFETY: as in `register_region`: the bounce buffer outlives its registration.
-            let mr = unsafe { shared.pd.reg_mr(addr as usize, bounce.len(), AccessFlags::LocalWrite) }
-                .map_err(|e| reg_error(shared, region, e))?;
-            tracing::info!(region = ?region.key(), reason = %e, "the NIC cannot pin this region; RDMA writes land in a bounce buffer");
-            (Registered::bounced(mr, bounce, region.guard().clone()), Some(addr))
+            let (reg, addr) = register_bounced(shared, region, AccessFlags::LocalWrite, &e)?;
+            (reg, Some(addr))
         }
         Err(e) => return Err(reg_error(shared, region, e)),
     };
@@ -247,13 +280,8 @@ fn register_local(shared: &Arc<RdmaShared>, region: &RegionEntry) -> Result<Opti
         bounce_addr,
         hooked: region.block().has_access_hooks(),
     };
-    shared
-        .regions
-        .lock()
-        .map_err(|_| Error::Internal("RDMA region table lock poisoned".into()))?
-        .insert(region.key(), Arc::new(reg.advertising(key)));
     // The region's advert names the transport; each peer's own key replaces this one.
-    Ok(Some(key.encode()))
+    keep_registered(shared, region, reg, key)
 }
 
 /// Refuses a queue pair whose GID is not the address of the TCP peer that set it up (RoCE, where a
@@ -386,23 +414,8 @@ impl Transport for RdmaTransport {
             Ok((mr, flushable)) => (Registered::new(mr, region.guard().clone()), flushable, None),
             // A file in the page cache: the kernel will not pin its pages for the NIC. Stage instead.
             Err(e) if region.block().persistent() => {
-                let bounce = mr::Bounce::new(region.len() as usize);
-                let addr = bounce.as_ptr() as u64;
-                // SAFETY: the bounce buffer is owned by the `Registered` built from this registration,
-                // which drops the memory region before the buffer.
-                let mr = unsafe { shared.pd.reg_mr(addr as usize, bounce.len(), flags) }
-                    .map_err(|e| reg_error(shared, region, e))?;
-                tracing::info!(
-                    region = ?region.key(),
-                    kind = region.block().kind(),
-                    reason = %e,
-                    "the NIC cannot pin this region; RDMA writes land in a bounce buffer and are committed by request"
-                );
-                (
-                    Registered::bounced(mr, bounce, region.guard().clone()),
-                    false,
-                    Some(addr),
-                )
+                let (reg, addr) = register_bounced(shared, region, flags, &e)?;
+                (reg, false, Some(addr))
             }
             Err(e) => return Err(reg_error(shared, region, e)),
         };
@@ -412,12 +425,7 @@ impl Transport for RdmaTransport {
             bounce_addr,
             hooked: region.block().has_access_hooks(),
         };
-        shared
-            .regions
-            .lock()
-            .map_err(|_| Error::Internal("RDMA region table lock poisoned".into()))?
-            .insert(region.key(), Arc::new(reg.advertising(key)));
-        Ok(Some(key.encode()))
+        keep_registered(shared, region, reg, key)
     }
 
     /// Halting and draining the queue pairs that use the region waits up to `link::DRAIN_LIMIT`.

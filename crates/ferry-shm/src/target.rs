@@ -61,8 +61,7 @@ pub(crate) fn listen() -> Result<([u8; 24], UnixListener)> {
         let hex = format!("{b:02x}");
         name[2 * i..2 * i + 2].copy_from_slice(hex.as_bytes());
     }
-    let addr = SocketAddr::from_abstract_name(format!("ferry-shm-{}", String::from_utf8_lossy(&name)))
-        .map_err(|e| Error::io("naming the shared-memory link's socket", e))?;
+    let addr = address(&name)?;
     let listener =
         UnixListener::bind_addr(&addr).map_err(|e| Error::io("binding the shared-memory link's socket", e))?;
     Ok((name, listener))
