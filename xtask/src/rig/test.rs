@@ -217,9 +217,25 @@ pub(super) fn run_json(cmd: &mut Command, timeout: Duration) -> Result<String> {
     let status = wait_with_deadline(&mut child, timeout, &what)?;
     let stdout = reader.join().unwrap_or_default();
     if !status.success() {
+        // With JSON messages the compiler's diagnostics are on stdout, not on the terminal: show them,
+        // or a failed build says nothing of why (a full disk reads the same as a type error otherwise).
+        for rendered in compiler_diagnostics(&stdout) {
+            eprint!("{rendered}");
+        }
         bail!("`{what}` failed ({status})");
     }
     Ok(stdout)
+}
+
+/// The rendered text of every `compiler-message` among cargo's JSON messages.
+fn compiler_diagnostics(stdout: &str) -> Vec<String> {
+    stdout
+        .lines()
+        .filter(|l| l.starts_with('{'))
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|m| m["reason"] == "compiler-message")
+        .filter_map(|m| m["message"]["rendered"].as_str().map(str::to_owned))
+        .collect()
 }
 
 /// The executables of the `compiler-artifact` messages built with the test profile.
@@ -326,6 +342,20 @@ mod tests {
                 executable: "/w/target/release/deps/verbs-0123".into(),
                 package_dir: "/w/crates/ferry-rdma".into(),
             }])
+        );
+    }
+
+    #[test]
+    fn a_failed_build_shows_the_compilers_words() {
+        let out = concat!(
+            r#"{"reason":"compiler-message","message":{"rendered":"error: linking with `cc` failed: No space left on device\n"}}"#,
+            "\n",
+            r#"{"reason":"build-finished","success":false}"#,
+            "\n"
+        );
+        assert_eq!(
+            compiler_diagnostics(out),
+            vec!["error: linking with `cc` failed: No space left on device\n".to_owned()]
         );
     }
 
