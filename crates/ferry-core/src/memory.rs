@@ -104,6 +104,13 @@ pub unsafe trait MemoryBlock: Send + Sync + 'static {
         let _ = (offset, len);
         Ok(())
     }
+    /// A memory file whose bytes `[0, len)` are this block, sealed so that nobody can shrink it (a
+    /// process that maps it can never fault on a page that was cut off), for another process of this
+    /// host to map: the shared-memory transport lends it to peers instead of copying for them. `None`
+    /// (the default) for memory that is no such file.
+    fn shared_file(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        None
+    }
     /// How the CPU and a NIC reach the bytes; [`DmaView::Host`] unless the block says otherwise.
     fn dma_view(&self) -> DmaView {
         DmaView::Host

@@ -58,6 +58,14 @@ pub trait Transport: Send + Sync + 'static {
     fn deregister_region(&self, key: RegionKey) {
         let _ = key;
     }
+    /// Called after the grants of region `key` changed (a revoke), once new operations see the
+    /// change. Resolves when every access the transport lets a peer hold outside the operations the
+    /// engine counts (a mapping of the region lent to a peer of this host) is one the peer's grants
+    /// still allow. The engine bounds the wait.
+    fn access_changed(&self, key: RegionKey) -> BoxFuture<'static, ()> {
+        let _ = key;
+        Box::pin(async {})
+    }
     /// Whether [`deregister_region`](Self::deregister_region) may block (halting and draining queue
     /// pairs), so that async callers run it on a blocking thread.
     fn deregister_blocks(&self) -> bool {
@@ -190,6 +198,12 @@ pub trait DataLink: Send + Sync + 'static {
     fn close(&self) -> BoxFuture<'static, ()>;
     /// Whether the link is closed (by either side, or by a failure).
     fn is_closed(&self) -> bool;
+    /// What this link hands to the control link instead of carrying it, and why (a same-host link
+    /// the kernel denies cross-memory attach carries only the regions lent to it). `None` when it
+    /// carries every region itself.
+    fn fallback_note(&self) -> Option<String> {
+        None
+    }
 }
 
 /// A change to the region table that connected peers are told about (over each link's control stream).

@@ -1,34 +1,39 @@
 //! # ferry-shm
 //!
-//! ferry's same-host transport. Two engines on one host move bytes with one copy, by the kernel's
-//! cross-memory attach (`process_vm_readv` / `process_vm_writev`), instead of two copies and the
-//! socket buffers of loopback TCP.
+//! ferry's same-host transport. Two engines on one host move bytes with one copy, instead of two
+//! copies and the socket buffers of loopback TCP.
 //!
 //! - **Same host, decided safely** ([`host`]): the kernel's boot id and the PID, user and network
-//!   namespaces of both processes must match, and the target must be able to read a probe buffer the
-//!   initiator describes at setup, in the process the initiator says it is: a peer in a container
-//!   without a shared PID namespace, another user's process, or a process Yama's `ptrace_scope` or
-//!   seccomp protects is refused with that reason, and the engine falls back to its next transport.
-//! - **The target copies** ([`target`]): the initiator sends the ranges of a batch (the target's
-//!   region key and offset, its own address) over a Unix socket; the target resolves them against its
-//!   region table with the peer's grants, copies under each region's access guard, persists if asked,
-//!   and replies. So a write is complete when its bytes are in the target's memory, deregistration
-//!   waits out copies in progress and refuses later ones, and a peer never holds a mapping of the
-//!   target's memory. The peer's process id comes from the kernel (`SO_PEERCRED`).
+//!   namespaces of both processes must match; a peer in a container without a shared PID namespace
+//!   is refused with that reason, and the engine falls back to its next transport.
+//! - **Regions the engine allocated are lent** ([`mapping`]): `alloc_host` memory is a memory file
+//!   (memfd) sealed against shrinking; the target passes it over the link's Unix socket
+//!   (`SCM_RIGHTS`) to a peer that may read and write it, the peer maps it once, and READ and WRITE
+//!   are then plain copies between the two processes' memory, with no system call and no round
+//!   trip. Large copies are split over two threads ([`copy`]). Deregistration and revokes ask for the
+//!   mapping back and wait until the peer unmapped it.
+//! - **Other regions are copied by the target** ([`target`]) with cross-memory attach
+//!   (`process_vm_readv` / `process_vm_writev`), when the target could read a probe buffer the
+//!   initiator described at setup, in the process the initiator says it is. Where the kernel refuses
+//!   (another user, Yama's `ptrace_scope`, seccomp), those regions go over the next transport and the
+//!   link says why ([`DataLink::fallback_note`]); lent regions still move over shared memory.
 //! - **Batches** ([`wire`]): one request and one system call for up to 1024 ranges.
 //! - Notifications go over the control link, behind the transfers that completed before them.
 #![deny(missing_docs)]
 
 pub mod cma;
+mod copy;
+mod fdpass;
 pub mod host;
 mod link;
+pub mod mapping;
 mod target;
 pub mod wire;
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, Weak};
 
 use ferry_core::{
-    AcceptSetup, AcceptedPath, Availability, DataLink, Error, RegionEntry, Result, SetupExchange, Transport,
+    AcceptSetup, AcceptedPath, Availability, DataLink, Error, RegionEntry, RegionKey, Result, SetupExchange, Transport,
     TransportKind,
 };
 use futures::future::BoxFuture;
@@ -39,12 +44,38 @@ use crate::host::HostFacts;
 use crate::wire::{Answer, Offer};
 
 /// The same-host transport.
-#[derive(Debug, Default)]
-pub struct ShmTransport;
+#[derive(Default)]
+pub struct ShmTransport {
+    /// The links this engine serves as a target, to ask for lent regions back.
+    served: Mutex<Vec<Weak<target::Served>>>,
+}
+
+impl std::fmt::Debug for ShmTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShmTransport").finish_non_exhaustive()
+    }
+}
+
+impl ShmTransport {
+    fn served(&self) -> Vec<Arc<target::Served>> {
+        self.served
+            .lock()
+            .map(|links| links.iter().filter_map(Weak::upgrade).collect())
+            .unwrap_or_default()
+    }
+}
+
+/// The key a region's advert carries for this transport: how the peer reaches it.
+pub mod region_key {
+    /// The target copies between the peer's memory and the region.
+    pub const COPIED: u8 = 1;
+    /// The region is a memory file the target may lend.
+    pub const LENDABLE: u8 = 2;
+}
 
 /// What a target keeps of an accepted link: dropping it closes the link's socket, which ends its
-/// thread.
-struct Accepted(Arc<target::Shutdown>);
+/// thread once the peer gave back what was lent to it.
+struct Accepted(Arc<target::Served>);
 
 impl AcceptedPath for Accepted {
     fn kind(&self) -> TransportKind {
@@ -54,7 +85,7 @@ impl AcceptedPath for Accepted {
 
 impl Drop for Accepted {
     fn drop(&mut self) {
-        self.0.now();
+        self.0.shut();
     }
 }
 
@@ -73,7 +104,9 @@ impl Transport for ShmTransport {
         let (usable, detail) = match HostFacts::here() {
             Ok(_) => (
                 true,
-                "cross-memory attach (process_vm_readv/writev) with engines of this host".to_string(),
+                "engine allocations lent as memory files, other memory by cross-memory attach \
+                 (process_vm_readv/writev), with engines of this host"
+                    .to_string(),
             ),
             Err(e) => (false, e.message().to_string()),
         };
@@ -88,7 +121,32 @@ impl Transport for ShmTransport {
 
     fn register_region(&self, region: &RegionEntry) -> Result<Option<Vec<u8>>> {
         // Memory its owner stages (device memory behind a host copy) moves over the control link.
-        Ok((!region.block().has_access_hooks()).then(|| vec![1]))
+        let block = region.block();
+        Ok(match (block.has_access_hooks(), block.shared_file().is_some()) {
+            (true, _) => None,
+            (false, true) => Some(vec![region_key::LENDABLE]),
+            (false, false) => Some(vec![region_key::COPIED]),
+        })
+    }
+
+    fn deregister_region(&self, key: RegionKey) {
+        // The deregistration then waits for the permits the lent regions hold: until each peer
+        // answers that it unmapped.
+        for link in self.served() {
+            link.ask_back(key);
+        }
+    }
+
+    fn access_changed(&self, key: RegionKey) -> BoxFuture<'static, ()> {
+        let waits: Vec<_> = self
+            .served()
+            .into_iter()
+            .filter(|link| link.ask_back_if_revoked(key))
+            .map(|link| link.returned(key))
+            .collect();
+        Box::pin(async move {
+            futures::future::join_all(waits).await;
+        })
     }
 
     fn connect<'a>(&'a self, control: &'a dyn SetupExchange) -> BoxFuture<'a, Result<Arc<dyn DataLink>>> {
@@ -119,7 +177,7 @@ impl Transport for ShmTransport {
                 .map_err(|e| Error::io("presenting the shared-memory token", e))?;
             let control_link = control.control_link();
             let peer = "a process on this host".to_string();
-            Ok(Arc::new(ShmLink::start(stream, control_link, peer)) as Arc<dyn DataLink>)
+            Ok(Arc::new(ShmLink::start(stream, control_link, peer, answer.copies_denied)) as Arc<dyn DataLink>)
         })
     }
 
@@ -129,25 +187,32 @@ impl Transport for ShmTransport {
         if let Some(why) = here.why_not(&offer.facts) {
             return Err(Error::Unsupported(format!("shared memory: {why}")));
         }
-        cma::probe(offer.facts.pid, offer.probe_addr, &offer.probe).map_err(|e| match e {
-            Error::PermissionDenied(m) | Error::Unsupported(m) => Error::Unsupported(format!("shared memory: {m}")),
-            other => other,
-        })?;
+        // Without cross-memory attach the link still carries the regions the target lends.
+        let copies_denied = match cma::probe(offer.facts.pid, offer.probe_addr, &offer.probe) {
+            Ok(()) => None,
+            Err(Error::PermissionDenied(m) | Error::Unsupported(m)) => Some(m),
+            Err(other) => return Err(other),
+        };
         let (socket, listener) = target::listen()?;
         let token = random("a link token")?;
-        let shutdown = Arc::new(target::Shutdown::default());
-        target::spawn(
-            listener,
-            target::Served {
-                ctx: setup.context.clone(),
-                peer: setup.peer.clone(),
-                pid: offer.facts.pid,
-                token,
-                link: setup.link,
-            },
-            shutdown.clone(),
-        )?;
-        tracing::debug!(link = setup.link, pid = offer.facts.pid, "shared-memory link accepted");
-        Ok((Answer { socket, token }.encode(), Box::new(Accepted(shutdown))))
+        let served = target::Served::new(
+            setup.context.clone(),
+            setup.peer.clone(),
+            offer.facts.pid,
+            token,
+            setup.link,
+        );
+        target::spawn(listener, served.clone())?;
+        if let Ok(mut links) = self.served.lock() {
+            links.retain(|l| l.strong_count() > 0);
+            links.push(Arc::downgrade(&served));
+        }
+        tracing::debug!(link = setup.link, pid = offer.facts.pid, copies_denied = ?copies_denied, "shared-memory link accepted");
+        let answer = Answer {
+            socket,
+            token,
+            copies_denied,
+        };
+        Ok((answer.encode(), Box::new(Accepted(served))))
     }
 }

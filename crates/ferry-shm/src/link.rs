@@ -1,5 +1,15 @@
-//! The initiator's side of a link: requests go over the link's Unix socket, each with the local
-//! addresses the target copies from or into, and complete when the target replies (after its copy).
+//! The initiator's side of a link. Each item of a transfer takes one of three routes:
+//!
+//! - **Lent regions** (the target's engine allocations, on a link whose peer may read and write
+//!   them): the first use asks the target for the region's memory file and maps it
+//!   ([`Mapping`]); from then on READ and WRITE are copies between the caller's memory and the
+//!   mapping, done by the transfer's own future, with no system call. A write is complete when the
+//!   copy returns: its bytes are then in the target's memory.
+//! - **Copied regions** (memory the target did not allocate, persistent writes): requests go over the
+//!   link's Unix socket, each with the local addresses the target copies from or into, and complete
+//!   when the target replies (after its copy).
+//! - **Everything else** (memory staged by its owner, or copied regions when the kernel denies the
+//!   target cross-memory attach) goes over the control link.
 //!
 //! The target copies out of this process's memory for a WRITE, so a request holds a permit of each
 //! local region's access guard until its reply arrives (or the link ends), not merely while the
@@ -7,41 +17,76 @@
 //! still reading. For a READ the target writes into a staging buffer the request owns, and the caller's
 //! future copies it into place once the reply came: a READ that timed out or was dropped lands no byte
 //! in the caller's memory afterwards, whatever the target still does. That costs a copy per READ.
+//!
+//! A mapping is given back when the target asks (deregistration, revoke) and when the link ends,
+//! always after the copies in progress on it: the target's region is never written after the target
+//! heard that it was unmapped.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use ferry_core::{
-    DataLink, Error, Notification, Op, OwnedPermit, PersistMethod, Result, TransferItem, TransferRequest, TransportKind,
+    DataLink, Durability, Error, Notification, Op, OwnedPermit, PersistMethod, RegionKey, Result, TransferItem,
+    TransferRequest, TransportKind,
 };
 use futures::future::BoxFuture;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::net::UnixStream;
-use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::unix::OwnedWriteHalf;
 use tokio::sync::oneshot;
 
-use crate::wire::{self, Item, MAX_ITEMS, REPLY_HEAD};
+use crate::fdpass::FdReader;
+use crate::mapping::Mapping;
+use crate::region_key;
+use crate::wire::{self, Item, MAX_ITEMS, REPLY_HEAD, ReplyKind, RequestKind};
 
 /// What a reply hands back: the result, and a READ's staging buffer.
 type Done = (Result<()>, Option<Vec<u8>>);
 
-struct Pending {
-    done: oneshot::Sender<Done>,
-    /// Where the target writes a READ's bytes.
-    staging: Option<Vec<u8>>,
-    /// The local regions the target may be copying into or out of.
-    _permits: Vec<OwnedPermit>,
+/// A request waiting for the target.
+enum Pending {
+    Transfer {
+        done: oneshot::Sender<Done>,
+        /// Where the target writes a READ's bytes.
+        staging: Option<Vec<u8>>,
+        /// The local regions the target may be copying into or out of.
+        _permits: Vec<OwnedPermit>,
+    },
+    Map {
+        done: oneshot::Sender<()>,
+        key: RegionKey,
+    },
+}
+
+/// What this link knows of a lendable region of the target.
+enum Lending {
+    /// A `Map` request is on its way.
+    Asking,
+    Mapped(Arc<Mapping>),
+    /// The target does not lend it to this peer: copies.
+    Declined,
+}
+
+/// Where one item of a transfer goes.
+enum Route {
+    Mapped(Arc<Mapping>),
+    Copied,
+    Control,
 }
 
 struct Inner {
     /// `None` once the link is closed (dropping the half shuts the socket down for writing).
     writer: tokio::sync::Mutex<Option<OwnedWriteHalf>>,
     pending: Mutex<HashMap<u64, Pending>>,
+    /// Lendable regions of the target, by the key this peer knows them by.
+    lendings: Mutex<HashMap<RegionKey, Lending>>,
     next_id: AtomicU64,
     closed: AtomicBool,
     control: Arc<dyn DataLink>,
     peer: String,
+    /// Why the target cannot copy with this process (cross-memory attach denied), if it cannot.
+    copies_denied: Option<String>,
 }
 
 /// Bytes of one READ request, and so of its staging buffer: a large READ runs as several requests in
@@ -86,28 +131,29 @@ fn read_pieces(request: &TransferRequest) -> Vec<TransferRequest> {
         .collect()
 }
 
-/// A same-host data link (see the crate documentation).
+/// A same-host data link (see the module documentation).
 pub struct ShmLink {
     inner: Arc<Inner>,
 }
 
-/// Dropping the link shuts its socket down for writing; the target finishes the request it is copying,
-/// sees the end and closes its side, and only then does the reader task end and free what requests in
-/// flight hold. The target may be writing a READ's bytes into a staging buffer until that moment: the
-/// buffer must outlive its copy, not the caller's interest in it.
+/// Dropping the link gives back every mapping (after the copies in progress on it), then shuts the
+/// socket down for writing; the target finishes the request it is copying, sees the end and closes
+/// its side, and only then does the reader task end and free what requests in flight hold. The
+/// target may be writing a READ's bytes into a staging buffer until that moment: the buffer must
+/// outlive its copy, not the caller's interest in it.
 impl Drop for ShmLink {
     fn drop(&mut self) {
         self.inner.closed.store(true, Ordering::Release);
-        if let Ok(mut w) = self.inner.writer.try_lock() {
-            w.take();
-            return;
-        }
-        // A request is being written: close once it is sent (no runtime left: nothing is in flight).
-        if let Ok(rt) = tokio::runtime::Handle::try_current() {
-            let inner = self.inner.clone();
-            rt.spawn(async move {
-                inner.writer.lock().await.take();
-            });
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => {
+                rt.spawn(self.inner.clone().finish());
+            }
+            // No runtime: no transfer can be in progress; the mappings go with the last reference.
+            Err(_) => {
+                if let Ok(mut w) = self.inner.writer.try_lock() {
+                    w.take();
+                }
+            }
         }
     }
 }
@@ -121,7 +167,10 @@ impl Drop for Inner {
             Err(p) => std::mem::take(p.into_inner()),
         };
         for (_, p) in pending {
-            if let Some(staging) = p.staging {
+            if let Pending::Transfer {
+                staging: Some(staging), ..
+            } = p
+            {
                 std::mem::forget(staging);
             }
         }
@@ -136,6 +185,10 @@ impl Inner {
         ))
     }
 
+    fn lendings(&self) -> std::sync::MutexGuard<'_, HashMap<RegionKey, Lending>> {
+        self.lendings.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// Ends every request in flight with `error`, and the link with it.
     fn fail_all(&self, error: &Error) {
         self.closed.store(true, Ordering::Release);
@@ -145,38 +198,234 @@ impl Inner {
             .map(|mut p| p.drain().map(|(_, v)| v).collect())
             .unwrap_or_default();
         for p in pending {
-            let _ = p.done.send((Err(error.clone()), None));
+            match p {
+                Pending::Transfer { done, .. } => {
+                    let _ = done.send((Err(error.clone()), None));
+                }
+                Pending::Map { done, .. } => {
+                    let _ = done.send(());
+                }
+            }
         }
     }
 
-    async fn read_replies(self: Arc<Self>, mut reader: OwnedReadHalf) {
+    /// Gives back every mapping, after the copies in progress on each.
+    async fn give_back_all(&self) {
+        let mapped: Vec<Arc<Mapping>> = self
+            .lendings()
+            .drain()
+            .filter_map(|(_, l)| match l {
+                Lending::Mapped(m) => Some(m),
+                _ => None,
+            })
+            .collect();
+        for m in mapped {
+            m.give_back().await;
+        }
+    }
+
+    /// The link's end, from this side: mappings given back, then the socket shut for writing.
+    async fn finish(self: Arc<Self>) {
+        self.closed.store(true, Ordering::Release);
+        self.give_back_all().await;
+        if let Some(mut w) = self.writer.lock().await.take() {
+            let _ = w.shutdown().await;
+        }
+    }
+
+    async fn send(&self, bytes: &[u8]) -> Result<()> {
+        let sent = match self.writer.lock().await.as_mut() {
+            Some(w) => w.write_all(bytes).await,
+            None => Err(std::io::ErrorKind::NotConnected.into()),
+        };
+        sent.map_err(|e| {
+            let e = Error::PeerClosed(format!("sending to {} over shared memory: {e}", self.peer));
+            self.fail_all(&e);
+            e
+        })
+    }
+
+    async fn read_replies(self: Arc<Self>, mut reader: FdReader) {
         let end = loop {
             let mut head = [0u8; REPLY_HEAD];
             if let Err(e) = reader.read_exact(&mut head).await {
                 break Error::PeerClosed(format!("the shared-memory link to {} closed: {e}", self.peer));
             }
-            let (id, code, len) = match wire::decode_reply_head(&head) {
+            let (id, kind, len) = match wire::decode_reply_head(&head) {
                 Ok(h) => h,
                 Err(e) => break e,
             };
-            let mut message = vec![0u8; len];
-            if let Err(e) = reader.read_exact(&mut message).await {
+            let mut body = vec![0u8; len];
+            if let Err(e) = reader.read_exact(&mut body).await {
                 break Error::PeerClosed(format!("the shared-memory link to {} closed: {e}", self.peer));
             }
-            let result = match code {
-                None => Ok(()),
-                Some(code) => Err(wire::reply_error(code, &message)),
+            let handled = match kind {
+                ReplyKind::Done(code) => self.done(id, code, &body),
+                ReplyKind::Mapped => self.mapped(id, &body, reader.take_fd()),
+                ReplyKind::Unmap => self.unmap(id, &body),
             };
-            let pending = self.pending.lock().ok().and_then(|mut p| p.remove(&id));
-            match pending {
-                Some(p) => {
-                    let _ = p.done.send((result, p.staging));
-                }
-                None => break Error::Protocol(format!("a reply to unknown request {id} on the shared-memory link")),
+            if let Err(e) = handled {
+                break e;
             }
         };
         tracing::debug!(peer = %self.peer, error = %end, "shared-memory link ended");
         self.fail_all(&end);
+        self.finish().await;
+    }
+
+    fn take_pending(&self, id: u64) -> Result<Pending> {
+        self.pending
+            .lock()
+            .ok()
+            .and_then(|mut p| p.remove(&id))
+            .ok_or_else(|| Error::Protocol(format!("a reply to unknown request {id} on the shared-memory link")))
+    }
+
+    /// A request ended.
+    fn done(&self, id: u64, code: Option<ferry_core::ErrorCode>, message: &[u8]) -> Result<()> {
+        let result = match code {
+            None => Ok(()),
+            Some(code) => Err(wire::reply_error(code, message)),
+        };
+        match self.take_pending(id)? {
+            Pending::Transfer { done, staging, .. } => {
+                let _ = done.send((result, staging));
+            }
+            Pending::Map { done, key } => {
+                if let Err(e) = &result {
+                    tracing::debug!(peer = %self.peer, region = ?key, reason = %e, "the target copies for this region");
+                }
+                self.lendings().insert(key, Lending::Declined);
+                let _ = done.send(());
+            }
+        }
+        Ok(())
+    }
+
+    /// The target lent a region: map it.
+    fn mapped(self: &Arc<Self>, id: u64, body: &[u8], fd: Option<std::os::fd::OwnedFd>) -> Result<()> {
+        let body: &[u8; wire::MAPPED_LEN] = body.try_into().map_err(|_| wire::bad("mapped reply"))?;
+        let (len, writable) = wire::decode_mapped(body)?;
+        let fd = fd.ok_or_else(|| Error::Protocol("a mapped reply came without its memory file".into()))?;
+        let Pending::Map { done, key } = self.take_pending(id)? else {
+            return Err(Error::Protocol(format!("a mapped reply to transfer {id}")));
+        };
+        match Mapping::new(key, fd, len, writable) {
+            Ok(m) => {
+                tracing::debug!(peer = %self.peer, region = ?key, len, "mapped a region the target lent");
+                self.lendings().insert(key, Lending::Mapped(Arc::new(m)));
+            }
+            Err(e) => {
+                tracing::warn!(peer = %self.peer, region = ?key, error = %e, "not mapping a region the target lent");
+                self.lendings().insert(key, Lending::Declined);
+                let inner = self.clone();
+                tokio::spawn(async move { inner.unmapped(0, key).await });
+            }
+        }
+        let _ = done.send(());
+        Ok(())
+    }
+
+    /// The target asks for a region back.
+    fn unmap(self: &Arc<Self>, id: u64, body: &[u8]) -> Result<()> {
+        let key = RegionKey(u64::from_le_bytes(body.try_into().map_err(|_| wire::bad("unmap"))?));
+        let lending = self.lendings().remove(&key);
+        let inner = self.clone();
+        tokio::spawn(async move {
+            if let Some(Lending::Mapped(m)) = lending {
+                m.give_back().await;
+            }
+            inner.unmapped(id, key).await;
+        });
+        Ok(())
+    }
+
+    /// Tells the target that region `key` is unmapped.
+    async fn unmapped(&self, id: u64, key: RegionKey) {
+        let mut out = Vec::with_capacity(wire::REQUEST_HEAD + wire::ITEM_LEN);
+        wire::encode_region_request(&mut out, id, RequestKind::Unmapped, key);
+        let _ = self.send(&out).await;
+    }
+
+    /// Asks the target to lend region `key` and waits for the answer (the reader records it).
+    async fn ask(self: Arc<Self>, key: RegionKey) {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (done, answered) = oneshot::channel();
+        match self.pending.lock() {
+            Ok(mut p) if !self.closed.load(Ordering::Acquire) => {
+                p.insert(id, Pending::Map { done, key });
+            }
+            _ => return,
+        }
+        let mut out = Vec::with_capacity(wire::REQUEST_HEAD + wire::ITEM_LEN);
+        wire::encode_region_request(&mut out, id, RequestKind::Map, key);
+        if self.send(&out).await.is_ok() {
+            let _ = answered.await;
+        }
+    }
+
+    /// Where `item` goes (see the module documentation); `None` for a lendable region not yet asked
+    /// for, which the caller asks for first.
+    fn route(
+        &self,
+        lendings: &HashMap<RegionKey, Lending>,
+        item: &TransferItem,
+        durability: Durability,
+    ) -> Option<Route> {
+        let fallback = || match self.copies_denied {
+            None => Route::Copied,
+            Some(_) => Route::Control,
+        };
+        match item.remote_transport_key.as_deref() {
+            None => Some(Route::Control),
+            Some([region_key::LENDABLE]) if durability == Durability::Completed => match lendings.get(&item.remote_key)
+            {
+                None => None,
+                Some(Lending::Mapped(m)) => Some(Route::Mapped(m.clone())),
+                Some(Lending::Asking | Lending::Declined) => Some(fallback()),
+            },
+            Some(_) => Some(fallback()),
+        }
+    }
+
+    /// Sorts a transfer's items by route, asking first for the lendable regions it names that this
+    /// link has not asked for yet.
+    async fn sort(self: &Arc<Self>, request: TransferRequest) -> Sorted {
+        let to_ask: Vec<RegionKey> = {
+            let mut lendings = self.lendings();
+            let mut keys = Vec::new();
+            for item in &request.items {
+                if self.route(&lendings, item, request.durability).is_none() {
+                    lendings.insert(item.remote_key, Lending::Asking);
+                    keys.push(item.remote_key);
+                }
+            }
+            keys
+        };
+        for key in to_ask {
+            self.clone().ask(key).await;
+        }
+        let mut sorted = Sorted {
+            op: request.op,
+            durability: request.durability,
+            mapped: Vec::new(),
+            copied: Vec::new(),
+            control: Vec::new(),
+        };
+        let lendings = self.lendings();
+        for item in request.items {
+            match self.route(&lendings, &item, request.durability) {
+                Some(Route::Mapped(m)) => sorted.mapped.push((item, m)),
+                Some(Route::Copied) => sorted.copied.push(item),
+                // A region asked back meanwhile: the target answers for it.
+                None => match self.copies_denied {
+                    None => sorted.copied.push(item),
+                    Some(_) => sorted.control.push(item),
+                },
+                Some(Route::Control) => sorted.control.push(item),
+            }
+        }
+        sorted
     }
 
     /// Sends one request of at most [`MAX_ITEMS`] ranges and waits for its reply.
@@ -206,7 +455,13 @@ impl Inner {
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let mut out = Vec::with_capacity(wire::REQUEST_HEAD + items.len() * wire::ITEM_LEN);
-        wire::encode_request(&mut out, id, request.op, request.durability, &items);
+        wire::encode_request(
+            &mut out,
+            id,
+            RequestKind::Transfer(request.op),
+            request.durability,
+            &items,
+        );
         let (done, result) = oneshot::channel();
         {
             let mut pending = self
@@ -218,22 +473,14 @@ impl Inner {
             }
             pending.insert(
                 id,
-                Pending {
+                Pending::Transfer {
                     done,
                     staging,
                     _permits: permits,
                 },
             );
         }
-        let sent = match self.writer.lock().await.as_mut() {
-            Some(w) => w.write_all(&out).await,
-            None => Err(std::io::ErrorKind::NotConnected.into()),
-        };
-        if let Err(e) = sent {
-            let e = Error::PeerClosed(format!("sending to {} over shared memory: {e}", self.peer));
-            self.fail_all(&e);
-            return Err(e);
-        }
+        self.send(&out).await?;
         let (result, staging) = result.await.unwrap_or_else(|_| (Err(self.down()), None));
         result?;
         // A READ's bytes go into place here, while the caller still waits for them.
@@ -247,23 +494,107 @@ impl Inner {
         }
         Ok(())
     }
+
+    /// The items the target copies: READs in pieces of bounded staging, one after the other; WRITEs
+    /// in requests of at most [`MAX_ITEMS`] ranges, all at once.
+    async fn copied(self: Arc<Self>, op: Op, durability: Durability, items: Vec<TransferItem>) -> Result<()> {
+        let request = TransferRequest { op, durability, items };
+        if request.op == Op::Read {
+            for piece in read_pieces(&request) {
+                self.clone().request(piece).await?;
+            }
+            return Ok(());
+        }
+        if request.items.len() <= MAX_ITEMS {
+            return self.request(request).await;
+        }
+        let chunks: Vec<TransferRequest> = request
+            .items
+            .chunks(MAX_ITEMS)
+            .map(|c| TransferRequest {
+                op: request.op,
+                durability: request.durability,
+                items: c.to_vec(),
+            })
+            .collect();
+        futures::future::try_join_all(chunks.into_iter().map(|c| self.clone().request(c))).await?;
+        Ok(())
+    }
+
+    /// Items that could not go where they were sorted: to the target, or over the control link.
+    async fn elsewhere(self: Arc<Self>, op: Op, durability: Durability, items: Vec<TransferItem>) -> Result<()> {
+        if items.is_empty() {
+            return Ok(());
+        }
+        match self.copies_denied {
+            None => self.copied(op, durability, items).await,
+            Some(_) => self.control.transfer(TransferRequest { op, durability, items }).await,
+        }
+    }
+}
+
+/// A transfer's items by route.
+struct Sorted {
+    op: Op,
+    durability: Durability,
+    mapped: Vec<(TransferItem, Arc<Mapping>)>,
+    copied: Vec<TransferItem>,
+    control: Vec<TransferItem>,
+}
+
+/// Copies the items whose regions are mapped; returns those whose mapping was being given back
+/// (to go elsewhere). Every range is checked before the first byte moves.
+fn copy_mapped(op: Op, items: Vec<(TransferItem, Arc<Mapping>)>) -> Result<Vec<TransferItem>> {
+    let write = op == Op::Write;
+    for (item, m) in &items {
+        m.check(item.remote_offset, item.len(), write)?;
+        item.local.region.check_range(item.local.offset, item.local.len)?;
+    }
+    let mut elsewhere = Vec::new();
+    for (item, m) in items {
+        let Some(_remote) = m.enter() else {
+            elsewhere.push(item);
+            continue;
+        };
+        let region = &item.local.region;
+        let _local = region.guard().enter().ok_or_else(|| region.gone())?;
+        let local = region.ptr_at(item.local.offset);
+        let len = item.local.len as usize;
+        // SAFETY: both ranges were checked against their mapping and region above, and a permit of
+        // each is held, so both stay mapped for the copy; regions are never handed out as Rust
+        // references, so the copy conflicts with no borrow.
+        unsafe {
+            match op {
+                Op::Write => m.write(item.remote_offset, local, len),
+                Op::Read => m.read(item.remote_offset, local, len),
+            }
+        }
+    }
+    Ok(elsewhere)
 }
 
 impl ShmLink {
     /// Wraps a connected socket; `control` carries notifications and says whether the peer is alive.
-    pub(crate) fn start(stream: UnixStream, control: Arc<dyn DataLink>, peer: String) -> Self {
+    pub(crate) fn start(
+        stream: UnixStream,
+        control: Arc<dyn DataLink>,
+        peer: String,
+        copies_denied: Option<String>,
+    ) -> Self {
         let (reader, writer) = stream.into_split();
         let inner = Arc::new(Inner {
             writer: tokio::sync::Mutex::new(Some(writer)),
             pending: Mutex::new(HashMap::new()),
+            lendings: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(1),
             closed: AtomicBool::new(false),
             control,
             peer,
+            copies_denied,
         });
         // The reader task, not the link, keeps `inner` (and the staging buffers of requests in flight)
         // alive until the target closes its end: see `Drop`.
-        tokio::spawn(inner.clone().read_replies(reader));
+        tokio::spawn(inner.clone().read_replies(FdReader::new(reader)));
         ShmLink { inner }
     }
 }
@@ -275,42 +606,56 @@ impl DataLink for ShmLink {
 
     fn transfer(&self, request: TransferRequest) -> BoxFuture<'static, Result<()>> {
         let inner = self.inner.clone();
-        // A region the target serves only through its staging (no shared-memory key) goes over the
-        // control link, the whole batch with it.
-        if request.items.iter().any(|i| i.remote_transport_key.is_none()) {
-            return inner.control.transfer(request);
-        }
         Box::pin(async move {
             if inner.closed.load(Ordering::Acquire) {
                 return Err(inner.down());
             }
-            if request.op == Op::Read {
-                // One staging buffer of at most READ_STAGING bytes at a time per transfer.
-                for piece in read_pieces(&request) {
-                    inner.clone().request(piece).await?;
+            let Sorted {
+                op,
+                durability,
+                mapped,
+                copied,
+                control,
+            } = inner.sort(request).await;
+            // The target's and the control link's shares are sent first, so that they move while this
+            // future copies the mapped share.
+            let to_target = async {
+                match copied.is_empty() {
+                    true => Ok(()),
+                    false => inner.clone().copied(op, durability, copied).await,
                 }
-                return Ok(());
-            }
-            if request.items.len() <= MAX_ITEMS {
-                return inner.request(request).await;
-            }
-            let chunks: Vec<TransferRequest> = request
-                .items
-                .chunks(MAX_ITEMS)
-                .map(|c| TransferRequest {
-                    op: request.op,
-                    durability: request.durability,
-                    items: c.to_vec(),
-                })
-                .collect();
-            futures::future::try_join_all(chunks.into_iter().map(|c| inner.clone().request(c))).await?;
+            };
+            let to_control = async {
+                match control.is_empty() {
+                    true => Ok(()),
+                    false => {
+                        inner
+                            .control
+                            .transfer(TransferRequest {
+                                op,
+                                durability,
+                                items: control,
+                            })
+                            .await
+                    }
+                }
+            };
+            let here = async {
+                let elsewhere = copy_mapped(op, mapped)?;
+                // A transfer over mappings alone never waits: without this, a caller that transfers
+                // in a loop would hold its runtime thread and starve every other task there.
+                tokio::task::consume_budget().await;
+                inner.clone().elsewhere(op, durability, elsewhere).await
+            };
+            futures::future::try_join3(to_target, to_control, here).await?;
             Ok(())
         })
     }
 
     fn notify(&self, notification: Notification) -> BoxFuture<'static, Result<()>> {
-        // Every transfer that completed before this was copied by the target before it replied: a
-        // notification on the control link cannot overtake its data.
+        // Every transfer that completed before this had its bytes in the target's memory (copied by
+        // this process into the mapping, or by the target before it replied): a notification on the
+        // control link cannot overtake its data.
         self.inner.control.notify(notification)
     }
 
@@ -321,15 +666,22 @@ impl DataLink for ShmLink {
     fn close(&self) -> BoxFuture<'static, ()> {
         let inner = self.inner.clone();
         Box::pin(async move {
-            inner.closed.store(true, Ordering::Release);
-            if let Some(mut w) = inner.writer.lock().await.take() {
-                let _ = w.shutdown().await;
-            }
+            inner.finish().await;
         })
     }
 
     fn is_closed(&self) -> bool {
         self.inner.closed.load(Ordering::Acquire) || self.inner.control.is_closed()
+    }
+
+    fn fallback_note(&self) -> Option<String> {
+        self.inner.copies_denied.as_ref().map(|why| {
+            format!(
+                "for the regions the peer does not lend (memory it did not allocate with alloc_host, or granted \
+                 to this engine for reading or writing only), which go over {}: {why}",
+                self.inner.control.kind()
+            )
+        })
     }
 }
 

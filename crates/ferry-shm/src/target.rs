@@ -1,34 +1,62 @@
-//! The target's side of a link: a thread that reads requests from the link's Unix socket, resolves
-//! them against the region table with the link's view of the peer (grants, per-peer keys), and copies
-//! between the peer's memory and its regions with cross-memory attach, under a permit of each region's
-//! access guard. The target does every copy itself, so:
+//! The target's side of a link: a thread that reads the initiator's requests from the link's Unix
+//! socket and answers them with the link's view of the peer (grants, per-peer keys).
+//!
+//! **Regions the engine allocated** (a memfd) are lent: the target sends the region's memory file
+//! (`SCM_RIGHTS`) to a peer that may both read and write it, and the peer copies itself. The target
+//! holds a permit of the region's access guard for as long as the peer holds the mapping, so a
+//! deregistration asks for the mapping back and waits until the peer answers that it unmapped (after
+//! its copies in progress); a revoke asks for it back as soon as the peer's grant no longer covers it.
+//! A peer with read-only or write-only access gets no mapping (a memory file's descriptor can be
+//! reopened for writing), only copies.
+//!
+//! **Other regions** are copied by the target, between the peer's memory and the region, with
+//! cross-memory attach, under a permit of each region's access guard:
 //!
 //! - a write is complete when its reply leaves: its bytes are in the region (and persisted first,
 //!   when the request asks for that);
 //! - a region's deregistration waits for the copies in progress and refuses later ones, exactly as on
-//!   TCP: no peer ever holds a mapping or an address it could use after the region is gone;
+//!   TCP;
 //! - the peer's process id is the kernel's (`SO_PEERCRED` on the socket, checked against the process
 //!   the setup probed), never what the peer says.
 //!
 //! The thread blocks in system calls and in copies; one per link keeps the runtime's workers free.
 
+use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
-use ferry_core::{Durability, EngineContext, Error, OwnedPermit, PeerView, RegionEntry, Resolved, Result};
+use ferry_core::{
+    Access, Durability, EngineContext, Error, Op, OwnedPermit, PeerView, RegionEntry, RegionKey, Resolved, Result,
+};
 
 use crate::cma::{self, Direction, Range};
-use crate::wire::{self, Item, REQUEST_HEAD};
+use crate::fdpass;
+use crate::wire::{self, Item, REQUEST_HEAD, RequestKind};
 
 /// `(offset, len)` ranges of one region.
 type Ranges = Vec<(u64, u64)>;
 
 /// How long the initiator has to connect to the socket it was told of.
 const CONNECT_LIMIT: Duration = Duration::from_secs(10);
+/// How long a write to the initiator may block (an initiator that stops reading ends its link).
+const WRITE_LIMIT: Duration = Duration::from_secs(5);
+/// How long a link the target closed waits for the initiator to give back its mappings and close.
+const LINGER_LIMIT: Duration = Duration::from_secs(10);
+
+/// A region lent to the initiator as a memory file: the permit keeps the region's deregistration
+/// waiting until the initiator has unmapped it.
+struct Lent {
+    /// The key the peer knows the region by.
+    named: RegionKey,
+    /// Whether the target asked for it back.
+    asked: bool,
+    _permit: OwnedPermit,
+}
 
 /// One accepted link, as the target serves it.
 pub(crate) struct Served {
@@ -38,16 +66,178 @@ pub(crate) struct Served {
     pub pid: u32,
     pub token: [u8; wire::TOKEN_LEN],
     pub link: u64,
+    /// The link's socket, for replies and the target's own messages; `None` until the initiator
+    /// connected and once the target shut it. Writes are whole messages under this lock, and the
+    /// lock is taken before `lent`.
+    writer: Mutex<Option<UnixStream>>,
+    lent: Mutex<HashMap<RegionKey, Lent>>,
+    /// Bumped whenever a lent region comes back (or the link ends).
+    given_back: tokio::sync::watch::Sender<u64>,
+    next_unmap: AtomicU64,
 }
 
-/// The socket of a served link, for the link's owner to shut down (which ends the thread).
-#[derive(Default)]
-pub(crate) struct Shutdown(Mutex<Option<UnixStream>>);
+impl Served {
+    pub fn new(
+        ctx: Weak<EngineContext>,
+        peer: Arc<PeerView>,
+        pid: u32,
+        token: [u8; wire::TOKEN_LEN],
+        link: u64,
+    ) -> Arc<Self> {
+        Arc::new(Served {
+            ctx,
+            peer,
+            pid,
+            token,
+            link,
+            writer: Mutex::new(None),
+            lent: Mutex::new(HashMap::new()),
+            given_back: tokio::sync::watch::Sender::new(0),
+            next_unmap: AtomicU64::new(1),
+        })
+    }
 
-impl Shutdown {
-    pub fn now(&self) {
-        if let Ok(Some(s)) = self.0.lock().map(|mut s| s.take()) {
-            let _ = s.shutdown(std::net::Shutdown::Both);
+    fn writer(&self) -> Result<MutexGuard<'_, Option<UnixStream>>> {
+        self.writer
+            .lock()
+            .map_err(|_| Error::Internal("shared-memory link writer lock poisoned".into()))
+    }
+
+    fn lent(&self) -> MutexGuard<'_, HashMap<RegionKey, Lent>> {
+        self.lent.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Sends one whole message; a failed write shuts the link.
+    fn send(&self, writer: &mut Option<UnixStream>, bytes: &[u8]) -> Result<()> {
+        let Some(stream) = writer.as_mut() else {
+            return Err(Error::PeerClosed("the shared-memory link is closed".into()));
+        };
+        if let Err(e) = stream.write_all(bytes) {
+            if let Some(s) = writer.take() {
+                let _ = s.shutdown(std::net::Shutdown::Both);
+            }
+            return Err(Error::io("writing to the shared-memory link", e));
+        }
+        Ok(())
+    }
+
+    /// Closes the link from the target's side: the initiator sees the end, gives back its mappings
+    /// (after its copies in progress) and closes in turn, which ends the link's thread, or
+    /// [`LINGER_LIMIT`] does. Until then the regions lent stay held.
+    pub fn shut(&self) {
+        if let Ok(Some(s)) = self.writer.lock().map(|mut w| w.take()) {
+            let _ = s.set_read_timeout(Some(LINGER_LIMIT));
+            let _ = s.shutdown(std::net::Shutdown::Write);
+        }
+    }
+
+    /// The link ended: nothing is lent any more.
+    fn ended(&self) {
+        self.lent().clear();
+        self.given_back.send_modify(|n| *n += 1);
+    }
+
+    /// Answers a `Map` request: lends the region's memory file if the peer may both read and write
+    /// it, or says why not.
+    fn lend(&self, ctx: &EngineContext, id: u64, named: RegionKey) -> Result<()> {
+        let mut writer = self.writer()?;
+        let decision = (|| {
+            let r = ctx.resolve(&self.peer, named, 0, 1, Op::Read)?;
+            let access = r.region.access_for(self.peer.identity());
+            if !access.contains(Access::READ_WRITE) {
+                return Err(Error::Unsupported(format!(
+                    "region {named:?} is not open to this peer for both reading and writing, and a mapping \
+                     could be used for both: the target copies for it instead"
+                )));
+            }
+            if r.region.block().has_access_hooks() || r.region.block().shared_file().is_none() {
+                return Err(Error::Unsupported(format!(
+                    "region {named:?} is {}, not an engine allocation (memfd)",
+                    r.region.block().kind()
+                )));
+            }
+            let permit = r.region.guard().enter_owned().ok_or_else(|| r.region.gone())?;
+            Ok((r.region, permit))
+        })();
+        let (region, permit) = match decision {
+            Ok(lent) => lent,
+            Err(e) => {
+                let mut bytes = Vec::new();
+                wire::encode_reply(&mut bytes, id, &Err(e));
+                return self.send(&mut writer, &bytes);
+            }
+        };
+        let (Some(stream), Some(fd)) = (writer.as_ref(), region.block().shared_file()) else {
+            return Err(Error::PeerClosed("the shared-memory link is closed".into()));
+        };
+        let mut bytes = Vec::with_capacity(wire::REPLY_HEAD + wire::MAPPED_LEN);
+        wire::encode_mapped(&mut bytes, id, region.len(), true);
+        // Recorded before the file leaves, under the writer's lock: an `Unmap` of it can only follow
+        // this reply on the socket.
+        self.lent().insert(
+            region.key(),
+            Lent {
+                named,
+                asked: false,
+                _permit: permit,
+            },
+        );
+        if let Err(e) = fdpass::send_with_fd(stream, &bytes, fd) {
+            if let Some(s) = writer.take() {
+                let _ = s.shutdown(std::net::Shutdown::Both);
+            }
+            return Err(Error::io("lending a region's memory file", e));
+        }
+        tracing::debug!(link = self.link, region = ?named, "lent a region's memory file");
+        Ok(())
+    }
+
+    /// Asks the initiator to give back region `real` if it holds it (and was not asked already).
+    /// Returns whether it holds it.
+    pub fn ask_back(&self, real: RegionKey) -> bool {
+        let Ok(mut writer) = self.writer() else { return false };
+        let named = match self.lent().get_mut(&real) {
+            None => return false,
+            Some(l) if l.asked => return true,
+            Some(l) => {
+                l.asked = true;
+                l.named
+            }
+        };
+        let mut bytes = Vec::with_capacity(wire::REPLY_HEAD + wire::UNMAP_LEN);
+        wire::encode_unmap(&mut bytes, self.next_unmap.fetch_add(1, Ordering::Relaxed), named);
+        // A failed write shuts the link; its thread then ends and frees what was lent.
+        let _ = self.send(&mut writer, &bytes);
+        true
+    }
+
+    /// Asks back region `real` if the peer's grants no longer open it for both reading and writing;
+    /// returns whether it was asked back.
+    pub fn ask_back_if_revoked(&self, real: RegionKey) -> bool {
+        if !self.lent().contains_key(&real) {
+            return false;
+        }
+        let still = self.ctx.upgrade().is_some_and(|ctx| {
+            ctx.regions.read().ok().is_some_and(|t| {
+                t.get(real)
+                    .is_some_and(|e| e.access_for(self.peer.identity()).contains(Access::READ_WRITE))
+            })
+        });
+        !still && self.ask_back(real)
+    }
+
+    /// Resolves once region `real` is no longer lent (given back, or the link ended).
+    pub async fn returned(self: Arc<Self>, real: RegionKey) {
+        let mut changes = self.given_back.subscribe();
+        let _ = changes.wait_for(|_| !self.lent().contains_key(&real)).await;
+    }
+
+    /// The initiator unmapped the region it knows as `named`.
+    fn unmapped(&self, named: RegionKey) {
+        let real = self.peer.real_key(named);
+        if self.lent().remove(&real).is_some() {
+            tracing::debug!(link = self.link, region = ?named, "a lent region came back");
+            self.given_back.send_modify(|n| *n += 1);
         }
     }
 }
@@ -98,23 +288,26 @@ fn peer_pid(stream: &UnixStream) -> Result<u32> {
 
 /// Serves the link on its own thread: waits for the initiator's connection, checks it, then answers
 /// requests until the socket closes.
-pub(crate) fn spawn(listener: UnixListener, served: Served, shutdown: Arc<Shutdown>) -> Result<()> {
+pub(crate) fn spawn(listener: UnixListener, served: Arc<Served>) -> Result<()> {
     std::thread::Builder::new()
         .name(format!("ferry-shm-{}", served.link))
-        .spawn(move || match accept(&listener, &served, &shutdown) {
-            Ok(stream) => {
-                drop(listener);
-                if let Err(e) = serve(stream, &served) {
-                    tracing::debug!(link = served.link, error = %e, "shared-memory link ended");
+        .spawn(move || {
+            match accept(&listener, &served) {
+                Ok(stream) => {
+                    drop(listener);
+                    if let Err(e) = serve(stream, &served) {
+                        tracing::debug!(link = served.link, error = %e, "shared-memory link ended");
+                    }
                 }
+                Err(e) => tracing::warn!(link = served.link, error = %e, "shared-memory link refused"),
             }
-            Err(e) => tracing::warn!(link = served.link, error = %e, "shared-memory link refused"),
+            served.ended();
         })
         .map(|_| ())
         .map_err(|e| Error::io("starting the shared-memory link's thread", e))
 }
 
-fn accept(listener: &UnixListener, served: &Served, shutdown: &Shutdown) -> Result<UnixStream> {
+fn accept(listener: &UnixListener, served: &Served) -> Result<UnixStream> {
     // The listener waits at most CONNECT_LIMIT: a peer that never connects leaves no thread behind.
     listener
         .set_nonblocking(true)
@@ -134,12 +327,10 @@ fn accept(listener: &UnixListener, served: &Served, shutdown: &Shutdown) -> Resu
             Err(e) => return Err(Error::io("accepting the link's socket", e)),
         }
     };
-    stream
-        .set_nonblocking(false)
-        .map_err(|e| Error::io("configuring the link's socket", e))?;
-    stream
-        .set_read_timeout(Some(CONNECT_LIMIT))
-        .map_err(|e| Error::io("configuring the link's socket", e))?;
+    let configure = |e| Error::io("configuring the link's socket", e);
+    stream.set_nonblocking(false).map_err(configure)?;
+    stream.set_read_timeout(Some(CONNECT_LIMIT)).map_err(configure)?;
+    stream.set_write_timeout(Some(WRITE_LIMIT)).map_err(configure)?;
     let pid = peer_pid(&stream)?;
     if pid != served.pid {
         return Err(Error::PermissionDenied(format!(
@@ -154,12 +345,8 @@ fn accept(listener: &UnixListener, served: &Served, shutdown: &Shutdown) -> Resu
     if token != served.token {
         return Err(Error::PermissionDenied("a wrong token on the link's socket".into()));
     }
-    stream
-        .set_read_timeout(None)
-        .map_err(|e| Error::io("configuring the link's socket", e))?;
-    if let Ok(mut s) = shutdown.0.lock() {
-        *s = stream.try_clone().ok();
-    }
+    stream.set_read_timeout(None).map_err(configure)?;
+    *served.writer()? = Some(stream.try_clone().map_err(configure)?);
     Ok(stream)
 }
 
@@ -195,8 +382,8 @@ fn serve(mut stream: UnixStream, served: &Served) -> Result<()> {
             Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
             Err(e) => return Err(Error::io("reading a request", e)),
         }
-        let (id, op, durability, n) = wire::decode_request_head(&head)?;
-        body.resize(n * wire::ITEM_LEN, 0);
+        let head = wire::decode_request_head(&head)?;
+        body.resize(head.items * wire::ITEM_LEN, 0);
         stream
             .read_exact(&mut body)
             .map_err(|e| Error::io("reading a request", e))?;
@@ -204,31 +391,29 @@ fn serve(mut stream: UnixStream, served: &Served) -> Result<()> {
         let Some(ctx) = served.ctx.upgrade() else {
             return Ok(());
         };
-        let result = apply(&ctx, served, op, durability, &items);
-        replies.clear();
-        wire::encode_reply(&mut replies, id, &result);
-        stream
-            .write_all(&replies)
-            .map_err(|e| Error::io("sending a reply", e))?;
+        match head.kind {
+            RequestKind::Transfer(op) => {
+                let result = apply(&ctx, served, op, head.durability, &items);
+                replies.clear();
+                wire::encode_reply(&mut replies, head.id, &result);
+                served.send(&mut *served.writer()?, &replies)?;
+            }
+            RequestKind::Map => served.lend(&ctx, head.id, items[0].key)?,
+            RequestKind::Unmapped => served.unmapped(items[0].key),
+        }
     }
 }
 
 /// Checks every range, then copies them all, then persists them if asked: nothing is copied for a
 /// request with a range that does not resolve.
-fn apply(
-    ctx: &EngineContext,
-    served: &Served,
-    op: ferry_core::Op,
-    durability: Durability,
-    items: &[Item],
-) -> Result<()> {
+fn apply(ctx: &EngineContext, served: &Served, op: Op, durability: Durability, items: &[Item]) -> Result<()> {
     // Counted from before the grant checks until the copies end, for revokes to wait out.
     let _in_progress = ctx.accesses.begin();
     let mut parts: Vec<(Resolved, OwnedPermit)> = Vec::with_capacity(items.len());
     for i in items {
         let r = match op {
-            ferry_core::Op::Write => ctx.resolve_write(&served.peer, i.key, i.offset, i.len, durability)?,
-            ferry_core::Op::Read => ctx.resolve(&served.peer, i.key, i.offset, i.len, op)?,
+            Op::Write => ctx.resolve_write(&served.peer, i.key, i.offset, i.len, durability)?,
+            Op::Read => ctx.resolve(&served.peer, i.key, i.offset, i.len, op)?,
         };
         if r.region.block().has_access_hooks() {
             return Err(Error::Unsupported(format!(
@@ -250,14 +435,14 @@ fn apply(
         })
         .collect();
     let direction = match op {
-        ferry_core::Op::Write => Direction::In,
-        ferry_core::Op::Read => Direction::Out,
+        Op::Write => Direction::In,
+        Op::Read => Direction::Out,
     };
     // SAFETY: every local range lies in its region (resolved above) and a permit of the region's guard
     // is held until the copy ends, so the memory stays mapped; regions are never handed out as Rust
     // references, so the kernel's writes conflict with no borrow.
     unsafe { cma::copy(served.pid, direction, &ranges)? };
-    if op == ferry_core::Op::Write {
+    if op == Op::Write {
         for (r, _) in &parts {
             r.region.block().check_backing()?;
         }

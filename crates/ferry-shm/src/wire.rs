@@ -1,5 +1,11 @@
 //! What the two ends exchange: the setup over the control link (the initiator's facts and probe, the
-//! target's socket and token), then requests and replies on the link's Unix socket.
+//! target's socket and token, and whether the target may copy with cross-memory attach), then
+//! requests and replies on the link's Unix socket.
+//!
+//! On the socket the initiator sends transfers (ranges for the target to copy), asks for a region's
+//! memory file (`Map`), and confirms that it unmapped one (`Unmapped`). The target sends replies,
+//! a region's memory file (`Mapped`, the descriptor attached to its bytes), and asks for a mapping
+//! back (`Unmap`).
 //!
 //! Every length is checked before anything is allocated: a request names at most [`MAX_ITEMS`] ranges.
 
@@ -7,7 +13,7 @@ use ferry_core::{Durability, Error, ErrorCode, Op, RegionKey, Result, WireError}
 
 use crate::host::{HostFacts, Namespace};
 
-const VERSION: u8 = 1;
+const VERSION: u8 = 2;
 /// Ranges one request may name (a batch with more is split by the initiator).
 pub const MAX_ITEMS: usize = 4096;
 /// Bytes of the initiator's probe buffer.
@@ -15,7 +21,7 @@ pub const PROBE_LEN: usize = 32;
 /// Bytes of the token the initiator presents on the Unix socket.
 pub const TOKEN_LEN: usize = 32;
 
-fn bad(what: &str) -> Error {
+pub(crate) fn bad(what: &str) -> Error {
     Error::Protocol(format!("shared-memory {what} is malformed"))
 }
 
@@ -108,14 +114,21 @@ impl Offer {
     }
 }
 
-/// The target's answer: the abstract Unix socket to connect to, and the token to present there.
+/// The target's answer: the abstract Unix socket to connect to, the token to present there, and
+/// whether the target can copy between the initiator's memory and its regions.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Answer {
     /// The socket's abstract name.
     pub socket: [u8; 24],
     /// The one-time token.
     pub token: [u8; TOKEN_LEN],
+    /// Why the target cannot use cross-memory attach with the initiator (it then serves only the
+    /// regions it lends as memory files); `None` when it can.
+    pub copies_denied: Option<String>,
 }
+
+/// The longest reason an answer carries.
+const MAX_REASON: usize = 512;
 
 impl Answer {
     /// The wire form.
@@ -123,6 +136,15 @@ impl Answer {
         let mut v = vec![VERSION];
         v.extend_from_slice(&self.socket);
         v.extend_from_slice(&self.token);
+        match &self.copies_denied {
+            None => v.push(0),
+            Some(why) => {
+                let why = &why.as_bytes()[..why.len().min(MAX_REASON)];
+                v.push(1);
+                v.extend_from_slice(&(why.len() as u16).to_le_bytes());
+                v.extend_from_slice(why);
+            }
+        }
         v
     }
 
@@ -132,12 +154,27 @@ impl Answer {
         if r.u8()? != VERSION {
             return Err(bad("setup answer"));
         }
-        let answer = Answer {
-            socket: r.take()?,
-            token: r.take()?,
+        let socket = r.take()?;
+        let token = r.take()?;
+        let copies_denied = match r.u8()? {
+            0 => None,
+            1 => {
+                let n = u16::from_le_bytes(r.take()?) as usize;
+                if n > MAX_REASON || r.0.len() != n {
+                    return Err(bad("setup answer"));
+                }
+                let why = String::from_utf8_lossy(r.0).into_owned();
+                r.0 = &[];
+                Some(why)
+            }
+            _ => return Err(bad("setup answer")),
         };
         r.end("setup answer")?;
-        Ok(answer)
+        Ok(Answer {
+            socket,
+            token,
+            copies_denied,
+        })
     }
 }
 
@@ -155,17 +192,43 @@ pub struct Item {
     pub addr: u64,
 }
 
-/// A request's fixed part: id, op, durability, item count.
+/// A request's fixed part: id, kind, durability, item count.
 pub const REQUEST_HEAD: usize = 8 + 1 + 1 + 4;
 /// One item's bytes.
 pub const ITEM_LEN: usize = 32;
 
+/// What a request asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RequestKind {
+    /// Copy the ranges.
+    Transfer(Op),
+    /// Lend the memory file of the region its one item names.
+    Map,
+    /// The initiator unmapped the region its one item names; the id is that of the target's `Unmap`.
+    Unmapped,
+}
+
+/// A request's head, parsed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RequestHead {
+    /// The id its reply carries.
+    pub id: u64,
+    /// What it asks for.
+    pub kind: RequestKind,
+    /// For a write: how durable it must be before the reply.
+    pub durability: Durability,
+    /// How many items follow.
+    pub items: usize,
+}
+
 /// Appends a request to `out`.
-pub fn encode_request(out: &mut Vec<u8>, id: u64, op: Op, durability: Durability, items: &[Item]) {
+pub fn encode_request(out: &mut Vec<u8>, id: u64, kind: RequestKind, durability: Durability, items: &[Item]) {
     out.extend_from_slice(&id.to_le_bytes());
-    out.push(match op {
-        Op::Write => 0,
-        Op::Read => 1,
+    out.push(match kind {
+        RequestKind::Transfer(Op::Write) => 0,
+        RequestKind::Transfer(Op::Read) => 1,
+        RequestKind::Map => 2,
+        RequestKind::Unmapped => 3,
     });
     out.push(match durability {
         Durability::Completed => 0,
@@ -179,14 +242,27 @@ pub fn encode_request(out: &mut Vec<u8>, id: u64, op: Op, durability: Durability
     }
 }
 
-/// A request's head, parsed: its id, op, durability and how many items follow.
-pub fn decode_request_head(b: &[u8; REQUEST_HEAD]) -> Result<(u64, Op, Durability, usize)> {
+/// Appends a request about one region (`Map`, `Unmapped`) to `out`.
+pub fn encode_region_request(out: &mut Vec<u8>, id: u64, kind: RequestKind, key: RegionKey) {
+    let item = Item {
+        key,
+        offset: 0,
+        len: 0,
+        addr: 0,
+    };
+    encode_request(out, id, kind, Durability::Completed, &[item]);
+}
+
+/// A request's head, parsed.
+pub fn decode_request_head(b: &[u8; REQUEST_HEAD]) -> Result<RequestHead> {
     let mut r = Reader(b);
     let id = r.u64()?;
-    let op = match r.u8()? {
-        0 => Op::Write,
-        1 => Op::Read,
-        _ => return Err(bad("request (op)")),
+    let kind = match r.u8()? {
+        0 => RequestKind::Transfer(Op::Write),
+        1 => RequestKind::Transfer(Op::Read),
+        2 => RequestKind::Map,
+        3 => RequestKind::Unmapped,
+        _ => return Err(bad("request (kind)")),
     };
     let durability = match r.u8()? {
         0 => Durability::Completed,
@@ -194,12 +270,21 @@ pub fn decode_request_head(b: &[u8; REQUEST_HEAD]) -> Result<(u64, Op, Durabilit
         _ => return Err(bad("request (durability)")),
     };
     let n = r.u32()? as usize;
-    if n == 0 || n > MAX_ITEMS {
+    let most = match kind {
+        RequestKind::Transfer(_) => MAX_ITEMS,
+        RequestKind::Map | RequestKind::Unmapped => 1,
+    };
+    if n == 0 || n > most {
         return Err(Error::Protocol(format!(
-            "a shared-memory request of {n} ranges (1..={MAX_ITEMS})"
+            "a shared-memory request ({kind:?}) of {n} ranges (1..={most})"
         )));
     }
-    Ok((id, op, durability, n))
+    Ok(RequestHead {
+        id,
+        kind,
+        durability,
+        items: n,
+    })
 }
 
 /// The items of a request.
@@ -220,43 +305,91 @@ pub fn decode_items(b: &[u8]) -> Result<Vec<Item>> {
     Ok(items)
 }
 
-/// A reply's fixed part: id, error code (0 = done), message length.
-pub const REPLY_HEAD: usize = 8 + 2 + 2;
+/// A reply's fixed part: id, kind, error code (0 = done), length of what follows.
+pub const REPLY_HEAD: usize = 8 + 1 + 2 + 2;
 /// The longest error message a reply carries (longer ones are cut).
 pub const MAX_MESSAGE: usize = 1024;
+/// The body of a `Mapped` reply: the region's length and whether it may be written.
+pub const MAPPED_LEN: usize = 8 + 1;
+/// The body of an `Unmap`: the region's key.
+pub const UNMAP_LEN: usize = 8;
+
+/// What a message from the target is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReplyKind {
+    /// The end of a request: done (`None`), or the error's code (its message follows).
+    Done(Option<ErrorCode>),
+    /// A `Map` request's answer: the region's memory file is attached, its length and access follow.
+    Mapped,
+    /// The target asks for the mapping of the region whose key follows (the id is the target's own).
+    Unmap,
+}
+
+fn put_reply_head(out: &mut Vec<u8>, id: u64, kind: u8, code: u16, len: usize) {
+    out.extend_from_slice(&id.to_le_bytes());
+    out.push(kind);
+    out.extend_from_slice(&code.to_le_bytes());
+    out.extend_from_slice(&(len as u16).to_le_bytes());
+}
 
 /// Appends a reply to `out`.
 pub fn encode_reply(out: &mut Vec<u8>, id: u64, result: &Result<()>) {
-    out.extend_from_slice(&id.to_le_bytes());
     match result {
-        Ok(()) => out.extend_from_slice(&[0, 0, 0, 0]),
+        Ok(()) => put_reply_head(out, id, 0, 0, 0),
         Err(e) => {
             let message = e.message();
             let mut cut = message.len().min(MAX_MESSAGE);
             while !message.is_char_boundary(cut) {
                 cut -= 1;
             }
-            out.extend_from_slice(&(e.code() as u16).to_le_bytes());
-            out.extend_from_slice(&(cut as u16).to_le_bytes());
+            put_reply_head(out, id, 0, e.code() as u16, cut);
             out.extend_from_slice(&message.as_bytes()[..cut]);
         }
     }
 }
 
-/// A reply's head, parsed: its id, error code (`None`: done) and message length.
-pub fn decode_reply_head(b: &[u8; REPLY_HEAD]) -> Result<(u64, Option<ErrorCode>, usize)> {
+/// Appends a `Mapped` reply (whose bytes the memory file is sent with) to `out`.
+pub fn encode_mapped(out: &mut Vec<u8>, id: u64, len: u64, writable: bool) {
+    put_reply_head(out, id, 1, 0, MAPPED_LEN);
+    out.extend_from_slice(&len.to_le_bytes());
+    out.push(u8::from(writable));
+}
+
+/// Appends an `Unmap` of the region the peer knows as `key` to `out`.
+pub fn encode_unmap(out: &mut Vec<u8>, id: u64, key: RegionKey) {
+    put_reply_head(out, id, 2, 0, UNMAP_LEN);
+    out.extend_from_slice(&key.0.to_le_bytes());
+}
+
+/// A reply's head, parsed: its id, kind and how many bytes follow.
+pub fn decode_reply_head(b: &[u8; REPLY_HEAD]) -> Result<(u64, ReplyKind, usize)> {
     let mut r = Reader(b);
     let id = r.u64()?;
+    let kind = r.u8()?;
     let code = u16::from_le_bytes(r.take()?);
     let len = u16::from_le_bytes(r.take()?) as usize;
-    if len > MAX_MESSAGE {
-        return Err(bad("reply"));
-    }
-    match code {
-        0 if len == 0 => Ok((id, None, 0)),
-        0 => Err(bad("reply")),
-        c => Ok((id, Some(ErrorCode::from_u16(c).unwrap_or(ErrorCode::Internal)), len)),
-    }
+    let kind = match (kind, code, len) {
+        (0, 0, 0) => ReplyKind::Done(None),
+        (0, c, n) if c != 0 && n <= MAX_MESSAGE => {
+            ReplyKind::Done(Some(ErrorCode::from_u16(c).unwrap_or(ErrorCode::Internal)))
+        }
+        (1, 0, MAPPED_LEN) => ReplyKind::Mapped,
+        (2, 0, UNMAP_LEN) => ReplyKind::Unmap,
+        _ => return Err(bad("reply")),
+    };
+    Ok((id, kind, len))
+}
+
+/// A `Mapped` reply's body: the region's length and whether the peer may write it.
+pub fn decode_mapped(b: &[u8; MAPPED_LEN]) -> Result<(u64, bool)> {
+    let mut r = Reader(b);
+    let len = r.u64()?;
+    let writable = match r.u8()? {
+        0 => false,
+        1 => true,
+        _ => return Err(bad("mapped reply")),
+    };
+    Ok((len, writable))
 }
 
 /// The error a reply carries.
@@ -290,18 +423,21 @@ mod tests {
         fn offers_and_answers_round_trip(addr in any::<u64>(), probe in any::<[u8; PROBE_LEN]>(), token in any::<[u8; TOKEN_LEN]>(), socket in any::<[u8; 24]>()) {
             let offer = Offer { facts: facts(), probe_addr: addr, probe };
             prop_assert_eq!(Offer::decode(&offer.encode()).unwrap(), offer);
-            let answer = Answer { socket, token };
-            prop_assert_eq!(Answer::decode(&answer.encode()).unwrap(), answer);
+            for copies_denied in [None, Some("ptrace denied".to_string())] {
+                let answer = Answer { socket, token, copies_denied };
+                prop_assert_eq!(Answer::decode(&answer.encode()).unwrap(), answer);
+            }
         }
 
         #[test]
         fn requests_round_trip(id in any::<u64>(), raw in proptest::collection::vec(any::<(u64, u64, u64, u64)>(), 1..64), read in any::<bool>()) {
             let items: Vec<Item> = raw.iter().map(|&(k, o, l, a)| Item { key: RegionKey(k), offset: o, len: l, addr: a }).collect();
-            let op = if read { Op::Read } else { Op::Write };
+            let kind = RequestKind::Transfer(if read { Op::Read } else { Op::Write });
             let mut out = Vec::new();
-            encode_request(&mut out, id, op, Durability::Persistent, &items);
+            encode_request(&mut out, id, kind, Durability::Persistent, &items);
             let head: [u8; REQUEST_HEAD] = out[..REQUEST_HEAD].try_into().unwrap();
-            prop_assert_eq!(decode_request_head(&head).unwrap(), (id, op, Durability::Persistent, items.len()));
+            let want = RequestHead { id, kind, durability: Durability::Persistent, items: items.len() };
+            prop_assert_eq!(decode_request_head(&head).unwrap(), want);
             prop_assert_eq!(decode_items(&out[REQUEST_HEAD..]).unwrap(), items);
         }
 
@@ -322,10 +458,44 @@ mod tests {
     #[test]
     fn oversized_requests_are_refused_before_allocating() {
         let mut out = Vec::new();
-        encode_request(&mut out, 1, Op::Write, Durability::Completed, &[]);
+        encode_request(
+            &mut out,
+            1,
+            RequestKind::Transfer(Op::Write),
+            Durability::Completed,
+            &[],
+        );
         out[10..14].copy_from_slice(&(MAX_ITEMS as u32 + 1).to_le_bytes());
         let head: [u8; REQUEST_HEAD] = out[..REQUEST_HEAD].try_into().unwrap();
         assert!(matches!(decode_request_head(&head), Err(Error::Protocol(_))));
+    }
+
+    #[test]
+    fn region_requests_name_exactly_one_region() {
+        let mut out = Vec::new();
+        encode_region_request(&mut out, 3, RequestKind::Map, RegionKey(77));
+        let head: [u8; REQUEST_HEAD] = out[..REQUEST_HEAD].try_into().unwrap();
+        let parsed = decode_request_head(&head).unwrap();
+        assert_eq!((parsed.id, parsed.kind, parsed.items), (3, RequestKind::Map, 1));
+        assert_eq!(decode_items(&out[REQUEST_HEAD..]).unwrap()[0].key, RegionKey(77));
+        out[10..14].copy_from_slice(&2u32.to_le_bytes());
+        let head: [u8; REQUEST_HEAD] = out[..REQUEST_HEAD].try_into().unwrap();
+        assert!(matches!(decode_request_head(&head), Err(Error::Protocol(_))));
+    }
+
+    #[test]
+    fn mapped_and_unmap_round_trip() {
+        let mut out = Vec::new();
+        encode_mapped(&mut out, 5, 1 << 30, true);
+        let head: [u8; REPLY_HEAD] = out[..REPLY_HEAD].try_into().unwrap();
+        assert_eq!(decode_reply_head(&head).unwrap(), (5, ReplyKind::Mapped, MAPPED_LEN));
+        let body: [u8; MAPPED_LEN] = out[REPLY_HEAD..].try_into().unwrap();
+        assert_eq!(decode_mapped(&body).unwrap(), (1 << 30, true));
+        out.clear();
+        encode_unmap(&mut out, 6, RegionKey(9));
+        let head: [u8; REPLY_HEAD] = out[..REPLY_HEAD].try_into().unwrap();
+        assert_eq!(decode_reply_head(&head).unwrap(), (6, ReplyKind::Unmap, UNMAP_LEN));
+        assert_eq!(out[REPLY_HEAD..], 9u64.to_le_bytes());
     }
 
     #[test]
@@ -333,9 +503,15 @@ mod tests {
         let mut out = Vec::new();
         encode_reply(&mut out, 9, &Err(Error::PermissionDenied("no".into())));
         let head: [u8; REPLY_HEAD] = out[..REPLY_HEAD].try_into().unwrap();
-        let (id, code, len) = decode_reply_head(&head).unwrap();
-        assert_eq!((id, code, len), (9, Some(ErrorCode::PermissionDenied), 2));
-        let e = reply_error(code.unwrap(), &out[REPLY_HEAD..]);
+        let (id, kind, len) = decode_reply_head(&head).unwrap();
+        assert_eq!(
+            (id, kind, len),
+            (9, ReplyKind::Done(Some(ErrorCode::PermissionDenied)), 2)
+        );
+        let ReplyKind::Done(Some(code)) = kind else {
+            unreachable!()
+        };
+        let e = reply_error(code, &out[REPLY_HEAD..]);
         assert!(matches!(&e, Error::PermissionDenied(m) if m.ends_with("no")), "{e:?}");
     }
 }

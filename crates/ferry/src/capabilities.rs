@@ -119,7 +119,7 @@ pub(crate) fn compiled_transports(options: &TransportOptions, authenticates: boo
     let mut v: Vec<Arc<dyn Transport>> = Vec::with_capacity(3);
     // Best first: on one host, nothing beats one copy.
     #[cfg(feature = "shm")]
-    v.push(Arc::new(ferry_shm::ShmTransport));
+    v.push(Arc::new(ferry_shm::ShmTransport::default()));
     #[cfg(feature = "rdma")]
     v.push(Arc::new(ferry_rdma::RdmaTransport::new(ferry_rdma::RdmaOptions {
         device: options.rdma_device.clone(),

@@ -470,13 +470,16 @@ impl Engine {
                 tls: self.inner.options.tls.clone(),
             };
             let control = TcpLink::dial(addr, &me, &config).await?;
-            let (data, passed_over) = match self.data_link(&control).await {
+            let (data, mut passed_over) = match self.data_link(&control).await {
                 Ok(data) => data,
                 Err(e) => {
                     control.abort();
                     return Err(e);
                 }
             };
+            if let Some(note) = data.fallback_note() {
+                passed_over.push((data.kind(), note));
+            }
             let peer = Peer {
                 inner: Arc::new(PeerInner {
                     addr,
@@ -798,6 +801,7 @@ impl Inner {
             .advance()
             .ok_or_else(|| Error::Internal("two revokes advanced the access epoch at once".into()))?;
         let sent = self.server.as_ref().map(|s| s.regranted(entry.key()));
+        let lent_back = futures::future::join_all(self.transports.iter().map(|t| t.access_changed(entry.key())));
         let settled = async {
             if let Some(sent) = sent {
                 sent.wait().await;
@@ -805,11 +809,13 @@ impl Inner {
             while !epoch.settled() {
                 tokio::time::sleep(Duration::from_millis(1)).await;
             }
+            lent_back.await;
         };
         tokio::time::timeout(REVOKE_LIMIT, settled).await.map_err(|_| {
             Error::Timeout(format!(
                 "region {:?}: the revoke holds for every new operation, but after {REVOKE_LIMIT:?} a peer's link \
-                 had not yet sent the change or an operation begun before it had not ended",
+                 had not yet sent the change, an operation begun before it had not ended, or a peer of this \
+                 host had not given back its mapping of the region",
                 entry.key()
             ))
         })

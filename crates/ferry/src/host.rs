@@ -25,7 +25,7 @@ impl HostAllocation {
         }
         let name = c"ferry-host";
         // SAFETY: `name` is a valid NUL-terminated string; the call has no other preconditions.
-        let raw = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+        let raw = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
         if raw < 0 {
             return Err(os_error("memfd_create"));
         }
@@ -36,6 +36,19 @@ impl HostAllocation {
         // SAFETY: `fd` is a valid memfd we own.
         if unsafe { libc::ftruncate(fd.as_raw_fd(), size) } != 0 {
             return Err(os_error("sizing the memfd"));
+        }
+        // A peer of this host may map the file (see `shared_file`): it must never shrink under that
+        // mapping, nor take other seals from anyone the descriptor is passed to.
+        // SAFETY: `fd` is a valid memfd created with sealing allowed.
+        if unsafe {
+            libc::fcntl(
+                fd.as_raw_fd(),
+                libc::F_ADD_SEALS,
+                libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL,
+            )
+        } != 0
+        {
+            return Err(os_error("sealing the memfd"));
         }
         // SAFETY: a fresh shared mapping of `len` bytes of our memfd; the kernel picks the address.
         let ptr = unsafe {
@@ -91,5 +104,9 @@ unsafe impl MemoryBlock for HostAllocation {
     }
     fn kind(&self) -> &str {
         "host (memfd)"
+    }
+    fn shared_file(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        use std::os::fd::AsFd;
+        Some(self.fd.as_fd())
     }
 }

@@ -55,7 +55,10 @@ impl Peer {
 
     /// The transports better than [`transport`](Self::transport) that both ends offer but that could
     /// not be used for this peer, each with the reason (shared memory with a peer in another PID
-    /// namespace, for example). Empty when the engine got the best transport both ends have.
+    /// namespace, for example), and what the chosen transport hands to the control link with why
+    /// (shared memory where the kernel denies cross-memory attach: memory the peer did not allocate
+    /// with `alloc_host` moves over TCP). Empty when the engine got the best transport both ends
+    /// have, for every region.
     pub fn passed_over(&self) -> &[(TransportKind, String)] {
         &self.inner.passed_over
     }
