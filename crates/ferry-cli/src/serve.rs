@@ -19,6 +19,11 @@ pub struct Args {
     /// instead of host memory; a regular file is extended to that size.
     #[arg(long)]
     file: Option<std::path::PathBuf>,
+    /// Register memory this process allocates itself (as `Engine::register` does) instead of an
+    /// engine allocation: peers on this host then reach it by cross-memory attach, never through a
+    /// mapping of it.
+    #[arg(long, conflicts_with = "file")]
+    caller_owned: bool,
     /// Declare this host ADR with DDIO off, so that RDMA initiators may persist by a READ after
     /// their writes. Never assumed; a wrong declaration loses data on power loss.
     #[arg(long)]
@@ -51,6 +56,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let engine = builder.build().await.context("starting the engine")?;
     let len = usize::try_from(args.region_size).context("region size does not fit this machine")?;
     let region = match &args.file {
+        None if args.caller_owned => engine
+            .register(vec![0u8; len], Access::READ_WRITE)
+            .context("registering the region")?,
         None => engine
             .alloc_host(len, Access::READ_WRITE)
             .context("allocating the region")?,

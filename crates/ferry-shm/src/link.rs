@@ -642,6 +642,11 @@ impl DataLink for ShmLink {
             };
             let here = async {
                 let elsewhere = copy_mapped(op, mapped)?;
+                // Bytes copied into the mapping of a target whose end of the link is already seen
+                // closed reach nobody: that is no completed write.
+                if inner.closed.load(Ordering::Acquire) {
+                    return Err(inner.down());
+                }
                 // A transfer over mappings alone never waits: without this, a caller that transfers
                 // in a loop would hold its runtime thread and starve every other task there.
                 tokio::task::consume_budget().await;

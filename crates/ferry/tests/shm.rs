@@ -1,6 +1,7 @@
 //! The same-host transport's guarantees, with both engines in this process (the two-process tests are
 //! `shm_processes.rs` and ferry-cli's `shm.rs`): deregistration ends the peer's access before it
-//! returns, and a bad descriptor is refused before any byte moves.
+//! returns, whether the target copies for the peer or lent it the region's memory file, and a bad
+//! descriptor is refused before any byte moves.
 #![cfg(feature = "shm")]
 
 mod common;
@@ -57,6 +58,55 @@ async fn deregistration_ends_the_peers_access_before_it_returns() {
     );
     assert!(ok > 0 && refused > 0, "{ok} writes before, {refused} refused after");
     assert_eq!(peer.transport(), TransportKind::Shm);
+}
+
+/// How many mappings of `len` bytes of an engine allocation (a memfd) this process holds.
+fn memfd_mappings(len: usize) -> usize {
+    std::fs::read_to_string("/proc/self/maps")
+        .unwrap()
+        .lines()
+        .filter(|l| l.contains("memfd:ferry-host"))
+        .filter(|l| {
+            let (start, end) = l.split_whitespace().next().unwrap().split_once('-').unwrap();
+            usize::from_str_radix(end, 16).unwrap() - usize::from_str_radix(start, 16).unwrap() == len
+        })
+        .count()
+}
+
+/// Writes stream into an engine allocation the target lent to the writer, while it is deregistered;
+/// the test keeps the allocation itself. Once `deregister` returns, the writer's mapping is gone and a
+/// canary painted there stays intact, though the writer keeps trying.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deregistration_takes_a_lent_region_back_before_it_returns() {
+    const LEN: usize = 3 << 20;
+    let (target, initiator, peer) = shm_pair().await;
+    let memory = Arc::new(ferry::HostAllocation::new(LEN).unwrap());
+    let region = target.register_block(memory.clone(), rw()).unwrap();
+    wait_for_region(&peer, &region).await;
+    let remote = region.addr();
+    let src = initiator.register(pattern(LEN, 5), rw()).unwrap();
+    let descs: Vec<_> = (0..48u64)
+        .map(|i| TransferDesc::new(src.addr_at(i << 16), remote + (i << 16), 1 << 16))
+        .collect();
+    let stop = Arc::new(AtomicBool::new(false));
+    let writes = common::keep_writing(&initiator, &peer, descs, ferry::Durability::Completed, stop.clone());
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(memfd_mappings(LEN), 2, "the target's own mapping and the one it lent");
+    region.deregister().await.unwrap();
+    assert_eq!(memfd_mappings(LEN), 1, "the writer unmapped before deregister returned");
+    use ferry::MemoryBlock;
+    // SAFETY: the region is deregistered; the allocation is the test's alone.
+    unsafe { std::ptr::write_bytes(memory.as_ptr(), 0xEE, LEN) };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stop.store(true, Ordering::Relaxed);
+    let (ok, refused) = tokio::time::timeout(T, writes).await.unwrap().unwrap();
+    // SAFETY: as above.
+    let after = unsafe { std::slice::from_raw_parts(memory.as_ptr(), LEN) };
+    assert!(
+        after.iter().all(|&b| b == 0xEE),
+        "a write landed after deregister returned"
+    );
+    assert!(ok > 0 && refused > 0, "{ok} writes before, {refused} refused after");
 }
 
 /// A batch with one range past the end of the target's region: refused whole, and none of its other
