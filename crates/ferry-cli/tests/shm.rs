@@ -42,7 +42,10 @@ fn lent_mappings(len: u64) -> usize {
 async fn no_mapping_left(len: u64) {
     let deadline = Instant::now() + T;
     while lent_mappings(len) > 0 {
-        assert!(Instant::now() < deadline, "a mapping of the target's region is still held");
+        assert!(
+            Instant::now() < deadline,
+            "a mapping of the target's region is still held"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }

@@ -140,7 +140,7 @@ impl Rig {
                 remote_key: RegionKey(0),
                 remote_offset: 0,
                 remote_addr: addr,
-                remote_transport_key: Some(rkey.encode()),
+                remote_transport_key: Some(rkey.encode().into()),
                 remote_access: Access::READ_WRITE,
             }],
         };

@@ -36,6 +36,7 @@ use tokio::net::UnixStream;
 use tokio::net::unix::OwnedWriteHalf;
 use tokio::sync::oneshot;
 
+use crate::copy::{Piece, copy_all};
 use crate::fdpass::FdReader;
 use crate::mapping::Mapping;
 use crate::region_key;
@@ -68,9 +69,11 @@ enum Lending {
     Declined,
 }
 
-/// Where one item of a transfer goes.
-enum Route {
-    Mapped(Arc<Mapping>),
+/// Where the items of one region go.
+#[derive(Clone, Copy)]
+enum Way {
+    /// Copied here, into or out of the mapping at this index of [`Sorted::mappings`].
+    Mapped(usize),
     Copied,
     Control,
 }
@@ -364,38 +367,58 @@ impl Inner {
         }
     }
 
-    /// Where `item` goes (see the module documentation); `None` for a lendable region not yet asked
-    /// for, which the caller asks for first.
-    fn route(
+    /// Whether `item`'s region is one the target may lend, for this transfer.
+    fn lendable(item: &TransferItem, durability: Durability) -> bool {
+        // A persistent write goes to the target, which persists before it replies (or refuses).
+        durability == Durability::Completed && item.remote_transport_key.as_deref() == Some(&[region_key::LENDABLE])
+    }
+
+    /// Where the items of `item`'s region go (see the module documentation).
+    fn way(
         &self,
         lendings: &HashMap<RegionKey, Lending>,
         item: &TransferItem,
         durability: Durability,
-    ) -> Option<Route> {
-        let fallback = || match self.copies_denied {
-            None => Route::Copied,
-            Some(_) => Route::Control,
+        mappings: &mut Vec<Arc<Mapping>>,
+    ) -> Way {
+        let fallback = match self.copies_denied {
+            None => Way::Copied,
+            Some(_) => Way::Control,
         };
-        match item.remote_transport_key.as_deref() {
-            None => Some(Route::Control),
-            Some([region_key::LENDABLE]) if durability == Durability::Completed => match lendings.get(&item.remote_key)
-            {
-                None => None,
-                Some(Lending::Mapped(m)) => Some(Route::Mapped(m.clone())),
-                Some(Lending::Asking | Lending::Declined) => Some(fallback()),
+        if item.remote_transport_key.is_none() {
+            return Way::Control;
+        }
+        if !Self::lendable(item, durability) {
+            return fallback;
+        }
+        match lendings.get(&item.remote_key) {
+            Some(Lending::Mapped(m)) => match mappings.iter().position(|known| Arc::ptr_eq(known, m)) {
+                Some(i) => Way::Mapped(i),
+                None => {
+                    mappings.push(m.clone());
+                    Way::Mapped(mappings.len() - 1)
+                }
             },
-            Some(_) => Some(fallback()),
+            // Asked for and not answered yet, declined, or asked back meanwhile: the target answers.
+            _ => fallback,
         }
     }
 
-    /// Sorts a transfer's items by route, asking first for the lendable regions it names that this
-    /// link has not asked for yet.
+    /// Sorts a transfer's items by way, asking first for the lendable regions it names that this
+    /// link has not asked for yet. Items of one region usually follow each other: each run of them
+    /// is looked up once.
     async fn sort(self: &Arc<Self>, request: TransferRequest) -> Sorted {
+        let durability = request.durability;
         let to_ask: Vec<RegionKey> = {
             let mut lendings = self.lendings();
             let mut keys = Vec::new();
+            let mut last = None;
             for item in &request.items {
-                if self.route(&lendings, item, request.durability).is_none() {
+                if last == Some(item.remote_key) {
+                    continue;
+                }
+                last = Some(item.remote_key);
+                if Self::lendable(item, durability) && !lendings.contains_key(&item.remote_key) {
                     lendings.insert(item.remote_key, Lending::Asking);
                     keys.push(item.remote_key);
                 }
@@ -407,22 +430,27 @@ impl Inner {
         }
         let mut sorted = Sorted {
             op: request.op,
-            durability: request.durability,
-            mapped: Vec::new(),
+            durability,
+            mapped: Vec::with_capacity(request.items.len()),
+            mappings: Vec::new(),
             copied: Vec::new(),
             control: Vec::new(),
         };
         let lendings = self.lendings();
+        let mut last: Option<(RegionKey, Way)> = None;
         for item in request.items {
-            match self.route(&lendings, &item, request.durability) {
-                Some(Route::Mapped(m)) => sorted.mapped.push((item, m)),
-                Some(Route::Copied) => sorted.copied.push(item),
-                // A region asked back meanwhile: the target answers for it.
-                None => match self.copies_denied {
-                    None => sorted.copied.push(item),
-                    Some(_) => sorted.control.push(item),
-                },
-                Some(Route::Control) => sorted.control.push(item),
+            let way = match last {
+                Some((key, way)) if key == item.remote_key => way,
+                _ => {
+                    let way = self.way(&lendings, &item, durability, &mut sorted.mappings);
+                    last = Some((item.remote_key, way));
+                    way
+                }
+            };
+            match way {
+                Way::Mapped(i) => sorted.mapped.push((item, i)),
+                Way::Copied => sorted.copied.push(item),
+                Way::Control => sorted.control.push(item),
             }
         }
         sorted
@@ -533,44 +561,72 @@ impl Inner {
     }
 }
 
-/// A transfer's items by route.
+/// A transfer's items by way.
 struct Sorted {
     op: Op,
     durability: Durability,
-    mapped: Vec<(TransferItem, Arc<Mapping>)>,
+    /// Items copied here, each with the index of its region's mapping in `mappings`.
+    mapped: Vec<(TransferItem, usize)>,
+    mappings: Vec<Arc<Mapping>>,
     copied: Vec<TransferItem>,
     control: Vec<TransferItem>,
 }
 
-/// Copies the items whose regions are mapped; returns those whose mapping was being given back
-/// (to go elsewhere). Every range is checked before the first byte moves.
-fn copy_mapped(op: Op, items: Vec<(TransferItem, Arc<Mapping>)>) -> Result<Vec<TransferItem>> {
+/// Copies the items whose regions are mapped, as one batch of copies (split over two threads when
+/// large); returns those whose mapping was being given back, to go elsewhere. Every range is checked
+/// before the first byte moves, and each region's and mapping's permit is taken once per batch.
+fn copy_mapped(op: Op, items: Vec<(TransferItem, usize)>, mappings: &[Arc<Mapping>]) -> Result<Vec<TransferItem>> {
+    if items.is_empty() {
+        return Ok(Vec::new());
+    }
     let write = op == Op::Write;
     for (item, m) in &items {
-        m.check(item.remote_offset, item.len(), write)?;
+        mappings[*m].check(item.remote_offset, item.len(), write)?;
         item.local.region.check_range(item.local.offset, item.local.len)?;
     }
-    let mut elsewhere = Vec::new();
-    for (item, m) in items {
-        let Some(_remote) = m.enter() else {
-            elsewhere.push(item);
+    let remote: Vec<_> = mappings.iter().map(|m| m.enter()).collect();
+    let mut local: Vec<(*const ferry_core::RegionEntry, ferry_core::Permit<'_>)> = Vec::new();
+    let mut pieces = Vec::with_capacity(items.len());
+    let mut given_back = Vec::new();
+    for (n, (item, m)) in items.iter().enumerate() {
+        if remote[*m].is_none() {
+            given_back.push(n);
             continue;
-        };
-        let region = &item.local.region;
-        let _local = region.guard().enter().ok_or_else(|| region.gone())?;
-        let local = region.ptr_at(item.local.offset);
-        let len = item.local.len as usize;
-        // SAFETY: both ranges were checked against their mapping and region above, and a permit of
-        // each is held, so both stay mapped for the copy; regions are never handed out as Rust
-        // references, so the copy conflicts with no borrow.
-        unsafe {
-            match op {
-                Op::Write => m.write(item.remote_offset, local, len),
-                Op::Read => m.read(item.remote_offset, local, len),
-            }
         }
+        let region = &item.local.region;
+        if !local.iter().any(|(r, _)| std::ptr::eq(*r, Arc::as_ptr(region))) {
+            local.push((
+                Arc::as_ptr(region),
+                region.guard().enter().ok_or_else(|| region.gone())?,
+            ));
+        }
+        let here = region.ptr_at(item.local.offset);
+        let there = mappings[*m].at(item.remote_offset);
+        let len = item.local.len as usize;
+        pieces.push(match op {
+            Op::Write => Piece {
+                src: here,
+                dst: there,
+                len,
+            },
+            Op::Read => Piece {
+                src: there,
+                dst: here,
+                len,
+            },
+        });
     }
-    Ok(elsewhere)
+    // SAFETY: every range was checked against its mapping and region above, and a permit of each
+    // region and mapping is held until the copies end, so all stay mapped; regions are never handed
+    // out as Rust references, so the copies conflict with no borrow.
+    unsafe { copy_all(&pieces) };
+    drop((local, remote));
+    Ok(items
+        .into_iter()
+        .enumerate()
+        .filter(|(n, _)| given_back.binary_search(n).is_ok())
+        .map(|(_, (item, _))| item)
+        .collect())
 }
 
 impl ShmLink {
@@ -614,6 +670,7 @@ impl DataLink for ShmLink {
                 op,
                 durability,
                 mapped,
+                mappings,
                 copied,
                 control,
             } = inner.sort(request).await;
@@ -641,7 +698,7 @@ impl DataLink for ShmLink {
                 }
             };
             let here = async {
-                let elsewhere = copy_mapped(op, mapped)?;
+                let elsewhere = copy_mapped(op, mapped, &mappings)?;
                 // Bytes copied into the mapping of a target whose end of the link is already seen
                 // closed reach nobody: that is no completed write.
                 if inner.closed.load(Ordering::Acquire) {
@@ -711,7 +768,7 @@ mod tests {
             remote_key: RegionKey(2),
             remote_offset: offset + 7,
             remote_addr: 0x1000 + offset + 7,
-            remote_transport_key: Some(vec![1]),
+            remote_transport_key: Some(vec![1u8].into()),
             remote_access: Access::READ,
         };
         let request = TransferRequest {

@@ -16,8 +16,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use ferry_core::{AccessGuard, Error, Permit, RegionKey, Result};
 
-use crate::copy::copy_bytes;
-
 /// A region of the target, mapped into this process.
 pub(crate) struct Mapping {
     /// The key the target named the region by, to this peer.
@@ -109,23 +107,10 @@ impl Mapping {
         }
     }
 
-    /// Copies `len` bytes from `src` into the mapping at `offset`.
-    ///
-    /// # Safety
-    /// The caller holds a permit ([`enter`](Self::enter)), checked the range ([`check`](Self::check))
-    /// with `write`, and `src` is valid for reads of `len` bytes.
-    pub unsafe fn write(&self, offset: u64, src: *const u8, len: usize) {
-        // SAFETY: per the contract, the range lies in the live, writable mapping and `src` is readable.
-        unsafe { copy_bytes(src, self.ptr.add(offset as usize), len) }
-    }
-
-    /// Copies `len` bytes of the mapping at `offset` into `dst`.
-    ///
-    /// # Safety
-    /// The caller holds a permit, checked the range, and `dst` is valid for writes of `len` bytes.
-    pub unsafe fn read(&self, offset: u64, dst: *mut u8, len: usize) {
-        // SAFETY: per the contract, the range lies in the live mapping and `dst` is writable.
-        unsafe { copy_bytes(self.ptr.add(offset as usize), dst, len) }
+    /// The address of `offset` in this process, for a copy under a permit ([`enter`](Self::enter))
+    /// of a range [`check`](Self::check) passed.
+    pub fn at(&self, offset: u64) -> *mut u8 {
+        self.ptr.wrapping_add(offset as usize)
     }
 
     /// Refuses new copies, waits for those in progress, and unmaps.

@@ -610,34 +610,58 @@ impl Engine {
         let transport = peer.transport();
         let local = self.inner.ctx.regions.read().map_err(|_| poisoned())?;
         let items = peer.inner.control.with_remote_regions(|remote| {
-            descs
-                .iter()
-                .enumerate()
-                .map(|(i, d)| {
-                    let at = |e: Error| prefix(e, &format!("descriptor {i}"));
-                    let local = local.find_local(d.local_addr, d.len).map_err(at)?;
-                    let (ad, remote_offset) = remote.find(d.remote_addr, d.len, op.required_access()).map_err(at)?;
-                    if durability == Durability::Persistent && !ad.persistent {
-                        return Err(at(Error::InvalidArgument(format!(
-                            "a persistent write needs a persistent region; the peer's region at {:#x} is not",
-                            ad.addr
-                        ))));
+            // A batch's descriptors mostly fall in the same local and remote regions as the one
+            // before: those are checked against the previous lookup instead of looked up again.
+            let mut last_local: Option<Arc<ferry_core::RegionEntry>> = None;
+            let mut last_remote: Option<(&ferry_core::RegionAd, Option<Arc<[u8]>>)> = None;
+            let mut items = Vec::with_capacity(descs.len());
+            for (i, d) in descs.iter().enumerate() {
+                let at = |e: Error| prefix(e, &format!("descriptor {i}"));
+                let local = match &last_local {
+                    Some(r) if d.len > 0 && d.local_addr >= r.addr() && d.local_addr - r.addr() < r.len() => {
+                        let offset = d.local_addr - r.addr();
+                        r.check_range(offset, d.len).map_err(at)?;
+                        ferry_core::Resolved {
+                            region: r.clone(),
+                            offset,
+                            len: d.len,
+                        }
                     }
-                    let remote_transport_key = ad
-                        .transport_keys
-                        .iter()
-                        .find(|(k, _)| *k == transport)
-                        .map(|(_, key)| key.clone());
-                    Ok(TransferItem {
-                        local,
-                        remote_key: ad.key,
-                        remote_offset,
-                        remote_addr: d.remote_addr,
-                        remote_transport_key,
-                        remote_access: ad.access,
-                    })
-                })
-                .collect::<Result<Vec<_>>>()
+                    _ => {
+                        let found = local.find_local(d.local_addr, d.len).map_err(at)?;
+                        last_local = Some(found.region.clone());
+                        found
+                    }
+                };
+                let (ad, remote_transport_key) = match &last_remote {
+                    Some((ad, key)) if d.len > 0 && ad.contains(d.remote_addr, d.len) => (*ad, key.clone()),
+                    _ => {
+                        let (ad, _) = remote.find(d.remote_addr, d.len, op.required_access()).map_err(at)?;
+                        let key: Option<Arc<[u8]>> = ad
+                            .transport_keys
+                            .iter()
+                            .find(|(k, _)| *k == transport)
+                            .map(|(_, key)| key.as_slice().into());
+                        last_remote = Some((ad, key.clone()));
+                        (ad, key)
+                    }
+                };
+                if durability == Durability::Persistent && !ad.persistent {
+                    return Err(at(Error::InvalidArgument(format!(
+                        "a persistent write needs a persistent region; the peer's region at {:#x} is not",
+                        ad.addr
+                    ))));
+                }
+                items.push(TransferItem {
+                    local,
+                    remote_key: ad.key,
+                    remote_offset: d.remote_addr - ad.addr,
+                    remote_addr: d.remote_addr,
+                    remote_transport_key,
+                    remote_access: ad.access,
+                });
+            }
+            Ok(items)
         })??;
         Ok(TransferRequest { op, durability, items })
     }
