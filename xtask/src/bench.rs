@@ -286,6 +286,7 @@ impl Unit {
     fn show(self, value: f64) -> String {
         match self {
             Unit::GbPerS => format!("{value:.2} GB/s"),
+            Unit::Micros if value < 10.0 => format!("{value:.2} us"),
             Unit::Micros => format!("{value:.1} us"),
             Unit::MiB => format!("{value:.1} MiB"),
             Unit::Ratio => format!("{value:.3}x"),

@@ -425,7 +425,8 @@ async fn run_case(
     let mut stats_at_start = None;
     let warmup = duration / 10;
     let mut inflight = FuturesUnordered::new();
-    let mut latencies: Vec<u32> = Vec::new();
+    // Nanoseconds: a transfer into a lent same-host region takes well under a microsecond.
+    let mut latencies: Vec<u64> = Vec::new();
     let begin = Instant::now();
     let mut measuring_since = None;
     let mut transfers = 0u64;
@@ -442,7 +443,7 @@ async fn run_case(
             }
             Some(_) => {
                 transfers += 1;
-                latencies.push(elapsed.as_micros().min(u32::MAX as u128) as u32);
+                latencies.push(elapsed.as_nanos().min(u64::MAX as u128) as u64);
             }
             None => {}
         }
@@ -458,7 +459,7 @@ async fn run_case(
             return 0.0;
         }
         let i = ((latencies.len() as f64 * p).ceil() as usize).clamp(1, latencies.len()) - 1;
-        latencies[i] as f64
+        latencies[i] as f64 / 1e3
     };
     let bytes = transfers as f64 * case.batch as f64 * case.size as f64;
     let persistent = case.durability == Durability::Persistent;
@@ -467,7 +468,7 @@ async fn run_case(
         (true, Some(a), Some(b)) if transfers > 0 => Some((b.nanos - a.nanos) as f64 / 1e3 / transfers as f64),
         _ => None,
     };
-    let mean_us = latencies.iter().map(|&l| l as f64).sum::<f64>() / latencies.len().max(1) as f64;
+    let mean_us = latencies.iter().map(|&l| l as f64 / 1e3).sum::<f64>() / latencies.len().max(1) as f64;
     Ok(CaseResult {
         transport: s.peer.transport().to_string(),
         op: case.op.to_string(),

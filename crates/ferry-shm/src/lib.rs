@@ -17,6 +17,12 @@
 //!   initiator described at setup, in the process the initiator says it is. Where the kernel refuses
 //!   (another user, Yama's `ptrace_scope`, seccomp), those regions go over the next transport and the
 //!   link says why ([`DataLink::fallback_note`]); lent regions still move over shared memory.
+//! - **Trust**: a lent region's guarantees at deregistration and revoke rest on the peer's engine
+//!   unmapping before it answers; a process that lies keeps writing the pages it mapped. So regions
+//!   are lent only to peers that may already read and write them, and the target never reuses the
+//!   pages of a dropped allocation for anything else (the memory file keeps them for as long as any
+//!   mapping does). A peer that must not outlive its grant gets memory the target owns (`register`),
+//!   which only the target's own copies reach.
 //! - **Batches** ([`wire`]): one request and one system call for up to 1024 ranges.
 //! - Notifications go over the control link, behind the transfers that completed before them.
 #![deny(missing_docs)]

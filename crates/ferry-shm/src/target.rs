@@ -74,6 +74,8 @@ pub(crate) struct Served {
     /// Bumped whenever a lent region comes back (or the link ends).
     given_back: tokio::sync::watch::Sender<u64>,
     next_unmap: AtomicU64,
+    /// When the target closed the link.
+    shut_at: Mutex<Option<std::time::Instant>>,
 }
 
 impl Served {
@@ -94,6 +96,7 @@ impl Served {
             lent: Mutex::new(HashMap::new()),
             given_back: tokio::sync::watch::Sender::new(0),
             next_unmap: AtomicU64::new(1),
+            shut_at: Mutex::new(None),
         })
     }
 
@@ -125,10 +128,21 @@ impl Served {
     /// (after its copies in progress) and closes in turn, which ends the link's thread, or
     /// [`LINGER_LIMIT`] does. Until then the regions lent stay held.
     pub fn shut(&self) {
+        if let Ok(mut at) = self.shut_at.lock() {
+            at.get_or_insert_with(std::time::Instant::now);
+        }
         if let Ok(Some(s)) = self.writer.lock().map(|mut w| w.take()) {
-            let _ = s.set_read_timeout(Some(LINGER_LIMIT));
             let _ = s.shutdown(std::net::Shutdown::Write);
         }
+    }
+
+    /// Whether the target closed the link more than [`LINGER_LIMIT`] ago.
+    fn lingered_out(&self) -> bool {
+        self.shut_at
+            .lock()
+            .ok()
+            .and_then(|at| *at)
+            .is_some_and(|at| at.elapsed() > LINGER_LIMIT)
     }
 
     /// The link ended: nothing is lent any more.
@@ -345,14 +359,19 @@ fn accept(listener: &UnixListener, served: &Served) -> Result<UnixStream> {
     if token != served.token {
         return Err(Error::PermissionDenied("a wrong token on the link's socket".into()));
     }
-    stream.set_read_timeout(None).map_err(configure)?;
+    // Reads start once `poll` saw a request begin (see `wait_for_request`): the limit bounds only an
+    // initiator that stops in the middle of one.
+    stream.set_read_timeout(Some(REQUEST_LIMIT)).map_err(configure)?;
     *served.writer()? = Some(stream.try_clone().map_err(configure)?);
     Ok(stream)
 }
 
-/// Polls the socket for up to [`SPIN`] before the blocking read: a request that follows its
-/// predecessor closely is then served without the thread going to sleep and being woken.
-fn wait_briefly(stream: &UnixStream) {
+/// Waits until a request starts to arrive: polls the socket for up to [`SPIN`] (a request that
+/// follows its predecessor closely is then served without the thread going to sleep and being
+/// woken), then sleeps in `poll`, waking every [`IDLE_CHECK`] to see whether the target closed the
+/// link more than [`LINGER_LIMIT`] ago. Returns `false` then: an initiator that never gives back what
+/// was lent nor closes its end holds the link's thread and the lent regions no longer.
+fn wait_for_request(stream: &UnixStream, served: &Served) -> bool {
     let started = std::time::Instant::now();
     let mut fd = libc::pollfd {
         fd: stream.as_raw_fd(),
@@ -362,21 +381,38 @@ fn wait_briefly(stream: &UnixStream) {
     while started.elapsed() < SPIN {
         // SAFETY: one valid pollfd for the stream's open descriptor; a zero timeout never blocks.
         if unsafe { libc::poll(&mut fd, 1, 0) } != 0 {
-            return;
+            return true;
         }
         std::hint::spin_loop();
     }
+    loop {
+        // SAFETY: as above; the timeout bounds the wait.
+        if unsafe { libc::poll(&mut fd, 1, IDLE_CHECK.as_millis() as i32) } != 0 {
+            return true;
+        }
+        if served.lingered_out() {
+            return false;
+        }
+    }
 }
 
-/// How long the link's thread polls for the next request before it sleeps in the read.
+/// How long the link's thread polls for the next request before it sleeps.
 const SPIN: Duration = Duration::from_micros(15);
+/// How often a sleeping link thread checks whether it outlived its link.
+const IDLE_CHECK: Duration = Duration::from_millis(500);
+/// How long the rest of a request may take once its first byte arrived.
+const REQUEST_LIMIT: Duration = Duration::from_secs(10);
 
 fn serve(mut stream: UnixStream, served: &Served) -> Result<()> {
     let mut replies = Vec::new();
     let mut body = Vec::new();
     loop {
         let mut head = [0u8; REQUEST_HEAD];
-        wait_briefly(&stream);
+        if !wait_for_request(&stream, served) {
+            return Err(Error::Timeout(format!(
+                "the initiator neither gave back what was lent nor closed within {LINGER_LIMIT:?} of the link's end"
+            )));
+        }
         match stream.read_exact(&mut head) {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),

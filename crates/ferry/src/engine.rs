@@ -487,6 +487,8 @@ impl Engine {
                     control,
                     data,
                     passed_over,
+                    owner: self.inner.ctx.engine_id,
+                    listed: std::sync::atomic::AtomicBool::new(true),
                     _slot: slot,
                 }),
             };
@@ -497,7 +499,9 @@ impl Engine {
                     "{remote} ({addr}) is already connected"
                 )));
             }
-            peers.insert(addr, peer.clone());
+            if let Some(replaced) = peers.insert(addr, peer.clone()) {
+                replaced.inner.listed.store(false, Ordering::Release);
+            }
             tracing::info!(peer = %addr, transport = %peer.transport(), "connected");
             Ok(peer)
         };
@@ -558,7 +562,9 @@ impl Engine {
     }
 
     fn forget(&self, addr: SocketAddr) -> Option<Peer> {
-        self.inner.peers.lock().ok()?.remove(&addr)
+        let peer = self.inner.peers.lock().ok()?.remove(&addr)?;
+        peer.inner.listed.store(false, Ordering::Release);
+        Some(peer)
     }
 
     /// Closes the link to `peer` (HIXL `Disconnect`), waiting at most `timeout`.
@@ -589,10 +595,8 @@ impl Engine {
                 "a transfer needs at least one descriptor".into(),
             ));
         }
-        if !self
-            .peer_at(peer.addr())
-            .is_some_and(|p| Arc::ptr_eq(&p.inner, &peer.inner))
-        {
+        // The peer's own flags, not the peer table: no lock shared by every transfer.
+        if peer.inner.owner != self.inner.ctx.engine_id || !peer.inner.listed.load(Ordering::Acquire) {
             return Err(Error::NotConnected(format!(
                 "{} is not connected to this engine",
                 peer.addr()
@@ -727,10 +731,8 @@ impl Engine {
     /// before the data of transfers that completed before it was sent.
     pub async fn notify(&self, peer: &Peer, notification: Notification, timeout: Duration) -> Result<()> {
         notification.validate()?;
-        if !self
-            .peer_at(peer.addr())
-            .is_some_and(|p| Arc::ptr_eq(&p.inner, &peer.inner))
-        {
+        // The peer's own flags, not the peer table: no lock shared by every transfer.
+        if peer.inner.owner != self.inner.ctx.engine_id || !peer.inner.listed.load(Ordering::Acquire) {
             return Err(Error::NotConnected(format!(
                 "{} is not connected to this engine",
                 peer.addr()

@@ -19,6 +19,10 @@ pub(crate) struct PeerInner {
     pub(crate) data: Arc<dyn DataLink>,
     /// The better transports both ends offered that could not be set up, with why.
     pub(crate) passed_over: Vec<(TransportKind, String)>,
+    /// The id of the engine that connected it.
+    pub(crate) owner: u64,
+    /// Whether it is in its engine's peer table (false once disconnected or replaced).
+    pub(crate) listed: std::sync::atomic::AtomicBool,
     pub(crate) _slot: ferry_core::LinkSlot,
 }
 
