@@ -66,6 +66,10 @@ pub struct Args {
     /// side, as the blocks of a paged KV cache lie (no two neighbours are adjacent in memory).
     #[arg(long)]
     scatter: bool,
+    /// Resolve each case's batch once (`Engine::prepare`) and post it again and again
+    /// (`Engine::transfer_prepared`), instead of resolving its descriptors on every transfer.
+    #[arg(long)]
+    prepared: bool,
     /// The file the in-process target registers as persistent memory (created or extended as
     /// needed); a temporary file by default. Only with --durability persistent or both.
     #[arg(long)]
@@ -96,6 +100,8 @@ struct CaseResult {
     batch: usize,
     /// Whether the descriptors were scattered over block slots (`--scatter`).
     scatter: bool,
+    /// Whether the batch was prepared once and posted again and again (`--prepared`).
+    prepared: bool,
     streams: usize,
     depth: usize,
     gb_per_s: f64,
@@ -414,12 +420,29 @@ async fn run_case(
         .zip(&remote_slots)
         .map(|(&l, &r)| TransferDesc::new(local.addr_at(l * case.size), s.remote_addr + r * case.size, case.size))
         .collect();
+    let prepared = match args.prepared {
+        true => Some(
+            s.initiator
+                .prepare_durable(&s.peer, case.op, &descs, case.durability)
+                .context("preparing the batch")?,
+        ),
+        false => None,
+    };
     let one = || {
         let started = Instant::now();
-        let fut = s
-            .initiator
-            .transfer_durable(&s.peer, case.op, &descs, case.durability, TIMEOUT);
-        async move { fut.await.map(|()| started.elapsed()) }
+        let initiator = &s.initiator;
+        let (peer, descs, prepared) = (&s.peer, &descs, prepared.as_ref());
+        async move {
+            match prepared {
+                Some(p) => initiator.transfer_prepared(p, TIMEOUT).await,
+                None => {
+                    initiator
+                        .transfer_durable(peer, case.op, descs, case.durability, TIMEOUT)
+                        .await
+                }
+            }
+            .map(|()| started.elapsed())
+        }
     };
     let persist_stats = || s.target.as_ref().and_then(|(_, region)| region.persist_stats());
     let mut stats_at_start = None;
@@ -479,6 +502,7 @@ async fn run_case(
         size: case.size,
         batch: case.batch,
         scatter: args.scatter,
+        prepared: args.prepared,
         streams: s.peer.tcp_streams(),
         depth: args.depth,
         gb_per_s: bytes / secs / 1e9,

@@ -253,7 +253,8 @@ pub struct Resolved {
 #[derive(Debug, Default)]
 pub struct RegionTable {
     by_key: HashMap<RegionKey, Arc<RegionEntry>>,
-    by_addr: BTreeMap<u64, RegionKey>,
+    /// The same entries by first address: a local lookup is one search of this tree.
+    by_addr: BTreeMap<u64, Arc<RegionEntry>>,
     total_bytes: u64,
 }
 
@@ -290,17 +291,16 @@ impl RegionTable {
                 entry.key()
             )));
         }
-        if let Some((_, k)) = self.by_addr.range(..end).next_back() {
-            let other = &self.by_key[k];
-            if other.addr() + other.len() > start {
-                return Err(Error::InvalidArgument(format!(
-                    "[{start:#x}, {end:#x}) overlaps the registered region at {:#x} ({} bytes); deregister it first",
-                    other.addr(),
-                    other.len()
-                )));
-            }
+        if let Some((_, other)) = self.by_addr.range(..end).next_back()
+            && other.addr() + other.len() > start
+        {
+            return Err(Error::InvalidArgument(format!(
+                "[{start:#x}, {end:#x}) overlaps the registered region at {:#x} ({} bytes); deregister it first",
+                other.addr(),
+                other.len()
+            )));
         }
-        self.by_addr.insert(start, entry.key());
+        self.by_addr.insert(start, entry.clone());
         self.total_bytes += len;
         self.by_key.insert(entry.key(), entry);
         Ok(())
@@ -321,20 +321,17 @@ impl RegionTable {
 
     /// Every region, in address order.
     pub fn entries(&self) -> impl Iterator<Item = &Arc<RegionEntry>> {
-        self.by_addr.values().map(|k| &self.by_key[k])
+        self.by_addr.values()
     }
 
     /// All regions, as peers see them.
     pub fn adverts(&self) -> Vec<RegionAd> {
-        self.by_addr.values().map(|k| self.by_key[k].advert()).collect()
+        self.by_addr.values().map(|e| e.advert()).collect()
     }
 
     /// The regions the peer `who` may reach, with what it may do (see [`RegionEntry::access_for`]).
     pub fn adverts_for(&self, who: Option<&PeerIdentity>) -> Vec<RegionAd> {
-        self.by_addr
-            .values()
-            .filter_map(|k| self.by_key[k].advert_for(who))
-            .collect()
+        self.by_addr.values().filter_map(|e| e.advert_for(who)).collect()
     }
 
     /// [`resolve`](Self::resolve) for the peer `who`: a region it was not granted is as unknown to it
@@ -394,7 +391,7 @@ impl RegionTable {
             .by_addr
             .range(..=addr)
             .next_back()
-            .map(|(_, k)| &self.by_key[k])
+            .map(|(_, e)| e)
             .ok_or_else(|| Error::OutOfBounds(format!("local address {addr:#x} is in no registered region")))?;
         let offset = addr - region.addr();
         if offset >= region.len() {

@@ -307,6 +307,45 @@ impl EngineBuilder {
     }
 }
 
+/// A batch resolved once by [`Engine::prepare`], posted with [`Engine::transfer_prepared`].
+#[derive(Clone)]
+pub struct PreparedTransfer {
+    peer: Peer,
+    request: TransferRequest,
+}
+
+impl PreparedTransfer {
+    /// The peer it goes to.
+    pub fn peer(&self) -> &Peer {
+        &self.peer
+    }
+
+    /// READ or WRITE.
+    pub fn op(&self) -> Op {
+        self.request.op
+    }
+
+    /// How many descriptors it holds.
+    pub fn len(&self) -> usize {
+        self.request.items.len()
+    }
+
+    /// Whether it holds none (never true: `prepare` refuses an empty batch).
+    pub fn is_empty(&self) -> bool {
+        self.request.items.is_empty()
+    }
+}
+
+impl std::fmt::Debug for PreparedTransfer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PreparedTransfer")
+            .field("peer", &self.peer.addr())
+            .field("op", &self.request.op)
+            .field("descriptors", &self.request.items.len())
+            .finish()
+    }
+}
+
 /// Moves bytes between this process's registered memory and that of connected peers.
 ///
 /// ```no_run
@@ -583,18 +622,8 @@ impl Engine {
 
     // ---- transfers ----------------------------------------------------------------------------------
 
-    fn resolve_request(
-        &self,
-        peer: &Peer,
-        op: Op,
-        descs: &[TransferDesc],
-        durability: Durability,
-    ) -> Result<TransferRequest> {
-        if descs.is_empty() {
-            return Err(Error::InvalidArgument(
-                "a transfer needs at least one descriptor".into(),
-            ));
-        }
+    /// Whether `peer` is a live link of this engine.
+    fn check_peer(&self, peer: &Peer) -> Result<()> {
         // The peer's own flags, not the peer table: no lock shared by every transfer.
         if peer.inner.owner != self.inner.ctx.engine_id || !peer.inner.listed.load(Ordering::Acquire) {
             return Err(Error::NotConnected(format!(
@@ -608,6 +637,22 @@ impl Engine {
                 peer.addr()
             )));
         }
+        Ok(())
+    }
+
+    fn resolve_request(
+        &self,
+        peer: &Peer,
+        op: Op,
+        descs: &[TransferDesc],
+        durability: Durability,
+    ) -> Result<TransferRequest> {
+        if descs.is_empty() {
+            return Err(Error::InvalidArgument(
+                "a transfer needs at least one descriptor".into(),
+            ));
+        }
+        self.check_peer(peer)?;
         if op == Op::Read && durability == Durability::Persistent {
             return Err(Error::InvalidArgument("durability applies to writes, not reads".into()));
         }
@@ -688,6 +733,40 @@ impl Engine {
     ) -> Result<()> {
         let request = self.resolve_request(peer, op, descs, durability)?;
         run_with_timeout(peer, request, timeout).await
+    }
+
+    /// Resolves a batch once, for [`transfer_prepared`](Self::transfer_prepared) to post many times
+    /// with no work per descriptor but posting: the same checks as [`transfer`](Self::transfer)
+    /// (every descriptor inside a local region and a region the peer advertised, with the access
+    /// `op` needs), done now. A KV cache moved block by block between the same buffers, step after
+    /// step, is the case.
+    ///
+    /// The batch names the regions as they are now. Once one of them is deregistered (here or at
+    /// the peer) or its grant revoked, posting fails with the error a transfer gets for it
+    /// (`PermissionDenied` from the peer, for example): prepare again.
+    pub fn prepare(&self, peer: &Peer, op: Op, descs: &[TransferDesc]) -> Result<PreparedTransfer> {
+        self.prepare_durable(peer, op, descs, Durability::Completed)
+    }
+
+    /// [`prepare`](Self::prepare) with an explicit durability for writes.
+    pub fn prepare_durable(
+        &self,
+        peer: &Peer,
+        op: Op,
+        descs: &[TransferDesc],
+        durability: Durability,
+    ) -> Result<PreparedTransfer> {
+        Ok(PreparedTransfer {
+            request: self.resolve_request(peer, op, descs, durability)?,
+            peer: peer.clone(),
+        })
+    }
+
+    /// Posts a prepared batch and waits for it, at most `timeout`, as [`transfer`](Self::transfer)
+    /// does.
+    pub async fn transfer_prepared(&self, prepared: &PreparedTransfer, timeout: Duration) -> Result<()> {
+        self.check_peer(&prepared.peer)?;
+        run_with_timeout(&prepared.peer, prepared.request.clone(), timeout).await
     }
 
     /// Starts a batch and returns at once (HIXL `TransferAsync`): poll the handle's

@@ -34,7 +34,7 @@ mod transfer;
 pub use capabilities::{Capabilities, TransportInfo, TransportOptions, capabilities};
 pub use engine::{
     DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_INFLIGHT_BYTES, DEFAULT_MAX_NOTIFICATION_BYTES, DEFAULT_STREAMS,
-    DEREGISTER_LIMIT, Engine, EngineBuilder, REVOKE_LIMIT,
+    DEREGISTER_LIMIT, Engine, EngineBuilder, PreparedTransfer, REVOKE_LIMIT,
 };
 pub use ferry_core::{
     Access, BufferPool, DmaView, Durability, Error, ErrorCode, Grants, MemoryBlock, MemoryRegistry, Notification, Op,
