@@ -97,6 +97,7 @@ const fn write(size: &'static str, batch: u32, streams: Option<u32>, depth: Opti
         target_mem: None,
         durability: None,
         scatter: false,
+        prepared: false,
         tls: Tls::Off,
         transport: None,
     }
@@ -114,6 +115,7 @@ const fn shm(case: FerryCase) -> FerryCase {
 const fn kv_blocks(size: &'static str, batch: u32) -> FerryCase {
     FerryCase {
         scatter: true,
+        prepared: false,
         ..write(size, batch, None, None)
     }
 }
@@ -170,6 +172,19 @@ const MEASURES: &[Measure] = &[
     ferry("ferry write 1MiB x8", write("1MiB", 8, None, None), Metric::GbPerS),
     ferry("ferry KV 64KiB x256 scattered", kv_blocks("64KiB", 256), Metric::GbPerS),
     ferry("ferry KV 16KiB x128 scattered", kv_blocks("16KiB", 128), Metric::GbPerS),
+    ferry(
+        "ferry write 4KiB x15000",
+        write("4KiB", 15000, None, None),
+        Metric::GbPerS,
+    ),
+    ferry(
+        "ferry write 4KiB x15000 prepared",
+        FerryCase {
+            prepared: true,
+            ..write("4KiB", 15000, None, None)
+        },
+        Metric::GbPerS,
+    ),
     ferry("ferry 64 B p50", WRITE_64B, Metric::P50Us),
     ferry(
         "ferry 64 B p50, mutual TLS",
@@ -389,6 +404,15 @@ const COMPARISONS: &[Comparison] = &[
         name: "KV cache: write 16KiB x128 scattered / write 1MiB x8",
         ferry: "ferry KV 16KiB x128 scattered",
         peer: Some("ferry write 1MiB x8"),
+        peer_scale: 1.0,
+        unit: Unit::GbPerS,
+        target: Target::Info,
+    },
+    Comparison {
+        id: "x",
+        name: "write 4KiB x15000: prepared once / resolved per transfer",
+        ferry: "ferry write 4KiB x15000 prepared",
+        peer: Some("ferry write 4KiB x15000"),
         peer_scale: 1.0,
         unit: Unit::GbPerS,
         target: Target::Info,

@@ -39,6 +39,8 @@ pub struct FerryCase {
     pub durability: Option<&'static str>,
     /// `--scatter`: descriptors over shuffled block slots on both sides (a paged KV cache).
     pub scatter: bool,
+    /// `--prepared`: the batch resolved once and posted again and again.
+    pub prepared: bool,
     /// `--tls` (mutual TLS on the control stream), or with `--encrypt-data` on every stream.
     pub tls: Tls,
     /// `--transport` ("tcp", ferry bench's default, when `None`).
@@ -76,6 +78,9 @@ impl FerryCase {
         }
         if self.scatter {
             args.push("--scatter".into());
+        }
+        if self.prepared {
+            args.push("--prepared".into());
         }
         match self.tls {
             Tls::Off => {}
