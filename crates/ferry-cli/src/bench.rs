@@ -85,6 +85,15 @@ pub struct Args {
     tls_files: TlsArgs,
 }
 
+/// One rail of a multi-rail RDMA link, as `ferry bench --json` reports it.
+#[derive(Debug, Clone, Serialize)]
+struct Rail {
+    name: String,
+    bytes: u64,
+    errors: u64,
+    healthy: bool,
+}
+
 #[derive(Debug, Clone, Serialize)]
 struct CaseResult {
     transport: String,
@@ -102,6 +111,9 @@ struct CaseResult {
     scatter: bool,
     /// Whether the batch was prepared once and posted again and again (`--prepared`).
     prepared: bool,
+    /// Each RDMA rail's bytes and errors since the link was set up (empty for a link of one path).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    rails: Vec<Rail>,
     streams: usize,
     depth: usize,
     gb_per_s: f64,
@@ -503,6 +515,17 @@ async fn run_case(
         batch: case.batch,
         scatter: args.scatter,
         prepared: args.prepared,
+        rails: s
+            .peer
+            .rails()
+            .into_iter()
+            .map(|r| Rail {
+                name: r.name,
+                bytes: r.bytes,
+                errors: r.errors,
+                healthy: r.healthy,
+            })
+            .collect(),
         streams: s.peer.tcp_streams(),
         depth: args.depth,
         gb_per_s: bytes / secs / 1e9,
@@ -546,6 +569,15 @@ fn print_table(results: &[CaseResult]) {
             r.persist_us_per_transfer
                 .map_or_else(|| "-".into(), |p| format!("{p:.1}"))
         );
+        for rail in &r.rails {
+            println!(
+                "  rail {:<12} {:>14} bytes {:>6} errors{}",
+                rail.name,
+                rail.bytes,
+                rail.errors,
+                if rail.healthy { "" } else { " (resting)" }
+            );
+        }
     }
 }
 

@@ -37,6 +37,19 @@ pub struct Availability {
     pub devices: Vec<String>,
 }
 
+/// One rail of a multi-rail link, as it stands.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RailStats {
+    /// The local device and the peer's rail ("mlx5_0->1").
+    pub name: String,
+    /// Bytes of transfers completed on it.
+    pub bytes: u64,
+    /// Transfers that failed on it and were posted again on another rail.
+    pub errors: u64,
+    /// Whether new work goes to it (a failed rail rests, then is tried again).
+    pub healthy: bool,
+}
+
 /// A data path a link can use.
 pub trait Transport: Send + Sync + 'static {
     /// Which transport this is.
@@ -106,6 +119,11 @@ pub trait Transport: Send + Sync + 'static {
 pub trait AcceptedPath: Send + Sync + 'static {
     /// The transport it belongs to.
     fn kind(&self) -> TransportKind;
+    /// Which of the link's paths of that transport it is (an RDMA link has one queue pair per pair
+    /// of rails): a new path of the same kind and lane replaces the old one.
+    fn lane(&self) -> u8 {
+        0
+    }
 }
 
 /// What a target-side transport gets when a peer sets up a data link.
@@ -203,6 +221,11 @@ pub trait DataLink: Send + Sync + 'static {
     /// carries every region itself.
     fn fallback_note(&self) -> Option<String> {
         None
+    }
+    /// Each rail of a link that spreads its batches over several (RDMA on several NICs), with what
+    /// it carried; empty for a link of one path.
+    fn rails(&self) -> Vec<RailStats> {
+        Vec::new()
     }
 }
 

@@ -100,6 +100,36 @@ pub fn open(wanted: Option<&str>) -> Result<OpenDevice> {
     }
 }
 
+/// Opens the devices `wanted` names, in that order, each of which must open; or, when it names none,
+/// every device with an active port (the reasons of those that would not open are logged).
+pub fn open_all(wanted: &[String]) -> Result<Vec<OpenDevice>> {
+    if !wanted.is_empty() {
+        return wanted.iter().map(|w| open(Some(w))).collect();
+    }
+    let list = DeviceList::new().map_err(list_error)?;
+    let mut opened = Vec::new();
+    let mut reasons = Vec::new();
+    for dev in list.iter() {
+        match open_one(&dev) {
+            Ok(d) => opened.push(d),
+            Err(e) => reasons.push(format!("{}: {e}", dev.name())),
+        }
+    }
+    if opened.is_empty() {
+        return Err(match reasons.is_empty() {
+            true => unsupported(
+                "no RDMA device on this host (load rdma_rxe and add one: rdma link add rxe0 type rxe netdev IF)",
+            ),
+            false => unsupported(reasons.join("; ")),
+        });
+    }
+    for why in reasons {
+        tracing::info!(device = %why, "RDMA device not used");
+    }
+    opened.truncate(crate::wire::MAX_RAILS);
+    Ok(opened)
+}
+
 /// Whether the device's extended capabilities include FLUSH_GLOBAL and FLUSH_PERSISTENT
 /// (`IB_UVERBS_DEVICE_FLUSH_GLOBAL` and `_PERSISTENT`, bits 38 and 39 of `device_cap_flags_ex`, which
 /// libibverbs passes through from the kernel; its own headers have no names for them).

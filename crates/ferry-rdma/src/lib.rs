@@ -3,8 +3,11 @@
 //! ferry's RDMA verbs transport, on `sideway` (which loads libibverbs at run time, so this crate builds
 //! on hosts without RDMA packages and reports the transport unavailable there).
 //!
-//! - One protection domain on the chosen device; every region the engine registers is registered with
-//!   the NIC. On an engine open to anyone its rkey travels in the region's advert; on one that
+//! - Every active device (or those named) is a rail ([`multirail`]): one protection domain on each,
+//!   every region the engine registers is registered on each, a link sets up a queue pair per pair of
+//!   rails it uses and spreads each batch over them in slices, and a rail that fails rests while the
+//!   others carry its work.
+//! - Every region the engine registers is registered with the NIC. On an engine open to anyone its rkey travels in the region's advert; on one that
 //!   authenticates its links each accepted link gets a protection domain of its own, with only the
 //!   regions its peer was granted ([`scope`]), and the engine's own registrations grant no remote
 //!   access.
@@ -26,6 +29,7 @@ mod device;
 pub mod link;
 mod messages;
 mod mr;
+pub mod multirail;
 mod persist;
 mod post;
 mod qp;
@@ -52,8 +56,13 @@ pub use mr::Registered;
 /// RDMA options, with HIXL's defaults and ranges.
 #[derive(Debug, Clone)]
 pub struct RdmaOptions {
-    /// Device to use ("rxe0", "mlx5_0"); the first with an active port when `None`.
+    /// Device to use ("rxe0", "mlx5_0"), alone; see `devices`.
     pub device: Option<String>,
+    /// Devices to use, each a rail ([`multirail`]); when empty (and `device` is `None`), every device
+    /// with an active port.
+    pub devices: Vec<String>,
+    /// Bytes of the slices a batch is cut into and spread over the rails (at least 4 KiB).
+    pub slice_bytes: u64,
     /// IP traffic class of the queue pairs: 0..=255, a multiple of 4 (the low two bits are ECN).
     pub traffic_class: u8,
     /// Service level: 0..=7.
@@ -80,6 +89,8 @@ impl Default for RdmaOptions {
     fn default() -> Self {
         RdmaOptions {
             device: None,
+            devices: Vec::new(),
+            slice_bytes: multirail::DEFAULT_SLICE,
             traffic_class: 132,
             service_level: 4,
             busy_poll: false,
@@ -113,6 +124,12 @@ impl RdmaOptions {
                     .into(),
             ));
         }
+        if self.slice_bytes < 4096 {
+            return Err(Error::InvalidArgument(format!(
+                "RDMA slices of {} bytes: at least 4096",
+                self.slice_bytes
+            )));
+        }
         if self.max_send_wr == 0 {
             return Err(Error::InvalidArgument(
                 "RDMA send queue depth must be at least 1".into(),
@@ -122,9 +139,11 @@ impl RdmaOptions {
     }
 }
 
-/// What every link on the device shares.
+/// What every link on the device shares: one rail.
 pub(crate) struct RdmaShared {
     pub device: OpenDevice,
+    /// The rail's index among this engine's rails.
+    pub rail: u8,
     pub pd: Arc<ProtectionDomain>,
     pub options: RdmaOptions,
     regions: Mutex<HashMap<RegionKey, Arc<Registered>>>,
@@ -288,16 +307,36 @@ fn register_local(shared: &Arc<RdmaShared>, region: &RegionEntry) -> Result<Opti
 /// GID is an IP address): without this, an authenticated peer could connect this engine's queue pair
 /// to a third host. A peer on this host (TCP over loopback) must send from this device's own GID.
 /// InfiniBand GIDs are not IP addresses and are not checked.
-fn check_gid(shared: &RdmaShared, remote: &wire::QpEndpoint, peer_addr: &str) -> Result<()> {
-    match shared.device.roce_v2 {
-        true => gid_matches_peer(shared.device.gid, remote.gid, peer_addr),
-        false => Ok(()),
+///
+/// A peer with several NICs sends from one address per rail: on an authenticated link, an address its
+/// certificate names (an IP address among its alternative names) is the peer's too.
+fn check_gid(
+    rails: &[Arc<RdmaShared>],
+    shared: &RdmaShared,
+    remote: &wire::QpEndpoint,
+    peer_addr: &str,
+    peer: &ferry_core::PeerView,
+) -> Result<()> {
+    if !shared.device.roce_v2 {
+        return Ok(());
+    }
+    let own: Vec<std::net::Ipv6Addr> = rails.iter().map(|r| r.device.gid).collect();
+    let certified = peer.identity().is_some_and(|who| {
+        who.alt_names
+            .iter()
+            .filter_map(|n| n.parse::<std::net::IpAddr>().ok())
+            .any(|ip| ip.to_canonical() == std::net::IpAddr::V6(remote.gid).to_canonical())
+    });
+    match certified {
+        true => Ok(()),
+        false => gid_matches_peer(&own, remote.gid, peer_addr),
     }
 }
 
 /// Whether `remote_gid` is the address of the TCP peer at `peer_addr` ("ip:port"), or, for a peer on
-/// this host (loopback), this device's own GID `own_gid`.
-fn gid_matches_peer(own_gid: std::net::Ipv6Addr, remote_gid: std::net::Ipv6Addr, peer_addr: &str) -> Result<()> {
+/// this host (loopback), the GID of one of this engine's own devices (`own`: a peer on this host
+/// reaches each rail from the device of its own rail).
+fn gid_matches_peer(own: &[std::net::Ipv6Addr], remote_gid: std::net::Ipv6Addr, peer_addr: &str) -> Result<()> {
     let Ok(peer) = peer_addr.parse::<std::net::SocketAddr>() else {
         return Err(Error::PermissionDenied(format!(
             "RDMA setup from {peer_addr}: the TCP peer's address cannot be checked against its GID"
@@ -305,7 +344,7 @@ fn gid_matches_peer(own_gid: std::net::Ipv6Addr, remote_gid: std::net::Ipv6Addr,
     };
     let ip = peer.ip().to_canonical();
     let matches = match ip.is_loopback() {
-        true => remote_gid == own_gid,
+        true => own.contains(&remote_gid),
         false => std::net::IpAddr::V6(remote_gid).to_canonical() == ip,
     };
     match matches {
@@ -326,25 +365,129 @@ fn reg_error(shared: &RdmaShared, region: &RegionEntry, e: impl std::fmt::Displa
 
 /// The RDMA transport; unusable (with the reason) where no device could be opened.
 pub struct RdmaTransport {
-    state: std::result::Result<Arc<RdmaShared>, Error>,
+    /// Every rail (device) it opened.
+    state: std::result::Result<Vec<Arc<RdmaShared>>, Error>,
 }
 
 impl RdmaTransport {
-    /// Opens the device the options name (or the first usable one). Never fails: a host without RDMA
-    /// gets a transport that says why it is unavailable.
+    /// Opens the devices the options name (or every usable one), one rail each. Never fails: a host
+    /// without RDMA gets a transport that says why it is unavailable.
     pub fn new(options: RdmaOptions) -> Self {
         let state = options.validate().and_then(|()| {
-            let device = device::open(options.device.as_deref())?;
-            let pd = device.context.alloc_pd().map_err(|e| Error::Unsupported(format!("RDMA: allocating a protection domain on {}: {e}", device.name)))?;
-            tracing::info!(device = %device.name, port = device.port, gid_index = device.gid_index, gid = %device.gid, "RDMA device open");
-            Ok(Arc::new(RdmaShared { device, pd, options, regions: Mutex::new(HashMap::new()), links: Mutex::new(Vec::new()), responders: Default::default(), domains: Mutex::new(HashMap::new()) }))
+            let wanted = match (&options.devices, &options.device) {
+                (d, _) if !d.is_empty() => d.clone(),
+                (_, Some(one)) => vec![one.clone()],
+                _ => Vec::new(),
+            };
+            let devices = device::open_all(&wanted)?;
+            devices
+                .into_iter()
+                .enumerate()
+                .map(|(rail, device)| {
+                    let pd = device.context.alloc_pd().map_err(|e| {
+                        Error::Unsupported(format!("RDMA: allocating a protection domain on {}: {e}", device.name))
+                    })?;
+                    tracing::info!(device = %device.name, rail, port = device.port, gid_index = device.gid_index, gid = %device.gid, "RDMA device open");
+                    Ok(Arc::new(RdmaShared {
+                        device,
+                        rail: rail as u8,
+                        pd,
+                        options: options.clone(),
+                        regions: Mutex::new(HashMap::new()),
+                        links: Mutex::new(Vec::new()),
+                        responders: Default::default(),
+                        domains: Mutex::new(HashMap::new()),
+                    }))
+                })
+                .collect::<Result<Vec<_>>>()
         });
         RdmaTransport { state }
     }
 
-    fn shared(&self) -> Result<&Arc<RdmaShared>> {
-        self.state.as_ref().map_err(Clone::clone)
+    fn rails(&self) -> Result<&[Arc<RdmaShared>]> {
+        self.state.as_deref().map_err(Clone::clone)
     }
+}
+
+/// Registers `region` on one rail; returns its key there.
+fn register_on(shared: &Arc<RdmaShared>, region: &RegionEntry) -> Result<Option<Vec<u8>>> {
+    if shared.options.per_peer_domains {
+        return register_local(shared, region);
+    }
+    let mut flags = AccessFlags::LocalWrite;
+    if region.access().contains(Access::READ) {
+        flags |= AccessFlags::RemoteRead;
+    }
+    if region.access().contains(Access::WRITE) {
+        flags |= AccessFlags::RemoteWrite;
+    }
+    // Persistent memory on a device that executes FLUSH is registered for it, so that initiators
+    // can persist their writes with the verb. (DRAM refuses these flags.)
+    let flushable = region.block().is_pmem() && region.access().contains(Access::WRITE) && shared.device.flush_capable;
+    let register = |flags: AccessFlags| {
+        // SAFETY: the engine keeps the region's memory alive until `deregister_region` returns,
+        // which deregisters the memory region first.
+        unsafe { shared.pd.reg_mr(region.addr() as usize, region.len() as usize, flags) }
+    };
+    let registered = match flushable {
+        true => match register(flags | AccessFlags::FlushGlobal | AccessFlags::FlushPersistent) {
+            Ok(mr) => Ok((mr, true)),
+            Err(e) => {
+                tracing::warn!(region = ?region.key(), error = %e, "registering for FLUSH failed; persistent writes to it use the flush request");
+                register(flags).map(|mr| (mr, false))
+            }
+        },
+        false => register(flags).map(|mr| (mr, false)),
+    };
+    let (reg, flushable, bounce_addr) = match registered {
+        Ok((mr, flushable)) => (Registered::new(mr, region.guard().clone()), flushable, None),
+        // A file in the page cache: the kernel will not pin its pages for the NIC. Stage instead.
+        Err(e) if region.block().persistent() => {
+            let (reg, addr) = register_bounced(shared, region, flags, &e)?;
+            (reg, false, Some(addr))
+        }
+        Err(e) => return Err(reg_error(shared, region, e)),
+    };
+    let key = wire::RemoteKey {
+        rkey: reg.rkey(),
+        flushable,
+        bounce_addr,
+        hooked: region.block().has_access_hooks(),
+    };
+    keep_registered(shared, region, reg, key)
+}
+
+/// Ends the NIC's access to region `key` on one rail (see `deregister_region`).
+fn deregister_on(shared: &RdmaShared, key: RegionKey) {
+    let Some(reg) = shared.regions.lock().ok().and_then(|mut r| r.remove(&key)) else {
+        return;
+    };
+    // From here on no work request takes the region into use (the engine closed the region's guard
+    // already; closing is idempotent). Those posted already end now: their queue pairs move to the
+    // error state, and their completions (flush errors, or the success of those done meanwhile)
+    // are polled on this thread, which never waits for a runtime (this runs inside `Region::drop`,
+    // often on the runtime's only thread, or on a blocking thread for `Region::deregister`). Those
+    // links are down afterwards. Permits held by CPU or GPU copies are the engine's to wait for.
+    if reg.close() > 0 {
+        let halted: Vec<_> = shared
+            .live_links()
+            .into_iter()
+            .filter(|l| l.halt_if(|l| l.uses(&reg), "a region its work requests use is being deregistered"))
+            .collect();
+        let deadline = Instant::now() + link::DRAIN_LIMIT;
+        for l in &halted {
+            l.drain_until(deadline, |l| !l.uses(&reg));
+        }
+        if halted.iter().any(|l| l.uses(&reg)) {
+            tracing::error!(region = ?key, "RDMA work requests still use a region being deregistered after {:?}; the NIC forgets it now", link::DRAIN_LIMIT);
+        }
+    }
+    // Before this returns, not when the last handle goes: the NIC refuses every access from now on,
+    // through every peer's registration and the engine's own.
+    for domain in shared.live_domains() {
+        ferry_core::PeerScope::forget(&*domain, key);
+    }
+    reg.forget();
 }
 
 impl Transport for RdmaTransport {
@@ -355,18 +498,24 @@ impl Transport for RdmaTransport {
     fn availability(&self) -> Availability {
         let devices = device_names().unwrap_or_default();
         match &self.state {
-            Ok(s) => Availability {
+            Ok(rails) => Availability {
                 kind: TransportKind::Rdma,
                 compiled: true,
                 usable: true,
-                detail: format!(
-                    "{} port {} GID {} (index {}, {})",
-                    s.device.name,
-                    s.device.port,
-                    s.device.gid,
-                    s.device.gid_index,
-                    if s.device.roce_v2 { "RoCEv2" } else { "IB/RoCEv1" }
-                ),
+                detail: rails
+                    .iter()
+                    .map(|s| {
+                        format!(
+                            "{} port {} GID {} (index {}, {})",
+                            s.device.name,
+                            s.device.port,
+                            s.device.gid,
+                            s.device.gid_index,
+                            if s.device.roce_v2 { "RoCEv2" } else { "IB/RoCEv1" }
+                        )
+                    })
+                    .collect::<Vec<_>>()
+                    .join("; "),
                 devices,
             },
             Err(e) => Availability {
@@ -380,52 +529,29 @@ impl Transport for RdmaTransport {
     }
 
     fn register_region(&self, region: &RegionEntry) -> Result<Option<Vec<u8>>> {
-        let shared = self.shared()?;
-        if shared.options.per_peer_domains {
-            return register_local(shared, region);
+        let rails = self.rails()?;
+        if let [one] = rails {
+            return register_on(one, region);
         }
-        let mut flags = AccessFlags::LocalWrite;
-        if region.access().contains(Access::READ) {
-            flags |= AccessFlags::RemoteRead;
-        }
-        if region.access().contains(Access::WRITE) {
-            flags |= AccessFlags::RemoteWrite;
-        }
-        // Persistent memory on a device that executes FLUSH is registered for it, so that initiators
-        // can persist their writes with the verb. (DRAM refuses these flags.)
-        let flushable =
-            region.block().is_pmem() && region.access().contains(Access::WRITE) && shared.device.flush_capable;
-        let register = |flags: AccessFlags| {
-            // SAFETY: the engine keeps the region's memory alive until `deregister_region` returns,
-            // which deregisters the memory region first.
-            unsafe { shared.pd.reg_mr(region.addr() as usize, region.len() as usize, flags) }
-        };
-        let registered = match flushable {
-            true => match register(flags | AccessFlags::FlushGlobal | AccessFlags::FlushPersistent) {
-                Ok(mr) => Ok((mr, true)),
+        // Every rail that can: a rail that cannot leaves an empty key, and initiators spread the
+        // region's slices over the others.
+        let mut keys = Vec::with_capacity(rails.len());
+        for shared in rails {
+            match register_on(shared, region) {
+                Ok(key) => keys.push(key),
                 Err(e) => {
-                    tracing::warn!(region = ?region.key(), error = %e, "registering for FLUSH failed; persistent writes to it use the flush request");
-                    register(flags).map(|mr| (mr, false))
+                    tracing::warn!(region = ?region.key(), device = %shared.device.name, error = %e, "not registered on this rail");
+                    keys.push(None);
                 }
-            },
-            false => register(flags).map(|mr| (mr, false)),
-        };
-        let (reg, flushable, bounce_addr) = match registered {
-            Ok((mr, flushable)) => (Registered::new(mr, region.guard().clone()), flushable, None),
-            // A file in the page cache: the kernel will not pin its pages for the NIC. Stage instead.
-            Err(e) if region.block().persistent() => {
-                let (reg, addr) = register_bounced(shared, region, flags, &e)?;
-                (reg, false, Some(addr))
             }
-            Err(e) => return Err(reg_error(shared, region, e)),
-        };
-        let key = wire::RemoteKey {
-            rkey: reg.rkey(),
-            flushable,
-            bounce_addr,
-            hooked: region.block().has_access_hooks(),
-        };
-        keep_registered(shared, region, reg, key)
+        }
+        if keys.iter().all(Option::is_none) {
+            return Err(Error::ResourceExhausted(format!(
+                "registering {} bytes failed on every RDMA rail",
+                region.len()
+            )));
+        }
+        Ok(Some(wire::RailKeys(keys).encode()))
     }
 
     /// Halting and draining the queue pairs that use the region waits up to `link::DRAIN_LIMIT`.
@@ -434,65 +560,49 @@ impl Transport for RdmaTransport {
     }
 
     fn deregister_region(&self, key: RegionKey) {
-        let Ok(shared) = self.shared() else { return };
-        let Some(reg) = shared.regions.lock().ok().and_then(|mut r| r.remove(&key)) else {
-            return;
-        };
-        // From here on no work request takes the region into use (the engine closed the region's guard
-        // already; closing is idempotent). Those posted already end now: their queue pairs move to the
-        // error state, and their completions (flush errors, or the success of those done meanwhile)
-        // are polled on this thread, which never waits for a runtime (this runs inside `Region::drop`,
-        // often on the runtime's only thread, or on a blocking thread for `Region::deregister`). Those
-        // links are down afterwards. Permits held by CPU or GPU copies are the engine's to wait for.
-        if reg.close() > 0 {
-            let halted: Vec<_> = shared
-                .live_links()
-                .into_iter()
-                .filter(|l| l.halt_if(|l| l.uses(&reg), "a region its work requests use is being deregistered"))
-                .collect();
-            let deadline = Instant::now() + link::DRAIN_LIMIT;
-            for l in &halted {
-                l.drain_until(deadline, |l| !l.uses(&reg));
-            }
-            if halted.iter().any(|l| l.uses(&reg)) {
-                tracing::error!(region = ?key, "RDMA work requests still use a region being deregistered after {:?}; the NIC forgets it now", link::DRAIN_LIMIT);
-            }
+        let Ok(rails) = self.rails() else { return };
+        for shared in rails {
+            deregister_on(shared, key);
         }
-        // Before this returns, not when the last handle goes: the NIC refuses every access from now on,
-        // through every peer's registration and the engine's own.
-        for domain in shared.live_domains() {
-            ferry_core::PeerScope::forget(&*domain, key);
-        }
-        reg.forget();
     }
 
     fn peer_scope(&self, link: u64) -> Result<Option<Arc<dyn ferry_core::PeerScope>>> {
-        let Ok(shared) = self.shared() else { return Ok(None) };
-        if !shared.options.per_peer_domains {
+        let Ok(rails) = self.rails() else { return Ok(None) };
+        if !rails.first().is_some_and(|s| s.options.per_peer_domains) {
             return Ok(None);
         }
-        let domain = scope::PeerDomain::new(shared, link)?;
-        let mut domains = shared
-            .domains
-            .lock()
-            .map_err(|_| Error::Internal("RDMA peer domain table lock poisoned".into()))?;
-        domains.retain(|_, d| d.strong_count() > 0);
-        domains.insert(link, Arc::downgrade(&domain));
-        Ok(Some(domain))
+        let mut domains = Vec::with_capacity(rails.len());
+        for shared in rails {
+            let domain = scope::PeerDomain::new(shared, link)?;
+            let mut table = shared
+                .domains
+                .lock()
+                .map_err(|_| Error::Internal("RDMA peer domain table lock poisoned".into()))?;
+            table.retain(|_, d| d.strong_count() > 0);
+            table.insert(link, Arc::downgrade(&domain));
+            domains.push(domain);
+        }
+        match <[_; 1]>::try_from(domains) {
+            Ok([one]) => Ok(Some(one)),
+            Err(domains) => Ok(Some(Arc::new(scope::RailScopes(domains)))),
+        }
     }
 
     fn connect<'a>(&'a self, control: &'a dyn SetupExchange) -> BoxFuture<'a, Result<Arc<dyn DataLink>>> {
-        Box::pin(async move {
-            let shared = self.shared()?.clone();
-            let link = RdmaLink::connect(&shared, control).await?;
-            Ok(Arc::new(link) as Arc<dyn DataLink>)
-        })
+        Box::pin(async move { multirail::connect(self.rails()?, control).await })
     }
 
     fn accept(&self, setup: AcceptSetup<'_>) -> Result<(Vec<u8>, Box<dyn ferry_core::AcceptedPath>)> {
-        let shared = self.shared()?;
+        let rails = self.rails()?;
         let remote = wire::QpEndpoint::decode(setup.blob)?;
-        check_gid(shared, &remote, setup.peer_addr)?;
+        let shared = rails.get(remote.rail as usize).ok_or_else(|| {
+            Error::Protocol(format!(
+                "RDMA setup names rail {} of this engine, which has {}",
+                remote.rail,
+                rails.len()
+            ))
+        })?;
+        check_gid(rails, shared, &remote, setup.peer_addr, setup.peer)?;
         // Where each peer has a domain of its own, the queue pair and its buffers live in it.
         let domain = match shared.options.per_peer_domains {
             true => Some(shared.domain(setup.link)?),
@@ -500,6 +610,8 @@ impl Transport for RdmaTransport {
         };
         let pd = domain.as_ref().map_or(&shared.pd, |d| &d.pd);
         let mut rc = qp::Rc::create(&shared.device, pd, &shared.options, true)?;
+        rc.local.rail = shared.rail;
+        rc.local.rails = rails.len() as u8;
         if shared.device.flush_capable {
             rc.local.flags |= wire::FLUSH_TARGET;
         }
@@ -524,6 +636,7 @@ impl Transport for RdmaTransport {
             messages,
             setup.notifier,
             setup.link,
+            remote.lane,
             setup.peer_engine,
             setup.peer_addr.to_string(),
             setup.peer.clone(),
@@ -570,11 +683,14 @@ mod tests {
         let own: std::net::Ipv6Addr = "::ffff:10.0.2.15".parse().unwrap();
         let other: std::net::Ipv6Addr = "::ffff:10.0.2.16".parse().unwrap();
         let v6: std::net::Ipv6Addr = "fd00::7".parse().unwrap();
-        assert!(gid_matches_peer(own, other, "10.0.2.16:4000").is_ok());
-        assert!(gid_matches_peer(own, v6, "[fd00::7]:4000").is_ok());
-        // A peer on this host sends from this device.
-        assert!(gid_matches_peer(own, own, "127.0.0.1:4000").is_ok());
-        assert!(gid_matches_peer(own, own, "[::ffff:127.0.0.1]:4000").is_ok());
+        let second: std::net::Ipv6Addr = "::ffff:10.0.3.15".parse().unwrap();
+        let rails = [own, second];
+        assert!(gid_matches_peer(&rails, other, "10.0.2.16:4000").is_ok());
+        assert!(gid_matches_peer(&rails, v6, "[fd00::7]:4000").is_ok());
+        // A peer on this host sends from one of this host's devices.
+        assert!(gid_matches_peer(&rails, own, "127.0.0.1:4000").is_ok());
+        assert!(gid_matches_peer(&rails, second, "127.0.0.1:4000").is_ok());
+        assert!(gid_matches_peer(&rails, own, "[::ffff:127.0.0.1]:4000").is_ok());
         for (gid, peer) in [
             (other, "10.0.2.17:4000"),
             (other, "127.0.0.1:4000"),
@@ -582,7 +698,7 @@ mod tests {
             (own, "not an address"),
         ] {
             assert!(
-                matches!(gid_matches_peer(own, gid, peer), Err(Error::PermissionDenied(_))),
+                matches!(gid_matches_peer(&rails, gid, peer), Err(Error::PermissionDenied(_))),
                 "{gid} from {peer}"
             );
         }

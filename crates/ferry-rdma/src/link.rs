@@ -197,6 +197,12 @@ struct LinkState {
     renewing: tokio::sync::Mutex<()>,
     exchange: Option<Arc<dyn SetupExchange>>,
     shared: Arc<RdmaShared>,
+    /// The target's rail the queue pairs connect to.
+    remote_rail: u8,
+    /// Which of this link's queue pairs to the peer it is.
+    lane: u8,
+    /// How many rails the target has.
+    remote_rails: u8,
     control: Arc<dyn DataLink>,
     /// Closed by this side: never renewed.
     closed: AtomicBool,
@@ -228,7 +234,14 @@ impl LinkState {
         if !inner.closed.load(Ordering::Acquire) {
             return Ok(inner);
         }
-        let fresh = open(&self.shared, &**exchange, self.control.clone()).await?;
+        let (fresh, _) = open(
+            &self.shared,
+            &**exchange,
+            self.control.clone(),
+            self.remote_rail,
+            self.lane,
+        )
+        .await?;
         tracing::info!(old = %inner.peer, new = %fresh.peer, "RDMA link: a new queue pair replaces the failed one");
         if let Ok(mut c) = self.current.lock() {
             *c = fresh.clone();
@@ -237,12 +250,15 @@ impl LinkState {
     }
 }
 
-/// Sets up a queue pair with the peer over `exchange` and starts its completion task.
+/// Sets up a queue pair with the peer's rail `remote_rail` over `exchange` and starts its completion
+/// task; returns it and how many rails the peer has.
 pub(crate) async fn open(
     shared: &Arc<RdmaShared>,
     exchange: &dyn SetupExchange,
     control: Arc<dyn DataLink>,
-) -> Result<Arc<Inner>> {
+    remote_rail: u8,
+    lane: u8,
+) -> Result<(Arc<Inner>, u8)> {
     // The initiator's queue pair serves no peer where each peer has a domain of its own.
     let mut rc = Rc::create(
         &shared.device,
@@ -253,14 +269,25 @@ pub(crate) async fn open(
     if rc.flush.is_some() {
         rc.local.flags |= crate::wire::CAN_POST_FLUSH;
     }
+    rc.local.rail = remote_rail;
+    rc.local.lane = lane;
     let messages = MessageBuffers::new(&shared.pd)?;
     let answer = exchange.exchange(TransportKind::Rdma, rc.local.encode()).await?;
     let remote = QpEndpoint::decode(&answer)?;
+    if remote.rail != remote_rail {
+        return Err(Error::Protocol(format!(
+            "the peer connected its rail {} where rail {remote_rail} was asked for",
+            remote.rail
+        )));
+    }
     let method = crate::persist::choose(rc.local.flags, remote.flags, shared.options.persist_method)?;
     rc.connect(&shared.device, &remote, &shared.options)?;
     let peer = format!("RDMA peer (qpn {:#x}, gid {})", remote.qpn, remote.gid);
     tracing::info!(%peer, persist = %method, "RDMA link: persistent writes by {method}");
-    Inner::start(rc, messages, shared.clone(), control, peer, method)
+    Ok((
+        Inner::start(rc, messages, shared.clone(), control, peer, method)?,
+        remote.rails,
+    ))
 }
 
 /// One work request: a remote range and the local pieces that fill or receive it.
@@ -273,20 +300,59 @@ struct WorkRequest {
 }
 
 impl RdmaLink {
-    /// Sets up the link over the control link's `exchange`.
-    pub(crate) async fn connect(shared: &Arc<RdmaShared>, exchange: &dyn SetupExchange) -> Result<Self> {
+    /// Sets up the link over the control link's `exchange`, to the peer's rail `remote_rail`, as the
+    /// link's queue pair `lane`.
+    pub(crate) async fn connect(
+        shared: &Arc<RdmaShared>,
+        exchange: &dyn SetupExchange,
+        remote_rail: u8,
+        lane: u8,
+    ) -> Result<Self> {
         let control = exchange.control_link();
-        let inner = open(shared, exchange, control.clone()).await?;
+        let (inner, remote_rails) = open(shared, exchange, control.clone(), remote_rail, lane).await?;
         Ok(RdmaLink {
             state: Arc::new(LinkState {
                 current: Mutex::new(inner),
                 renewing: tokio::sync::Mutex::new(()),
                 exchange: exchange.handle(),
                 shared: shared.clone(),
+                remote_rail,
+                lane,
+                remote_rails,
                 control,
                 closed: AtomicBool::new(false),
             }),
         })
+    }
+
+    /// The peer's rail this link reaches.
+    pub fn remote_rail(&self) -> u8 {
+        self.state.remote_rail
+    }
+
+    /// How many rails the peer has.
+    pub fn remote_rails(&self) -> u8 {
+        self.state.remote_rails
+    }
+
+    /// The local device's name and the peer's rail, "rxe0->1".
+    pub fn rail_name(&self) -> String {
+        format!("{}->{}", self.state.shared.device.name, self.state.remote_rail)
+    }
+
+    /// Waits until every WRITE this link completed is placed in the target's memory: a request on
+    /// the queue pair that the target answers once it received it, which an RC responder does only
+    /// after the WRITEs before it are placed. A notification sent on another rail then cannot
+    /// overtake them.
+    pub async fn fence(&self) -> Result<()> {
+        let inner = self.state.usable().await?;
+        let reply = request_reply(&inner, |id| Message::Commit {
+            id,
+            durability: Durability::Completed,
+            segments: Vec::new(),
+        })
+        .await?;
+        answered(&inner, [reply]).await
     }
 
     /// This side's queue pair address (of the queue pair in use).

@@ -179,6 +179,9 @@ impl Rc {
             lid: dev.lid,
             mtu: dev.mtu,
             flags: 0,
+            rail: 0,
+            rails: 1,
+            lane: 0,
         };
         Ok(Rc {
             qp: Mutex::new(qp),

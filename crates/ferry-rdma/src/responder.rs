@@ -52,18 +52,21 @@ pub(crate) struct Responder {
 /// pair when its old one failed (see `crate::link`); the new responder replaces the link's old one,
 /// whose queue pair is destroyed then, so a link holds one queue pair however often it renews it.
 #[derive(Default)]
-pub(crate) struct Responders(Mutex<HashMap<u64, (Arc<Responder>, AbortHandle)>>);
+pub(crate) struct Responders(Mutex<HashMap<Lane, (Arc<Responder>, AbortHandle)>>);
+
+/// A link and one of its queue pairs (see [`crate::wire::QpEndpoint::lane`]).
+type Lane = (u64, u8);
 
 impl Responders {
-    fn insert(&self, link: u64, responder: Arc<Responder>, task: AbortHandle) {
+    fn insert(&self, link: Lane, responder: Arc<Responder>, task: AbortHandle) {
         let old = self.0.lock().ok().and_then(|mut m| m.insert(link, (responder, task)));
         if let Some((old, task)) = old {
-            tracing::debug!(link, peer = %old.peer_addr, "RDMA queue pair replaced by a new one");
+            tracing::debug!(link = link.0, lane = link.1, peer = %old.peer_addr, "RDMA queue pair replaced by a new one");
             task.abort();
         }
     }
 
-    fn remove(&self, link: u64, responder: &Weak<Responder>) {
+    fn remove(&self, link: Lane, responder: &Weak<Responder>) {
         let removed = self.0.lock().ok().and_then(|mut m| {
             let same = m
                 .get(&link)
@@ -81,6 +84,7 @@ impl Responders {
 pub(crate) struct Accepted {
     shared: Arc<RdmaShared>,
     link: u64,
+    lane: u8,
     responder: Weak<Responder>,
 }
 
@@ -88,11 +92,15 @@ impl ferry_core::AcceptedPath for Accepted {
     fn kind(&self) -> ferry_core::TransportKind {
         ferry_core::TransportKind::Rdma
     }
+
+    fn lane(&self) -> u8 {
+        self.lane
+    }
 }
 
 impl Drop for Accepted {
     fn drop(&mut self) {
-        self.shared.responders.remove(self.link, &self.responder);
+        self.shared.responders.remove((self.link, self.lane), &self.responder);
     }
 }
 
@@ -105,6 +113,7 @@ pub(crate) fn start(
     buffers: MessageBuffers,
     notifier: Arc<dyn Notifier>,
     link: u64,
+    lane: u8,
     peer_engine: u64,
     peer_addr: String,
     peer: Arc<PeerView>,
@@ -126,10 +135,11 @@ pub(crate) fn start(
     });
     let task = tokio::spawn(completions::run(Arc::downgrade(&responder))).abort_handle();
     let weak = Arc::downgrade(&responder);
-    shared.responders.insert(link, responder, task);
+    shared.responders.insert((link, lane), responder, task);
     Accepted {
         shared: shared.clone(),
         link,
+        lane,
         responder: weak,
     }
 }

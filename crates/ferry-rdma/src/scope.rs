@@ -208,6 +208,30 @@ impl PeerScope for PeerDomain {
     }
 }
 
+/// A peer's domains on every rail of a multi-rail engine: its key for a region lists the key of
+/// each rail ([`crate::wire::RailKeys`]), and forgetting forgets on every rail.
+pub struct RailScopes(pub(crate) Vec<Arc<PeerDomain>>);
+
+impl PeerScope for RailScopes {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Rdma
+    }
+
+    fn key_for(&self, region: &RegionEntry, access: Access, base: u64) -> Result<Option<Vec<u8>>> {
+        let mut keys = Vec::with_capacity(self.0.len());
+        for domain in &self.0 {
+            keys.push(domain.key_for(region, access, base)?);
+        }
+        Ok((!keys.iter().all(Option::is_none)).then(|| crate::wire::RailKeys(keys).encode()))
+    }
+
+    fn forget(&self, key: RegionKey) {
+        for domain in &self.0 {
+            domain.forget(key);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -20,6 +20,14 @@ pub struct QpEndpoint {
     /// What this side can do for persistent writes: [`CAN_POST_FLUSH`], [`FLUSH_TARGET`],
     /// [`ADR_WITHOUT_DDIO`].
     pub flags: u8,
+    /// The target's rail (device) this queue pair connects to: the initiator names it, the target
+    /// echoes it.
+    pub rail: u8,
+    /// How many rails the sender has.
+    pub rails: u8,
+    /// Which of the initiator's queue pairs to this peer it is (one per pair of rails): a new queue
+    /// pair of the same lane replaces the old one at the target.
+    pub lane: u8,
 }
 
 /// The initiator's queue pair can post the FLUSH verb (its user-space library and device have it).
@@ -30,9 +38,9 @@ pub const FLUSH_TARGET: u8 = 2;
 /// The target declared its platform ADR with DDIO off: a READ after the writes makes them persistent.
 pub const ADR_WITHOUT_DDIO: u8 = 4;
 
-const LEN: usize = 4 + 4 + 16 + 2 + 1 + 1 + 1;
-/// 3: commit and prepare requests travel on the queue pair; region keys may be hooked.
-const VERSION: u8 = 3;
+const LEN: usize = 4 + 4 + 16 + 2 + 1 + 1 + 1 + 1 + 1 + 1;
+/// 4: a queue pair names the target's rail and its lane, and each side says how many rails it has.
+const VERSION: u8 = 4;
 
 impl QpEndpoint {
     /// The wire form: little-endian fixed fields, then a version byte.
@@ -44,6 +52,9 @@ impl QpEndpoint {
         v.extend_from_slice(&self.lid.to_le_bytes());
         v.push(self.mtu);
         v.push(self.flags);
+        v.push(self.rail);
+        v.push(self.rails);
+        v.push(self.lane);
         v.push(VERSION);
         v
     }
@@ -70,7 +81,59 @@ impl QpEndpoint {
             lid: u16::from_le_bytes([b[24], b[25]]),
             mtu,
             flags: b[27],
+            rail: b[28],
+            rails: b[29].max(1),
+            lane: b[30],
         })
+    }
+}
+
+/// A region's keys on every rail of a multi-rail target, as carried in its advert: one
+/// [`RemoteKey`] encoding per rail, empty for a rail the region could not be registered on. A target
+/// with one rail advertises its plain [`RemoteKey`] instead; the two are told apart by length (a
+/// plain key is 5 or 13 bytes, a rail list at least 16).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RailKeys(pub Vec<Option<Vec<u8>>>);
+
+const RAIL_KEYS_MAGIC: [u8; 3] = *b"RLK";
+/// Rails one advert may name.
+pub const MAX_RAILS: usize = 16;
+
+impl RailKeys {
+    /// The advert form: the magic, the count, then each key's length and bytes, padded with zeros to
+    /// at least 16 bytes (longer than any plain key).
+    pub fn encode(&self) -> Vec<u8> {
+        let mut v = RAIL_KEYS_MAGIC.to_vec();
+        v.push(self.0.len() as u8);
+        for key in &self.0 {
+            let key = key.as_deref().unwrap_or(&[]);
+            v.push(key.len() as u8);
+            v.extend_from_slice(key);
+        }
+        if v.len() < 16 {
+            v.resize(16, 0);
+        }
+        v
+    }
+
+    /// Parses a rail list; `None` for a plain key (or anything that is not a rail list).
+    pub fn decode(b: &[u8]) -> Option<Self> {
+        if b.len() < 16 || b[..3] != RAIL_KEYS_MAGIC {
+            return None;
+        }
+        let n = b[3] as usize;
+        if n == 0 || n > MAX_RAILS {
+            return None;
+        }
+        let mut at = 4;
+        let mut keys = Vec::with_capacity(n);
+        for _ in 0..n {
+            let len = *b.get(at)? as usize;
+            let key = b.get(at + 1..at + 1 + len)?;
+            keys.push((!key.is_empty()).then(|| key.to_vec()));
+            at += 1 + len;
+        }
+        b[at..].iter().all(|&z| z == 0).then_some(RailKeys(keys))
     }
 }
 
@@ -150,8 +213,8 @@ mod tests {
 
     proptest! {
         #[test]
-        fn round_trip(qpn in 0u32..1 << 24, psn in 0u32..1 << 24, gid in any::<[u8; 16]>(), lid in any::<u16>(), mtu in 1u8..=5, flags in 0u8..8) {
-            let e = QpEndpoint { qpn, psn, gid: Ipv6Addr::from(gid), lid, mtu, flags };
+        fn round_trip(qpn in 0u32..1 << 24, psn in 0u32..1 << 24, gid in any::<[u8; 16]>(), lid in any::<u16>(), mtu in 1u8..=5, flags in 0u8..8, rail in any::<u8>(), rails in 1u8.., lane in any::<u8>()) {
+            let e = QpEndpoint { qpn, psn, gid: Ipv6Addr::from(gid), lid, mtu, flags, rail, rails, lane };
             prop_assert_eq!(QpEndpoint::decode(&e.encode()).unwrap(), e);
         }
 
@@ -162,9 +225,19 @@ mod tests {
         }
 
         #[test]
+        fn rail_keys_round_trip_and_never_pass_for_a_plain_key(keys in proptest::collection::vec(proptest::option::of(any::<(u32, bool, Option<u64>)>()), 2..MAX_RAILS)) {
+            let keys = RailKeys(keys.iter().map(|k| k.map(|(rkey, flushable, bounce_addr)| RemoteKey { rkey, flushable, bounce_addr, hooked: false }.encode())).collect());
+            prop_assert_eq!(RailKeys::decode(&keys.encode()), Some(keys.clone()));
+            for plain in keys.0.iter().flatten() {
+                prop_assert_eq!(RailKeys::decode(plain), None);
+            }
+        }
+
+        #[test]
         fn arbitrary_bytes_never_panic(b in proptest::collection::vec(any::<u8>(), 0..64)) {
             let _ = QpEndpoint::decode(&b);
             let _ = RemoteKey::decode(&b);
+            let _ = RailKeys::decode(&b);
         }
     }
 }

@@ -678,11 +678,11 @@ fn serve_setup(
     Ok(blob)
 }
 
-/// Adds a link's new data path, dropping (and so closing) an older one of the same kind: an
+/// Adds a link's new data path, dropping (and so closing) an older one of the same kind and lane: an
 /// initiator sets a path up again when its old one failed, and however often a peer asks, a link
-/// holds at most one path per transport.
+/// holds at most one path per transport and lane.
 fn keep_one_per_kind(paths: &mut Vec<Box<dyn AcceptedPath>>, path: Box<dyn AcceptedPath>) {
-    paths.retain(|p| p.kind() != path.kind());
+    paths.retain(|p| p.kind() != path.kind() || p.lane() != path.lane());
     paths.push(path);
 }
 

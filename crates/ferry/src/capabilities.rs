@@ -58,8 +58,11 @@ impl Capabilities {
 /// Options of the transports that have any (HIXL's RDMA traffic class and service level, say).
 #[derive(Debug, Clone)]
 pub struct TransportOptions {
-    /// RDMA device name; the first usable one when `None`.
+    /// RDMA device name, alone; see `rdma_devices`.
     pub rdma_device: Option<String>,
+    /// RDMA devices, one rail each; when empty (and `rdma_device` is `None`), those that
+    /// `FERRY_RDMA_DEVICES` names (comma-separated), or else every device with an active port.
+    pub rdma_devices: Vec<String>,
     /// RDMA traffic class: 0..=255, a multiple of 4 (HIXL default 132).
     pub rdma_traffic_class: u8,
     /// RDMA service level: 0..=7 (HIXL default 4).
@@ -78,6 +81,7 @@ impl Default for TransportOptions {
     fn default() -> Self {
         TransportOptions {
             rdma_device: None,
+            rdma_devices: Vec::new(),
             rdma_traffic_class: 132,
             rdma_service_level: 4,
             rdma_busy_poll: false,
@@ -123,6 +127,19 @@ pub(crate) fn compiled_transports(options: &TransportOptions, authenticates: boo
     #[cfg(feature = "rdma")]
     v.push(Arc::new(ferry_rdma::RdmaTransport::new(ferry_rdma::RdmaOptions {
         device: options.rdma_device.clone(),
+        devices: match (&options.rdma_devices, &options.rdma_device) {
+            (named, _) if !named.is_empty() => named.clone(),
+            (_, Some(_)) => Vec::new(),
+            _ => std::env::var("FERRY_RDMA_DEVICES")
+                .map(|v| {
+                    v.split(',')
+                        .map(str::trim)
+                        .filter(|d| !d.is_empty())
+                        .map(String::from)
+                        .collect()
+                })
+                .unwrap_or_default(),
+        },
         traffic_class: options.rdma_traffic_class,
         service_level: options.rdma_service_level,
         busy_poll: options.rdma_busy_poll,

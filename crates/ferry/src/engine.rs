@@ -190,6 +190,18 @@ impl EngineBuilder {
         self
     }
 
+    /// The RDMA devices to use, one rail each: batches are spread over them (see `ferry_rdma`'s
+    /// `multirail`). By default every device with an active port (or those `FERRY_RDMA_DEVICES`
+    /// names, comma-separated).
+    pub fn rdma_devices<I, S>(mut self, names: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.transport_options.rdma_devices = names.into_iter().map(Into::into).collect();
+        self
+    }
+
     /// Busy-poll RDMA completions (lower latency, one core spinning) instead of sleeping on the
     /// completion channel.
     pub fn rdma_busy_poll(mut self, on: bool) -> Self {

@@ -38,8 +38,8 @@ pub use engine::{
 };
 pub use ferry_core::{
     Access, BufferPool, DmaView, Durability, Error, ErrorCode, Grants, MemoryBlock, MemoryRegistry, Notification, Op,
-    PeerIdentity, PersistMethod, PersistStats, ReceivedNotification, RegionAd, RegionKey, RemoteRegions, Result,
-    TransferDesc, TransportKind,
+    PeerIdentity, PersistMethod, PersistStats, RailStats, ReceivedNotification, RegionAd, RegionKey, RemoteRegions,
+    Result, TransferDesc, TransportKind,
 };
 pub use ferry_tcp::TlsConfig;
 pub use file::{FileMapping, FlushMethod};

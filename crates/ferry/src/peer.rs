@@ -67,6 +67,12 @@ impl Peer {
         &self.inner.passed_over
     }
 
+    /// The rails of an RDMA link that spreads its batches over several NICs, each with the bytes it
+    /// carried, its errors and whether it takes work now; empty for a link of one path.
+    pub fn rails(&self) -> Vec<ferry_core::RailStats> {
+        self.inner.data.rails()
+    }
+
     /// How a [`Durability::Persistent`](crate::Durability) write to this peer is made persistent:
     /// `flush-before-ack` over TCP; over RDMA the FLUSH verb, a READ after the writes, or a flush
     /// request (a transfer to a region that does not qualify for the link's method falls back to the

@@ -149,7 +149,7 @@ fn setup_failure(code: i32) -> String {
         120 => "could not mount the host's root file system over 9p".into(),
         121 => "could not mount the run folder over 9p".into(),
         122 => "could not mount the run folder at its host path inside the host root".into(),
-        123 => "could not bring up eth0 (dummy) and rxe0; see `rdma`/`ip` errors above".into(),
+        123 => "could not bring up eth0 and eth1 (dummy) and rxe0 and rxe1; see `rdma`/`ip` errors above".into(),
         other => format!("/init stopped with code {other} before running the command"),
     }
 }
@@ -412,6 +412,9 @@ fn command_script(script: &str, env: &[(&str, &str)]) -> String {
         ("PATH".into(), format!("{host_path}:/usr/sbin:/usr/bin:/sbin:/bin")),
         ("FERRY_RIG".into(), "1".into()),
         ("FERRY_RDMA_DEVICE".into(), "rxe0".into()),
+        // One rail unless a test asks for both (`FERRY_RDMA_RAILS` names them).
+        ("FERRY_RDMA_DEVICES".into(), "rxe0".into()),
+        ("FERRY_RDMA_RAILS".into(), "rxe0,rxe1".into()),
         // Inside the rig every prerequisite is there: a test that would skip fails instead.
         ("FERRY_REQUIRE_ALL".into(), "1".into()),
     ];

@@ -1,6 +1,6 @@
 //! The guest's initramfs: a static busybox, the kernel modules for rxe, 9p, the emulated NVDIMM and an
-//! ext4 disk, and an `/init` that brings `rxe0` up, runs the command from the host in a chroot of the
-//! host's root and powers off.
+//! ext4 disk, and an `/init` that brings `rxe0` and `rxe1` up (two rails, each on a dummy device of its
+//! own), runs the command from the host in a chroot of the host's root and powers off.
 //!
 //! Why so little in it: the guest's user space is the host's own root file system, shared read-only
 //! over 9p, so the image only has to get that far. The modules are the ones `rdma_rxe`, RDMA CM and
@@ -144,7 +144,11 @@ ip link set eth0 up
 ip addr add 10.0.2.15/24 dev eth0
 ip link set lo up
 rdma link add rxe0 type rxe netdev eth0
-' || fail 123 "bringing up eth0 (dummy) and rxe0"
+ip link add eth1 type dummy
+ip link set eth1 up
+ip addr add 10.0.3.15/24 dev eth1
+rdma link add rxe1 type rxe netdev eth1
+' || fail 123 "bringing up eth0 and eth1 (dummy) and rxe0 and rxe1"
 ulimit -l unlimited
 
 echo "rig: ready"

@@ -1,0 +1,460 @@
+//! Several NICs per link: a batch is cut into slices and spread over rails.
+//!
+//! An engine opens every active RDMA device (or those it is told to), one rail each, and registers
+//! each region on every rail; a region's advert then carries one key per rail
+//! ([`RailKeys`]). A link to a peer sets up one queue pair per pair of rails it uses: local rail `i`
+//! with the peer's rail `i mod n`, for `i` up to the larger of the two counts, so that every NIC of
+//! both ends carries traffic.
+//!
+//! - **Spraying**: a batch's descriptors are cut into slices of at most
+//!   [`RdmaOptions::slice_bytes`](crate::RdmaOptions::slice_bytes) ([`DEFAULT_SLICE`] by default) and
+//!   each slice goes to the healthy rail with the fewest bytes in flight; each rail posts its share
+//!   as one batch (merged and signalled as on one rail, see [`crate::link`]).
+//! - **Rail failure**: a rail whose share fails as a link failure (its queue pair broke, its port went
+//!   down: `PeerClosed` or `Io`, not a refusal such as `PermissionDenied`) rests, for
+//!   [`FIRST_REST`] and then twice as long each time up to [`MAX_REST`], and its share is posted
+//!   again on another rail; the transfer completes without an error when any rail carries it. A
+//!   rested rail is tried again with the next batch that finds it healthy; its link sets up a fresh
+//!   queue pair then. With no rail left, the share goes over the control link (TCP), and the rails
+//!   say why (`Peer::rails`, the log).
+//! - **Ordering**: a rail's WRITEs and the SEND of a notification on that rail are ordered by its
+//!   queue pair; the WRITEs of the other rails are not. Before a notification, every other rail that
+//!   completed WRITEs since its last fence is fenced (a request the target answers only after the
+//!   WRITEs before it on that queue pair are placed), so a notification is never seen before the data
+//!   of the transfers completed before it, on any rail.
+//! - **Persistence**: each rail makes its own share persistent by the link's method before it
+//!   completes, so a persistent transfer completes only once every rail's share is persistent.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use ferry_core::{
+    DataLink, Durability, Error, Notification, Op, PersistMethod, RailStats, Result, SetupExchange, TransferItem,
+    TransferRequest, TransportKind,
+};
+use futures::future::BoxFuture;
+
+use crate::RdmaShared;
+use crate::link::RdmaLink;
+use crate::wire::RailKeys;
+
+/// Bytes per slice unless the options say otherwise.
+pub const DEFAULT_SLICE: u64 = 256 << 10;
+/// How long a failed rail rests the first time.
+pub const FIRST_REST: Duration = Duration::from_millis(500);
+/// The longest rest.
+pub const MAX_REST: Duration = Duration::from_secs(30);
+
+/// Sets up the link to a peer over every pair of rails it uses (see the module documentation). A
+/// link of one rail is a plain [`RdmaLink`].
+pub(crate) async fn connect(rails: &[Arc<RdmaShared>], exchange: &dyn SetupExchange) -> Result<Arc<dyn DataLink>> {
+    let first_local = rails
+        .first()
+        .ok_or_else(|| Error::Unsupported("RDMA: no device open".into()))?;
+    let first = RdmaLink::connect(first_local, exchange, 0, 0).await?;
+    let remote = first.remote_rails().max(1) as usize;
+    let pairs = rails.len().max(remote);
+    if pairs == 1 {
+        return Ok(Arc::new(first));
+    }
+    let mut links = vec![Rail::new(first)];
+    let mut notes = Vec::new();
+    for i in 1..pairs {
+        let (local, remote_rail) = (&rails[i % rails.len()], (i % remote) as u8);
+        match RdmaLink::connect(local, exchange, remote_rail, i as u8).await {
+            Ok(link) => links.push(Rail::new(link)),
+            Err(e) => {
+                tracing::warn!(device = %local.device.name, remote_rail, error = %e, "RDMA rail not set up");
+                notes.push(format!("rail {}->{remote_rail}: {e}", local.device.name));
+            }
+        }
+    }
+    tracing::info!(
+        rails = ?links.iter().map(|r| r.name.as_str()).collect::<Vec<_>>(),
+        "RDMA link over several rails"
+    );
+    Ok(Arc::new(MultiRailLink {
+        inner: Arc::new(Inner {
+            rails: links,
+            control: exchange.control_link(),
+            slice: first_local.options.slice_bytes,
+            notes,
+        }),
+    }))
+}
+
+/// One rail of a link.
+struct Rail {
+    link: RdmaLink,
+    name: String,
+    /// The peer's rail it reaches, which picks the key of a region's rail list.
+    remote: usize,
+    in_flight: AtomicU64,
+    bytes: AtomicU64,
+    errors: AtomicU64,
+    rest: Mutex<Rest>,
+    /// WRITEs completed since its last fence.
+    written: AtomicBool,
+}
+
+struct Rest {
+    until: Option<Instant>,
+    next: Duration,
+}
+
+impl Rail {
+    fn new(link: RdmaLink) -> Self {
+        let name = link.rail_name();
+        Rail {
+            remote: link.remote_rail() as usize,
+            link,
+            name,
+            in_flight: AtomicU64::new(0),
+            bytes: AtomicU64::new(0),
+            errors: AtomicU64::new(0),
+            rest: Mutex::new(Rest {
+                until: None,
+                next: FIRST_REST,
+            }),
+            written: AtomicBool::new(false),
+        }
+    }
+
+    fn rest(&self) -> std::sync::MutexGuard<'_, Rest> {
+        self.rest.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn healthy(&self) -> bool {
+        self.rest().until.is_none_or(|until| Instant::now() >= until)
+    }
+
+    fn failed(&self, error: &Error) {
+        self.errors.fetch_add(1, Ordering::Relaxed);
+        let mut rest = self.rest();
+        let pause = rest.next;
+        rest.until = Some(Instant::now() + pause);
+        rest.next = (pause * 2).min(MAX_REST);
+        tracing::warn!(rail = %self.name, error = %error, ?pause, "RDMA rail failed; its work goes to the other rails");
+    }
+
+    fn succeeded(&self) {
+        let mut rest = self.rest();
+        if rest.until.is_some() {
+            tracing::info!(rail = %self.name, "RDMA rail carries traffic again");
+        }
+        rest.until = None;
+        rest.next = FIRST_REST;
+    }
+}
+
+/// Whether `e` says the rail's path failed (so another rail may succeed), not that the peer refused.
+fn rail_failure(e: &Error) -> bool {
+    matches!(e, Error::PeerClosed(_) | Error::Io { .. })
+}
+
+/// The key of `item`'s region on the peer's rail `remote`: from the region's rail list, or its plain
+/// key (a peer of one rail). `None` where the region has no key on that rail.
+fn key_on(item: &TransferItem, remote: usize) -> Option<Arc<[u8]>> {
+    let key = item.remote_transport_key.as_ref()?;
+    match RailKeys::decode(key) {
+        Some(keys) => keys.0.get(remote)?.as_deref().map(Arc::from),
+        None => (remote == 0).then(|| key.clone()),
+    }
+}
+
+/// `items` cut into slices of at most `slice` bytes, in order.
+fn slices(items: Vec<TransferItem>, slice: u64) -> Vec<TransferItem> {
+    let mut out = Vec::with_capacity(items.len());
+    for item in items {
+        if item.len() <= slice {
+            out.push(item);
+            continue;
+        }
+        let mut done = 0u64;
+        while done < item.len() {
+            let n = (item.len() - done).min(slice);
+            let mut part = item.clone();
+            part.local.offset += done;
+            part.local.len = n;
+            part.remote_offset += done;
+            part.remote_addr += done;
+            out.push(part);
+            done += n;
+        }
+    }
+    out
+}
+
+struct Inner {
+    rails: Vec<Rail>,
+    control: Arc<dyn DataLink>,
+    slice: u64,
+    /// Rails that could not be set up, with why.
+    notes: Vec<String>,
+}
+
+/// A link over several rails (see the module documentation).
+pub struct MultiRailLink {
+    inner: Arc<Inner>,
+}
+
+impl Inner {
+    /// The healthy rail other than `except` with the fewest bytes in flight (counting `planned`) that
+    /// has a key for every item.
+    fn pick(&self, items: &[TransferItem], except: Option<usize>, planned: &[u64]) -> Option<usize> {
+        (0..self.rails.len())
+            .filter(|&i| Some(i) != except && self.rails[i].healthy())
+            .filter(|&i| items.iter().all(|item| key_on(item, self.rails[i].remote).is_some()))
+            .min_by_key(|&i| self.rails[i].in_flight.load(Ordering::Relaxed) + planned[i])
+    }
+
+    /// `items` with each region's key on rail `rail`.
+    fn keyed(&self, items: &[TransferItem], rail: usize) -> Vec<TransferItem> {
+        let remote = self.rails[rail].remote;
+        let mut last: Option<(*const u8, Option<Arc<[u8]>>)> = None;
+        items
+            .iter()
+            .map(|item| {
+                let mut item = item.clone();
+                let id = item
+                    .remote_transport_key
+                    .as_ref()
+                    .map_or(std::ptr::null(), |k| k.as_ptr());
+                let key = match &last {
+                    Some((p, key)) if *p == id => key.clone(),
+                    _ => {
+                        let key = key_on(&item, remote);
+                        last = Some((id, key.clone()));
+                        key
+                    }
+                };
+                item.remote_transport_key = key;
+                item
+            })
+            .collect()
+    }
+
+    /// Runs `items` on rail `rail`, and on the others in turn while rails fail; over the control link
+    /// when none is left.
+    async fn run_on(
+        self: Arc<Self>,
+        mut rail: usize,
+        op: Op,
+        durability: Durability,
+        items: Vec<TransferItem>,
+    ) -> Result<()> {
+        let bytes: u64 = items.iter().map(TransferItem::len).sum();
+        loop {
+            let r = &self.rails[rail];
+            r.in_flight.fetch_add(bytes, Ordering::Relaxed);
+            let request = TransferRequest {
+                op,
+                durability,
+                items: self.keyed(&items, rail),
+            };
+            let result = r.link.transfer(request).await;
+            r.in_flight.fetch_sub(bytes, Ordering::Relaxed);
+            match result {
+                Ok(()) => {
+                    r.bytes.fetch_add(bytes, Ordering::Relaxed);
+                    if op == Op::Write {
+                        r.written.store(true, Ordering::Release);
+                    }
+                    r.succeeded();
+                    return Ok(());
+                }
+                Err(e) if rail_failure(&e) && !self.control.is_closed() => {
+                    r.failed(&e);
+                    let planned = vec![0; self.rails.len()];
+                    match self.pick(&items, Some(rail), &planned) {
+                        Some(next) => rail = next,
+                        None => {
+                            tracing::warn!(error = %e, "every RDMA rail failed; this share goes over TCP");
+                            return self.control.transfer(TransferRequest { op, durability, items }).await;
+                        }
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    async fn transfer(self: Arc<Self>, request: TransferRequest) -> Result<()> {
+        let (op, durability) = (request.op, request.durability);
+        let mut shares: Vec<Vec<TransferItem>> = (0..self.rails.len()).map(|_| Vec::new()).collect();
+        let mut planned = vec![0u64; self.rails.len()];
+        let mut to_control = Vec::new();
+        for item in slices(request.items, self.slice) {
+            if item.remote_transport_key.is_none() {
+                // A region with no RDMA key at all (its NIC could not register it): the control link.
+                to_control.push(item);
+                continue;
+            }
+            match self.pick(std::slice::from_ref(&item), None, &planned) {
+                Some(rail) => {
+                    planned[rail] += item.len();
+                    shares[rail].push(item);
+                }
+                None => to_control.push(item),
+            }
+        }
+        let mut runs: Vec<BoxFuture<'static, Result<()>>> = shares
+            .into_iter()
+            .enumerate()
+            .filter(|(_, share)| !share.is_empty())
+            .map(|(rail, share)| Box::pin(self.clone().run_on(rail, op, durability, share)) as BoxFuture<'static, _>)
+            .collect();
+        if !to_control.is_empty() {
+            runs.push(self.control.transfer(TransferRequest {
+                op,
+                durability,
+                items: to_control,
+            }));
+        }
+        futures::future::try_join_all(runs).await?;
+        Ok(())
+    }
+
+    async fn notify(self: Arc<Self>, notification: Notification) -> Result<()> {
+        let planned = vec![0; self.rails.len()];
+        let mut chosen = (0..self.rails.len()).find(|&i| self.rails[i].healthy());
+        // The other rails' WRITEs first: placed before the notification can be seen.
+        let fences = (0..self.rails.len())
+            .filter(|&i| Some(i) != chosen && self.rails[i].written.swap(false, Ordering::AcqRel))
+            .map(|i| {
+                let inner = self.clone();
+                async move {
+                    if let Err(e) = inner.rails[i].link.fence().await {
+                        // Its WRITEs completed (the target's NIC acknowledged them); the rail is down now.
+                        inner.rails[i].failed(&e);
+                    }
+                }
+            });
+        futures::future::join_all(fences).await;
+        while let Some(i) = chosen {
+            let rail = &self.rails[i];
+            rail.written.store(false, Ordering::Release);
+            match rail.link.notify(notification.clone()).await {
+                Ok(()) => return Ok(()),
+                Err(e) if rail_failure(&e) && !self.control.is_closed() => {
+                    rail.failed(&e);
+                    chosen = self.pick(&[], Some(i), &planned);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        self.control.notify(notification).await
+    }
+}
+
+impl DataLink for MultiRailLink {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Rdma
+    }
+
+    fn transfer(&self, request: TransferRequest) -> BoxFuture<'static, Result<()>> {
+        Box::pin(self.inner.clone().transfer(request))
+    }
+
+    fn notify(&self, notification: Notification) -> BoxFuture<'static, Result<()>> {
+        Box::pin(self.inner.clone().notify(notification))
+    }
+
+    fn persist_method(&self) -> PersistMethod {
+        self.inner.rails[0].link.persist_method()
+    }
+
+    fn close(&self) -> BoxFuture<'static, ()> {
+        let closes: Vec<_> = self.inner.rails.iter().map(|r| r.link.close()).collect();
+        Box::pin(async move {
+            futures::future::join_all(closes).await;
+        })
+    }
+
+    fn is_closed(&self) -> bool {
+        self.inner.control.is_closed() || self.inner.rails.iter().all(|r| r.link.is_closed())
+    }
+
+    fn fallback_note(&self) -> Option<String> {
+        (!self.inner.notes.is_empty()).then(|| format!("RDMA rails not set up: {}", self.inner.notes.join("; ")))
+    }
+
+    fn rails(&self) -> Vec<RailStats> {
+        self.inner
+            .rails
+            .iter()
+            .map(|r| RailStats {
+                name: r.name.clone(),
+                bytes: r.bytes.load(Ordering::Relaxed),
+                errors: r.errors.load(Ordering::Relaxed),
+                healthy: r.healthy(),
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use ferry_core::{Access, MemoryBlock, OwnedBuffer, RegionEntry, RegionKey, Resolved};
+
+    use super::*;
+    use crate::wire::RemoteKey;
+
+    fn item(offset: u64, len: u64, key: Option<Vec<u8>>) -> TransferItem {
+        let block: Arc<dyn MemoryBlock> = Arc::new(OwnedBuffer::new(vec![0u8; 8 << 20]));
+        let region = Arc::new(RegionEntry::new(RegionKey(1), Access::READ_WRITE, block).unwrap());
+        TransferItem {
+            local: Resolved { region, offset, len },
+            remote_key: RegionKey(2),
+            remote_offset: offset + 3,
+            remote_addr: 0x1000 + offset + 3,
+            remote_transport_key: key.map(Arc::from),
+            remote_access: Access::READ_WRITE,
+        }
+    }
+
+    #[test]
+    fn slices_cover_every_byte_once_in_order() {
+        let items = vec![
+            item(0, 1000, None),
+            item(1000, 3 << 20, None),
+            item((3 << 20) + 1000, 7, None),
+        ];
+        let cut = slices(items, 1 << 20);
+        assert_eq!(cut.len(), 1 + 3 + 1);
+        let mut next = 0u64;
+        for s in &cut {
+            assert!(s.len() <= 1 << 20);
+            assert_eq!(
+                (s.local.offset, s.remote_offset, s.remote_addr),
+                (next, next + 3, 0x1000 + next + 3)
+            );
+            next += s.len();
+        }
+        assert_eq!(next, (3 << 20) + 1007);
+    }
+
+    #[test]
+    fn each_rail_takes_its_own_key() {
+        let k = |rkey| {
+            RemoteKey {
+                rkey,
+                flushable: false,
+                bounce_addr: None,
+                hooked: false,
+            }
+            .encode()
+        };
+        let listed = item(0, 1, Some(RailKeys(vec![Some(k(7)), None, Some(k(9))]).encode()));
+        assert_eq!(key_on(&listed, 0).as_deref(), Some(&k(7)[..]));
+        assert_eq!(key_on(&listed, 1), None, "not registered on that rail");
+        assert_eq!(key_on(&listed, 2).as_deref(), Some(&k(9)[..]));
+        assert_eq!(key_on(&listed, 3), None);
+        // A peer of one rail: its plain key serves its rail 0 only.
+        let plain = item(0, 1, Some(k(5)));
+        assert_eq!(key_on(&plain, 0).as_deref(), Some(&k(5)[..]));
+        assert_eq!(key_on(&plain, 1), None);
+        assert_eq!(key_on(&item(0, 1, None), 0), None);
+    }
+}

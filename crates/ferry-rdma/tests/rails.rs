@@ -1,0 +1,218 @@
+//! Several NICs per engine, in the rig's guest: two Soft-RoCE devices (`rxe0` on `eth0`, `rxe1` on
+//! `eth1`), named by `FERRY_RDMA_RAILS`. A batch uses both rails; a rail whose device goes down
+//! mid-stream (`ip link set eth1 down`) costs no transfer an error and no byte, and carries traffic
+//! again once it is back; with every rail down the link moves bytes over TCP; notifications follow
+//! the data written on every rail.
+//!
+//! The tests change the guest's links, so they run one at a time (the rig runs every test binary with
+//! one thread).
+
+mod common;
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::{T, in_rig, pattern, wait_for};
+use ferry::{Access, Engine, Notification, Op, Peer, TransferDesc, TransportKind};
+
+/// Two engines over every rail `FERRY_RDMA_RAILS` names; `None` (after saying so) outside the rig.
+async fn rail_pair() -> Option<(Engine, Engine, Peer)> {
+    let Ok(names) = std::env::var("FERRY_RDMA_RAILS") else {
+        assert!(!in_rig(), "the rig names its rails in FERRY_RDMA_RAILS");
+        eprintln!("skipped: no FERRY_RDMA_RAILS (run inside `cargo xtask rig test`)");
+        return None;
+    };
+    let rails: Vec<String> = names.split(',').map(String::from).collect();
+    let builder = || {
+        Engine::builder()
+            .transports([TransportKind::Rdma, TransportKind::Tcp])
+            .rdma_devices(rails.clone())
+    };
+    let target = builder().listen("127.0.0.1:0").build().await.unwrap();
+    let initiator = builder().build().await.unwrap();
+    let peer = initiator
+        .connect(&target.local_addr().unwrap().to_string(), T)
+        .await
+        .unwrap();
+    assert_eq!(peer.transport(), TransportKind::Rdma, "{:?}", peer.passed_over());
+    assert_eq!(peer.rails().len(), rails.len(), "{:?}", peer.rails());
+    Some((target, initiator, peer))
+}
+
+fn set_link(dev: &str, up: bool) {
+    let state = if up { "up" } else { "down" };
+    let status = Command::new("ip").args(["link", "set", dev, state]).status().unwrap();
+    assert!(status.success(), "ip link set {dev} {state}");
+}
+
+/// Brings `devs` back up when the test ends, however it ends.
+struct Restore(&'static [&'static str]);
+
+impl Drop for Restore {
+    fn drop(&mut self) {
+        for dev in self.0 {
+            let _ = Command::new("ip").args(["link", "set", dev, "up"]).status();
+        }
+    }
+}
+
+/// Writes `round`'s pattern over the whole region and checks every byte at the target.
+async fn write_round(initiator: &Engine, peer: &Peer, src: &ferry::Region, dst: &ferry::Region, round: u8) {
+    let len = src.len() as usize;
+    let data = pattern(len, round);
+    src.write_at(0, &data).unwrap();
+    initiator
+        .transfer(
+            peer,
+            Op::Write,
+            &[TransferDesc::new(src.addr(), dst.addr(), len as u64)],
+            T,
+        )
+        .await
+        .unwrap_or_else(|e| panic!("round {round}: {e}; rails {:?}", peer.rails()));
+    assert!(
+        dst.to_vec().unwrap() == data,
+        "round {round}: the bytes at the target differ"
+    );
+}
+
+fn rail_bytes(peer: &Peer) -> Vec<u64> {
+    peer.rails().iter().map(|r| r.bytes).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_is_spread_over_every_rail() {
+    let Some((target, initiator, peer)) = rail_pair().await else {
+        return;
+    };
+    const LEN: usize = 8 << 20;
+    let dst = target.alloc_host(LEN, Access::READ_WRITE).unwrap();
+    wait_for(&peer, &dst).await;
+    let src = initiator.alloc_host(LEN, Access::READ_WRITE).unwrap();
+    write_round(&initiator, &peer, &src, &dst, 1).await;
+    let back = initiator.alloc_host(LEN, Access::READ_WRITE).unwrap();
+    initiator
+        .transfer(
+            &peer,
+            Op::Read,
+            &[TransferDesc::new(back.addr(), dst.addr(), LEN as u64)],
+            T,
+        )
+        .await
+        .unwrap();
+    assert!(back.to_vec().unwrap() == pattern(LEN, 1));
+    let rails = peer.rails();
+    assert!(
+        rails.iter().all(|r| r.bytes > 0 && r.healthy && r.errors == 0),
+        "every rail carried bytes: {rails:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rail_that_goes_down_costs_no_transfer_and_comes_back() {
+    let Some((target, initiator, peer)) = rail_pair().await else {
+        return;
+    };
+    let _restore = Restore(&["eth1"]);
+    const LEN: usize = 2 << 20;
+    let dst = target.alloc_host(LEN, Access::READ_WRITE).unwrap();
+    wait_for(&peer, &dst).await;
+    let src = initiator.alloc_host(LEN, Access::READ_WRITE).unwrap();
+    for round in 0..3 {
+        write_round(&initiator, &peer, &src, &dst, round).await;
+    }
+    set_link("eth1", false);
+    for round in 3..12 {
+        write_round(&initiator, &peer, &src, &dst, round).await;
+    }
+    let down = peer.rails();
+    assert!(
+        down.iter().any(|r| r.name.starts_with("rxe1") && r.errors > 0),
+        "the rail on eth1 failed and its work went elsewhere: {down:?}"
+    );
+    // Back up: within a few rests it carries traffic again.
+    set_link("eth1", true);
+    let before = rail_bytes(&peer);
+    let deadline = Instant::now() + Duration::from_secs(90);
+    let mut round = 12u8;
+    loop {
+        write_round(&initiator, &peer, &src, &dst, round).await;
+        round = round.wrapping_add(1);
+        let now = peer.rails();
+        let rejoined = now
+            .iter()
+            .zip(&before)
+            .any(|(r, b)| r.name.starts_with("rxe1") && r.bytes > *b);
+        if rejoined {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the rail never came back: {now:?}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_every_rail_down_the_bytes_go_over_tcp() {
+    let Some((target, initiator, peer)) = rail_pair().await else {
+        return;
+    };
+    let _restore = Restore(&["eth0", "eth1"]);
+    const LEN: usize = 1 << 20;
+    let dst = target.alloc_host(LEN, Access::READ_WRITE).unwrap();
+    wait_for(&peer, &dst).await;
+    let src = initiator.alloc_host(LEN, Access::READ_WRITE).unwrap();
+    write_round(&initiator, &peer, &src, &dst, 1).await;
+    set_link("eth0", false);
+    set_link("eth1", false);
+    // The control link runs over loopback, which stays up.
+    for round in 2..6 {
+        write_round(&initiator, &peer, &src, &dst, round).await;
+    }
+    let rails = peer.rails();
+    assert!(rails.iter().all(|r| r.errors > 0), "every rail failed: {rails:?}");
+    assert_eq!(peer.transport(), TransportKind::Rdma);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn notifications_follow_the_data_of_every_rail() {
+    let Some((target, initiator, peer)) = rail_pair().await else {
+        return;
+    };
+    const LEN: usize = 1 << 20;
+    let dst = target.alloc_host(LEN, Access::READ_WRITE).unwrap();
+    wait_for(&peer, &dst).await;
+    let src = initiator.alloc_host(LEN, Access::READ_WRITE).unwrap();
+    for round in 0..200u32 {
+        let byte = (round % 251) as u8 + 1;
+        src.write_at(0, &vec![byte; LEN]).unwrap();
+        initiator
+            .transfer(
+                &peer,
+                Op::Write,
+                &[TransferDesc::new(src.addr(), dst.addr(), LEN as u64)],
+                T,
+            )
+            .await
+            .unwrap();
+        initiator
+            .notify(&peer, Notification::new("round", round.to_string()), T)
+            .await
+            .unwrap();
+        let deadline = Instant::now() + T;
+        let n = loop {
+            if let Some(n) = target.take_notifications().into_iter().next() {
+                break n;
+            }
+            assert!(Instant::now() < deadline, "round {round}: no notification");
+            tokio::time::sleep(Duration::from_micros(200)).await;
+        };
+        assert_eq!(n.notification.msg, round.to_string(), "notifications in order");
+        // Every byte of the round, whichever rail carried it, is there when the notification is seen.
+        let got = dst.to_vec().unwrap();
+        assert!(
+            got.iter().all(|&b| b == byte),
+            "round {round}: a notification overtook its data"
+        );
+    }
+    assert!(peer.rails().iter().all(|r| r.bytes > 0));
+}
