@@ -132,6 +132,11 @@ impl Case {
     }
 }
 
+/// The multi-rail comparison: the same `ferry bench` case on both of the guest's rails and on one.
+const RAILS_CASE: &str = "bench --transport rdma --op write --size 1MiB --duration 2s --json";
+/// The rails of the two-rail run.
+const TWO_RAILS: &str = "rxe0,rxe1";
+
 /// The ferry binary, or why there is none.
 enum Ferry {
     Bin(PathBuf),
@@ -193,7 +198,12 @@ pub fn run(args: &Args, guest: &Guest<'_>, timings: &mut Timings) -> Result<Exit
         };
         rows.push(Row::new(case, args.rounds, &ferry, &ferry_samples, &peer, ferry_error));
     }
-    let table = render_table(&rows, &ferry, args.rounds);
+    let mut table = render_table(&rows, &ferry, args.rounds);
+    if ferry_bin.is_some() {
+        let (rails, line) = rails_comparison(&outcome, args.rounds);
+        complete &= rails.is_some();
+        table += &line;
+    }
     if args.json {
         eprint!("{table}");
         for row in &rows {
@@ -208,6 +218,36 @@ pub fn run(args: &Args, guest: &Guest<'_>, timings: &mut Timings) -> Result<Exit
     } else {
         ExitCode::FAILURE
     })
+}
+
+/// Two rails against one (write 1MiB, the median over rounds of each); returns the ratio and the
+/// report's line. Under TCG the rails share the guest's two vCPUs: the ratio shows that both carry
+/// traffic and what spreading costs, not what two NICs would give.
+fn rails_comparison(outcome: &super::boot::Outcome, rounds: u32) -> (Option<f64>, String) {
+    let median = |rails: u32| {
+        let mut samples = Samples::default();
+        for round in 1..=rounds {
+            let name = format!("rails-{rails}-{round}");
+            samples
+                .add(read_run(outcome, &name).and_then(|out| parse_ferry(&out, "write", 1 << 20).map(|r| r.gb_per_s)));
+        }
+        (samples.median(), samples.error)
+    };
+    let ((two, two_error), (one, one_error)) = (median(2), median(1));
+    let ratio = two.zip(one).filter(|(_, one)| *one > 0.0).map(|(two, one)| two / one);
+    let show = |v: Option<f64>| v.map_or_else(|| "-".to_owned(), |v| format!("{v:.3}"));
+    let mut line = format!(
+        "
+write 1MiB over two rails ({TWO_RAILS}) / over one (rxe0): {} / {} GB/s = {} (medians over {rounds} round(s); \
+         1.3 or more is expected with two vCPUs)\n",
+        show(two),
+        show(one),
+        ratio.map_or_else(|| "-".to_owned(), |r| format!("{r:.2}"))
+    );
+    for e in [two_error, one_error].into_iter().flatten() {
+        line += &format!("  ERROR (rails): {e}\n");
+    }
+    (ratio, line)
 }
 
 /// `target/release/ferry` built with `--features rdma`, when ferry-cli has that feature.
@@ -320,6 +360,12 @@ ferry() {
                     case.ferry_args()
                 );
             }
+        }
+        if let Some(bin) = ferry {
+            let bin = sh_quote(&bin.display().to_string());
+            script += &format!("echo 'rig bench: round {round}/{rounds}: write 1MiB, two rails and one'\n");
+            script += &format!("ferry rails-2-{round} env FERRY_RDMA_DEVICES={TWO_RAILS} {bin} {RAILS_CASE}\n");
+            script += &format!("ferry rails-1-{round} env FERRY_RDMA_DEVICES=rxe0 {bin} {RAILS_CASE}\n");
         }
     }
     script += "exit $bad\n";
