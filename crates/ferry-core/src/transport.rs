@@ -186,6 +186,17 @@ impl TransferItem {
     pub fn is_empty(&self) -> bool {
         self.local.len == 0
     }
+    /// The `len` bytes of this item from byte `from` on, both sides moved alike (the caller keeps
+    /// `from + len` within [`len`](Self::len)).
+    pub fn part(&self, from: u64, len: u64) -> TransferItem {
+        debug_assert!(from + len <= self.local.len);
+        let mut part = self.clone();
+        part.local.offset += from;
+        part.local.len = len;
+        part.remote_offset += from;
+        part.remote_addr += from;
+        part
+    }
 }
 
 /// A batch of one-sided operations towards one peer.

@@ -174,12 +174,7 @@ fn slices(items: Vec<TransferItem>, slice: u64) -> Vec<TransferItem> {
         let mut done = 0u64;
         while done < item.len() {
             let n = (item.len() - done).min(slice);
-            let mut part = item.clone();
-            part.local.offset += done;
-            part.local.len = n;
-            part.remote_offset += done;
-            part.remote_addr += done;
-            out.push(part);
+            out.push(item.part(done, n));
             done += n;
         }
     }

@@ -111,12 +111,7 @@ fn read_pieces(request: &TransferRequest) -> Vec<TransferRequest> {
                 bytes = 0;
             }
             let n = (item.len() - done).min(READ_STAGING - bytes);
-            let mut part = item.clone();
-            part.local.offset += done;
-            part.local.len = n;
-            part.remote_offset += done;
-            part.remote_addr += done;
-            items.push(part);
+            items.push(item.part(done, n));
             bytes += n;
             done += n;
         }
