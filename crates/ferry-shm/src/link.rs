@@ -362,6 +362,14 @@ impl Inner {
         }
     }
 
+    /// The mapping of the region the peer knows as `key`, if this link holds one.
+    fn mapping_of(&self, key: RegionKey) -> Option<Arc<Mapping>> {
+        match self.lendings().get(&key) {
+            Some(Lending::Mapped(m)) => Some(m.clone()),
+            _ => None,
+        }
+    }
+
     /// Whether `item`'s region is one the target may lend, for this transfer.
     fn lendable(item: &TransferItem, durability: Durability) -> bool {
         // A persistent write goes to the target, which persists before it replies (or refuses).
@@ -567,6 +575,40 @@ struct Sorted {
     control: Vec<TransferItem>,
 }
 
+/// Copies one item into or out of its region's mapping; `None` when the mapping is being given
+/// back (the item then takes the batch's way, to the target).
+fn copy_one(op: Op, item: &TransferItem, mapping: &Mapping) -> Option<Result<()>> {
+    let checked = mapping
+        .check(item.remote_offset, item.len(), op == Op::Write)
+        .and_then(|()| item.local.region.check_range(item.local.offset, item.local.len));
+    if let Err(e) = checked {
+        return Some(Err(e));
+    }
+    let _remote = mapping.enter()?;
+    let region = &item.local.region;
+    let Some(_local) = region.guard().enter() else {
+        return Some(Err(region.gone()));
+    };
+    let (here, there) = (region.ptr_at(item.local.offset), mapping.at(item.remote_offset));
+    let len = item.local.len as usize;
+    let piece = match op {
+        Op::Write => Piece {
+            src: here,
+            dst: there,
+            len,
+        },
+        Op::Read => Piece {
+            src: there,
+            dst: here,
+            len,
+        },
+    };
+    // SAFETY: both ranges were checked against the mapping and the region, and a permit of each is
+    // held until the copy ends; regions are never handed out as Rust references.
+    unsafe { copy_all(&[piece]) };
+    Some(Ok(()))
+}
+
 /// Copies the items whose regions are mapped, as one batch of copies (split over two threads when
 /// large); returns those whose mapping was being given back, to go elsewhere. Every range is checked
 /// before the first byte moves, and each region's and mapping's permit is taken once per batch.
@@ -660,6 +702,20 @@ impl DataLink for ShmLink {
         Box::pin(async move {
             if inner.closed.load(Ordering::Acquire) {
                 return Err(inner.down());
+            }
+            // One range of a region already mapped (a small synchronous write, say): copied here
+            // without sorting the batch.
+            if let [item] = &request.items[..]
+                && Inner::lendable(item, request.durability)
+                && let Some(mapping) = inner.mapping_of(item.remote_key)
+                && let Some(result) = copy_one(request.op, item, &mapping)
+            {
+                result?;
+                tokio::task::consume_budget().await;
+                if inner.closed.load(Ordering::Acquire) {
+                    return Err(inner.down());
+                }
+                return Ok(());
             }
             let Sorted {
                 op,
