@@ -424,21 +424,11 @@ fn register_on(shared: &Arc<RdmaShared>, region: &RegionEntry) -> Result<Option<
     // Persistent memory on a device that executes FLUSH is registered for it, so that initiators
     // can persist their writes with the verb. (DRAM refuses these flags.)
     let flushable = region.block().is_pmem() && region.access().contains(Access::WRITE) && shared.device.flush_capable;
-    let register = |flags: AccessFlags| {
+    let registered = register_for_flush(region, flags, flushable, |flags| {
         // SAFETY: the engine keeps the region's memory alive until `deregister_region` returns,
         // which deregisters the memory region first.
         unsafe { shared.pd.reg_mr(region.addr() as usize, region.len() as usize, flags) }
-    };
-    let registered = match flushable {
-        true => match register(flags | AccessFlags::FlushGlobal | AccessFlags::FlushPersistent) {
-            Ok(mr) => Ok((mr, true)),
-            Err(e) => {
-                tracing::warn!(region = ?region.key(), error = %e, "registering for FLUSH failed; persistent writes to it use the flush request");
-                register(flags).map(|mr| (mr, false))
-            }
-        },
-        false => register(flags).map(|mr| (mr, false)),
-    };
+    });
     let (reg, flushable, bounce_addr) = match registered {
         Ok((mr, flushable)) => (Registered::new(mr, region.guard().clone()), flushable, None),
         // A file in the page cache: the kernel will not pin its pages for the NIC. Stage instead.
@@ -455,6 +445,28 @@ fn register_on(shared: &Arc<RdmaShared>, region: &RegionEntry) -> Result<Option<
         hooked: region.block().has_access_hooks(),
     };
     keep_registered(shared, region, reg, key)
+}
+
+/// Registers with `register`, for the FLUSH verb as well when `flush` (persistent memory on a device
+/// that executes it); a registration the device refuses with FLUSH is made without it, and
+/// persistent writes to the region then use the flush request. Returns the registration and whether
+/// it takes FLUSH.
+pub(crate) fn register_for_flush<T, E: std::fmt::Display>(
+    region: &RegionEntry,
+    flags: AccessFlags,
+    flush: bool,
+    register: impl Fn(AccessFlags) -> std::result::Result<T, E>,
+) -> std::result::Result<(T, bool), E> {
+    if !flush {
+        return register(flags).map(|r| (r, false));
+    }
+    match register(flags | AccessFlags::FlushGlobal | AccessFlags::FlushPersistent) {
+        Ok(r) => Ok((r, true)),
+        Err(e) => {
+            tracing::warn!(region = ?region.key(), error = %e, "registering for FLUSH failed; persistent writes to it use the flush request");
+            register(flags).map(|r| (r, false))
+        }
+    }
 }
 
 /// Ends the NIC's access to region `key` on one rail (see `deregister_region`).

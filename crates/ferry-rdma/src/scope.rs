@@ -159,17 +159,9 @@ impl PeerScope for PeerDomain {
         // SAFETY: the region's memory (or its bounce buffer, owned by the shared registration) stays
         // mapped until the region is deregistered, and deregistration forgets this registration first
         // (`RdmaTransport::deregister_region` calls `forget` on every peer domain before it returns).
-        let register = |flags| unsafe { IovaRegion::register(&self.pd, addr, region.len() as usize, base, flags) };
-        let registered = match flush {
-            true => match register(flags | AccessFlags::FlushGlobal | AccessFlags::FlushPersistent) {
-                Ok(r) => Ok((r, true)),
-                Err(e) => {
-                    tracing::warn!(region = ?region.key(), error = %e, "registering for FLUSH failed; the peer's persistent writes use the flush request");
-                    register(flags).map(|r| (r, false))
-                }
-            },
-            false => register(flags).map(|r| (r, false)),
-        };
+        let registered = crate::register_for_flush(region, flags, flush, |flags| unsafe {
+            IovaRegion::register(&self.pd, addr, region.len() as usize, base, flags)
+        });
         let (registered, flushable) = registered.map_err(|e| {
             Error::ResourceExhausted(format!(
                 "registering {} bytes of region {:?} for the peer of link {} with {}: {e}",

@@ -575,23 +575,21 @@ struct Sorted {
     control: Vec<TransferItem>,
 }
 
-/// Copies one item into or out of its region's mapping; `None` when the mapping is being given
-/// back (the item then takes the batch's way, to the target).
-fn copy_one(op: Op, item: &TransferItem, mapping: &Mapping) -> Option<Result<()>> {
-    let checked = mapping
-        .check(item.remote_offset, item.len(), op == Op::Write)
-        .and_then(|()| item.local.region.check_range(item.local.offset, item.local.len));
-    if let Err(e) = checked {
-        return Some(Err(e));
-    }
-    let _remote = mapping.enter()?;
-    let region = &item.local.region;
-    let Some(_local) = region.guard().enter() else {
-        return Some(Err(region.gone()));
-    };
-    let (here, there) = (region.ptr_at(item.local.offset), mapping.at(item.remote_offset));
+/// Checks that `item` lies in its local region and in `mapping` (writable, for a WRITE).
+fn check_mapped(op: Op, item: &TransferItem, mapping: &Mapping) -> Result<()> {
+    mapping.check(item.remote_offset, item.len(), op == Op::Write)?;
+    item.local.region.check_range(item.local.offset, item.local.len)
+}
+
+/// The copy that moves `item` between its local region and `mapping`, for `op`. Only for a range
+/// [`check_mapped`] passed, copied under a permit of both.
+fn piece(op: Op, item: &TransferItem, mapping: &Mapping) -> Piece {
+    let (here, there) = (
+        item.local.region.ptr_at(item.local.offset),
+        mapping.at(item.remote_offset),
+    );
     let len = item.local.len as usize;
-    let piece = match op {
+    match op {
         Op::Write => Piece {
             src: here,
             dst: there,
@@ -602,10 +600,23 @@ fn copy_one(op: Op, item: &TransferItem, mapping: &Mapping) -> Option<Result<()>
             dst: here,
             len,
         },
+    }
+}
+
+/// Copies one item into or out of its region's mapping; `None` when the mapping is being given
+/// back (the item then takes the batch's way, to the target).
+fn copy_one(op: Op, item: &TransferItem, mapping: &Mapping) -> Option<Result<()>> {
+    if let Err(e) = check_mapped(op, item, mapping) {
+        return Some(Err(e));
+    }
+    let _remote = mapping.enter()?;
+    let region = &item.local.region;
+    let Some(_local) = region.guard().enter() else {
+        return Some(Err(region.gone()));
     };
     // SAFETY: both ranges were checked against the mapping and the region, and a permit of each is
     // held until the copy ends; regions are never handed out as Rust references.
-    unsafe { copy_all(&[piece]) };
+    unsafe { copy_all(&[piece(op, item, mapping)]) };
     Some(Ok(()))
 }
 
@@ -616,10 +627,8 @@ fn copy_mapped(op: Op, items: Vec<(TransferItem, usize)>, mappings: &[Arc<Mappin
     if items.is_empty() {
         return Ok(Vec::new());
     }
-    let write = op == Op::Write;
     for (item, m) in &items {
-        mappings[*m].check(item.remote_offset, item.len(), write)?;
-        item.local.region.check_range(item.local.offset, item.local.len)?;
+        check_mapped(op, item, &mappings[*m])?;
     }
     let remote: Vec<_> = mappings.iter().map(|m| m.enter()).collect();
     let mut local: Vec<(*const ferry_core::RegionEntry, ferry_core::Permit<'_>)> = Vec::new();
@@ -637,21 +646,7 @@ fn copy_mapped(op: Op, items: Vec<(TransferItem, usize)>, mappings: &[Arc<Mappin
                 region.guard().enter().ok_or_else(|| region.gone())?,
             ));
         }
-        let here = region.ptr_at(item.local.offset);
-        let there = mappings[*m].at(item.remote_offset);
-        let len = item.local.len as usize;
-        pieces.push(match op {
-            Op::Write => Piece {
-                src: here,
-                dst: there,
-                len,
-            },
-            Op::Read => Piece {
-                src: there,
-                dst: here,
-                len,
-            },
-        });
+        pieces.push(piece(op, item, &mappings[*m]));
     }
     // SAFETY: every range was checked against its mapping and region above, and a permit of each
     // region and mapping is held until the copies end, so all stay mapped; regions are never handed

@@ -634,15 +634,21 @@ impl Engine {
 
     // ---- transfers ----------------------------------------------------------------------------------
 
-    /// Whether `peer` is a live link of this engine.
-    fn check_peer(&self, peer: &Peer) -> Result<()> {
-        // The peer's own flags, not the peer table: no lock shared by every transfer.
+    /// Whether `peer` is connected to this engine (not disconnected nor replaced), by the peer's own
+    /// flags rather than the peer table: no lock shared by every transfer.
+    fn check_listed(&self, peer: &Peer) -> Result<()> {
         if peer.inner.owner != self.inner.ctx.engine_id || !peer.inner.listed.load(Ordering::Acquire) {
             return Err(Error::NotConnected(format!(
                 "{} is not connected to this engine",
                 peer.addr()
             )));
         }
+        Ok(())
+    }
+
+    /// Whether `peer` is a live link of this engine.
+    fn check_peer(&self, peer: &Peer) -> Result<()> {
+        self.check_listed(peer)?;
         if peer.is_closed() {
             return Err(Error::PeerClosed(format!(
                 "the link to {} is down; connect again",
@@ -822,13 +828,7 @@ impl Engine {
     /// before the data of transfers that completed before it was sent.
     pub async fn notify(&self, peer: &Peer, notification: Notification, timeout: Duration) -> Result<()> {
         notification.validate()?;
-        // The peer's own flags, not the peer table: no lock shared by every transfer.
-        if peer.inner.owner != self.inner.ctx.engine_id || !peer.inner.listed.load(Ordering::Acquire) {
-            return Err(Error::NotConnected(format!(
-                "{} is not connected to this engine",
-                peer.addr()
-            )));
-        }
+        self.check_listed(peer)?;
         match tokio::time::timeout(timeout, peer.inner.data.notify(notification)).await {
             Ok(r) => r,
             Err(_) => Err(Error::Timeout(format!(
