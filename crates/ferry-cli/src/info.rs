@@ -84,6 +84,16 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         println!("{:<6} {:<9} {:<7} {}", t.name, yes(t.compiled), yes(t.usable), t.detail);
     }
     println!("rdma devices:   {}", list(&caps.rdma_devices));
+    for rail in &caps.rdma_rails {
+        let node = rail.numa_node.map_or("none".to_string(), |n| n.to_string());
+        let nodes: Vec<String> = rail.preferred_for.iter().map(u32::to_string).collect();
+        println!(
+            "rdma rail {}: NUMA node {node} ({}), preferred for memory on node(s) {}",
+            rail.device,
+            rail.source,
+            list(&nodes)
+        );
+    }
     let vulkan: Vec<String> = caps.vulkan_devices.iter().map(|d| d.to_string()).collect();
     println!("vulkan devices: {}", list(&vulkan));
     if let Some(l) = &report.link {

@@ -5,9 +5,11 @@
 //! - `ferry serve` runs a target engine with one registered region until interrupted.
 //! - `ferry info` says what this build can do on this host (and, with `--peer`, how a link to an
 //!   engine moves and persists data).
+//! - `ferry register-cost` measures registering memory (per region, per GiB).
 
 mod bench;
 mod info;
+mod register;
 mod serve;
 mod tls;
 mod units;
@@ -35,6 +37,8 @@ enum Command {
     Info(info::Args),
     /// Make a certificate authority and certificates for engines that authenticate with mutual TLS.
     Certs(tls::CertsArgs),
+    /// Measure what registering memory costs here, per region and per GiB.
+    RegisterCost(register::Args),
 }
 
 fn main() -> std::process::ExitCode {
@@ -60,6 +64,7 @@ fn main() -> std::process::ExitCode {
             Command::Serve(a) => serve::run(a).await,
             Command::Info(a) => info::run(a).await,
             Command::Certs(a) => tls::certs(a).await,
+            Command::RegisterCost(a) => register::run(a).await,
         }
     });
     let result = runtime

@@ -37,7 +37,7 @@ pub use options::BufferPool;
 pub use peer_view::{PeerNames, PeerScope, PeerView};
 pub use region::{RegionEntry, RegionTable, RemoteRegions, Resolved};
 pub use transport::{
-    AcceptSetup, AcceptedPath, Availability, DataLink, EngineContext, LinkSlot, LinkSlots, Notifier, RailStats,
-    RegionChange, SetupExchange, TransferItem, TransferRequest, Transport,
+    AcceptSetup, AcceptedPath, Availability, DataLink, EngineContext, LinkSlot, LinkSlots, Notifier, RailPlace,
+    RailStats, RegionChange, SetupExchange, TransferItem, TransferRequest, Transport,
 };
 pub use types::*;

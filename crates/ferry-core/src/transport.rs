@@ -35,6 +35,21 @@ pub struct Availability {
     pub detail: String,
     /// Devices it found (RDMA devices, for example).
     pub devices: Vec<String>,
+    /// The rails it opened and where each sits (RDMA; empty for the others).
+    pub rails: Vec<RailPlace>,
+}
+
+/// Where one rail's device sits, and the memory it is preferred for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RailPlace {
+    /// Device name ("mlx5_0").
+    pub device: String,
+    /// Its NUMA node, where one is known.
+    pub numa_node: Option<u32>,
+    /// Where the node came from ("device", "network device", "override", "unknown").
+    pub source: &'static str,
+    /// The NUMA nodes whose memory prefers this rail (the others use it only as a fallback).
+    pub preferred_for: Vec<u32>,
 }
 
 /// One rail of a multi-rail link, as it stands.

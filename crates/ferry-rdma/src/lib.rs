@@ -35,6 +35,7 @@ mod post;
 mod qp;
 mod responder;
 pub mod scope;
+pub mod topology;
 pub mod wire;
 
 use std::collections::HashMap;
@@ -63,6 +64,9 @@ pub struct RdmaOptions {
     pub devices: Vec<String>,
     /// Bytes of the slices a batch is cut into and spread over the rails (at least 4 KiB).
     pub slice_bytes: u64,
+    /// NUMA nodes of devices, overriding what sysfs says (`None`: no node, so no memory prefers it
+    /// over another rail); see [`topology`].
+    pub numa_nodes: Vec<(String, Option<u32>)>,
     /// IP traffic class of the queue pairs: 0..=255, a multiple of 4 (the low two bits are ECN).
     pub traffic_class: u8,
     /// Service level: 0..=7.
@@ -91,6 +95,7 @@ impl Default for RdmaOptions {
             device: None,
             devices: Vec::new(),
             slice_bytes: multirail::DEFAULT_SLICE,
+            numa_nodes: Vec::new(),
             traffic_class: 132,
             service_level: 4,
             busy_poll: false,
@@ -367,6 +372,8 @@ fn reg_error(shared: &RdmaShared, region: &RegionEntry, e: impl std::fmt::Displa
 pub struct RdmaTransport {
     /// Every rail (device) it opened.
     state: std::result::Result<Vec<Arc<RdmaShared>>, Error>,
+    /// Where each rail sits, and the rails each region prefers.
+    topology: Arc<topology::Topology>,
 }
 
 impl RdmaTransport {
@@ -401,12 +408,54 @@ impl RdmaTransport {
                 })
                 .collect::<Result<Vec<_>>>()
         });
-        RdmaTransport { state }
+        let names: Vec<String> = match &state {
+            Ok(rails) => rails.iter().map(|s| s.device.name.clone()).collect(),
+            Err(_) => Vec::new(),
+        };
+        let topology = Arc::new(topology::Topology::new(&names, &options.numa_nodes));
+        RdmaTransport { state, topology }
     }
 
     fn rails(&self) -> Result<&[Arc<RdmaShared>]> {
         self.state.as_deref().map_err(Clone::clone)
     }
+}
+
+/// Regions from this size up are registered on every rail at once, a thread per rail: pinning and
+/// building the translation tables costs time per page, and each device builds its own. Smaller ones
+/// are registered in turn, where a thread would cost more than it saves.
+pub const PARALLEL_REGISTRATION: u64 = 16 << 20;
+
+/// Registers `region` on every rail: at once for a large region (see [`PARALLEL_REGISTRATION`]), in
+/// turn otherwise. One result per rail, in rail order.
+fn register_on_each(rails: &[Arc<RdmaShared>], region: &RegionEntry) -> Vec<Result<Option<Vec<u8>>>> {
+    if region.len() < PARALLEL_REGISTRATION {
+        return rails.iter().map(|shared| register_on(shared, region)).collect();
+    }
+    std::thread::scope(|scope| {
+        let running: Vec<_> = rails
+            .iter()
+            .map(|shared| {
+                std::thread::Builder::new()
+                    .name(format!("ferry-reg-{}", shared.device.name))
+                    .spawn_scoped(scope, || register_on(shared, region))
+            })
+            .collect();
+        running
+            .into_iter()
+            .zip(rails)
+            .map(|(thread, shared)| match thread {
+                Ok(handle) => handle.join().unwrap_or_else(|_| {
+                    Err(Error::Internal(format!(
+                        "registering on {} panicked",
+                        shared.device.name
+                    )))
+                }),
+                // No thread to spare: register from this one.
+                Err(_) => register_on(shared, region),
+            })
+            .collect()
+    })
 }
 
 /// Registers `region` on one rail; returns its key there.
@@ -529,6 +578,7 @@ impl Transport for RdmaTransport {
                     .collect::<Vec<_>>()
                     .join("; "),
                 devices,
+                rails: self.topology.report(),
             },
             Err(e) => Availability {
                 kind: TransportKind::Rdma,
@@ -536,6 +586,7 @@ impl Transport for RdmaTransport {
                 usable: false,
                 detail: e.message().to_string(),
                 devices,
+                rails: Vec::new(),
             },
         }
     }
@@ -547,9 +598,10 @@ impl Transport for RdmaTransport {
         }
         // Every rail that can: a rail that cannot leaves an empty key, and initiators spread the
         // region's slices over the others.
+        let results = register_on_each(rails, region);
         let mut keys = Vec::with_capacity(rails.len());
-        for shared in rails {
-            match register_on(shared, region) {
+        for (shared, result) in rails.iter().zip(results) {
+            match result {
                 Ok(key) => keys.push(key),
                 Err(e) => {
                     tracing::warn!(region = ?region.key(), device = %shared.device.name, error = %e, "not registered on this rail");
@@ -563,6 +615,8 @@ impl Transport for RdmaTransport {
                 region.len()
             )));
         }
+        // Registered: its first page is in memory now, on the node it will stay on.
+        self.topology.place(region.key(), region.addr() as usize as *const u8);
         Ok(Some(wire::RailKeys(keys).encode()))
     }
 
@@ -576,6 +630,7 @@ impl Transport for RdmaTransport {
         for shared in rails {
             deregister_on(shared, key);
         }
+        self.topology.forget(key);
     }
 
     fn peer_scope(&self, link: u64) -> Result<Option<Arc<dyn ferry_core::PeerScope>>> {
@@ -601,7 +656,7 @@ impl Transport for RdmaTransport {
     }
 
     fn connect<'a>(&'a self, control: &'a dyn SetupExchange) -> BoxFuture<'a, Result<Arc<dyn DataLink>>> {
-        Box::pin(async move { multirail::connect(self.rails()?, control).await })
+        Box::pin(async move { multirail::connect(self.rails()?, &self.topology, control).await })
     }
 
     fn accept(&self, setup: AcceptSetup<'_>) -> Result<(Vec<u8>, Box<dyn ferry_core::AcceptedPath>)> {

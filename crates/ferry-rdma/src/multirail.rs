@@ -8,8 +8,10 @@
 //!
 //! - **Spraying**: a batch's descriptors are cut into slices of at most
 //!   [`RdmaOptions::slice_bytes`](crate::RdmaOptions::slice_bytes) ([`DEFAULT_SLICE`] by default) and
-//!   each slice goes to the healthy rail with the fewest bytes in flight; each rail posts its share
-//!   as one batch (merged and signalled as on one rail, see [`crate::link`]).
+//!   each slice goes to the healthy rail with the fewest bytes in flight among the rails its local
+//!   memory prefers (its NUMA node's: see [`crate::topology`]), or among all rails when none of those
+//!   can take it; each rail posts its share as one batch (merged and signalled as on one rail, see
+//!   [`crate::link`]).
 //! - **Rail failure**: a rail whose share fails as a link failure (its queue pair broke, its port went
 //!   down: `PeerClosed` or `Io`, not a refusal such as `PermissionDenied`) rests, for
 //!   [`FIRST_REST`] and then twice as long each time up to [`MAX_REST`], and its share is posted
@@ -37,6 +39,7 @@ use futures::future::BoxFuture;
 
 use crate::RdmaShared;
 use crate::link::RdmaLink;
+use crate::topology::Topology;
 use crate::wire::RailKeys;
 
 /// Bytes per slice unless the options say otherwise.
@@ -48,7 +51,11 @@ pub const MAX_REST: Duration = Duration::from_secs(30);
 
 /// Sets up the link to a peer over every pair of rails it uses (see the module documentation). A
 /// link of one rail is a plain [`RdmaLink`].
-pub(crate) async fn connect(rails: &[Arc<RdmaShared>], exchange: &dyn SetupExchange) -> Result<Arc<dyn DataLink>> {
+pub(crate) async fn connect(
+    rails: &[Arc<RdmaShared>],
+    topology: &Arc<Topology>,
+    exchange: &dyn SetupExchange,
+) -> Result<Arc<dyn DataLink>> {
     let first_local = rails
         .first()
         .ok_or_else(|| Error::Unsupported("RDMA: no device open".into()))?;
@@ -58,12 +65,12 @@ pub(crate) async fn connect(rails: &[Arc<RdmaShared>], exchange: &dyn SetupExcha
     if pairs == 1 {
         return Ok(Arc::new(first));
     }
-    let mut links = vec![Rail::new(first)];
+    let mut links = vec![Rail::new(first, 0)];
     let mut notes = Vec::new();
     for i in 1..pairs {
         let (local, remote_rail) = (&rails[i % rails.len()], (i % remote) as u8);
         match RdmaLink::connect(local, exchange, remote_rail, i as u8).await {
-            Ok(link) => links.push(Rail::new(link)),
+            Ok(link) => links.push(Rail::new(link, i % rails.len())),
             Err(e) => {
                 tracing::warn!(device = %local.device.name, remote_rail, error = %e, "RDMA rail not set up");
                 notes.push(format!("rail {}->{remote_rail}: {e}", local.device.name));
@@ -77,6 +84,7 @@ pub(crate) async fn connect(rails: &[Arc<RdmaShared>], exchange: &dyn SetupExcha
     Ok(Arc::new(MultiRailLink {
         inner: Arc::new(Inner {
             rails: links,
+            topology: topology.clone(),
             control: exchange.control_link(),
             slice: first_local.options.slice_bytes,
             notes,
@@ -90,6 +98,8 @@ struct Rail {
     name: String,
     /// The peer's rail it reaches, which picks the key of a region's rail list.
     remote: usize,
+    /// This engine's rail (device) it leaves from, which the topology ranks.
+    local: usize,
     in_flight: AtomicU64,
     bytes: AtomicU64,
     errors: AtomicU64,
@@ -104,10 +114,11 @@ struct Rest {
 }
 
 impl Rail {
-    fn new(link: RdmaLink) -> Self {
+    fn new(link: RdmaLink, local: usize) -> Self {
         let name = link.rail_name();
         Rail {
             remote: link.remote_rail() as usize,
+            local,
             link,
             name,
             in_flight: AtomicU64::new(0),
@@ -183,6 +194,7 @@ fn slices(items: Vec<TransferItem>, slice: u64) -> Vec<TransferItem> {
 
 struct Inner {
     rails: Vec<Rail>,
+    topology: Arc<Topology>,
     control: Arc<dyn DataLink>,
     slice: u64,
     /// Rails that could not be set up, with why.
@@ -196,12 +208,29 @@ pub struct MultiRailLink {
 
 impl Inner {
     /// The healthy rail other than `except` with the fewest bytes in flight (counting `planned`) that
-    /// has a key for every item.
-    fn pick(&self, items: &[TransferItem], except: Option<usize>, planned: &[u64]) -> Option<usize> {
+    /// has a key for every item: one whose local device is in `near` (a mask over this engine's
+    /// rails) if any can, else any.
+    fn pick(&self, items: &[TransferItem], near: u64, except: Option<usize>, planned: &[u64]) -> Option<usize> {
+        let usable = |i: &usize| {
+            Some(*i) != except
+                && self.rails[*i].healthy()
+                && items.iter().all(|item| key_on(item, self.rails[*i].remote).is_some())
+        };
+        let load = |i: &usize| self.rails[*i].in_flight.load(Ordering::Relaxed) + planned[*i];
+        let is_near = |i: &usize| near & (1u64 << self.rails[*i].local.min(63)) != 0;
         (0..self.rails.len())
-            .filter(|&i| Some(i) != except && self.rails[i].healthy())
-            .filter(|&i| items.iter().all(|item| key_on(item, self.rails[i].remote).is_some()))
-            .min_by_key(|&i| self.rails[i].in_flight.load(Ordering::Relaxed) + planned[i])
+            .filter(is_near)
+            .filter(usable)
+            .min_by_key(load)
+            .or_else(|| (0..self.rails.len()).filter(usable).min_by_key(load))
+    }
+
+    /// The local rails preferred for the memory of `items` (all share one region in `run_on`'s use;
+    /// their first item's region decides).
+    fn near(&self, items: &[TransferItem]) -> u64 {
+        items
+            .first()
+            .map_or(u64::MAX, |item| self.topology.preferred_rails(item.local.region.key()))
     }
 
     /// `items` with each region's key on rail `rail`.
@@ -262,7 +291,7 @@ impl Inner {
                 Err(e) if rail_failure(&e) && !self.control.is_closed() => {
                     r.failed(&e);
                     let planned = vec![0; self.rails.len()];
-                    match self.pick(&items, Some(rail), &planned) {
+                    match self.pick(&items, self.near(&items), Some(rail), &planned) {
                         Some(next) => rail = next,
                         None => {
                             tracing::warn!(error = %e, "every RDMA rail failed; this share goes over TCP");
@@ -280,13 +309,24 @@ impl Inner {
         let mut shares: Vec<Vec<TransferItem>> = (0..self.rails.len()).map(|_| Vec::new()).collect();
         let mut planned = vec![0u64; self.rails.len()];
         let mut to_control = Vec::new();
+        // Slices of one region come in runs: its preferred rails are looked up once per run.
+        let mut near: Option<(ferry_core::RegionKey, u64)> = None;
         for item in slices(request.items, self.slice) {
             if item.remote_transport_key.is_none() {
                 // A region with no RDMA key at all (its NIC could not register it): the control link.
                 to_control.push(item);
                 continue;
             }
-            match self.pick(std::slice::from_ref(&item), None, &planned) {
+            let key = item.local.region.key();
+            let mask = match near {
+                Some((k, mask)) if k == key => mask,
+                _ => {
+                    let mask = self.topology.preferred_rails(key);
+                    near = Some((key, mask));
+                    mask
+                }
+            };
+            match self.pick(std::slice::from_ref(&item), mask, None, &planned) {
                 Some(rail) => {
                     planned[rail] += item.len();
                     shares[rail].push(item);
@@ -334,7 +374,7 @@ impl Inner {
                 Ok(()) => return Ok(()),
                 Err(e) if rail_failure(&e) && !self.control.is_closed() => {
                     rail.failed(&e);
-                    chosen = self.pick(&[], Some(i), &planned);
+                    chosen = self.pick(&[], u64::MAX, Some(i), &planned);
                 }
                 Err(e) => return Err(e),
             }

@@ -2,7 +2,7 @@
 //! `eth1`), named by `FERRY_RDMA_RAILS`. A batch uses both rails; a rail whose device goes down
 //! mid-stream (`ip link set eth1 down`) costs no transfer an error and no byte, and carries traffic
 //! again once it is back; with every rail down the link moves bytes over TCP; notifications follow
-//! the data written on every rail.
+//! the data written on every rail; a region's bytes go to the rails on its NUMA node first.
 //!
 //! The tests change the guest's links, so they run one at a time (the rig runs every test binary with
 //! one thread).
@@ -17,6 +17,11 @@ use ferry::{Access, Engine, Notification, Op, Peer, TransferDesc, TransportKind}
 
 /// Two engines over every rail `FERRY_RDMA_RAILS` names; `None` (after saying so) outside the rig.
 async fn rail_pair() -> Option<(Engine, Engine, Peer)> {
+    rail_pair_placed(&[]).await
+}
+
+/// [`rail_pair`], with the initiator told where its devices sit (`(device, NUMA node)`).
+async fn rail_pair_placed(nodes: &[(&str, Option<u32>)]) -> Option<(Engine, Engine, Peer)> {
     let Ok(names) = std::env::var("FERRY_RDMA_RAILS") else {
         assert!(!in_rig(), "the rig names its rails in FERRY_RDMA_RAILS");
         eprintln!("skipped: no FERRY_RDMA_RAILS (run inside `cargo xtask rig test`)");
@@ -29,7 +34,12 @@ async fn rail_pair() -> Option<(Engine, Engine, Peer)> {
             .rdma_devices(rails.clone())
     };
     let target = builder().listen("127.0.0.1:0").build().await.unwrap();
-    let initiator = builder().build().await.unwrap();
+    let initiator = nodes
+        .iter()
+        .fold(builder(), |b, &(device, node)| b.rdma_numa_node(device, node))
+        .build()
+        .await
+        .unwrap();
     let peer = initiator
         .connect(&target.local_addr().unwrap().to_string(), T)
         .await
@@ -215,4 +225,48 @@ async fn notifications_follow_the_data_of_every_rail() {
         );
     }
     assert!(peer.rails().iter().all(|r| r.bytes > 0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_region_goes_to_the_rails_on_its_numa_node_first() {
+    // The guest's memory is on node 0. Placing rxe1 there and rxe0 on a node 1 the guest does not
+    // have makes rxe1 the region's only preferred rail and rxe0 its fallback.
+    let Some((target, initiator, peer)) = rail_pair_placed(&[("rxe0", Some(1)), ("rxe1", Some(0))]).await else {
+        return;
+    };
+    let _restore = Restore(&["eth1"]);
+    const LEN: usize = 4 << 20;
+    let dst = target.alloc_host(LEN, Access::READ_WRITE).unwrap();
+    wait_for(&peer, &dst).await;
+    let src = initiator.alloc_host(LEN, Access::READ_WRITE).unwrap();
+    for round in 0..3 {
+        write_round(&initiator, &peer, &src, &dst, round).await;
+    }
+    let rails = peer.rails();
+    let bytes_on = |rails: &[ferry::RailStats], dev: &str| -> u64 {
+        rails.iter().filter(|r| r.name.starts_with(dev)).map(|r| r.bytes).sum()
+    };
+    assert_eq!(
+        bytes_on(&rails, "rxe1"),
+        3 * LEN as u64,
+        "every byte on the near rail: {rails:?}"
+    );
+    assert_eq!(bytes_on(&rails, "rxe0"), 0, "nothing on the far rail: {rails:?}");
+
+    // The near rail down: the far one carries the region rather than fail it.
+    set_link("eth1", false);
+    for round in 3..8 {
+        write_round(&initiator, &peer, &src, &dst, round).await;
+    }
+    let rails = peer.rails();
+    assert!(bytes_on(&rails, "rxe0") > 0, "the fallback rail took over: {rails:?}");
+
+    // What an engine would report here without overrides: the guest's NICs sit on no NUMA node
+    // (or on node 0, its only one), so every rail is preferred for node 0's memory.
+    let report = ferry::capabilities().rdma_rails;
+    assert!(!report.is_empty(), "{report:?}");
+    assert!(
+        report.iter().all(|r| r.source != "override" && r.preferred_for == [0]),
+        "{report:?}"
+    );
 }

@@ -122,6 +122,7 @@ impl Transport for ShmTransport {
             usable,
             detail,
             devices: Vec::new(),
+            rails: Vec::new(),
         }
     }
 

@@ -44,6 +44,7 @@ impl Transport for TcpTransport {
             usable: true,
             detail: "always available: the fallback data path and the control channel".into(),
             devices: Vec::new(),
+            rails: Vec::new(),
         }
     }
 }

@@ -16,6 +16,9 @@ pub struct Capabilities {
     pub transports: Vec<TransportInfo>,
     /// RDMA devices found (empty without the `rdma` feature).
     pub rdma_devices: Vec<String>,
+    /// The RDMA rails an engine would open here, where each sits and which NUMA nodes' memory
+    /// prefers it (the others use it as a fallback).
+    pub rdma_rails: Vec<RdmaRail>,
     /// Vulkan devices found, with their memory types and allocation paths.
     #[cfg(feature = "vulkan")]
     pub vulkan_devices: Vec<ferry_vulkan::VulkanDeviceInfo>,
@@ -35,6 +38,31 @@ pub struct TransportInfo {
     pub usable: bool,
     /// Why not, or what it uses.
     pub detail: String,
+}
+
+/// One RDMA rail's place (see [`Capabilities::rdma_rails`]).
+#[derive(Debug, Clone, Serialize)]
+pub struct RdmaRail {
+    /// Device name.
+    pub device: String,
+    /// Its NUMA node, where one is known.
+    pub numa_node: Option<u32>,
+    /// Where the node came from: "device" (its PCI function), "network device" (the link a
+    /// software device runs over), "override" (`FERRY_RDMA_NUMA`) or "unknown".
+    pub source: &'static str,
+    /// The NUMA nodes whose memory prefers this rail.
+    pub preferred_for: Vec<u32>,
+}
+
+impl From<ferry_core::RailPlace> for RdmaRail {
+    fn from(p: ferry_core::RailPlace) -> Self {
+        RdmaRail {
+            device: p.device,
+            numa_node: p.numa_node,
+            source: p.source,
+            preferred_for: p.preferred_for,
+        }
+    }
 }
 
 impl From<Availability> for TransportInfo {
@@ -63,6 +91,9 @@ pub struct TransportOptions {
     /// RDMA devices, one rail each; when empty (and `rdma_device` is `None`), those that
     /// `FERRY_RDMA_DEVICES` names (comma-separated), or else every device with an active port.
     pub rdma_devices: Vec<String>,
+    /// NUMA nodes of RDMA devices, overriding sysfs (`None`: no node); when empty, those
+    /// `FERRY_RDMA_NUMA` gives (`rxe0=0,rxe1=any`). See `ferry_rdma`'s `topology`.
+    pub rdma_numa_nodes: Vec<(String, Option<u32>)>,
     /// RDMA traffic class: 0..=255, a multiple of 4 (HIXL default 132).
     pub rdma_traffic_class: u8,
     /// RDMA service level: 0..=7 (HIXL default 4).
@@ -82,6 +113,7 @@ impl Default for TransportOptions {
         TransportOptions {
             rdma_device: None,
             rdma_devices: Vec::new(),
+            rdma_numa_nodes: Vec::new(),
             rdma_traffic_class: 132,
             rdma_service_level: 4,
             rdma_busy_poll: false,
@@ -113,7 +145,22 @@ impl TransportOptions {
                     .into(),
             ));
         }
+        #[cfg(feature = "rdma")]
+        self.numa_nodes()?;
         Ok(())
+    }
+
+    /// The RDMA devices' NUMA overrides: the options', else `FERRY_RDMA_NUMA`'s.
+    #[cfg(feature = "rdma")]
+    fn numa_nodes(&self) -> ferry_core::Result<Vec<(String, Option<u32>)>> {
+        if !self.rdma_numa_nodes.is_empty() {
+            return Ok(self.rdma_numa_nodes.clone());
+        }
+        match std::env::var("FERRY_RDMA_NUMA") {
+            Ok(text) => ferry_rdma::topology::parse_overrides(&text)
+                .map_err(|e| ferry_core::Error::InvalidArgument(format!("FERRY_RDMA_NUMA: {e}"))),
+            Err(_) => Ok(Vec::new()),
+        }
     }
 }
 
@@ -140,6 +187,10 @@ pub(crate) fn compiled_transports(options: &TransportOptions, authenticates: boo
                 })
                 .unwrap_or_default(),
         },
+        numa_nodes: options.numa_nodes().unwrap_or_else(|e| {
+            tracing::warn!(error = %e, "RDMA NUMA overrides ignored");
+            Vec::new()
+        }),
         traffic_class: options.rdma_traffic_class,
         service_level: options.rdma_service_level,
         busy_poll: options.rdma_busy_poll,
@@ -163,6 +214,7 @@ fn not_compiled(kind: TransportKind, why: &str) -> Availability {
         usable: false,
         detail: why.to_string(),
         devices: Vec::new(),
+        rails: Vec::new(),
     }
 }
 
@@ -187,11 +239,18 @@ pub fn capabilities() -> Capabilities {
         .filter(|t| t.kind == TransportKind::Rdma)
         .flat_map(|t| t.devices.clone())
         .collect();
+    let rdma_rails = transports
+        .iter()
+        .filter(|t| t.kind == TransportKind::Rdma)
+        .flat_map(|t| t.rails.clone())
+        .map(RdmaRail::from)
+        .collect();
     Capabilities {
         version: env!("CARGO_PKG_VERSION"),
         protocol_version: ferry_core::codec::VERSION,
         transports: transports.into_iter().map(Into::into).collect(),
         rdma_devices,
+        rdma_rails,
         vulkan_devices: vulkan_devices(),
     }
 }

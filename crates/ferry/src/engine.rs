@@ -202,6 +202,14 @@ impl EngineBuilder {
         self
     }
 
+    /// Says that RDMA device `device` sits on NUMA node `node` (`None`: on none), whatever sysfs says.
+    /// A region's slices go to the rails on its memory's node first; see `ferry_rdma`'s `topology`.
+    /// Without any, `FERRY_RDMA_NUMA` (`rxe0=0,rxe1=1`, `any` for no node) is read.
+    pub fn rdma_numa_node(mut self, device: impl Into<String>, node: Option<u32>) -> Self {
+        self.transport_options.rdma_numa_nodes.push((device.into(), node));
+        self
+    }
+
     /// Busy-poll RDMA completions (lower latency, one core spinning) instead of sleeping on the
     /// completion channel.
     pub fn rdma_busy_poll(mut self, on: bool) -> Self {
@@ -1141,6 +1149,7 @@ mod tests {
                 usable: true,
                 detail: "recording".into(),
                 devices: Vec::new(),
+                rails: Vec::new(),
             }
         }
         fn register_region(&self, region: &RegionEntry) -> Result<Option<Vec<u8>>> {

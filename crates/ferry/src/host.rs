@@ -5,6 +5,9 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
 use ferry_core::{Error, MemoryBlock, Result};
 
+/// Allocations from this size up ask for transparent huge pages.
+const HUGE_PAGE: usize = 2 << 20;
+
 /// Page-aligned host memory backed by an anonymous memory file.
 pub struct HostAllocation {
     ptr: *mut u8,
@@ -63,6 +66,15 @@ impl HostAllocation {
         };
         if ptr == libc::MAP_FAILED {
             return Err(os_error("mapping the memfd"));
+        }
+        if len >= HUGE_PAGE {
+            // Fewer, larger pages for a NIC to pin and map, where the kernel backs shared memory with
+            // huge pages on request (`/sys/kernel/mm/transparent_hugepage/shmem_enabled` is
+            // `advise`). Advice only: without it the memory works the same.
+            // SAFETY: advice on the mapping just made, of its own length.
+            if unsafe { libc::madvise(ptr, len, libc::MADV_HUGEPAGE) } != 0 {
+                tracing::debug!(error = %std::io::Error::last_os_error(), "no huge pages for a host allocation");
+            }
         }
         Ok(HostAllocation {
             ptr: ptr.cast(),

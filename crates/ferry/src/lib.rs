@@ -31,7 +31,7 @@ mod region;
 mod sigbus;
 mod transfer;
 
-pub use capabilities::{Capabilities, TransportInfo, TransportOptions, capabilities};
+pub use capabilities::{Capabilities, RdmaRail, TransportInfo, TransportOptions, capabilities};
 pub use engine::{
     DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_INFLIGHT_BYTES, DEFAULT_MAX_NOTIFICATION_BYTES, DEFAULT_STREAMS,
     DEREGISTER_LIMIT, Engine, EngineBuilder, PreparedTransfer, REVOKE_LIMIT,

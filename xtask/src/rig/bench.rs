@@ -8,6 +8,10 @@
 //! perftest: a fixed amount of data (64 MiB per run) keeps a run a few seconds long at rxe's tens of
 //! MB/s, whatever the message size.
 //!
+//! After the rounds, registration is measured once (`ferry register-cost`): 10,000 regions of 4 KiB and
+//! one of 128 MiB (the guest has 512 MiB), on one rail and on both (a large region is registered on
+//! every rail at once), and the large one again in transparent huge pages.
+//!
 //! Units: perftest's "BW average[MB/sec]" uses MB = 2^20 B (its format factor is 0x100000), and
 //! `--report_gbits` would print Gb/sec = 10^9 bit/s; both become GB/s = 10^9 B/s here, ferry's unit.
 
@@ -137,6 +141,15 @@ const RAILS_CASE: &str = "bench --transport rdma --op write --size 1MiB --durati
 /// The rails of the two-rail run.
 const TWO_RAILS: &str = "rxe0,rxe1";
 
+/// The registration runs: name, devices, `ferry register-cost` arguments.
+const REGISTRATION: [(&str, &str, &str); 5] = [
+    ("reg-many-1", "rxe0", "--regions 10000 --size 4KiB"),
+    ("reg-many-2", TWO_RAILS, "--regions 10000 --size 4KiB"),
+    ("reg-large-1", "rxe0", "--regions 1 --size 128MiB"),
+    ("reg-large-2", TWO_RAILS, "--regions 1 --size 128MiB"),
+    ("reg-large-2-huge", TWO_RAILS, "--regions 1 --size 128MiB --huge-pages"),
+];
+
 /// The ferry binary, or why there is none.
 enum Ferry {
     Bin(PathBuf),
@@ -203,6 +216,9 @@ pub fn run(args: &Args, guest: &Guest<'_>, timings: &mut Timings) -> Result<Exit
         let (rails, line) = rails_comparison(&outcome, args.rounds);
         complete &= rails.is_some();
         table += &line;
+        let (measured, lines) = registration_report(&outcome);
+        complete &= measured;
+        table += &lines;
     }
     if args.json {
         eprint!("{table}");
@@ -248,6 +264,36 @@ write 1MiB over two rails ({TWO_RAILS}) / over one (rxe0): {} / {} GB/s = {} (me
         line += &format!("  ERROR (rails): {e}\n");
     }
     (ratio, line)
+}
+
+/// The registration runs' lines (per region for the many small ones, per GiB for the large one),
+/// and whether every run gave a figure.
+fn registration_report(outcome: &super::boot::Outcome) -> (bool, String) {
+    let mut all = true;
+    let mut text = String::from("\nregistration (ferry register-cost, touched memory, once):\n");
+    for (name, devices, args) in REGISTRATION {
+        let figure = read_run(outcome, name).and_then(|out| {
+            let line = out.lines().find(|l| l.starts_with('{')).context("no JSON line")?;
+            let v: Value = serde_json::from_str(line).with_context(|| format!("not JSON: {line}"))?;
+            let num = |k: &str| v[k].as_f64().with_context(|| format!("no `{k}` in {line}"));
+            Ok(match v["regions"].as_u64() {
+                Some(1) => format!(
+                    "{:.0} ms per GiB ({} MiB of it in huge pages)",
+                    num("per_gib_ms")?,
+                    num("huge_bytes")? as u64 >> 20
+                ),
+                _ => format!("{:.1} µs per region", num("per_region_us")?),
+            })
+        });
+        match figure {
+            Ok(f) => text += &format!("  {args} on {devices}: {f}\n"),
+            Err(e) => {
+                all = false;
+                text += &format!("  {args} on {devices}: ERROR {e:#}\n");
+            }
+        }
+    }
+    (all, text)
 }
 
 /// `target/release/ferry` built with `--features rdma`, when ferry-cli has that feature.
@@ -366,6 +412,13 @@ ferry() {
             script += &format!("echo 'rig bench: round {round}/{rounds}: write 1MiB, two rails and one'\n");
             script += &format!("ferry rails-2-{round} env FERRY_RDMA_DEVICES={TWO_RAILS} {bin} {RAILS_CASE}\n");
             script += &format!("ferry rails-1-{round} env FERRY_RDMA_DEVICES=rxe0 {bin} {RAILS_CASE}\n");
+        }
+    }
+    if let Some(bin) = ferry {
+        let bin = sh_quote(&bin.display().to_string());
+        script += "echo 'rig bench: registration'\n";
+        for (name, devices, args) in REGISTRATION {
+            script += &format!("ferry {name} env FERRY_RDMA_DEVICES={devices} {bin} register-cost {args} --json\n");
         }
     }
     script += "exit $bad\n";
@@ -566,6 +619,11 @@ mod tests {
              --size 64KiB --duration 2s --durability persistent --target-file /dev/dax0.0 --json\n"
         ));
         assert!(script.contains("setup_devdax || bad=1"));
+        assert!(script.contains(
+            "ferry reg-large-2-huge env FERRY_RDMA_DEVICES=rxe0,rxe1 /t/ferry register-cost --regions 1 --size 128MiB \
+             --huge-pages --json\n"
+        ));
         assert!(!guest_script(1, None, &env).contains("\nferry write"));
+        assert!(!guest_script(1, None, &env).contains("register-cost"));
     }
 }
