@@ -64,6 +64,8 @@ pub struct RdmaOptions {
     pub devices: Vec<String>,
     /// Bytes of the slices a batch is cut into and spread over the rails (at least 4 KiB).
     pub slice_bytes: u64,
+    /// Queue pairs per pair of rails (1..=8): more let a NIC work on one peer's slices in parallel.
+    pub queue_pairs_per_rail: u8,
     /// NUMA nodes of devices, overriding what sysfs says (`None`: no node, so no memory prefers it
     /// over another rail); see [`topology`].
     pub numa_nodes: Vec<(String, Option<u32>)>,
@@ -95,6 +97,7 @@ impl Default for RdmaOptions {
             device: None,
             devices: Vec::new(),
             slice_bytes: multirail::DEFAULT_SLICE,
+            queue_pairs_per_rail: 1,
             numa_nodes: Vec::new(),
             traffic_class: 132,
             service_level: 4,
@@ -133,6 +136,12 @@ impl RdmaOptions {
             return Err(Error::InvalidArgument(format!(
                 "RDMA slices of {} bytes: at least 4096",
                 self.slice_bytes
+            )));
+        }
+        if !(1..=8).contains(&self.queue_pairs_per_rail) {
+            return Err(Error::InvalidArgument(format!(
+                "{} RDMA queue pairs per pair of rails: 1 to 8",
+                self.queue_pairs_per_rail
             )));
         }
         if self.max_send_wr == 0 {

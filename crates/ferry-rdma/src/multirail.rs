@@ -4,7 +4,10 @@
 //! each region on every rail; a region's advert then carries one key per rail
 //! ([`RailKeys`]). A link to a peer sets up one queue pair per pair of rails it uses: local rail `i`
 //! with the peer's rail `i mod n`, for `i` up to the larger of the two counts, so that every NIC of
-//! both ends carries traffic.
+//! both ends carries traffic; with
+//! [`RdmaOptions::queue_pairs_per_rail`](crate::RdmaOptions::queue_pairs_per_rail) above one, that many
+//! per pair, each spread to like a rail of its own (a NIC, or Soft-RoCE's kernel threads, works on
+//! several queue pairs at once where it would serialise one).
 //!
 //! - **Spraying**: a batch's descriptors are cut into slices of at most
 //!   [`RdmaOptions::slice_bytes`](crate::RdmaOptions::slice_bytes) ([`DEFAULT_SLICE`] by default) and
@@ -62,15 +65,17 @@ pub(crate) async fn connect(
     let first = RdmaLink::connect(first_local, exchange, 0, 0).await?;
     let remote = first.remote_rails().max(1) as usize;
     let pairs = rails.len().max(remote);
-    if pairs == 1 {
+    // Lanes: every pair of rails, `queue_pairs_per_rail` times over (bounded by validation to fit a u8).
+    let lanes = pairs * first_local.options.queue_pairs_per_rail.max(1) as usize;
+    if lanes == 1 {
         return Ok(Arc::new(first));
     }
-    let mut links = vec![Rail::new(first, 0)];
+    let mut links = vec![Rail::new(first, 0, 0)];
     let mut notes = Vec::new();
-    for i in 1..pairs {
+    for i in 1..lanes {
         let (local, remote_rail) = (&rails[i % rails.len()], (i % remote) as u8);
         match RdmaLink::connect(local, exchange, remote_rail, i as u8).await {
-            Ok(link) => links.push(Rail::new(link, i % rails.len())),
+            Ok(link) => links.push(Rail::new(link, i % rails.len(), i / pairs)),
             Err(e) => {
                 tracing::warn!(device = %local.device.name, remote_rail, error = %e, "RDMA rail not set up");
                 notes.push(format!("rail {}->{remote_rail}: {e}", local.device.name));
@@ -114,8 +119,13 @@ struct Rest {
 }
 
 impl Rail {
-    fn new(link: RdmaLink, local: usize) -> Self {
-        let name = link.rail_name();
+    /// Rail `link` from this engine's rail `local`; `copy` counts the queue pairs of the same pair of
+    /// rails before it (named `rxe0->1/1` and on).
+    fn new(link: RdmaLink, local: usize, copy: usize) -> Self {
+        let name = match copy {
+            0 => link.rail_name(),
+            n => format!("{}/{n}", link.rail_name()),
+        };
         Rail {
             remote: link.remote_rail() as usize,
             local,

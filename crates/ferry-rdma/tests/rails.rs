@@ -2,7 +2,8 @@
 //! `eth1`), named by `FERRY_RDMA_RAILS`. A batch uses both rails; a rail whose device goes down
 //! mid-stream (`ip link set eth1 down`) costs no transfer an error and no byte, and carries traffic
 //! again once it is back; with every rail down the link moves bytes over TCP; notifications follow
-//! the data written on every rail; a region's bytes go to the rails on its NUMA node first.
+//! the data written on every rail; a region's bytes go to the rails on its NUMA node first; a
+//! persistent write persists every rail's share; several queue pairs per pair of rails share a batch.
 //!
 //! The tests change the guest's links, so they run one at a time (the rig runs every test binary with
 //! one thread).
@@ -269,4 +270,97 @@ async fn a_region_goes_to_the_rails_on_its_numa_node_first() {
         report.iter().all(|r| r.source != "override" && r.preferred_for == [0]),
         "{report:?}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_persistent_write_persists_the_share_of_every_rail() {
+    let Some((target, initiator, peer)) = rail_pair().await else {
+        return;
+    };
+    // A file in the page cache: the target's CPU persists what each rail's flush request names.
+    const LEN: usize = 4 << 20;
+    let path = std::env::temp_dir().join(format!("ferry-rails-persist-{}", std::process::id()));
+    std::fs::write(&path, vec![0u8; LEN]).unwrap();
+    let dst = target
+        .register_file(path.to_str().unwrap(), 0, LEN, Access::READ_WRITE)
+        .unwrap();
+    wait_for(&peer, &dst).await;
+    let src = initiator.alloc_host(LEN, Access::READ_WRITE).unwrap();
+    let before_rails = rail_bytes(&peer);
+    let before = dst.persist_stats().expect("a file region counts what it persists");
+    for round in 0..3u8 {
+        let data = pattern(LEN, round);
+        src.write_at(0, &data).unwrap();
+        initiator
+            .transfer_durable(
+                &peer,
+                Op::Write,
+                &[TransferDesc::new(src.addr(), dst.addr(), LEN as u64)],
+                ferry::Durability::Persistent,
+                T,
+            )
+            .await
+            .unwrap_or_else(|e| panic!("round {round}: {e}; rails {:?}", peer.rails()));
+        assert!(std::fs::read(&path).unwrap() == data, "round {round}: the file differs");
+    }
+    let rails: Vec<u64> = rail_bytes(&peer)
+        .iter()
+        .zip(&before_rails)
+        .map(|(a, b)| a - b)
+        .collect();
+    assert!(rails.iter().all(|&b| b > 0), "both rails carried a share: {rails:?}");
+    let persisted = dst.persist_stats().unwrap().bytes - before.bytes;
+    assert_eq!(
+        persisted,
+        3 * LEN as u64,
+        "every rail's share was persisted, no more (rails {rails:?})"
+    );
+    drop(dst);
+    let _ = std::fs::remove_file(&path);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn several_queue_pairs_per_rail_share_a_batch() {
+    let Ok(names) = std::env::var("FERRY_RDMA_RAILS") else {
+        assert!(!in_rig(), "the rig names its rails in FERRY_RDMA_RAILS");
+        eprintln!("skipped: no FERRY_RDMA_RAILS (run inside `cargo xtask rig test`)");
+        return;
+    };
+    let first = names.split(',').next().unwrap().to_string();
+    let builder = || {
+        Engine::builder()
+            .transports([TransportKind::Rdma, TransportKind::Tcp])
+            .rdma_devices([first.clone()])
+            .rdma_queue_pairs_per_rail(3)
+    };
+    let target = builder().listen("127.0.0.1:0").build().await.unwrap();
+    let initiator = builder().build().await.unwrap();
+    let peer = initiator
+        .connect(&target.local_addr().unwrap().to_string(), T)
+        .await
+        .unwrap();
+    assert_eq!(peer.transport(), TransportKind::Rdma, "{:?}", peer.passed_over());
+    let names: Vec<String> = peer.rails().into_iter().map(|r| r.name).collect();
+    assert_eq!(
+        names,
+        [format!("{first}->0"), format!("{first}->0/1"), format!("{first}->0/2")],
+        "three queue pairs on the one pair of rails"
+    );
+    const LEN: usize = 4 << 20;
+    let dst = target.alloc_host(LEN, Access::READ_WRITE).unwrap();
+    wait_for(&peer, &dst).await;
+    let src = initiator.alloc_host(LEN, Access::READ_WRITE).unwrap();
+    for round in 0..3 {
+        write_round(&initiator, &peer, &src, &dst, round).await;
+    }
+    let rails = peer.rails();
+    assert!(
+        rails.iter().all(|r| r.bytes > 0 && r.errors == 0),
+        "each queue pair carried bytes: {rails:?}"
+    );
+    assert_eq!(rails.iter().map(|r| r.bytes).sum::<u64>(), 3 * LEN as u64);
+
+    // Out of range: refused when the engine is built.
+    let refused = Engine::builder().rdma_queue_pairs_per_rail(9).build().await;
+    assert!(matches!(refused, Err(ferry::Error::InvalidArgument(_))), "{refused:?}");
 }

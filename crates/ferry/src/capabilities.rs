@@ -100,6 +100,8 @@ pub struct TransportOptions {
     pub rdma_service_level: u8,
     /// Busy-poll RDMA completions instead of waiting for the completion channel.
     pub rdma_busy_poll: bool,
+    /// RDMA queue pairs per pair of rails (1..=8); when `None`, `FERRY_RDMA_QUEUE_PAIRS`, else 1.
+    pub rdma_queue_pairs_per_rail: Option<u8>,
     /// Make persistent RDMA writes persistent only this way (tests force the fallbacks with it); the
     /// best both ends support when `None`.
     pub rdma_persist_method: Option<ferry_core::PersistMethod>,
@@ -117,6 +119,7 @@ impl Default for TransportOptions {
             rdma_traffic_class: 132,
             rdma_service_level: 4,
             rdma_busy_poll: false,
+            rdma_queue_pairs_per_rail: None,
             rdma_persist_method: None,
             adr_without_ddio: false,
         }
@@ -147,7 +150,28 @@ impl TransportOptions {
         }
         #[cfg(feature = "rdma")]
         self.numa_nodes()?;
+        let qps = self.queue_pairs_per_rail()?;
+        if !(1..=8).contains(&qps) {
+            return Err(ferry_core::Error::InvalidArgument(format!(
+                "{qps} RDMA queue pairs per pair of rails: 1 to 8"
+            )));
+        }
         Ok(())
+    }
+
+    /// The options' queue pairs per pair of rails, else `FERRY_RDMA_QUEUE_PAIRS`'s, else 1.
+    fn queue_pairs_per_rail(&self) -> ferry_core::Result<u8> {
+        if let Some(n) = self.rdma_queue_pairs_per_rail {
+            return Ok(n);
+        }
+        match std::env::var("FERRY_RDMA_QUEUE_PAIRS") {
+            Ok(text) => text.trim().parse().map_err(|_| {
+                ferry_core::Error::InvalidArgument(format!(
+                    "FERRY_RDMA_QUEUE_PAIRS={text}: expected a number of queue pairs per pair of rails, 1 to 8"
+                ))
+            }),
+            Err(_) => Ok(1),
+        }
     }
 
     /// The RDMA devices' NUMA overrides: the options', else `FERRY_RDMA_NUMA`'s.
@@ -194,6 +218,7 @@ pub(crate) fn compiled_transports(options: &TransportOptions, authenticates: boo
         traffic_class: options.rdma_traffic_class,
         service_level: options.rdma_service_level,
         busy_poll: options.rdma_busy_poll,
+        queue_pairs_per_rail: options.queue_pairs_per_rail().unwrap_or(1),
         persist_method: options.rdma_persist_method,
         adr_without_ddio: options.adr_without_ddio,
         per_peer_domains: authenticates,

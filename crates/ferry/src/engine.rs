@@ -210,6 +210,13 @@ impl EngineBuilder {
         self
     }
 
+    /// RDMA queue pairs per pair of rails (1..=8, default 1, or `FERRY_RDMA_QUEUE_PAIRS`): a batch's
+    /// slices are spread over all of them, so that a NIC works on several at once.
+    pub fn rdma_queue_pairs_per_rail(mut self, n: u8) -> Self {
+        self.transport_options.rdma_queue_pairs_per_rail = Some(n);
+        self
+    }
+
     /// Busy-poll RDMA completions (lower latency, one core spinning) instead of sleeping on the
     /// completion channel.
     pub fn rdma_busy_poll(mut self, on: bool) -> Self {

@@ -8,9 +8,10 @@
 //! perftest: a fixed amount of data (64 MiB per run) keeps a run a few seconds long at rxe's tens of
 //! MB/s, whatever the message size.
 //!
+//! Each round also writes 1 MiB over both rails, over one, and over one with two queue pairs.
 //! After the rounds, registration is measured once (`ferry register-cost`): 10,000 regions of 4 KiB and
-//! one of 128 MiB (the guest has 512 MiB), on one rail and on both (a large region is registered on
-//! every rail at once), and the large one again in transparent huge pages.
+//! one of 1 GiB (the guest has 2 GiB), on one rail and on both (a large region is registered on every
+//! rail at once), and the large one again in transparent huge pages.
 //!
 //! Units: perftest's "BW average[MB/sec]" uses MB = 2^20 B (its format factor is 0x100000), and
 //! `--report_gbits` would print Gb/sec = 10^9 bit/s; both become GB/s = 10^9 B/s here, ferry's unit.
@@ -145,9 +146,9 @@ const TWO_RAILS: &str = "rxe0,rxe1";
 const REGISTRATION: [(&str, &str, &str); 5] = [
     ("reg-many-1", "rxe0", "--regions 10000 --size 4KiB"),
     ("reg-many-2", TWO_RAILS, "--regions 10000 --size 4KiB"),
-    ("reg-large-1", "rxe0", "--regions 1 --size 128MiB"),
-    ("reg-large-2", TWO_RAILS, "--regions 1 --size 128MiB"),
-    ("reg-large-2-huge", TWO_RAILS, "--regions 1 --size 128MiB --huge-pages"),
+    ("reg-large-1", "rxe0", "--regions 1 --size 1GiB"),
+    ("reg-large-2", TWO_RAILS, "--regions 1 --size 1GiB"),
+    ("reg-large-2-huge", TWO_RAILS, "--regions 1 --size 1GiB --huge-pages"),
 ];
 
 /// The ferry binary, or why there is none.
@@ -236,34 +237,41 @@ pub fn run(args: &Args, guest: &Guest<'_>, timings: &mut Timings) -> Result<Exit
     })
 }
 
-/// Two rails against one (write 1MiB, the median over rounds of each); returns the ratio and the
-/// report's line. Under TCG the rails share the guest's two vCPUs: the ratio shows that both carry
-/// traffic and what spreading costs, not what two NICs would give.
+/// Two rails against one, and two queue pairs on one rail against one (write 1MiB, the median over
+/// rounds of each); returns the two-rail ratio and the report's lines. Under TCG the rails share the
+/// guest's two vCPUs: the ratios show that both carry traffic and what spreading costs, not what two
+/// NICs would give.
 fn rails_comparison(outcome: &super::boot::Outcome, rounds: u32) -> (Option<f64>, String) {
-    let median = |rails: u32| {
+    let median = |prefix: &str| {
         let mut samples = Samples::default();
         for round in 1..=rounds {
-            let name = format!("rails-{rails}-{round}");
+            let name = format!("{prefix}-{round}");
             samples
                 .add(read_run(outcome, &name).and_then(|out| parse_ferry(&out, "write", 1 << 20).map(|r| r.gb_per_s)));
         }
         (samples.median(), samples.error)
     };
-    let ((two, two_error), (one, one_error)) = (median(2), median(1));
-    let ratio = two.zip(one).filter(|(_, one)| *one > 0.0).map(|(two, one)| two / one);
+    let ((two, two_error), (one, one_error), (qps, qps_error)) =
+        (median("rails-2"), median("rails-1"), median("qps-2"));
+    let ratio = |a: Option<f64>| a.zip(one).filter(|(_, one)| *one > 0.0).map(|(a, one)| a / one);
     let show = |v: Option<f64>| v.map_or_else(|| "-".to_owned(), |v| format!("{v:.3}"));
+    let show_ratio = |r: Option<f64>| r.map_or_else(|| "-".to_owned(), |r| format!("{r:.2}"));
     let mut line = format!(
         "
 write 1MiB over two rails ({TWO_RAILS}) / over one (rxe0): {} / {} GB/s = {} (medians over {rounds} round(s); \
-         1.3 or more is expected with two vCPUs)\n",
+         1.3 or more is expected with two vCPUs)
+write 1MiB over one rail with two queue pairs / with one: {} / {} GB/s = {}\n",
         show(two),
         show(one),
-        ratio.map_or_else(|| "-".to_owned(), |r| format!("{r:.2}"))
+        show_ratio(ratio(two)),
+        show(qps),
+        show(one),
+        show_ratio(ratio(qps)),
     );
-    for e in [two_error, one_error].into_iter().flatten() {
+    for e in [two_error, one_error, qps_error].into_iter().flatten() {
         line += &format!("  ERROR (rails): {e}\n");
     }
-    (ratio, line)
+    (ratio(two).filter(|_| ratio(qps).is_some()), line)
 }
 
 /// The registration runs' lines (per region for the many small ones, per GiB for the large one),
@@ -412,6 +420,9 @@ ferry() {
             script += &format!("echo 'rig bench: round {round}/{rounds}: write 1MiB, two rails and one'\n");
             script += &format!("ferry rails-2-{round} env FERRY_RDMA_DEVICES={TWO_RAILS} {bin} {RAILS_CASE}\n");
             script += &format!("ferry rails-1-{round} env FERRY_RDMA_DEVICES=rxe0 {bin} {RAILS_CASE}\n");
+            script += &format!(
+                "ferry qps-2-{round} env FERRY_RDMA_DEVICES=rxe0 FERRY_RDMA_QUEUE_PAIRS=2 {bin} {RAILS_CASE}\n"
+            );
         }
     }
     if let Some(bin) = ferry {
@@ -620,7 +631,7 @@ mod tests {
         ));
         assert!(script.contains("setup_devdax || bad=1"));
         assert!(script.contains(
-            "ferry reg-large-2-huge env FERRY_RDMA_DEVICES=rxe0,rxe1 /t/ferry register-cost --regions 1 --size 128MiB \
+            "ferry reg-large-2-huge env FERRY_RDMA_DEVICES=rxe0,rxe1 /t/ferry register-cost --regions 1 --size 1GiB \
              --huge-pages --json\n"
         ));
         assert!(!guest_script(1, None, &env).contains("\nferry write"));

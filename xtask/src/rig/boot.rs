@@ -24,6 +24,8 @@ use super::{Layout, Prepared, Timings};
 
 /// The kernel command line: serial console, quiet, reboot on panic (which `-no-reboot` turns into exit).
 const APPEND: &str = "console=ttyS0 quiet loglevel=3 panic=-1";
+/// The guest's memory (qemu `-m`).
+const GUEST_MEMORY: &str = "2G";
 
 /// Where the guest's console goes.
 #[derive(Clone, Copy)]
@@ -290,8 +292,9 @@ impl<'a> Guest<'a> {
         let (accel, cpu) = accelerator();
         let mut cmd = Command::new("qemu-system-x86_64");
         cmd.args(["-accel", accel, "-cpu", cpu, "-smp", "2"]);
+        // Memory is allocated as the guest touches it; 2 GiB leaves room for registering 1 GiB at once.
         if self.devices.nvdimm.is_none() {
-            cmd.args(["-m", "512M"]);
+            cmd.args(["-m", GUEST_MEMORY]);
         }
         cmd.arg("-kernel")
             .arg(self.prepared.kernel.boot_image())
@@ -312,13 +315,18 @@ impl<'a> Guest<'a> {
             ));
         if let Some(image) = &self.devices.nvdimm {
             let size = fs::metadata(image).map(|m| m.len()).unwrap_or(0);
-            cmd.args(["-machine", "pc,nvdimm=on", "-m", "512M,slots=2,maxmem=4G"])
-                .arg("-object")
-                .arg(format!(
-                    "memory-backend-file,id=pmem0,share=on,mem-path={},size={size}",
-                    escape(image)
-                ))
-                .args(["-device", "nvdimm,memdev=pmem0,id=nvdimm0"]);
+            cmd.args([
+                "-machine",
+                "pc,nvdimm=on",
+                "-m",
+                &format!("{GUEST_MEMORY},slots=2,maxmem=6G"),
+            ])
+            .arg("-object")
+            .arg(format!(
+                "memory-backend-file,id=pmem0,share=on,mem-path={},size={size}",
+                escape(image)
+            ))
+            .args(["-device", "nvdimm,memdev=pmem0,id=nvdimm0"]);
         }
         if let Some(disk) = &self.devices.disk {
             cmd.arg("-drive")
