@@ -100,6 +100,7 @@ const fn write(size: &'static str, batch: u32, streams: Option<u32>, depth: Opti
         prepared: false,
         tls: Tls::Off,
         transport: None,
+        metrics: false,
     }
 }
 
@@ -169,6 +170,14 @@ const MEASURES: &[Measure] = &[
         probe: Probe::Ucx,
     },
     ferry("ferry write 4KiB x256", write("4KiB", 256, None, None), Metric::GbPerS),
+    ferry(
+        "ferry write 4KiB x256, metrics",
+        FerryCase {
+            metrics: true,
+            ..write("4KiB", 256, None, None)
+        },
+        Metric::GbPerS,
+    ),
     ferry("ferry write 1MiB x8", write("1MiB", 8, None, None), Metric::GbPerS),
     ferry("ferry KV 64KiB x256 scattered", kv_blocks("64KiB", 256), Metric::GbPerS),
     ferry("ferry KV 16KiB x128 scattered", kv_blocks("16KiB", 128), Metric::GbPerS),
@@ -186,6 +195,14 @@ const MEASURES: &[Measure] = &[
         Metric::GbPerS,
     ),
     ferry("ferry 64 B p50", WRITE_64B, Metric::P50Us),
+    ferry(
+        "ferry 64 B p50, metrics",
+        FerryCase {
+            metrics: true,
+            ..WRITE_64B
+        },
+        Metric::P50Us,
+    ),
     ferry(
         "ferry 64 B p50, mutual TLS",
         FerryCase {
@@ -407,6 +424,24 @@ const COMPARISONS: &[Comparison] = &[
         peer_scale: 1.0,
         unit: Unit::GbPerS,
         target: Target::Info,
+    },
+    Comparison {
+        id: "y",
+        name: "write 4KiB x256, metrics on / off",
+        ferry: "ferry write 4KiB x256, metrics",
+        peer: Some("ferry write 4KiB x256"),
+        peer_scale: 1.0,
+        unit: Unit::GbPerS,
+        target: Target::RatioAtLeast(0.97),
+    },
+    Comparison {
+        id: "z",
+        name: "64 B p50 round trip, metrics on / off",
+        ferry: "ferry 64 B p50, metrics",
+        peer: Some("ferry 64 B p50"),
+        peer_scale: 1.0,
+        unit: Unit::Micros,
+        target: Target::RatioAtMost(1.03),
     },
     Comparison {
         id: "x",

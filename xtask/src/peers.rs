@@ -45,6 +45,8 @@ pub struct FerryCase {
     pub tls: Tls,
     /// `--transport` ("tcp", ferry bench's default, when `None`).
     pub transport: Option<&'static str>,
+    /// `--metrics`: the initiator keeps Prometheus metrics.
+    pub metrics: bool,
 }
 
 /// How a bench case authenticates its link.
@@ -81,6 +83,9 @@ impl FerryCase {
         }
         if self.prepared {
             args.push("--prepared".into());
+        }
+        if self.metrics {
+            args.push("--metrics".into());
         }
         match self.tls {
             Tls::Off => {}

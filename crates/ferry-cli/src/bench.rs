@@ -70,6 +70,9 @@ pub struct Args {
     /// (`Engine::transfer_prepared`), instead of resolving its descriptors on every transfer.
     #[arg(long)]
     prepared: bool,
+    /// Keep the initiator engine's metrics (`EngineBuilder::metrics`), to measure what they cost.
+    #[arg(long)]
+    metrics: bool,
     /// The file the in-process target registers as persistent memory (created or extended as
     /// needed); a temporary file by default. Only with --durability persistent or both.
     #[arg(long)]
@@ -218,6 +221,10 @@ async fn setup(args: &Args, max_bytes: u64) -> anyhow::Result<Setup> {
         .buffer_pool(&args.buffer_pool);
     if let Some(tls) = initiator_tls {
         initiator = initiator.tls(tls);
+    }
+    if args.metrics {
+        // Nothing scrapes it: the engine keeps counting into the metrics the registry held.
+        initiator = initiator.metrics(&mut ferry::prometheus_client::registry::Registry::default());
     }
     let initiator = initiator.build().await.context("starting the initiator engine")?;
     let (target, addr) = match &args.peer {

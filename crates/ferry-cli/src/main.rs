@@ -9,6 +9,7 @@
 
 mod bench;
 mod info;
+mod metrics_http;
 mod register;
 mod serve;
 mod tls;

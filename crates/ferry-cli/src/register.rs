@@ -1,8 +1,9 @@
 //! `ferry register-cost`: what registering memory costs on this host's transports, per region and per
 //! GiB. The memory is allocated and touched first (an application registers memory it filled), then
 //! timed while the engine registers it as regions of `--size`, then while it deregisters them.
-//! `--huge-pages` asks the kernel for transparent huge pages on that memory first (`MADV_HUGEPAGE`):
-//! a NIC then pins and maps one 2 MiB page where it would take 512 small ones.
+//! `--pages huge` asks the kernel for transparent huge pages on that memory first (`MADV_HUGEPAGE`):
+//! a NIC then pins and maps one 2 MiB page where it would take 512 small ones; `--pages small` forbids
+//! them (`MADV_NOHUGEPAGE`); by default the kernel's setting decides.
 
 use std::time::Instant;
 
@@ -23,9 +24,10 @@ pub struct Args {
     /// Bytes per region (4KiB, 64KiB, 1GiB…).
     #[arg(long, default_value = "64KiB", value_parser = parse_size)]
     size: u64,
-    /// Back the memory with transparent huge pages where the kernel allows it.
-    #[arg(long)]
-    huge_pages: bool,
+    /// Back the memory with transparent huge pages (`huge`, where the kernel allows them) or only
+    /// with small pages (`small`); the kernel's setting decides when omitted.
+    #[arg(long, value_parser = ["huge", "small"])]
+    pages: Option<String>,
     /// Print one JSON object instead of a line.
     #[arg(long)]
     json: bool,
@@ -37,7 +39,7 @@ struct Report {
     rails: usize,
     regions: usize,
     size: u64,
-    huge_pages: bool,
+    pages: String,
     /// Bytes of the memory the kernel backs with huge pages (`AnonHugePages` of its mapping).
     huge_bytes: u64,
     register_s: f64,
@@ -57,7 +59,7 @@ struct Mapping {
 unsafe impl Send for Mapping {}
 
 impl Mapping {
-    fn new(len: usize, huge: bool) -> anyhow::Result<Self> {
+    fn new(len: usize, pages: Option<&str>) -> anyhow::Result<Self> {
         // SAFETY: a fresh private anonymous mapping; the kernel picks the address.
         let ptr = unsafe {
             libc::mmap(
@@ -77,10 +79,18 @@ impl Mapping {
             );
         }
         let mapping = Mapping { ptr: ptr.cast(), len };
+        let advice = match pages {
+            Some("huge") => Some(libc::MADV_HUGEPAGE),
+            Some(_) => Some(libc::MADV_NOHUGEPAGE),
+            None => None,
+        };
         // SAFETY: advice on the mapping just made, of its own length.
-        if huge && unsafe { libc::madvise(ptr, len, libc::MADV_HUGEPAGE) } != 0 {
+        if let Some(advice) = advice
+            && unsafe { libc::madvise(ptr, len, advice) } != 0
+        {
             bail!(
-                "asking for huge pages: {} (is /sys/kernel/mm/transparent_hugepage/enabled `never`?)",
+                "advising {:?} pages: {} (is /sys/kernel/mm/transparent_hugepage/enabled `never`?)",
+                pages,
                 std::io::Error::last_os_error()
             );
         }
@@ -132,7 +142,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         bail!("{want} is not usable here (see `ferry info`)");
     }
     let rails = ferry::capabilities().rdma_rails.len().max(1);
-    let memory = Mapping::new(len, args.huge_pages)?;
+    let memory = Mapping::new(len, args.pages.as_deref())?;
     let huge_bytes = memory.huge_bytes();
 
     let started = Instant::now();
@@ -162,7 +172,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         rails: if want == TransportKind::Rdma { rails } else { 1 },
         regions: args.regions,
         size: args.size,
-        huge_pages: args.huge_pages,
+        pages: args.pages.clone().unwrap_or_else(|| "default".into()),
         huge_bytes,
         register_s,
         per_region_us: register_s * 1e6 / args.regions as f64,

@@ -1,5 +1,6 @@
 //! `ferry serve`: a target engine with one registered region, until interrupted: host memory, or with
-//! `--file` a persistent region on that file (writes to it may ask for durability persistent).
+//! `--file` a persistent region on that file (writes to it may ask for durability persistent); with
+//! `--metrics ADDR`, its Prometheus metrics at `http://ADDR/metrics`.
 
 use anyhow::Context;
 use ferry::{Access, Engine};
@@ -37,6 +38,9 @@ pub struct Args {
     /// With TLS: let every authenticated peer read and write the region.
     #[arg(long)]
     grant_all: bool,
+    /// Serve Prometheus metrics (OpenMetrics text) at http://ADDR/metrics.
+    #[arg(long, value_name = "ADDR")]
+    metrics: Option<String>,
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
@@ -53,7 +57,20 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     if let Some(tls) = tls {
         builder = builder.tls(tls);
     }
+    let mut registry = ferry::prometheus_client::registry::Registry::default();
+    let scrapes = match &args.metrics {
+        Some(addr) => {
+            builder = builder.metrics(&mut registry);
+            Some(crate::metrics_http::bind(addr).await?)
+        }
+        None => None,
+    };
     let engine = builder.build().await.context("starting the engine")?;
+    let mut metrics_note = String::new();
+    if let Some(listener) = scrapes {
+        metrics_note = format!(" metrics http://{}/metrics", listener.local_addr()?);
+        tokio::spawn(crate::metrics_http::serve(listener, std::sync::Arc::new(registry)));
+    }
     let len = usize::try_from(args.region_size).context("region size does not fit this machine")?;
     let region = match &args.file {
         None if args.caller_owned => engine
@@ -112,7 +129,10 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         true => "per-peer".to_string(),
         false => format!("{:#x}", region.addr()),
     };
-    println!("listening on {addr} region {shown} {}", format_size(region.len()));
+    println!(
+        "listening on {addr} region {shown} {}{metrics_note}",
+        format_size(region.len())
+    );
     // Nobody reads notifications here: log and drop them, so that they hold no memory.
     let mut notifications = engine.notifications();
     tokio::spawn(async move {

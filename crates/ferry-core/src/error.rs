@@ -251,6 +251,25 @@ pub enum ErrorCode {
 }
 
 impl ErrorCode {
+    /// The code's name in snake case ("timeout", "peer_closed"), for logs and metric labels.
+    pub fn name(self) -> &'static str {
+        use ErrorCode::*;
+        match self {
+            InvalidArgument => "invalid_argument",
+            Timeout => "timeout",
+            NotConnected => "not_connected",
+            AlreadyConnected => "already_connected",
+            ResourceExhausted => "resource_exhausted",
+            Unsupported => "unsupported",
+            PermissionDenied => "permission_denied",
+            OutOfBounds => "out_of_bounds",
+            PeerClosed => "peer_closed",
+            Protocol => "protocol",
+            Io => "io",
+            Internal => "internal",
+        }
+    }
+
     /// Parses a wire code; `None` for codes this version does not know.
     pub fn from_u16(v: u16) -> Option<Self> {
         use ErrorCode::*;

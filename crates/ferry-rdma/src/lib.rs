@@ -66,6 +66,9 @@ pub struct RdmaOptions {
     pub slice_bytes: u64,
     /// Queue pairs per pair of rails (1..=8): more let a NIC work on one peer's slices in parallel.
     pub queue_pairs_per_rail: u8,
+    /// Register a large region on every rail at once, a thread per rail (see
+    /// [`PARALLEL_REGISTRATION`]); in turn when `false`.
+    pub parallel_registration: bool,
     /// NUMA nodes of devices, overriding what sysfs says (`None`: no node, so no memory prefers it
     /// over another rail); see [`topology`].
     pub numa_nodes: Vec<(String, Option<u32>)>,
@@ -98,6 +101,7 @@ impl Default for RdmaOptions {
             devices: Vec::new(),
             slice_bytes: multirail::DEFAULT_SLICE,
             queue_pairs_per_rail: 1,
+            parallel_registration: true,
             numa_nodes: Vec::new(),
             traffic_class: 132,
             service_level: 4,
@@ -438,7 +442,8 @@ pub const PARALLEL_REGISTRATION: u64 = 16 << 20;
 /// Registers `region` on every rail: at once for a large region (see [`PARALLEL_REGISTRATION`]), in
 /// turn otherwise. One result per rail, in rail order.
 fn register_on_each(rails: &[Arc<RdmaShared>], region: &RegionEntry) -> Vec<Result<Option<Vec<u8>>>> {
-    if region.len() < PARALLEL_REGISTRATION {
+    let parallel = rails.first().is_some_and(|s| s.options.parallel_registration);
+    if region.len() < PARALLEL_REGISTRATION || !parallel {
         return rails.iter().map(|shared| register_on(shared, region)).collect();
     }
     std::thread::scope(|scope| {

@@ -102,6 +102,9 @@ pub struct TransportOptions {
     pub rdma_busy_poll: bool,
     /// RDMA queue pairs per pair of rails (1..=8); when `None`, `FERRY_RDMA_QUEUE_PAIRS`, else 1.
     pub rdma_queue_pairs_per_rail: Option<u8>,
+    /// Register large regions on every RDMA rail at once (a thread per rail); when `None`, as
+    /// `FERRY_RDMA_PARALLEL_REGISTRATION` says (`0` or `1`), else at once.
+    pub rdma_parallel_registration: Option<bool>,
     /// Make persistent RDMA writes persistent only this way (tests force the fallbacks with it); the
     /// best both ends support when `None`.
     pub rdma_persist_method: Option<ferry_core::PersistMethod>,
@@ -120,6 +123,7 @@ impl Default for TransportOptions {
             rdma_service_level: 4,
             rdma_busy_poll: false,
             rdma_queue_pairs_per_rail: None,
+            rdma_parallel_registration: None,
             rdma_persist_method: None,
             adr_without_ddio: false,
         }
@@ -219,6 +223,9 @@ pub(crate) fn compiled_transports(options: &TransportOptions, authenticates: boo
         service_level: options.rdma_service_level,
         busy_poll: options.rdma_busy_poll,
         queue_pairs_per_rail: options.queue_pairs_per_rail().unwrap_or(1),
+        parallel_registration: options
+            .rdma_parallel_registration
+            .unwrap_or_else(|| std::env::var("FERRY_RDMA_PARALLEL_REGISTRATION").map_or(true, |v| v.trim() != "0")),
         persist_method: options.rdma_persist_method,
         adr_without_ddio: options.adr_without_ddio,
         per_peer_domains: authenticates,

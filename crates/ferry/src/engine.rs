@@ -14,6 +14,7 @@ use ferry_core::{
 };
 use ferry_tcp::{CoalescePool, LinkConfig, LocalIdentity, ServerConfig, TcpLink, TcpServer, TlsConfig};
 use futures::stream::BoxStream;
+use tracing::Instrument;
 
 use crate::capabilities::TransportOptions;
 use crate::host::HostAllocation;
@@ -49,6 +50,7 @@ pub struct EngineBuilder {
     transport_options: TransportOptions,
     allowed: Option<Vec<TransportKind>>,
     tls: Option<TlsConfig>,
+    metrics: Option<crate::metrics::Metrics>,
 }
 
 impl Default for EngineBuilder {
@@ -69,6 +71,7 @@ impl Default for EngineBuilder {
             transport_options: TransportOptions::default(),
             allowed: None,
             tls: None,
+            metrics: None,
         }
     }
 }
@@ -210,6 +213,14 @@ impl EngineBuilder {
         self
     }
 
+    /// Registers the engine's metrics in `registry`, under `ferry_` (see [`crate::metrics`]): transfers
+    /// this engine posts, by peer, transport and operation, and its links, regions and notifications,
+    /// read at each scrape. Without it the engine keeps no metrics.
+    pub fn metrics(mut self, registry: &mut prometheus_client::registry::Registry) -> Self {
+        self.metrics = Some(crate::metrics::Metrics::register(registry));
+        self
+    }
+
     /// RDMA queue pairs per pair of rails (1..=8, default 1, or `FERRY_RDMA_QUEUE_PAIRS`): a batch's
     /// slices are spread over all of them, so that a NIC works on several at once.
     pub fn rdma_queue_pairs_per_rail(mut self, n: u8) -> Self {
@@ -319,18 +330,20 @@ impl EngineBuilder {
             None => None,
         };
         let pool = CoalescePool::new(self.buffer_pool);
-        Ok(Engine {
-            inner: Arc::new(Inner {
-                ctx,
-                server,
-                transports,
-                peers: Mutex::new(HashMap::new()),
-                notifications,
-                pool,
-                revoking: tokio::sync::Mutex::new(()),
-                options: self,
-            }),
-        })
+        let inner = Arc::new(Inner {
+            ctx,
+            server,
+            transports,
+            peers: Mutex::new(HashMap::new()),
+            notifications,
+            pool,
+            revoking: tokio::sync::Mutex::new(()),
+            options: self,
+        });
+        if let Some(metrics) = &inner.options.metrics {
+            metrics.attach(&inner);
+        }
+        Ok(Engine { inner })
     }
 }
 
@@ -546,6 +559,7 @@ impl Engine {
             if let Some(note) = data.fallback_note() {
                 passed_over.push((data.kind(), note));
             }
+            let data_kind = data.kind();
             let peer = Peer {
                 inner: Arc::new(PeerInner {
                     addr,
@@ -555,6 +569,12 @@ impl Engine {
                     passed_over,
                     owner: self.inner.ctx.engine_id,
                     listed: std::sync::atomic::AtomicBool::new(true),
+                    metrics: self
+                        .inner
+                        .options
+                        .metrics
+                        .as_ref()
+                        .map(|m| m.link(&addr.to_string(), data_kind)),
                     _slot: slot,
                 }),
             };
@@ -876,13 +896,43 @@ impl Engine {
 
 async fn run_with_timeout(peer: &Peer, request: TransferRequest, timeout: Duration) -> Result<()> {
     let n = request.items.len();
-    match tokio::time::timeout(timeout, peer.inner.data.transfer(request)).await {
+    let op = request.op;
+    let span = tracing::debug_span!(
+        "transfer",
+        op = ?op,
+        peer = %peer.addr(),
+        transport = %peer.transport(),
+        descriptors = n,
+        bytes = tracing::field::Empty,
+        outcome = tracing::field::Empty,
+    );
+    // Only what a metric or an enabled span reads is worked out.
+    let bytes = match (&peer.inner.metrics, span.is_disabled()) {
+        (None, true) => 0,
+        _ => request.items.iter().map(|i| i.len()).sum(),
+    };
+    span.record("bytes", bytes);
+    let started = peer.inner.metrics.as_ref().map(|_| std::time::Instant::now());
+    let result = match tokio::time::timeout(timeout, peer.inner.data.transfer(request))
+        .instrument(span.clone())
+        .await
+    {
         Ok(r) => r,
         Err(_) => Err(Error::Timeout(format!(
             "a batch of {n} descriptors to {} did not complete within {timeout:?}",
             peer.addr()
         ))),
+    };
+    if let (Some(metrics), Some(started)) = (&peer.inner.metrics, started) {
+        metrics.record(op, n, bytes, started.elapsed(), &result);
     }
+    if !span.is_disabled() {
+        match &result {
+            Ok(()) => span.record("outcome", "ok"),
+            Err(e) => span.record("outcome", e.code().name()),
+        };
+    }
+    result
 }
 
 /// How long deregistration waits for the accesses to a region still in progress once its access
@@ -897,6 +947,28 @@ pub const DEREGISTER_LIMIT: Duration = Duration::from_secs(5);
 pub const REVOKE_LIMIT: Duration = Duration::from_secs(5);
 
 impl Inner {
+    /// The engine's state, for a metrics scrape.
+    pub(crate) fn state(&self) -> crate::metrics::EngineState {
+        let (notifications_received, notifications_queued, notifications_queued_bytes) = self.notifications.counts();
+        let mut state = crate::metrics::EngineState {
+            incoming_links: self.ctx.incoming.used(),
+            outgoing_links: self.ctx.outgoing.used(),
+            notifications_received,
+            notifications_queued,
+            notifications_queued_bytes,
+            ..Default::default()
+        };
+        if let Ok(table) = self.ctx.regions.read() {
+            state.regions = table.len();
+            state.registered_bytes = table.total_bytes();
+            for stats in table.entries().filter_map(|e| e.block().persist_stats()) {
+                state.persisted_bytes += stats.bytes;
+                state.persist_seconds += stats.nanos as f64 / 1e9;
+            }
+        }
+        state
+    }
+
     /// Whether links are authenticated, and so whether regions have grants.
     pub(crate) fn authenticates(&self) -> bool {
         self.options.tls.is_some()

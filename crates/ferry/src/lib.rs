@@ -25,6 +25,7 @@ mod capabilities;
 mod engine;
 mod file;
 mod host;
+pub mod metrics;
 mod notify;
 mod peer;
 mod region;
@@ -45,6 +46,9 @@ pub use ferry_tcp::TlsConfig;
 pub use file::{FileMapping, FlushMethod};
 pub use host::HostAllocation;
 pub use peer::Peer;
+/// The metrics library [`EngineBuilder::metrics`] registers into, re-exported so that an application
+/// uses the same version.
+pub use prometheus_client;
 pub use region::Region;
 pub use transfer::{TransferHandle, TransferStatus};
 

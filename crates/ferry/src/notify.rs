@@ -24,6 +24,8 @@ struct State {
 /// Notifications received and not yet taken.
 pub(crate) struct NotificationQueue {
     state: Mutex<State>,
+    /// Notifications queued since the engine started.
+    received: std::sync::atomic::AtomicU64,
     wake: tokio::sync::Notify,
     max_per_link: usize,
     max_bytes: usize,
@@ -46,6 +48,7 @@ impl NotificationQueue {
     pub(crate) fn new(max_per_link: usize, max_bytes: usize) -> Arc<Self> {
         Arc::new(NotificationQueue {
             state: Mutex::default(),
+            received: Default::default(),
             wake: tokio::sync::Notify::new(),
             max_per_link,
             max_bytes,
@@ -60,6 +63,12 @@ impl NotificationQueue {
         }
         s.bytes -= weight(&n);
         Some(n)
+    }
+
+    /// Notifications queued since the start, waiting now, and what the waiting ones weigh.
+    pub(crate) fn counts(&self) -> (u64, usize, usize) {
+        let (queued, bytes) = self.state.lock().map(|s| (s.items.len(), s.bytes)).unwrap_or((0, 0));
+        (self.received.load(std::sync::atomic::Ordering::Relaxed), queued, bytes)
     }
 
     fn has_items(&self) -> bool {
@@ -136,6 +145,7 @@ impl Notifier for NotificationQueue {
         s.bytes += weight;
         s.items.push_back((link, received));
         drop(s);
+        self.received.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.wake.notify_waiters();
         Ok(())
     }

@@ -23,6 +23,8 @@ pub(crate) struct PeerInner {
     pub(crate) owner: u64,
     /// Whether it is in its engine's peer table (false once disconnected or replaced).
     pub(crate) listed: std::sync::atomic::AtomicBool,
+    /// Its transfer counters, on an engine that keeps metrics.
+    pub(crate) metrics: Option<crate::metrics::LinkMetrics>,
     pub(crate) _slot: ferry_core::LinkSlot,
 }
 

@@ -10,8 +10,8 @@
 //!
 //! Each round also writes 1 MiB over both rails, over one, and over one with two queue pairs.
 //! After the rounds, registration is measured once (`ferry register-cost`): 10,000 regions of 4 KiB and
-//! one of 1 GiB (the guest has 2 GiB), on one rail and on both (a large region is registered on every
-//! rail at once), and the large one again in transparent huge pages.
+//! one of 1 GiB (the guest has 2 GiB) in small pages and in transparent huge pages, on one rail and on
+//! both (a large region is registered on every rail at once, and once more in turn).
 //!
 //! Units: perftest's "BW average[MB/sec]" uses MB = 2^20 B (its format factor is 0x100000), and
 //! `--report_gbits` would print Gb/sec = 10^9 bit/s; both become GB/s = 10^9 B/s here, ferry's unit.
@@ -142,13 +142,32 @@ const RAILS_CASE: &str = "bench --transport rdma --op write --size 1MiB --durati
 /// The rails of the two-rail run.
 const TWO_RAILS: &str = "rxe0,rxe1";
 
-/// The registration runs: name, devices, `ferry register-cost` arguments.
-const REGISTRATION: [(&str, &str, &str); 5] = [
-    ("reg-many-1", "rxe0", "--regions 10000 --size 4KiB"),
-    ("reg-many-2", TWO_RAILS, "--regions 10000 --size 4KiB"),
-    ("reg-large-1", "rxe0", "--regions 1 --size 1GiB"),
-    ("reg-large-2", TWO_RAILS, "--regions 1 --size 1GiB"),
-    ("reg-large-2-huge", TWO_RAILS, "--regions 1 --size 1GiB --huge-pages"),
+/// The registration runs: name, devices, whether a large region is registered on the rails at once,
+/// `ferry register-cost` arguments.
+const REGISTRATION: [(&str, &str, bool, &str); 8] = [
+    ("reg-many-1", "rxe0", true, "--regions 10000 --size 4KiB"),
+    ("reg-many-2", TWO_RAILS, true, "--regions 10000 --size 4KiB"),
+    ("reg-large-1", "rxe0", true, "--regions 1 --size 1GiB --pages small"),
+    ("reg-large-1-huge", "rxe0", true, "--regions 1 --size 1GiB --pages huge"),
+    ("reg-large-2", TWO_RAILS, true, "--regions 1 --size 1GiB --pages small"),
+    (
+        "reg-large-2-serial",
+        TWO_RAILS,
+        false,
+        "--regions 1 --size 1GiB --pages small",
+    ),
+    (
+        "reg-large-2-huge",
+        TWO_RAILS,
+        true,
+        "--regions 1 --size 1GiB --pages huge",
+    ),
+    (
+        "reg-large-2-huge-serial",
+        TWO_RAILS,
+        false,
+        "--regions 1 --size 1GiB --pages huge",
+    ),
 ];
 
 /// The ferry binary, or why there is none.
@@ -279,7 +298,12 @@ write 1MiB over one rail with two queue pairs / with one: {} / {} GB/s = {}\n",
 fn registration_report(outcome: &super::boot::Outcome) -> (bool, String) {
     let mut all = true;
     let mut text = String::from("\nregistration (ferry register-cost, touched memory, once):\n");
-    for (name, devices, args) in REGISTRATION {
+    for (name, devices, parallel, args) in REGISTRATION {
+        let devices = match (parallel, devices.contains(',')) {
+            (false, _) => format!("{devices}, in turn"),
+            (true, true) => format!("{devices}, at once"),
+            (true, false) => devices.to_string(),
+        };
         let figure = read_run(outcome, name).and_then(|out| {
             let line = out.lines().find(|l| l.starts_with('{')).context("no JSON line")?;
             let v: Value = serde_json::from_str(line).with_context(|| format!("not JSON: {line}"))?;
@@ -428,8 +452,12 @@ ferry() {
     if let Some(bin) = ferry {
         let bin = sh_quote(&bin.display().to_string());
         script += "echo 'rig bench: registration'\n";
-        for (name, devices, args) in REGISTRATION {
-            script += &format!("ferry {name} env FERRY_RDMA_DEVICES={devices} {bin} register-cost {args} --json\n");
+        for (name, devices, parallel, args) in REGISTRATION {
+            let parallel = u8::from(parallel);
+            script += &format!(
+                "ferry {name} env FERRY_RDMA_DEVICES={devices} FERRY_RDMA_PARALLEL_REGISTRATION={parallel} {bin} \
+                 register-cost {args} --json\n"
+            );
         }
     }
     script += "exit $bad\n";
@@ -631,8 +659,8 @@ mod tests {
         ));
         assert!(script.contains("setup_devdax || bad=1"));
         assert!(script.contains(
-            "ferry reg-large-2-huge env FERRY_RDMA_DEVICES=rxe0,rxe1 /t/ferry register-cost --regions 1 --size 1GiB \
-             --huge-pages --json\n"
+            "ferry reg-large-2-huge-serial env FERRY_RDMA_DEVICES=rxe0,rxe1 FERRY_RDMA_PARALLEL_REGISTRATION=0 \
+             /t/ferry register-cost --regions 1 --size 1GiB --pages huge --json\n"
         ));
         assert!(!guest_script(1, None, &env).contains("\nferry write"));
         assert!(!guest_script(1, None, &env).contains("register-cost"));

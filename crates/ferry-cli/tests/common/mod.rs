@@ -12,6 +12,8 @@ pub struct Serve {
     pub addr: SocketAddr,
     /// The address of its one region (0 where each peer has its own: ask the peer's adverts).
     pub region: u64,
+    /// Where it serves its metrics (`--metrics`).
+    pub metrics: Option<SocketAddr>,
 }
 
 impl Drop for Serve {
@@ -41,6 +43,7 @@ pub fn start(mut cmd: Command) -> Option<Serve> {
         child,
         addr: SocketAddr::from(([0, 0, 0, 0], 0)),
         region: 0,
+        metrics: None,
     };
     let mut line = String::new();
     BufReader::new(serve.child.stdout.take()?).read_line(&mut line).ok()?;
@@ -54,6 +57,12 @@ pub fn start(mut cmd: Command) -> Option<Serve> {
         "per-peer" => 0,
         hex => u64::from_str_radix(hex.trim_start_matches("0x"), 16).ok()?,
     };
+    // "... metrics http://ADDR/metrics" with --metrics.
+    serve.metrics = words
+        .iter()
+        .position(|w| *w == "metrics")
+        .and_then(|i| words.get(i + 1))
+        .and_then(|url| url.strip_prefix("http://")?.strip_suffix("/metrics")?.parse().ok());
     Some(serve)
 }
 
