@@ -34,6 +34,11 @@ const DEBIAN_PACKAGES: &[(&str, &str)] = &[
     ("tc", "iproute2"),
     // The fuzz targets link libFuzzer, which `libfuzzer-sys` compiles from C++.
     ("g++", "g++"),
+    // ferry-etcd: etcd-client generates its gRPC code with protoc, and the directory tests run a real
+    // etcd on loopback (Debian's etcd-server package ships the `etcd` binary).
+    ("protoc", "protobuf-compiler"),
+    ("/usr/include/google/protobuf/descriptor.proto", "libprotobuf-dev"),
+    ("etcd", "etcd-server"),
 ];
 
 const MINUTE: Duration = Duration::from_secs(60);
@@ -93,7 +98,8 @@ const STEPS: &[Step] = &[
         run: |_| {
             run_step(
                 cargo()
-                    .args(["test", "--workspace", "--release", "--", "--skip", "netem_"])
+                    .args(["test", "--workspace", "--release", "--features", "ferry-cli/directory"])
+                    .args(["--", "--skip", "netem_"])
                     .env("FERRY_REQUIRE_ALL", "1"),
                 60 * MINUTE,
             )

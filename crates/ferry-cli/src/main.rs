@@ -6,8 +6,10 @@
 //! - `ferry info` says what this build can do on this host (and, with `--peer`, how a link to an
 //!   engine moves and persists data).
 //! - `ferry register-cost` measures registering memory (per region, per GiB).
+//! - `ferry ls` lists the engines published in a directory (with the `directory` feature).
 
 mod bench;
+mod directory;
 mod info;
 mod metrics_http;
 mod register;
@@ -40,6 +42,8 @@ enum Command {
     Certs(tls::CertsArgs),
     /// Measure what registering memory costs here, per region and per GiB.
     RegisterCost(register::Args),
+    /// List the engines published in a directory (etcd).
+    Ls(directory::LsArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -66,6 +70,7 @@ fn main() -> std::process::ExitCode {
             Command::Info(a) => info::run(a).await,
             Command::Certs(a) => tls::certs(a).await,
             Command::RegisterCost(a) => register::run(a).await,
+            Command::Ls(a) => directory::ls(a).await,
         }
     });
     let result = runtime

@@ -41,6 +41,11 @@ pub struct Args {
     /// Serve Prometheus metrics (OpenMetrics text) at http://ADDR/metrics.
     #[arg(long, value_name = "ADDR")]
     metrics: Option<String>,
+    /// Publish the engine under this name in the --directory.
+    #[arg(long, requires = "directory")]
+    name: Option<String>,
+    #[command(flatten)]
+    directory: crate::directory::DirectoryArgs,
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
@@ -65,6 +70,11 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         }
         None => None,
     };
+    match (&args.name, args.directory.connect().await?) {
+        (Some(name), Some(directory)) => builder = builder.name(name).directory(directory),
+        (None, Some(_)) => anyhow::bail!("--directory needs --name: the name to publish the engine under"),
+        _ => {}
+    }
     let engine = builder.build().await.context("starting the engine")?;
     let mut metrics_note = String::new();
     if let Some(listener) = scrapes {

@@ -17,6 +17,7 @@ use futures::stream::BoxStream;
 use tracing::Instrument;
 
 use crate::capabilities::TransportOptions;
+use crate::directory::{Directory, EngineRecord, MemberEvent};
 use crate::host::HostAllocation;
 use crate::notify::NotificationQueue;
 use crate::peer::{Peer, PeerInner};
@@ -51,6 +52,18 @@ pub struct EngineBuilder {
     allowed: Option<Vec<TransportKind>>,
     tls: Option<TlsConfig>,
     metrics: Option<crate::metrics::Metrics>,
+    name: Option<String>,
+    directory: Option<DirectoryHandle>,
+}
+
+/// A directory as the builder keeps it (the trait object has no `Debug`).
+#[derive(Clone)]
+struct DirectoryHandle(Arc<dyn Directory>);
+
+impl std::fmt::Debug for DirectoryHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Directory")
+    }
 }
 
 impl Default for EngineBuilder {
@@ -72,6 +85,8 @@ impl Default for EngineBuilder {
             allowed: None,
             tls: None,
             metrics: None,
+            name: None,
+            directory: None,
         }
     }
 }
@@ -213,6 +228,20 @@ impl EngineBuilder {
         self
     }
 
+    /// The engine's name in its [`directory`](Self::directory) ("decode-7").
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.name = Some(name.into());
+        self
+    }
+
+    /// Publishes the engine in `directory` under its [`name`](Self::name) when it starts (it must
+    /// listen), withdraws it when the engine is dropped, and lets
+    /// [`Engine::connect_by_name`] and [`Engine::members`] use it. See [`crate::directory`].
+    pub fn directory(mut self, directory: Arc<dyn Directory>) -> Self {
+        self.directory = Some(DirectoryHandle(directory));
+        self
+    }
+
     /// Registers the engine's metrics in `registry`, under `ferry_` (see [`crate::metrics`]): transfers
     /// this engine posts, by peer, transport and operation, and its links, regions and notifications,
     /// read at each scrape. Without it the engine keeps no metrics.
@@ -280,9 +309,25 @@ impl EngineBuilder {
         Ok(())
     }
 
+    fn validate_directory(&self) -> Result<()> {
+        match (&self.name, &self.directory, &self.listen) {
+            (Some(_), Some(_), Some(_)) | (None, None, _) => Ok(()),
+            (Some(name), Some(_), None) => Err(Error::InvalidArgument(format!(
+                "engine {name} is published in a directory but does not listen: give it a listen address"
+            ))),
+            (None, Some(_), _) => Err(Error::InvalidArgument(
+                "an engine published in a directory needs a name (EngineBuilder::name)".into(),
+            )),
+            (Some(name), None, _) => Err(Error::InvalidArgument(format!(
+                "engine {name} has a name but no directory to publish it in (EngineBuilder::directory)"
+            ))),
+        }
+    }
+
     /// Starts the engine: validates the options and, with a listen address, starts serving.
     pub async fn build(self) -> Result<Engine> {
         self.validate()?;
+        self.validate_directory()?;
         let transports: Vec<Arc<dyn Transport>> =
             crate::capabilities::compiled_transports(&self.transport_options, self.tls.is_some())
                 .into_iter()
@@ -343,7 +388,9 @@ impl EngineBuilder {
         if let Some(metrics) = &inner.options.metrics {
             metrics.attach(&inner);
         }
-        Ok(Engine { inner })
+        let engine = Engine { inner };
+        engine.publish().await?;
+        Ok(engine)
     }
 }
 
@@ -892,6 +939,71 @@ impl Engine {
     pub fn link_count(&self) -> usize {
         self.inner.ctx.incoming.used() + self.inner.ctx.outgoing.used()
     }
+
+    /// This engine's record, as it publishes it in a directory.
+    pub fn record(&self) -> EngineRecord {
+        EngineRecord {
+            name: self.inner.options.name.clone().unwrap_or_default(),
+            addrs: self
+                .local_addr()
+                .map(crate::interfaces::reachable)
+                .unwrap_or_default()
+                .iter()
+                .map(SocketAddr::to_string)
+                .collect(),
+            transports: self.transports().iter().map(|t| t.name().to_string()).collect(),
+            host_id: format!("{:016x}", self.inner.ctx.host_id),
+            protocol_version: ferry_core::codec::VERSION,
+            engine_id: format!("{:016x}", self.inner.ctx.engine_id),
+            authenticated: self.inner.authenticates(),
+        }
+    }
+
+    fn directory(&self) -> Result<&Arc<dyn Directory>> {
+        self.inner
+            .options
+            .directory
+            .as_ref()
+            .map(|d| &d.0)
+            .ok_or_else(|| Error::InvalidArgument("this engine has no directory (EngineBuilder::directory)".into()))
+    }
+
+    async fn publish(&self) -> Result<()> {
+        if let (Some(_), Some(directory)) = (&self.inner.options.name, &self.inner.options.directory) {
+            directory.0.publish(self.record()).await?;
+        }
+        Ok(())
+    }
+
+    /// Looks `name` up in the engine's directory and connects to the first of its addresses that
+    /// answers, all within `timeout`. `NotConnected` when no engine of that name is published;
+    /// `Timeout` when the directory or the engine does not answer in time.
+    pub async fn connect_by_name(&self, name: &str, timeout: Duration) -> Result<Peer> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        let record = tokio::time::timeout_at(deadline, self.directory()?.lookup(name))
+            .await
+            .map_err(|_| Error::Timeout(format!("looking {name} up in the directory took over {timeout:?}")))??;
+        let mut last = Error::NotConnected(format!("engine {name} publishes no address"));
+        for addr in &record.addrs {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            match self.connect(addr, left).await {
+                Ok(peer) => return Ok(peer),
+                Err(e) => last = prefix(e, &format!("connecting to {name} at {addr}")),
+            }
+        }
+        Err(last)
+    }
+
+    /// The engines published in the directory now.
+    pub async fn list_members(&self) -> Result<Vec<EngineRecord>> {
+        self.directory()?.list().await
+    }
+
+    /// Joins and leaves in the directory from now on: an engine that starts, stops, or dies (once
+    /// its lease runs out).
+    pub async fn members(&self) -> Result<BoxStream<'static, MemberEvent>> {
+        self.directory()?.watch().await
+    }
 }
 
 async fn run_with_timeout(peer: &Peer, request: TransferRequest, timeout: Duration) -> Result<()> {
@@ -1096,6 +1208,17 @@ impl Inner {
 
 impl Drop for Inner {
     fn drop(&mut self) {
+        if let (Some(_), Some(directory)) = (&self.options.name, &self.options.directory) {
+            // Withdrawn at once where a runtime runs; otherwise its lease runs out.
+            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                let directory = directory.0.clone();
+                runtime.spawn(async move {
+                    if let Err(e) = directory.withdraw().await {
+                        tracing::warn!(error = %e, "withdrawing the engine from its directory");
+                    }
+                });
+            }
+        }
         if let Ok(peers) = self.peers.lock() {
             for p in peers.values() {
                 p.inner.control.abort();

@@ -22,9 +22,11 @@
 #![deny(missing_docs)]
 
 mod capabilities;
+pub mod directory;
 mod engine;
 mod file;
 mod host;
+mod interfaces;
 pub mod metrics;
 mod notify;
 mod peer;
@@ -33,6 +35,7 @@ mod sigbus;
 mod transfer;
 
 pub use capabilities::{Capabilities, RdmaRail, TransportInfo, TransportOptions, capabilities};
+pub use directory::{Directory, EngineRecord, MemberEvent};
 pub use engine::{
     DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_INFLIGHT_BYTES, DEFAULT_MAX_NOTIFICATION_BYTES, DEFAULT_STREAMS,
     DEREGISTER_LIMIT, Engine, EngineBuilder, PreparedTransfer, REVOKE_LIMIT,

@@ -299,10 +299,12 @@ fn registration_report(outcome: &super::boot::Outcome) -> (bool, String) {
     let mut all = true;
     let mut text = String::from("\nregistration (ferry register-cost, touched memory, once):\n");
     for (name, devices, parallel, args) in REGISTRATION {
-        let devices = match (parallel, devices.contains(',')) {
-            (false, _) => format!("{devices}, in turn"),
+        // Only a large region is registered on the rails at once.
+        let large = args.contains("GiB");
+        let devices = match (parallel, devices.contains(',') && large) {
+            (_, false) => devices.to_string(),
+            (false, true) => format!("{devices}, in turn"),
             (true, true) => format!("{devices}, at once"),
-            (true, false) => devices.to_string(),
         };
         let figure = read_run(outcome, name).and_then(|out| {
             let line = out.lines().find(|l| l.starts_with('{')).context("no JSON line")?;

@@ -1,0 +1,273 @@
+//! The directory against a real etcd on loopback (Debian's `etcd`, which `cargo xtask test` installs):
+//! engines publish and find each other by name; a name a live engine holds is refused; an engine
+//! killed with SIGKILL leaves within its lease and watchers see it leave; with etcd stopped, links
+//! keep transferring and lookups fail with a named error in time, and once etcd is back the records
+//! are there again, even where etcd came back empty.
+
+mod etcd;
+
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use etcd::Etcd;
+use ferry::{Access, Engine, Error, MemberEvent, Op, TransferDesc, TransportKind};
+use ferry_etcd::{EtcdDirectory, EtcdOptions};
+use futures::StreamExt;
+
+const T: Duration = Duration::from_secs(10);
+/// Short leases, so that the tests wait seconds, not the default's ten.
+const TTL: Duration = Duration::from_secs(3);
+
+fn options() -> EtcdOptions {
+    EtcdOptions {
+        ttl: TTL,
+        timeout: Duration::from_secs(2),
+        ..Default::default()
+    }
+}
+
+async fn named(etcd: &Etcd, prefix: &str, name: &str) -> ferry::Result<Engine> {
+    let directory = EtcdDirectory::connect(&etcd.url(), prefix, options()).await?;
+    Engine::builder()
+        .transports([TransportKind::Tcp])
+        .listen("127.0.0.1:0")
+        .name(name)
+        .directory(directory)
+        .build()
+        .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engines_publish_and_find_each_other_by_name() {
+    let Some(etcd) = Etcd::start() else { return };
+    let names = ["prefill-0", "decode-0", "decode-1"];
+    let mut engines = Vec::new();
+    for name in names {
+        engines.push(named(&etcd, "/find", name).await.unwrap());
+    }
+    let mut listed: Vec<String> = engines[0]
+        .list_members()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|r| r.name)
+        .collect();
+    listed.sort();
+    assert_eq!(listed, ["decode-0", "decode-1", "prefill-0"]);
+    let record = &engines[1]
+        .list_members()
+        .await
+        .unwrap()
+        .into_iter()
+        .find(|r| r.name == "decode-1")
+        .unwrap();
+    assert_eq!(record.addrs, [engines[2].local_addr().unwrap().to_string()]);
+    assert_eq!(record.transports, ["tcp"]);
+    assert!(!record.authenticated);
+
+    // Each finds the others by name and moves bytes to them.
+    let region = engines[2].alloc_host(4096, Access::READ_WRITE).unwrap();
+    let src = engines[0].register(vec![7u8; 4096], Access::READ_WRITE).unwrap();
+    let peer = engines[0].connect_by_name("decode-1", T).await.unwrap();
+    assert_eq!(peer.addr(), engines[2].local_addr().unwrap());
+    let deadline = Instant::now() + T;
+    while !peer.regions().iter().any(|r| r.key == region.key()) {
+        assert!(Instant::now() < deadline);
+        peer.regions_changed(Duration::from_millis(50)).await;
+    }
+    engines[0]
+        .transfer(
+            &peer,
+            Op::Write,
+            &[TransferDesc::new(src.addr(), region.addr(), 4096)],
+            T,
+        )
+        .await
+        .unwrap();
+    assert_eq!(region.to_vec().unwrap(), vec![7u8; 4096]);
+    engines[1].connect_by_name("prefill-0", T).await.unwrap();
+
+    let missing = engines[0].connect_by_name("nobody", T).await.unwrap_err();
+    assert!(matches!(missing, Error::NotConnected(_)), "{missing}");
+
+    // A name a live engine holds is refused, and the holder keeps it.
+    let taken = named(&etcd, "/find", "decode-0").await.unwrap_err();
+    assert!(matches!(taken, Error::AlreadyConnected(_)), "{taken}");
+    let record = engines[1]
+        .list_members()
+        .await
+        .unwrap()
+        .into_iter()
+        .find(|r| r.name == "decode-0")
+        .unwrap();
+    assert_eq!(record.addrs, [engines[1].local_addr().unwrap().to_string()]);
+
+    // Dropping an engine withdraws it at once, and the name is free again.
+    drop(engines.remove(1));
+    let deadline = Instant::now() + T;
+    while engines[0]
+        .list_members()
+        .await
+        .unwrap()
+        .iter()
+        .any(|r| r.name == "decode-0")
+    {
+        assert!(Instant::now() < deadline, "the dropped engine's record stayed");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    named(&etcd, "/find", "decode-0").await.unwrap();
+}
+
+/// The child's part of the SIGKILL test: an engine published under the name in
+/// `FERRY_ETCD_CHILD` ("URL NAME"), until it is killed. Does nothing in a normal run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn child_engine() {
+    let Ok(spec) = std::env::var("FERRY_ETCD_CHILD") else {
+        return;
+    };
+    let (url, name) = spec.split_once(' ').unwrap();
+    let directory = EtcdDirectory::connect(url, "/kill", options()).await.unwrap();
+    let _engine = Engine::builder()
+        .listen("127.0.0.1:0")
+        .name(name)
+        .directory(directory)
+        .build()
+        .await
+        .unwrap();
+    println!("published");
+    tokio::time::sleep(Duration::from_secs(600)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_engine_leaves_within_its_lease() {
+    let Some(etcd) = Etcd::start() else { return };
+    let watcher = {
+        let directory = EtcdDirectory::connect(&etcd.url(), "/kill", options()).await.unwrap();
+        Engine::builder()
+            .listen("127.0.0.1:0")
+            .name("watcher")
+            .directory(directory)
+            .build()
+            .await
+            .unwrap()
+    };
+    let mut events = watcher.members().await.unwrap();
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "child_engine", "--nocapture"])
+        .env("FERRY_ETCD_CHILD", format!("{} victim", etcd.url()))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let joined = tokio::time::timeout(T * 3, async {
+        loop {
+            match events.next().await {
+                Some(MemberEvent::Joined(r)) if r.name == "victim" => return r,
+                Some(_) => {}
+                None => panic!("the watch ended"),
+            }
+        }
+    })
+    .await
+    .expect("the child published itself");
+    let peer = watcher.connect_by_name("victim", T).await.unwrap();
+    assert_eq!(peer.addr().to_string(), joined.addrs[0]);
+
+    // SAFETY: kill(2) on our own child's pid, which it still is (not yet reaped).
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGKILL) }, 0);
+    let killed = Instant::now();
+    let left = tokio::time::timeout(TTL + Duration::from_secs(2), async {
+        loop {
+            match events.next().await {
+                Some(MemberEvent::Left(name)) if name == "victim" => return,
+                Some(_) => {}
+                None => panic!("the watch ended"),
+            }
+        }
+    })
+    .await;
+    let _ = child.wait();
+    assert!(left.is_ok(), "no leave event within the lease ({TTL:?}) + 2 s");
+    eprintln!(
+        "the killed engine left the directory {:?} after SIGKILL",
+        killed.elapsed()
+    );
+    let gone = watcher.connect_by_name("victim", T).await.unwrap_err();
+    assert!(matches!(gone, Error::NotConnected(_)), "{gone}");
+    // The link saw it too.
+    let deadline = Instant::now() + T;
+    while !peer.is_closed() {
+        assert!(Instant::now() < deadline, "the link outlived the killed engine");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_etcd_links_keep_working_and_records_come_back() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter("ferry_etcd=debug")
+        .with_test_writer()
+        .try_init();
+    let Some(mut etcd) = Etcd::start() else { return };
+    let a = named(&etcd, "/outage", "a").await.unwrap();
+    let b = named(&etcd, "/outage", "b").await.unwrap();
+    let peer = a.connect_by_name("b", T).await.unwrap();
+    let region = b.alloc_host(4096, Access::READ_WRITE).unwrap();
+    let src = Arc::new(a.register(vec![3u8; 4096], Access::READ_WRITE).unwrap());
+    let deadline = Instant::now() + T;
+    while !peer.regions().iter().any(|r| r.key == region.key()) {
+        assert!(Instant::now() < deadline);
+        peer.regions_changed(Duration::from_millis(50)).await;
+    }
+    let descs = [TransferDesc::new(src.addr(), region.addr(), 4096)];
+    let write = || a.transfer(&peer, Op::Write, &descs, T);
+
+    etcd.stop();
+    write().await.expect("the link does not need etcd");
+    let started = Instant::now();
+    let lookup = a.connect_by_name("b", Duration::from_secs(3)).await.unwrap_err();
+    assert!(
+        matches!(lookup, Error::Timeout(_) | Error::NotConnected(_)) && lookup.to_string().contains("etcd"),
+        "{lookup}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(4),
+        "the lookup ended in its time"
+    );
+    // Longer than a lease: etcd keeps leases across its own restart, and the engines refresh theirs.
+    tokio::time::sleep(TTL + Duration::from_secs(1)).await;
+    write().await.unwrap();
+
+    etcd.run();
+    wait_for_both(&a).await;
+    eprintln!("back after a restart");
+
+    // etcd back empty (its data lost, or a new cluster): the engines publish themselves again.
+    etcd.stop();
+    std::fs::remove_dir_all(&etcd.dir).unwrap();
+    etcd.run();
+    wait_for_both(&a).await;
+    // And they stay: still there after more than a lease.
+    tokio::time::sleep(TTL * 2).await;
+    assert_eq!(a.list_members().await.unwrap().len(), 2);
+    // Found again: the lookup reaches b, to which a is connected already.
+    let again = a.connect_by_name("b", T).await.unwrap_err();
+    assert!(matches!(again, Error::AlreadyConnected(_)), "{again}");
+}
+
+/// Waits until the directory lists engines a and b again.
+async fn wait_for_both(a: &Engine) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let names: Vec<String> = match a.list_members().await {
+            Ok(list) => list.into_iter().map(|r| r.name).collect(),
+            Err(_) => Vec::new(),
+        };
+        if names.contains(&"a".to_string()) && names.contains(&"b".to_string()) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "the records did not come back: {names:?}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
