@@ -1,5 +1,6 @@
 //! `ferry serve --metrics`: a scrape over HTTP, from another process, after a known workload shows
-//! the target's links, region and the exact count of notifications it received; anything but
+//! the exact requests and bytes the target served, its links and region, and the notifications it
+//! received; anything but
 //! `GET /metrics` is refused, and an endless request head is cut off.
 
 mod common;
@@ -34,18 +35,23 @@ async fn a_scrape_shows_what_the_target_holds_and_received() {
     let serve = common::start(cmd).expect("ferry serve starts");
     let scrape_at = serve.metrics.expect("serve prints where its metrics are");
 
-    let engine = Engine::builder().build().await.unwrap();
-    let src = engine.alloc_host(1 << 20, Access::READ_WRITE).unwrap();
-    let peer = engine.connect(&serve.addr.to_string(), T).await.unwrap();
-    engine
-        .transfer(
-            &peer,
-            Op::Write,
-            &[TransferDesc::new(src.addr(), serve.region, 1 << 20)],
-            T,
-        )
+    // Over TCP: the streams this target's CPU serves (RDMA and mapped memory would bypass it).
+    let engine = Engine::builder()
+        .transports([ferry::TransportKind::Tcp])
+        .build()
         .await
         .unwrap();
+    let src = engine.alloc_host(1 << 20, Access::READ_WRITE).unwrap();
+    let peer = engine.connect(&serve.addr.to_string(), T).await.unwrap();
+    // Three writes of 16 KiB and two reads of 4 KiB, each small enough to go as one request.
+    let write = [TransferDesc::new(src.addr(), serve.region, 16 << 10)];
+    let read = [TransferDesc::new(src.addr(), serve.region, 4096)];
+    for _ in 0..3 {
+        engine.transfer(&peer, Op::Write, &write, T).await.unwrap();
+    }
+    for _ in 0..2 {
+        engine.transfer(&peer, Op::Read, &read, T).await.unwrap();
+    }
     for n in 0..4 {
         engine
             .notify(&peer, Notification::new("step", n.to_string()), T)
@@ -61,6 +67,14 @@ async fn a_scrape_shows_what_the_target_holds_and_received() {
     assert_eq!(value(body, "ferry_regions"), Some(1.0), "{body}");
     assert_eq!(value(body, "ferry_registered_bytes"), Some((1 << 20) as f64), "{body}");
     assert_eq!(value(body, "ferry_notifications_received_total"), Some(4.0), "{body}");
+    assert_eq!(value(body, "ferry_served_writes_total"), Some(3.0), "{body}");
+    assert_eq!(
+        value(body, "ferry_served_write_bytes_total"),
+        Some((3 * (16 << 10)) as f64),
+        "{body}"
+    );
+    assert_eq!(value(body, "ferry_served_reads_total"), Some(2.0), "{body}");
+    assert_eq!(value(body, "ferry_served_read_bytes_total"), Some(8192.0), "{body}");
     assert!(body.ends_with("# EOF\n"), "{body}");
 
     assert!(http(scrape_at, b"GET / HTTP/1.1\r\n\r\n").starts_with("HTTP/1.1 404"));

@@ -356,6 +356,36 @@ pub struct EngineContext {
     pub accesses: Arc<AccessEpochs>,
     /// The secret authenticated peers' names for regions are derived from (see [`crate::peer_view`]).
     pub peer_names: Arc<PeerNames>,
+    /// What this engine served to peers over the control link's streams (see [`Served`]).
+    pub served: Served,
+}
+
+/// Remote operations this engine's CPU served over TCP streams, counted when answered: what a
+/// target sees of the traffic to it. One-sided RDMA operations and copies into memory a same-host
+/// peer mapped never reach it; the initiator counts those.
+#[derive(Debug, Default)]
+pub struct Served {
+    /// WRITE requests completed.
+    pub writes: std::sync::atomic::AtomicU64,
+    /// Their bytes.
+    pub write_bytes: std::sync::atomic::AtomicU64,
+    /// READ requests answered with their data.
+    pub reads: std::sync::atomic::AtomicU64,
+    /// Their bytes.
+    pub read_bytes: std::sync::atomic::AtomicU64,
+}
+
+impl Served {
+    /// Counts a request of `op` that moved `bytes`.
+    pub fn count(&self, op: Op, bytes: u64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let (ops, total) = match op {
+            Op::Write => (&self.writes, &self.write_bytes),
+            Op::Read => (&self.reads, &self.read_bytes),
+        };
+        ops.fetch_add(1, Relaxed);
+        total.fetch_add(bytes, Relaxed);
+    }
 }
 
 impl EngineContext {

@@ -152,8 +152,12 @@ fn etcd_error(endpoints: &str, what: &str, e: etcd_client::Error) -> Error {
         etcd_client::Error::GRpcStatus(s) if s.code() == tonic::Code::DeadlineExceeded => {
             Error::Timeout(format!("etcd at {endpoints}: {what}: {text}"))
         }
+        // etcd refuses a missing user or a wrong password as an invalid argument.
         etcd_client::Error::GRpcStatus(s)
-            if matches!(s.code(), tonic::Code::Unauthenticated | tonic::Code::PermissionDenied) =>
+            if matches!(s.code(), tonic::Code::Unauthenticated | tonic::Code::PermissionDenied)
+                || ["user name is empty", "authentication failed", "permission denied"]
+                    .iter()
+                    .any(|m| s.message().contains(m)) =>
         {
             Error::PermissionDenied(format!("etcd at {endpoints}: {what}: {text}"))
         }

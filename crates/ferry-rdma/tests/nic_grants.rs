@@ -205,6 +205,7 @@ async fn the_nic_refuses_what_a_peer_was_not_granted() {
         acceptors: vec![target.clone() as Arc<dyn Transport>],
         accesses: Default::default(),
         peer_names: Arc::new(PeerNames::random().unwrap()),
+        served: Default::default(),
     });
     let src = region(&initiator, vec![0xab; LEN]);
     let rig = Rig {

@@ -556,6 +556,8 @@ async fn serve_requests(
                 match resolve_reads(ctx, who, &segments, shared.config.limits.max_payload).await {
                     Ok(parts) => {
                         send_read_data(&mut writer, id, &parts).await?;
+                        ctx.served
+                            .count(ferry_core::Op::Read, parts.iter().map(|p| p.len).sum());
                         continue;
                     }
                     Err(e) => ack(id, &Err(e)),
@@ -618,6 +620,9 @@ async fn serve_write(
             Err(e)
         }
     };
+    if result.is_ok() {
+        ctx.served.count(ferry_core::Op::Write, payload_len);
+    }
     Ok(ack(id, &result))
 }
 

@@ -358,6 +358,7 @@ impl EngineBuilder {
             acceptors: transports.clone(),
             accesses: Default::default(),
             peer_names: Arc::new(PeerNames::random()?),
+            served: Default::default(),
         });
         let server = match &self.listen {
             Some(addr) => {
@@ -1062,7 +1063,13 @@ impl Inner {
     /// The engine's state, for a metrics scrape.
     pub(crate) fn state(&self) -> crate::metrics::EngineState {
         let (notifications_received, notifications_queued, notifications_queued_bytes) = self.notifications.counts();
+        use std::sync::atomic::Ordering::Relaxed;
+        let served = &self.ctx.served;
         let mut state = crate::metrics::EngineState {
+            served_writes: served.writes.load(Relaxed),
+            served_write_bytes: served.write_bytes.load(Relaxed),
+            served_reads: served.reads.load(Relaxed),
+            served_read_bytes: served.read_bytes.load(Relaxed),
             incoming_links: self.ctx.incoming.used(),
             outgoing_links: self.ctx.outgoing.used(),
             notifications_received,

@@ -12,7 +12,9 @@
 //!   kind, and the duration of a batch (buckets from 10 µs to 10 s). A link resolves its counters
 //!   once, when it is set up; a transfer then adds to them with atomic operations and one histogram
 //!   observation, and takes no lock of a metric family.
-//! - **Engine state, read at scrape time**: links by direction, registered regions and bytes,
+//! - **Engine state, read at scrape time**: what this engine's CPU served to peers over TCP streams
+//!   (requests and bytes by operation; a target's view, blind to RDMA and mapped memory), links by
+//!   direction, registered regions and bytes,
 //!   notifications received, queued and their bytes, and what the engine's persistent regions spent
 //!   persisting. Nothing is updated between scrapes.
 //!
@@ -230,6 +232,30 @@ impl Collector for EngineCollector {
         };
         let state = engine.state();
         let g = |v: usize| i64::try_from(v).unwrap_or(i64::MAX);
+        counter(
+            &mut encoder,
+            "served_writes",
+            "WRITE requests of peers this engine's CPU completed over TCP streams (RDMA and mapped same-host memory bypass it)",
+            state.served_writes,
+        )?;
+        counter(
+            &mut encoder,
+            "served_write_bytes",
+            "Bytes of those writes",
+            state.served_write_bytes,
+        )?;
+        counter(
+            &mut encoder,
+            "served_reads",
+            "READ requests of peers this engine's CPU answered over TCP streams",
+            state.served_reads,
+        )?;
+        counter(
+            &mut encoder,
+            "served_read_bytes",
+            "Bytes of those reads",
+            state.served_read_bytes,
+        )?;
         gauge(
             &mut encoder,
             "links_incoming",
@@ -287,6 +313,10 @@ impl Collector for EngineCollector {
 /// The engine's state for a scrape.
 #[derive(Debug, Default)]
 pub(crate) struct EngineState {
+    pub(crate) served_writes: u64,
+    pub(crate) served_write_bytes: u64,
+    pub(crate) served_reads: u64,
+    pub(crate) served_read_bytes: u64,
     pub(crate) incoming_links: usize,
     pub(crate) outgoing_links: usize,
     pub(crate) regions: usize,

@@ -19,11 +19,18 @@ pub struct Etcd {
     pub dir: PathBuf,
     client: u16,
     peer: u16,
+    /// Its certificate and key (PEM files), where clients must use TLS.
+    tls: Option<(PathBuf, PathBuf)>,
 }
 
 impl Etcd {
     /// Starts etcd, or `None` (after saying so) where there is none and nothing requires it.
     pub fn start() -> Option<Etcd> {
+        Etcd::start_with(None)
+    }
+
+    /// [`start`](Self::start), serving clients over TLS with this certificate and key.
+    pub fn start_with(tls: Option<(PathBuf, PathBuf)>) -> Option<Etcd> {
         if Command::new("etcd").arg("--version").output().is_err() {
             assert!(
                 std::env::var_os("FERRY_REQUIRE_ALL").is_none(),
@@ -38,20 +45,32 @@ impl Etcd {
             dir,
             client: free_port(),
             peer: free_port(),
+            tls,
         };
         etcd.run();
         Some(etcd)
     }
 
     pub fn url(&self) -> String {
-        format!("etcd://127.0.0.1:{}", self.client)
+        let scheme = if self.tls.is_some() { "etcds" } else { "etcd" };
+        format!("{scheme}://127.0.0.1:{}", self.client)
+    }
+
+    /// The client endpoint as etcd-client takes it.
+    pub fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.client)
     }
 
     /// Starts (or restarts) the server on the same folder and ports; waits until it answers.
     pub fn run(&mut self) {
-        let client = format!("http://127.0.0.1:{}", self.client);
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        let client = format!("{scheme}://127.0.0.1:{}", self.client);
         let peer = format!("http://127.0.0.1:{}", self.peer);
-        let child = Command::new("etcd")
+        let mut cmd = Command::new("etcd");
+        if let Some((cert, key)) = &self.tls {
+            cmd.arg("--cert-file").arg(cert).arg("--key-file").arg(key);
+        }
+        let child = cmd
             .args(["--name", "t", "--data-dir"])
             .arg(&self.dir)
             .args(["--listen-client-urls", &client, "--advertise-client-urls", &client])
