@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use etcd::Etcd;
-use ferry::{Access, Engine, Error, MemberEvent, Op, TransferDesc, TransportKind};
+use ferry::{Access, Engine, Error, MemberEvent, Op, TransferDesc};
 use ferry_etcd::{EtcdDirectory, EtcdOptions};
 use futures::StreamExt;
 
@@ -28,14 +28,7 @@ fn options() -> EtcdOptions {
 }
 
 async fn named(etcd: &Etcd, prefix: &str, name: &str) -> ferry::Result<Engine> {
-    let directory = EtcdDirectory::connect(&etcd.url(), prefix, options()).await?;
-    Engine::builder()
-        .transports([TransportKind::Tcp])
-        .listen("127.0.0.1:0")
-        .name(name)
-        .directory(directory)
-        .build()
-        .await
+    etcd::publish(&etcd.url(), prefix, name, options()).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -7,7 +7,7 @@ mod etcd;
 use std::time::Duration;
 
 use etcd::Etcd;
-use ferry::{Engine, TransportKind};
+use ferry::Engine;
 use ferry_etcd::{EtcdDirectory, EtcdOptions, EtcdTls};
 use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair};
 
@@ -21,14 +21,7 @@ fn options() -> EtcdOptions {
 
 /// Publishes an engine named `name` through a directory made with `options` at `url`.
 async fn publish(url: &str, name: &str, options: EtcdOptions) -> ferry::Result<Engine> {
-    let directory = EtcdDirectory::connect(url, "/secure", options).await?;
-    Engine::builder()
-        .transports([TransportKind::Tcp])
-        .listen("127.0.0.1:0")
-        .name(name)
-        .directory(directory)
-        .build()
-        .await
+    etcd::publish(url, "/secure", name, options).await
 }
 
 /// A CA, and a certificate for 127.0.0.1 it signed: (CA PEM, certificate PEM, key PEM).

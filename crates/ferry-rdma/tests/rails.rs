@@ -14,7 +14,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::{T, in_rig, pattern, wait_for};
-use ferry::{Access, Engine, Notification, Op, Peer, TransferDesc, TransportKind};
+use ferry::{Access, Engine, EngineBuilder, Notification, Op, Peer, TransferDesc, TransportKind};
 
 /// Two engines over every rail `FERRY_RDMA_RAILS` names; `None` (after saying so) outside the rig.
 async fn rail_pair() -> Option<(Engine, Engine, Peer)> {
@@ -23,30 +23,47 @@ async fn rail_pair() -> Option<(Engine, Engine, Peer)> {
 
 /// [`rail_pair`], with the initiator told where its devices sit (`(device, NUMA node)`).
 async fn rail_pair_placed(nodes: &[(&str, Option<u32>)]) -> Option<(Engine, Engine, Peer)> {
+    let nodes = |b: EngineBuilder| {
+        nodes
+            .iter()
+            .fold(b, |b, &(device, node)| b.rdma_numa_node(device, node))
+    };
+    rail_pair_with(|rails| (rails.to_vec(), 1), nodes).await
+}
+
+/// Two engines over the rails `devices` picks from those `FERRY_RDMA_RAILS` names (with the queue
+/// pairs per pair of rails it says), the initiator's builder passed through `initiator`; checks that
+/// the link has a rail per device and queue pair. `None` (after saying so) outside the rig.
+async fn rail_pair_with(
+    devices: impl Fn(&[String]) -> (Vec<String>, u8),
+    initiator: impl FnOnce(EngineBuilder) -> EngineBuilder,
+) -> Option<(Engine, Engine, Peer)> {
     let Ok(names) = std::env::var("FERRY_RDMA_RAILS") else {
         assert!(!in_rig(), "the rig names its rails in FERRY_RDMA_RAILS");
         eprintln!("skipped: no FERRY_RDMA_RAILS (run inside `cargo xtask rig test`)");
         return None;
     };
-    let rails: Vec<String> = names.split(',').map(String::from).collect();
+    let all: Vec<String> = names.split(',').map(String::from).collect();
+    let (rails, queue_pairs) = devices(&all);
     let builder = || {
         Engine::builder()
             .transports([TransportKind::Rdma, TransportKind::Tcp])
             .rdma_devices(rails.clone())
+            .rdma_queue_pairs_per_rail(queue_pairs)
     };
     let target = builder().listen("127.0.0.1:0").build().await.unwrap();
-    let initiator = nodes
-        .iter()
-        .fold(builder(), |b, &(device, node)| b.rdma_numa_node(device, node))
-        .build()
-        .await
-        .unwrap();
+    let initiator = initiator(builder()).build().await.unwrap();
     let peer = initiator
         .connect(&target.local_addr().unwrap().to_string(), T)
         .await
         .unwrap();
     assert_eq!(peer.transport(), TransportKind::Rdma, "{:?}", peer.passed_over());
-    assert_eq!(peer.rails().len(), rails.len(), "{:?}", peer.rails());
+    assert_eq!(
+        peer.rails().len(),
+        rails.len() * usize::from(queue_pairs),
+        "{:?}",
+        peer.rails()
+    );
     Some((target, initiator, peer))
 }
 
@@ -321,25 +338,10 @@ async fn a_persistent_write_persists_the_share_of_every_rail() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn several_queue_pairs_per_rail_share_a_batch() {
-    let Ok(names) = std::env::var("FERRY_RDMA_RAILS") else {
-        assert!(!in_rig(), "the rig names its rails in FERRY_RDMA_RAILS");
-        eprintln!("skipped: no FERRY_RDMA_RAILS (run inside `cargo xtask rig test`)");
+    let Some((target, initiator, peer)) = rail_pair_with(|all| (all[..1].to_vec(), 3), |b| b).await else {
         return;
     };
-    let first = names.split(',').next().unwrap().to_string();
-    let builder = || {
-        Engine::builder()
-            .transports([TransportKind::Rdma, TransportKind::Tcp])
-            .rdma_devices([first.clone()])
-            .rdma_queue_pairs_per_rail(3)
-    };
-    let target = builder().listen("127.0.0.1:0").build().await.unwrap();
-    let initiator = builder().build().await.unwrap();
-    let peer = initiator
-        .connect(&target.local_addr().unwrap().to_string(), T)
-        .await
-        .unwrap();
-    assert_eq!(peer.transport(), TransportKind::Rdma, "{:?}", peer.passed_over());
+    let first = peer.rails()[0].name.split("->").next().unwrap().to_string();
     let names: Vec<String> = peer.rails().into_iter().map(|r| r.name).collect();
     assert_eq!(
         names,

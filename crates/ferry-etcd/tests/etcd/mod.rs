@@ -102,3 +102,21 @@ impl Drop for Etcd {
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
+
+/// An engine named `name`, published through a directory made with `options` at `url` under
+/// `prefix`.
+pub async fn publish(
+    url: &str,
+    prefix: &str,
+    name: &str,
+    options: ferry_etcd::EtcdOptions,
+) -> ferry::Result<ferry::Engine> {
+    let directory = ferry_etcd::EtcdDirectory::connect(url, prefix, options).await?;
+    ferry::Engine::builder()
+        .transports([ferry::TransportKind::Tcp])
+        .listen("127.0.0.1:0")
+        .name(name)
+        .directory(directory)
+        .build()
+        .await
+}
