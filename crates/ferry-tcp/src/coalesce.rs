@@ -14,6 +14,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 pub struct CoalescePool {
     free: Mutex<Vec<Vec<u8>>>,
     permits: Arc<Semaphore>,
+    count: usize,
     buffer_bytes: usize,
 }
 
@@ -26,6 +27,7 @@ impl CoalescePool {
         Some(Arc::new(CoalescePool {
             free: Mutex::new(Vec::new()),
             permits: Arc::new(Semaphore::new(config.count)),
+            count: config.count,
             buffer_bytes: config.buffer_bytes(),
         }))
     }
@@ -33,6 +35,16 @@ impl CoalescePool {
     /// Size of each buffer.
     pub fn buffer_bytes(&self) -> usize {
         self.buffer_bytes
+    }
+
+    /// Buffers in all.
+    pub fn buffers(&self) -> usize {
+        self.count
+    }
+
+    /// Buffers on loan now.
+    pub fn in_use(&self) -> usize {
+        self.count.saturating_sub(self.permits.available_permits())
     }
 
     /// Waits for a free buffer, emptied and with room for `buffer_bytes`.
@@ -78,6 +90,7 @@ mod tests {
         let pool = CoalescePool::new("2:1".parse().unwrap()).unwrap();
         let a = pool.acquire().await;
         let b = pool.acquire().await;
+        assert_eq!((pool.in_use(), pool.buffers()), (2, 2));
         assert!(a.data.capacity() >= 1 << 20);
         let third = tokio::time::timeout(Duration::from_millis(50), pool.acquire()).await;
         assert!(third.is_err(), "a third buffer must wait");

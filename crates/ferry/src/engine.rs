@@ -1070,6 +1070,8 @@ impl Inner {
             served_write_bytes: served.write_bytes.load(Relaxed),
             served_reads: served.reads.load(Relaxed),
             served_read_bytes: served.read_bytes.load(Relaxed),
+            coalesce_buffers: self.pool.as_ref().map_or(0, |p| p.buffers()),
+            coalesce_in_use: self.pool.as_ref().map_or(0, |p| p.in_use()),
             incoming_links: self.ctx.incoming.used(),
             outgoing_links: self.ctx.outgoing.used(),
             notifications_received,

@@ -14,7 +14,7 @@
 //!   observation, and takes no lock of a metric family.
 //! - **Engine state, read at scrape time**: what this engine's CPU served to peers over TCP streams
 //!   (requests and bytes by operation; a target's view, blind to RDMA and mapped memory), links by
-//!   direction, registered regions and bytes,
+//!   direction, registered regions and bytes, the coalescing pool's buffers and those on loan,
 //!   notifications received, queued and their bytes, and what the engine's persistent regions spent
 //!   persisting. Nothing is updated between scrapes.
 //!
@@ -271,6 +271,18 @@ impl Collector for EngineCollector {
         gauge(&mut encoder, "regions", "Registered regions", g(state.regions))?;
         gauge(
             &mut encoder,
+            "coalesce_pool_buffers",
+            "Buffers of the pool small TCP descriptors are coalesced through (EngineBuilder::buffer_pool)",
+            g(state.coalesce_buffers),
+        )?;
+        gauge(
+            &mut encoder,
+            "coalesce_pool_buffers_in_use",
+            "Of those, on loan now (all of them: transfers wait for one)",
+            g(state.coalesce_in_use),
+        )?;
+        gauge(
+            &mut encoder,
             "registered_bytes",
             "Bytes of the registered regions",
             i64::try_from(state.registered_bytes).unwrap_or(i64::MAX),
@@ -317,6 +329,8 @@ pub(crate) struct EngineState {
     pub(crate) served_write_bytes: u64,
     pub(crate) served_reads: u64,
     pub(crate) served_read_bytes: u64,
+    pub(crate) coalesce_buffers: usize,
+    pub(crate) coalesce_in_use: usize,
     pub(crate) incoming_links: usize,
     pub(crate) outgoing_links: usize,
     pub(crate) regions: usize,

@@ -128,6 +128,13 @@ async fn known_workload(transport: TransportKind) {
         "{failed}: {text}"
     );
     assert_eq!(sample(&text, "ferry_links_outgoing", &[]), Some(1.0), "{text}");
+    // The default pool, "4:8": four buffers, none on loan once the transfers are done.
+    assert_eq!(sample(&text, "ferry_coalesce_pool_buffers", &[]), Some(4.0), "{text}");
+    assert_eq!(
+        sample(&text, "ferry_coalesce_pool_buffers_in_use", &[]),
+        Some(0.0),
+        "{text}"
+    );
 
     let text = scrape(&target_metrics);
     assert_eq!(
