@@ -39,14 +39,7 @@ async fn engines_publish_and_find_each_other_by_name() {
     for name in names {
         engines.push(named(&etcd, "/find", name).await.unwrap());
     }
-    let mut listed: Vec<String> = engines[0]
-        .list_members()
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|r| r.name)
-        .collect();
-    listed.sort();
+    let listed = etcd::member_names(&engines[0]).await.unwrap();
     assert_eq!(listed, ["decode-0", "decode-1", "prefill-0"]);
     let record = &engines[1]
         .list_members()
@@ -99,12 +92,10 @@ async fn engines_publish_and_find_each_other_by_name() {
     // Dropping an engine withdraws it at once, and the name is free again.
     drop(engines.remove(1));
     let deadline = Instant::now() + T;
-    while engines[0]
-        .list_members()
+    while etcd::member_names(&engines[0])
         .await
         .unwrap()
-        .iter()
-        .any(|r| r.name == "decode-0")
+        .contains(&"decode-0".to_string())
     {
         assert!(Instant::now() < deadline, "the dropped engine's record stayed");
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -253,11 +244,8 @@ async fn without_etcd_links_keep_working_and_records_come_back() {
 async fn wait_for_both(a: &Engine) {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
-        let names: Vec<String> = match a.list_members().await {
-            Ok(list) => list.into_iter().map(|r| r.name).collect(),
-            Err(_) => Vec::new(),
-        };
-        if names.contains(&"a".to_string()) && names.contains(&"b".to_string()) {
+        let names = etcd::member_names(a).await.unwrap_or_default();
+        if names == ["a", "b"] {
             return;
         }
         assert!(Instant::now() < deadline, "the records did not come back: {names:?}");

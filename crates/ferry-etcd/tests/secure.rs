@@ -76,14 +76,7 @@ async fn tls_to_etcd_never_falls_back_and_trusts_only_its_ca() {
     assert!(matches!(refused, ferry::Error::InvalidArgument(_)), "{refused}");
     // The right CA: published and listed.
     let engine = publish(&url, "secure-0", with_ca).await.unwrap();
-    let names: Vec<String> = engine
-        .list_members()
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|r| r.name)
-        .collect();
-    assert_eq!(names, ["secure-0"]);
+    assert_eq!(etcd::member_names(&engine).await.unwrap(), ["secure-0"]);
     drop(engine);
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -109,12 +102,9 @@ async fn an_etcd_with_authentication_refuses_anonymous_and_wrong_passwords() {
         ..options()
     };
     let engine = publish(&etcd.url(), "root-0", right).await.unwrap();
-    let names: Vec<String> = engine
-        .list_members()
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|r| r.name)
-        .collect();
-    assert_eq!(names, ["root-0"], "only the authenticated engine is published");
+    assert_eq!(
+        etcd::member_names(&engine).await.unwrap(),
+        ["root-0"],
+        "only the authenticated engine is published"
+    );
 }

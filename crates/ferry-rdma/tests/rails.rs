@@ -104,6 +104,18 @@ async fn write_round(initiator: &Engine, peer: &Peer, src: &ferry::Region, dst: 
     );
 }
 
+/// A target region of `len` bytes and an initiator one, and rounds 0 to 2 written between them with
+/// every byte checked.
+async fn three_rounds(target: &Engine, initiator: &Engine, peer: &Peer, len: usize) -> (ferry::Region, ferry::Region) {
+    let dst = target.alloc_host(len, Access::READ_WRITE).unwrap();
+    wait_for(peer, &dst).await;
+    let src = initiator.alloc_host(len, Access::READ_WRITE).unwrap();
+    for round in 0..3 {
+        write_round(initiator, peer, &src, &dst, round).await;
+    }
+    (src, dst)
+}
+
 fn rail_bytes(peer: &Peer) -> Vec<u64> {
     peer.rails().iter().map(|r| r.bytes).collect()
 }
@@ -143,12 +155,7 @@ async fn a_rail_that_goes_down_costs_no_transfer_and_comes_back() {
     };
     let _restore = Restore(&["eth1"]);
     const LEN: usize = 2 << 20;
-    let dst = target.alloc_host(LEN, Access::READ_WRITE).unwrap();
-    wait_for(&peer, &dst).await;
-    let src = initiator.alloc_host(LEN, Access::READ_WRITE).unwrap();
-    for round in 0..3 {
-        write_round(&initiator, &peer, &src, &dst, round).await;
-    }
+    let (src, dst) = three_rounds(&target, &initiator, &peer, LEN).await;
     set_link("eth1", false);
     for round in 3..12 {
         write_round(&initiator, &peer, &src, &dst, round).await;
@@ -254,12 +261,7 @@ async fn a_region_goes_to_the_rails_on_its_numa_node_first() {
     };
     let _restore = Restore(&["eth1"]);
     const LEN: usize = 4 << 20;
-    let dst = target.alloc_host(LEN, Access::READ_WRITE).unwrap();
-    wait_for(&peer, &dst).await;
-    let src = initiator.alloc_host(LEN, Access::READ_WRITE).unwrap();
-    for round in 0..3 {
-        write_round(&initiator, &peer, &src, &dst, round).await;
-    }
+    let (src, dst) = three_rounds(&target, &initiator, &peer, LEN).await;
     let rails = peer.rails();
     let bytes_on = |rails: &[ferry::RailStats], dev: &str| -> u64 {
         rails.iter().filter(|r| r.name.starts_with(dev)).map(|r| r.bytes).sum()
@@ -349,12 +351,7 @@ async fn several_queue_pairs_per_rail_share_a_batch() {
         "three queue pairs on the one pair of rails"
     );
     const LEN: usize = 4 << 20;
-    let dst = target.alloc_host(LEN, Access::READ_WRITE).unwrap();
-    wait_for(&peer, &dst).await;
-    let src = initiator.alloc_host(LEN, Access::READ_WRITE).unwrap();
-    for round in 0..3 {
-        write_round(&initiator, &peer, &src, &dst, round).await;
-    }
+    let _regions = three_rounds(&target, &initiator, &peer, LEN).await;
     let rails = peer.rails();
     assert!(
         rails.iter().all(|r| r.bytes > 0 && r.errors == 0),

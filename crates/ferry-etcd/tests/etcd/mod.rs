@@ -120,3 +120,10 @@ pub async fn publish(
         .build()
         .await
 }
+
+/// The names `engine`'s directory lists now, sorted.
+pub async fn member_names(engine: &ferry::Engine) -> ferry::Result<Vec<String>> {
+    let mut names: Vec<String> = engine.list_members().await?.into_iter().map(|r| r.name).collect();
+    names.sort();
+    Ok(names)
+}
