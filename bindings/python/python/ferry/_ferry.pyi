@@ -1,0 +1,144 @@
+"""Type stubs of the extension module; the package re-exports everything here."""
+
+import os
+from typing import Any, AsyncIterator, Awaitable, Dict, Generator, List, Optional, Sequence, Tuple, Union
+
+Descriptors = Union[Sequence[Tuple[int, int, int]], Any]
+"""A list of ``(local_addr, remote_addr, length)`` tuples, or an N×3 numpy ``uint64`` array."""
+
+__version__: str
+
+def capabilities() -> Dict[str, Any]:
+    """What this build can do on this host: version, protocol version, transports (compiled in,
+    usable here, and why not), RDMA devices and rails, Vulkan devices."""
+
+class TransferStatus:
+    WAITING: "TransferStatus"
+    COMPLETED: "TransferStatus"
+    TIMEOUT: "TransferStatus"
+    FAILED: "TransferStatus"
+
+class TransferHandle:
+    """A transfer started by :meth:`Engine.transfer_async`."""
+
+    def status(self) -> TransferStatus:
+        """Where it stands now; never blocks."""
+    def __await__(self) -> Generator[Any, None, None]:
+        """Waits until it is done; raises its error if it failed."""
+
+class PreparedTransfer:
+    """A batch resolved once by :meth:`Engine.prepare`."""
+
+    def __len__(self) -> int: ...
+
+class Notification:
+    name: str
+    msg: str
+    from_engine: int
+    from_addr: str
+    from_identity: Optional[str]
+
+class NotificationStream:
+    def __aiter__(self) -> "NotificationStream": ...
+    def __anext__(self) -> Awaitable[Notification]: ...
+
+class RemoteRegion:
+    """A region a peer advertised: what descriptors name on the remote side."""
+
+    addr: int
+    length: int
+    access: int
+    persistent: bool
+
+class Peer:
+    """A link to a remote engine."""
+
+    @property
+    def addr(self) -> str: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def engine_id(self) -> int: ...
+    @property
+    def transport(self) -> str:
+        """"shm", "rdma" or "tcp": the data path picked for this link."""
+    @property
+    def closed(self) -> bool: ...
+    def regions(self) -> List[RemoteRegion]: ...
+
+class Region:
+    """Memory registered with an engine; stays registered until :meth:`deregister`."""
+
+    addr: int
+    length: int
+    kind: str
+    persistent: bool
+    @property
+    def access(self) -> int: ...
+    def __len__(self) -> int: ...
+    def addr_at(self, offset: int) -> int: ...
+    def addr_for(self, peer: str) -> int: ...
+    def read(self, offset: int = 0, length: Optional[int] = None) -> bytes: ...
+    def write(self, offset: int, data: Any) -> None: ...
+    def persist(self, offset: int, length: int) -> None: ...
+    def deregister(self) -> None: ...
+
+class Engine:
+    """A transfer engine (HIXL ``Initialize``)."""
+
+    def __init__(
+        self,
+        listen: Optional[str] = None,
+        *,
+        buffer_pool: Optional[str] = None,
+        transports: Optional[Sequence[str]] = None,
+        streams: Optional[int] = None,
+        max_links: Optional[int] = None,
+        max_inflight_bytes: Optional[int] = None,
+        max_pending_notifications: Optional[int] = None,
+        name: Optional[str] = None,
+    ) -> None: ...
+    @property
+    def id(self) -> int: ...
+    @property
+    def local_addr(self) -> Optional[str]: ...
+    @property
+    def transports(self) -> List[str]: ...
+    @property
+    def region_count(self) -> int: ...
+    @property
+    def link_count(self) -> int: ...
+    def register(self, obj: Any, access: int = 3) -> Region:
+        """Registers a writable C-contiguous buffer (bytearray, numpy array, mmap), kept alive
+        until deregistered."""
+    def register_ptr(self, addr: int, length: int, access: int = 3, owner: Any = None) -> Region:
+        """Registers raw memory (``tensor.data_ptr()``) the caller keeps valid; ``owner`` is kept
+        alive until deregistered."""
+    def alloc_host(self, length: int, access: int = 3) -> Region: ...
+    def register_file(
+        self, path: Union[str, "os.PathLike[str]"], length: int, offset: int = 0, access: int = 3
+    ) -> Region: ...
+    def deregister(self, region: Region) -> None: ...
+    def regions(self) -> List[Region]: ...
+    async def connect(self, addr: str, timeout: float = 1.0) -> Peer: ...
+    async def disconnect(self, peer: Peer, timeout: float = 1.0) -> None: ...
+    def peers(self) -> List[Peer]: ...
+    async def transfer(
+        self, peer: Peer, op: str, descs: Descriptors, *, timeout: float = 10.0, durability: str = "completed"
+    ) -> None: ...
+    def transfer_blocking(
+        self, peer: Peer, op: str, descs: Descriptors, *, timeout: float = 10.0, durability: str = "completed"
+    ) -> None: ...
+    def transfer_async(
+        self, peer: Peer, op: str, descs: Descriptors, *, timeout: float = 10.0, durability: str = "completed"
+    ) -> TransferHandle: ...
+    def prepare(self, peer: Peer, op: str, descs: Descriptors, *, durability: str = "completed") -> PreparedTransfer: ...
+    async def transfer_prepared(self, prepared: PreparedTransfer, *, timeout: float = 10.0) -> None: ...
+    async def notify(self, peer: Peer, name: str, msg: str, *, timeout: float = 1.0) -> None: ...
+    def take_notifications(self) -> List[Notification]: ...
+    def notifications(self) -> AsyncIterator[Notification]: ...
+    def close(self) -> None: ...
+    def __enter__(self) -> "Engine": ...
+    def __exit__(self, *exc: Any) -> None: ...
+    async def __aenter__(self) -> "Engine": ...
+    async def __aexit__(self, *exc: Any) -> None: ...

@@ -1,0 +1,187 @@
+"""``python -m ferry.bench``: ferry from Python beside ``ferry bench`` in Rust, in the same run.
+
+Each case runs two engines in this process over TCP on 127.0.0.1, as ``ferry bench`` does without
+``--peer``, keeps ``depth`` batches in flight for ``duration`` seconds after a warm-up of a tenth of
+it, and reports GB/s (10^9 bytes per second) and the p50 latency of one batch. With the Rust
+``ferry`` binary at hand (``--rust PATH``, or ``ferry`` on ``PATH``), it runs the same case in Rust
+right before each Python round and prints Python/Rust ratios.
+
+The cases are the ones the binding promises figures for: 1 MiB writes (bulk), batches of 256 × 4 KiB
+writes (KV-cache blocks), and the round trip of one 64-byte write, awaited (``await
+engine.transfer``) and from a plain thread (``engine.transfer_blocking``).
+"""
+
+import argparse
+import asyncio
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from typing import Dict, List, Optional
+
+import numpy as np
+
+import ferry
+
+CASES = [
+    # name, size, batch, depth
+    ("1MiB write", 1 << 20, 1, 8),
+    ("4KiB x 256 write", 4 << 10, 256, 8),
+    ("64B write p50", 64, 1, 1),
+]
+
+
+def _pair(size: int, batch: int, buffer_pool: str):
+    target = ferry.Engine("127.0.0.1:0", transports=["tcp"], buffer_pool=buffer_pool)
+    initiator = ferry.Engine(transports=["tcp"], buffer_pool=buffer_pool)
+    src = np.random.default_rng(1).integers(0, 255, size * batch, dtype=np.uint8)
+    dst = np.zeros(size * batch, dtype=np.uint8)
+    local = initiator.register(src)
+    remote = target.register(dst)
+    descs = np.empty((batch, 3), dtype=np.uint64)
+    offsets = np.arange(batch, dtype=np.uint64) * np.uint64(size)
+    descs[:, 0] = np.uint64(local.addr) + offsets
+    descs[:, 1] = np.uint64(remote.addr) + offsets
+    descs[:, 2] = size
+    return target, initiator, descs
+
+
+async def _python_case(size: int, batch: int, depth: int, duration: float, buffer_pool: str) -> Dict:
+    target, initiator, descs = _pair(size, batch, buffer_pool)
+    with target, initiator:
+        peer = await initiator.connect(target.local_addr, timeout=5.0)
+        latencies: List[float] = []
+        warmup = duration / 10
+        begin = time.perf_counter()
+        measure_from = begin + warmup
+        end = measure_from + duration
+
+        async def worker():
+            while True:
+                t0 = time.perf_counter()
+                if t0 >= end:
+                    return
+                await initiator.transfer(peer, "write", descs, timeout=30.0)
+                if t0 >= measure_from:
+                    latencies.append(time.perf_counter() - t0)
+
+        await asyncio.gather(*(worker() for _ in range(depth)))
+        elapsed = time.perf_counter() - measure_from
+    return _result(size, batch, depth, latencies, elapsed)
+
+
+def _blocking_case(size: int, duration: float, buffer_pool: str) -> Dict:
+    async def connect(initiator, addr):
+        return await initiator.connect(addr, timeout=5.0)
+
+    target, initiator, descs = _pair(size, 1, buffer_pool)
+    with target, initiator:
+        peer = asyncio.run(connect(initiator, target.local_addr))
+        latencies: List[float] = []
+        begin = time.perf_counter()
+        measure_from = begin + duration / 10
+        end = measure_from + duration
+        while True:
+            t0 = time.perf_counter()
+            if t0 >= end:
+                break
+            initiator.transfer_blocking(peer, "write", descs, timeout=30.0)
+            if t0 >= measure_from:
+                latencies.append(time.perf_counter() - t0)
+        elapsed = time.perf_counter() - measure_from
+    return _result(size, 1, 1, latencies, elapsed)
+
+
+def _result(size: int, batch: int, depth: int, latencies: List[float], elapsed: float) -> Dict:
+    n = len(latencies)
+    return {
+        "size": size,
+        "batch": batch,
+        "depth": depth,
+        "transfers": n,
+        "gb_per_s": n * size * batch / elapsed / 1e9,
+        "p50_us": statistics.median(latencies) * 1e6 if n else float("nan"),
+    }
+
+
+def _rust_case(ferry_bin: str, size: int, batch: int, depth: int, duration: float, buffer_pool: str) -> Dict:
+    cmd = [
+        ferry_bin, "bench", "--transport", "tcp", "--op", "write", "--size", str(size), "--batch",
+        str(batch), "--depth", str(depth), "--duration", f"{duration}s", "--buffer-pool", buffer_pool,
+        "--json",
+    ]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ferry.bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--duration", type=float, default=3.0, help="seconds per case and round")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds per case; the best of each side counts")
+    parser.add_argument("--rust", help="the `ferry` binary to compare with (default: `ferry` on PATH)")
+    parser.add_argument("--buffer-pool", default="4:8", help="staging pool, as `ferry bench --buffer-pool`")
+    parser.add_argument("--json", action="store_true", help="one JSON object per case, instead of a table")
+    args = parser.parse_args(argv)
+    ferry_bin = args.rust or shutil.which("ferry")
+
+    rows = []
+    for name, size, batch, depth in CASES:
+        py_best: Optional[Dict] = None
+        rust_best: Optional[Dict] = None
+        blocking_best: Optional[Dict] = None
+        latency_case = depth == 1
+        for _ in range(args.rounds):
+            if ferry_bin:
+                r = _rust_case(ferry_bin, size, batch, depth, args.duration, args.buffer_pool)
+                rust_best = _better(rust_best, r, latency_case)
+            p = asyncio.run(_python_case(size, batch, depth, args.duration, args.buffer_pool))
+            py_best = _better(py_best, p, latency_case)
+            if latency_case:
+                b = _blocking_case(size, args.duration, args.buffer_pool)
+                blocking_best = _better(blocking_best, b, latency_case)
+        row = {"case": name, "python": py_best, "rust": rust_best}
+        if blocking_best:
+            row["python_blocking"] = blocking_best
+        if rust_best and py_best:
+            if latency_case:
+                row["python_over_rust_p50"] = py_best["p50_us"] / rust_best["p50_us"]
+                if blocking_best:
+                    row["python_blocking_over_rust_p50"] = blocking_best["p50_us"] / rust_best["p50_us"]
+            else:
+                row["python_over_rust_gbps"] = py_best["gb_per_s"] / rust_best["gb_per_s"]
+        rows.append(row)
+        if args.json:
+            print(json.dumps(row), flush=True)
+        else:
+            _print_row(row)
+    return 0
+
+
+def _better(best: Optional[Dict], new: Dict, by_latency: bool) -> Dict:
+    if best is None:
+        return new
+    if by_latency:
+        return new if new["p50_us"] < best["p50_us"] else best
+    return new if new["gb_per_s"] > best["gb_per_s"] else best
+
+
+def _print_row(row: Dict) -> None:
+    py, rust = row["python"], row.get("rust")
+    line = f"{row['case']:<18} python {py['gb_per_s']:7.3f} GB/s p50 {py['p50_us']:9.1f} us"
+    if rust:
+        line += f" | rust {rust['gb_per_s']:7.3f} GB/s p50 {rust['p50_us']:9.1f} us"
+    if "python_over_rust_gbps" in row:
+        line += f" | python/rust {row['python_over_rust_gbps']:.2f}"
+    if "python_blocking" in row:
+        line += f" | blocking p50 {row['python_blocking']['p50_us']:.1f} us"
+    if "python_over_rust_p50" in row:
+        line += f" | p50 python/rust {row['python_over_rust_p50']:.2f}"
+    if "python_blocking_over_rust_p50" in row:
+        line += f", blocking/rust {row['python_blocking_over_rust_p50']:.2f}"
+    print(line, flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
