@@ -73,6 +73,13 @@ enum Probe {
     /// 4 KiB writes through ferry-tower's stack over the same writes on the engine directly, both in
     /// one run of the `tower_overhead` example.
     TowerOverHead,
+    /// One case of `python -m ferry.bench --case NAME` (the Python binding, over TCP in one
+    /// process, as `ferry bench` runs); `blocking` measures `transfer_blocking` instead of `await`.
+    Python {
+        case: &'static str,
+        blocking: bool,
+        metric: Metric,
+    },
 }
 
 struct Measure {
@@ -145,6 +152,14 @@ const MEASURES: &[Measure] = &[
         probe: Probe::Iperf3 { streams: 1 },
     },
     ferry("ferry write 1MiB", WRITE_1MIB, Metric::GbPerS),
+    Measure {
+        key: "python write 1MiB",
+        probe: Probe::Python {
+            case: "write-1mib",
+            blocking: false,
+            metric: Metric::GbPerS,
+        },
+    },
     ferry(
         "ferry write 1MiB, mutual TLS",
         FerryCase {
@@ -170,6 +185,14 @@ const MEASURES: &[Measure] = &[
         probe: Probe::Ucx,
     },
     ferry("ferry write 4KiB x256", write("4KiB", 256, None, None), Metric::GbPerS),
+    Measure {
+        key: "python write 4KiB x256",
+        probe: Probe::Python {
+            case: "write-4kib-x256",
+            blocking: false,
+            metric: Metric::GbPerS,
+        },
+    },
     ferry(
         "ferry write 4KiB x256, metrics",
         FerryCase {
@@ -195,6 +218,22 @@ const MEASURES: &[Measure] = &[
         Metric::GbPerS,
     ),
     ferry("ferry 64 B p50", WRITE_64B, Metric::P50Us),
+    Measure {
+        key: "python 64 B p50, awaited",
+        probe: Probe::Python {
+            case: "write-64b-p50",
+            blocking: false,
+            metric: Metric::P50Us,
+        },
+    },
+    Measure {
+        key: "python 64 B p50, blocking",
+        probe: Probe::Python {
+            case: "write-64b-p50",
+            blocking: true,
+            metric: Metric::P50Us,
+        },
+    },
     ferry(
         "ferry 64 B p50, metrics",
         FerryCase {
@@ -426,6 +465,42 @@ const COMPARISONS: &[Comparison] = &[
         target: Target::Info,
     },
     Comparison {
+        id: "pa",
+        name: "write 1MiB: Python (await) / Rust",
+        ferry: "python write 1MiB",
+        peer: Some("ferry write 1MiB"),
+        peer_scale: 1.0,
+        unit: Unit::GbPerS,
+        target: Target::RatioAtLeast(0.9),
+    },
+    Comparison {
+        id: "pb",
+        name: "write 4KiB x256 batch: Python (await) / Rust",
+        ferry: "python write 4KiB x256",
+        peer: Some("ferry write 4KiB x256"),
+        peer_scale: 1.0,
+        unit: Unit::GbPerS,
+        target: Target::RatioAtLeast(0.7),
+    },
+    Comparison {
+        id: "pc",
+        name: "64 B p50 round trip: Python await / Rust",
+        ferry: "python 64 B p50, awaited",
+        peer: Some("ferry 64 B p50"),
+        peer_scale: 1.0,
+        unit: Unit::Micros,
+        target: Target::Info,
+    },
+    Comparison {
+        id: "pd",
+        name: "64 B p50 round trip: Python transfer_blocking / Rust",
+        ferry: "python 64 B p50, blocking",
+        peer: Some("ferry 64 B p50"),
+        peer_scale: 1.0,
+        unit: Unit::Micros,
+        target: Target::Info,
+    },
+    Comparison {
         id: "y",
         name: "write 4KiB x256, metrics on / off",
         ferry: "ferry write 4KiB x256, metrics",
@@ -622,6 +697,8 @@ struct Bench<'a> {
     duration: Duration,
     /// The `UCX_TLS` value that worked, once one has.
     ucx_tls: Option<&'static str>,
+    /// The Python binding's interpreter, once its environment is made (on first use).
+    python: Option<PathBuf>,
 }
 
 pub fn run(args: &Args) -> Result<ExitCode> {
@@ -641,6 +718,7 @@ pub fn run(args: &Args) -> Result<ExitCode> {
         ferry_bin,
         duration,
         ucx_tls: None,
+        python: None,
     };
     let mut samples = Samples::default();
     for round in 1..=args.rounds {
@@ -735,7 +813,26 @@ impl Bench<'_> {
             }
             Probe::Memcpy => Ok(peers::memcpy_gb_per_s(1 << 20, self.duration)),
             Probe::TowerOverHead => peers::tower_overhead(&self.tower_bin, self.duration),
+            Probe::Python { case, blocking, metric } => {
+                let python = self.python()?;
+                let r = peers::python_bench(&python, case, blocking, self.duration)?;
+                Ok(match metric {
+                    Metric::P50Us => r.p50_us,
+                    _ => r.gb_per_s,
+                })
+            }
         }
+    }
+
+    /// The Python binding's interpreter: the environment `cargo xtask test` uses, made and the
+    /// binding installed afresh on first use.
+    fn python(&mut self) -> Result<PathBuf> {
+        if let Some(python) = &self.python {
+            return Ok(python.clone());
+        }
+        let python = crate::python::environment()?;
+        self.python = Some(python.clone());
+        Ok(python)
     }
 
     /// ucx_perftest with the first `UCX_TLS` choice that works, remembered for later rounds.
@@ -771,6 +868,13 @@ impl Bench<'_> {
             Probe::Memcpy => "1 MiB copy_from_slice in a loop, one thread of xtask".into(),
             Probe::Sockperf => peers::sockperf_describe(self.duration),
             Probe::TowerOverHead => self.tower_bin.display().to_string(),
+            Probe::Python { case, blocking, .. } => format!(
+                "python -m ferry.bench --case {case}{} (bindings/python, in {})",
+                if blocking { " --blocking" } else { "" },
+                self.python
+                    .as_ref()
+                    .map_or_else(|| "its virtual environment".into(), |p| p.display().to_string())
+            ),
         }
     }
 }

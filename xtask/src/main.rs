@@ -13,6 +13,7 @@
 mod bench;
 mod fuzz;
 mod peers;
+mod python;
 mod rig;
 mod test;
 mod util;

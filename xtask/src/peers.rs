@@ -126,6 +126,37 @@ pub fn ferry(bin: &Path, case: &FerryCase, duration_arg: &str, duration: Duratio
     parse_ferry(&out.stdout, case.op, size).with_context(|| format!("reading the output of `{what}`"))
 }
 
+/// Runs one case of the Python binding's benchmark (`python -m ferry.bench --case`), which prints
+/// one JSON object with `gb_per_s` and `p50_us`.
+pub fn python_bench(python: &Path, case: &str, blocking: bool, duration: Duration) -> Result<FerryResult> {
+    let mut cmd = Command::new(python);
+    cmd.args(["-m", "ferry.bench", "--case", case, "--duration"])
+        .arg(format!("{}", duration.as_secs_f64()));
+    if blocking {
+        cmd.arg("--blocking");
+    }
+    let what = describe(&cmd);
+    let out = run_captured(&mut cmd, duration * 4 + SLACK)?;
+    if !out.status.success() {
+        bail!("`{what}` failed ({}): {}", out.status, tail(&out.combined()));
+    }
+    let line = out.stdout.lines().map(str::trim).rfind(|l| l.starts_with('{'));
+    let line = line.ok_or_else(|| anyhow!("`{what}` printed no JSON line"))?;
+    let v: Value = serde_json::from_str(line).with_context(|| format!("not JSON: {line}"))?;
+    let num = |key: &str| {
+        v[key]
+            .as_f64()
+            .ok_or_else(|| anyhow!("key `{key}` missing or not a number: {line}"))
+    };
+    Ok(FerryResult {
+        gb_per_s: num("gb_per_s")?,
+        p50_us: num("p50_us")?,
+        peak_rss_bytes: 0.0,
+        registered_bytes: 0.0,
+        persist_share: 0.0,
+    })
+}
+
 /// Runs ferry-tower's `tower_overhead` example and returns its ratio (stack over direct engine calls).
 pub fn tower_overhead(bin: &Path, duration: Duration) -> Result<f64> {
     let mut cmd = Command::new(bin);

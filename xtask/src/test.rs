@@ -17,6 +17,9 @@ pub struct Args {
     /// Skip the lint steps (fmt, clippy, deny) and their prerequisites, for quick local runs.
     #[arg(long)]
     no_lint: bool,
+    /// Run only the steps whose name contains this text (with the prerequisites), e.g. `python`.
+    #[arg(long, value_name = "TEXT")]
+    only: Option<String>,
 }
 
 /// Debian packages the build and the tests need, as `(binary or absolute path, package)`.
@@ -120,6 +123,28 @@ const STEPS: &[Step] = &[
             )
         },
     },
+    // The Python binding as a user gets it: `pip install ./bindings/python` into a fresh virtual
+    // environment, then its pytest suite (two processes, concurrency, errors) and its example.
+    Step {
+        name: "python binding (pip install, pytest, example)",
+        lint: false,
+        run: |_| {
+            let python = crate::python::environment()?;
+            let dir = crate::python::binding_dir();
+            run_step(
+                Command::new(&python)
+                    .args(["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"])
+                    .current_dir(&dir),
+                20 * MINUTE,
+            )?;
+            run_step(
+                Command::new(&python)
+                    .arg("examples/kv_cache_handoff.py")
+                    .current_dir(&dir),
+                5 * MINUTE,
+            )
+        },
+    },
     // Every interleaving of the access guard's enter, release, close and drain wake-up, and of the link
     // slots, under loom. `--cfg loom` rebuilds every dependency, so it gets a target folder of its own
     // (inside the workspace's) and never invalidates the normal build.
@@ -192,7 +217,15 @@ const STEPS: &[Step] = &[
 ];
 
 pub fn run(args: &Args) -> ExitCode {
-    let steps: Vec<&Step> = STEPS.iter().filter(|s| !(args.no_lint && s.lint)).collect();
+    let steps: Vec<&Step> = STEPS
+        .iter()
+        .filter(|s| !(args.no_lint && s.lint))
+        .filter(|s| {
+            args.only
+                .as_deref()
+                .is_none_or(|text| s.name == "prerequisites" || s.name.contains(text))
+        })
+        .collect();
     let mut passed = 0;
     for (i, step) in steps.iter().enumerate() {
         eprintln!("==> xtask test [{}/{}]: {}", i + 1, steps.len(), step.name);

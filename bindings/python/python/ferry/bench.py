@@ -25,17 +25,18 @@ import numpy as np
 
 import ferry
 
-CASES = [
-    # name, size, batch, depth
-    ("1MiB write", 1 << 20, 1, 8),
-    ("4KiB x 256 write", 4 << 10, 256, 8),
-    ("64B write p50", 64, 1, 1),
-]
+# name: (size, batch, depth, TCP streams), each as `ferry bench` runs it by default, except that the
+# latency case uses one stream as `cargo xtask bench` does.
+CASES = {
+    "write-1mib": (1 << 20, 1, 8, 2),
+    "write-4kib-x256": (4 << 10, 256, 8, 2),
+    "write-64b-p50": (64, 1, 1, 1),
+}
 
 
-def _pair(size: int, batch: int, buffer_pool: str):
-    target = ferry.Engine("127.0.0.1:0", transports=["tcp"], buffer_pool=buffer_pool)
-    initiator = ferry.Engine(transports=["tcp"], buffer_pool=buffer_pool)
+def _pair(size: int, batch: int, streams: int, buffer_pool: str):
+    target = ferry.Engine("127.0.0.1:0", transports=["tcp"], buffer_pool=buffer_pool, streams=streams)
+    initiator = ferry.Engine(transports=["tcp"], buffer_pool=buffer_pool, streams=streams)
     src = np.random.default_rng(1).integers(0, 255, size * batch, dtype=np.uint8)
     dst = np.zeros(size * batch, dtype=np.uint8)
     local = initiator.register(src)
@@ -48,8 +49,8 @@ def _pair(size: int, batch: int, buffer_pool: str):
     return target, initiator, descs
 
 
-async def _python_case(size: int, batch: int, depth: int, duration: float, buffer_pool: str) -> Dict:
-    target, initiator, descs = _pair(size, batch, buffer_pool)
+async def _python_case(size: int, batch: int, depth: int, streams: int, duration: float, buffer_pool: str) -> Dict:
+    target, initiator, descs = _pair(size, batch, streams, buffer_pool)
     with target, initiator:
         peer = await initiator.connect(target.local_addr, timeout=5.0)
         latencies: List[float] = []
@@ -72,11 +73,11 @@ async def _python_case(size: int, batch: int, depth: int, duration: float, buffe
     return _result(size, batch, depth, latencies, elapsed)
 
 
-def _blocking_case(size: int, duration: float, buffer_pool: str) -> Dict:
+def _blocking_case(size: int, streams: int, duration: float, buffer_pool: str) -> Dict:
     async def connect(initiator, addr):
         return await initiator.connect(addr, timeout=5.0)
 
-    target, initiator, descs = _pair(size, 1, buffer_pool)
+    target, initiator, descs = _pair(size, 1, streams, buffer_pool)
     with target, initiator:
         peer = asyncio.run(connect(initiator, target.local_addr))
         latencies: List[float] = []
@@ -106,11 +107,13 @@ def _result(size: int, batch: int, depth: int, latencies: List[float], elapsed: 
     }
 
 
-def _rust_case(ferry_bin: str, size: int, batch: int, depth: int, duration: float, buffer_pool: str) -> Dict:
+def _rust_case(
+    ferry_bin: str, size: int, batch: int, depth: int, streams: int, duration: float, buffer_pool: str
+) -> Dict:
     cmd = [
         ferry_bin, "bench", "--transport", "tcp", "--op", "write", "--size", str(size), "--batch",
-        str(batch), "--depth", str(depth), "--duration", f"{duration}s", "--buffer-pool", buffer_pool,
-        "--json",
+        str(batch), "--depth", str(depth), "--streams", str(streams), "--duration", f"{duration}s",
+        "--buffer-pool", buffer_pool, "--json",
     ]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
@@ -123,23 +126,39 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--rust", help="the `ferry` binary to compare with (default: `ferry` on PATH)")
     parser.add_argument("--buffer-pool", default="4:8", help="staging pool, as `ferry bench --buffer-pool`")
     parser.add_argument("--json", action="store_true", help="one JSON object per case, instead of a table")
+    parser.add_argument(
+        "--case",
+        choices=sorted(CASES),
+        help="run only this case, once, from Python only, and print its JSON (what `cargo xtask bench` runs)",
+    )
+    parser.add_argument("--blocking", action="store_true", help="with --case: use transfer_blocking, not await")
     args = parser.parse_args(argv)
-    ferry_bin = args.rust or shutil.which("ferry")
 
-    rows = []
-    for name, size, batch, depth in CASES:
+    if args.case:
+        size, batch, depth, streams = CASES[args.case]
+        if args.blocking:
+            if depth != 1:
+                parser.error("--blocking measures one transfer at a time: use it with write-64b-p50")
+            result = _blocking_case(size, streams, args.duration, args.buffer_pool)
+        else:
+            result = asyncio.run(_python_case(size, batch, depth, streams, args.duration, args.buffer_pool))
+        print(json.dumps(result), flush=True)
+        return 0
+
+    ferry_bin = args.rust or shutil.which("ferry")
+    for name, (size, batch, depth, streams) in CASES.items():
         py_best: Optional[Dict] = None
         rust_best: Optional[Dict] = None
         blocking_best: Optional[Dict] = None
         latency_case = depth == 1
         for _ in range(args.rounds):
             if ferry_bin:
-                r = _rust_case(ferry_bin, size, batch, depth, args.duration, args.buffer_pool)
+                r = _rust_case(ferry_bin, size, batch, depth, streams, args.duration, args.buffer_pool)
                 rust_best = _better(rust_best, r, latency_case)
-            p = asyncio.run(_python_case(size, batch, depth, args.duration, args.buffer_pool))
+            p = asyncio.run(_python_case(size, batch, depth, streams, args.duration, args.buffer_pool))
             py_best = _better(py_best, p, latency_case)
             if latency_case:
-                b = _blocking_case(size, args.duration, args.buffer_pool)
+                b = _blocking_case(size, streams, args.duration, args.buffer_pool)
                 blocking_best = _better(blocking_best, b, latency_case)
         row = {"case": name, "python": py_best, "rust": rust_best}
         if blocking_best:
@@ -151,7 +170,6 @@ def main(argv: Optional[List[str]] = None) -> int:
                     row["python_blocking_over_rust_p50"] = blocking_best["p50_us"] / rust_best["p50_us"]
             else:
                 row["python_over_rust_gbps"] = py_best["gb_per_s"] / rust_best["gb_per_s"]
-        rows.append(row)
         if args.json:
             print(json.dumps(row), flush=True)
         else:
@@ -169,7 +187,7 @@ def _better(best: Optional[Dict], new: Dict, by_latency: bool) -> Dict:
 
 def _print_row(row: Dict) -> None:
     py, rust = row["python"], row.get("rust")
-    line = f"{row['case']:<18} python {py['gb_per_s']:7.3f} GB/s p50 {py['p50_us']:9.1f} us"
+    line = f"{row['case']:<16} python {py['gb_per_s']:7.3f} GB/s p50 {py['p50_us']:9.1f} us"
     if rust:
         line += f" | rust {rust['gb_per_s']:7.3f} GB/s p50 {rust['p50_us']:9.1f} us"
     if "python_over_rust_gbps" in row:

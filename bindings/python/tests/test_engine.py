@@ -1,0 +1,344 @@
+"""The engine contract from Python, two engines in this process."""
+
+import array
+import asyncio
+import ctypes
+import gc
+import mmap
+import threading
+import weakref
+
+import numpy as np
+import pytest
+
+import ferry
+from conftest import descs_for
+
+KIB = 1024
+
+
+async def connect(initiator, target):
+    return await initiator.connect(target.local_addr, timeout=5.0)
+
+
+def test_register_numpy_array_and_raw_pointer(pair):
+    target, initiator = pair
+    # The target: memory Python cannot see, known only by its address (as a tensor's data_ptr()).
+    raw = (ctypes.c_uint8 * (64 * KIB))()
+    dst = target.register_ptr(ctypes.addressof(raw), len(raw), owner=raw)
+    assert (dst.addr, dst.length) == (ctypes.addressof(raw), 64 * KIB)
+    # The initiator: a 2-D float array, registered by the buffer protocol whatever its dtype.
+    src_array = np.arange(16 * KIB, dtype=np.float32).reshape(128, 128)
+    src = initiator.register(src_array)
+    assert src.length == src_array.nbytes == 64 * KIB
+
+    async def run():
+        peer = await connect(initiator, target)
+        await initiator.transfer(peer, "write", [(src.addr, dst.addr, src.length)], timeout=5.0)
+        back = np.zeros_like(src_array)
+        region = initiator.register(back)
+        await initiator.transfer(peer, "read", descs_for(region.addr, dst.addr, 4 * KIB, 16), timeout=5.0)
+        return back
+
+    back = asyncio.run(run())
+    assert bytes(raw) == src_array.tobytes()
+    assert np.array_equal(back, src_array)
+
+
+def test_other_buffers_register_too(pair):
+    target, _ = pair
+    regions = [
+        target.register(bytearray(4 * KIB)),
+        target.register(memoryview(bytearray(4 * KIB))),
+        target.register(array.array("Q", [0] * 512)),
+        target.register(mmap.mmap(-1, 8 * KIB)),
+    ]
+    assert [r.length for r in regions] == [4 * KIB, 4 * KIB, 4 * KIB, 8 * KIB]
+    assert target.region_count == 4
+    for bad in (b"read-only bytes", np.zeros((8, 8), dtype=np.uint8)[:, ::2], bytearray()):
+        with pytest.raises(ferry.InvalidArgument):
+            target.register(bad)
+    with pytest.raises(ferry.InvalidArgument):
+        target.register(object())
+    assert target.region_count == 4
+
+
+def test_registered_object_stays_alive_until_deregistered(pair):
+    target, _ = pair
+    buf = np.ones(4 * KIB, dtype=np.uint8)
+    alive = weakref.ref(buf)
+    region = target.register(buf)
+    del buf
+    gc.collect()
+    assert alive() is not None, "the engine must keep the registered array alive"
+    region.deregister()
+    gc.collect()
+    assert alive() is None, "deregistering must release the array"
+    with pytest.raises(ferry.InvalidArgument):
+        region.deregister()
+
+    grow = bytearray(4 * KIB)
+    region = target.register(grow)
+    with pytest.raises(BufferError):
+        grow.extend(b"x")  # resizing would move memory a peer may be writing
+    region.deregister()
+    grow.extend(b"x")
+
+
+# Each bad batch names a real region for every descriptor but one, and that one is at the end:
+# nothing may be written, not even the good descriptors before it.
+BAD_BATCHES = {
+    "remote out of bounds": (ferry.OutOfBounds, lambda l, r: [(l, r, 4 * KIB), (l, r + 60 * KIB, 8 * KIB)]),
+    "remote in no region": (ferry.OutOfBounds, lambda l, r: [(l, r, 4 * KIB), (l, r + (1 << 40), 16)]),
+    "local in no region": (ferry.OutOfBounds, lambda l, r: [(l, r, 4 * KIB), (l + (1 << 40), r, 16)]),
+    "zero length": (ferry.InvalidArgument, lambda l, r: [(l, r, 4 * KIB), (l, r, 0)]),
+    "not triples": (ferry.InvalidArgument, lambda l, r: [(l, r, 4 * KIB), (l, r)]),
+    "wrong dtype": (ferry.InvalidArgument, lambda l, r: np.array([[l, r, 4 * KIB]], dtype=np.float64)),
+    "wrong shape": (ferry.InvalidArgument, lambda l, r: np.array([[l, r, 4 * KIB, 0]], dtype=np.uint64)),
+    "not an array": (ferry.InvalidArgument, lambda l, r: "descriptors"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_BATCHES))
+def test_bad_descriptors_raise_and_write_nothing(pair, case):
+    target, initiator = pair
+    exc, make = BAD_BATCHES[case]
+    dst_array = np.zeros(64 * KIB, dtype=np.uint8)
+    dst = target.register(dst_array)
+    src = initiator.register(np.full(64 * KIB, 0xAB, dtype=np.uint8))
+
+    async def run():
+        peer = await connect(initiator, target)
+        with pytest.raises(exc):
+            await initiator.transfer(peer, "write", make(src.addr, dst.addr), timeout=5.0)
+        with pytest.raises(exc):
+            initiator.transfer_async(peer, "write", make(src.addr, dst.addr), timeout=5.0)
+        with pytest.raises(exc):
+            initiator.transfer_blocking(peer, "write", make(src.addr, dst.addr), timeout=5.0)
+        # The link still works, and a good write lands: the zeros above are not for want of trying.
+        await initiator.transfer(peer, "write", [(src.addr, dst.addr + 32 * KIB, 16)], timeout=5.0)
+
+    asyncio.run(run())
+    assert not dst_array[: 32 * KIB].any(), "a rejected batch wrote bytes"
+    assert (dst_array[32 * KIB : 32 * KIB + 16] == 0xAB).all()
+
+
+def test_access_is_enforced(pair):
+    target, initiator = pair
+    dst_array = np.zeros(4 * KIB, dtype=np.uint8)
+    dst = target.register(dst_array, access=ferry.READ)
+    src = initiator.register(np.full(4 * KIB, 1, dtype=np.uint8))
+
+    async def run():
+        peer = await connect(initiator, target)
+        with pytest.raises(ferry.PermissionDenied):
+            await initiator.transfer(peer, "write", [(src.addr, dst.addr, 4 * KIB)], timeout=5.0)
+        await initiator.transfer(peer, "read", [(src.addr, dst.addr, 4 * KIB)], timeout=5.0)
+
+    asyncio.run(run())
+    assert not dst_array.any()
+    with pytest.raises(ferry.InvalidArgument):
+        target.register(bytearray(16), access=4)
+
+
+def test_thousand_concurrent_asyncio_transfers(pair):
+    target, initiator = pair
+    n, size = 1000, 4 * KIB
+    dst_array = np.zeros((n, size), dtype=np.uint8)
+    dst = target.register(dst_array)
+    src_array = np.random.default_rng(3).integers(0, 256, (n, size), dtype=np.uint8)
+    src = initiator.register(src_array)
+
+    async def run():
+        peer = await connect(initiator, target)
+        await asyncio.gather(
+            *(
+                initiator.transfer(peer, "write", [(src.addr_at(i * size), dst.addr_at(i * size), size)], timeout=30.0)
+                for i in range(n)
+            )
+        )
+
+    asyncio.run(run())
+    assert np.array_equal(dst_array, src_array)
+
+
+def test_python_threads_transfer_concurrently(pair):
+    """Threads with blocking calls and threads with event loops of their own, all at once."""
+    target, initiator = pair
+    threads, per_thread, size = 4, 50, 4 * KIB
+    dst_array = np.zeros((threads, per_thread, size), dtype=np.uint8)
+    dst = target.register(dst_array)
+    src_array = np.random.default_rng(5).integers(0, 256, dst_array.shape, dtype=np.uint8)
+    src = initiator.register(src_array)
+    peer = asyncio.run(connect(initiator, target))
+    errors = []
+
+    def slot(t, i):
+        off = (t * per_thread + i) * size
+        return [(src.addr_at(off), dst.addr_at(off), size)]
+
+    def blocking(t):
+        try:
+            for i in range(per_thread):
+                initiator.transfer_blocking(peer, "write", slot(t, i), timeout=30.0)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    def with_loop(t):
+        async def run():
+            await asyncio.gather(*(initiator.transfer(peer, "write", slot(t, i), timeout=30.0) for i in range(per_thread)))
+
+        try:
+            asyncio.run(run())
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    workers = [threading.Thread(target=blocking if t % 2 else with_loop, args=(t,)) for t in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(timeout=60)
+    assert not errors
+    assert np.array_equal(dst_array, src_array)
+
+
+def test_transfer_async_status_then_await(pair):
+    target, initiator = pair
+    dst_array = np.zeros(1 << 20, dtype=np.uint8)
+    dst = target.register(dst_array)
+    src = initiator.register(np.full(1 << 20, 9, dtype=np.uint8))
+
+    async def run():
+        peer = await connect(initiator, target)
+        handle = initiator.transfer_async(peer, "write", descs_for(src.addr, dst.addr, 4 * KIB, 256), timeout=10.0)
+        assert handle.status() in (ferry.TransferStatus.WAITING, ferry.TransferStatus.COMPLETED)
+        await handle
+        assert handle.status() == ferry.TransferStatus.COMPLETED
+        await handle  # awaiting again returns at once
+
+        prepared = initiator.prepare(peer, "write", descs_for(src.addr, dst.addr, 64 * KIB, 16))
+        assert len(prepared) == 16
+        for _ in range(3):
+            await initiator.transfer_prepared(prepared, timeout=10.0)
+
+    asyncio.run(run())
+    assert (dst_array == 9).all()
+
+
+def test_cancelled_await_leaves_the_loop_working(pair):
+    target, initiator = pair
+    dst = target.register(np.zeros(1 << 20, dtype=np.uint8))
+    src = initiator.register(np.ones(1 << 20, dtype=np.uint8))
+
+    async def run():
+        peer = await connect(initiator, target)
+        tasks = [
+            asyncio.ensure_future(initiator.transfer(peer, "write", [(src.addr, dst.addr, 1 << 20)], timeout=10.0))
+            for _ in range(20)
+        ]
+        await asyncio.sleep(0)
+        for t in tasks[::2]:
+            t.cancel()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        assert all(r is None or isinstance(r, asyncio.CancelledError) for r in results)
+        await initiator.transfer(peer, "write", [(src.addr, dst.addr, 16)], timeout=10.0)
+
+    asyncio.run(run())
+
+
+def test_notifications_take_and_iterate(pair):
+    target, initiator = pair
+
+    async def run():
+        peer = await connect(initiator, target)
+        for i in range(3):
+            await initiator.notify(peer, "kv", f"block {i}", timeout=5.0)
+        got = []
+        async for n in target.notifications():
+            got.append((n.name, n.msg))
+            if len(got) == 3:
+                break
+        assert got == [("kv", "block 0"), ("kv", "block 1"), ("kv", "block 2")]
+        await initiator.notify(peer, "done", "", timeout=5.0)
+        for _ in range(100):
+            taken = target.take_notifications()
+            if taken:
+                break
+            await asyncio.sleep(0.01)
+        assert [(n.name, n.from_engine) for n in taken] == [("done", initiator.id)]
+        with pytest.raises(ferry.InvalidArgument):
+            await initiator.notify(peer, "x" * 1025, "", timeout=5.0)
+
+    asyncio.run(run())
+
+
+def test_persistent_writes(pair, tmp_path):
+    target, initiator = pair
+    path = tmp_path / "pmem"
+    path.write_bytes(bytes(64 * KIB))
+    durable = target.register_file(str(path), 64 * KIB)
+    assert durable.persistent
+    volatile = target.register(np.zeros(4 * KIB, dtype=np.uint8))
+    src = initiator.register(np.full(4 * KIB, 0x5A, dtype=np.uint8))
+
+    async def run():
+        peer = await connect(initiator, target)
+        await initiator.transfer(
+            peer, "write", [(src.addr, durable.addr_at(8 * KIB), 4 * KIB)], timeout=10.0, durability="persistent"
+        )
+        with pytest.raises(ferry.InvalidArgument):
+            await initiator.transfer(
+                peer, "write", [(src.addr, volatile.addr, 4 * KIB)], timeout=10.0, durability="persistent"
+            )
+        with pytest.raises(ferry.InvalidArgument):
+            await initiator.transfer(peer, "write", [(src.addr, durable.addr, 16)], durability="eventually")
+
+    asyncio.run(run())
+    data = path.read_bytes()
+    assert data[8 * KIB : 12 * KIB] == b"\x5a" * (4 * KIB)
+    assert data[: 8 * KIB] == bytes(8 * KIB)
+
+
+def test_host_allocation_and_region_copies(pair):
+    target, _ = pair
+    region = target.alloc_host(8 * KIB)
+    assert region.kind.startswith("host")
+    region.write(100, b"hello")
+    assert region.read(100, 5) == b"hello"
+    assert len(region.read()) == 8 * KIB
+    with pytest.raises(ferry.OutOfBounds):
+        region.write(8 * KIB - 2, b"hello")
+    with pytest.raises(ferry.OutOfBounds):
+        region.addr_at(8 * KIB + 1)
+
+
+def test_errors_and_capabilities():
+    assert issubclass(ferry.Timeout, ferry.Error) and issubclass(ferry.Timeout, TimeoutError)
+    assert issubclass(ferry.InvalidArgument, ValueError)
+    assert {ferry.PeerClosed.code, ferry.Timeout.code} == {"peer_closed", "timeout"}
+    caps = ferry.capabilities()
+    tcp = [t for t in caps["transports"] if t["name"] == "tcp"]
+    assert tcp and tcp[0]["usable"], caps
+    with pytest.raises(ferry.InvalidArgument):
+        ferry.Engine(transports=["carrier-pigeon"])
+    with pytest.raises(ferry.InvalidArgument):
+        ferry.Engine(buffer_pool="lots")
+
+
+def test_connect_errors_and_closed_engine(pair):
+    target, initiator = pair
+
+    async def run():
+        peer = await connect(initiator, target)
+        with pytest.raises(ferry.AlreadyConnected):
+            await connect(initiator, target)
+        with pytest.raises(ferry.InvalidArgument):
+            await initiator.connect(target.local_addr, timeout=-1)
+        return peer
+
+    peer = asyncio.run(run())
+    with pytest.raises(RuntimeError):
+        initiator.transfer(peer, "write", [(1, 2, 3)])  # a coroutine needs a running loop
+    initiator.close()
+    with pytest.raises(ferry.InvalidArgument):
+        initiator.register(bytearray(16))
