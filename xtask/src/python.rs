@@ -20,7 +20,8 @@ use crate::util::{
 const SYSTEM_PYTHON: &str = "/usr/bin/python3";
 
 /// What the tests and the benchmark import besides ferry (the `test` extra of the package).
-const TEST_REQUIREMENTS: &[&str] = &["pytest>=7", "numpy>=1.22"];
+/// mypy's stubtest checks the type stubs against the built module.
+const TEST_REQUIREMENTS: &[&str] = &["pytest>=7", "numpy>=1.22", "mypy>=1.18"];
 
 const MINUTE: Duration = Duration::from_secs(60);
 

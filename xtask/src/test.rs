@@ -124,13 +124,22 @@ const STEPS: &[Step] = &[
         },
     },
     // The Python binding as a user gets it: `pip install ./bindings/python` into a fresh virtual
-    // environment, then its pytest suite (two processes, concurrency, errors) and its example.
+    // environment, then its type stubs against the built module (mypy's stubtest), its pytest suite
+    // (two processes, concurrency, errors) and its example.
     Step {
-        name: "python binding (pip install, pytest, example)",
+        name: "python binding (pip install, stubtest, pytest, example)",
         lint: false,
         run: |_| {
             let python = crate::python::environment()?;
             let dir = crate::python::binding_dir();
+            // Each class made in Rust has a C layout of its own (a "disjoint base"); the stubs mark
+            // them @final, which already rules out the multiple inheritance that would matter.
+            run_step(
+                Command::new(&python)
+                    .args(["-m", "mypy.stubtest", "--ignore-disjoint-bases", "ferry"])
+                    .current_dir(&dir),
+                10 * MINUTE,
+            )?;
             run_step(
                 Command::new(&python)
                     .args(["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"])

@@ -13,7 +13,7 @@
 //! write's awaited round trip at 143 µs, against 41 µs for the same write made blocking.)
 
 use std::cell::RefCell;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -34,7 +34,8 @@ pub enum Outcome {
     /// An object the caller already had (`async with engine`): moved through, never touched.
     Object(Py<PyAny>),
     Peer(ferry::Peer),
-    Notification(ferry::ReceivedNotification),
+    /// A notification, and where to put it back should its future have been cancelled meanwhile.
+    Notification(ferry::ReceivedNotification, Arc<Mutex<VecDeque<ferry::ReceivedNotification>>>),
     /// The end of an async iterator.
     StopIteration,
     Err(ferry::Error),
@@ -55,7 +56,7 @@ impl Outcome {
             Outcome::None => Ok(py.None()),
             Outcome::Object(o) => Ok(o),
             Outcome::Peer(p) => Ok(Py::new(py, Peer::new(p))?.into_any()),
-            Outcome::Notification(n) => Ok(Py::new(py, Notification::from(n))?.into_any()),
+            Outcome::Notification(n, _) => Ok(Py::new(py, Notification::from(n))?.into_any()),
             Outcome::StopIteration => Err(PyStopAsyncIteration::new_err(())),
             Outcome::Err(e) => Err(errors::to_py(py, e)),
         }
@@ -123,8 +124,14 @@ impl LoopBridge {
             };
             let Some(future) = future else { continue };
             let future = future.bind(py);
-            // Cancelled meanwhile (`asyncio.wait_for`, a cancelled task): the work finished anyway.
+            // Cancelled meanwhile (`asyncio.wait_for`, a cancelled task): the work finished anyway,
+            // and a notification taken for nobody goes back to the front of its stream.
             if future.call_method0("done")?.is_truthy()? {
+                if let Outcome::Notification(n, returned) = outcome
+                    && let Ok(mut returned) = returned.lock()
+                {
+                    returned.push_front(n);
+                }
                 continue;
             }
             match outcome.into_py(py) {
@@ -184,8 +191,40 @@ fn bridge_for(py: Python<'_>, event_loop: &Bound<'_, PyAny>) -> PyResult<Py<Loop
     Ok(bridge)
 }
 
+/// The future's done-callback that tells the work it was cancelled.
+#[pyclass(module = "ferry._ferry", frozen)]
+struct CancelOnDone {
+    cancelled: Arc<tokio::sync::Notify>,
+}
+
+#[pymethods]
+impl CancelOnDone {
+    fn __call__(&self, future: &Bound<'_, PyAny>) -> PyResult<()> {
+        if future.call_method0("cancelled")?.is_truthy()? {
+            // A stored permit: the work sees it even if it starts waiting only later.
+            self.cancelled.notify_one();
+        }
+        Ok(())
+    }
+}
+
+/// [`spawn`] for work that should stop when the Python future is cancelled: `work` gets a
+/// [`Notify`](tokio::sync::Notify) that fires then, and should finish promptly with any outcome
+/// (it is discarded) without losing what it holds.
+pub fn spawn_cancellable<'py, W, F>(py: Python<'py>, work: W) -> PyResult<Bound<'py, PyAny>>
+where
+    W: FnOnce(Arc<tokio::sync::Notify>) -> F,
+    F: Future<Output = Outcome> + Send + 'static,
+{
+    let cancelled = Arc::new(tokio::sync::Notify::new());
+    let future = spawn(py, work(cancelled.clone()))?;
+    future.call_method1("add_done_callback", (CancelOnDone { cancelled },))?;
+    Ok(future)
+}
+
 /// Runs `work` on the runtime and returns an `asyncio.Future` of the running loop that resolves
 /// with its outcome. Fails with `RuntimeError` outside a running loop, as asyncio's own calls do.
+/// Cancelling the future does not stop the work: it completes, and its outcome is dropped.
 pub fn spawn<'py, F>(py: Python<'py>, work: F) -> PyResult<Bound<'py, PyAny>>
 where
     F: Future<Output = Outcome> + Send + 'static,

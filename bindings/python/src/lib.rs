@@ -38,7 +38,6 @@ fn _ferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(capabilities, m)?)?;
     m.add_class::<engine::Engine>()?;
-    m.add_class::<bridge::LoopBridge>()?;
     m.add_class::<region::Region>()?;
     m.add_class::<peer::Peer>()?;
     m.add_class::<peer::RemoteRegion>()?;

@@ -1,6 +1,7 @@
 //! Notifications received, as objects and as an async iterator.
 
-use std::sync::Arc;
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
 
 use futures::StreamExt;
 use futures::stream::BoxStream;
@@ -46,15 +47,20 @@ impl Notification {
 }
 
 /// `async for n in engine.notifications()`: every notification, as it arrives.
+///
+/// A cancelled `__anext__` (`asyncio.wait_for` running out) loses nothing: its wait stops, and a
+/// notification it had already taken is handed to the next call.
 #[pyclass(module = "ferry._ferry", frozen)]
 pub struct NotificationStream {
     stream: Arc<tokio::sync::Mutex<BoxStream<'static, ferry::ReceivedNotification>>>,
+    returned: Arc<Mutex<VecDeque<ferry::ReceivedNotification>>>,
 }
 
 impl NotificationStream {
     pub fn new(stream: BoxStream<'static, ferry::ReceivedNotification>) -> Self {
         NotificationStream {
             stream: Arc::new(tokio::sync::Mutex::new(stream)),
+            returned: Arc::new(Mutex::new(VecDeque::new())),
         }
     }
 }
@@ -67,10 +73,23 @@ impl NotificationStream {
 
     fn __anext__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let stream = self.stream.clone();
-        bridge::spawn(py, async move {
-            match stream.lock().await.next().await {
-                Some(n) => Outcome::Notification(n),
-                None => Outcome::StopIteration,
+        let returned = self.returned.clone();
+        bridge::spawn_cancellable(py, |cancelled| async move {
+            let mut stream = tokio::select! {
+                s = stream.lock() => s,
+                _ = cancelled.notified() => return Outcome::None,
+            };
+            let earlier = returned.lock().ok().and_then(|mut r| r.pop_front());
+            if let Some(n) = earlier {
+                return Outcome::Notification(n, returned);
+            }
+            // The stream keeps a wait in progress inside itself, so stopping this one loses nothing.
+            tokio::select! {
+                n = stream.next() => match n {
+                    Some(n) => Outcome::Notification(n, returned),
+                    None => Outcome::StopIteration,
+                },
+                _ = cancelled.notified() => Outcome::None,
             }
         })
     }

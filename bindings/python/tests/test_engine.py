@@ -272,6 +272,33 @@ def test_notifications_take_and_iterate(pair):
     asyncio.run(run())
 
 
+def test_cancelled_notification_waits_lose_nothing(pair):
+    """Waits cancelled before, while and after notifications arrive: every one is delivered, once,
+    in order (a cancelled wait must neither keep waiting and swallow the next one, nor drop the one
+    it had taken)."""
+    target, initiator = pair
+
+    async def run():
+        peer = await connect(initiator, target)
+        it = target.notifications()
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(it.__anext__(), 0.1)
+        got = []
+        for i in range(30):
+            waiter = asyncio.ensure_future(it.__anext__())
+            await initiator.notify(peer, "n", str(i), timeout=5.0)
+            for _ in range(i % 3):
+                await asyncio.sleep(0)
+            if not waiter.cancel():
+                got.append(waiter.result().msg)
+        while len(got) < 30:
+            got.append((await asyncio.wait_for(it.__anext__(), 5.0)).msg)
+        assert got == [str(i) for i in range(30)]
+        assert target.take_notifications() == []
+
+    asyncio.run(run())
+
+
 def test_persistent_writes(pair, tmp_path):
     target, initiator = pair
     path = tmp_path / "pmem"

@@ -37,3 +37,34 @@ class Access(enum.IntFlag):
 READ: Access
 WRITE: Access
 READ_WRITE: Access
+
+__all__ = [
+    "Access",
+    "READ",
+    "WRITE",
+    "READ_WRITE",
+    "Engine",
+    "Notification",
+    "NotificationStream",
+    "Peer",
+    "PreparedTransfer",
+    "Region",
+    "RemoteRegion",
+    "TransferHandle",
+    "TransferStatus",
+    "capabilities",
+    "__version__",
+    "Error",
+    "InvalidArgument",
+    "Timeout",
+    "NotConnected",
+    "AlreadyConnected",
+    "ResourceExhausted",
+    "Unsupported",
+    "PermissionDenied",
+    "OutOfBounds",
+    "PeerClosed",
+    "Protocol",
+    "Internal",
+    "IoError",
+]

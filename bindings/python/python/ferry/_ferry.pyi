@@ -1,9 +1,23 @@
 """Type stubs of the extension module; the package re-exports everything here."""
 
 import os
-from typing import Any, AsyncIterator, Awaitable, Dict, Generator, List, Optional, Sequence, Tuple, Union
+from typing import Any, AsyncIterator, Awaitable, Dict, Generator, List, Optional, Sequence, Tuple, Union, final
 
-Descriptors = Union[Sequence[Tuple[int, int, int]], Any]
+__all__ = [
+    "Engine",
+    "Notification",
+    "NotificationStream",
+    "Peer",
+    "PreparedTransfer",
+    "Region",
+    "RemoteRegion",
+    "TransferHandle",
+    "TransferStatus",
+    "capabilities",
+    "__version__",
+]
+
+_Descriptors = Union[Sequence[Tuple[int, int, int]], Any]
 """A list of ``(local_addr, remote_addr, length)`` tuples, or an N×3 numpy ``uint64`` array."""
 
 __version__: str
@@ -12,12 +26,14 @@ def capabilities() -> Dict[str, Any]:
     """What this build can do on this host: version, protocol version, transports (compiled in,
     usable here, and why not), RDMA devices and rails, Vulkan devices."""
 
+@final
 class TransferStatus:
     WAITING: "TransferStatus"
     COMPLETED: "TransferStatus"
     TIMEOUT: "TransferStatus"
     FAILED: "TransferStatus"
 
+@final
 class TransferHandle:
     """A transfer started by :meth:`Engine.transfer_async`."""
 
@@ -26,11 +42,13 @@ class TransferHandle:
     def __await__(self) -> Generator[Any, None, None]:
         """Waits until it is done; raises its error if it failed."""
 
+@final
 class PreparedTransfer:
     """A batch resolved once by :meth:`Engine.prepare`."""
 
     def __len__(self) -> int: ...
 
+@final
 class Notification:
     name: str
     msg: str
@@ -38,10 +56,12 @@ class Notification:
     from_addr: str
     from_identity: Optional[str]
 
+@final
 class NotificationStream:
     def __aiter__(self) -> "NotificationStream": ...
     def __anext__(self) -> Awaitable[Notification]: ...
 
+@final
 class RemoteRegion:
     """A region a peer advertised: what descriptors name on the remote side."""
 
@@ -50,6 +70,7 @@ class RemoteRegion:
     access: int
     persistent: bool
 
+@final
 class Peer:
     """A link to a remote engine."""
 
@@ -66,6 +87,7 @@ class Peer:
     def closed(self) -> bool: ...
     def regions(self) -> List[RemoteRegion]: ...
 
+@final
 class Region:
     """Memory registered with an engine; stays registered until :meth:`deregister`."""
 
@@ -83,11 +105,12 @@ class Region:
     def persist(self, offset: int, length: int) -> None: ...
     def deregister(self) -> None: ...
 
+@final
 class Engine:
     """A transfer engine (HIXL ``Initialize``)."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         listen: Optional[str] = None,
         *,
         buffer_pool: Optional[str] = None,
@@ -97,7 +120,7 @@ class Engine:
         max_inflight_bytes: Optional[int] = None,
         max_pending_notifications: Optional[int] = None,
         name: Optional[str] = None,
-    ) -> None: ...
+    ) -> "Engine": ...
     @property
     def id(self) -> int: ...
     @property
@@ -124,15 +147,15 @@ class Engine:
     async def disconnect(self, peer: Peer, timeout: float = 1.0) -> None: ...
     def peers(self) -> List[Peer]: ...
     async def transfer(
-        self, peer: Peer, op: str, descs: Descriptors, *, timeout: float = 10.0, durability: str = "completed"
+        self, peer: Peer, op: str, descs: _Descriptors, *, timeout: float = 10.0, durability: str = "completed"
     ) -> None: ...
     def transfer_blocking(
-        self, peer: Peer, op: str, descs: Descriptors, *, timeout: float = 10.0, durability: str = "completed"
+        self, peer: Peer, op: str, descs: _Descriptors, *, timeout: float = 10.0, durability: str = "completed"
     ) -> None: ...
     def transfer_async(
-        self, peer: Peer, op: str, descs: Descriptors, *, timeout: float = 10.0, durability: str = "completed"
+        self, peer: Peer, op: str, descs: _Descriptors, *, timeout: float = 10.0, durability: str = "completed"
     ) -> TransferHandle: ...
-    def prepare(self, peer: Peer, op: str, descs: Descriptors, *, durability: str = "completed") -> PreparedTransfer: ...
+    def prepare(self, peer: Peer, op: str, descs: _Descriptors, *, durability: str = "completed") -> PreparedTransfer: ...
     async def transfer_prepared(self, prepared: PreparedTransfer, *, timeout: float = 10.0) -> None: ...
     async def notify(self, peer: Peer, name: str, msg: str, *, timeout: float = 1.0) -> None: ...
     def take_notifications(self) -> List[Notification]: ...
