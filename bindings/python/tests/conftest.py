@@ -1,7 +1,9 @@
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +37,27 @@ class PeerProcess:
         if not line:
             raise RuntimeError(f"the peer process exited (code {self.proc.poll()})")
         return json.loads(line)
+
+    def stop(self):
+        """SIGSTOP, and wait until every thread of the process has stopped: the signal is delivered
+        asynchronously, and a thread still running could answer one more request."""
+        os.kill(self.proc.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            states = []
+            for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
+                try:
+                    # The state follows the command name, which is in parentheses.
+                    states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+                except (FileNotFoundError, ProcessLookupError):
+                    continue
+            if states and all(s in ("T", "t") for s in states):
+                return
+            time.sleep(0.001)
+        raise RuntimeError("the peer process did not stop within 10 s")
+
+    def resume(self):
+        os.kill(self.proc.pid, signal.SIGCONT)
 
     def close(self):
         if self.proc.poll() is None:

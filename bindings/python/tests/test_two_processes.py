@@ -2,8 +2,6 @@
 
 import asyncio
 import hashlib
-import os
-import signal
 import time
 
 import numpy as np
@@ -84,7 +82,7 @@ def test_stopped_peer_times_out_as_timeout_error(peer_process, transports):
         with ferry.Engine(transports=transports) as engine:
             peer = await engine.connect(remote.addr, timeout=5.0)
             local = engine.register(np.zeros(1 << 16, dtype=np.uint8))
-            os.kill(remote.proc.pid, signal.SIGSTOP)
+            remote.stop()
             try:
                 started = time.monotonic()
                 with pytest.raises(TimeoutError) as raised:
@@ -93,7 +91,7 @@ def test_stopped_peer_times_out_as_timeout_error(peer_process, transports):
                 assert isinstance(raised.value, ferry.Timeout)
                 assert 0.9 <= elapsed < 1.0 + 1.5, f"took {elapsed:.2f} s with a 1 s timeout"
             finally:
-                os.kill(remote.proc.pid, signal.SIGCONT)
+                remote.resume()
 
     asyncio.run(run())
 
@@ -118,7 +116,7 @@ def test_blocking_transfer_releases_the_gil(peer_process):
             except ferry.Error as e:
                 raised.append(e)
 
-        os.kill(remote.proc.pid, signal.SIGSTOP)
+        remote.stop()
         try:
             waiter = threading.Thread(target=wait_in_ferry)
             waiter.start()
@@ -128,6 +126,6 @@ def test_blocking_transfer_releases_the_gil(peer_process):
                 iterations += 1
             waiter.join()
         finally:
-            os.kill(remote.proc.pid, signal.SIGCONT)
+            remote.resume()
     assert [type(e) for e in raised] == [ferry.Timeout]
     assert iterations > 10_000, f"only {iterations} iterations ran while the other thread waited"
