@@ -51,13 +51,20 @@ pub fn environment() -> Result<PathBuf> {
         if venv.exists() {
             std::fs::remove_dir_all(&venv).with_context(|| format!("removing the broken {}", venv.display()))?;
         }
-        run_step(Command::new(&system).args(["-m", "venv"]).arg(&venv), 5 * MINUTE)
-            .context("making the Python virtual environment")?;
+        run_step(
+            Command::new(&system)
+                .args(["-m", "venv"])
+                .arg(&venv)
+                .stdout(std::io::stderr()),
+            5 * MINUTE,
+        )
+        .context("making the Python virtual environment")?;
     }
     run_step(
         Command::new(&python)
             .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check"])
-            .args(TEST_REQUIREMENTS),
+            .args(TEST_REQUIREMENTS)
+            .stdout(std::io::stderr()),
         20 * MINUTE,
     )
     .context("installing the Python test requirements")?;

@@ -47,25 +47,29 @@ pub fn access(py: Python<'_>, bits: u8) -> PyResult<ferry::Access> {
 
 /// `"read"` / `"write"` (any case) to an operation.
 pub fn op(py: Python<'_>, op: &str) -> PyResult<ferry::Op> {
-    match op.to_ascii_lowercase().as_str() {
-        "read" => Ok(ferry::Op::Read),
-        "write" => Ok(ferry::Op::Write),
-        _ => Err(errors::invalid(
+    if op.eq_ignore_ascii_case("write") {
+        Ok(ferry::Op::Write)
+    } else if op.eq_ignore_ascii_case("read") {
+        Ok(ferry::Op::Read)
+    } else {
+        Err(errors::invalid(
             py,
             format!("op must be \"read\" or \"write\", not {op:?}"),
-        )),
+        ))
     }
 }
 
 /// `"completed"` / `"persistent"` to a durability.
 pub fn durability(py: Python<'_>, durability: &str) -> PyResult<ferry::Durability> {
-    match durability.to_ascii_lowercase().as_str() {
-        "completed" => Ok(ferry::Durability::Completed),
-        "persistent" => Ok(ferry::Durability::Persistent),
-        _ => Err(errors::invalid(
+    if durability.eq_ignore_ascii_case("completed") {
+        Ok(ferry::Durability::Completed)
+    } else if durability.eq_ignore_ascii_case("persistent") {
+        Ok(ferry::Durability::Persistent)
+    } else {
+        Err(errors::invalid(
             py,
             format!("durability must be \"completed\" or \"persistent\", not {durability:?}"),
-        )),
+        ))
     }
 }
 
