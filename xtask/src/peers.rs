@@ -135,18 +135,11 @@ pub fn python_bench(python: &Path, case: &str, blocking: bool, duration: Duratio
     if blocking {
         cmd.arg("--blocking");
     }
-    let what = describe(&cmd);
-    let out = run_captured(&mut cmd, duration * 4 + SLACK)?;
-    if !out.status.success() {
-        bail!("`{what}` failed ({}): {}", out.status, tail(&out.combined()));
-    }
-    let line = out.stdout.lines().map(str::trim).rfind(|l| l.starts_with('{'));
-    let line = line.ok_or_else(|| anyhow!("`{what}` printed no JSON line"))?;
-    let v: Value = serde_json::from_str(line).with_context(|| format!("not JSON: {line}"))?;
+    let v = last_json_line(&mut cmd, duration * 4 + SLACK)?;
     let num = |key: &str| {
         v[key]
             .as_f64()
-            .ok_or_else(|| anyhow!("key `{key}` missing or not a number: {line}"))
+            .ok_or_else(|| anyhow!("key `{key}` missing or not a number: {v}"))
     };
     Ok(FerryResult {
         gb_per_s: num("gb_per_s")?,
@@ -159,16 +152,21 @@ pub fn python_bench(python: &Path, case: &str, blocking: bool, duration: Duratio
 
 /// Runs ferry-tower's `tower_overhead` example and returns its ratio (stack over direct engine calls).
 pub fn tower_overhead(bin: &Path, duration: Duration) -> Result<f64> {
-    let mut cmd = Command::new(bin);
-    let what = describe(&cmd);
-    let out = run_captured(&mut cmd, duration * 20 + SLACK)?;
+    let v = last_json_line(&mut Command::new(bin), duration * 20 + SLACK)?;
+    v["ratio"].as_f64().ok_or_else(|| anyhow!("no `ratio` in {v}"))
+}
+
+/// Runs `cmd`, which must succeed within `timeout`, and parses the last line of its stdout that is
+/// a JSON object.
+fn last_json_line(cmd: &mut Command, timeout: Duration) -> Result<Value> {
+    let what = describe(cmd);
+    let out = run_captured(cmd, timeout)?;
     if !out.status.success() {
         bail!("`{what}` failed ({}): {}", out.status, tail(&out.combined()));
     }
     let line = out.stdout.lines().map(str::trim).rfind(|l| l.starts_with('{'));
     let line = line.ok_or_else(|| anyhow!("`{what}` printed no JSON line"))?;
-    let v: Value = serde_json::from_str(line).with_context(|| format!("not JSON: {line}"))?;
-    v["ratio"].as_f64().ok_or_else(|| anyhow!("no `ratio` in {line}"))
+    serde_json::from_str(line).with_context(|| format!("not JSON: {line}"))
 }
 
 /// Picks the JSON line for (`op`, `size`) from `ferry bench --json` output.

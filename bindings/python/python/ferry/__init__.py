@@ -24,7 +24,7 @@ Every coroutine runs on ferry's own threads without the GIL; errors are subclass
 
 import enum as _enum
 
-from . import _errors
+from . import _errors, _ferry
 from ._errors import *  # noqa: F401,F403  (the exception classes)
 from ._ferry import (
     Engine,
@@ -53,20 +53,4 @@ READ = Access.READ
 WRITE = Access.WRITE
 READ_WRITE = Access.READ_WRITE
 
-__all__ = [
-    "Access",
-    "READ",
-    "WRITE",
-    "READ_WRITE",
-    "Engine",
-    "Notification",
-    "NotificationStream",
-    "Peer",
-    "PreparedTransfer",
-    "Region",
-    "RemoteRegion",
-    "TransferHandle",
-    "TransferStatus",
-    "capabilities",
-    "__version__",
-] + _errors.__all__
+__all__ = ["Access", "READ", "WRITE", "READ_WRITE"] + _ferry.__all__ + _errors.__all__
