@@ -95,6 +95,8 @@ struct Rail {
     bytes: u64,
     errors: u64,
     healthy: bool,
+    /// Its measured throughput while busy (GB/s), which spraying weighs it by.
+    gb_per_s: Option<f64>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -531,6 +533,7 @@ async fn run_case(
                 bytes: r.bytes,
                 errors: r.errors,
                 healthy: r.healthy,
+                gb_per_s: r.bytes_per_second.map(|b| b as f64 / 1e9),
             })
             .collect(),
         streams: s.peer.tcp_streams(),

@@ -63,6 +63,8 @@ pub struct RailStats {
     pub errors: u64,
     /// Whether new work goes to it (a failed rail rests, then is tried again).
     pub healthy: bool,
+    /// Its measured throughput while busy, which spraying weighs it by; `None` until measured.
+    pub bytes_per_second: Option<u64>,
 }
 
 /// A data path a link can use.

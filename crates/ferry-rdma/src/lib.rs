@@ -33,6 +33,7 @@ pub mod multirail;
 mod persist;
 mod post;
 mod qp;
+mod rate;
 mod responder;
 pub mod scope;
 pub mod topology;

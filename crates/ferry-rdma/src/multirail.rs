@@ -11,10 +11,13 @@
 //!
 //! - **Spraying**: a batch's descriptors are cut into slices of at most
 //!   [`RdmaOptions::slice_bytes`](crate::RdmaOptions::slice_bytes) ([`DEFAULT_SLICE`] by default) and
-//!   each slice goes to the healthy rail with the fewest bytes in flight among the rails its local
+//!   each slice goes to the healthy rail that would finish it first, among the rails its local
 //!   memory prefers (its NUMA node's: see [`crate::topology`]), or among all rails when none of those
-//!   can take it; each rail posts its share as one batch (merged and signalled as on one rail, see
-//!   [`crate::link`]).
+//!   can take it: the rail's bytes in flight (and already planned for this batch) over its measured
+//!   throughput (bytes per second of busy time, see [`crate::rate`]), so that a batch splits in
+//!   proportion to the rails' speeds and a rail that slows down gets less; rails not yet measured
+//!   count as fast as the fastest. Each rail posts its share as one batch (merged and signalled as
+//!   on one rail, see [`crate::link`]).
 //! - **Rail failure**: a rail whose share fails as a link failure (its queue pair broke, its port went
 //!   down: `PeerClosed` or `Io`, not a refusal such as `PermissionDenied`) rests, for
 //!   [`FIRST_REST`] and then twice as long each time up to [`MAX_REST`], and its share is posted
@@ -42,6 +45,7 @@ use futures::future::BoxFuture;
 
 use crate::RdmaShared;
 use crate::link::RdmaLink;
+use crate::rate::{self, RateMeter};
 use crate::topology::Topology;
 use crate::wire::RailKeys;
 
@@ -106,6 +110,8 @@ struct Rail {
     /// This engine's rail (device) it leaves from, which the topology ranks.
     local: usize,
     in_flight: AtomicU64,
+    /// Its throughput while busy.
+    meter: Mutex<RateMeter>,
     bytes: AtomicU64,
     errors: AtomicU64,
     rest: Mutex<Rest>,
@@ -132,6 +138,7 @@ impl Rail {
             link,
             name,
             in_flight: AtomicU64::new(0),
+            meter: Mutex::new(RateMeter::default()),
             bytes: AtomicU64::new(0),
             errors: AtomicU64::new(0),
             rest: Mutex::new(Rest {
@@ -144,6 +151,10 @@ impl Rail {
 
     fn rest(&self) -> std::sync::MutexGuard<'_, Rest> {
         self.rest.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn meter(&self) -> std::sync::MutexGuard<'_, RateMeter> {
+        self.meter.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn healthy(&self) -> bool {
@@ -217,22 +228,33 @@ pub struct MultiRailLink {
 }
 
 impl Inner {
-    /// The healthy rail other than `except` with the fewest bytes in flight (counting `planned`) that
-    /// has a key for every item: one whose local device is in `near` (a mask over this engine's
-    /// rails) if any can, else any.
-    fn pick(&self, items: &[TransferItem], near: u64, except: Option<usize>, planned: &[u64]) -> Option<usize> {
+    /// Each rail's measured throughput, for [`pick`](Self::pick).
+    fn rates(&self) -> Vec<Option<f64>> {
+        self.rails.iter().map(|r| r.meter().rate()).collect()
+    }
+
+    /// The healthy rail other than `except` that would finish `items` first (its bytes in flight,
+    /// counting `planned`, over its measured rate; see [`rate::soonest_finish`]) and has a key for
+    /// every item: one whose local device is in `near` (a mask over this engine's rails) if any
+    /// can, else any.
+    fn pick(
+        &self,
+        items: &[TransferItem],
+        near: u64,
+        except: Option<usize>,
+        planned: &[u64],
+        rates: &[Option<f64>],
+    ) -> Option<usize> {
         let usable = |i: &usize| {
             Some(*i) != except
                 && self.rails[*i].healthy()
                 && items.iter().all(|item| key_on(item, self.rails[*i].remote).is_some())
         };
-        let load = |i: &usize| self.rails[*i].in_flight.load(Ordering::Relaxed) + planned[*i];
+        let load = |i: usize| self.rails[i].in_flight.load(Ordering::Relaxed) + planned[i];
         let is_near = |i: &usize| near & (1u64 << self.rails[*i].local.min(63)) != 0;
-        (0..self.rails.len())
-            .filter(is_near)
-            .filter(usable)
-            .min_by_key(load)
-            .or_else(|| (0..self.rails.len()).filter(usable).min_by_key(load))
+        let bytes: u64 = items.iter().map(TransferItem::len).sum();
+        rate::soonest_finish((0..self.rails.len()).filter(is_near).filter(usable), load, rates, bytes)
+            .or_else(|| rate::soonest_finish((0..self.rails.len()).filter(usable), load, rates, bytes))
     }
 
     /// The local rails preferred for the memory of `items` (all share one region in `run_on`'s use;
@@ -282,6 +304,7 @@ impl Inner {
         loop {
             let r = &self.rails[rail];
             r.in_flight.fetch_add(bytes, Ordering::Relaxed);
+            r.meter().start(Instant::now());
             let request = TransferRequest {
                 op,
                 durability,
@@ -289,6 +312,7 @@ impl Inner {
             };
             let result = r.link.transfer(request).await;
             r.in_flight.fetch_sub(bytes, Ordering::Relaxed);
+            r.meter().finish(if result.is_ok() { bytes } else { 0 }, Instant::now());
             match result {
                 Ok(()) => {
                     r.bytes.fetch_add(bytes, Ordering::Relaxed);
@@ -301,7 +325,7 @@ impl Inner {
                 Err(e) if rail_failure(&e) && !self.control.is_closed() => {
                     r.failed(&e);
                     let planned = vec![0; self.rails.len()];
-                    match self.pick(&items, self.near(&items), Some(rail), &planned) {
+                    match self.pick(&items, self.near(&items), Some(rail), &planned, &self.rates()) {
                         Some(next) => rail = next,
                         None => {
                             tracing::warn!(error = %e, "every RDMA rail failed; this share goes over TCP");
@@ -319,6 +343,7 @@ impl Inner {
         let mut shares: Vec<Vec<TransferItem>> = (0..self.rails.len()).map(|_| Vec::new()).collect();
         let mut planned = vec![0u64; self.rails.len()];
         let mut to_control = Vec::new();
+        let rates = self.rates();
         // Slices of one region come in runs: its preferred rails are looked up once per run.
         let mut near: Option<(ferry_core::RegionKey, u64)> = None;
         for item in slices(request.items, self.slice) {
@@ -336,7 +361,7 @@ impl Inner {
                     mask
                 }
             };
-            match self.pick(std::slice::from_ref(&item), mask, None, &planned) {
+            match self.pick(std::slice::from_ref(&item), mask, None, &planned, &rates) {
                 Some(rail) => {
                     planned[rail] += item.len();
                     shares[rail].push(item);
@@ -384,7 +409,7 @@ impl Inner {
                 Ok(()) => return Ok(()),
                 Err(e) if rail_failure(&e) && !self.control.is_closed() => {
                     rail.failed(&e);
-                    chosen = self.pick(&[], u64::MAX, Some(i), &planned);
+                    chosen = self.pick(&[], u64::MAX, Some(i), &planned, &self.rates());
                 }
                 Err(e) => return Err(e),
             }
@@ -434,6 +459,7 @@ impl DataLink for MultiRailLink {
                 bytes: r.bytes.load(Ordering::Relaxed),
                 errors: r.errors.load(Ordering::Relaxed),
                 healthy: r.healthy(),
+                bytes_per_second: r.meter().rate().map(|b| b as u64),
             })
             .collect()
     }
