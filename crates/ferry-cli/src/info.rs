@@ -88,10 +88,12 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         let node = rail.numa_node.map_or("none".to_string(), |n| n.to_string());
         let nodes: Vec<String> = rail.preferred_for.iter().map(u32::to_string).collect();
         println!(
-            "rdma rail {}: NUMA node {node} ({}), preferred for memory on node(s) {}",
+            "rdma rail {}: NUMA node {node} ({}), PCI {}, preferred for memory on node(s) {} and of device(s) {}",
             rail.device,
             rail.source,
-            list(&nodes)
+            rail.pci_address.as_deref().unwrap_or("none"),
+            list(&nodes),
+            list(&rail.preferred_for_devices)
         );
     }
     let vulkan: Vec<String> = caps.vulkan_devices.iter().map(|d| d.to_string()).collect();

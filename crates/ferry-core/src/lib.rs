@@ -14,7 +14,8 @@
 //!   keys);
 //! - [`transport`]: the [`Transport`], [`DataLink`] and [`Notifier`] contracts;
 //! - [`codec`]: the wire protocol as a sans-IO codec;
-//! - [`options`]: HIXL-style option strings.
+//! - [`options`]: HIXL-style option strings;
+//! - [`pci`]: PCI addresses, by which device memory names the device it lives on.
 #![deny(missing_docs)]
 
 pub mod codec;
@@ -23,6 +24,7 @@ pub mod grants;
 pub mod guard;
 pub mod memory;
 pub mod options;
+pub mod pci;
 pub mod peer_view;
 pub mod region;
 pub mod sync;
@@ -34,6 +36,7 @@ pub use grants::{AccessEpochs, EpochTicket, Grants};
 pub use guard::{AccessGuard, OwnedPermit, Permit};
 pub use memory::{DmaView, MemoryBlock, MemoryRegistry, OwnedBuffer, RawMemory};
 pub use options::BufferPool;
+pub use pci::PciAddress;
 pub use peer_view::{PeerNames, PeerScope, PeerView};
 pub use region::{RegionEntry, RegionTable, RemoteRegions, Resolved};
 pub use transport::{

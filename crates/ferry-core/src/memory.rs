@@ -111,6 +111,13 @@ pub unsafe trait MemoryBlock: Send + Sync + 'static {
     fn shared_file(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
         None
     }
+    /// The PCI device whose memory a NIC's DMA reaches when it accesses this block: a GPU, for device
+    /// memory registered directly or mapped through the GPU's BAR. The RDMA transport then prefers the
+    /// NICs nearest to that device on the PCIe fabric over the NUMA rule for host memory. `None` (the
+    /// default) for memory in host RAM, including a host staging buffer in front of device memory.
+    fn pci_device(&self) -> Option<crate::PciAddress> {
+        None
+    }
     /// How the CPU and a NIC reach the bytes; [`DmaView::Host`] unless the block says otherwise.
     fn dma_view(&self) -> DmaView {
         DmaView::Host

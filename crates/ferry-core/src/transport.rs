@@ -50,6 +50,11 @@ pub struct RailPlace {
     pub source: &'static str,
     /// The NUMA nodes whose memory prefers this rail (the others use it only as a fallback).
     pub preferred_for: Vec<u32>,
+    /// The device's PCI function, where it has one (a software device's is its network device's).
+    pub pci_address: Option<crate::PciAddress>,
+    /// The GPUs of this host whose memory prefers this rail (nearest on the PCIe fabric, or named by
+    /// an override).
+    pub preferred_for_devices: Vec<crate::PciAddress>,
 }
 
 /// One rail of a multi-rail link, as it stands.

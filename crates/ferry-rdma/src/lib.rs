@@ -73,6 +73,9 @@ pub struct RdmaOptions {
     /// NUMA nodes of devices, overriding what sysfs says (`None`: no node, so no memory prefers it
     /// over another rail); see [`topology`].
     pub numa_nodes: Vec<(String, Option<u32>)>,
+    /// The rails preferred for the memory of a PCI device (a GPU), overriding the PCIe-fabric ranking;
+    /// see [`topology`].
+    pub device_rails: Vec<(ferry_core::PciAddress, Vec<String>)>,
     /// IP traffic class of the queue pairs: 0..=255, a multiple of 4 (the low two bits are ECN).
     pub traffic_class: u8,
     /// Service level: 0..=7.
@@ -104,6 +107,7 @@ impl Default for RdmaOptions {
             queue_pairs_per_rail: 1,
             parallel_registration: true,
             numa_nodes: Vec::new(),
+            device_rails: Vec::new(),
             traffic_class: 132,
             service_level: 4,
             busy_poll: false,
@@ -426,7 +430,13 @@ impl RdmaTransport {
             Ok(rails) => rails.iter().map(|s| s.device.name.clone()).collect(),
             Err(_) => Vec::new(),
         };
-        let topology = Arc::new(topology::Topology::new(&names, &options.numa_nodes));
+        let topology = Arc::new(topology::Topology::new(
+            &names,
+            &topology::Overrides {
+                nodes: options.numa_nodes.clone(),
+                device_rails: options.device_rails.clone(),
+            },
+        ));
         RdmaTransport { state, topology }
     }
 
@@ -631,7 +641,11 @@ impl Transport for RdmaTransport {
             )));
         }
         // Registered: its first page is in memory now, on the node it will stay on.
-        self.topology.place(region.key(), region.addr() as usize as *const u8);
+        self.topology.place(
+            region.key(),
+            region.addr() as usize as *const u8,
+            region.block().pci_device(),
+        );
         Ok(Some(wire::RailKeys(keys).encode()))
     }
 

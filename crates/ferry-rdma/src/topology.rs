@@ -18,14 +18,28 @@
 //!   `MPOL_F_NODE | MPOL_F_ADDR`) after the first registration pinned it. A region spread over
 //!   several nodes (interleaved) is placed by its first page.
 //!
+//!
+//! **Device memory** (a GPU's, which the block names by its PCI address: see
+//! [`MemoryBlock::pci_device`](ferry_core::MemoryBlock::pci_device)) is ranked by the PCIe fabric
+//! instead, because the NIC's DMA goes to the device, not to a socket's memory. Linux lays sysfs out as
+//! the fabric's tree: `/sys/devices/pci0000:00/0000:00:01.0/0000:01:00.0/…/0000:3b:00.0` is a function
+//! below the bridges it hangs from, under host bridge `pci0000:00`. The rails preferred for a device are
+//! those whose own function (a software device's: its network device's) shares the deepest bridge with
+//! it: below one PCIe switch, peer-to-peer traffic never reaches the CPU; below only the same host
+//! bridge, it crosses the root complex. Where no rail shares even the host bridge, the device's NUMA
+//! node (`/sys/bus/pci/devices/ADDR/numa_node`) ranks the rails as for host memory. An override names
+//! the rails for a device outright ([`RdmaOptions::device_rails`](crate::RdmaOptions::device_rails),
+//! `FERRY_RDMA_DEVICE_RAILS=0000:3b:00.0=mlx5_0+mlx5_1`).
+//!
 //! The ranking is local: it places this engine's end of each rail. `ferry info --json` reports each
-//! rail's node, where it came from, and which nodes' memory it is preferred for.
+//! rail's node and PCI address, where the node came from, which nodes' memory and which of the host's
+//! GPUs (PCI display controllers and accelerators) prefer it.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::RwLock;
 
-use ferry_core::{RailPlace, RegionKey};
+use ferry_core::{PciAddress, RailPlace, RegionKey};
 
 /// Where a rail's NUMA node came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -100,6 +114,112 @@ pub(crate) fn sysfs_node(root: &Path, device: &str) -> (Option<u32>, NodeSource)
         Some(node) => (Some(node), NodeSource::NetworkDevice),
         None => (None, NodeSource::Unknown),
     }
+}
+
+/// Parses `FERRY_RDMA_DEVICE_RAILS`'s form: `ADDR=DEV+DEV` entries separated by commas, `ADDR` a PCI
+/// address (`0000:3b:00.0`) and each `DEV` an RDMA device.
+pub fn parse_device_rails(text: &str) -> Result<Vec<(PciAddress, Vec<String>)>, String> {
+    text.split(',')
+        .map(str::trim)
+        .filter(|entry| !entry.is_empty())
+        .map(|entry| {
+            let (address, devices) = entry
+                .split_once('=')
+                .ok_or_else(|| format!("`{entry}`: expected PCI_ADDRESS=DEVICE+DEVICE (0000:3b:00.0=mlx5_0+mlx5_1)"))?;
+            let address = address.trim().parse::<PciAddress>()?;
+            let devices: Vec<String> = devices
+                .split('+')
+                .map(str::trim)
+                .filter(|d| !d.is_empty())
+                .map(String::from)
+                .collect();
+            if devices.is_empty() {
+                return Err(format!("`{entry}`: names no RDMA device"));
+            }
+            Ok((address, devices))
+        })
+        .collect()
+}
+
+/// A PCI function's place on the fabric: its sysfs path below `devices/`, one component per level
+/// (`pci0000:00`, `0000:00:01.0`, …, the function itself).
+pub type PciPath = Vec<String>;
+
+/// The fabric path of the PCI function that sysfs link `link` points to; `None` for what is not on a
+/// PCI bus (a virtual device) or not there.
+fn pci_path(root: &Path, link: &Path) -> Option<PciPath> {
+    let real = std::fs::canonicalize(link).ok()?;
+    let devices = std::fs::canonicalize(root.join("devices")).ok()?;
+    let parts: PciPath = real
+        .strip_prefix(&devices)
+        .ok()?
+        .components()
+        .map(|c| c.as_os_str().to_string_lossy().into_owned())
+        .collect();
+    (parts.len() >= 2 && parts[0].starts_with("pci")).then_some(parts)
+}
+
+/// The fabric path of RDMA device `device`: its PCI function's, else (a software device) its network
+/// device's.
+fn rail_pci_path(root: &Path, device: &str) -> Option<PciPath> {
+    let ib = root.join("class/infiniband").join(device);
+    pci_path(root, &ib.join("device")).or_else(|| {
+        let parent = std::fs::read_to_string(ib.join("parent")).ok()?;
+        let parent = parent.trim();
+        if parent.is_empty() || parent.contains('/') {
+            return None;
+        }
+        pci_path(root, &root.join("class/net").join(parent).join("device"))
+    })
+}
+
+/// How many levels of the fabric two functions share: 0 under different host bridges, 1 under the
+/// same host bridge only (traffic crosses the root complex), more below a common PCIe bridge.
+pub fn shared_levels(a: &[String], b: &[String]) -> usize {
+    // The last component is the function itself, never a bridge the other hangs from.
+    let bridges = |p: &[String]| p.len().saturating_sub(1);
+    a.iter()
+        .zip(b)
+        .take(bridges(a).min(bridges(b)))
+        .take_while(|(x, y)| x == y)
+        .count()
+}
+
+/// The rails preferred for a device at `device` on the fabric, as a bit mask: those sharing the most
+/// levels with it; 0 when none shares even its host bridge (or no rail's place is known).
+pub fn preferred_by_fabric(rails: &[Option<PciPath>], device: &[String]) -> u64 {
+    let levels: Vec<usize> = rails
+        .iter()
+        .map(|r| r.as_deref().map_or(0, |r| shared_levels(r, device)))
+        .collect();
+    let best = levels.iter().copied().max().unwrap_or(0);
+    if best == 0 {
+        return 0;
+    }
+    levels
+        .iter()
+        .enumerate()
+        .take(64)
+        .filter(|&(_, &l)| l == best)
+        .fold(0, |mask, (i, _)| mask | 1 << i)
+}
+
+/// The host's GPUs and accelerators as sysfs lists them: PCI class 0x03 (display controllers) and
+/// 0x12 (processing accelerators).
+fn host_devices(root: &Path) -> Vec<PciAddress> {
+    let Ok(entries) = std::fs::read_dir(root.join("bus/pci/devices")) else {
+        return Vec::new();
+    };
+    let mut found: Vec<PciAddress> = entries
+        .filter_map(|e| e.ok())
+        .filter(|e| {
+            std::fs::read_to_string(e.path().join("class"))
+                .is_ok_and(|c| c.trim().starts_with("0x03") || c.trim().starts_with("0x12"))
+        })
+        .filter_map(|e| e.file_name().to_str()?.parse().ok())
+        .collect();
+    found.sort();
+    found
 }
 
 /// The distances from node `from` to every node, as the kernel's table gives them (index = node).
@@ -185,29 +305,74 @@ pub(crate) struct Topology {
     root: PathBuf,
     names: Vec<String>,
     nodes: Vec<(Option<u32>, NodeSource)>,
+    fabric: Vec<Option<PciPath>>,
+    /// Devices whose rails an override names, with those rails as a mask (never 0).
+    device_rails: Vec<(PciAddress, u64)>,
     regions: RwLock<HashMap<RegionKey, u64>>,
+}
+
+/// What places the rails besides sysfs: node overrides, and rails named for devices.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Overrides {
+    pub nodes: Vec<(String, Option<u32>)>,
+    pub device_rails: Vec<(PciAddress, Vec<String>)>,
 }
 
 impl Topology {
     /// Places `devices` (in rail order) by `overrides`, else by sysfs.
-    pub(crate) fn new(devices: &[String], overrides: &[(String, Option<u32>)]) -> Self {
+    pub(crate) fn new(devices: &[String], overrides: &Overrides) -> Self {
         Topology::with_root(PathBuf::from("/sys"), devices, overrides)
     }
 
-    fn with_root(root: PathBuf, devices: &[String], overrides: &[(String, Option<u32>)]) -> Self {
+    fn with_root(root: PathBuf, devices: &[String], overrides: &Overrides) -> Self {
         let nodes = devices
             .iter()
-            .map(|d| match overrides.iter().find(|(name, _)| name == d) {
+            .map(|d| match overrides.nodes.iter().find(|(name, _)| name == d) {
                 Some(&(_, node)) => (node, NodeSource::Override),
                 None => sysfs_node(&root, d),
+            })
+            .collect();
+        let fabric = devices.iter().map(|d| rail_pci_path(&root, d)).collect();
+        let device_rails = overrides
+            .device_rails
+            .iter()
+            .filter_map(|(address, names)| {
+                let mask = devices
+                    .iter()
+                    .enumerate()
+                    .take(64)
+                    .filter(|(_, d)| names.contains(d))
+                    .fold(0u64, |mask, (i, _)| mask | 1 << i);
+                if mask == 0 {
+                    tracing::warn!(device = %address, rails = ?names, "no rail of this engine is named for the device; ranking it by the fabric");
+                }
+                (mask != 0).then_some((*address, mask))
             })
             .collect();
         Topology {
             root,
             names: devices.to_vec(),
             nodes,
+            fabric,
+            device_rails,
             regions: RwLock::new(HashMap::new()),
         }
+    }
+
+    /// The rails preferred for the memory of PCI device `device`: an override's; else the nearest on
+    /// the fabric; else those of the device's NUMA node; else every rail.
+    fn preferred_for_device(&self, device: PciAddress) -> u64 {
+        if let Some(&(_, mask)) = self.device_rails.iter().find(|(a, _)| *a == device) {
+            return mask;
+        }
+        let sysfs = self.root.join("bus/pci/devices").join(device.to_string());
+        if let Some(path) = pci_path(&self.root, &sysfs) {
+            let mask = preferred_by_fabric(&self.fabric, &path);
+            if mask != 0 {
+                return mask;
+            }
+        }
+        self.preferred_for(read_node(&sysfs.join("numa_node")))
     }
 
     fn rail_nodes(&self) -> Vec<Option<u32>> {
@@ -219,11 +384,21 @@ impl Topology {
     }
 
     /// Places a region whose first byte is at `addr` (already registered, so its first page is in
-    /// memory); returns the rails it prefers.
-    pub(crate) fn place(&self, key: RegionKey, addr: *const u8) -> u64 {
-        let node = memory_node(addr);
-        let mask = self.preferred_for(node);
-        tracing::debug!(region = ?key, ?node, preferred = format_args!("{mask:#b}"), "region placed");
+    /// memory) and whose memory is PCI device `device`'s, if any; returns the rails it prefers.
+    pub(crate) fn place(&self, key: RegionKey, addr: *const u8, device: Option<PciAddress>) -> u64 {
+        let mask = match device {
+            Some(device) => {
+                let mask = self.preferred_for_device(device);
+                tracing::debug!(region = ?key, %device, preferred = format_args!("{mask:#b}"), "region placed");
+                mask
+            }
+            None => {
+                let node = memory_node(addr);
+                let mask = self.preferred_for(node);
+                tracing::debug!(region = ?key, ?node, preferred = format_args!("{mask:#b}"), "region placed");
+                mask
+            }
+        };
         if let Ok(mut regions) = self.regions.write() {
             regions.insert(key, mask);
         }
@@ -250,11 +425,17 @@ impl Topology {
     pub(crate) fn report(&self) -> Vec<RailPlace> {
         let online = online_nodes(&self.root);
         let masks: Vec<(u32, u64)> = online.iter().map(|&n| (n, self.preferred_for(Some(n)))).collect();
+        let mut devices = host_devices(&self.root);
+        devices.extend(self.device_rails.iter().map(|&(a, _)| a));
+        devices.sort();
+        devices.dedup();
+        let device_masks: Vec<(PciAddress, u64)> = devices.iter().map(|&d| (d, self.preferred_for_device(d))).collect();
         self.names
             .iter()
             .zip(&self.nodes)
+            .zip(&self.fabric)
             .enumerate()
-            .map(|(i, (name, &(node, source)))| RailPlace {
+            .map(|(i, ((name, &(node, source)), fabric))| RailPlace {
                 device: name.clone(),
                 numa_node: node,
                 source: source.name(),
@@ -262,6 +443,12 @@ impl Topology {
                     .iter()
                     .filter(|&&(_, mask)| mask & (1 << i) != 0)
                     .map(|&(n, _)| n)
+                    .collect(),
+                pci_address: fabric.as_ref().and_then(|p| p.last()?.parse().ok()),
+                preferred_for_devices: device_masks
+                    .iter()
+                    .filter(|&&(_, mask)| mask & (1 << i) != 0)
+                    .map(|&(d, _)| d)
                     .collect(),
             })
             .collect()
@@ -337,7 +524,11 @@ mod tests {
         write(&root.join("devices/system/node/node0/distance"), "10 21\n");
         write(&root.join("devices/system/node/node1/distance"), "21 10\n");
         let devices: Vec<String> = ["mlx5_0", "mlx5_1", "rxe0", "gone0"].map(String::from).into();
-        let topology = Topology::with_root(root.clone(), &devices, &[("gone0".into(), Some(1))]);
+        let overrides = Overrides {
+            nodes: vec![("gone0".into(), Some(1))],
+            device_rails: Vec::new(),
+        };
+        let topology = Topology::with_root(root.clone(), &devices, &overrides);
         let report = topology.report();
         let places: Vec<_> = report
             .iter()
@@ -355,6 +546,144 @@ mod tests {
         std::fs::remove_dir_all(&root).unwrap();
     }
 
+    /// A fake sysfs with two host bridges: GPU 03:00.0 below the same PCIe switch as NIC 04:00.0 (and
+    /// 04:00.1, the network device of a Soft-RoCE rail), NIC 05:00.0 under the first host bridge only,
+    /// NIC 81:00.0 and GPU 82:00.0 under the second, accelerator c1:00.0 under a third with no NIC.
+    fn fabric(root: &Path) {
+        let pci = |path: &str, class: &str, node: &str| {
+            let dir = root.join("devices").join(path);
+            write(&dir.join("class"), class);
+            write(&dir.join("numa_node"), node);
+            let address = path.rsplit('/').next().unwrap();
+            let link = root.join("bus/pci/devices").join(address);
+            std::fs::create_dir_all(link.parent().unwrap()).unwrap();
+            std::os::unix::fs::symlink(&dir, &link).unwrap();
+            dir
+        };
+        let switch = "pci0000:00/0000:00:01.0/0000:01:00.0";
+        pci(&format!("{switch}/0000:02:00.0/0000:03:00.0"), "0x030200\n", "0\n");
+        let nic0 = pci(&format!("{switch}/0000:02:01.0/0000:04:00.0"), "0x020000\n", "0\n");
+        let nic0_port1 = pci(&format!("{switch}/0000:02:01.0/0000:04:00.1"), "0x020000\n", "0\n");
+        let nic1 = pci("pci0000:00/0000:00:02.0/0000:05:00.0", "0x020700\n", "0\n");
+        let nic2 = pci("pci0000:80/0000:80:01.0/0000:81:00.0", "0x020700\n", "1\n");
+        pci("pci0000:80/0000:80:02.0/0000:82:00.0", "0x030000\n", "1\n");
+        pci("pci0000:c0/0000:c0:01.0/0000:c1:00.0", "0x120000\n", "0\n");
+        for (dev, dir) in [("mlx5_0", &nic0), ("mlx5_1", &nic1), ("mlx5_2", &nic2)] {
+            let ib = root.join("class/infiniband").join(dev);
+            std::fs::create_dir_all(&ib).unwrap();
+            std::os::unix::fs::symlink(dir, ib.join("device")).unwrap();
+        }
+        write(&root.join("class/infiniband/rxe0/parent"), "eth1\n");
+        std::fs::create_dir_all(root.join("class/net/eth1")).unwrap();
+        std::os::unix::fs::symlink(&nic0_port1, root.join("class/net/eth1/device")).unwrap();
+        write(&root.join("devices/system/node/online"), "0-1\n");
+        write(&root.join("devices/system/node/node0/distance"), "10 21\n");
+        write(&root.join("devices/system/node/node1/distance"), "21 10\n");
+    }
+
+    fn address(text: &str) -> PciAddress {
+        text.parse().unwrap()
+    }
+
+    #[test]
+    fn device_memory_prefers_the_rails_nearest_on_the_fabric() {
+        let root = std::env::temp_dir().join(format!("ferry-fabric-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        fabric(&root);
+        let devices: Vec<String> = ["mlx5_0", "mlx5_1", "mlx5_2", "rxe0"].map(String::from).into();
+        let topology = Topology::with_root(root.clone(), &devices, &Overrides::default());
+        // Below one switch (the NIC, and the Soft-RoCE device over the same NIC's second port).
+        assert_eq!(topology.preferred_for_device(address("0000:03:00.0")), 0b1001);
+        // Sharing only the host bridge beats being elsewhere.
+        assert_eq!(topology.preferred_for_device(address("0000:82:00.0")), 0b0100);
+        // No rail under its host bridge: its NUMA node's rails (0), as for host memory.
+        assert_eq!(topology.preferred_for_device(address("0000:c1:00.0")), 0b1011);
+        // A device sysfs does not know: every rail.
+        assert_eq!(topology.preferred_for_device(address("0000:ff:00.0")), 0b1111);
+
+        // Regions of device memory are placed by their device, and forgotten.
+        let key = RegionKey(7);
+        assert_eq!(
+            topology.place(key, std::ptr::null(), Some(address("0000:82:00.0"))),
+            0b0100
+        );
+        assert_eq!(topology.preferred_rails(key), 0b0100);
+        topology.forget(key);
+        assert_eq!(topology.preferred_rails(key), u64::MAX);
+
+        let report = topology.report();
+        let places: Vec<_> = report
+            .iter()
+            .map(|r| {
+                let gpus: Vec<String> = r.preferred_for_devices.iter().map(|a| a.to_string()).collect();
+                (
+                    r.device.as_str(),
+                    r.pci_address.map(|a| a.to_string()),
+                    r.numa_node,
+                    gpus,
+                )
+            })
+            .collect();
+        let s = |v: &[&str]| v.iter().map(|t| t.to_string()).collect::<Vec<_>>();
+        assert_eq!(
+            places,
+            vec![
+                (
+                    "mlx5_0",
+                    Some("0000:04:00.0".into()),
+                    Some(0),
+                    s(&["0000:03:00.0", "0000:c1:00.0"])
+                ),
+                ("mlx5_1", Some("0000:05:00.0".into()), Some(0), s(&["0000:c1:00.0"])),
+                ("mlx5_2", Some("0000:81:00.0".into()), Some(1), s(&["0000:82:00.0"])),
+                (
+                    "rxe0",
+                    Some("0000:04:00.1".into()),
+                    Some(0),
+                    s(&["0000:03:00.0", "0000:c1:00.0"])
+                ),
+            ]
+        );
+
+        // An override names the rails outright; one naming no rail of this engine is ignored.
+        let overrides = Overrides {
+            nodes: Vec::new(),
+            device_rails: vec![
+                (address("0000:c1:00.0"), vec!["mlx5_2".into()]),
+                (address("0000:03:00.0"), vec!["mlx5_9".into()]),
+            ],
+        };
+        let topology = Topology::with_root(root.clone(), &devices, &overrides);
+        assert_eq!(topology.preferred_for_device(address("0000:c1:00.0")), 0b0100);
+        assert_eq!(topology.preferred_for_device(address("0000:03:00.0")), 0b1001);
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn device_rails_parse_and_refuse_what_is_not_an_address_or_a_device() {
+        assert_eq!(
+            parse_device_rails("0000:3b:00.0=mlx5_0+mlx5_1, 86:00.0 = mlx5_2,").unwrap(),
+            vec![
+                (
+                    address("0000:3b:00.0"),
+                    vec!["mlx5_0".to_string(), "mlx5_1".to_string()]
+                ),
+                (address("0000:86:00.0"), vec!["mlx5_2".to_string()]),
+            ]
+        );
+        assert!(parse_device_rails("mlx5_0").unwrap_err().contains("PCI_ADDRESS=DEVICE"));
+        assert!(
+            parse_device_rails("gpu0=mlx5_0")
+                .unwrap_err()
+                .contains("not a PCI address")
+        );
+        assert!(
+            parse_device_rails("0000:3b:00.0=+")
+                .unwrap_err()
+                .contains("names no RDMA device")
+        );
+    }
+
     #[test]
     fn this_processs_memory_has_a_node_where_the_kernel_has_numa() {
         let page = vec![1u8; 4096];
@@ -365,7 +694,62 @@ mod tests {
         assert_eq!(memory_node(std::ptr::null()), None, "address 0 is not mapped");
     }
 
+    fn path(parts: &[&str]) -> PciPath {
+        parts.iter().map(|p| p.to_string()).collect()
+    }
+
+    #[test]
+    fn shared_levels_count_bridges_not_the_functions_themselves() {
+        let gpu = path(&[
+            "pci0000:00",
+            "0000:00:01.0",
+            "0000:01:00.0",
+            "0000:02:00.0",
+            "0000:03:00.0",
+        ]);
+        let same_switch = path(&[
+            "pci0000:00",
+            "0000:00:01.0",
+            "0000:01:00.0",
+            "0000:02:01.0",
+            "0000:04:00.0",
+        ]);
+        let same_root = path(&["pci0000:00", "0000:00:02.0", "0000:05:00.0"]);
+        let elsewhere = path(&["pci0000:80", "0000:80:01.0", "0000:81:00.0"]);
+        assert_eq!(shared_levels(&gpu, &same_switch), 3);
+        assert_eq!(shared_levels(&gpu, &same_root), 1);
+        assert_eq!(shared_levels(&gpu, &elsewhere), 0);
+        // A root-complex function shares only the host bridge with anything, itself included.
+        let integrated = path(&["pci0000:00", "0000:00:02.0"]);
+        assert_eq!(shared_levels(&integrated, &integrated), 1);
+        assert_eq!(
+            preferred_by_fabric(&[None, Some(same_root.clone()), Some(same_switch)], &gpu),
+            0b100
+        );
+        assert_eq!(preferred_by_fabric(&[Some(elsewhere), None], &gpu), 0);
+    }
+
     proptest! {
+        /// The fabric's choice is never empty when a rail shares the host bridge, and every chosen rail
+        /// shares at least as many levels as every other.
+        #[test]
+        fn fabric_preference_is_the_deepest_shared_bridge(
+            rails in proptest::collection::vec(proptest::option::of(proptest::collection::vec(0u8..3, 1..5)), 1..8),
+            device in proptest::collection::vec(0u8..3, 1..5),
+        ) {
+            let as_path = |v: &Vec<u8>| -> PciPath { v.iter().map(|b| format!("b{b}")).collect() };
+            let rails: Vec<Option<PciPath>> = rails.iter().map(|r| r.as_ref().map(as_path)).collect();
+            let device = as_path(&device);
+            let levels: Vec<usize> = rails.iter().map(|r| r.as_deref().map_or(0, |r| shared_levels(r, &device))).collect();
+            let mask = preferred_by_fabric(&rails, &device);
+            prop_assert_eq!(mask == 0, levels.iter().all(|&l| l == 0));
+            for (i, &l) in levels.iter().enumerate() {
+                if mask & (1 << i) != 0 {
+                    prop_assert!(levels.iter().all(|&other| other <= l));
+                }
+            }
+        }
+
         /// The preferred rails are never empty when there are rails, each is at least as near as every
         /// other rail, and a rail on the memory's own node is always among them.
         #[test]

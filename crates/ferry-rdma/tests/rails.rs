@@ -2,8 +2,8 @@
 //! `eth1`), named by `FERRY_RDMA_RAILS`. A batch uses both rails; a rail whose device goes down
 //! mid-stream (`ip link set eth1 down`) costs no transfer an error and no byte, and carries traffic
 //! again once it is back; with every rail down the link moves bytes over TCP; notifications follow
-//! the data written on every rail; a region's bytes go to the rails on its NUMA node first; a
-//! persistent write persists every rail's share; several queue pairs per pair of rails share a batch.
+//! the data written on every rail; a region's bytes go to the rails on its NUMA node first, a GPU's to
+//! the rails of its device; a persistent write persists every rail's share; several queue pairs per pair of rails share a batch.
 //!
 //! The tests change the guest's links, so they run one at a time (the rig runs every test binary with
 //! one thread).
@@ -289,6 +289,92 @@ async fn a_region_goes_to_the_rails_on_its_numa_node_first() {
         report.iter().all(|r| r.source != "override" && r.preferred_for == [0]),
         "{report:?}"
     );
+}
+
+/// Host memory that says it is a GPU's, as a mapping of a GPU's BAR would: the RDMA transport must
+/// place it by the device, not by the NUMA node of its pages.
+struct DeviceMemory {
+    bytes: *mut [u8],
+    device: ferry::PciAddress,
+}
+
+impl DeviceMemory {
+    fn new(len: usize, device: ferry::PciAddress) -> Self {
+        DeviceMemory {
+            bytes: Box::into_raw(vec![0u8; len].into_boxed_slice()),
+            device,
+        }
+    }
+}
+
+impl Drop for DeviceMemory {
+    fn drop(&mut self) {
+        // SAFETY: `bytes` came from `Box::into_raw` in `new` and is freed once, here.
+        drop(unsafe { Box::from_raw(self.bytes) });
+    }
+}
+
+// SAFETY: the allocation is reached only through raw pointers, from any thread.
+unsafe impl Send for DeviceMemory {}
+// SAFETY: as above.
+unsafe impl Sync for DeviceMemory {}
+
+// SAFETY: `bytes` is a live allocation of `len` bytes until the block is dropped, and never moves.
+unsafe impl ferry::MemoryBlock for DeviceMemory {
+    fn as_ptr(&self) -> *mut u8 {
+        self.bytes.cast()
+    }
+    fn len(&self) -> usize {
+        self.bytes.len()
+    }
+    fn kind(&self) -> &str {
+        "device (test)"
+    }
+    fn pci_device(&self) -> Option<ferry::PciAddress> {
+        Some(self.device)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn device_memory_goes_to_the_rails_of_its_device_not_of_its_numa_node() {
+    let gpu: ferry::PciAddress = "0000:3b:00.0".parse().unwrap();
+    // By NUMA, the guest's memory (node 0) prefers rxe0; the rails named for the device say rxe1.
+    let placed = |b: EngineBuilder| {
+        b.rdma_numa_node("rxe0", Some(0))
+            .rdma_numa_node("rxe1", Some(1))
+            .rdma_device_rails(gpu, ["rxe1"])
+    };
+    let Some((target, initiator, peer)) = rail_pair_with(|rails| (rails.to_vec(), 1), placed).await else {
+        return;
+    };
+    const LEN: usize = 4 << 20;
+    let dst = target.alloc_host(LEN, Access::READ_WRITE).unwrap();
+    wait_for(&peer, &dst).await;
+    let bytes_on = |dev: &str| -> u64 {
+        let rails = peer.rails();
+        rails.iter().filter(|r| r.name.starts_with(dev)).map(|r| r.bytes).sum()
+    };
+    let on_device = initiator
+        .register_block(std::sync::Arc::new(DeviceMemory::new(LEN, gpu)), Access::READ_WRITE)
+        .unwrap();
+    let on_host = initiator.alloc_host(LEN, Access::READ_WRITE).unwrap();
+    for round in 0..3 {
+        let before = (bytes_on("rxe0"), bytes_on("rxe1"));
+        write_round(&initiator, &peer, &on_device, &dst, round).await;
+        let device_share = (bytes_on("rxe0") - before.0, bytes_on("rxe1") - before.1);
+        assert_eq!(
+            device_share,
+            (0, LEN as u64),
+            "round {round}: the device's memory, every byte on rxe1"
+        );
+        write_round(&initiator, &peer, &on_host, &dst, round + 10).await;
+        let host_share = (bytes_on("rxe0") - before.0, bytes_on("rxe1") - before.1 - LEN as u64);
+        assert_eq!(
+            host_share,
+            (LEN as u64, 0),
+            "round {round}: host memory on node 0, every byte on rxe0"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -233,6 +233,17 @@ unsafe impl MemoryBlock for VulkanBlock {
         }
     }
 
+    /// The GPU's PCI address when a NIC's DMA through this block's pointer reaches the GPU's own
+    /// memory: a mapping (not a staging buffer) of device-local memory of a GPU with memory of its own,
+    /// where the driver reports the address. Host-side memory (a staging buffer, host-visible system
+    /// memory, any memory of an integrated GPU or a CPU driver) is placed by its NUMA node instead.
+    fn pci_device(&self) -> Option<ferry_core::PciAddress> {
+        let on_the_gpu = self.staging.is_none()
+            && self.device.flags().contains(vk::MemoryPropertyFlags::DEVICE_LOCAL)
+            && self.context().has_own_memory();
+        on_the_gpu.then(|| self.context().pci_address()).flatten()
+    }
+
     fn prepare_read(&self, offset: usize, len: usize) -> Result<()> {
         self.check(offset, len)?;
         let (off, n) = (offset as u64, len as u64);

@@ -160,6 +160,20 @@ impl VulkanContext {
         self.paths
     }
 
+    /// The device's PCI address, where the driver reports one (`VK_EXT_pci_bus_info`).
+    pub fn pci_address(&self) -> Option<ferry_core::PciAddress> {
+        self.facts.pci_address
+    }
+
+    /// Whether device-local memory of this device is the device's own, on the far side of PCIe (a
+    /// discrete or virtual GPU), rather than host RAM (an integrated GPU, a CPU driver).
+    pub(crate) fn has_own_memory(&self) -> bool {
+        matches!(
+            self.facts.device_type,
+            ash::vk::PhysicalDeviceType::DISCRETE_GPU | ash::vk::PhysicalDeviceType::VIRTUAL_GPU
+        )
+    }
+
     /// Whether `VK_NV_external_memory_rdma` is enabled with its feature.
     pub fn nv_rdma(&self) -> bool {
         self.rdma_enabled && self.ext.remote_address.is_some()

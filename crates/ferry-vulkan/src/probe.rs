@@ -9,7 +9,7 @@ use std::ffi::CStr;
 use std::fmt;
 
 use ash::vk;
-use ferry_core::Result;
+use ferry_core::{PciAddress, Result};
 use serde::Serialize;
 
 use crate::error::vk_error;
@@ -83,6 +83,8 @@ pub(crate) struct DeviceFacts {
     pub non_coherent_atom: u64,
     /// Why this crate cannot use the device, if it cannot.
     pub unusable: Option<String>,
+    /// Its PCI function, where the driver tells it (`VK_EXT_pci_bus_info`).
+    pub pci_address: Option<PciAddress>,
 }
 
 impl DeviceFacts {
@@ -141,6 +143,7 @@ impl DeviceFacts {
             nv_rdma: self.extensions.memory_rdma && self.rdma_feature,
             external_memory_fd: self.extensions.memory_fd,
             external_memory_host: self.extensions.memory_host,
+            pci_address: self.pci_address.map(|a| a.to_string()),
             unusable: self.unusable.clone(),
         }
     }
@@ -175,6 +178,9 @@ pub struct VulkanDeviceInfo {
     pub external_memory_fd: bool,
     /// Whether host memory can be imported (`VK_EXT_external_memory_host`).
     pub external_memory_host: bool,
+    /// Its PCI address ("0000:3b:00.0"), where the driver reports one (`VK_EXT_pci_bus_info`): RDMA
+    /// rails are ranked by their PCIe path to it.
+    pub pci_address: Option<String>,
     /// Why ferry cannot use the device, if it cannot.
     pub unusable: Option<String>,
 }
@@ -277,6 +283,7 @@ fn gather(loaded: &Loaded, index: usize, handle: vk::PhysicalDevice) -> Result<D
         min_import_alignment: None,
         non_coherent_atom: props.limits.non_coherent_atom_size.max(1),
         unusable: None,
+        pci_address: None,
     };
     if props.api_version < vk::API_VERSION_1_1 {
         facts.unusable = Some(format!(
@@ -296,12 +303,14 @@ fn gather(loaded: &Loaded, index: usize, handle: vk::PhysicalDevice) -> Result<D
         memory_budget: has(ash::ext::memory_budget::NAME),
     };
     let driver_properties = api_version >= vk::API_VERSION_1_2 || has(ash::khr::driver_properties::NAME);
+    let pci_bus_info = has(ash::ext::pci_bus_info::NAME);
 
     let mut id = vk::PhysicalDeviceIDProperties::default();
     let mut m3 = vk::PhysicalDeviceMaintenance3Properties::default();
     let mut m4 = vk::PhysicalDeviceMaintenance4Properties::default();
     let mut drv = vk::PhysicalDeviceDriverProperties::default();
     let mut host = vk::PhysicalDeviceExternalMemoryHostPropertiesEXT::default();
+    let mut pci = vk::PhysicalDevicePCIBusInfoPropertiesEXT::default();
     let mut props2 = vk::PhysicalDeviceProperties2::default()
         .push_next(&mut id)
         .push_next(&mut m3);
@@ -313,6 +322,9 @@ fn gather(loaded: &Loaded, index: usize, handle: vk::PhysicalDevice) -> Result<D
     }
     if facts.extensions.memory_host {
         props2 = props2.push_next(&mut host);
+    }
+    if pci_bus_info {
+        props2 = props2.push_next(&mut pci);
     }
     // SAFETY: the chain holds only structures of Vulkan 1.1 (the device supports it) and of versions or
     // extensions checked just above; all live until the call returns.
@@ -334,6 +346,9 @@ fn gather(loaded: &Loaded, index: usize, handle: vk::PhysicalDevice) -> Result<D
     if facts.driver.is_empty() {
         facts.driver = format!("driver version {:#x}", props.driver_version);
     }
+    if pci_bus_info {
+        facts.pci_address = pci_address(&pci);
+    }
     if facts.extensions.memory_host {
         facts.min_import_alignment = Some(host.min_imported_host_pointer_alignment.max(1));
     }
@@ -348,6 +363,17 @@ fn gather(loaded: &Loaded, index: usize, handle: vk::PhysicalDevice) -> Result<D
     Ok(facts)
 }
 
+/// The PCI address `VK_EXT_pci_bus_info` reports; `None` for values no PCI address can have.
+fn pci_address(info: &vk::PhysicalDevicePCIBusInfoPropertiesEXT) -> Option<PciAddress> {
+    let address = PciAddress {
+        domain: info.pci_domain,
+        bus: u8::try_from(info.pci_bus).ok()?,
+        device: u8::try_from(info.pci_device).ok().filter(|&d| d < 32)?,
+        function: u8::try_from(info.pci_function).ok().filter(|&f| f < 8)?,
+    };
+    Some(address)
+}
+
 fn c_text(s: std::result::Result<&CStr, std::ffi::FromBytesUntilNulError>) -> String {
     s.map(|c| c.to_string_lossy().into_owned()).unwrap_or_default()
 }
@@ -359,5 +385,26 @@ fn type_name(t: vk::PhysicalDeviceType) -> &'static str {
         vk::PhysicalDeviceType::VIRTUAL_GPU => "virtual-gpu",
         vk::PhysicalDeviceType::CPU => "cpu",
         _ => "other",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_drivers_pci_bus_info_becomes_an_address_or_nothing() {
+        let info = |domain, bus, device, function| vk::PhysicalDevicePCIBusInfoPropertiesEXT {
+            pci_domain: domain,
+            pci_bus: bus,
+            pci_device: device,
+            pci_function: function,
+            ..Default::default()
+        };
+        let address = pci_address(&info(0, 0x3b, 0, 0)).map(|a| a.to_string());
+        assert_eq!(address.as_deref(), Some("0000:3b:00.0"));
+        assert_eq!(pci_address(&info(0, 256, 0, 0)), None);
+        assert_eq!(pci_address(&info(0, 1, 32, 0)), None);
+        assert_eq!(pci_address(&info(0, 1, 0, 8)), None);
     }
 }

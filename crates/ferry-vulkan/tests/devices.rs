@@ -18,10 +18,22 @@ fn probe_lists_devices_with_their_paths() {
         assert_eq!(d.index, i);
         assert!(!d.name.is_empty() && !d.driver.is_empty());
         assert!(!d.memory_types.is_empty() && !d.memory_heaps.is_empty());
-        for key in ["name", "driver", "memory_types", "paths", "nv_rdma", "uuid"] {
+        for key in [
+            "name",
+            "driver",
+            "memory_types",
+            "paths",
+            "nv_rdma",
+            "uuid",
+            "pci_address",
+        ] {
             assert!(json[i].get(key).is_some(), "{key} missing from {}", json[i]);
         }
         assert!(json[i]["paths"].get("host_visible").is_some());
+        if let Some(address) = &d.pci_address {
+            let parsed: ferry_core::PciAddress = address.parse().unwrap();
+            assert_eq!(&parsed.to_string(), address);
+        }
         if d.name.contains("llvmpipe") {
             assert!(d.paths.host_visible && d.paths.staged, "{d}");
             assert!(!d.paths.rdma && !d.nv_rdma, "lavapipe has no NV RDMA");

@@ -35,6 +35,13 @@ async fn write_lands_on_device(path: AllocationPath) {
     let block = registry.allocate_block(LEN).unwrap();
     assert_eq!(block.path(), path);
     assert_eq!(block.is_staged(), path == AllocationPath::Staged);
+    // The RDMA transport ranks rails by the GPU's PCIe path only where a NIC's DMA reaches the GPU's
+    // own memory: never through a staging buffer, never on a CPU driver or an integrated GPU.
+    let host_side =
+        path == AllocationPath::Staged || ["cpu", "integrated-gpu"].contains(&ctx.info().device_type.as_str());
+    if host_side {
+        assert_eq!(block.pci_device(), None);
+    }
     let (target, initiator, peer) = pair().await;
     let region = target.register_block(block.clone(), Access::READ_WRITE).unwrap();
     assert_eq!(region.kind(), expected_kind(path));

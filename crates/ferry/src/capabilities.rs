@@ -52,6 +52,11 @@ pub struct RdmaRail {
     pub source: &'static str,
     /// The NUMA nodes whose memory prefers this rail.
     pub preferred_for: Vec<u32>,
+    /// Its PCI function ("0000:3b:00.0"; a software device's is its network device's), where it has one.
+    pub pci_address: Option<String>,
+    /// The host's GPUs and accelerators (by PCI address) whose memory prefers this rail: the nearest
+    /// on the PCIe fabric, or those `FERRY_RDMA_DEVICE_RAILS` names it for.
+    pub preferred_for_devices: Vec<String>,
 }
 
 impl From<ferry_core::RailPlace> for RdmaRail {
@@ -61,6 +66,8 @@ impl From<ferry_core::RailPlace> for RdmaRail {
             numa_node: p.numa_node,
             source: p.source,
             preferred_for: p.preferred_for,
+            pci_address: p.pci_address.map(|a| a.to_string()),
+            preferred_for_devices: p.preferred_for_devices.iter().map(ToString::to_string).collect(),
         }
     }
 }
@@ -94,6 +101,9 @@ pub struct TransportOptions {
     /// NUMA nodes of RDMA devices, overriding sysfs (`None`: no node); when empty, those
     /// `FERRY_RDMA_NUMA` gives (`rxe0=0,rxe1=any`). See `ferry_rdma`'s `topology`.
     pub rdma_numa_nodes: Vec<(String, Option<u32>)>,
+    /// The RDMA rails preferred for a PCI device's memory (a GPU's), overriding the PCIe-fabric
+    /// ranking; when empty, those `FERRY_RDMA_DEVICE_RAILS` gives (`0000:3b:00.0=mlx5_0+mlx5_1`).
+    pub rdma_device_rails: Vec<(ferry_core::PciAddress, Vec<String>)>,
     /// RDMA traffic class: 0..=255, a multiple of 4 (HIXL default 132).
     pub rdma_traffic_class: u8,
     /// RDMA service level: 0..=7 (HIXL default 4).
@@ -119,6 +129,7 @@ impl Default for TransportOptions {
             rdma_device: None,
             rdma_devices: Vec::new(),
             rdma_numa_nodes: Vec::new(),
+            rdma_device_rails: Vec::new(),
             rdma_traffic_class: 132,
             rdma_service_level: 4,
             rdma_busy_poll: false,
@@ -154,6 +165,8 @@ impl TransportOptions {
         }
         #[cfg(feature = "rdma")]
         self.numa_nodes()?;
+        #[cfg(feature = "rdma")]
+        self.device_rails()?;
         let qps = self.queue_pairs_per_rail()?;
         if !(1..=8).contains(&qps) {
             return Err(ferry_core::Error::InvalidArgument(format!(
@@ -175,6 +188,19 @@ impl TransportOptions {
                 ))
             }),
             Err(_) => Ok(1),
+        }
+    }
+
+    /// The rails named for PCI devices: the options', else `FERRY_RDMA_DEVICE_RAILS`'s.
+    #[cfg(feature = "rdma")]
+    fn device_rails(&self) -> ferry_core::Result<Vec<(ferry_core::PciAddress, Vec<String>)>> {
+        if !self.rdma_device_rails.is_empty() {
+            return Ok(self.rdma_device_rails.clone());
+        }
+        match std::env::var("FERRY_RDMA_DEVICE_RAILS") {
+            Ok(text) => ferry_rdma::topology::parse_device_rails(&text)
+                .map_err(|e| ferry_core::Error::InvalidArgument(format!("FERRY_RDMA_DEVICE_RAILS: {e}"))),
+            Err(_) => Ok(Vec::new()),
         }
     }
 
@@ -217,6 +243,10 @@ pub(crate) fn compiled_transports(options: &TransportOptions, authenticates: boo
         },
         numa_nodes: options.numa_nodes().unwrap_or_else(|e| {
             tracing::warn!(error = %e, "RDMA NUMA overrides ignored");
+            Vec::new()
+        }),
+        device_rails: options.device_rails().unwrap_or_else(|e| {
+            tracing::warn!(error = %e, "RDMA device rails ignored");
             Vec::new()
         }),
         traffic_class: options.rdma_traffic_class,

@@ -9,8 +9,8 @@ use std::time::Duration;
 use ferry_core::codec::Limits;
 use ferry_core::{
     Access, BufferPool, DataLink, Durability, EngineContext, Error, LinkSlots, MemoryBlock, MemoryRegistry,
-    Notification, Op, OwnedBuffer, PeerNames, RawMemory, ReceivedNotification, RegionEntry, RegionKey, RegionTable,
-    Result, TransferDesc, TransferItem, TransferRequest, Transport, TransportKind,
+    Notification, Op, OwnedBuffer, PciAddress, PeerNames, RawMemory, ReceivedNotification, RegionEntry, RegionKey,
+    RegionTable, Result, TransferDesc, TransferItem, TransferRequest, Transport, TransportKind,
 };
 use ferry_tcp::{CoalescePool, LinkConfig, LocalIdentity, ServerConfig, TcpLink, TcpServer, TlsConfig};
 use futures::stream::BoxStream;
@@ -225,6 +225,19 @@ impl EngineBuilder {
     /// Without any, `FERRY_RDMA_NUMA` (`rxe0=0,rxe1=1`, `any` for no node) is read.
     pub fn rdma_numa_node(mut self, device: impl Into<String>, node: Option<u32>) -> Self {
         self.transport_options.rdma_numa_nodes.push((device.into(), node));
+        self
+    }
+
+    /// Says that the memory of PCI device `device` (a GPU) prefers RDMA rails `rails`, whatever the
+    /// PCIe fabric in sysfs says (see `ferry_rdma`'s `topology`). Without any, `FERRY_RDMA_DEVICE_RAILS`
+    /// (`0000:3b:00.0=mlx5_0+mlx5_1,0000:86:00.0=mlx5_2`) is read.
+    pub fn rdma_device_rails<I, S>(mut self, device: PciAddress, rails: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        let rails = rails.into_iter().map(Into::into).collect();
+        self.transport_options.rdma_device_rails.push((device, rails));
         self
     }
 

@@ -42,8 +42,8 @@ pub use engine::{
 };
 pub use ferry_core::{
     Access, BufferPool, DmaView, Durability, Error, ErrorCode, Grants, MemoryBlock, MemoryRegistry, Notification, Op,
-    PeerIdentity, PersistMethod, PersistStats, RailStats, ReceivedNotification, RegionAd, RegionKey, RemoteRegions,
-    Result, TransferDesc, TransportKind,
+    PciAddress, PeerIdentity, PersistMethod, PersistStats, RailStats, ReceivedNotification, RegionAd, RegionKey,
+    RemoteRegions, Result, TransferDesc, TransportKind,
 };
 pub use ferry_tcp::TlsConfig;
 pub use file::{FileMapping, FlushMethod};

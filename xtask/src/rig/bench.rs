@@ -10,8 +10,9 @@
 //!
 //! Each round also writes 1 MiB over both rails, over one, and over one with two queue pairs.
 //! After the rounds, registration is measured once (`ferry register-cost`): 10,000 regions of 4 KiB and
-//! one of 1 GiB (the guest has 2 GiB) in small pages and in transparent huge pages, on one rail and on
-//! both (a large region is registered on every rail at once, and once more in turn).
+//! one large region (`--large-region`, 1 GiB by default; the guest gets 1 GiB more memory than that)
+//! in small pages and in transparent huge pages, on one rail and on both (a large region is registered
+//! on every rail at once, and once more in turn).
 //!
 //! Units: perftest's "BW average[MB/sec]" uses MB = 2^20 B (its format factor is 0x100000), and
 //! `--report_gbits` would print Gb/sec = 10^9 bit/s; both become GB/s = 10^9 B/s here, ferry's unit.
@@ -40,6 +41,38 @@ pub struct Args {
     /// Use this ferry binary instead of building ferry-cli with `--features rdma`.
     #[arg(long, value_name = "PATH")]
     ferry_bin: Option<PathBuf>,
+    /// The large region registration is measured on, in whole GiB ("16GiB"); the guest gets 1 GiB
+    /// more memory than this, which the host must have available.
+    #[arg(long, value_name = "SIZE", default_value = "1GiB", value_parser = large_region)]
+    large_region: u64,
+}
+
+/// `--large-region`: whole GiB, at least one.
+fn large_region(text: &str) -> std::result::Result<u64, String> {
+    let bytes = parse_size(text).map_err(|e| format!("{e:#}"))?;
+    if bytes == 0 || bytes % (1 << 30) != 0 {
+        return Err(format!("{text}: a whole number of GiB (1GiB, 16GiB)"));
+    }
+    Ok(bytes >> 30)
+}
+
+/// Fails unless the host has `gib` GiB of memory available (`MemAvailable`) beside a margin of 1 GiB:
+/// a guest that touches more than the host has would be killed, or take the host down with it.
+fn check_host_memory(gib: u64) -> Result<()> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").context("reading /proc/meminfo")?;
+    let available_kib: u64 = meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .context("no MemAvailable in /proc/meminfo")?;
+    let available_gib = available_kib as f64 / f64::from(1u32 << 20);
+    if available_gib < (gib + 1) as f64 {
+        bail!(
+            "the guest would need {gib} GiB and the host has {available_gib:.1} GiB available: \
+             choose a smaller --large-region"
+        );
+    }
+    Ok(())
 }
 
 /// Bytes each perftest run moves; the iteration count follows from the message size.
@@ -143,30 +176,35 @@ const RAILS_CASE: &str = "bench --transport rdma --op write --size 1MiB --durati
 const TWO_RAILS: &str = "rxe0,rxe1";
 
 /// The registration runs: name, devices, whether a large region is registered on the rails at once,
-/// `ferry register-cost` arguments.
+/// `ferry register-cost` arguments (`LARGE` stands for `--large-region`).
 const REGISTRATION: [(&str, &str, bool, &str); 8] = [
     ("reg-many-1", "rxe0", true, "--regions 10000 --size 4KiB"),
     ("reg-many-2", TWO_RAILS, true, "--regions 10000 --size 4KiB"),
-    ("reg-large-1", "rxe0", true, "--regions 1 --size 1GiB --pages small"),
-    ("reg-large-1-huge", "rxe0", true, "--regions 1 --size 1GiB --pages huge"),
-    ("reg-large-2", TWO_RAILS, true, "--regions 1 --size 1GiB --pages small"),
+    ("reg-large-1", "rxe0", true, "--regions 1 --size LARGE --pages small"),
+    (
+        "reg-large-1-huge",
+        "rxe0",
+        true,
+        "--regions 1 --size LARGE --pages huge",
+    ),
+    ("reg-large-2", TWO_RAILS, true, "--regions 1 --size LARGE --pages small"),
     (
         "reg-large-2-serial",
         TWO_RAILS,
         false,
-        "--regions 1 --size 1GiB --pages small",
+        "--regions 1 --size LARGE --pages small",
     ),
     (
         "reg-large-2-huge",
         TWO_RAILS,
         true,
-        "--regions 1 --size 1GiB --pages huge",
+        "--regions 1 --size LARGE --pages huge",
     ),
     (
         "reg-large-2-huge-serial",
         TWO_RAILS,
         false,
-        "--regions 1 --size 1GiB --pages huge",
+        "--regions 1 --size LARGE --pages huge",
     ),
 ];
 
@@ -193,11 +231,15 @@ pub fn run(args: &Args, guest: &Guest<'_>, timings: &mut Timings) -> Result<Exit
         Ferry::Bin(bin) => Some(bin.clone()),
         Ferry::Unavailable { .. } => None,
     };
+    let memory_gib = args.large_region + 1;
+    check_host_memory(memory_gib)?;
     let rdma_core = pmem::rdma_core_55(guest.layout, timings)?;
-    let script = guest_script(args.rounds, ferry_bin.as_ref(), &rdma_core.env());
+    let large = format!("{}GiB", args.large_region);
+    let script = guest_script(args.rounds, ferry_bin.as_ref(), &rdma_core.env(), &large);
     let nvdimm = pmem::nvdimm_image(&guest.layout.dir)?;
     let guest = guest.with_devices(Devices {
         nvdimm: Some(nvdimm.clone()),
+        memory_gib: Some(memory_gib),
         ..Default::default()
     });
     let outcome = guest.run(&script, &[]);
@@ -236,7 +278,7 @@ pub fn run(args: &Args, guest: &Guest<'_>, timings: &mut Timings) -> Result<Exit
         let (rails, line) = rails_comparison(&outcome, args.rounds);
         complete &= rails.is_some();
         table += &line;
-        let (measured, lines) = registration_report(&outcome);
+        let (measured, lines) = registration_report(&outcome, &large);
         complete &= measured;
         table += &lines;
     }
@@ -295,13 +337,14 @@ write 1MiB over one rail with two queue pairs / with one: {} / {} GB/s = {}\n",
 
 /// The registration runs' lines (per region for the many small ones, per GiB for the large one),
 /// and whether every run gave a figure.
-fn registration_report(outcome: &super::boot::Outcome) -> (bool, String) {
+fn registration_report(outcome: &super::boot::Outcome, large: &str) -> (bool, String) {
     let mut all = true;
     let mut text = String::from("\nregistration (ferry register-cost, touched memory, once):\n");
     for (name, devices, parallel, args) in REGISTRATION {
         // Only a large region is registered on the rails at once.
-        let large = args.contains("GiB");
-        let devices = match (parallel, devices.contains(',') && large) {
+        let is_large = args.contains("LARGE");
+        let args = args.replace("LARGE", large);
+        let devices = match (parallel, devices.contains(',') && is_large) {
             (_, false) => devices.to_string(),
             (false, true) => format!("{devices}, in turn"),
             (true, true) => format!("{devices}, at once"),
@@ -373,7 +416,7 @@ fn ferry_cli_metadata() -> Result<(bool, PathBuf)> {
 
 /// The guest's part: every round runs each case's perftest pair, then ferry, each run's stdout to
 /// `<case>-<peer|ferry>-<round>.out`, stderr to `.err` and status to `.rc`.
-fn guest_script(rounds: u32, ferry: Option<&PathBuf>, rdma_core_55: &[(&str, String)]) -> String {
+fn guest_script(rounds: u32, ferry: Option<&PathBuf>, rdma_core_55: &[(&str, String)], large: &str) -> String {
     let mut script = String::from(DEVDAX_SETUP);
     script += r#"bad=0
 setup_devdax || bad=1
@@ -456,6 +499,7 @@ ferry() {
         script += "echo 'rig bench: registration'\n";
         for (name, devices, parallel, args) in REGISTRATION {
             let parallel = u8::from(parallel);
+            let args = args.replace("LARGE", large);
             script += &format!(
                 "ferry {name} env FERRY_RDMA_DEVICES={devices} FERRY_RDMA_PARALLEL_REGISTRATION={parallel} {bin} \
                  register-cost {args} --json\n"
@@ -647,9 +691,18 @@ mod tests {
     }
 
     #[test]
+    fn the_large_region_is_whole_gib() {
+        assert_eq!(large_region("16GiB"), Ok(16));
+        assert_eq!(large_region("1GiB"), Ok(1));
+        assert!(large_region("1536MiB").unwrap_err().contains("whole number of GiB"));
+        assert!(large_region("0GiB").is_err());
+        assert!(large_region("lots").is_err());
+    }
+
+    #[test]
     fn script_alternates_and_uses_fresh_ports() {
         let env = [("LD_LIBRARY_PATH", "/v55".to_string())];
-        let script = guest_script(2, Some(&PathBuf::from("/t/ferry")), &env);
+        let script = guest_script(2, Some(&PathBuf::from("/t/ferry")), &env, "1GiB");
         assert!(script.contains("peer write-64KiB-peer-1 18515 ib_write_bw -d rxe0 -s 65536 -n 1024 -F -p 18515\n"));
         assert!(script.contains("peer read-1MiB-peer-2 18523 ib_read_bw -d rxe0 -s 1048576 -n 64 -F -p 18523\n"));
         assert!(script.contains(
@@ -664,7 +717,11 @@ mod tests {
             "ferry reg-large-2-huge-serial env FERRY_RDMA_DEVICES=rxe0,rxe1 FERRY_RDMA_PARALLEL_REGISTRATION=0 \
              /t/ferry register-cost --regions 1 --size 1GiB --pages huge --json\n"
         ));
-        assert!(!guest_script(1, None, &env).contains("\nferry write"));
-        assert!(!guest_script(1, None, &env).contains("register-cost"));
+        assert!(!guest_script(1, None, &env, "1GiB").contains("\nferry write"));
+        assert!(!guest_script(1, None, &env, "1GiB").contains("register-cost"));
+        assert!(
+            guest_script(1, Some(&PathBuf::from("/t/ferry")), &env, "12GiB")
+                .contains("register-cost --regions 1 --size 12GiB --pages huge --json\n")
+        );
     }
 }

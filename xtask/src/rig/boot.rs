@@ -24,8 +24,8 @@ use super::{Layout, Prepared, Timings};
 
 /// The kernel command line: serial console, quiet, reboot on panic (which `-no-reboot` turns into exit).
 const APPEND: &str = "console=ttyS0 quiet loglevel=3 panic=-1";
-/// The guest's memory (qemu `-m`).
-const GUEST_MEMORY: &str = "2G";
+/// The guest's memory (qemu `-m`), in GiB, unless [`Devices::memory_gib`] asks for more.
+const GUEST_MEMORY_GIB: u64 = 2;
 
 /// Where the guest's console goes.
 #[derive(Clone, Copy)]
@@ -58,6 +58,8 @@ pub struct Devices {
     pub disk: Option<PathBuf>,
     /// Kill qemu (SIGKILL, a power cut) the moment a console line starts with this.
     pub kill_on: Option<String>,
+    /// The guest's memory in GiB, where it needs more than the default 2 (registering a large region).
+    pub memory_gib: Option<u64>,
 }
 
 /// When the console showed the guest's milestones.
@@ -293,8 +295,13 @@ impl<'a> Guest<'a> {
         let mut cmd = Command::new("qemu-system-x86_64");
         cmd.args(["-accel", accel, "-cpu", cpu, "-smp", "2"]);
         // Memory is allocated as the guest touches it; 2 GiB leaves room for registering 1 GiB at once.
+        let memory = self
+            .devices
+            .memory_gib
+            .unwrap_or(GUEST_MEMORY_GIB)
+            .max(GUEST_MEMORY_GIB);
         if self.devices.nvdimm.is_none() {
-            cmd.args(["-m", GUEST_MEMORY]);
+            cmd.args(["-m", &format!("{memory}G")]);
         }
         cmd.arg("-kernel")
             .arg(self.prepared.kernel.boot_image())
@@ -319,7 +326,7 @@ impl<'a> Guest<'a> {
                 "-machine",
                 "pc,nvdimm=on",
                 "-m",
-                &format!("{GUEST_MEMORY},slots=2,maxmem=6G"),
+                &format!("{memory}G,slots=2,maxmem={}G", memory + 4),
             ])
             .arg("-object")
             .arg(format!(
