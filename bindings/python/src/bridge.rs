@@ -122,30 +122,41 @@ impl LoopBridge {
             Ok(mut queue) => std::mem::take(&mut *queue),
             Err(_) => return Err(errors::internal(py, "the completion queue's lock is poisoned".into())),
         };
+        // Every completion of the batch is delivered even if one delivery fails (the loop closed
+        // under a future, say): the first such error is raised after, to the loop's handler.
+        let mut first_error = None;
         for (token, outcome) in done {
             let future = match self.pending.lock() {
                 Ok(mut pending) => pending.remove(&token),
                 Err(_) => None,
             };
             let Some(future) = future else { continue };
-            let future = future.bind(py);
-            // Cancelled meanwhile (`asyncio.wait_for`, a cancelled task): the work finished anyway,
-            // and a notification taken for nobody goes back to the front of its stream.
-            if future.call_method0(intern!(py, "done"))?.is_truthy()? {
-                if let Outcome::Notification(n, returned) = outcome
-                    && let Ok(mut returned) = returned.lock()
-                {
-                    returned.push_front(n);
-                }
-                continue;
+            if let Err(e) = deliver(future.bind(py), outcome) {
+                first_error.get_or_insert(e);
             }
-            match outcome.into_py(py) {
-                Ok(value) => future.call_method1(intern!(py, "set_result"), (value,))?,
-                Err(e) => future.call_method1(intern!(py, "set_exception"), (e.into_value(py),))?,
-            };
         }
-        Ok(())
+        first_error.map_or(Ok(()), Err)
     }
+}
+
+/// Resolves `future` with `outcome`, unless it is already done.
+fn deliver(future: &Bound<'_, PyAny>, outcome: Outcome) -> PyResult<()> {
+    let py = future.py();
+    // Cancelled meanwhile (`asyncio.wait_for`, a cancelled task): the work finished anyway, and a
+    // notification taken for nobody goes back to the front of its stream.
+    if future.call_method0(intern!(py, "done"))?.is_truthy()? {
+        if let Outcome::Notification(n, returned) = outcome
+            && let Ok(mut returned) = returned.lock()
+        {
+            returned.push_front(n);
+        }
+        return Ok(());
+    }
+    match outcome.into_py(py) {
+        Ok(value) => future.call_method1(intern!(py, "set_result"), (value,))?,
+        Err(e) => future.call_method1(intern!(py, "set_exception"), (e.into_value(py),))?,
+    };
+    Ok(())
 }
 
 thread_local! {

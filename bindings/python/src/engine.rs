@@ -357,8 +357,9 @@ impl Engine {
         timeout: f64,
         durability: &str,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let call = TransferCall::new(self, py, peer, op, descs, timeout, durability)?;
-        bridge::spawn(py, async move { call.run().await.into() })
+        let call = TransferCall::new(self, py, peer, op, descs, durability)?;
+        let timeout = seconds(py, "timeout", timeout)?;
+        bridge::spawn(py, async move { call.run(timeout).await.into() })
     }
 
     /// `transfer` for code without an event loop: blocks the calling thread (not the others: the
@@ -373,8 +374,9 @@ impl Engine {
         timeout: f64,
         durability: &str,
     ) -> PyResult<()> {
-        let call = TransferCall::new(self, py, peer, op, descs, timeout, durability)?;
-        py.detach(|| runtime().block_on(call.run())).py(py)
+        let call = TransferCall::new(self, py, peer, op, descs, durability)?;
+        let timeout = seconds(py, "timeout", timeout)?;
+        py.detach(|| runtime().block_on(call.run(timeout))).py(py)
     }
 
     /// Starts a batch and returns at once (HIXL `TransferAsync`): a `TransferHandle` to poll with
@@ -389,12 +391,13 @@ impl Engine {
         timeout: f64,
         durability: &str,
     ) -> PyResult<TransferHandle> {
-        let call = TransferCall::new(self, py, peer, op, descs, timeout, durability)?;
+        let call = TransferCall::new(self, py, peer, op, descs, durability)?;
+        let timeout = seconds(py, "timeout", timeout)?;
         let prepared = call
             .engine
             .prepare_durable(&call.peer, call.op, &call.descs, call.durability)
             .py(py)?;
-        Ok(transfer::start(call.engine, Arc::new(prepared), call.timeout))
+        Ok(transfer::start(call.engine, Arc::new(prepared), timeout))
     }
 
     /// Resolves a batch once, to post again and again with `transfer_prepared` without checking
@@ -408,7 +411,7 @@ impl Engine {
         descs: &Bound<'_, PyAny>,
         durability: &str,
     ) -> PyResult<PreparedTransfer> {
-        let call = TransferCall::new(self, py, peer, op, descs, 1.0, durability)?;
+        let call = TransferCall::new(self, py, peer, op, descs, durability)?;
         let prepared = py
             .detach(|| {
                 call.engine
@@ -521,14 +524,14 @@ impl Engine {
     }
 }
 
-/// One transfer's arguments, converted while the GIL is held.
+/// One batch's arguments (all but the timeout, which `prepare` has none of), converted while the
+/// GIL is held.
 struct TransferCall {
     engine: ferry::Engine,
     peer: ferry::Peer,
     op: ferry::Op,
     descs: Vec<ferry::TransferDesc>,
     durability: ferry::Durability,
-    timeout: std::time::Duration,
 }
 
 impl TransferCall {
@@ -538,7 +541,6 @@ impl TransferCall {
         peer: &Bound<'_, Peer>,
         op_name: &str,
         descs: &Bound<'_, PyAny>,
-        timeout: f64,
         durability_name: &str,
     ) -> PyResult<Self> {
         Ok(TransferCall {
@@ -547,13 +549,12 @@ impl TransferCall {
             op: op(py, op_name)?,
             descs: descs::extract(descs)?,
             durability: durability(py, durability_name)?,
-            timeout: seconds(py, "timeout", timeout)?,
         })
     }
 
-    async fn run(self) -> ferry::Result<()> {
+    async fn run(self, timeout: std::time::Duration) -> ferry::Result<()> {
         self.engine
-            .transfer_durable(&self.peer, self.op, &self.descs, self.durability, self.timeout)
+            .transfer_durable(&self.peer, self.op, &self.descs, self.durability, timeout)
             .await
     }
 }

@@ -47,30 +47,32 @@ pub fn access(py: Python<'_>, bits: u8) -> PyResult<ferry::Access> {
 
 /// `"read"` / `"write"` (any case) to an operation.
 pub fn op(py: Python<'_>, op: &str) -> PyResult<ferry::Op> {
-    if op.eq_ignore_ascii_case("write") {
-        Ok(ferry::Op::Write)
-    } else if op.eq_ignore_ascii_case("read") {
-        Ok(ferry::Op::Read)
-    } else {
-        Err(errors::invalid(
-            py,
-            format!("op must be \"read\" or \"write\", not {op:?}"),
-        ))
-    }
+    named(py, "op", op, &[("read", ferry::Op::Read), ("write", ferry::Op::Write)])
 }
 
-/// `"completed"` / `"persistent"` to a durability.
+/// `"completed"` / `"persistent"` (any case) to a durability.
 pub fn durability(py: Python<'_>, durability: &str) -> PyResult<ferry::Durability> {
-    if durability.eq_ignore_ascii_case("completed") {
-        Ok(ferry::Durability::Completed)
-    } else if durability.eq_ignore_ascii_case("persistent") {
-        Ok(ferry::Durability::Persistent)
-    } else {
-        Err(errors::invalid(
-            py,
-            format!("durability must be \"completed\" or \"persistent\", not {durability:?}"),
-        ))
+    named(
+        py,
+        "durability",
+        durability,
+        &[
+            ("completed", ferry::Durability::Completed),
+            ("persistent", ferry::Durability::Persistent),
+        ],
+    )
+}
+
+/// The value `choices` names `text` by (any case), else `InvalidArgument` listing the names.
+fn named<T: Copy>(py: Python<'_>, what: &str, text: &str, choices: &[(&str, T)]) -> PyResult<T> {
+    if let Some(&(_, value)) = choices.iter().find(|(name, _)| name.eq_ignore_ascii_case(text)) {
+        return Ok(value);
     }
+    let names: Vec<String> = choices.iter().map(|(name, _)| format!("{name:?}")).collect();
+    Err(errors::invalid(
+        py,
+        format!("{what} must be {}, not {text:?}", names.join(" or ")),
+    ))
 }
 
 /// `FERRY_LOG=debug` (an `EnvFilter` directive) prints the engine's `tracing` events to stderr.

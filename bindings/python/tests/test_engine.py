@@ -6,6 +6,7 @@ import ctypes
 import gc
 import mmap
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -244,6 +245,52 @@ def test_cancelled_await_leaves_the_loop_working(pair):
         await initiator.transfer(peer, "write", [(src.addr, dst.addr, 16)], timeout=10.0)
 
     asyncio.run(run())
+
+
+def test_a_failed_delivery_does_not_strand_the_rest_of_its_batch(pair):
+    """Completions reach the loop in batches; one future that refuses its result (a broken Future
+    subclass here) must not leave the futures after it in the batch unresolved."""
+    target, initiator = pair
+    landed = np.zeros(64 * KIB, dtype=np.uint8)
+    dst = target.register(landed)
+    src = initiator.register(np.ones(64 * KIB, dtype=np.uint8))
+
+    class Refusing(asyncio.Future):
+        def set_result(self, result):
+            raise RuntimeError("this future refuses its result")
+
+    class Loop(asyncio.SelectorEventLoop):
+        refuse_next = False
+
+        def create_future(self):
+            if self.refuse_next:
+                self.refuse_next = False
+                return Refusing(loop=self)
+            return super().create_future()
+
+    handled = []
+    loop = Loop()
+    loop.set_exception_handler(lambda _loop, context: handled.append(context.get("exception")))
+
+    async def run():
+        peer = await connect(initiator, target)
+        loop.refuse_next = True
+        first = initiator.transfer(peer, "write", [(src.addr, dst.addr, 4 * KIB)], timeout=5.0)
+        # Block the loop's thread (no await) while both transfers complete, so that their
+        # completions are drained together, the refused one first.
+        time.sleep(0.3)
+        second = initiator.transfer(peer, "write", [(src.addr + 4 * KIB, dst.addr + 4 * KIB, 4 * KIB)], timeout=5.0)
+        time.sleep(0.3)
+        await asyncio.wait_for(second, timeout=5.0)
+        assert not first.done()
+        first.cancel()
+
+    try:
+        loop.run_until_complete(run())
+    finally:
+        loop.close()
+    assert any(isinstance(e, RuntimeError) and "refuses" in str(e) for e in handled), handled
+    assert landed[: 8 * KIB].tobytes() == b"\x01" * (8 * KIB)
 
 
 def test_notifications_take_and_iterate(pair):

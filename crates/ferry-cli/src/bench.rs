@@ -86,6 +86,8 @@ pub struct Args {
     encrypt_data: bool,
     #[command(flatten)]
     tls_files: TlsArgs,
+    #[command(flatten)]
+    rdma: crate::rdma::RdmaArgs,
 }
 
 /// One rail of a multi-rail RDMA link, as `ferry bench --json` reports it.
@@ -217,10 +219,12 @@ async fn setup(args: &Args, max_bytes: u64) -> anyhow::Result<Setup> {
     let want: TransportKind = args.transport.parse()?;
     let mut temp_file = None;
     let (initiator_tls, target_tls) = tls_configs(args)?;
-    let mut initiator = Engine::builder()
-        .transports([want])
-        .streams(args.streams)
-        .buffer_pool(&args.buffer_pool);
+    let mut initiator = args.rdma.apply(
+        Engine::builder()
+            .transports([want])
+            .streams(args.streams)
+            .buffer_pool(&args.buffer_pool),
+    )?;
     if let Some(tls) = initiator_tls {
         initiator = initiator.tls(tls);
     }
@@ -239,7 +243,9 @@ async fn setup(args: &Args, max_bytes: u64) -> anyhow::Result<Setup> {
         }
         Some(addr) => (None, addr.clone()),
         None => {
-            let mut target = Engine::builder().transports([want]).listen("127.0.0.1:0");
+            let mut target = args
+                .rdma
+                .apply(Engine::builder().transports([want]).listen("127.0.0.1:0"))?;
             let authenticated = target_tls.is_some();
             if let Some(tls) = target_tls {
                 target = target.tls(tls);

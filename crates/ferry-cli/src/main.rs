@@ -12,6 +12,7 @@ mod bench;
 mod directory;
 mod info;
 mod metrics_http;
+mod rdma;
 mod register;
 mod serve;
 mod tls;

@@ -31,6 +31,8 @@ pub struct Args {
     /// Print one JSON object instead of a line.
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    rdma: crate::rdma::RdmaArgs,
 }
 
 #[derive(Serialize)]
@@ -133,8 +135,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         .ok()
         .and_then(|s| s.checked_mul(args.regions))
         .context("--regions × --size does not fit in memory")?;
-    let engine = Engine::builder()
-        .transports([want])
+    let engine = args
+        .rdma
+        .apply(Engine::builder().transports([want]))?
         .build()
         .await
         .context("starting the engine")?;

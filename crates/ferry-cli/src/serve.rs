@@ -46,6 +46,8 @@ pub struct Args {
     name: Option<String>,
     #[command(flatten)]
     directory: crate::directory::DirectoryArgs,
+    #[command(flatten)]
+    rdma: crate::rdma::RdmaArgs,
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
@@ -56,9 +58,11 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         "--grant and --grant-all need authentication (--tls-cert/--tls-key/--tls-ca or --tls-psk-file): \
          without it every peer reaches the region"
     );
-    let mut builder = Engine::builder()
-        .listen(&args.listen)
-        .adr_without_ddio(args.adr_without_ddio);
+    let mut builder = args.rdma.apply(
+        Engine::builder()
+            .listen(&args.listen)
+            .adr_without_ddio(args.adr_without_ddio),
+    )?;
     if let Some(tls) = tls {
         builder = builder.tls(tls);
     }

@@ -29,6 +29,12 @@ mod host;
 mod interfaces;
 pub mod metrics;
 mod notify;
+/// The text forms of the RDMA overrides (`FERRY_RDMA_NUMA`, `FERRY_RDMA_DEVICE_RAILS`), parsed, for
+/// command lines that take them as options.
+#[cfg(feature = "rdma")]
+pub mod rdma {
+    pub use ferry_rdma::topology::{parse_device_rails, parse_overrides as parse_numa_nodes};
+}
 mod peer;
 mod region;
 mod sigbus;
