@@ -194,27 +194,38 @@ impl TransportOptions {
     /// The rails named for PCI devices: the options', else `FERRY_RDMA_DEVICE_RAILS`'s.
     #[cfg(feature = "rdma")]
     fn device_rails(&self) -> ferry_core::Result<Vec<(ferry_core::PciAddress, Vec<String>)>> {
-        if !self.rdma_device_rails.is_empty() {
-            return Ok(self.rdma_device_rails.clone());
-        }
-        match std::env::var("FERRY_RDMA_DEVICE_RAILS") {
-            Ok(text) => ferry_rdma::topology::parse_device_rails(&text)
-                .map_err(|e| ferry_core::Error::InvalidArgument(format!("FERRY_RDMA_DEVICE_RAILS: {e}"))),
-            Err(_) => Ok(Vec::new()),
-        }
+        given_or_env(
+            &self.rdma_device_rails,
+            "FERRY_RDMA_DEVICE_RAILS",
+            ferry_rdma::topology::parse_device_rails,
+        )
     }
 
     /// The RDMA devices' NUMA overrides: the options', else `FERRY_RDMA_NUMA`'s.
     #[cfg(feature = "rdma")]
     fn numa_nodes(&self) -> ferry_core::Result<Vec<(String, Option<u32>)>> {
-        if !self.rdma_numa_nodes.is_empty() {
-            return Ok(self.rdma_numa_nodes.clone());
-        }
-        match std::env::var("FERRY_RDMA_NUMA") {
-            Ok(text) => ferry_rdma::topology::parse_overrides(&text)
-                .map_err(|e| ferry_core::Error::InvalidArgument(format!("FERRY_RDMA_NUMA: {e}"))),
-            Err(_) => Ok(Vec::new()),
-        }
+        given_or_env(
+            &self.rdma_numa_nodes,
+            "FERRY_RDMA_NUMA",
+            ferry_rdma::topology::parse_overrides,
+        )
+    }
+}
+
+/// `given` when it holds anything, else environment variable `var` parsed by `parse` (nothing when
+/// it is unset).
+#[cfg(feature = "rdma")]
+fn given_or_env<T: Clone>(
+    given: &[T],
+    var: &str,
+    parse: impl Fn(&str) -> std::result::Result<Vec<T>, String>,
+) -> ferry_core::Result<Vec<T>> {
+    if !given.is_empty() {
+        return Ok(given.to_vec());
+    }
+    match std::env::var(var) {
+        Ok(text) => parse(&text).map_err(|e| ferry_core::Error::InvalidArgument(format!("{var}: {e}"))),
+        Err(_) => Ok(Vec::new()),
     }
 }
 
