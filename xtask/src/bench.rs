@@ -71,8 +71,11 @@ enum Probe {
     /// One-way p50 as sockperf prints it.
     Sockperf,
     /// 4 KiB writes through ferry-tower's stack over the same writes on the engine directly, both in
-    /// one run of the `tower_overhead` example.
-    TowerOverHead,
+    /// one run of the `tower_overhead` example: over the transport the engines pick (shared memory,
+    /// on one host), or over TCP only.
+    TowerOverHead {
+        tcp: bool,
+    },
     /// One case of `python -m ferry.bench --case NAME` (the Python binding, over TCP in one
     /// process, as `ferry bench` runs); `blocking` measures `transfer_blocking` instead of `await`.
     Python {
@@ -269,7 +272,11 @@ const MEASURES: &[Measure] = &[
     ),
     Measure {
         key: "tower stack / engine, 4KiB writes",
-        probe: Probe::TowerOverHead,
+        probe: Probe::TowerOverHead { tcp: false },
+    },
+    Measure {
+        key: "tower stack / engine over TCP, 4KiB writes",
+        probe: Probe::TowerOverHead { tcp: true },
     },
     ferry(
         "ferry read 1MiB",
@@ -591,6 +598,15 @@ const COMPARISONS: &[Comparison] = &[
         target: Target::FerryAtLeast(0.95),
     },
     Comparison {
+        id: "i2",
+        name: "the same over TCP only (a slower operation, so the stack's share is smaller)",
+        ferry: "tower stack / engine over TCP, 4KiB writes",
+        peer: None,
+        peer_scale: 1.0,
+        unit: Unit::Ratio,
+        target: Target::Info,
+    },
+    Comparison {
         id: "j",
         name: "write 1MiB persistent / completed (TCP, msync target, 1 stream, depth 1)",
         ferry: "ferry write 1MiB persistent, 1 stream, depth 1",
@@ -812,7 +828,7 @@ impl Bench<'_> {
                 }
             }
             Probe::Memcpy => Ok(peers::memcpy_gb_per_s(1 << 20, self.duration)),
-            Probe::TowerOverHead => peers::tower_overhead(&self.tower_bin, self.duration),
+            Probe::TowerOverHead { tcp } => peers::tower_overhead(&self.tower_bin, tcp, self.duration),
             Probe::Python { case, blocking, metric } => {
                 let python = self.python()?;
                 let r = peers::python_bench(&python, case, blocking, self.duration)?;
@@ -867,7 +883,8 @@ impl Bench<'_> {
             Probe::UcxShm { test, size } => peers::ucx_shm_describe(test, size),
             Probe::Memcpy => "1 MiB copy_from_slice in a loop, one thread of xtask".into(),
             Probe::Sockperf => peers::sockperf_describe(self.duration),
-            Probe::TowerOverHead => self.tower_bin.display().to_string(),
+            Probe::TowerOverHead { tcp: false } => self.tower_bin.display().to_string(),
+            Probe::TowerOverHead { tcp: true } => format!("{} --tcp", self.tower_bin.display()),
             Probe::Python { case, blocking, .. } => format!(
                 "python -m ferry.bench --case {case}{} (bindings/python, in {})",
                 if blocking { " --blocking" } else { "" },

@@ -150,9 +150,14 @@ pub fn python_bench(python: &Path, case: &str, blocking: bool, duration: Duratio
     })
 }
 
-/// Runs ferry-tower's `tower_overhead` example and returns its ratio (stack over direct engine calls).
-pub fn tower_overhead(bin: &Path, duration: Duration) -> Result<f64> {
-    let v = last_json_line(&mut Command::new(bin), duration * 20 + SLACK)?;
+/// Runs ferry-tower's `tower_overhead` example (with `--tcp`, over TCP only) and returns its ratio
+/// (stack over direct engine calls).
+pub fn tower_overhead(bin: &Path, tcp: bool, duration: Duration) -> Result<f64> {
+    let mut cmd = Command::new(bin);
+    if tcp {
+        cmd.arg("--tcp");
+    }
+    let v = last_json_line(&mut cmd, duration * 20 + SLACK)?;
     v["ratio"].as_f64().ok_or_else(|| anyhow!("no `ratio` in {v}"))
 }
 

@@ -21,6 +21,10 @@ pub struct RdmaArgs {
     /// Queue pairs per pair of rails, 1 to 8; else `FERRY_RDMA_QUEUE_PAIRS`, else 1.
     #[arg(long, value_name = "N")]
     rdma_queue_pairs: Option<u8>,
+    /// Bytes of the slices a batch is cut into and spread over the rails ("256KiB", at least 4KiB);
+    /// else `FERRY_RDMA_SLICE`, else 256 KiB.
+    #[arg(long, value_name = "SIZE", value_parser = crate::units::parse_size)]
+    rdma_slice: Option<u64>,
 }
 
 impl RdmaArgs {
@@ -29,6 +33,7 @@ impl RdmaArgs {
             || self.rdma_numa.is_some()
             || self.rdma_device_rails.is_some()
             || self.rdma_queue_pairs.is_some()
+            || self.rdma_slice.is_some()
     }
 
     /// The builder with these options applied; an error for text that does not parse, or for any
@@ -65,6 +70,9 @@ fn apply(args: &RdmaArgs, mut builder: EngineBuilder) -> anyhow::Result<EngineBu
     }
     if let Some(n) = args.rdma_queue_pairs {
         builder = builder.rdma_queue_pairs_per_rail(n);
+    }
+    if let Some(bytes) = args.rdma_slice {
+        builder = builder.rdma_slice_bytes(bytes);
     }
     Ok(builder)
 }

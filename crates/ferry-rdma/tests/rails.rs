@@ -449,3 +449,49 @@ async fn several_queue_pairs_per_rail_share_a_batch() {
     let refused = Engine::builder().rdma_queue_pairs_per_rail(9).build().await;
     assert!(matches!(refused, Err(ferry::Error::InvalidArgument(_))), "{refused:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_slice_size_decides_how_finely_a_batch_is_spread() {
+    const LEN: usize = 128 << 10;
+    let shares =
+        |peer: &Peer, before: &[u64]| -> Vec<u64> { rail_bytes(peer).iter().zip(before).map(|(a, b)| a - b).collect() };
+    // The default slice (256 KiB) holds the whole 128 KiB write: one rail carries it.
+    let Some((target, initiator, peer)) = rail_pair().await else {
+        return;
+    };
+    let dst = target.alloc_host(LEN, Access::READ_WRITE).unwrap();
+    wait_for(&peer, &dst).await;
+    let src = initiator.alloc_host(LEN, Access::READ_WRITE).unwrap();
+    for round in 0..3 {
+        let before = rail_bytes(&peer);
+        write_round(&initiator, &peer, &src, &dst, round).await;
+        let mut share = shares(&peer, &before);
+        share.sort_unstable();
+        assert_eq!(share, [0, LEN as u64], "round {round}: one slice, one rail");
+    }
+    drop((target, initiator, peer));
+
+    // 16 KiB slices: eight per write, spread over both rails.
+    let Some((target, initiator, peer)) =
+        rail_pair_with(|rails| (rails.to_vec(), 1), |b| b.rdma_slice_bytes(16 << 10)).await
+    else {
+        return;
+    };
+    let dst = target.alloc_host(LEN, Access::READ_WRITE).unwrap();
+    wait_for(&peer, &dst).await;
+    let src = initiator.alloc_host(LEN, Access::READ_WRITE).unwrap();
+    for round in 0..3 {
+        let before = rail_bytes(&peer);
+        write_round(&initiator, &peer, &src, &dst, round).await;
+        let share = shares(&peer, &before);
+        assert!(
+            share.iter().all(|&b| b > 0),
+            "round {round}: both rails carried slices: {share:?}"
+        );
+        assert_eq!(share.iter().sum::<u64>(), LEN as u64);
+    }
+
+    // Under 4 KiB: refused when the engine is built.
+    let refused = Engine::builder().rdma_slice_bytes(1024).build().await;
+    assert!(matches!(refused, Err(ferry::Error::InvalidArgument(_))), "{refused:?}");
+}

@@ -110,6 +110,9 @@ pub struct TransportOptions {
     pub rdma_service_level: u8,
     /// Busy-poll RDMA completions instead of waiting for the completion channel.
     pub rdma_busy_poll: bool,
+    /// Bytes of the slices an RDMA batch is cut into and spread over the rails (at least 4 KiB);
+    /// when `None`, `FERRY_RDMA_SLICE` (bytes, or with KiB/MiB), else 256 KiB.
+    pub rdma_slice_bytes: Option<u64>,
     /// RDMA queue pairs per pair of rails (1..=8); when `None`, `FERRY_RDMA_QUEUE_PAIRS`, else 1.
     pub rdma_queue_pairs_per_rail: Option<u8>,
     /// Register large regions on every RDMA rail at once (a thread per rail); when `None`, as
@@ -133,6 +136,7 @@ impl Default for TransportOptions {
             rdma_traffic_class: 132,
             rdma_service_level: 4,
             rdma_busy_poll: false,
+            rdma_slice_bytes: None,
             rdma_queue_pairs_per_rail: None,
             rdma_parallel_registration: None,
             rdma_persist_method: None,
@@ -167,6 +171,13 @@ impl TransportOptions {
         self.numa_nodes()?;
         #[cfg(feature = "rdma")]
         self.device_rails()?;
+        let slice = self.slice_bytes()?;
+        if slice.is_some_and(|s| s < 4096) {
+            return Err(ferry_core::Error::InvalidArgument(format!(
+                "RDMA slices of {} bytes: at least 4096",
+                slice.unwrap_or_default()
+            )));
+        }
         let qps = self.queue_pairs_per_rail()?;
         if !(1..=8).contains(&qps) {
             return Err(ferry_core::Error::InvalidArgument(format!(
@@ -174,6 +185,21 @@ impl TransportOptions {
             )));
         }
         Ok(())
+    }
+
+    /// The options' slice size, else `FERRY_RDMA_SLICE`'s; `None` for the transport's default.
+    fn slice_bytes(&self) -> ferry_core::Result<Option<u64>> {
+        if let Some(n) = self.rdma_slice_bytes {
+            return Ok(Some(n));
+        }
+        match std::env::var("FERRY_RDMA_SLICE") {
+            Ok(text) => parse_bytes(&text).map(Some).ok_or_else(|| {
+                ferry_core::Error::InvalidArgument(format!(
+                    "FERRY_RDMA_SLICE={text}: expected a size in bytes (262144, 256KiB, 1MiB), at least 4 KiB"
+                ))
+            }),
+            Err(_) => Ok(None),
+        }
     }
 
     /// The options' queue pairs per pair of rails, else `FERRY_RDMA_QUEUE_PAIRS`'s, else 1.
@@ -210,6 +236,21 @@ impl TransportOptions {
             ferry_rdma::topology::parse_overrides,
         )
     }
+}
+
+/// A size in bytes: a number, or a number of KiB, MiB or GiB ("256KiB").
+fn parse_bytes(text: &str) -> Option<u64> {
+    let text = text.trim();
+    let digits = text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len());
+    let (number, unit) = text.split_at(digits);
+    let scale: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        _ => return None,
+    };
+    number.parse::<u64>().ok()?.checked_mul(scale)
 }
 
 /// `given` when it holds anything, else environment variable `var` parsed by `parse` (nothing when
@@ -264,6 +305,11 @@ pub(crate) fn compiled_transports(options: &TransportOptions, authenticates: boo
         service_level: options.rdma_service_level,
         busy_poll: options.rdma_busy_poll,
         queue_pairs_per_rail: options.queue_pairs_per_rail().unwrap_or(1),
+        slice_bytes: options
+            .slice_bytes()
+            .ok()
+            .flatten()
+            .unwrap_or(ferry_rdma::multirail::DEFAULT_SLICE),
         parallel_registration: options
             .rdma_parallel_registration
             .unwrap_or_else(|| std::env::var("FERRY_RDMA_PARALLEL_REGISTRATION").map_or(true, |v| v.trim() != "0")),
@@ -341,4 +387,38 @@ fn vulkan_devices() -> Vec<ferry_vulkan::VulkanDeviceInfo> {
 #[cfg(not(feature = "vulkan"))]
 fn vulkan_devices() -> Vec<String> {
     Vec::new()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_with_or_without_a_unit() {
+        assert_eq!(parse_bytes("262144"), Some(262_144));
+        assert_eq!(parse_bytes(" 256KiB "), Some(256 << 10));
+        assert_eq!(parse_bytes("1MiB"), Some(1 << 20));
+        assert_eq!(parse_bytes("1 MiB"), Some(1 << 20));
+        for bad in ["", "KiB", "1MB", "-4096", "99999999999999999999GiB"] {
+            assert_eq!(parse_bytes(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn slices_under_4_kib_are_refused() {
+        let options = TransportOptions {
+            rdma_slice_bytes: Some(1024),
+            ..TransportOptions::default()
+        };
+        let error = options.validate().unwrap_err();
+        assert!(
+            matches!(&error, ferry_core::Error::InvalidArgument(m) if m.contains("at least 4096")),
+            "{error}"
+        );
+        let options = TransportOptions {
+            rdma_slice_bytes: Some(64 << 10),
+            ..TransportOptions::default()
+        };
+        assert!(options.validate().is_ok());
+    }
 }

@@ -263,6 +263,14 @@ impl EngineBuilder {
         self
     }
 
+    /// Bytes of the slices an RDMA batch is cut into and spread over the rails (at least 4 KiB;
+    /// default 256 KiB, or `FERRY_RDMA_SLICE`): smaller slices spread a batch more evenly and cost
+    /// more work requests.
+    pub fn rdma_slice_bytes(mut self, bytes: u64) -> Self {
+        self.transport_options.rdma_slice_bytes = Some(bytes);
+        self
+    }
+
     /// RDMA queue pairs per pair of rails (1..=8, default 1, or `FERRY_RDMA_QUEUE_PAIRS`): a batch's
     /// slices are spread over all of them, so that a NIC works on several at once.
     pub fn rdma_queue_pairs_per_rail(mut self, n: u8) -> Self {
