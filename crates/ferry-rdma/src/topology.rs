@@ -18,7 +18,6 @@
 //!   `MPOL_F_NODE | MPOL_F_ADDR`) after the first registration pinned it. A region spread over
 //!   several nodes (interleaved) is placed by its first page.
 //!
-//!
 //! **Device memory** (a GPU's, which the block names by its PCI address: see
 //! [`MemoryBlock::pci_device`](ferry_core::MemoryBlock::pci_device)) is ranked by the PCIe fabric
 //! instead, because the NIC's DMA goes to the device, not to a socket's memory. Linux lays sysfs out as

@@ -104,12 +104,17 @@ async fn write_round(initiator: &Engine, peer: &Peer, src: &ferry::Region, dst: 
     );
 }
 
+/// An initiator region of `len` bytes and a target one that `peer` already knows.
+async fn host_regions(target: &Engine, initiator: &Engine, peer: &Peer, len: usize) -> (ferry::Region, ferry::Region) {
+    let dst = target.alloc_host(len, Access::READ_WRITE).unwrap();
+    wait_for(peer, &dst).await;
+    (initiator.alloc_host(len, Access::READ_WRITE).unwrap(), dst)
+}
+
 /// A target region of `len` bytes and an initiator one, and rounds 0 to 2 written between them with
 /// every byte checked.
 async fn three_rounds(target: &Engine, initiator: &Engine, peer: &Peer, len: usize) -> (ferry::Region, ferry::Region) {
-    let dst = target.alloc_host(len, Access::READ_WRITE).unwrap();
-    wait_for(peer, &dst).await;
-    let src = initiator.alloc_host(len, Access::READ_WRITE).unwrap();
+    let (src, dst) = host_regions(target, initiator, peer, len).await;
     for round in 0..3 {
         write_round(initiator, peer, &src, &dst, round).await;
     }
@@ -459,9 +464,7 @@ async fn the_slice_size_decides_how_finely_a_batch_is_spread() {
     let Some((target, initiator, peer)) = rail_pair().await else {
         return;
     };
-    let dst = target.alloc_host(LEN, Access::READ_WRITE).unwrap();
-    wait_for(&peer, &dst).await;
-    let src = initiator.alloc_host(LEN, Access::READ_WRITE).unwrap();
+    let (src, dst) = host_regions(&target, &initiator, &peer, LEN).await;
     for round in 0..3 {
         let before = rail_bytes(&peer);
         write_round(&initiator, &peer, &src, &dst, round).await;
@@ -477,9 +480,7 @@ async fn the_slice_size_decides_how_finely_a_batch_is_spread() {
     else {
         return;
     };
-    let dst = target.alloc_host(LEN, Access::READ_WRITE).unwrap();
-    wait_for(&peer, &dst).await;
-    let src = initiator.alloc_host(LEN, Access::READ_WRITE).unwrap();
+    let (src, dst) = host_regions(&target, &initiator, &peer, LEN).await;
     for round in 0..3 {
         let before = rail_bytes(&peer);
         write_round(&initiator, &peer, &src, &dst, round).await;
