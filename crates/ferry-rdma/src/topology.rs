@@ -65,23 +65,33 @@ impl NodeSource {
     }
 }
 
-/// Parses `FERRY_RDMA_NUMA`'s form: `DEV=NODE` pairs separated by commas, `NODE` a number or `any`.
-pub fn parse_overrides(text: &str) -> Result<Vec<(String, Option<u32>)>, String> {
+/// The `KEY=VALUE` entries of a comma-separated override (blank entries skipped), each with its text
+/// for messages; an entry without `=` is an error saying the `expected` form.
+fn entries<'a>(text: &'a str, expected: &'a str) -> impl Iterator<Item = Result<(&'a str, &'a str, &'a str), String>> {
     text.split(',')
         .map(str::trim)
-        .filter(|pair| !pair.is_empty())
-        .map(|pair| {
-            let (device, node) = pair
+        .filter(|entry| !entry.is_empty())
+        .map(move |entry| {
+            let (key, value) = entry
                 .split_once('=')
-                .ok_or_else(|| format!("`{pair}`: expected DEVICE=NODE (a NUMA node number, or `any`)"))?;
-            let node = match node.trim() {
+                .ok_or_else(|| format!("`{entry}`: expected {expected}"))?;
+            Ok((entry, key.trim(), value.trim()))
+        })
+}
+
+/// Parses `FERRY_RDMA_NUMA`'s form: `DEV=NODE` pairs separated by commas, `NODE` a number or `any`.
+pub fn parse_overrides(text: &str) -> Result<Vec<(String, Option<u32>)>, String> {
+    entries(text, "DEVICE=NODE (a NUMA node number, or `any`)")
+        .map(|entry| {
+            let (entry, device, node) = entry?;
+            let node = match node {
                 "any" => None,
                 n => Some(
                     n.parse::<u32>()
-                        .map_err(|_| format!("`{pair}`: NUMA node `{n}` is not a number (or `any`)"))?,
+                        .map_err(|_| format!("`{entry}`: NUMA node `{n}` is not a number (or `any`)"))?,
                 ),
             };
-            Ok((device.trim().to_string(), node))
+            Ok((device.to_string(), node))
         })
         .collect()
 }
@@ -118,14 +128,10 @@ pub(crate) fn sysfs_node(root: &Path, device: &str) -> (Option<u32>, NodeSource)
 /// Parses `FERRY_RDMA_DEVICE_RAILS`'s form: `ADDR=DEV+DEV` entries separated by commas, `ADDR` a PCI
 /// address (`0000:3b:00.0`) and each `DEV` an RDMA device.
 pub fn parse_device_rails(text: &str) -> Result<Vec<(PciAddress, Vec<String>)>, String> {
-    text.split(',')
-        .map(str::trim)
-        .filter(|entry| !entry.is_empty())
+    entries(text, "PCI_ADDRESS=DEVICE+DEVICE (0000:3b:00.0=mlx5_0+mlx5_1)")
         .map(|entry| {
-            let (address, devices) = entry
-                .split_once('=')
-                .ok_or_else(|| format!("`{entry}`: expected PCI_ADDRESS=DEVICE+DEVICE (0000:3b:00.0=mlx5_0+mlx5_1)"))?;
-            let address = address.trim().parse::<PciAddress>()?;
+            let (entry, address, devices) = entry?;
+            let address = address.parse::<PciAddress>()?;
             let devices: Vec<String> = devices
                 .split('+')
                 .map(str::trim)
@@ -195,11 +201,15 @@ pub fn preferred_by_fabric(rails: &[Option<PciPath>], device: &[String]) -> u64 
     if best == 0 {
         return 0;
     }
-    levels
-        .iter()
-        .enumerate()
+    mask_of(levels.iter().map(|&l| l == best))
+}
+
+/// A rail mask with bit `i` set where the `i`th flag is (rails past the 64th are never set).
+fn mask_of(flags: impl Iterator<Item = bool>) -> u64 {
+    flags
         .take(64)
-        .filter(|&(_, &l)| l == best)
+        .enumerate()
+        .filter(|&(_, set)| set)
         .fold(0, |mask, (i, _)| mask | 1 << i)
 }
 
@@ -269,12 +279,7 @@ pub fn preferred(rails: &[Option<u32>], memory: Option<u32>, distance: impl Fn(u
         }
     };
     let best = rails.iter().map(|&n| cost(n)).min().unwrap_or(u64::MAX);
-    rails
-        .iter()
-        .enumerate()
-        .take(64)
-        .filter(|&(_, &n)| cost(n) == best)
-        .fold(0, |mask, (i, _)| mask | 1 << i)
+    mask_of(rails.iter().map(|&n| cost(n) == best))
 }
 
 /// The node of the page at `addr`, as the kernel placed it; `None` where the kernel has no NUMA or
@@ -336,12 +341,7 @@ impl Topology {
             .device_rails
             .iter()
             .filter_map(|(address, names)| {
-                let mask = devices
-                    .iter()
-                    .enumerate()
-                    .take(64)
-                    .filter(|(_, d)| names.contains(d))
-                    .fold(0u64, |mask, (i, _)| mask | 1 << i);
+                let mask = mask_of(devices.iter().map(|d| names.contains(d)));
                 if mask == 0 {
                     tracing::warn!(device = %address, rails = ?names, "no rail of this engine is named for the device; ranking it by the fabric");
                 }
