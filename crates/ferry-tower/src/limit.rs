@@ -3,42 +3,27 @@
 //! It does what `tokio::sync::Semaphore` does for one permit at a time, but more cheaply on the path
 //! every request takes: acquiring is one compare-and-swap and releasing one atomic subtraction, where
 //! tokio's semaphore locks a mutex on every release. A request through the pool takes and returns
-//! two such permits, and at 4 KiB transfer rates that difference shows in the middleware's overhead
+//! two such units, and at 4 KiB transfer rates that difference shows in the middleware's overhead
 //! (see `examples/tower_overhead.rs`). Waiting, the slow path, goes through a `tokio::sync::Notify`,
 //! touched only while someone waits.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use tokio::sync::Notify;
 
+/// Holders take units with [`Limit::try_take`] or [`Limit::take`] and give each back with
+/// [`Limit::give_back`]. No handle is returned: the holder (the service's reservation, a request's
+/// claim on a peer) already keeps the pool alive, so a unit needs no reference count of its own,
+/// and every `Arc` clone saved is one less cache line moved between cores per request.
 pub(crate) struct Limit {
     used: AtomicUsize,
     max: usize,
-    /// Acquirers that found the limit reached and wait for a release.
+    /// Takers that found the limit reached and wait for a unit to come back.
     waiting: AtomicUsize,
     released: Notify,
 }
 
-/// One unit of a [`Limit`], returned when dropped.
-pub(crate) struct Permit {
-    limit: Arc<Limit>,
-}
-
-impl Drop for Permit {
-    fn drop(&mut self) {
-        // SeqCst with the waiter's `waiting` increment and re-check: either the waiter sees this
-        // release, or this release sees the waiter (Dekker's pattern).
-        self.limit.used.fetch_sub(1, Ordering::SeqCst);
-        if self.limit.waiting.load(Ordering::SeqCst) > 0 {
-            // With nobody registered yet this stores a wakeup for the next waiter: a spurious wakeup
-            // at worst, which the acquire loop absorbs.
-            self.limit.released.notify_one();
-        }
-    }
-}
-
-/// Counts a waiter while it lives, so that a cancelled acquire does not leave the count raised.
+/// Counts a waiter in [`Limit::take`] for as long as it waits, including when the wait is dropped.
 struct Waiting<'a>(&'a AtomicUsize);
 
 impl Drop for Waiting<'_> {
@@ -48,42 +33,53 @@ impl Drop for Waiting<'_> {
 }
 
 impl Limit {
-    /// A limit of `max` units; `max` is at least 1 (the pool's configuration checks it).
-    pub(crate) fn new(max: usize) -> Arc<Self> {
-        Arc::new(Limit {
+    pub(crate) fn new(max: usize) -> Self {
+        Limit {
             used: AtomicUsize::new(0),
             max,
             waiting: AtomicUsize::new(0),
             released: Notify::new(),
-        })
+        }
     }
 
-    /// Units taken now.
+    /// Units held now.
     pub(crate) fn used(&self) -> usize {
         self.used.load(Ordering::Relaxed)
     }
 
-    /// A unit if one is free now.
-    pub(crate) fn try_acquire(self: &Arc<Self>) -> Option<Permit> {
+    /// Takes a unit if one is free; the caller then owes one [`give_back`](Self::give_back).
+    pub(crate) fn try_take(&self) -> bool {
         self.used
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| (n < self.max).then_some(n + 1))
-            .ok()
-            .map(|_| Permit { limit: self.clone() })
+            .is_ok()
     }
 
-    /// A unit, waiting for one to be released if none is free. Cancel-safe.
-    pub(crate) async fn acquire(self: Arc<Self>) -> Permit {
+    /// Returns a unit taken by [`try_take`](Self::try_take) or [`take`](Self::take).
+    pub(crate) fn give_back(&self) {
+        // SeqCst with the waiter's `waiting` increment and re-check: either the waiter sees this
+        // release, or this release sees the waiter (Dekker's pattern).
+        self.used.fetch_sub(1, Ordering::SeqCst);
+        if self.waiting.load(Ordering::SeqCst) > 0 {
+            // With nobody registered yet this stores a wakeup for the next waiter: a spurious wakeup
+            // at worst, which the loop in `take` absorbs.
+            self.released.notify_one();
+        }
+    }
+
+    /// Waits for a free unit and takes it. Cancel-safe: a wait dropped before it returns holds
+    /// nothing, since the unit is taken only in the step that returns.
+    pub(crate) async fn take(&self) {
         loop {
-            if let Some(permit) = self.try_acquire() {
-                return permit;
+            if self.try_take() {
+                return;
             }
             let mut released = std::pin::pin!(self.released.notified());
             self.waiting.fetch_add(1, Ordering::SeqCst);
             let _waiting = Waiting(&self.waiting);
-            // Registered before the re-check, so that a release between the two is not missed.
+            // Registered before the re-check, so that a release between the two still wakes us.
             released.as_mut().enable();
-            if let Some(permit) = self.try_acquire() {
-                return permit;
+            if self.try_take() {
+                return;
             }
             released.await;
         }
@@ -92,6 +88,7 @@ impl Limit {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
     use std::time::Duration;
 
     use futures::FutureExt;
@@ -101,31 +98,31 @@ mod tests {
     #[test]
     fn counts_and_releases() {
         let limit = Limit::new(2);
-        let a = limit.try_acquire().unwrap();
-        let _b = limit.try_acquire().unwrap();
-        assert!(limit.try_acquire().is_none());
+        assert!(limit.try_take());
+        assert!(limit.try_take());
+        assert!(!limit.try_take());
         assert_eq!(limit.used(), 2);
-        drop(a);
+        limit.give_back();
         assert_eq!(limit.used(), 1);
-        assert!(limit.try_acquire().is_some());
+        assert!(limit.try_take());
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn waiters_are_woken_by_releases() {
-        let limit = Limit::new(1);
-        let held = limit.try_acquire().unwrap();
+        let limit = Arc::new(Limit::new(1));
+        assert!(limit.try_take());
         let waiters: Vec<_> = (0..8)
             .map(|_| {
                 let limit = limit.clone();
                 tokio::spawn(async move {
-                    let permit = limit.acquire().await;
+                    limit.take().await;
                     tokio::task::yield_now().await;
-                    drop(permit);
+                    limit.give_back();
                 })
             })
             .collect();
         tokio::task::yield_now().await;
-        drop(held);
+        limit.give_back();
         for w in waiters {
             tokio::time::timeout(Duration::from_secs(10), w)
                 .await
@@ -139,13 +136,15 @@ mod tests {
     #[test]
     fn a_cancelled_acquire_leaves_no_trace() {
         let limit = Limit::new(1);
-        let held = limit.try_acquire().unwrap();
-        let mut waiting = Box::pin(limit.clone().acquire());
+        assert!(limit.try_take());
+        let mut waiting = Box::pin(limit.take());
         assert!(waiting.as_mut().now_or_never().is_none());
         assert_eq!(limit.waiting.load(Ordering::SeqCst), 1);
         drop(waiting);
         assert_eq!(limit.waiting.load(Ordering::SeqCst), 0);
-        drop(held);
-        assert!(limit.clone().acquire().now_or_never().is_some());
+        assert_eq!(limit.used(), 1, "a dropped wait took nothing");
+        limit.give_back();
+        assert!(limit.take().now_or_never().is_some());
+        assert_eq!(limit.used(), 1);
     }
 }

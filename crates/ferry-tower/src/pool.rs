@@ -13,7 +13,7 @@ use std::future::Future;
 use std::hash::{BuildHasher, RandomState};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::task::Poll;
 use std::time::Duration;
 
@@ -21,7 +21,7 @@ use ferry::{Engine, Error, Peer, Result};
 use tokio::time::Instant;
 
 use crate::error::breaks_link;
-use crate::limit::{Limit, Permit};
+use crate::limit::Limit;
 use crate::request::primary_region;
 
 /// Settings of the connection pool of a [`TransferService`](crate::TransferService), which keeps one
@@ -162,9 +162,11 @@ struct Counters {
 pub(crate) struct Pool {
     pub(crate) engine: Engine,
     pub(crate) config: PoolConfig,
-    /// The total in-flight bound that `poll_ready` acquires from.
-    pub(crate) in_flight: Arc<Limit>,
-    slots: Mutex<HashMap<SocketAddr, Arc<PeerEntry>>>,
+    /// The total in-flight bound that `poll_ready` takes from.
+    pub(crate) in_flight: Limit,
+    /// Read by every request, written only when a peer comes or goes: a read lock lets requests on
+    /// both cores look their peer up at once.
+    slots: RwLock<HashMap<SocketAddr, Arc<PeerEntry>>>,
     epoch: Instant,
     /// Nanoseconds since `epoch`, as of the reaper's last tick (or a connect): a clock that requests
     /// can read without asking the OS, precise enough for idle and least-recently-used decisions.
@@ -177,14 +179,15 @@ pub(crate) struct Pool {
 /// One peer address: its link (if any), its in-flight bound, and its reconnect state.
 struct PeerEntry {
     addr: SocketAddr,
-    permits: Arc<Limit>,
+    permits: Limit,
     /// The pool's coarse clock.
     clock: Arc<AtomicU64>,
     /// The pool's coarse clock at the last release (or creation).
     last_used: AtomicU64,
     /// Consecutive timed-out or abandoned attempts on the current link.
     strikes: AtomicU32,
-    state: Mutex<LinkState>,
+    /// Read by every request (is the link live?), written when it changes.
+    state: RwLock<LinkState>,
     /// Held while connecting, so that one request per address dials and the others wait for it.
     connecting: tokio::sync::Mutex<()>,
 }
@@ -205,33 +208,53 @@ struct LinkState {
 }
 
 /// A request's hold on a peer's link, for one attempt.
-pub(crate) struct Lease {
-    pub(crate) pool: Arc<Pool>,
+pub(crate) struct Lease<'a> {
+    pool: &'a Pool,
     pub(crate) peer: Peer,
     pub(crate) new_link: bool,
+    /// Whether taking the lease waited for anything (a unit, a connect).
+    pub(crate) waited: bool,
     /// The link's primary region as the pool knows it (see [`LinkState::primary`]).
     pub(crate) primary: Option<Option<(u64, u64)>>,
     generation: u64,
     settled: bool,
-    _permit: Permit,
-    /// Declared last: dropped after the permit, so that a slot seen unused has no permit out.
     slot: SlotUse,
 }
 
-/// A request's reference to a slot. While any exists the slot is in use and is not closed: the pool's
-/// map holds one reference, so a count above one means users (requests holding or waiting). New
-/// references are taken under the map's lock, and closing checks the count under it.
-struct SlotUse(Arc<PeerEntry>);
+/// A request's reference to a slot, and the unit of the slot's per-peer limit once the request has
+/// taken it. While any exists the slot is in use and is not closed: the pool's map holds one
+/// reference, so a count above one means users (requests holding or waiting). New references are
+/// taken under the map's lock (read), and closing checks the count under it (write).
+struct SlotUse {
+    slot: Arc<PeerEntry>,
+    holds_unit: bool,
+}
 
 impl SlotUse {
     fn unused(slot: &Arc<PeerEntry>) -> bool {
         Arc::strong_count(slot) == 1
     }
+
+    fn try_take_unit(&mut self) -> bool {
+        self.holds_unit = self.holds_unit || self.slot.permits.try_take();
+        self.holds_unit
+    }
+
+    async fn take_unit(&mut self) {
+        if !self.holds_unit {
+            self.slot.permits.take().await;
+            self.holds_unit = true;
+        }
+    }
 }
 
 impl Drop for SlotUse {
     fn drop(&mut self) {
-        self.0.touch();
+        // The unit goes back before the reference does, so that a slot seen unused has none out.
+        if self.holds_unit {
+            self.slot.permits.give_back();
+        }
+        self.slot.touch();
     }
 }
 
@@ -243,7 +266,7 @@ impl PeerEntry {
             last_used: AtomicU64::new(clock.load(Ordering::Relaxed)),
             clock,
             strikes: AtomicU32::new(0),
-            state: Mutex::new(LinkState::default()),
+            state: RwLock::new(LinkState::default()),
             connecting: tokio::sync::Mutex::new(()),
         }
     }
@@ -253,12 +276,31 @@ impl PeerEntry {
             .store(self.clock.load(Ordering::Relaxed), Ordering::Relaxed);
     }
 
-    fn state(&self) -> Result<std::sync::MutexGuard<'_, LinkState>> {
-        self.state.lock().map_err(|_| poisoned())
+    fn state(&self) -> Result<RwLockWriteGuard<'_, LinkState>> {
+        self.state.write().map_err(|_| poisoned())
+    }
+
+    fn read_state(&self) -> Result<RwLockReadGuard<'_, LinkState>> {
+        self.state.read().map_err(|_| poisoned())
     }
 
     /// The live link. A link the engine reports closed is retired here.
     fn live(&self, pool: &Pool) -> Result<Option<Link>> {
+        {
+            let st = self.read_state()?;
+            match &st.peer {
+                Some(p) if !p.is_closed() => {
+                    return Ok(Some(Link {
+                        peer: p.clone(),
+                        generation: st.generation,
+                        primary: st.primary,
+                    }));
+                }
+                None => return Ok(None),
+                Some(_) => {}
+            }
+        }
+        // Closed: retire it, unless another request did so (or reconnected) meanwhile.
         let mut st = self.state()?;
         match &st.peer {
             Some(p) if !p.is_closed() => Ok(Some(Link {
@@ -281,7 +323,7 @@ impl PeerEntry {
     /// Drops the link of `generation` if it is still the current one.
     fn invalidate(&self, generation: u64, why: &str, pool: &Pool) {
         self.strikes.store(0, Ordering::Relaxed);
-        let Ok(mut st) = self.state.lock() else { return };
+        let Ok(mut st) = self.state.write() else { return };
         if st.generation != generation {
             return;
         }
@@ -294,7 +336,7 @@ impl PeerEntry {
 
     /// Every link of this slot, live or retired, for closing it.
     fn take_links(&self) -> Vec<Peer> {
-        match self.state.lock() {
+        match self.state.write() {
             Ok(mut st) => {
                 let mut all = std::mem::take(&mut st.retired);
                 all.extend(st.peer.take());
@@ -317,7 +359,7 @@ impl Pool {
             engine,
             in_flight: Limit::new(config.max_in_flight),
             config,
-            slots: Mutex::new(HashMap::new()),
+            slots: RwLock::new(HashMap::new()),
             epoch: Instant::now(),
             clock: Arc::new(AtomicU64::new(0)),
             reaper_started: AtomicBool::new(false),
@@ -327,13 +369,13 @@ impl Pool {
     }
 
     pub(crate) fn stats(&self) -> PoolStats {
-        let (peers, links) = match self.slots.lock() {
+        let (peers, links) = match self.slots.read() {
             Ok(slots) => {
                 let links = slots
                     .values()
                     .filter(|s| {
                         s.state
-                            .lock()
+                            .read()
                             .is_ok_and(|st| st.peer.as_ref().is_some_and(|p| !p.is_closed()))
                     })
                     .count();
@@ -356,52 +398,51 @@ impl Pool {
 
     /// A live link to `addr`, connecting if needed, with a per-peer slot held; waiting (for a slot, for
     /// another request's connect, for its own) ends with `Timeout` at `deadline`.
-    pub(crate) async fn checkout(self: Arc<Self>, addr: SocketAddr, deadline: Option<Instant>) -> Result<Lease> {
-        self.start_reaper();
+    pub(crate) async fn checkout(self: &Arc<Self>, addr: SocketAddr, deadline: Option<Instant>) -> Result<Lease<'_>> {
         let (slot, evicted) = self.claim(addr)?;
-        let slot = SlotUse(slot);
+        let mut slot = SlotUse {
+            slot,
+            holds_unit: false,
+        };
         for peer in evicted {
             self.close_in_background(peer);
         }
-        // The common case, a free slot on a live link, waits for nothing and so needs no timer.
-        let permit = match slot.0.permits.try_acquire() {
-            Some(permit) => match slot.0.live(&self)? {
-                Some(link) => return Ok(Lease::new(self, slot, permit, link, false)),
-                None => Some(permit),
-            },
-            None => None,
-        };
-        let waiting = self.wait_for_link(slot, permit);
+        // The common case, a free unit on a live link, waits for nothing and so needs no timer.
+        if slot.try_take_unit()
+            && let Some(link) = slot.slot.live(self)?
+        {
+            return Ok(Lease::new(self, slot, link, false, false));
+        }
+        // Boxed: waiting is the rare path, and its future (a timer, a connect) would otherwise
+        // grow every request's future past the allocator's small-size caches.
+        let waiting = self.wait_for_link(slot);
         match deadline {
-            None => waiting.await,
-            Some(at) => tokio::time::timeout_at(at, waiting)
+            None => Box::pin(waiting).await,
+            Some(at) => Box::pin(tokio::time::timeout_at(at, waiting))
                 .await
                 .unwrap_or_else(|_| Err(past_deadline(addr, "waiting for a link"))),
         }
     }
 
-    /// [`checkout`](Self::checkout) when it must wait: for a per-peer slot unless `permit` holds one,
-    /// then for a live link, dialling one if no other request is.
-    async fn wait_for_link(self: Arc<Self>, slot: SlotUse, permit: Option<Permit>) -> Result<Lease> {
-        let permit = match permit {
-            Some(permit) => permit,
-            None => slot.0.permits.clone().acquire().await,
-        };
-        if let Some(link) = slot.0.live(&self)? {
-            return Ok(Lease::new(self, slot, permit, link, false));
+    /// [`checkout`](Self::checkout) when it must wait: for a unit of the per-peer limit unless `slot`
+    /// holds one, then for a live link, dialling one if no other request is.
+    async fn wait_for_link(&self, mut slot: SlotUse) -> Result<Lease<'_>> {
+        slot.take_unit().await;
+        if let Some(link) = slot.slot.live(self)? {
+            return Ok(Lease::new(self, slot, link, false, true));
         }
         let dialled = {
-            let _dialling = slot.0.connecting.lock().await;
+            let _dialling = slot.slot.connecting.lock().await;
             // Someone else may have connected while this request waited.
-            match slot.0.live(&self)? {
+            match slot.slot.live(self)? {
                 Some(link) => Ok((link, false)),
                 // Boxed: connecting is rare, and its future is large; inline it would grow every
                 // request's future.
-                None => Box::pin(self.dial(&slot.0)).await.map(|link| (link, true)),
+                None => Box::pin(self.dial(&slot.slot)).await.map(|link| (link, true)),
             }
         };
         let (link, new_link) = dialled?;
-        Ok(Lease::new(self, slot, permit, link, new_link))
+        Ok(Lease::new(self, slot, link, new_link, true))
     }
 
     /// Connects `slot`'s address (its `connecting` lock held), or says why not.
@@ -493,10 +534,15 @@ impl Pool {
 
     /// Finds or makes the slot for `addr` and counts a user on it; at the link limit, takes the least
     /// recently used idle slot out (its links are returned, to be closed).
-    fn claim(&self, addr: SocketAddr) -> Result<(Arc<PeerEntry>, Vec<Peer>)> {
-        let mut slots = self.slots.lock().map_err(|_| poisoned())?;
+    fn claim(self: &Arc<Self>, addr: SocketAddr) -> Result<(Arc<PeerEntry>, Vec<Peer>)> {
+        // No need to note the time here: a slot in use is never idle, and the release notes it.
+        if let Some(slot) = self.slots.read().map_err(|_| poisoned())?.get(&addr) {
+            return Ok((slot.clone(), Vec::new()));
+        }
+        self.start_reaper();
+        let mut slots = self.slots.write().map_err(|_| poisoned())?;
+        // Another request may have made the slot between the two locks.
         if let Some(slot) = slots.get(&addr) {
-            // No need to note the time here: a slot in use is never idle, and the release notes it.
             return Ok((slot.clone(), Vec::new()));
         }
         let mut evicted = Vec::new();
@@ -569,7 +615,7 @@ impl Pool {
     fn take_idle(&self, tick: Duration) -> Vec<Peer> {
         let now = nanos_since(self.epoch);
         let idle = u64::try_from((self.config.idle_timeout + tick).as_nanos()).unwrap_or(u64::MAX);
-        let Ok(mut slots) = self.slots.lock() else {
+        let Ok(mut slots) = self.slots.write() else {
             return Vec::new();
         };
         let mut closing = Vec::new();
@@ -625,7 +671,7 @@ impl Drop for Dial<'_> {
         if self.done {
             return;
         }
-        if let Ok(mut st) = self.slot.state.lock() {
+        if let Ok(mut st) = self.slot.state.write() {
             let e = Error::Timeout(format!(
                 "connecting to {} was abandoned before it finished (an outer timeout)",
                 self.slot.addr
@@ -635,16 +681,16 @@ impl Drop for Dial<'_> {
     }
 }
 
-impl Lease {
-    fn new(pool: Arc<Pool>, slot: SlotUse, permit: Permit, link: Link, new_link: bool) -> Self {
+impl<'a> Lease<'a> {
+    fn new(pool: &'a Pool, slot: SlotUse, link: Link, new_link: bool, waited: bool) -> Self {
         Lease {
             pool,
             peer: link.peer,
             new_link,
+            waited,
             primary: link.primary,
             generation: link.generation,
             settled: false,
-            _permit: permit,
             slot,
         }
     }
@@ -652,7 +698,7 @@ impl Lease {
     /// Records how the attempt on this link ended.
     pub(crate) fn settle(&mut self, result: &Result<()>) {
         self.settled = true;
-        let slot = &self.slot.0;
+        let slot = &self.slot.slot;
         match result {
             Ok(()) => {
                 if slot.strikes.load(Ordering::Relaxed) != 0 {
@@ -660,7 +706,7 @@ impl Lease {
                 }
             }
             Err(e) if breaks_link(e) || self.peer.is_closed() => {
-                slot.invalidate(self.generation, e.message(), &self.pool);
+                slot.invalidate(self.generation, e.message(), self.pool);
             }
             Err(Error::Timeout(_)) => self.strike("transfers on it time out"),
             Err(_) => {}
@@ -673,15 +719,15 @@ impl Lease {
     }
 
     fn strike(&self, why: &str) {
-        let slot = &self.slot.0;
+        let slot = &self.slot.slot;
         let n = slot.strikes.fetch_add(1, Ordering::AcqRel) + 1;
         if n >= self.pool.config.timeouts_before_reconnect {
-            slot.invalidate(self.generation, why, &self.pool);
+            slot.invalidate(self.generation, why, self.pool);
         }
     }
 }
 
-impl Drop for Lease {
+impl Drop for Lease<'_> {
     fn drop(&mut self) {
         if !self.settled {
             // Dropped mid-transfer: an outer timeout fired or the caller gave up.
@@ -713,7 +759,7 @@ async fn watch_regions(slot: std::sync::Weak<PeerEntry>, peer: Peer, generation:
             if peer.is_closed() {
                 return;
             }
-            let Ok(mut st) = slot.state.lock() else { return };
+            let Ok(mut st) = slot.state.write() else { return };
             if st.generation != generation {
                 return;
             }

@@ -13,7 +13,6 @@ use std::task::{Context, Poll, ready};
 use ferry::{Engine, Error, Result};
 use tokio::time::Instant;
 
-use crate::limit::Permit;
 use crate::pool::{Pool, PoolConfig, PoolStats, past_deadline};
 use crate::request::{TransferRequest, TransferResponse};
 
@@ -36,19 +35,37 @@ pub type TransferFuture = Pin<Box<dyn Future<Output = Result<TransferResponse>> 
 /// tower requires of cloned services.
 pub struct TransferService {
     pool: Arc<Pool>,
-    /// A slot reserved by `poll_ready` for the next `call`.
-    reserved: Option<Permit>,
-    /// Waiting for a slot, when none was free at once.
-    waiting: Option<Pin<Box<dyn Future<Output = Permit> + Send + Sync>>>,
+    /// Whether `poll_ready` holds a unit of the pool's in-flight limit for the next `call`.
+    reserved: bool,
+    /// Waiting for a unit, when none was free at once; it holds the unit once it is ready.
+    waiting: Option<Pin<Box<dyn Future<Output = ()> + Send + Sync>>>,
 }
 
 impl Clone for TransferService {
     fn clone(&self) -> Self {
         TransferService {
             pool: self.pool.clone(),
-            reserved: None,
+            reserved: false,
             waiting: None,
         }
+    }
+}
+
+impl Drop for TransferService {
+    fn drop(&mut self) {
+        if self.reserved {
+            self.pool.in_flight.give_back();
+        }
+    }
+}
+
+/// A request's unit of the pool's in-flight limit, given back when the request ends, however it
+/// ends (the future may be dropped at any await).
+struct InFlight(Arc<Pool>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.in_flight.give_back();
     }
 }
 
@@ -77,7 +94,7 @@ impl TransferService {
     fn from_pool(pool: Pool) -> Self {
         TransferService {
             pool: Arc::new(pool),
-            reserved: None,
+            reserved: false,
             waiting: None,
         }
     }
@@ -104,46 +121,39 @@ impl tower::Service<TransferRequest> for TransferService {
     type Future = TransferFuture;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<()>> {
-        if self.reserved.is_none() {
-            let permit = match self.pool.in_flight.try_acquire() {
-                Some(permit) => permit,
-                None => {
-                    let in_flight = &self.pool.in_flight;
-                    let waiting = self
-                        .waiting
-                        .get_or_insert_with(|| Box::pin(in_flight.clone().acquire()));
-                    let permit = ready!(waiting.as_mut().poll(cx));
-                    self.waiting = None;
-                    permit
-                }
-            };
-            self.reserved = Some(permit);
+        if !self.reserved {
+            if !self.pool.in_flight.try_take() {
+                let pool = &self.pool;
+                let waiting = self.waiting.get_or_insert_with(|| {
+                    let pool = pool.clone();
+                    Box::pin(async move { pool.in_flight.take().await })
+                });
+                ready!(waiting.as_mut().poll(cx));
+                self.waiting = None;
+            }
+            self.reserved = true;
         }
         Poll::Ready(Ok(()))
     }
 
     fn call(&mut self, request: TransferRequest) -> TransferFuture {
-        let Some(reserved) = self.reserved.take() else {
+        if !std::mem::take(&mut self.reserved) {
             return Box::pin(std::future::ready(Err(Error::InvalidArgument(
                 "TransferService::call without a successful poll_ready first".into(),
             ))));
-        };
-        let pool = self.pool.clone();
-        Box::pin(async move {
-            let _reserved = reserved;
-            execute(pool, request).await
-        })
+        }
+        let held = InFlight(self.pool.clone());
+        Box::pin(async move { execute(&held.0, request).await })
     }
 }
 
-async fn execute(pool: Arc<Pool>, request: TransferRequest) -> Result<TransferResponse> {
+async fn execute(pool: &Arc<Pool>, request: TransferRequest) -> Result<TransferResponse> {
     let started = Instant::now();
     let deadline = request.deadline();
     if deadline.is_some_and(|at| at <= started) {
         return Err(past_deadline(request.peer(), "before an attempt started"));
     }
     let mut lease = pool.checkout(request.peer(), deadline).await?;
-    let pool = &lease.pool;
     let descs = match request.resolve(&lease.peer, lease.primary) {
         Ok(descs) => descs,
         Err(e) => {
@@ -153,8 +163,10 @@ async fn execute(pool: Arc<Pool>, request: TransferRequest) -> Result<TransferRe
     };
     let mut timeout = request.timeout().unwrap_or(pool.config.transfer_timeout);
     if let Some(at) = deadline {
-        // The engine's own timer ends the transfer at the deadline: no second one here.
-        let left = at.saturating_duration_since(Instant::now());
+        // The engine's own timer ends the transfer at the deadline: no second one here. A lease
+        // that waited for nothing was taken microseconds after `started`: no second clock read.
+        let now = if lease.waited { Instant::now() } else { started };
+        let left = at.saturating_duration_since(now);
         if left.is_zero() {
             lease.settle_neutral();
             return Err(past_deadline(request.peer(), "before the transfer started"));

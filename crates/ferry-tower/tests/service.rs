@@ -324,6 +324,24 @@ async fn poll_ready_reflects_the_in_flight_bound() {
         .await
         .unwrap_err();
     assert!(matches!(err, Error::InvalidArgument(_)), "{err:?}");
+
+    // A reservation dropped unused, and a call dropped before it ran, give their slot back.
+    assert_eq!(first.stats().in_flight, 0);
+    let mut unused = second.clone();
+    tokio::time::timeout(T, poll_fn(|cx| unused.poll_ready(cx)))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(first.stats().in_flight, 1);
+    drop(unused);
+    assert_eq!(first.stats().in_flight, 0, "a dropped reservation kept its slot");
+    let mut abandoned = second.clone();
+    tokio::time::timeout(T, poll_fn(|cx| abandoned.poll_ready(cx)))
+        .await
+        .unwrap()
+        .unwrap();
+    drop(abandoned.call(TransferRequest::write(addr, [Descriptor::at_offset(src.addr(), 0, 1)])));
+    assert_eq!(first.stats().in_flight, 0, "a dropped call kept its slot");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

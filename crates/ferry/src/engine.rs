@@ -1028,6 +1028,31 @@ impl Engine {
     }
 }
 
+/// Runs `request` on `peer`'s data path, ending it with `Timeout` after `timeout`.
+///
+/// A transfer that finishes on its first poll (a shared-memory copy, a batch refused at once) never
+/// starts a timer: arming and cancelling one costs a clock read, a clone of the runtime's handle and
+/// a lock on the timer wheel, as much as a small same-host copy itself. The bound is counted from the
+/// end of that first poll.
+async fn bounded(peer: &Peer, request: TransferRequest, timeout: Duration) -> Result<()> {
+    let n = request.items.len();
+    let mut transfer = peer.inner.data.transfer(request);
+    if let std::task::Poll::Ready(done) =
+        std::future::poll_fn(|cx| std::task::Poll::Ready(transfer.as_mut().poll(cx))).await
+    {
+        return done;
+    }
+    // Boxed: a timer is large, and inline it would grow every transfer's future, the many that
+    // never need it included.
+    match Box::pin(tokio::time::timeout(timeout, transfer)).await {
+        Ok(r) => r,
+        Err(_) => Err(Error::Timeout(format!(
+            "a batch of {n} descriptors to {} did not complete within {timeout:?}",
+            peer.addr()
+        ))),
+    }
+}
+
 async fn run_with_timeout(peer: &Peer, request: TransferRequest, timeout: Duration) -> Result<()> {
     let n = request.items.len();
     let op = request.op;
@@ -1047,16 +1072,7 @@ async fn run_with_timeout(peer: &Peer, request: TransferRequest, timeout: Durati
     };
     span.record("bytes", bytes);
     let started = peer.inner.metrics.as_ref().map(|_| std::time::Instant::now());
-    let result = match tokio::time::timeout(timeout, peer.inner.data.transfer(request))
-        .instrument(span.clone())
-        .await
-    {
-        Ok(r) => r,
-        Err(_) => Err(Error::Timeout(format!(
-            "a batch of {n} descriptors to {} did not complete within {timeout:?}",
-            peer.addr()
-        ))),
-    };
+    let result = bounded(peer, request, timeout).instrument(span.clone()).await;
     if let (Some(metrics), Some(started)) = (&peer.inner.metrics, started) {
         metrics.record(op, n, bytes, started.elapsed(), &result);
     }
