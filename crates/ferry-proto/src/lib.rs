@@ -17,6 +17,7 @@
 //! | [`written`] | target | which part of a `Commit` a stream may persist: what its earlier writes covered |
 //! | [`adverts`] | target | the bounded queue of region updates per link, and the full table resent when it overflowed |
 //! | [`keepalive`] | initiator | when to probe a silent peer, and when to give it up |
+//! | [`rdma`] | both | the RDMA transport's bytes: queue pair addresses, remote keys, and its two-sided messages |
 //!
 //! Everything here is deterministic, so the tests drive both sides in memory (`tests/pair.rs`), with
 //! random interleavings of the streams and broken streams, and check the outcome against a model.
@@ -28,6 +29,7 @@ pub mod ids;
 pub mod initiator;
 pub mod keepalive;
 pub mod limits;
+pub mod rdma;
 pub mod target;
 pub mod written;
 

@@ -126,7 +126,7 @@ pub fn open_all(wanted: &[String]) -> Result<Vec<OpenDevice>> {
     for why in reasons {
         tracing::info!(device = %why, "RDMA device not used");
     }
-    opened.truncate(crate::wire::MAX_RAILS);
+    opened.truncate(ferry_proto::rdma::MAX_RAILS);
     Ok(opened)
 }
 

@@ -37,7 +37,6 @@ mod rate;
 mod responder;
 pub mod scope;
 pub mod topology;
-pub mod wire;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};
@@ -284,7 +283,7 @@ fn keep_registered(
     shared: &RdmaShared,
     region: &RegionEntry,
     reg: Registered,
-    key: wire::RemoteKey,
+    key: ferry_proto::rdma::RemoteKey,
 ) -> Result<Option<Vec<u8>>> {
     shared
         .regions
@@ -316,7 +315,7 @@ fn register_local(shared: &Arc<RdmaShared>, region: &RegionEntry) -> Result<Opti
         }
         Err(e) => return Err(reg_error(shared, region, e)),
     };
-    let key = wire::RemoteKey {
+    let key = ferry_proto::rdma::RemoteKey {
         rkey: 0,
         flushable,
         bounce_addr,
@@ -336,7 +335,7 @@ fn register_local(shared: &Arc<RdmaShared>, region: &RegionEntry) -> Result<Opti
 fn check_gid(
     rails: &[Arc<RdmaShared>],
     shared: &RdmaShared,
-    remote: &wire::QpEndpoint,
+    remote: &ferry_proto::rdma::QpEndpoint,
     peer_addr: &str,
     peer: &ferry_core::PeerView,
 ) -> Result<()> {
@@ -512,7 +511,7 @@ fn register_on(shared: &Arc<RdmaShared>, region: &RegionEntry) -> Result<Option<
         }
         Err(e) => return Err(reg_error(shared, region, e)),
     };
-    let key = wire::RemoteKey {
+    let key = ferry_proto::rdma::RemoteKey {
         rkey: reg.rkey(),
         flushable,
         bounce_addr,
@@ -646,7 +645,7 @@ impl Transport for RdmaTransport {
             region.addr() as usize as *const u8,
             region.block().pci_device(),
         );
-        Ok(Some(wire::RailKeys(keys).encode()))
+        Ok(Some(ferry_proto::rdma::RailKeys(keys).encode()))
     }
 
     /// Halting and draining the queue pairs that use the region waits up to `link::DRAIN_LIMIT`.
@@ -690,7 +689,7 @@ impl Transport for RdmaTransport {
 
     fn accept(&self, setup: AcceptSetup<'_>) -> Result<(Vec<u8>, Box<dyn ferry_core::AcceptedPath>)> {
         let rails = self.rails()?;
-        let remote = wire::QpEndpoint::decode(setup.blob)?;
+        let remote = ferry_proto::rdma::QpEndpoint::decode(setup.blob)?;
         let shared = rails.get(remote.rail as usize).ok_or_else(|| {
             Error::Protocol(format!(
                 "RDMA setup names rail {} of this engine, which has {}",
@@ -709,10 +708,10 @@ impl Transport for RdmaTransport {
         rc.local.rail = shared.rail;
         rc.local.rails = rails.len() as u8;
         if shared.device.flush_capable {
-            rc.local.flags |= wire::FLUSH_TARGET;
+            rc.local.flags |= ferry_proto::rdma::FLUSH_TARGET;
         }
         if shared.options.adr_without_ddio {
-            rc.local.flags |= wire::ADR_WITHOUT_DDIO;
+            rc.local.flags |= ferry_proto::rdma::ADR_WITHOUT_DDIO;
         }
         let messages = messages::MessageBuffers::new(pd)?;
         // Receives go up before the initiator learns our address, so its first message finds one.

@@ -63,6 +63,7 @@ use ferry_core::{
     Access, DataLink, Durability, Error, Notification, Op, PersistMethod, Result, SetupExchange, TransferItem,
     TransferRequest, TransportKind,
 };
+use ferry_proto::rdma::{QpEndpoint, RemoteKey};
 use futures::future::BoxFuture;
 use rdma_mummy_sys::ibv_sge;
 use sideway::ibverbs::completion::WorkCompletionStatus;
@@ -70,6 +71,7 @@ use sideway::ibverbs::queue_pair::{PostSendGuard, QueuePair, QueuePairAttribute,
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, oneshot};
 use tokio::task::AbortHandle;
 
+use crate::RdmaShared;
 use crate::completions::{self, Completions};
 use crate::messages::{
     MAX_COMMIT_SEGMENTS, Message, MessageBuffers, RECV_BUFFERS, SEND_BUFFERS, TAG_DATA, TAG_MASK, TAG_RECV, TAG_SEND,
@@ -77,8 +79,6 @@ use crate::messages::{
 use crate::mr::{InUse, Registered};
 use crate::post::{DataWr, post_data};
 use crate::qp::Rc;
-use crate::wire::RemoteKey;
-use crate::{RdmaShared, wire::QpEndpoint};
 
 /// Only every this many work requests asks for a completion.
 pub const SIGNAL_EVERY: usize = 16;
@@ -267,7 +267,7 @@ pub(crate) async fn open(
         !shared.options.per_peer_domains,
     )?;
     if rc.flush.is_some() {
-        rc.local.flags |= crate::wire::CAN_POST_FLUSH;
+        rc.local.flags |= ferry_proto::rdma::CAN_POST_FLUSH;
     }
     rc.local.rail = remote_rail;
     rc.local.lane = lane;

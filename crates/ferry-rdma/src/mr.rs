@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex};
 use ferry_core::{AccessGuard, OwnedPermit};
 use sideway::ibverbs::memory_region::MemoryRegion;
 
-use crate::wire::RemoteKey;
+use ferry_proto::rdma::RemoteKey;
 
 /// A region's registration with the NIC.
 pub struct Registered {

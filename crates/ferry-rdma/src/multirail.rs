@@ -47,7 +47,7 @@ use crate::RdmaShared;
 use crate::link::RdmaLink;
 use crate::rate::{self, RateMeter};
 use crate::topology::Topology;
-use crate::wire::RailKeys;
+use ferry_proto::rdma::RailKeys;
 
 /// Bytes per slice unless the options say otherwise.
 pub const DEFAULT_SLICE: u64 = 256 << 10;
@@ -470,7 +470,7 @@ mod tests {
     use ferry_core::{Access, MemoryBlock, OwnedBuffer, RegionEntry, RegionKey, Resolved};
 
     use super::*;
-    use crate::wire::RemoteKey;
+    use ferry_proto::rdma::RemoteKey;
 
     fn item(offset: u64, len: u64, key: Option<Vec<u8>>) -> TransferItem {
         let block: Arc<dyn MemoryBlock> = Arc::new(OwnedBuffer::new(vec![0u8; 8 << 20]));

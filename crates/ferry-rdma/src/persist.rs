@@ -17,7 +17,7 @@
 
 use ferry_core::{Error, PersistMethod, Result};
 
-use crate::wire::{ADR_WITHOUT_DDIO, CAN_POST_FLUSH, FLUSH_TARGET};
+use ferry_proto::rdma::{ADR_WITHOUT_DDIO, CAN_POST_FLUSH, FLUSH_TARGET};
 
 /// The method for a link between an initiator with `local` flags and a target with `remote` flags,
 /// or the one `forced`, if the two ends can use it.

@@ -18,7 +18,7 @@ use sideway::ibverbs::queue_pair::{
 use crate::RdmaOptions;
 use crate::device::OpenDevice;
 use crate::messages::{RECV_BUFFERS, SEND_BUFFERS};
-use crate::wire::QpEndpoint;
+use ferry_proto::rdma::QpEndpoint;
 
 /// One reliable-connected queue pair (an extended one: the FLUSH verb exists only in the `ibv_wr_*`
 /// interface).

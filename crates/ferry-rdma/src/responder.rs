@@ -54,7 +54,7 @@ pub(crate) struct Responder {
 #[derive(Default)]
 pub(crate) struct Responders(Mutex<HashMap<Lane, (Arc<Responder>, AbortHandle)>>);
 
-/// A link and one of its queue pairs (see [`crate::wire::QpEndpoint::lane`]).
+/// A link and one of its queue pairs (see [`ferry_proto::rdma::QpEndpoint::lane`]).
 type Lane = (u64, u8);
 
 impl Responders {

@@ -25,7 +25,7 @@ use sideway::ibverbs::AccessFlags;
 use sideway::ibverbs::protection_domain::ProtectionDomain;
 
 use crate::RdmaShared;
-use crate::wire::RemoteKey;
+use ferry_proto::rdma::RemoteKey;
 
 /// A memory region registered at an address of the caller's choosing (the peer's opaque base), which
 /// the binding has no constructor for. Deregistered when dropped.
@@ -201,7 +201,7 @@ impl PeerScope for PeerDomain {
 }
 
 /// A peer's domains on every rail of a multi-rail engine: its key for a region lists the key of
-/// each rail ([`crate::wire::RailKeys`]), and forgetting forgets on every rail.
+/// each rail ([`ferry_proto::rdma::RailKeys`]), and forgetting forgets on every rail.
 pub struct RailScopes(pub(crate) Vec<Arc<PeerDomain>>);
 
 impl PeerScope for RailScopes {
@@ -214,7 +214,7 @@ impl PeerScope for RailScopes {
         for domain in &self.0 {
             keys.push(domain.key_for(region, access, base)?);
         }
-        Ok((!keys.iter().all(Option::is_none)).then(|| crate::wire::RailKeys(keys).encode()))
+        Ok((!keys.iter().all(Option::is_none)).then(|| ferry_proto::rdma::RailKeys(keys).encode()))
     }
 
     fn forget(&self, key: RegionKey) {

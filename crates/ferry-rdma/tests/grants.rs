@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use common::{T, builder, in_rig, pattern};
 use ferry::{Access, Engine, Error, Op, Peer, TlsConfig, TransferDesc, TransportKind};
-use ferry_rdma::wire::RemoteKey;
+use ferry_proto::rdma::RemoteKey;
 
 const KEY: [u8; 32] = [0x5c; 32];
 

@@ -15,7 +15,7 @@ use ferry_core::{
     Notification, Notifier, Op, OwnedBuffer, PeerIdentity, PeerNames, PeerScope, PeerView, PersistMethod, RegionEntry,
     RegionKey, RegionTable, Resolved, Result, SetupExchange, TransferItem, TransferRequest, Transport, TransportKind,
 };
-use ferry_rdma::wire::RemoteKey;
+use ferry_proto::rdma::RemoteKey;
 use ferry_rdma::{RdmaOptions, RdmaTransport};
 use futures::future::BoxFuture;
 

@@ -1,4 +1,6 @@
-//! What two ends exchange over the control link to connect their queue pairs.
+//! What two RDMA ends exchange over the control link, as the blobs of `TransportSetup` frames and
+//! region adverts: the address of each queue pair, and the remote keys of registered memory (one per
+//! region, or one per rail).
 
 use std::net::Ipv6Addr;
 
