@@ -21,14 +21,14 @@ use anyhow::{Context, Result, bail};
 use crate::util::{cargo, cargo_metadata, run_step, target_dir, workspace_root};
 
 /// The fuzz targets, as `fuzz/Cargo.toml` names them.
-pub const TARGETS: &[&str] = &["frame_decoder", "handshake", "protocol"];
+pub const TARGETS: &[&str] = &["frame_decoder", "handshake", "protocol", "transport_bytes"];
 
 #[derive(clap::Args)]
 pub struct Args {
     /// How long each target runs, in seconds.
     #[arg(long, default_value_t = 60)]
     seconds: u64,
-    /// Only this target (frame_decoder, handshake, protocol).
+    /// Only this target (frame_decoder, handshake, protocol, transport_bytes).
     #[arg(long)]
     target: Option<String>,
 }

@@ -18,6 +18,7 @@
 //! | [`adverts`] | target | the bounded queue of region updates per link, and the full table resent when it overflowed |
 //! | [`keepalive`] | initiator | when to probe a silent peer, and when to give it up |
 //! | [`rdma`] | both | the RDMA transport's bytes: queue pair addresses, remote keys, and its two-sided messages |
+//! | [`shm`] | both | the same-host transport's bytes: its setup offer and answer, its requests and replies, and whether two processes' facts allow it |
 //!
 //! Everything here is deterministic, so the tests drive both sides in memory (`tests/pair.rs`), with
 //! random interleavings of the streams and broken streams, and check the outcome against a model.
@@ -30,6 +31,7 @@ pub mod initiator;
 pub mod keepalive;
 pub mod limits;
 pub mod rdma;
+pub mod shm;
 pub mod target;
 pub mod written;
 

@@ -34,7 +34,6 @@ pub mod host;
 mod link;
 pub mod mapping;
 mod target;
-pub mod wire;
 
 use std::sync::{Arc, Mutex, Weak};
 
@@ -46,8 +45,7 @@ use futures::future::BoxFuture;
 
 pub use link::ShmLink;
 
-use crate::host::HostFacts;
-use crate::wire::{Answer, Offer};
+use ferry_proto::shm::{self as wire, Answer, Offer};
 
 /// The same-host transport.
 #[derive(Default)]
@@ -107,7 +105,7 @@ impl Transport for ShmTransport {
     }
 
     fn availability(&self) -> Availability {
-        let (usable, detail) = match HostFacts::here() {
+        let (usable, detail) = match host::here() {
             Ok(_) => (
                 true,
                 "engine allocations lent as memory files, other memory by cross-memory attach \
@@ -158,7 +156,7 @@ impl Transport for ShmTransport {
 
     fn connect<'a>(&'a self, control: &'a dyn SetupExchange) -> BoxFuture<'a, Result<Arc<dyn DataLink>>> {
         Box::pin(async move {
-            let facts = HostFacts::here()?;
+            let facts = host::here()?;
             // The target reads this buffer back from this process before it agrees.
             let probe: Box<[u8; wire::PROBE_LEN]> = Box::new(random("a probe")?);
             let offer = Offer {
@@ -190,7 +188,7 @@ impl Transport for ShmTransport {
 
     fn accept(&self, setup: AcceptSetup<'_>) -> Result<(Vec<u8>, Box<dyn AcceptedPath>)> {
         let offer = Offer::decode(setup.blob)?;
-        let here = HostFacts::here()?;
+        let here = host::here()?;
         if let Some(why) = here.why_not(&offer.facts) {
             return Err(Error::Unsupported(format!("shared memory: {why}")));
         }

@@ -40,7 +40,7 @@ use crate::copy::{Piece, copy_all};
 use crate::fdpass::FdReader;
 use crate::mapping::Mapping;
 use crate::region_key;
-use crate::wire::{self, Item, MAX_ITEMS, REPLY_HEAD, ReplyKind, RequestKind};
+use ferry_proto::shm::{self as wire, Item, MAX_ITEMS, REPLY_HEAD, ReplyKind, RequestKind};
 
 /// What a reply hands back: the result, and a READ's staging buffer.
 type Done = (Result<()>, Option<Vec<u8>>);
@@ -302,7 +302,7 @@ impl Inner {
 
     /// The target lent a region: map it.
     fn mapped(self: &Arc<Self>, id: u64, body: &[u8], fd: Option<std::os::fd::OwnedFd>) -> Result<()> {
-        let body: &[u8; wire::MAPPED_LEN] = body.try_into().map_err(|_| wire::bad("mapped reply"))?;
+        let body: &[u8; wire::MAPPED_LEN] = body.try_into().map_err(|_| wire::malformed("mapped reply"))?;
         let (len, writable) = wire::decode_mapped(body)?;
         let fd = fd.ok_or_else(|| Error::Protocol("a mapped reply came without its memory file".into()))?;
         let Pending::Map { done, key } = self.take_pending(id)? else {
@@ -326,7 +326,9 @@ impl Inner {
 
     /// The target asks for a region back.
     fn unmap(self: &Arc<Self>, id: u64, body: &[u8]) -> Result<()> {
-        let key = RegionKey(u64::from_le_bytes(body.try_into().map_err(|_| wire::bad("unmap"))?));
+        let key = RegionKey(u64::from_le_bytes(
+            body.try_into().map_err(|_| wire::malformed("unmap"))?,
+        ));
         let lending = self.lendings().remove(&key);
         let inner = self.clone();
         tokio::spawn(async move {

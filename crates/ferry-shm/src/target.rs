@@ -36,7 +36,7 @@ use ferry_core::{
 
 use crate::cma::{self, Direction, Range};
 use crate::fdpass;
-use crate::wire::{self, Item, REQUEST_HEAD, RequestKind};
+use ferry_proto::shm::{self as wire, Item, REQUEST_HEAD, RequestKind};
 
 /// `(offset, len)` ranges of one region.
 type Ranges = Vec<(u64, u64)>;

@@ -1,6 +1,7 @@
-//! What the two ends exchange: the setup over the control link (the initiator's facts and probe, the
-//! target's socket and token, and whether the target may copy with cross-memory attach), then
-//! requests and replies on the link's Unix socket.
+//! What the two ends of a same-host link exchange, as bytes: the setup over the control link (the
+//! initiator's facts and probe, the target's socket and token, and whether the target may copy with
+//! cross-memory attach), then requests and replies on the link's Unix socket. And whether two
+//! processes' facts allow such a link at all ([`HostFacts::why_not`]).
 //!
 //! On the socket the initiator sends transfers (ranges for the target to copy), asks for a region's
 //! memory file (`Map`), and confirms that it unmapped one (`Unmapped`). The target sends replies,
@@ -11,8 +12,6 @@
 
 use ferry_core::{Durability, Error, ErrorCode, Op, RegionKey, Result, WireError};
 
-use crate::host::{HostFacts, Namespace};
-
 const VERSION: u8 = 2;
 /// Ranges one request may name (a batch with more is split by the initiator).
 pub const MAX_ITEMS: usize = 4096;
@@ -21,7 +20,54 @@ pub const PROBE_LEN: usize = 32;
 /// Bytes of the token the initiator presents on the Unix socket.
 pub const TOKEN_LEN: usize = 32;
 
-pub(crate) fn bad(what: &str) -> Error {
+/// A namespace, as the kernel names it: the device and inode of `/proc/self/ns/<kind>`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Namespace {
+    /// Device of the nsfs entry.
+    pub dev: u64,
+    /// Inode of the nsfs entry.
+    pub ino: u64,
+}
+
+/// This process's place on the host.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostFacts {
+    /// `/proc/sys/kernel/random/boot_id`: one per boot of one kernel.
+    pub boot_id: [u8; 36],
+    /// The process id, in `pid_ns`.
+    pub pid: u32,
+    /// The real user id.
+    pub uid: u32,
+    /// PID namespace.
+    pub pid_ns: Namespace,
+    /// User namespace.
+    pub user_ns: Namespace,
+    /// Network namespace (the Unix socket the link uses is in the abstract namespace of one).
+    pub net_ns: Namespace,
+}
+
+impl HostFacts {
+    /// Why a peer with facts `peer` cannot use this transport with this process, or `None` when it
+    /// can (as far as facts go: the kernel still has its say, through the probe of cross-memory attach).
+    pub fn why_not(&self, peer: &HostFacts) -> Option<String> {
+        if self.boot_id != peer.boot_id {
+            return Some("the peer runs on another host (another kernel boot id)".into());
+        }
+        if self.pid_ns != peer.pid_ns {
+            return Some("the peer is in another PID namespace (a container without a shared PID namespace)".into());
+        }
+        if self.user_ns != peer.user_ns {
+            return Some("the peer is in another user namespace".into());
+        }
+        if self.net_ns != peer.net_ns {
+            return Some("the peer is in another network namespace (the link's Unix socket is not reachable)".into());
+        }
+        None
+    }
+}
+
+/// The error for a message of kind `what` that does not parse.
+pub fn malformed(what: &str) -> Error {
     Error::Protocol(format!("shared-memory {what} is malformed"))
 }
 
@@ -29,7 +75,7 @@ struct Reader<'a>(&'a [u8]);
 
 impl Reader<'_> {
     fn take<const N: usize>(&mut self) -> Result<[u8; N]> {
-        let (head, rest) = self.0.split_first_chunk::<N>().ok_or_else(|| bad("message"))?;
+        let (head, rest) = self.0.split_first_chunk::<N>().ok_or_else(|| malformed("message"))?;
         self.0 = rest;
         Ok(*head)
     }
@@ -51,7 +97,7 @@ impl Reader<'_> {
     fn end(&self, what: &str) -> Result<()> {
         match self.0.is_empty() {
             true => Ok(()),
-            false => Err(bad(what)),
+            false => Err(malformed(what)),
         }
     }
 }
@@ -152,7 +198,7 @@ impl Answer {
     pub fn decode(b: &[u8]) -> Result<Self> {
         let mut r = Reader(b);
         if r.u8()? != VERSION {
-            return Err(bad("setup answer"));
+            return Err(malformed("setup answer"));
         }
         let socket = r.take()?;
         let token = r.take()?;
@@ -161,13 +207,13 @@ impl Answer {
             1 => {
                 let n = u16::from_le_bytes(r.take()?) as usize;
                 if n > MAX_REASON || r.0.len() != n {
-                    return Err(bad("setup answer"));
+                    return Err(malformed("setup answer"));
                 }
                 let why = String::from_utf8_lossy(r.0).into_owned();
                 r.0 = &[];
                 Some(why)
             }
-            _ => return Err(bad("setup answer")),
+            _ => return Err(malformed("setup answer")),
         };
         r.end("setup answer")?;
         Ok(Answer {
@@ -262,12 +308,12 @@ pub fn decode_request_head(b: &[u8; REQUEST_HEAD]) -> Result<RequestHead> {
         1 => RequestKind::Transfer(Op::Read),
         2 => RequestKind::Map,
         3 => RequestKind::Unmapped,
-        _ => return Err(bad("request (kind)")),
+        _ => return Err(malformed("request (kind)")),
     };
     let durability = match r.u8()? {
         0 => Durability::Completed,
         1 => Durability::Persistent,
-        _ => return Err(bad("request (durability)")),
+        _ => return Err(malformed("request (durability)")),
     };
     let n = r.u32()? as usize;
     let most = match kind {
@@ -290,7 +336,7 @@ pub fn decode_request_head(b: &[u8; REQUEST_HEAD]) -> Result<RequestHead> {
 /// The items of a request.
 pub fn decode_items(b: &[u8]) -> Result<Vec<Item>> {
     if !b.len().is_multiple_of(ITEM_LEN) {
-        return Err(bad("request (items)"));
+        return Err(malformed("request (items)"));
     }
     let mut r = Reader(b);
     let mut items = Vec::with_capacity(b.len() / ITEM_LEN);
@@ -375,7 +421,7 @@ pub fn decode_reply_head(b: &[u8; REPLY_HEAD]) -> Result<(u64, ReplyKind, usize)
         }
         (1, 0, MAPPED_LEN) => ReplyKind::Mapped,
         (2, 0, UNMAP_LEN) => ReplyKind::Unmap,
-        _ => return Err(bad("reply")),
+        _ => return Err(malformed("reply")),
     };
     Ok((id, kind, len))
 }
@@ -387,7 +433,7 @@ pub fn decode_mapped(b: &[u8; MAPPED_LEN]) -> Result<(u64, bool)> {
     let writable = match r.u8()? {
         0 => false,
         1 => true,
-        _ => return Err(bad("mapped reply")),
+        _ => return Err(malformed("mapped reply")),
     };
     Ok((len, writable))
 }
