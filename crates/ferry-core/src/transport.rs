@@ -239,6 +239,23 @@ pub trait DataLink: Send + Sync + 'static {
     /// Runs a batch; completes when every descriptor has been applied at its destination.
     /// The future owns what it needs: dropping it abandons the result, not the memory safety.
     fn transfer(&self, request: TransferRequest) -> BoxFuture<'static, Result<()>>;
+    /// Whether [`transfer_within`](Self::transfer_within) bounds a transfer by itself. Where it does
+    /// not, the caller bounds the future with a timer of its own.
+    fn bounds_transfers(&self) -> bool {
+        false
+    }
+    /// Runs a batch as [`transfer`](Self::transfer) does and, on a link that
+    /// [bounds transfers](Self::bounds_transfers), fails it with `Timeout` once `timeout` has passed
+    /// without its completion (one timer per link rather than one per transfer). Other links ignore
+    /// `timeout`.
+    fn transfer_within(
+        &self,
+        request: TransferRequest,
+        timeout: std::time::Duration,
+    ) -> BoxFuture<'static, Result<()>> {
+        let _ = timeout;
+        self.transfer(request)
+    }
     /// Sends a notification; completes when the peer queued it. Ordered after every transfer that
     /// completed before it was called.
     fn notify(&self, notification: Notification) -> BoxFuture<'static, Result<()>>;

@@ -109,7 +109,7 @@ impl Pair {
         self.started += 1;
         let kind = OpKind::Ack;
         let bytes = if commit { 0 } else { SLOT };
-        let Ok((s, id)) = self.initiator.start(stream, kind, bytes, Op { n, kind }) else {
+        let Ok((s, id)) = self.initiator.start(stream, kind, bytes, None, Op { n, kind }) else {
             assert!(self.broken, "a start refused on an open link");
             self.end(n, false);
             return;
@@ -149,7 +149,7 @@ impl Pair {
         let n = self.started;
         self.started += 1;
         let kind = OpKind::Read;
-        let Ok((s, id)) = self.initiator.start(None, kind, SLOT, Op { n, kind }) else {
+        let Ok((s, id)) = self.initiator.start(None, kind, SLOT, None, Op { n, kind }) else {
             assert!(self.broken);
             self.end(n, false);
             return;

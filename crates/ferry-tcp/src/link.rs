@@ -10,9 +10,15 @@
 //! The protocol's decisions are `ferry-proto`'s [`Initiator`]: operation ids, which stream an operation
 //! takes, matching each answer to its operation, the peer's region table and the keepalive. This
 //! module moves bytes and keeps the byte budget (how much may be in flight, which needs waiting).
+//!
+//! A write with a timeout ([`DataLink::transfer_within`]) gives each of its operations a deadline in
+//! the protocol core, and one task per link sleeps until the soonest deadline or keepalive step
+//! ([`Initiator::poll_timeout`]) and fails what expired. A small write thus costs no timer of the
+//! runtime of its own; only its waits for the byte budget, when it must wait, take one. A read keeps
+//! a timer around the whole batch: its data lands after the core has let go of the operation.
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -27,7 +33,7 @@ use ferry_proto::keepalive::{DEFAULT_DEAD, DEFAULT_IDLE};
 use ferry_proto::{Event, Identity, Initiator, Keepalive, LinkLimits, LinkToken, OpId, StreamIndex};
 use futures::future::BoxFuture;
 use tokio::net::TcpStream;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, TryAcquireError, mpsc, oneshot};
 use tokio::task::AbortHandle;
 
 use crate::coalesce::{CoalesceBuf, CoalescePool};
@@ -174,6 +180,12 @@ struct Shared {
     remote_host: u64,
     remote_transports: Vec<TransportKind>,
     proto: Mutex<Initiator<Waiter>>,
+    /// When the timer task will next wake, in nanoseconds after `epoch`; read and written under the
+    /// `proto` lock, so that an operation started with a sooner deadline always sees it and wakes
+    /// the task (`timer_moved`).
+    timer_at: AtomicU64,
+    timer_moved: tokio::sync::Notify,
+    epoch: Instant,
     region_updates: tokio::sync::Notify,
     streams: Vec<Stream>,
     /// How many of them carry data (all but the control stream when it is kept for control frames):
@@ -320,6 +332,9 @@ impl TcpLink {
             remote_host: ack.host_id,
             remote_transports: ack.transports,
             proto: Mutex::new(proto),
+            timer_at: AtomicU64::new(0),
+            timer_moved: tokio::sync::Notify::new(),
+            epoch: Instant::now(),
             region_updates: tokio::sync::Notify::new(),
             streams: stream_list,
             data_streams: if control_apart { streams - 1 } else { streams },
@@ -329,7 +344,7 @@ impl TcpLink {
             pool: config.pool.clone(),
             tasks: Mutex::new(Vec::new()),
         });
-        let mut handles = vec![tokio::spawn(keepalive_loop(shared.clone())).abort_handle()];
+        let mut handles = vec![tokio::spawn(timer_loop(shared.clone())).abort_handle()];
         for (i, (reader, rx)) in readers.into_iter().zip(rxs).enumerate() {
             let index = StreamIndex(i as u16);
             handles.push(tokio::spawn(write_loop(shared.clone(), index, rx)).abort_handle());
@@ -494,6 +509,7 @@ impl Shared {
         bytes: u64,
         read: Option<ReadDest>,
         budget: Option<OwnedSemaphorePermit>,
+        deadline: Option<Instant>,
         out: impl FnOnce(OpId) -> Outgoing,
     ) -> Result<Submitted> {
         let (done, rx) = oneshot::channel();
@@ -503,11 +519,15 @@ impl Shared {
             read,
             _budget: budget,
         });
-        let (stream, id, idle) = {
+        let (stream, id, idle, sooner) = {
             let mut proto = self.proto()?;
-            let (stream, id) = proto.start(stream, kind, bytes, pending)?;
-            (stream, id, proto.waiting() == 1)
+            let (stream, id) = proto.start(stream, kind, bytes, deadline, pending)?;
+            let sooner = deadline.is_some_and(|at| self.nanos(at) < self.timer_at.load(Ordering::Relaxed));
+            (stream, id, proto.waiting() == 1, sooner)
         };
+        if sooner {
+            self.timer_moved.notify_one();
+        }
         if let Err(e) = self.send_as(stream, out(id), idle) {
             self.complete(stream, id, Err(e.clone()));
             return Err(e);
@@ -537,32 +557,56 @@ impl Shared {
         self.region_updates.notify_waiters();
     }
 
-    async fn budget(&self, bytes: u64) -> Result<OwnedSemaphorePermit> {
+    /// `bytes`' share of the link's byte budget, waiting until `bound` for it if it must wait.
+    async fn budget(&self, bytes: u64, bound: Option<Bound>) -> Result<OwnedSemaphorePermit> {
         let units = bytes.div_ceil(BUDGET_UNIT).clamp(1, self.budget_units as u64) as u32;
-        self.budget
-            .clone()
-            .acquire_many_owned(units)
-            .await
-            .map_err(|_| self.closed_error())
+        match self.budget.clone().try_acquire_many_owned(units) {
+            Ok(permit) => return Ok(permit),
+            Err(TryAcquireError::Closed) => return Err(self.closed_error()),
+            Err(TryAcquireError::NoPermits) => {}
+        }
+        let wait = self.budget.clone().acquire_many_owned(units);
+        within(bound, async { wait.await.map_err(|_| self.closed_error()) }).await
+    }
+
+    /// `at` in nanoseconds after the link's epoch (0 for an instant before it).
+    fn nanos(&self, at: Instant) -> u64 {
+        u64::try_from(at.saturating_duration_since(self.epoch).as_nanos()).unwrap_or(u64::MAX)
     }
 }
 
-/// Drives the protocol's timer: probes a silent peer, and gives the link up when it stays silent.
-async fn keepalive_loop(shared: Arc<Shared>) {
+/// Drives the protocol's timer: probes a silent peer, gives the link up when it stays silent, and
+/// fails operations past their deadline with `Timeout`. Woken early when an operation starts with a
+/// deadline sooner than the one it sleeps towards.
+async fn timer_loop(shared: Arc<Shared>) {
     loop {
-        let Some(due) = shared.proto().ok().and_then(|p| p.poll_timeout()) else {
-            return;
-        };
-        tokio::time::sleep_until(due.into()).await;
+        let due = shared.proto().ok().and_then(|p| {
+            let due = p.poll_timeout()?;
+            shared.timer_at.store(shared.nanos(due), Ordering::Relaxed);
+            Some(due)
+        });
+        let Some(due) = due else { return };
+        tokio::select! {
+            () = tokio::time::sleep_until(due.into()) => {}
+            () = shared.timer_moved.notified() => continue,
+        }
+        let now = Instant::now();
         let step = shared.proto().and_then(|mut p| {
-            p.handle_timeout(Instant::now())?;
-            Ok(p.poll_transmit())
+            p.handle_timeout(now)?;
+            Ok((p.poll_transmit(), p.expired(now)))
         });
         match step {
-            Ok(Some((stream, frame))) => {
-                let _ = shared.send(stream, Outgoing::Frame(frame));
+            Ok((probe, expired)) => {
+                if let Some((stream, frame)) = probe {
+                    let _ = shared.send(stream, Outgoing::Frame(frame));
+                }
+                for waiter in expired {
+                    waiter.fail(Error::Timeout(format!(
+                        "{} did not answer before the operation's deadline",
+                        shared.peer
+                    )));
+                }
             }
-            Ok(None) => {}
             Err(e) => {
                 tracing::warn!(peer = %shared.peer, error = %e, "link given up");
                 shared.fail_all(e);
@@ -662,7 +706,44 @@ fn segments(items: &[TransferItem]) -> Vec<Segment> {
         .collect()
 }
 
-async fn run_transfer(shared: Arc<Shared>, request: TransferRequest) -> Result<()> {
+/// A transfer's time limit: the deadline its operations carry, and the timeout it came from (for the
+/// error).
+#[derive(Debug, Clone, Copy)]
+struct Bound {
+    at: Instant,
+    timeout: Duration,
+}
+
+/// `what`, ended with `Timeout` at `bound`'s deadline when there is one: for the waits of a transfer
+/// that the protocol core does not see (the byte budget, a staged block's hooks, a whole read).
+async fn within<T>(bound: Option<Bound>, what: impl Future<Output = Result<T>>) -> Result<T> {
+    match bound {
+        None => what.await,
+        Some(b) => tokio::time::timeout_at(b.at.into(), what)
+            .await
+            .unwrap_or_else(|_| Err(Error::Timeout("the transfer's deadline passed while it waited".into()))),
+    }
+}
+
+async fn run_transfer(shared: Arc<Shared>, request: TransferRequest, bound: Option<Bound>) -> Result<()> {
+    let n = request.items.len();
+    let result = match (request.op, bound) {
+        // A read's answer is its data, which the stream's reader lands after the protocol core has
+        // let go of the operation: a peer that stalls mid-payload would hold the batch past any
+        // deadline there. A timer around the whole batch ends it all the same.
+        (Op::Read, Some(_)) => within(bound, run_batch(&shared, request, None)).await,
+        _ => run_batch(&shared, request, bound).await,
+    };
+    match (result, bound) {
+        (Err(Error::Timeout(_)), Some(b)) if Instant::now() >= b.at => Err(Error::Timeout(format!(
+            "a batch of {n} descriptors to {} did not complete within {:?}",
+            shared.peer, b.timeout
+        ))),
+        (result, _) => result,
+    }
+}
+
+async fn run_batch(shared: &Arc<Shared>, request: TransferRequest, bound: Option<Bound>) -> Result<()> {
     if shared.closed.load(Ordering::Acquire) {
         return Err(shared.closed_error());
     }
@@ -674,7 +755,7 @@ async fn run_transfer(shared: Arc<Shared>, request: TransferRequest) -> Result<(
             .iter()
             .filter(|i| i.local.region.block().has_access_hooks())
         {
-            crate::blocking::prepare_read(&item.local).await?;
+            within(bound, crate::blocking::prepare_read(&item.local)).await?;
         }
     }
     let caller = CallerGuard(Arc::new(AccessGuard::new()));
@@ -697,8 +778,8 @@ async fn run_transfer(shared: Arc<Shared>, request: TransferRequest) -> Result<(
             (true, Piece::Coalesced(group)) => segments(group),
         };
         let (stream, rx) = match request.op {
-            Op::Write => submit_write(&shared, piece, durability).await?,
-            Op::Read => submit_read(&shared, piece, &caller.0).await?,
+            Op::Write => submit_write(shared, piece, durability, bound).await?,
+            Op::Read => submit_read(shared, piece, &caller.0, bound).await?,
         };
         written[stream.get()].extend(wrote);
         completions.push(rx);
@@ -713,7 +794,7 @@ async fn run_transfer(shared: Arc<Shared>, request: TransferRequest) -> Result<(
                 })
             };
             let stream = Some(StreamIndex(stream as u16));
-            completions.push(shared.submit(stream, 0, None, None, commit)?.1);
+            completions.push(shared.submit(stream, 0, None, None, bound.map(|b| b.at), commit)?.1);
         }
     }
     for rx in completions {
@@ -732,11 +813,17 @@ fn piece_len(piece: &Piece) -> u64 {
 
 /// Sends one piece of a write, under its share of the byte budget: straight from the region, or
 /// copied into a pool buffer with the rest of its group.
-async fn submit_write(shared: &Shared, piece: Piece, durability: Durability) -> Result<Submitted> {
+async fn submit_write(
+    shared: &Shared,
+    piece: Piece,
+    durability: Durability,
+    bound: Option<Bound>,
+) -> Result<Submitted> {
     let bytes = piece_len(&piece);
-    let budget = Some(shared.budget(bytes).await?);
+    let budget = Some(shared.budget(bytes, bound).await?);
+    let deadline = bound.map(|b| b.at);
     match piece {
-        Piece::Direct(item) => shared.submit(None, bytes, None, budget, |id| Outgoing::Write {
+        Piece::Direct(item) => shared.submit(None, bytes, None, budget, deadline, |id| Outgoing::Write {
             id,
             frame: Frame::Write {
                 id: id.0,
@@ -749,7 +836,7 @@ async fn submit_write(shared: &Shared, piece: Piece, durability: Durability) -> 
         Piece::Coalesced(group) => {
             let segments = segments(&group);
             let parts = group.into_iter().map(|i| i.local).collect();
-            shared.submit(None, bytes, None, budget, |id| Outgoing::Write {
+            shared.submit(None, bytes, None, budget, deadline, |id| Outgoing::Write {
                 id,
                 frame: Frame::WriteBatch {
                     id: id.0,
@@ -764,16 +851,22 @@ async fn submit_write(shared: &Shared, piece: Piece, durability: Durability) -> 
 
 /// Asks for one piece of a read, under its share of the byte budget; its data lands straight in the
 /// region, or through a pool buffer that is scattered over its group.
-async fn submit_read(shared: &Shared, piece: Piece, caller: &Arc<AccessGuard>) -> Result<Submitted> {
+async fn submit_read(
+    shared: &Shared,
+    piece: Piece,
+    caller: &Arc<AccessGuard>,
+    bound: Option<Bound>,
+) -> Result<Submitted> {
     let bytes = piece_len(&piece);
-    let budget = Some(shared.budget(bytes).await?);
+    let budget = Some(shared.budget(bytes, bound).await?);
+    let deadline = bound.map(|b| b.at);
     match piece {
         Piece::Direct(item) => {
             let dest = ReadDest::Direct {
                 part: item.local,
                 caller: caller.clone(),
             };
-            shared.submit(None, bytes, Some(dest), budget, |id| {
+            shared.submit(None, bytes, Some(dest), budget, deadline, |id| {
                 Outgoing::Frame(Frame::Read {
                     id: id.0,
                     key: item.remote_key,
@@ -784,7 +877,7 @@ async fn submit_read(shared: &Shared, piece: Piece, caller: &Arc<AccessGuard>) -
         }
         Piece::Coalesced(group) => {
             let buffer = match shared.pool.as_ref() {
-                Some(pool) => Some(pool.acquire().await),
+                Some(pool) => Some(within(bound, async { Ok(pool.acquire().await) }).await?),
                 None => None,
             };
             let segments = segments(&group);
@@ -794,7 +887,7 @@ async fn submit_read(shared: &Shared, piece: Piece, caller: &Arc<AccessGuard>) -
                 buffer,
                 caller: caller.clone(),
             };
-            shared.submit(None, bytes, Some(dest), budget, |id| {
+            shared.submit(None, bytes, Some(dest), budget, deadline, |id| {
                 Outgoing::Frame(Frame::ReadBatch { id: id.0, segments })
             })
         }
@@ -1039,7 +1132,9 @@ impl ferry_core::SetupExchange for TcpLink {
             let shared = &self.shared;
             let (tx, rx) = oneshot::channel();
             let control = Some(StreamIndex::CONTROL);
-            let (stream, id) = shared.proto()?.start(control, OpKind::Setup, 0, Waiter::Setup(tx))?;
+            let (stream, id) = shared
+                .proto()?
+                .start(control, OpKind::Setup, 0, None, Waiter::Setup(tx))?;
             let frame = Frame::TransportSetup { id: id.0, kind, blob };
             if let Err(e) = shared.send(stream, Outgoing::Frame(frame)) {
                 let _ = shared.proto().map(|mut p| p.take(stream, id));
@@ -1064,7 +1159,16 @@ impl DataLink for TcpLink {
     }
 
     fn transfer(&self, request: TransferRequest) -> BoxFuture<'static, Result<()>> {
-        Box::pin(run_transfer(self.shared.clone(), request))
+        Box::pin(run_transfer(self.shared.clone(), request, None))
+    }
+
+    fn bounds_transfers(&self) -> bool {
+        true
+    }
+
+    fn transfer_within(&self, request: TransferRequest, timeout: Duration) -> BoxFuture<'static, Result<()>> {
+        let bound = Instant::now().checked_add(timeout).map(|at| Bound { at, timeout });
+        Box::pin(run_transfer(self.shared.clone(), request, bound))
     }
 
     fn notify(&self, notification: Notification) -> BoxFuture<'static, Result<()>> {
@@ -1078,7 +1182,7 @@ impl DataLink for TcpLink {
                     msg: notification.msg,
                 })
             };
-            let (_, rx) = shared.submit(Some(StreamIndex::CONTROL), 0, None, None, frame)?;
+            let (_, rx) = shared.submit(Some(StreamIndex::CONTROL), 0, None, None, None, frame)?;
             rx.await.map_err(|_| shared.closed_error())?
         })
     }

@@ -1030,11 +1030,15 @@ impl Engine {
 
 /// Runs `request` on `peer`'s data path, ending it with `Timeout` after `timeout`.
 ///
-/// A transfer that finishes on its first poll (a shared-memory copy, a batch refused at once) never
+/// A link that bounds its transfers itself (TCP: one timer per link, in the protocol core) gets the
+/// timeout. Otherwise a timer bounds the future here, and a transfer that finishes on its first poll (a shared-memory copy, a batch refused at once) never
 /// starts a timer: arming and cancelling one costs a clock read, a clone of the runtime's handle and
 /// a lock on the timer wheel, as much as a small same-host copy itself. The bound is counted from the
 /// end of that first poll.
 async fn bounded(peer: &Peer, request: TransferRequest, timeout: Duration) -> Result<()> {
+    if peer.inner.data.bounds_transfers() {
+        return peer.inner.data.transfer_within(request, timeout).await;
+    }
     let n = request.items.len();
     let mut transfer = peer.inner.data.transfer(request);
     if let std::task::Poll::Ready(done) =
