@@ -8,7 +8,6 @@
 //!
 //! The rules it follows are documented on [`PoolConfig`], where users see them.
 
-use std::collections::HashMap;
 use std::future::Future;
 use std::hash::{BuildHasher, RandomState};
 use std::net::SocketAddr;
@@ -18,6 +17,7 @@ use std::task::Poll;
 use std::time::Duration;
 
 use ferry::{Engine, Error, Peer, Result};
+use rustc_hash::FxHashMap;
 use tokio::time::Instant;
 
 use crate::error::breaks_link;
@@ -165,8 +165,9 @@ pub(crate) struct Pool {
     /// The total in-flight bound that `poll_ready` takes from.
     pub(crate) in_flight: Limit,
     /// Read by every request, written only when a peer comes or goes: a read lock lets requests on
-    /// both cores look their peer up at once.
-    slots: RwLock<HashMap<SocketAddr, Arc<PeerEntry>>>,
+    /// both cores look their peer up at once. Keyed with FxHash: the addresses are the application's
+    /// own, not a remote party's, so SipHash's defence against chosen keys would only cost time.
+    slots: RwLock<FxHashMap<SocketAddr, Arc<PeerEntry>>>,
     epoch: Instant,
     /// Nanoseconds since `epoch`, as of the reaper's last tick (or a connect): a clock that requests
     /// can read without asking the OS, precise enough for idle and least-recently-used decisions.
@@ -359,7 +360,7 @@ impl Pool {
             engine,
             in_flight: Limit::new(config.max_in_flight),
             config,
-            slots: RwLock::new(HashMap::new()),
+            slots: RwLock::new(FxHashMap::default()),
             epoch: Instant::now(),
             clock: Arc::new(AtomicU64::new(0)),
             reaper_started: AtomicBool::new(false),
