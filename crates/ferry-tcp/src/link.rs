@@ -714,8 +714,8 @@ struct Bound {
     timeout: Duration,
 }
 
-/// `what`, ended with `Timeout` at `bound`'s deadline when there is one: for the waits of a transfer
-/// that the protocol core does not see (the byte budget, a staged block's hooks, a whole read).
+/// `what`, ended with `Timeout` at `bound`'s deadline when there is one: for what the protocol core's
+/// deadlines do not see (a wait for the byte budget, a staged block's hooks, a whole read).
 async fn within<T>(bound: Option<Bound>, what: impl Future<Output = Result<T>>) -> Result<T> {
     match bound {
         None => what.await,
@@ -779,7 +779,7 @@ async fn run_batch(shared: &Arc<Shared>, request: TransferRequest, bound: Option
         };
         let (stream, rx) = match request.op {
             Op::Write => submit_write(shared, piece, durability, bound).await?,
-            Op::Read => submit_read(shared, piece, &caller.0, bound).await?,
+            Op::Read => submit_read(shared, piece, &caller.0).await?,
         };
         written[stream.get()].extend(wrote);
         completions.push(rx);
@@ -850,23 +850,18 @@ async fn submit_write(
 }
 
 /// Asks for one piece of a read, under its share of the byte budget; its data lands straight in the
-/// region, or through a pool buffer that is scattered over its group.
-async fn submit_read(
-    shared: &Shared,
-    piece: Piece,
-    caller: &Arc<AccessGuard>,
-    bound: Option<Bound>,
-) -> Result<Submitted> {
+/// region, or through a pool buffer that is scattered over its group. A read carries no deadline of
+/// its own: [`run_transfer`] bounds the whole batch.
+async fn submit_read(shared: &Shared, piece: Piece, caller: &Arc<AccessGuard>) -> Result<Submitted> {
     let bytes = piece_len(&piece);
-    let budget = Some(shared.budget(bytes, bound).await?);
-    let deadline = bound.map(|b| b.at);
+    let budget = Some(shared.budget(bytes, None).await?);
     match piece {
         Piece::Direct(item) => {
             let dest = ReadDest::Direct {
                 part: item.local,
                 caller: caller.clone(),
             };
-            shared.submit(None, bytes, Some(dest), budget, deadline, |id| {
+            shared.submit(None, bytes, Some(dest), budget, None, |id| {
                 Outgoing::Frame(Frame::Read {
                     id: id.0,
                     key: item.remote_key,
@@ -877,7 +872,7 @@ async fn submit_read(
         }
         Piece::Coalesced(group) => {
             let buffer = match shared.pool.as_ref() {
-                Some(pool) => Some(within(bound, async { Ok(pool.acquire().await) }).await?),
+                Some(pool) => Some(pool.acquire().await),
                 None => None,
             };
             let segments = segments(&group);
@@ -887,7 +882,7 @@ async fn submit_read(
                 buffer,
                 caller: caller.clone(),
             };
-            shared.submit(None, bytes, Some(dest), budget, deadline, |id| {
+            shared.submit(None, bytes, Some(dest), budget, None, |id| {
                 Outgoing::Frame(Frame::ReadBatch { id: id.0, segments })
             })
         }
