@@ -843,7 +843,7 @@ impl<'a> Reader<'a> {
         let mut transport_keys = Vec::with_capacity(n);
         for _ in 0..n {
             let kind = self.u8()?;
-            let key = self.bytes()?.to_vec();
+            let key: std::sync::Arc<[u8]> = self.bytes()?.into();
             if let Some(kind) = TransportKind::from_u8(kind) {
                 transport_keys.push((kind, key));
             }
@@ -907,7 +907,7 @@ mod tests {
                 len,
                 access: Access::from_bits(access).unwrap(),
                 persistent,
-                transport_keys: keys.into_iter().map(|k| (TransportKind::Rdma, k)).collect(),
+                transport_keys: keys.into_iter().map(|k| (TransportKind::Rdma, k.into())).collect(),
             })
     }
 

@@ -190,7 +190,7 @@ impl PeerView {
             };
             // A transport that cannot serve the region to this peer leaves it to the next one.
             match scope.key_for(region, ad.access, base) {
-                Ok(Some(key)) => transport_keys.push((kind, key)),
+                Ok(Some(key)) => transport_keys.push((kind, key.into())),
                 Ok(None) => {}
                 Err(e) => tracing::warn!(
                     region = ?region.key(),

@@ -26,7 +26,7 @@ pub struct RegionEntry {
     access: Access,
     block: Arc<dyn MemoryBlock>,
     guard: Arc<AccessGuard>,
-    transport_keys: Vec<(TransportKind, Vec<u8>)>,
+    transport_keys: Vec<(TransportKind, Arc<[u8]>)>,
     /// Who may reach it, on an engine that authenticates its links (see [`crate::grants`]).
     grants: RwLock<Grants>,
 }
@@ -98,7 +98,7 @@ impl RegionEntry {
 
     /// Adds a transport's remote key (an RDMA rkey, for example) to what peers are told.
     pub fn with_transport_key(mut self, kind: TransportKind, key: Vec<u8>) -> Self {
-        self.transport_keys.push((kind, key));
+        self.transport_keys.push((kind, key.into()));
         self
     }
 

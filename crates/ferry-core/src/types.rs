@@ -249,8 +249,9 @@ pub struct RegionAd {
     pub access: Access,
     /// Whether writes to it can be made persistent.
     pub persistent: bool,
-    /// Transport-specific remote keys, at most one per transport kind.
-    pub transport_keys: Vec<(TransportKind, Vec<u8>)>,
+    /// Transport-specific remote keys, at most one per transport kind. Shared, so that every
+    /// transfer to the region can carry its key without a copy.
+    pub transport_keys: Vec<(TransportKind, std::sync::Arc<[u8]>)>,
 }
 
 impl RegionAd {

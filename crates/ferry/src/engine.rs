@@ -812,7 +812,7 @@ impl Engine {
                             .transport_keys
                             .iter()
                             .find(|(k, _)| *k == transport)
-                            .map(|(_, key)| key.as_slice().into());
+                            .map(|(_, key)| key.clone());
                         last_remote = Some((ad, key.clone()));
                         (ad, key)
                     }
