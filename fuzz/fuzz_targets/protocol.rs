@@ -1,7 +1,7 @@
 //! The initiator's and the target's state machines on arbitrary frames and local operations, in any
 //! order and on any stream: answers for unknown operations, frames on the wrong stream, region updates
-//! without end. Errors are expected (the link then closes); a panic, or an operation that is lost
-//! (neither answered nor failed at the close), is a bug.
+//! without end, deadlines that pass. Errors are expected (the link then closes); a panic, or an
+//! operation that is lost (neither answered, expired nor failed at the close), is a bug.
 #![no_main]
 
 use std::time::{Duration, Instant};
@@ -41,11 +41,13 @@ fuzz_target!(|data: &[u8]| {
             0 => {
                 let kind = [OpKind::Ack, OpKind::Read, OpKind::Setup][usize::from(selector / 6) % 3];
                 let on = (selector & 0x80 != 0).then_some(stream);
-                if link.start(on, kind, u64::from(selector), started).is_ok() {
+                let deadline = (selector & 0x40 != 0).then(|| clock + Duration::from_millis(u64::from(selector) * 20));
+                if link.start(on, kind, u64::from(selector), deadline, started).is_ok() {
                     started += 1;
                 }
             }
             1 => {
+                finished += link.expired(clock).len() as u32;
                 if link.handle_timeout(clock).is_err() {
                     finished += link.close(ferry_core::Error::Timeout("keepalive".into())).len() as u32;
                 }
