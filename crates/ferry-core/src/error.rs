@@ -85,6 +85,14 @@ impl Error {
         }
     }
 
+    /// A batch of `descriptors` to `peer` that did not complete within `timeout`: what the engine and
+    /// the transports that bound transfers themselves answer alike.
+    pub fn transfer_timeout(descriptors: usize, peer: impl fmt::Display, timeout: std::time::Duration) -> Self {
+        Error::Timeout(format!(
+            "a batch of {descriptors} descriptors to {peer} did not complete within {timeout:?}"
+        ))
+    }
+
     /// Wraps an `std::io::Error` with what was being done when it happened.
     pub fn io(context: impl fmt::Display, err: std::io::Error) -> Self {
         Error::Io {

@@ -735,10 +735,9 @@ async fn run_transfer(shared: Arc<Shared>, request: TransferRequest, bound: Opti
         _ => run_batch(&shared, request, bound).await,
     };
     match (result, bound) {
-        (Err(Error::Timeout(_)), Some(b)) if Instant::now() >= b.at => Err(Error::Timeout(format!(
-            "a batch of {n} descriptors to {} did not complete within {:?}",
-            shared.peer, b.timeout
-        ))),
+        (Err(Error::Timeout(_)), Some(b)) if Instant::now() >= b.at => {
+            Err(Error::transfer_timeout(n, &shared.peer, b.timeout))
+        }
         (result, _) => result,
     }
 }

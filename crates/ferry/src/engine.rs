@@ -1050,10 +1050,7 @@ async fn bounded(peer: &Peer, request: TransferRequest, timeout: Duration) -> Re
     // never need it included.
     match Box::pin(tokio::time::timeout(timeout, transfer)).await {
         Ok(r) => r,
-        Err(_) => Err(Error::Timeout(format!(
-            "a batch of {n} descriptors to {} did not complete within {timeout:?}",
-            peer.addr()
-        ))),
+        Err(_) => Err(Error::transfer_timeout(n, peer.addr(), timeout)),
     }
 }
 
