@@ -782,13 +782,14 @@ impl Engine {
         let local = self.inner.ctx.regions.read().map_err(|_| poisoned())?;
         let items = peer.inner.control.with_remote_regions(|remote| {
             // A batch's descriptors mostly fall in the same local and remote regions as the one
-            // before: those are checked against the previous lookup instead of looked up again.
-            let mut last_local: Option<Arc<ferry_core::RegionEntry>> = None;
-            let mut last_remote: Option<(&ferry_core::RegionAd, Option<Arc<[u8]>>)> = None;
-            let mut items = Vec::with_capacity(descs.len());
+            // before: those are checked against the previous item instead of looked up again, and
+            // share its region and key (no reference counts taken and dropped for the lookup).
+            let mut last_ad: Option<&ferry_core::RegionAd> = None;
+            let mut items: Vec<TransferItem> = Vec::with_capacity(descs.len());
             for (i, d) in descs.iter().enumerate() {
                 let at = |e: Error| prefix(e, &format!("descriptor {i}"));
-                let local = match &last_local {
+                let previous = items.last();
+                let local = match previous.map(|p| &p.local.region) {
                     Some(r) if d.len > 0 && d.local_addr >= r.addr() && d.local_addr - r.addr() < r.len() => {
                         let offset = d.local_addr - r.addr();
                         r.check_range(offset, d.len).map_err(at)?;
@@ -798,25 +799,23 @@ impl Engine {
                             len: d.len,
                         }
                     }
-                    _ => {
-                        let found = local.find_local(d.local_addr, d.len).map_err(at)?;
-                        last_local = Some(found.region.clone());
-                        found
-                    }
+                    _ => local.find_local(d.local_addr, d.len).map_err(at)?,
                 };
-                let (ad, remote_transport_key) = match &last_remote {
-                    Some((ad, key)) if d.len > 0 && ad.contains(d.remote_addr, d.len) => (*ad, key.clone()),
+                let (ad, remote_transport_key) = match (last_ad, previous) {
+                    (Some(ad), Some(p)) if d.len > 0 && ad.contains(d.remote_addr, d.len) => {
+                        (ad, p.remote_transport_key.clone())
+                    }
                     _ => {
                         let (ad, _) = remote.find(d.remote_addr, d.len, op.required_access()).map_err(at)?;
-                        let key: Option<Arc<[u8]>> = ad
+                        let key = ad
                             .transport_keys
                             .iter()
                             .find(|(k, _)| *k == transport)
                             .map(|(_, key)| key.clone());
-                        last_remote = Some((ad, key.clone()));
                         (ad, key)
                     }
                 };
+                last_ad = Some(ad);
                 if durability == Durability::Persistent && !ad.persistent {
                     return Err(at(Error::InvalidArgument(format!(
                         "a persistent write needs a persistent region; the peer's region at {:#x} is not",
