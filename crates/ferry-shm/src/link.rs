@@ -31,6 +31,7 @@ use ferry_core::{
     TransferRequest, TransportKind,
 };
 use futures::future::BoxFuture;
+use rustc_hash::FxHashMap;
 use tokio::io::AsyncWriteExt;
 use tokio::net::UnixStream;
 use tokio::net::unix::OwnedWriteHalf;
@@ -83,7 +84,10 @@ struct Inner {
     writer: tokio::sync::Mutex<Option<OwnedWriteHalf>>,
     pending: Mutex<HashMap<u64, Pending>>,
     /// Lendable regions of the target, by the key this peer knows them by.
-    lendings: Mutex<HashMap<RegionKey, Lending>>,
+    /// Keyed with FxHash: looked up on every transfer, and the keys are the target's own (random
+    /// ones, by the engine's rule); a target that picked colliding keys would slow only transfers to
+    /// itself, over at most the regions it may advertise.
+    lendings: Mutex<FxHashMap<RegionKey, Lending>>,
     next_id: AtomicU64,
     closed: AtomicBool,
     control: Arc<dyn DataLink>,
@@ -183,7 +187,7 @@ impl Inner {
         ))
     }
 
-    fn lendings(&self) -> std::sync::MutexGuard<'_, HashMap<RegionKey, Lending>> {
+    fn lendings(&self) -> std::sync::MutexGuard<'_, FxHashMap<RegionKey, Lending>> {
         self.lendings.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -381,7 +385,7 @@ impl Inner {
     /// Where the items of `item`'s region go (see the module documentation).
     fn way(
         &self,
-        lendings: &HashMap<RegionKey, Lending>,
+        lendings: &FxHashMap<RegionKey, Lending>,
         item: &TransferItem,
         durability: Durability,
         mappings: &mut Vec<Arc<Mapping>>,
@@ -675,7 +679,7 @@ impl ShmLink {
         let inner = Arc::new(Inner {
             writer: tokio::sync::Mutex::new(Some(writer)),
             pending: Mutex::new(HashMap::new()),
-            lendings: Mutex::new(HashMap::new()),
+            lendings: Mutex::new(FxHashMap::default()),
             next_id: AtomicU64::new(1),
             closed: AtomicBool::new(false),
             control,
