@@ -3,8 +3,12 @@
 //! Why this shape: the machines are shared and noisy, so an absolute number from another run says
 //! little. Every figure here is measured in the same run as the figure it is compared with, the
 //! measurements alternate (ferry, peer, ferry, peer, ...) for `--rounds` rounds so drift hits both
-//! sides alike, and the report shows medians and their ratio against a target. A missed target is a
-//! finding, not a failure: the exit status is 0 unless a measurement could not be taken at all.
+//! sides alike, and the report shows medians and a ratio against a target. The ratio is the median of
+//! the rounds' own ratios (a round's ferry figure over the same round's peer figure), not a ratio of
+//! medians: this machine's speed moves between rounds (1 MiB writes at 8.2, 7.4 and 6.4 GB/s in one
+//! run), and a ratio of medians could pair one round's fast figure with another's slow one. A missed
+//! target is a finding, not a failure: the exit status is 0 unless a measurement could not be taken
+//! at all.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -701,7 +705,8 @@ const COMPARISONS: &[Comparison] = &[
 /// Samples per measurement, over rounds, and the first error of each.
 #[derive(Default)]
 struct Samples {
-    values: BTreeMap<&'static str, Vec<f64>>,
+    /// Each measure's figures, with the round each was taken in.
+    values: BTreeMap<&'static str, Vec<(u32, f64)>>,
     errors: BTreeMap<&'static str, String>,
 }
 
@@ -742,7 +747,7 @@ pub fn run(args: &Args) -> Result<ExitCode> {
             match bench.measure(measure.probe) {
                 Ok(value) => {
                     eprintln!("[round {round}/{}] {}: {value:.3}", args.rounds, measure.key);
-                    samples.values.entry(measure.key).or_default().push(value);
+                    samples.values.entry(measure.key).or_default().push((round, value));
                 }
                 Err(e) => {
                     eprintln!("[round {round}/{}] {}: error: {e:#}", args.rounds, measure.key);
@@ -908,6 +913,20 @@ pub(crate) fn median(values: &[f64]) -> Option<f64> {
     }
 }
 
+/// The median of the rounds' ratios: each round's ferry figure over the same round's peer figure
+/// (rounds where either side has no figure, or the peer's is zero, are left out); `None` when no
+/// round has both.
+pub(crate) fn paired_ratio(ferry: &[(u32, f64)], peer: &[(u32, f64)]) -> Option<f64> {
+    let ratios: Vec<f64> = ferry
+        .iter()
+        .filter_map(|&(round, f)| {
+            let &(_, p) = peer.iter().find(|&&(r, _)| r == round)?;
+            (p > 0.0).then(|| f / p)
+        })
+        .collect();
+    median(&ratios)
+}
+
 struct Row {
     cells: [String; 6],
     status: &'static str,
@@ -916,18 +935,17 @@ struct Row {
 
 impl Row {
     fn new(c: &Comparison, samples: &Samples, bench: &Bench) -> Self {
-        let ferry_samples = samples.values.get(c.ferry).cloned().unwrap_or_default();
-        let peer_samples: Vec<f64> = c
+        let ferry_rounds = samples.values.get(c.ferry).cloned().unwrap_or_default();
+        let peer_rounds: Vec<(u32, f64)> = c
             .peer
             .and_then(|p| samples.values.get(p))
-            .map(|v| v.iter().map(|x| x * c.peer_scale).collect())
+            .map(|v| v.iter().map(|&(round, x)| (round, x * c.peer_scale)).collect())
             .unwrap_or_default();
+        let ferry_samples: Vec<f64> = ferry_rounds.iter().map(|&(_, v)| v).collect();
+        let peer_samples: Vec<f64> = peer_rounds.iter().map(|&(_, v)| v).collect();
         let ferry = median(&ferry_samples);
         let peer = median(&peer_samples);
-        let ratio = match (ferry, peer) {
-            (Some(f), Some(p)) if p > 0.0 => Some(f / p),
-            _ => None,
-        };
+        let ratio = paired_ratio(&ferry_rounds, &peer_rounds);
         let error = [Some(c.ferry), c.peer]
             .into_iter()
             .flatten()
@@ -975,7 +993,7 @@ fn render_table(rows: &[Row], bench: &Bench) -> String {
     let header = ["comparison", "ferry", "peer", "ratio", "target", "ok"];
     let cells: Vec<[String; 6]> = rows.iter().map(|r| r.cells.clone()).collect();
     let mut out = format!(
-        "\nferry vs peers: medians over {} round(s) of {}, alternating ferry and peer in one run\n\n",
+        "\nferry vs peers: medians over {} round(s) of {}, alternating ferry and peer in one run; the ratio is the median\nof the rounds' own ratios (each round's ferry figure over that round's peer figure)\n\n",
         bench.args.rounds, bench.args.duration
     );
     out += &crate::util::columns(header, &cells);
@@ -1017,6 +1035,21 @@ mod tests {
         assert_eq!(median(&[]), None);
         assert_eq!(median(&[3.0, 1.0, 2.0]), Some(2.0));
         assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), Some(2.5));
+    }
+
+    #[test]
+    fn ratios_pair_figures_of_the_same_round() {
+        // The machine slowed down after round 1: a ratio of medians (3.9 / 7.4) would pair round 3's
+        // ferry figure with round 2's peer figure.
+        let ferry = [(1, 8.0), (2, 3.7), (3, 3.9)];
+        let peer = [(1, 8.2), (2, 7.4), (3, 6.4)];
+        let r = paired_ratio(&ferry, &peer).unwrap();
+        assert!((r - 3.9 / 6.4).abs() < 1e-12, "{r}");
+        // A round without a peer figure, or with a zero one, is left out.
+        let peer = [(1, 8.0), (3, 0.0)];
+        assert_eq!(paired_ratio(&ferry, &peer), Some(1.0));
+        assert_eq!(paired_ratio(&ferry, &[]), None);
+        assert_eq!(paired_ratio(&[], &peer), None);
     }
 
     #[test]
