@@ -428,12 +428,11 @@ fn print_durability_ratios(results: &[CaseResult]) {
     }
 }
 
-/// What one lane of a case measured: each transfer's latency, in nanoseconds, and when its last
-/// one completed.
-#[derive(Default)]
+/// What one lane of a case measured: the latency of each transfer that ended after the warm-up, in
+/// nanoseconds, and when the lane's last transfer ended.
 struct Tally {
     latencies: Vec<u64>,
-    last: Option<Instant>,
+    ended: Instant,
 }
 
 async fn run_case(
@@ -484,7 +483,7 @@ async fn run_case(
     // run). `try_join_all` polls up to 30 futures in place; deeper cases go through
     // `FuturesOrdered`, which yields too, but they are bound by throughput, not by a wake-up.
     let lane = |_| async {
-        let mut tally = Tally::default();
+        let mut latencies = Vec::new();
         // One clock read per transfer: its end is the next one's start.
         let mut started = Instant::now();
         while started < stop_starting_at {
@@ -493,21 +492,23 @@ async fn run_case(
             if now >= measure_from {
                 stats_at_start.get_or_init(persist_stats);
                 // Nanoseconds: a transfer into a lent same-host region takes well under a microsecond.
-                tally
-                    .latencies
-                    .push((now - started).as_nanos().min(u64::MAX as u128) as u64);
-                tally.last = Some(now);
+                latencies.push((now - started).as_nanos().min(u64::MAX as u128) as u64);
             }
             started = now;
         }
-        anyhow::Ok(tally)
+        anyhow::Ok(Tally {
+            latencies,
+            ended: started,
+        })
     };
     let lanes = futures::future::try_join_all((0..args.depth).map(lane)).await?;
     let stats_at_start = stats_at_start.get().copied().flatten();
-    let last = lanes.iter().filter_map(|l| l.last).max();
+    let ended = lanes.iter().map(|l| l.ended).max();
     let mut latencies: Vec<u64> = lanes.into_iter().flat_map(|l| l.latencies).collect();
     let transfers = latencies.len() as u64;
-    let secs = last.map_or(0.0, |t| (t - measure_from).as_secs_f64()).max(1e-9);
+    let secs = ended
+        .map_or(0.0, |t| t.saturating_duration_since(measure_from).as_secs_f64())
+        .max(1e-9);
     latencies.sort_unstable();
     let pct = |p: f64| -> f64 {
         if latencies.is_empty() {
