@@ -95,6 +95,7 @@ async fn a_deadline_ends_a_dial_to_a_silent_peer() {
 async fn a_deadline_ends_a_transfer_to_a_frozen_target() {
     let (addr_tx, addr_rx) = std::sync::mpsc::channel();
     let (freeze_tx, freeze_rx) = std::sync::mpsc::channel::<()>();
+    let (frozen_tx, frozen_rx) = std::sync::mpsc::channel::<()>();
     let (thaw_tx, thaw_rx) = std::sync::mpsc::channel::<()>();
     let target_thread = std::thread::spawn(move || {
         let rt = tokio::runtime::Builder::new_current_thread()
@@ -115,6 +116,9 @@ async fn a_deadline_ends_a_transfer_to_a_frozen_target() {
             // Serve until told to freeze, then block the only thread the target runs on.
             let freeze = tokio::task::spawn_blocking(move || freeze_rx.recv());
             let _ = freeze.await;
+            // No await between the acknowledgement and the wait, so no request sent after it is
+            // served.
+            let _ = frozen_tx.send(());
             let _ = thaw_rx.recv_timeout(HANG * 2);
         });
     });
@@ -133,6 +137,7 @@ async fn a_deadline_ends_a_transfer_to_a_frozen_target() {
         .expect("the target serves before it freezes");
 
     freeze_tx.send(()).unwrap();
+    frozen_rx.recv_timeout(HANG).expect("the target did not freeze");
     let err = tokio::time::timeout(HANG, service.oneshot(req))
         .await
         .expect("the deadline did not end the transfer")

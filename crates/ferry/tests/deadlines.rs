@@ -11,11 +11,13 @@ use ferry::{Access, Engine, Error, Op, TransferDesc, TransportKind};
 /// timer that slept towards that step instead of the sooner deadline shows as a hang.
 const HANG: Duration = Duration::from_secs(3);
 
-/// A TCP target on a runtime of one thread of its own, which `freeze` blocks until `thaw`.
+/// A TCP target on a runtime of one thread of its own, which [`Frozen::freeze`] blocks until `thaw`.
 struct Frozen {
     addr: std::net::SocketAddr,
     region: u64,
     freeze: mpsc::Sender<()>,
+    /// Sent by the target's thread right before it blocks, with nothing in between that could serve.
+    frozen: mpsc::Receiver<()>,
     thaw: mpsc::Sender<()>,
     done: mpsc::Sender<()>,
     thread: std::thread::JoinHandle<()>,
@@ -24,6 +26,7 @@ struct Frozen {
 fn frozen_target() -> Frozen {
     let (ready_tx, ready_rx) = mpsc::channel();
     let (freeze, freeze_rx) = mpsc::channel::<()>();
+    let (frozen_tx, frozen) = mpsc::channel::<()>();
     let (thaw, thaw_rx) = mpsc::channel::<()>();
     let (done, done_rx) = mpsc::channel::<()>();
     let thread = std::thread::spawn(move || {
@@ -41,7 +44,9 @@ fn frozen_target() -> Frozen {
             let dst = target.alloc_host(1 << 16, Access::READ_WRITE).unwrap();
             ready_tx.send((target.local_addr().unwrap(), dst.addr())).unwrap();
             let _ = tokio::task::spawn_blocking(move || freeze_rx.recv()).await;
-            // Frozen: the only thread the target runs on waits here.
+            // Frozen: the only thread the target runs on waits here. No await between the
+            // acknowledgement and the wait, so no request sent after it is served.
+            let _ = frozen_tx.send(());
             let _ = thaw_rx.recv_timeout(HANG * 10);
             // Thawed: serve until the test is done.
             let _ = tokio::task::spawn_blocking(move || done_rx.recv_timeout(HANG * 10)).await;
@@ -53,9 +58,18 @@ fn frozen_target() -> Frozen {
         addr,
         region,
         freeze,
+        frozen,
         thaw,
         done,
         thread,
+    }
+}
+
+impl Frozen {
+    /// Blocks the target's thread, and returns once it is blocked.
+    fn freeze(&self) {
+        self.freeze.send(()).unwrap();
+        self.frozen.recv_timeout(HANG).expect("the target did not freeze");
     }
 }
 
@@ -73,7 +87,7 @@ async fn a_write_ends_at_its_own_timeout_however_late_the_others_are() {
     let desc = |at: u64| [TransferDesc::new(src.addr_at(at), target.region + at, 4096)];
     engine.transfer(&peer, Op::Write, &desc(0), HANG).await.unwrap();
 
-    target.freeze.send(()).unwrap();
+    target.freeze();
     let patient = {
         let (engine, peer, desc) = (engine.clone(), peer.clone(), desc(4096));
         tokio::spawn(async move { engine.transfer(&peer, Op::Write, &desc, HANG * 10).await })
