@@ -880,7 +880,7 @@ async fn run(inner: Arc<Inner>, request: TransferRequest) -> Result<()> {
         }
     }
     let Some(Plan {
-        mut wrs,
+        wrs,
         mut bounced_remote,
         hooked_remote,
         bounced_local,
@@ -894,11 +894,6 @@ async fn run(inner: Arc<Inner>, request: TransferRequest) -> Result<()> {
         // count are in the region itself, which TCP reaches directly.
         return inner.control.transfer(request).await;
     }
-    let segment = |i: &TransferItem| Segment {
-        key: i.remote_key,
-        offset: i.remote_offset,
-        len: i.len(),
-    };
     if request.op == Op::Read && !hooked_remote.is_empty() {
         // The target copies the ranges from the device into what its NIC reads, and answers before
         // the READs are posted.
@@ -908,6 +903,53 @@ async fn run(inner: Arc<Inner>, request: TransferRequest) -> Result<()> {
     }
     // Written ranges the target's CPU must act on (copy in from its bounce buffer, or to the device).
     bounced_remote.extend(hooked_remote.iter().copied().filter(|_| request.op == Op::Write));
+    let Awaiting {
+        completions,
+        mut posted,
+        commits,
+    } = post_and_commit(&inner, &request, wrs, bounced_remote).await?;
+    answered(&inner, completions.into_iter().chain(commits)).await?;
+    posted.ids.clear();
+    if request.op == Op::Read {
+        // Local memory behind a staging buffer (device-local GPU memory) takes the bytes to the device.
+        for item in &request.items {
+            off_runtime(&item.local, |block, offset, len| {
+                block.commit_written(offset, len, Durability::Completed)
+            })
+            .await?;
+        }
+    }
+    Ok(())
+}
+
+/// Where a transfer item lands in the target, as a commit or prepare request names it.
+fn segment(item: &TransferItem) -> Segment {
+    Segment {
+        key: item.remote_key,
+        offset: item.remote_offset,
+        len: item.len(),
+    }
+}
+
+/// What a batch waits for once [`post_and_commit`] has sent it.
+struct Awaiting {
+    /// One completion per posted group.
+    completions: Vec<oneshot::Receiver<Result<()>>>,
+    /// The READs among them, stopped and drained if the batch is abandoned.
+    posted: Posted,
+    /// The target's answers to the commit requests.
+    commits: Vec<oneshot::Receiver<Result<()>>>,
+}
+
+/// Posts a planned batch's work requests (with the persist work its durability asks for) in groups
+/// of at most [`SIGNAL_EVERY`], each signalled once, then asks the target for what its CPU must do
+/// after them: a commit of the `bounced_remote` items, or a flush of every item.
+async fn post_and_commit(
+    inner: &Arc<Inner>,
+    request: &TransferRequest,
+    mut wrs: Vec<WorkRequest>,
+    bounced_remote: Vec<usize>,
+) -> Result<Awaiting> {
     let persistent = request.op == Op::Write && request.durability == Durability::Persistent;
     let method = if persistent {
         inner.method_for(&request.items)?
@@ -937,25 +979,18 @@ async fn run(inner: Arc<Inner>, request: TransferRequest) -> Result<()> {
     // receive only after their data is placed, so it need not wait for their completions here.
     let commits = if method == Some(PersistMethod::FlushRequest) {
         let segments: Vec<Segment> = request.items.iter().map(segment).collect();
-        request_commit(&inner, &segments, Durability::Persistent).await?
+        request_commit(inner, &segments, Durability::Persistent).await?
     } else if !bounced_remote.is_empty() {
         let segments: Vec<Segment> = bounced_remote.into_iter().map(|i| segment(&request.items[i])).collect();
-        request_commit(&inner, &segments, Durability::Completed).await?
+        request_commit(inner, &segments, Durability::Completed).await?
     } else {
         Vec::new()
     };
-    answered(&inner, completions.into_iter().chain(commits)).await?;
-    posted.ids.clear();
-    if request.op == Op::Read {
-        // Local memory behind a staging buffer (device-local GPU memory) takes the bytes to the device.
-        for item in &request.items {
-            off_runtime(&item.local, |block, offset, len| {
-                block.commit_written(offset, len, Durability::Completed)
-            })
-            .await?;
-        }
-    }
-    Ok(())
+    Ok(Awaiting {
+        completions,
+        posted,
+        commits,
+    })
 }
 
 /// Runs a staged block's hook (a GPU copy, which waits for its fence) on `part`: on a blocking thread,

@@ -272,6 +272,57 @@ fn tls_refused(peer: &str, why: &str) -> Error {
     ))
 }
 
+/// Opens a link's `streams` streams to `addr`: the control stream, whose answer brings the target's
+/// identity, transports and regions, then the others at once, joined to it by a fresh link token
+/// (and, under TLS, by the session's join key).
+async fn open_streams(
+    addr: SocketAddr,
+    me: &LocalIdentity,
+    config: &LinkConfig,
+    streams: usize,
+) -> Result<(Vec<(FrameReader, FrameWriter)>, HelloAck, Option<Session>)> {
+    let tls = config.tls.as_ref();
+    let mut token = [0u8; 8];
+    getrandom::fill(&mut token).map_err(|e| Error::Io {
+        kind: std::io::ErrorKind::Other,
+        message: format!("drawing a link token: {e}"),
+    })?;
+    let token = LinkToken(u64::from_le_bytes(token));
+    let (r0, w0, ack, session) = open_stream(
+        addr,
+        me.hello(token, StreamIndex(0), streams as u16, None),
+        config.limits,
+        tls,
+        config.send_timeout,
+    )
+    .await?;
+    let key = session.as_ref().map(|s| &s.join_key);
+    let data_tls = tls.filter(|t| t.encrypts_data());
+    let rest = futures::future::try_join_all((1..streams).map(|i| {
+        let hello = me.hello(token, StreamIndex(i as u16), streams as u16, key);
+        open_stream(addr, hello, config.limits, data_tls, config.send_timeout)
+    }))
+    .await?;
+    let mut halves = Vec::with_capacity(streams);
+    halves.push((r0, w0));
+    halves.extend(rest.into_iter().map(|(r, w, _, _)| (r, w)));
+    Ok((halves, ack, session))
+}
+
+/// Spawns a link's tasks: its timer, and a reader and a writer per stream, in stream order. The link
+/// aborts them when it is torn down.
+fn start_tasks(shared: &Arc<Shared>, streams: impl Iterator<Item = (FrameReader, mpsc::UnboundedReceiver<Outgoing>)>) {
+    let mut handles = vec![tokio::spawn(timer_loop(shared.clone())).abort_handle()];
+    for (i, (reader, rx)) in streams.enumerate() {
+        let index = StreamIndex(i as u16);
+        handles.push(tokio::spawn(write_loop(shared.clone(), index, rx)).abort_handle());
+        handles.push(tokio::spawn(read_loop(shared.clone(), index, reader)).abort_handle());
+    }
+    if let Ok(mut t) = shared.tasks.lock() {
+        t.extend(handles);
+    }
+}
+
 impl TcpLink {
     /// Connects to the engine listening at `addr`: the control stream first, then the others.
     /// The caller bounds the whole call with its connect timeout.
@@ -284,30 +335,7 @@ impl TcpLink {
             true => config.streams.clamp(1, 63) + 1,
             false => config.streams.clamp(1, 64),
         };
-        let mut token = [0u8; 8];
-        getrandom::fill(&mut token).map_err(|e| Error::Io {
-            kind: std::io::ErrorKind::Other,
-            message: format!("drawing a link token: {e}"),
-        })?;
-        let token = LinkToken(u64::from_le_bytes(token));
-        let (r0, w0, ack, session) = open_stream(
-            addr,
-            me.hello(token, StreamIndex(0), streams as u16, None),
-            config.limits,
-            tls,
-            config.send_timeout,
-        )
-        .await?;
-        let key = session.as_ref().map(|s| &s.join_key);
-        let data_tls = tls.filter(|t| t.encrypts_data());
-        let mut halves = vec![(r0, w0)];
-        let rest = futures::future::try_join_all((1..streams).map(|i| {
-            let hello = me.hello(token, StreamIndex(i as u16), streams as u16, key);
-            open_stream(addr, hello, config.limits, data_tls, config.send_timeout)
-        }))
-        .await?;
-        halves.extend(rest.into_iter().map(|(r, w, _, _)| (r, w)));
-        let budget_units = (config.max_inflight_bytes / BUDGET_UNIT).clamp(1, u32::MAX as u64 >> 4) as u32;
+        let (halves, ack, session) = open_streams(addr, me, config, streams).await?;
         let (txs, rxs): (Vec<_>, Vec<_>) = (0..streams).map(|_| mpsc::unbounded_channel()).unzip();
         let mut readers = Vec::with_capacity(streams);
         let mut stream_list = Vec::with_capacity(streams);
@@ -325,6 +353,7 @@ impl TcpLink {
         if control_apart {
             proto.reserve_control();
         }
+        let budget_units = (config.max_inflight_bytes / BUDGET_UNIT).clamp(1, u32::MAX as u64 >> 4) as u32;
         let shared = Arc::new(Shared {
             peer,
             remote_identity: session.map(|s| s.identity),
@@ -344,15 +373,7 @@ impl TcpLink {
             pool: config.pool.clone(),
             tasks: Mutex::new(Vec::new()),
         });
-        let mut handles = vec![tokio::spawn(timer_loop(shared.clone())).abort_handle()];
-        for (i, (reader, rx)) in readers.into_iter().zip(rxs).enumerate() {
-            let index = StreamIndex(i as u16);
-            handles.push(tokio::spawn(write_loop(shared.clone(), index, rx)).abort_handle());
-            handles.push(tokio::spawn(read_loop(shared.clone(), index, reader)).abort_handle());
-        }
-        if let Ok(mut t) = shared.tasks.lock() {
-            t.extend(handles);
-        }
+        start_tasks(&shared, readers.into_iter().zip(rxs));
         let identity = shared
             .remote_identity
             .as_ref()
