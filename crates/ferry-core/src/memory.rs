@@ -29,6 +29,12 @@ pub enum DmaView {
     /// Device memory a NIC can reach directly at `nic_address` (`VK_NV_external_memory_rdma`), and
     /// the CPU cannot: [`MemoryBlock::as_ptr`] is then a host copy that only CPU transports use,
     /// kept coherent by the hooks as for [`Staged`](DmaView::Staged).
+    ///
+    /// The RDMA transport registers the device memory itself, at the region's host address, so that
+    /// work requests and peers name the region as they would any other and the NIC moves the bytes
+    /// to and from the device with no hook and no host copy. A NIC that refuses the address (no
+    /// access to that device's memory) gets the host copy registered instead, and the region is then
+    /// treated as [`Staged`](DmaView::Staged).
     Device {
         /// The address a NIC names the memory by.
         nic_address: u64,
@@ -41,7 +47,9 @@ pub enum DmaView {
 ///
 /// Implementors promise that [`as_ptr`](MemoryBlock::as_ptr) points to [`len`](MemoryBlock::len) bytes that
 /// stay valid for reads and writes through raw pointers, from any thread, for as long as the block is
-/// alive, and that the pointer never changes.
+/// alive, and that the pointer never changes. A block whose [`dma_view`](MemoryBlock::dma_view) is
+/// [`DmaView::Device`] promises the same of its `nic_address`: `len` bytes there that a NIC may
+/// register and read and write for as long as the block is alive, at an address that never changes.
 pub unsafe trait MemoryBlock: Send + Sync + 'static {
     /// The first byte.
     fn as_ptr(&self) -> *mut u8;

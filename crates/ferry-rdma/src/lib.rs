@@ -43,8 +43,8 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::Instant;
 
 use ferry_core::{
-    AcceptSetup, Access, Availability, DataLink, Error, PersistMethod, RegionEntry, RegionKey, Result, SetupExchange,
-    Transport, TransportKind,
+    AcceptSetup, Access, Availability, DataLink, DmaView, Error, PersistMethod, RegionEntry, RegionKey, Result,
+    SetupExchange, Transport, TransportKind,
 };
 use futures::future::BoxFuture;
 use sideway::ibverbs::AccessFlags;
@@ -278,6 +278,61 @@ fn register_bounced(
     Ok((Registered::bounced(mr, bounce, region.guard().clone()), addr))
 }
 
+/// The registration of a [`DmaView::Device`] region's device memory, at the address the NIC names it
+/// by, reached at the region's own address (which work requests and adverts name), with `flags`.
+/// `None` for any other region, and when the device memory cannot be registered that way: the region's
+/// host copy is registered then, and its accesses go through the block's hooks, as for staged memory.
+///
+/// Two cases refuse it: a NIC without access to that device's memory, and addresses at different
+/// offsets within a page (the kernel maps an address reached to the memory registered page by page,
+/// so the two must share their offset; device memory and a staging buffer both start on a page).
+fn register_device(shared: &RdmaShared, region: &RegionEntry, flags: AccessFlags) -> Option<mr::Registered> {
+    let DmaView::Device { nic_address } = region.block().dma_view() else {
+        return None;
+    };
+    let refused = |why: &dyn std::fmt::Display| {
+        tracing::warn!(
+            region = ?region.key(),
+            kind = region.block().kind(),
+            device = %shared.device.name,
+            nic_address,
+            why = %why,
+            "the NIC cannot reach this region's device memory; RDMA goes through its host copy"
+        );
+        None
+    };
+    let page = page_size();
+    if nic_address % page != region.addr() % page {
+        return refused(&format_args!(
+            "the device address and the host copy ({:#x}) lie at different offsets within a {page}-byte page",
+            region.addr()
+        ));
+    }
+    // SAFETY: a block that declares `DmaView::Device` keeps its `len` bytes at `nic_address`
+    // reachable for as long as it lives (a `MemoryBlock` promise), and the engine keeps the block
+    // alive until `deregister_region` returns, which deregisters this registration first.
+    let registered = unsafe {
+        mr::IovaRegion::register(
+            &shared.pd,
+            nic_address as usize as *mut u8,
+            region.len() as usize,
+            region.addr(),
+            flags,
+        )
+    };
+    match registered {
+        Ok(mr) => Some(mr::Registered::device(mr, nic_address, region.guard().clone())),
+        Err(e) => refused(&e),
+    }
+}
+
+/// The system's page size (4 KiB if it cannot say).
+fn page_size() -> u64 {
+    // SAFETY: sysconf reads a system constant; it has no preconditions.
+    let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    u64::try_from(size).ok().filter(|s| s.is_power_of_two()).unwrap_or(4096)
+}
+
 /// Keeps `reg` as the NIC registration of `region`, advertised as `key`; returns the key's wire form.
 fn keep_registered(
     shared: &RdmaShared,
@@ -297,6 +352,14 @@ fn keep_registered(
 /// own (see [`scope`]): for the work requests this engine posts, with no remote access; peers get
 /// theirs as they are granted the region.
 fn register_local(shared: &Arc<RdmaShared>, region: &RegionEntry) -> Result<Option<Vec<u8>>> {
+    if let Some(reg) = register_device(shared, region, AccessFlags::LocalWrite) {
+        // The region's advert names the transport; each peer's own key replaces this one.
+        let key = ferry_proto::rdma::RemoteKey {
+            rkey: 0,
+            ..reg.advertised()
+        };
+        return keep_registered(shared, region, reg, key);
+    }
     let flushable = region.block().is_pmem() && region.access().contains(Access::WRITE) && shared.device.flush_capable;
     // SAFETY: the engine keeps the region's memory alive until `deregister_region` returns, which
     // deregisters the memory region first.
@@ -493,6 +556,10 @@ fn register_on(shared: &Arc<RdmaShared>, region: &RegionEntry) -> Result<Option<
     }
     if region.access().contains(Access::WRITE) {
         flags |= AccessFlags::RemoteWrite;
+    }
+    if let Some(reg) = register_device(shared, region, flags) {
+        let key = reg.advertised();
+        return keep_registered(shared, region, reg, key);
     }
     // Persistent memory on a device that executes FLUSH is registered for it, so that initiators
     // can persist their writes with the verb. (DRAM refuses these flags.)

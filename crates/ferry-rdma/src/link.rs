@@ -875,7 +875,7 @@ async fn run(inner: Arc<Inner>, request: TransferRequest) -> Result<()> {
     }
     if request.op == Op::Write {
         // Memory behind a staging buffer (device-local GPU memory) is brought to the host first.
-        for item in &request.items {
+        for item in request.items.iter().filter(|i| !inner.reaches_device(&i.local)) {
             off_runtime(&item.local, |block, offset, len| block.prepare_read(offset, len)).await?;
         }
     }
@@ -912,7 +912,7 @@ async fn run(inner: Arc<Inner>, request: TransferRequest) -> Result<()> {
     posted.ids.clear();
     if request.op == Op::Read {
         // Local memory behind a staging buffer (device-local GPU memory) takes the bytes to the device.
-        for item in &request.items {
+        for item in request.items.iter().filter(|i| !inner.reaches_device(&i.local)) {
             off_runtime(&item.local, |block, offset, len| {
                 block.commit_written(offset, len, Durability::Completed)
             })
@@ -1015,6 +1015,21 @@ async fn off_runtime(
 }
 
 impl Inner {
+    /// Whether this link's NIC reaches `part`'s bytes in device memory itself ([`DmaView::Device`]
+    /// registered at its device address), so that its host copy takes no part and its hooks are not
+    /// run around RDMA accesses.
+    ///
+    /// [`DmaView::Device`]: ferry_core::DmaView::Device
+    fn reaches_device(&self, part: &ferry_core::Resolved) -> bool {
+        part.region.block().has_access_hooks()
+            && self
+                .shared
+                .registered_if_any(part.region.key())
+                .ok()
+                .flatten()
+                .is_some_and(|r| r.reaches_device())
+    }
+
     /// Adds what `method` needs after the WRITEs of a persistent transfer: a FLUSH per written range,
     /// or one small READ that the NIC answers only after the WRITEs before it are placed.
     fn add_persist_work(&self, wrs: &mut Vec<WorkRequest>, method: Option<PersistMethod>) {

@@ -14,26 +14,111 @@
 //! anonymous buffer of the region's size, registered in its place. RDMA WRITEs land there and the
 //! target copies the written ranges into the region when the initiator's commit request names them
 //! (`RdmaShared::commit_bounced`); reads of such a region go over TCP.
+//!
+//! Device memory a NIC reaches by itself (`DmaView::Device`: GPU memory with
+//! `VK_NV_external_memory_rdma`) is registered at the address the NIC names it by, mapped onto the
+//! region's own (host) address with `ibv_reg_mr_iova2`: work requests and peers address it as any other
+//! region, and the NIC moves its bytes to and from the device with no host copy and no hook.
 
+use std::ptr::NonNull;
 use std::sync::{Arc, Mutex};
 
 use ferry_core::{AccessGuard, OwnedPermit};
+use rdma_mummy_sys::{ibv_dereg_mr, ibv_mr, ibv_reg_mr_iova2};
+use sideway::ibverbs::AccessFlags;
 use sideway::ibverbs::memory_region::MemoryRegion;
+use sideway::ibverbs::protection_domain::ProtectionDomain;
 
 use ferry_proto::rdma::RemoteKey;
 
 /// A region's registration with the NIC.
 pub struct Registered {
     // Before `bounce`: the NIC forgets the buffer before it is freed. `None` once deregistered.
-    mr: Mutex<Option<Arc<MemoryRegion>>>,
+    mr: Mutex<Option<Mr>>,
     lkey: u32,
     rkey: u32,
     /// The region's access guard: a posted work request holds a permit of it until its completion.
     guard: Arc<AccessGuard>,
     bounce: Option<Bounce>,
+    /// For device memory registered at the address the NIC names it by (`DmaView::Device`), that
+    /// address: work requests then reach the device, never the block's host copy.
+    device: Option<u64>,
     /// What the region's advert carries for RDMA (on an engine that authenticates its links, the
     /// template of each peer's own key: see `crate::scope`).
     advertised: RemoteKey,
+}
+
+/// A memory region as the verbs library registered it.
+#[expect(dead_code, reason = "held only to be dropped, which deregisters it")]
+enum Mr {
+    /// At the memory's own address.
+    Direct(Arc<MemoryRegion>),
+    /// At an address of the caller's choosing.
+    Iova(IovaRegion),
+}
+
+/// A memory region registered at an address of the caller's choosing (a peer's opaque base, or the
+/// host address of a region whose bytes lie in device memory), which the binding has no constructor
+/// for. Deregistered when dropped.
+pub(crate) struct IovaRegion {
+    mr: NonNull<ibv_mr>,
+    lkey: u32,
+    rkey: u32,
+    // Keeps the domain allocated while the registration lives.
+    _pd: Arc<ProtectionDomain>,
+}
+
+// SAFETY: an `ibv_mr` may be used and deregistered from any thread; this type only reads its keys
+// once, at creation, and deregisters in `drop`, which takes `&mut self`.
+unsafe impl Send for IovaRegion {}
+// SAFETY: no method takes `&self` and touches the registration.
+unsafe impl Sync for IovaRegion {}
+
+impl IovaRegion {
+    /// Registers `[addr, addr + len)` in `pd`, reached by work requests and peers at
+    /// `[iova, iova + len)`.
+    ///
+    /// # Safety
+    ///
+    /// The memory must stay mapped until the returned value is dropped.
+    pub(crate) unsafe fn register(
+        pd: &Arc<ProtectionDomain>,
+        addr: *mut u8,
+        len: usize,
+        iova: u64,
+        access: AccessFlags,
+    ) -> std::io::Result<Self> {
+        // SAFETY: `pd` is a live protection domain (the Arc keeps it allocated); the caller keeps the
+        // memory mapped for the registration's life. The access flags are the verbs' own bits.
+        let mr = unsafe { ibv_reg_mr_iova2(pd.pd().as_ptr(), addr.cast(), len, iova, access.bits() as u32) };
+        let mr = NonNull::new(mr).ok_or_else(std::io::Error::last_os_error)?;
+        // SAFETY: a registration the library just returned.
+        let (lkey, rkey) = unsafe { (mr.as_ref().lkey, mr.as_ref().rkey) };
+        Ok(IovaRegion {
+            mr,
+            lkey,
+            rkey,
+            _pd: pd.clone(),
+        })
+    }
+
+    /// The key peers name.
+    pub(crate) fn rkey(&self) -> u32 {
+        self.rkey
+    }
+}
+
+impl Drop for IovaRegion {
+    fn drop(&mut self) {
+        // SAFETY: the registration is live and deregistered only here, once.
+        let rc = unsafe { ibv_dereg_mr(self.mr.as_ptr()) };
+        if rc != 0 {
+            tracing::error!(
+                rc,
+                "deregistering an RDMA registration failed; the NIC may still reach its memory"
+            );
+        }
+    }
 }
 
 /// A region taken into use by a posted group of work requests: a permit of its access guard, released
@@ -92,9 +177,30 @@ impl Registered {
                 bounce_addr: None,
                 hooked: false,
             },
-            mr: Mutex::new(Some(mr)),
+            mr: Mutex::new(Some(Mr::Direct(mr))),
             guard,
             bounce: None,
+            device: None,
+        }
+    }
+
+    /// The registration of a region whose bytes lie in device memory, registered at `nic_address`
+    /// and reached at the region's own (host) address, which work requests and the region's adverts
+    /// name: `mr` maps the one onto the other.
+    pub(crate) fn device(mr: IovaRegion, nic_address: u64, guard: Arc<AccessGuard>) -> Self {
+        Registered {
+            lkey: mr.lkey,
+            rkey: mr.rkey,
+            advertised: RemoteKey {
+                rkey: mr.rkey,
+                flushable: false,
+                bounce_addr: None,
+                hooked: false,
+            },
+            mr: Mutex::new(Some(Mr::Iova(mr))),
+            guard,
+            bounce: None,
+            device: Some(nic_address),
         }
     }
 
@@ -111,10 +217,20 @@ impl Registered {
         self.advertised
     }
 
-    /// The bounce buffer's first byte, for registering it for a peer (`None` for a region registered
-    /// directly).
-    pub(crate) fn bounce_first(&self) -> Option<*mut u8> {
-        self.bounce.as_ref().map(Bounce::as_ptr)
+    /// Where the NIC reaches the region when that is not the region's own memory, for registering
+    /// it for a peer: the bounce buffer's first byte, or the device memory's address (`None` for a
+    /// region registered directly).
+    pub(crate) fn nic_first(&self) -> Option<*mut u8> {
+        self.bounce
+            .as_ref()
+            .map(Bounce::as_ptr)
+            .or(self.device.map(|a| a as usize as *mut u8))
+    }
+
+    /// Whether work requests reach the region's bytes in device memory, bypassing its host copy:
+    /// the block's access hooks then have nothing to do for RDMA.
+    pub fn reaches_device(&self) -> bool {
+        self.device.is_some()
     }
 
     /// A registration of `bounce` standing in for a region the NIC cannot pin.

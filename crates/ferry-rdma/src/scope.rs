@@ -16,71 +16,15 @@
 //! no way to post a bind.
 
 use std::collections::HashMap;
-use std::ptr::NonNull;
 use std::sync::{Arc, Mutex, Weak};
 
 use ferry_core::{Access, Error, PeerScope, RegionEntry, RegionKey, Result, TransportKind};
-use rdma_mummy_sys::{ibv_dereg_mr, ibv_mr, ibv_reg_mr_iova2};
 use sideway::ibverbs::AccessFlags;
 use sideway::ibverbs::protection_domain::ProtectionDomain;
 
 use crate::RdmaShared;
+use crate::mr::IovaRegion;
 use ferry_proto::rdma::RemoteKey;
-
-/// A memory region registered at an address of the caller's choosing (the peer's opaque base), which
-/// the binding has no constructor for. Deregistered when dropped.
-struct IovaRegion {
-    mr: NonNull<ibv_mr>,
-    rkey: u32,
-    // Keeps the domain allocated while the registration lives.
-    _pd: Arc<ProtectionDomain>,
-}
-
-// SAFETY: an `ibv_mr` may be used and deregistered from any thread; this type only reads `rkey` once,
-// at creation, and deregisters in `drop`, which takes `&mut self`.
-unsafe impl Send for IovaRegion {}
-// SAFETY: no method takes `&self` and touches the registration.
-unsafe impl Sync for IovaRegion {}
-
-impl IovaRegion {
-    /// Registers `[addr, addr + len)` in `pd`, reached by peers at `[iova, iova + len)`.
-    ///
-    /// # Safety
-    ///
-    /// The memory must stay mapped until the returned value is dropped.
-    unsafe fn register(
-        pd: &Arc<ProtectionDomain>,
-        addr: *mut u8,
-        len: usize,
-        iova: u64,
-        access: AccessFlags,
-    ) -> std::io::Result<Self> {
-        // SAFETY: `pd` is a live protection domain (the Arc keeps it allocated); the caller keeps the
-        // memory mapped for the registration's life. The access flags are the verbs' own bits.
-        let mr = unsafe { ibv_reg_mr_iova2(pd.pd().as_ptr(), addr.cast(), len, iova, access.bits() as u32) };
-        let mr = NonNull::new(mr).ok_or_else(std::io::Error::last_os_error)?;
-        // SAFETY: a registration the library just returned.
-        let rkey = unsafe { mr.as_ref().rkey };
-        Ok(IovaRegion {
-            mr,
-            rkey,
-            _pd: pd.clone(),
-        })
-    }
-}
-
-impl Drop for IovaRegion {
-    fn drop(&mut self) {
-        // SAFETY: the registration is live and deregistered only here, once.
-        let rc = unsafe { ibv_dereg_mr(self.mr.as_ptr()) };
-        if rc != 0 {
-            tracing::error!(
-                rc,
-                "deregistering a peer's RDMA registration failed; the NIC may still reach it"
-            );
-        }
-    }
-}
 
 /// One region as registered for one peer.
 struct Granted {
@@ -152,8 +96,9 @@ impl PeerScope for PeerDomain {
             return Ok(Some(g.key.encode()));
         }
         let own = reg.advertised();
-        // A bounced region is reached at its bounce buffer, which is what the peer is given at its base.
-        let addr = reg.bounce_first().unwrap_or_else(|| region.ptr_at(0));
+        // A bounced region is reached at its bounce buffer, and device memory at the address the NIC
+        // names it by: that is what the peer is given at its base.
+        let addr = reg.nic_first().unwrap_or_else(|| region.ptr_at(0));
         let flags = remote_flags(access);
         let flush = own.flushable && access.contains(Access::WRITE);
         // SAFETY: the region's memory (or its bounce buffer, owned by the shared registration) stays
@@ -172,7 +117,7 @@ impl PeerScope for PeerDomain {
             ))
         })?;
         let key = RemoteKey {
-            rkey: registered.rkey,
+            rkey: registered.rkey(),
             flushable,
             bounce_addr: own.bounce_addr.map(|_| base),
             hooked: own.hooked,

@@ -219,17 +219,19 @@ unsafe impl MemoryBlock for VulkanBlock {
         }
     }
 
-    /// [`DmaView::Staged`] for a staged block (path 3, and path 1 where the RDMA-capable memory is not
-    /// host-visible: the pointer is a staging buffer, coherent with the device only through GPU copies)
-    /// and for a mapping that is not host-coherent (the hooks flush and invalidate it);
-    /// [`DmaView::Host`] for a coherent mapping (path 2, and path 1 where the RDMA-capable memory is
-    /// host-visible), which the CPU and the NIC reach directly. No block is [`DmaView::Device`] yet:
-    /// the RDMA transport registers the host pointer with the NIC, never the device address of
-    /// path 1 ([`rdma_address`](VulkanBlock::rdma_address)).
+    /// [`DmaView::Device`] for path 1 where the RDMA-capable memory is not host-visible: the NIC
+    /// reaches the device memory at its [`rdma_address`](VulkanBlock::rdma_address), and the pointer is
+    /// a staging buffer that CPU transports use, coherent with the device only through GPU copies.
+    /// [`DmaView::Staged`] for the other staged blocks (path 3) and for a mapping that is not
+    /// host-coherent (the hooks flush and invalidate it); [`DmaView::Host`] for a coherent mapping
+    /// (path 2, and path 1 where the RDMA-capable memory is host-visible), which the CPU and the NIC
+    /// reach directly.
     fn dma_view(&self) -> DmaView {
-        match self.staging.is_some() || !self.device.is_coherent() {
-            true => DmaView::Staged,
-            false => DmaView::Host,
+        match (self.staging.is_some(), self.rdma_address) {
+            (true, Some(nic_address)) => DmaView::Device { nic_address },
+            (true, None) => DmaView::Staged,
+            (false, _) if !self.device.is_coherent() => DmaView::Staged,
+            (false, _) => DmaView::Host,
         }
     }
 
