@@ -42,7 +42,8 @@
 //! `MemoryBlock::commit_written`). A READ of such a block is preceded by a prepare request, answered
 //! once the target copied the ranges from the device (`MemoryBlock::prepare_read`), and only then
 //! posted. Local blocks with hooks get the same calls here: `prepare_read` before a WRITE reads them,
-//! `commit_written` after a READ filled them. A WRITE's completion here says only that the target's NIC has
+//! `commit_written` after a READ filled them. Device memory the NIC reaches by itself (registered at its
+//! device address, see `crate::mr`) needs neither, at either end. A WRITE's completion here says only that the target's NIC has
 //! the bytes, not that they are in the target's memory, so whatever asks the target's CPU to act on
 //! them must be ordered behind their placement. The commit request is therefore a SEND on the same
 //! queue pair, posted right after the WRITEs: an RC responder executes requests in order and completes
