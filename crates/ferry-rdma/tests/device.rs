@@ -16,11 +16,10 @@ use std::alloc::Layout;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use ferry::{Access, DmaView, Durability, Engine, MemoryBlock, Op, TlsConfig, TransferDesc, TransportKind};
-use ferry_proto::rdma::RemoteKey;
+use ferry::{Access, DmaView, Durability, Engine, MemoryBlock, Op, TransferDesc, TransportKind};
 
 mod common;
-use common::{T, builder, in_rig, pair, pattern, wait_for};
+use common::{T, assert_bytes, builder, client, pair, pattern, rdma_key, tls, uneven_descs, wait_for};
 
 /// Several pages, ending off a page boundary.
 const LEN: usize = (1 << 20) + 4097;
@@ -158,20 +157,8 @@ unsafe impl MemoryBlock for EmulatedDevice {
     }
 }
 
-/// Descriptors of uneven sizes that cover `[0, LEN)`.
 fn descs(local: u64, remote: u64) -> Vec<TransferDesc> {
-    let cuts = [0usize, 1, 4097, 70_000, 400_000, LEN];
-    cuts.windows(2)
-        .map(|w| TransferDesc::new(local + w[0] as u64, remote + w[0] as u64, (w[1] - w[0]) as u64))
-        .collect()
-}
-
-fn assert_bytes(got: &[u8], want: &[u8], what: &str) {
-    assert_eq!(got.len(), want.len(), "{what}: length");
-    if let Some(i) = got.iter().zip(want).position(|(a, b)| a != b) {
-        let differ = got.iter().zip(want).filter(|(a, b)| a != b).count();
-        panic!("{what}: {differ} of {} bytes differ, first at {i}", got.len());
-    }
+    uneven_descs(local, remote, LEN)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -253,22 +240,14 @@ async fn local_device_memory_is_what_the_nic_reads_and_writes() {
 /// protection domain, at its own base) reaches the device memory too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_granted_peer_reaches_device_memory_through_its_own_registration() {
-    let psk = |name: &str| TlsConfig::from_psk(&[0x5c; 32], name).unwrap();
-    let target = builder().listen("127.0.0.1:0").tls(psk("cache")).build().await.unwrap();
+    let target = builder().listen("127.0.0.1:0").tls(tls("cache")).build().await.unwrap();
     let stale = pattern(LEN, 14);
     let block = EmulatedDevice::new(&stale, &stale);
     let region = target.register_block(block.clone(), Access::READ_WRITE).unwrap();
     region.grant("writer", Access::READ_WRITE).await.unwrap();
-    let writer = builder().tls(psk("writer")).build().await.unwrap();
-    let peer = writer
-        .connect(&target.local_addr().unwrap().to_string(), T)
-        .await
-        .unwrap();
-    if peer.transport() != TransportKind::Rdma {
-        assert!(!in_rig(), "inside the rig an authenticated link must use RDMA too");
-        eprintln!("skipped: no usable RDMA device here; the rig runs this test");
+    let Some((writer, peer)) = client("writer", &target).await else {
         return;
-    }
+    };
     let base = region.addr_for("writer");
     let ad = peer
         .regions()
@@ -276,12 +255,7 @@ async fn a_granted_peer_reaches_device_memory_through_its_own_registration() {
         .find(|a| a.addr == base)
         .cloned()
         .expect("the writer was told of the region at its own base");
-    let key = ad
-        .transport_keys
-        .iter()
-        .find(|(k, _)| *k == TransportKind::Rdma)
-        .map(|(_, k)| RemoteKey::decode(k).unwrap())
-        .expect("the advert carries an RDMA key");
+    let key = rdma_key(&ad);
     assert!(!key.hooked && key.bounce_addr.is_none(), "{key:?}");
 
     let want = pattern(LEN, 15);

@@ -8,29 +8,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use common::{T, builder, in_rig, pattern};
-use ferry::{Access, Engine, Error, Op, Peer, TlsConfig, TransferDesc, TransportKind};
+use common::{T, builder, client, pattern, rdma_key, tls};
+use ferry::{Access, Error, Op, Peer, TransferDesc, TransportKind};
 use ferry_proto::rdma::RemoteKey;
-
-const KEY: [u8; 32] = [0x5c; 32];
-
-fn tls(name: &str) -> TlsConfig {
-    TlsConfig::from_psk(&KEY, name).unwrap()
-}
-
-async fn client(name: &str, target: &Engine) -> Option<(Engine, Peer)> {
-    let engine = builder().tls(tls(name)).build().await.unwrap();
-    let peer = engine
-        .connect(&target.local_addr().unwrap().to_string(), T)
-        .await
-        .unwrap();
-    if peer.transport() != TransportKind::Rdma {
-        assert!(!in_rig(), "inside the rig an authenticated link must use RDMA too");
-        eprintln!("skipped: no usable RDMA device here; the rig runs this test");
-        return None;
-    }
-    Some((engine, peer))
-}
 
 /// The one region `peer` was told of, with its RDMA key.
 fn advert(peer: &Peer) -> (ferry::RegionAd, RemoteKey) {
@@ -40,12 +20,7 @@ fn advert(peer: &Peer) -> (ferry::RegionAd, RemoteKey) {
         .next()
         .cloned()
         .expect("the peer was told of the region");
-    let key = ad
-        .transport_keys
-        .iter()
-        .find(|(k, _)| *k == TransportKind::Rdma)
-        .map(|(_, k)| RemoteKey::decode(k).unwrap())
-        .expect("the advert carries an RDMA key");
+    let key = rdma_key(&ad);
     (ad, key)
 }
 

@@ -12,7 +12,7 @@ use ferry::{Access, Engine, Op, Peer, Region, TransferDesc};
 use ferry_vulkan::{AllocationPath, INSTALL_HINT, VulkanBlock, VulkanContext, VulkanRegistry};
 
 mod common;
-use common::{T, in_rig, pair, pattern, wait_for};
+use common::{T, assert_bytes, in_rig, pair, pattern, uneven_descs, wait_for};
 
 /// Spans several staging chunks and ends off any page boundary.
 const LEN: usize = (3 << 20) + 4097;
@@ -57,19 +57,8 @@ fn device_write(ctx: &Arc<VulkanContext>, block: &VulkanBlock, bytes: &[u8]) {
     ctx.copy(&*source, 0, block, 0, LEN as u64).unwrap();
 }
 
-/// Descriptors of uneven sizes that cover `[0, LEN)`.
 fn descs(local: u64, remote: u64) -> Vec<TransferDesc> {
-    let cuts = [0usize, 1, 4097, 70_000, 400_000, 2 << 20, LEN];
-    cuts.windows(2)
-        .map(|w| TransferDesc::new(local + w[0] as u64, remote + w[0] as u64, (w[1] - w[0]) as u64))
-        .collect()
-}
-
-fn assert_bytes(got: &[u8], want: &[u8], what: &str) {
-    if let Some(i) = got.iter().zip(want).position(|(a, b)| a != b) {
-        let differ = got.iter().zip(want).filter(|(a, b)| a != b).count();
-        panic!("{what}: {differ} of {} bytes differ, first at {i}", got.len());
-    }
+    uneven_descs(local, remote, LEN)
 }
 
 /// Two engines over RDMA, the target's region device-local GPU memory behind a staging buffer. Bind

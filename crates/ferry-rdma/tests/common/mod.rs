@@ -69,3 +69,55 @@ pub async fn pair() -> Option<(Engine, Engine, Peer)> {
     }
     Some((target, initiator, peer))
 }
+
+/// Descriptors of uneven sizes that cover `[0, len)` from `local` to `remote`: cut at 1 byte, one page
+/// and a byte, and other sizes that end off any page boundary.
+pub fn uneven_descs(local: u64, remote: u64, len: usize) -> Vec<ferry::TransferDesc> {
+    let mut cuts: Vec<usize> = [0usize, 1, 4097, 70_000, 400_000, 2 << 20]
+        .into_iter()
+        .filter(|&c| c < len)
+        .collect();
+    cuts.push(len);
+    cuts.windows(2)
+        .map(|w| ferry::TransferDesc::new(local + w[0] as u64, remote + w[0] as u64, (w[1] - w[0]) as u64))
+        .collect()
+}
+
+/// Fails with how many bytes differ and where the first is, rather than printing megabytes.
+pub fn assert_bytes(got: &[u8], want: &[u8], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    if let Some(i) = got.iter().zip(want).position(|(a, b)| a != b) {
+        let differ = got.iter().zip(want).filter(|(a, b)| a != b).count();
+        panic!("{what}: {differ} of {} bytes differ, first at {i}", got.len());
+    }
+}
+
+/// The RDMA key an advert carries.
+pub fn rdma_key(ad: &ferry::RegionAd) -> ferry_proto::rdma::RemoteKey {
+    ad.transport_keys
+        .iter()
+        .find(|(k, _)| *k == TransportKind::Rdma)
+        .map(|(_, k)| ferry_proto::rdma::RemoteKey::decode(k).unwrap())
+        .expect("the advert carries an RDMA key")
+}
+
+/// A pre-shared-key TLS configuration naming this engine `name`, with the key every test shares.
+pub fn tls(name: &str) -> ferry::TlsConfig {
+    ferry::TlsConfig::from_psk(&[0x5c; 32], name).unwrap()
+}
+
+/// An engine authenticated as `name` (see [`tls`]) and its link to `target`; `None` (after saying so)
+/// where there is no device outside the rig.
+pub async fn client(name: &str, target: &Engine) -> Option<(Engine, Peer)> {
+    let engine = builder().tls(tls(name)).build().await.unwrap();
+    let peer = engine
+        .connect(&target.local_addr().unwrap().to_string(), T)
+        .await
+        .unwrap();
+    if peer.transport() != TransportKind::Rdma {
+        assert!(!in_rig(), "inside the rig an authenticated link must use RDMA too");
+        eprintln!("skipped: no usable RDMA device here; the rig runs this test");
+        return None;
+    }
+    Some((engine, peer))
+}
