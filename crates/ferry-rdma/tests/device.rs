@@ -3,159 +3,23 @@
 //! in between; a NIC that refuses that address must get the host copy, with the hooks around it; and
 //! TCP, which only the CPU drives, must always go through the host copy and the hooks.
 //!
-//! The device is emulated: a second buffer of host memory stands for the GPU's memory, the block's
-//! pointer is its host copy, and its hooks copy between the two (the GPU copies a real block makes).
-//! Soft-RoCE registers any mapped memory, so it reaches that buffer as a GPUDirect NIC reaches a
-//! GPU's. Every test can tell the paths apart: the host copy and the device hold different bytes, and
-//! the block counts its hook calls.
+//! The device is emulated ([`EmulatedDevice`]): Soft-RoCE registers any mapped memory, so it reaches
+//! the emulated device as a GPUDirect NIC reaches a GPU's memory. Every test can tell the paths apart:
+//! the host copy and the device hold different bytes, and the block counts its hook calls.
 //!
 //! The RDMA tests run inside the rig (`cargo xtask rig test`); elsewhere they say so and return. The
 //! TCP test runs everywhere.
 
-use std::alloc::Layout;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
-use ferry::{Access, DmaView, Durability, Engine, MemoryBlock, Op, TransferDesc, TransportKind};
+use ferry::{Access, Engine, Op, TransferDesc, TransportKind};
 
 mod common;
+use common::emulated::EmulatedDevice;
 use common::{T, assert_bytes, builder, client, pair, pattern, rdma_key, tls, uneven_descs, wait_for};
 
 /// Several pages, ending off a page boundary.
 const LEN: usize = (1 << 20) + 4097;
-
-/// A page-aligned buffer of `len` bytes (plus `skew` bytes before the first), freed on drop.
-struct Buffer {
-    first: *mut u8,
-    layout: Layout,
-    skew: usize,
-}
-
-impl Buffer {
-    fn new(bytes: &[u8], skew: usize) -> Self {
-        let layout = Layout::from_size_align(bytes.len() + skew, PAGE).unwrap();
-        // SAFETY: the layout's size is not zero (every test buffer has bytes).
-        let base = unsafe { std::alloc::alloc_zeroed(layout) };
-        assert!(!base.is_null(), "allocating a test buffer");
-        // SAFETY: `skew + bytes.len()` bytes were just allocated at `base`.
-        let first = unsafe { base.add(skew) };
-        // SAFETY: as above; the new allocation does not overlap `bytes`.
-        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), first, bytes.len()) };
-        Buffer { first, layout, skew }
-    }
-}
-
-impl Drop for Buffer {
-    fn drop(&mut self) {
-        // SAFETY: allocated in `new` with this layout, `skew` bytes before `first`.
-        unsafe { std::alloc::dealloc(self.first.sub(self.skew), self.layout) };
-    }
-}
-
-const PAGE: usize = 4096;
-
-/// Emulated device memory behind a host copy. Both buffers are owned here and freed on drop, after
-/// the engine has dropped its last handle (which it does only once the region is deregistered).
-struct EmulatedDevice {
-    host: Buffer,
-    device: Buffer,
-    len: usize,
-    /// What the block tells NICs to register; the device buffer unless a test says otherwise.
-    nic_address: u64,
-    hook_calls: AtomicUsize,
-}
-
-// SAFETY: the two buffers are owned by this value; their bytes are only reached through raw pointers
-// (by the engine, the NIC and the helpers below).
-unsafe impl Send for EmulatedDevice {}
-// SAFETY: as above.
-unsafe impl Sync for EmulatedDevice {}
-
-impl EmulatedDevice {
-    /// A block whose host copy holds `host` and whose device holds `device`, both page-aligned, as a
-    /// staging buffer and device memory are.
-    fn new(host: &[u8], device: &[u8]) -> Arc<Self> {
-        EmulatedDevice::with_device_skew(host, device, 0)
-    }
-
-    /// [`new`](Self::new) with the device memory starting `skew` bytes into a page.
-    fn with_device_skew(host: &[u8], device: &[u8], skew: usize) -> Arc<Self> {
-        assert_eq!(host.len(), device.len());
-        let (host, device) = (Buffer::new(host, 0), Buffer::new(device, skew));
-        Arc::new(EmulatedDevice {
-            nic_address: device.first as u64,
-            len: device.layout.size() - skew,
-            host,
-            device,
-            hook_calls: AtomicUsize::new(0),
-        })
-    }
-
-    /// A block whose device memory no NIC can reach: it names an address where nothing is mapped, so
-    /// registering it fails, as it does for a NIC without access to a GPU's memory. The device
-    /// buffer is still reached through the hooks.
-    fn unreachable_by_nics(host: &[u8], device: &[u8]) -> Arc<Self> {
-        let mut block = Arc::into_inner(EmulatedDevice::new(host, device)).expect("just made");
-        block.nic_address = 0;
-        Arc::new(block)
-    }
-
-    fn device_bytes(&self) -> Vec<u8> {
-        // SAFETY: the device buffer holds `len` bytes this value owns; no transfer is in flight when a
-        // test looks.
-        unsafe { std::slice::from_raw_parts(self.device.first, self.len) }.to_vec()
-    }
-
-    fn host_bytes(&self) -> Vec<u8> {
-        // SAFETY: as for `device_bytes`.
-        unsafe { std::slice::from_raw_parts(self.host.first, self.len) }.to_vec()
-    }
-
-    fn set_device(&self, bytes: &[u8]) {
-        assert_eq!(bytes.len(), self.len);
-        // SAFETY: the device buffer holds `len` bytes this value owns; nothing else touches them
-        // meanwhile.
-        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.device.first, self.len) };
-    }
-
-    fn hook_calls(&self) -> usize {
-        self.hook_calls.load(Ordering::SeqCst)
-    }
-}
-
-// SAFETY: the host and device buffers hold `len` bytes each, owned by the block and valid while it
-// lives; `nic_address` is the device buffer, or (`unreachable_by_nics`) an address no NIC can
-// register, which is then never reached.
-unsafe impl MemoryBlock for EmulatedDevice {
-    fn as_ptr(&self) -> *mut u8 {
-        self.host.first
-    }
-    fn len(&self) -> usize {
-        self.len
-    }
-    fn kind(&self) -> &str {
-        "test (emulated device memory)"
-    }
-    fn dma_view(&self) -> DmaView {
-        DmaView::Device {
-            nic_address: self.nic_address,
-        }
-    }
-    fn commit_written(&self, offset: usize, len: usize, _durability: Durability) -> ferry::Result<()> {
-        self.hook_calls.fetch_add(1, Ordering::SeqCst);
-        assert!(offset + len <= self.len, "a hook past the block's end");
-        // SAFETY: both ranges lie inside buffers of `len` bytes that this value owns.
-        unsafe { std::ptr::copy_nonoverlapping(self.host.first.add(offset), self.device.first.add(offset), len) };
-        Ok(())
-    }
-    fn prepare_read(&self, offset: usize, len: usize) -> ferry::Result<()> {
-        self.hook_calls.fetch_add(1, Ordering::SeqCst);
-        assert!(offset + len <= self.len, "a hook past the block's end");
-        // SAFETY: as in `commit_written`.
-        unsafe { std::ptr::copy_nonoverlapping(self.device.first.add(offset), self.host.first.add(offset), len) };
-        Ok(())
-    }
-}
 
 fn descs(local: u64, remote: u64) -> Vec<TransferDesc> {
     uneven_descs(local, remote, LEN)

@@ -13,7 +13,8 @@ mod common;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{T, in_rig, pattern, wait_for};
+use common::emulated::EmulatedDevice;
+use common::{T, assert_bytes, in_rig, pattern, wait_for};
 use ferry::{Access, Engine, EngineBuilder, Notification, Op, Peer, TransferDesc, TransportKind};
 
 /// Two engines over every rail `FERRY_RDMA_RAILS` names; `None` (after saying so) outside the rig.
@@ -150,6 +151,44 @@ async fn a_batch_is_spread_over_every_rail() {
     assert!(
         rails.iter().all(|r| r.bytes > 0 && r.healthy && r.errors == 0),
         "every rail carried bytes: {rails:?}"
+    );
+}
+
+/// Device memory (`DmaView::Device`) is registered on every rail at its device address: a batch
+/// spread over both rails lands on the device at both ends, with no host copy and no hook.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn device_memory_is_reached_directly_on_every_rail() {
+    let Some((target, initiator, peer)) = rail_pair().await else {
+        return;
+    };
+    const LEN: usize = 8 << 20;
+    let stale = pattern(LEN, 20);
+    let remote = EmulatedDevice::new(&stale, &stale);
+    let dst = target.register_block(remote.clone(), Access::READ_WRITE).unwrap();
+    wait_for(&peer, &dst).await;
+    let local = EmulatedDevice::new(&stale, &pattern(LEN, 21));
+    let src = initiator.register_block(local.clone(), Access::READ_WRITE).unwrap();
+    let before = rail_bytes(&peer);
+    initiator
+        .transfer(
+            &peer,
+            Op::Write,
+            &[TransferDesc::new(src.addr(), dst.addr(), LEN as u64)],
+            T,
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}; rails {:?}", peer.rails()));
+    assert_bytes(&remote.device_bytes(), &pattern(LEN, 21), "the target's device");
+    assert_bytes(&remote.host_bytes(), &stale, "the target's host copy");
+    let after = rail_bytes(&peer);
+    assert!(
+        before.iter().zip(&after).all(|(b, a)| a > b),
+        "every rail carried bytes: {before:?} then {after:?}"
+    );
+    assert_eq!(
+        (remote.hook_calls(), local.hook_calls()),
+        (0, 0),
+        "no hook runs around the NICs' accesses"
     );
 }
 

@@ -2,6 +2,8 @@
 //! waiting for a region to reach a peer.
 #![allow(dead_code)]
 
+pub mod emulated;
+
 use std::time::Duration;
 
 use ferry::{Engine, EngineBuilder, Peer, Region, TransportKind};
