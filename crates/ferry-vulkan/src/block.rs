@@ -227,12 +227,7 @@ unsafe impl MemoryBlock for VulkanBlock {
     /// (path 2, and path 1 where the RDMA-capable memory is host-visible), which the CPU and the NIC
     /// reach directly.
     fn dma_view(&self) -> DmaView {
-        match (self.staging.is_some(), self.rdma_address) {
-            (true, Some(nic_address)) => DmaView::Device { nic_address },
-            (true, None) => DmaView::Staged,
-            (false, _) if !self.device.is_coherent() => DmaView::Staged,
-            (false, _) => DmaView::Host,
-        }
+        dma_view(self.staging.is_some(), self.rdma_address, self.device.is_coherent())
     }
 
     /// The GPU's PCI address when a NIC's DMA through this block's pointer reaches the GPU's own
@@ -272,5 +267,44 @@ impl GpuBuffer for VulkanBlock {
     }
     fn size(&self) -> u64 {
         self.device.size()
+    }
+}
+
+/// How the CPU and a NIC reach a block: behind a staging buffer or through a mapping (coherent or
+/// not), with the remote address `VK_NV_external_memory_rdma` gave, if any (see
+/// [`MemoryBlock::dma_view`] on [`VulkanBlock`]).
+fn dma_view(staged: bool, rdma_address: Option<u64>, coherent: bool) -> DmaView {
+    match (staged, rdma_address) {
+        (true, Some(nic_address)) => DmaView::Device { nic_address },
+        (true, None) => DmaView::Staged,
+        (false, _) if !coherent => DmaView::Staged,
+        (false, _) => DmaView::Host,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Lavapipe has no `VK_NV_external_memory_rdma`, so the tests on a device never see a remote
+    /// address: the rule is checked here, on every combination.
+    #[test]
+    fn only_staged_memory_with_a_remote_address_is_device_memory() {
+        let address = Some(0x7f00_0000_0000);
+        for coherent in [true, false] {
+            assert_eq!(
+                dma_view(true, address, coherent),
+                DmaView::Device {
+                    nic_address: 0x7f00_0000_0000
+                },
+                "the NIC reaches it directly, the CPU through the staging buffer"
+            );
+            assert_eq!(dma_view(true, None, coherent), DmaView::Staged);
+        }
+        // A mapping: the NIC registers the mapping, whatever the remote address.
+        for rdma_address in [address, None] {
+            assert_eq!(dma_view(false, rdma_address, true), DmaView::Host);
+            assert_eq!(dma_view(false, rdma_address, false), DmaView::Staged);
+        }
     }
 }
