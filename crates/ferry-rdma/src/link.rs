@@ -170,6 +170,10 @@ struct Plan {
     hooked_remote: Vec<usize>,
     /// Whether a local region is reached through a bounce buffer here (the NIC cannot pin its bytes).
     bounced_local: bool,
+    /// The items whose local block has hooks that the NIC's access does not bypass (device memory
+    /// behind a host copy that this NIC reaches through the copy): `prepare_read` before a WRITE,
+    /// `commit_written` after a READ.
+    hooked_local: Vec<usize>,
 }
 
 /// What a work request does.
@@ -445,6 +449,7 @@ impl Inner {
         let mut bounced_remote = Vec::new();
         let mut hooked_remote = Vec::new();
         let mut bounced_local = false;
+        let mut hooked_local = Vec::new();
         for (i, item) in items.iter().enumerate() {
             let Some(key) = item.remote_transport_key.as_deref() else {
                 tracing::debug!(peer = %self.peer, addr = item.remote_addr, "no RDMA key advertised for this region; the batch goes over tcp");
@@ -467,6 +472,9 @@ impl Inner {
                 hooked_remote.push(i);
             }
             bounced_local |= region.is_bounced();
+            if !region.reaches_device() && item.local.region.block().has_access_hooks() {
+                hooked_local.push(i);
+            }
             let mut done = 0u64;
             while done < item.len() {
                 let n = (item.len() - done).min(max_msg);
@@ -505,6 +513,7 @@ impl Inner {
             bounced_remote,
             hooked_remote,
             bounced_local,
+            hooked_local,
         }))
     }
 
@@ -874,17 +883,12 @@ async fn run(inner: Arc<Inner>, request: TransferRequest) -> Result<()> {
     if inner.closed.load(Ordering::Acquire) || inner.control.is_closed() {
         return Err(Error::PeerClosed(format!("the link to {} is down", inner.peer)));
     }
-    if request.op == Op::Write {
-        // Memory behind a staging buffer (device-local GPU memory) is brought to the host first.
-        for item in request.items.iter().filter(|i| !inner.reaches_device(&i.local)) {
-            off_runtime(&item.local, |block, offset, len| block.prepare_read(offset, len)).await?;
-        }
-    }
     let Some(Plan {
         wrs,
         mut bounced_remote,
         hooked_remote,
         bounced_local,
+        hooked_local,
     }) = inner.plan(request.op, &request.items)?
     else {
         // A region at either end that the NIC does not reach: TCP reaches every region.
@@ -894,6 +898,15 @@ async fn run(inner: Arc<Inner>, request: TransferRequest) -> Result<()> {
         // Memory the NIC reaches only through a bounce buffer (a page-cache file): the bytes that
         // count are in the region itself, which TCP reaches directly.
         return inner.control.transfer(request).await;
+    }
+    if request.op == Op::Write {
+        // Memory behind a staging buffer (device-local GPU memory) is brought to the host first.
+        for &i in &hooked_local {
+            off_runtime(&request.items[i].local, |block, offset, len| {
+                block.prepare_read(offset, len)
+            })
+            .await?;
+        }
     }
     if request.op == Op::Read && !hooked_remote.is_empty() {
         // The target copies the ranges from the device into what its NIC reads, and answers before
@@ -913,8 +926,8 @@ async fn run(inner: Arc<Inner>, request: TransferRequest) -> Result<()> {
     posted.ids.clear();
     if request.op == Op::Read {
         // Local memory behind a staging buffer (device-local GPU memory) takes the bytes to the device.
-        for item in request.items.iter().filter(|i| !inner.reaches_device(&i.local)) {
-            off_runtime(&item.local, |block, offset, len| {
+        for &i in &hooked_local {
+            off_runtime(&request.items[i].local, |block, offset, len| {
                 block.commit_written(offset, len, Durability::Completed)
             })
             .await?;
@@ -995,15 +1008,13 @@ async fn post_and_commit(
 }
 
 /// Runs a staged block's hook (a GPU copy, which waits for its fence) on `part`: on a blocking thread,
-/// under an owned permit of the region's guard held across it. Nothing to do for plain host memory.
+/// under an owned permit of the region's guard held across it. [`Plan::hooked_local`] says which parts
+/// need it.
 async fn off_runtime(
     part: &ferry_core::Resolved,
     hook: impl FnOnce(&dyn ferry_core::MemoryBlock, usize, usize) -> Result<()> + Send + 'static,
 ) -> Result<()> {
     let region = &part.region;
-    if !region.block().has_access_hooks() {
-        return Ok(());
-    }
     let permit = region.guard().enter_owned().ok_or_else(|| region.gone())?;
     let (region, offset, len) = (region.clone(), part.offset as usize, part.len as usize);
     tokio::task::spawn_blocking(move || {
@@ -1016,21 +1027,6 @@ async fn off_runtime(
 }
 
 impl Inner {
-    /// Whether this link's NIC reaches `part`'s bytes in device memory itself ([`DmaView::Device`]
-    /// registered at its device address), so that its host copy takes no part and its hooks are not
-    /// run around RDMA accesses.
-    ///
-    /// [`DmaView::Device`]: ferry_core::DmaView::Device
-    fn reaches_device(&self, part: &ferry_core::Resolved) -> bool {
-        part.region.block().has_access_hooks()
-            && self
-                .shared
-                .registered_if_any(part.region.key())
-                .ok()
-                .flatten()
-                .is_some_and(|r| r.reaches_device())
-    }
-
     /// Adds what `method` needs after the WRITEs of a persistent transfer: a FLUSH per written range,
     /// or one small READ that the NIC answers only after the WRITEs before it are placed.
     fn add_persist_work(&self, wrs: &mut Vec<WorkRequest>, method: Option<PersistMethod>) {

@@ -168,16 +168,22 @@ impl Bounce {
 impl Registered {
     /// The registration of a region whose accesses `guard` counts.
     pub(crate) fn new(mr: Arc<MemoryRegion>, guard: Arc<AccessGuard>) -> Self {
+        let (lkey, rkey) = (mr.lkey(), mr.rkey());
+        Registered::with_keys(Mr::Direct(mr), lkey, rkey, guard)
+    }
+
+    /// A registration reached directly, advertised with its rkey and nothing else.
+    fn with_keys(mr: Mr, lkey: u32, rkey: u32, guard: Arc<AccessGuard>) -> Self {
         Registered {
-            lkey: mr.lkey(),
-            rkey: mr.rkey(),
+            lkey,
+            rkey,
             advertised: RemoteKey {
-                rkey: mr.rkey(),
+                rkey,
                 flushable: false,
                 bounce_addr: None,
                 hooked: false,
             },
-            mr: Mutex::new(Some(Mr::Direct(mr))),
+            mr: Mutex::new(Some(mr)),
             guard,
             bounce: None,
             device: None,
@@ -188,19 +194,10 @@ impl Registered {
     /// and reached at the region's own (host) address, which work requests and the region's adverts
     /// name: `mr` maps the one onto the other.
     pub(crate) fn device(mr: IovaRegion, nic_address: u64, guard: Arc<AccessGuard>) -> Self {
+        let (lkey, rkey) = (mr.lkey, mr.rkey);
         Registered {
-            lkey: mr.lkey,
-            rkey: mr.rkey,
-            advertised: RemoteKey {
-                rkey: mr.rkey,
-                flushable: false,
-                bounce_addr: None,
-                hooked: false,
-            },
-            mr: Mutex::new(Some(Mr::Iova(mr))),
-            guard,
-            bounce: None,
             device: Some(nic_address),
+            ..Registered::with_keys(Mr::Iova(mr), lkey, rkey, guard)
         }
     }
 

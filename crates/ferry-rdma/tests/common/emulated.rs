@@ -8,8 +8,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use ferry::{DmaView, Durability, MemoryBlock};
 
-/// A page-aligned buffer of `len` bytes (plus `skew` bytes before the first), freed on drop.
-pub struct Buffer {
+/// A page-aligned allocation holding a copy of some bytes, `skew` bytes into it; freed on drop.
+struct Buffer {
     first: *mut u8,
     layout: Layout,
     skew: usize,
