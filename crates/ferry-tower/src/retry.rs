@@ -1,8 +1,8 @@
 //! The retry policy for `tower::retry::RetryLayer`: which failures to repeat, how long to wait, and how
 //! many repeats the whole client may spend.
 //!
-//! tower provides the machinery (the `Retry` service, [`ExponentialBackoffMaker`], [`TpsBudget`]) but
-//! no policy, because only the protocol knows which errors are worth repeating. This one repeats what
+//! tower provides the machinery (the `Retry` service, [`ExponentialBackoffMaker`], the `Budget`
+//! trait that [`RetryBudget`] implements) but no policy, because only the protocol knows which errors are worth repeating. This one repeats what
 //! [`is_transient`] says may succeed later (timeouts, closed peers, refused or reset connections,
 //! unreachable routes) and never `PermissionDenied`, `OutOfBounds` or `InvalidArgument`.
 //!
@@ -16,9 +16,10 @@ use tokio::time::Instant;
 use tower::BoxError;
 use tower::retry::Policy;
 use tower::retry::backoff::{Backoff, ExponentialBackoff, ExponentialBackoffMaker, MakeBackoff};
-use tower::retry::budget::{Budget, TpsBudget};
+use tower::retry::budget::Budget;
 use tower::util::rng::HasherRng;
 
+use crate::budget::RetryBudget;
 use crate::error::{is_transient, is_transient_ferry};
 use crate::request::TransferRequest;
 
@@ -57,36 +58,13 @@ impl Default for RetryConfig {
     }
 }
 
-impl RetryConfig {
-    fn validate(&self) -> Result<()> {
-        // TpsBudget::new asserts its arguments; check them here so that a bad value is an error,
-        // not a panic.
-        if !(Duration::from_secs(1)..=Duration::from_secs(60)).contains(&self.budget_ttl) {
-            return Err(Error::InvalidArgument(format!(
-                "budget_ttl must be 1 to 60 s, not {:?}",
-                self.budget_ttl
-            )));
-        }
-        if !(0.0..=1000.0).contains(&self.budget_retry_ratio) {
-            return Err(Error::InvalidArgument(format!(
-                "budget_retry_ratio must be 0 to 1000, not {}",
-                self.budget_retry_ratio
-            )));
-        }
-        if self.budget_min_per_sec >= i32::MAX as u32 {
-            return Err(Error::InvalidArgument("budget_min_per_sec is too large".into()));
-        }
-        Ok(())
-    }
-}
-
 /// A `tower::retry::Policy` for ferry transfers. It repeats what [`is_transient`] says may succeed
 /// later (timeouts, closed peers, refused or reset connections, unreachable routes) and never
 /// `PermissionDenied`, `OutOfBounds` or `InvalidArgument`.
 ///
 /// Two limits apply together. Per request, at most [`RetryConfig::max_retries`] repeats, each after an
 /// exponentially growing, jittered pause (so that callers that failed together do not come back
-/// together). Across the client, a [`TpsBudget`] shared by every clone of the policy: each original
+/// together). Across the client, a [`RetryBudget`] shared by every clone of the policy: each original
 /// request deposits, each retry withdraws, and when the budget is spent failures are returned at once.
 /// With the defaults a dead peer sees at most 20 % more attempts than there are requests, plus a small
 /// reserve, instead of `1 + max_retries` times as many.
@@ -106,44 +84,39 @@ pub struct RetryPolicy {
     backoff_max: Duration,
     jitter: f64,
     backoff: Option<ExponentialBackoff<HasherRng>>,
-    budget: Arc<TpsBudget>,
+    budget: Arc<RetryBudget>,
 }
 
 impl Default for RetryPolicy {
     fn default() -> Self {
-        // The default configuration is valid, so `new` cannot fail; fall back to tower's defaults
-        // rather than panic all the same.
+        // The default settings are valid (a unit test checks it): nothing to check that could fail.
         let config = RetryConfig::default();
-        RetryPolicy::new(config.clone()).unwrap_or_else(|_| RetryPolicy {
-            max_retries: config.max_retries,
-            retries: 0,
-            backoff_min: config.backoff_min,
-            backoff_max: config.backoff_max,
-            jitter: 0.0,
-            backoff: None,
-            budget: Arc::new(TpsBudget::default()),
-        })
+        let budget = RetryBudget::unchecked(config.budget_ttl, config.budget_min_per_sec, config.budget_retry_ratio);
+        RetryPolicy::from_parts(config, Arc::new(budget))
     }
 }
 
 impl RetryPolicy {
     /// A policy with its own budget. `InvalidArgument` for settings out of range.
     pub fn new(config: RetryConfig) -> Result<Self> {
-        config.validate()?;
-        let budget = Arc::new(TpsBudget::new(
+        let budget = Arc::new(RetryBudget::new(
             config.budget_ttl,
             config.budget_min_per_sec,
             config.budget_retry_ratio,
-        ));
+        )?);
         RetryPolicy::with_budget(config, budget)
     }
 
     /// A policy that draws on `budget`, for several stacks that should share one.
-    pub fn with_budget(config: RetryConfig, budget: Arc<TpsBudget>) -> Result<Self> {
+    pub fn with_budget(config: RetryConfig, budget: Arc<RetryBudget>) -> Result<Self> {
         // Checks the backoff settings; each request makes its own backoff later (see `backoff`).
         ExponentialBackoffMaker::new(config.backoff_min, config.backoff_max, config.jitter, HasherRng::new())
             .map_err(|e| Error::InvalidArgument(format!("retry backoff: {e}")))?;
-        Ok(RetryPolicy {
+        Ok(RetryPolicy::from_parts(config, budget))
+    }
+
+    fn from_parts(config: RetryConfig, budget: Arc<RetryBudget>) -> Self {
+        RetryPolicy {
             max_retries: config.max_retries,
             retries: 0,
             backoff_min: config.backoff_min,
@@ -151,11 +124,11 @@ impl RetryPolicy {
             jitter: config.jitter,
             backoff: None,
             budget,
-        })
+        }
     }
 
     /// The budget this policy draws on.
-    pub fn budget(&self) -> &Arc<TpsBudget> {
+    pub fn budget(&self) -> &Arc<RetryBudget> {
         &self.budget
     }
 
@@ -263,6 +236,9 @@ mod tests {
                 "{config:?}"
             );
         }
-        assert!(RetryPolicy::new(RetryConfig::default()).is_ok());
+        assert!(
+            RetryPolicy::new(RetryConfig::default()).is_ok(),
+            "Default skips these checks"
+        );
     }
 }
