@@ -101,8 +101,10 @@ pub enum Event<P> {
         /// Bytes that follow.
         payload_len: u64,
     },
-    /// The peer's region table changed (see [`Initiator::regions`]).
-    RegionsChanged,
+    /// The peer's region table changed by this update, already applied to
+    /// [`Initiator::regions`]. An adapter that serves the table to other threads without the
+    /// initiator's lock applies it to its own copy, in the order the events come.
+    RegionsChanged(RegionUpdate),
     /// Nothing to do (a pong).
     Nothing,
 }
@@ -182,6 +184,11 @@ impl<P> Initiator<P> {
     /// The peer's region table as last heard.
     pub fn regions(&self) -> &RemoteRegions {
         &self.regions
+    }
+
+    fn regions_change(&mut self, update: RegionUpdate) -> Result<Event<P>> {
+        update.clone().apply(&mut self.regions)?;
+        Ok(Event::RegionsChanged(update))
     }
 
     /// The error the link was closed with, if it was.
@@ -319,13 +326,10 @@ impl<P> Initiator<P> {
                     None => Event::Stale { payload_len },
                 })
             }
-            frame @ (Frame::RegionAdded(_) | Frame::RegionRemoved { .. } | Frame::RegionTable { .. })
-                if stream.is_control() =>
-            {
-                if let Some(update) = RegionUpdate::from_frame(frame) {
-                    update.apply(&mut self.regions)?;
-                }
-                Ok(Event::RegionsChanged)
+            Frame::RegionAdded(ad) if stream.is_control() => self.regions_change(RegionUpdate::Added(ad)),
+            Frame::RegionRemoved { key } if stream.is_control() => self.regions_change(RegionUpdate::Removed(key)),
+            Frame::RegionTable { regions } if stream.is_control() => {
+                self.regions_change(RegionUpdate::Replaced(regions))
             }
             Frame::Pong { .. } => Ok(Event::Nothing),
             Frame::Goodbye => Err(Error::PeerClosed(format!("{} closed the link", self.peer))),
@@ -494,7 +498,7 @@ mod tests {
         ));
         assert!(matches!(
             l.handle(StreamIndex(0), d(Frame::RegionTable { regions: Vec::new() }, 0), now),
-            Ok(Event::RegionsChanged)
+            Ok(Event::RegionsChanged(RegionUpdate::Replaced(v))) if v.is_empty()
         ));
     }
 

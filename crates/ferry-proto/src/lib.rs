@@ -39,7 +39,7 @@ pub use adverts::AdvertQueue;
 pub use auth::JoinKey;
 pub use handshake::{Admission, Identity, LinkRegistry};
 pub use ids::{LinkToken, OpId, StreamIndex};
-pub use initiator::{Event, Initiator};
+pub use initiator::{Event, Initiator, RegionUpdate};
 pub use keepalive::Keepalive;
 pub use limits::LinkLimits;
 pub use target::{Request, TargetStream};

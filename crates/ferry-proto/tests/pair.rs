@@ -11,7 +11,7 @@ use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use ferry_core::codec::{Decoded, Frame, ReadStatus, Segment};
-use ferry_core::{Access, Durability, Error, RegionAd, RegionChange, RegionKey};
+use ferry_core::{Access, Durability, Error, RegionAd, RegionChange, RegionKey, RemoteRegions};
 use ferry_proto::initiator::OpKind;
 use ferry_proto::target::{Request, ack};
 use ferry_proto::{AdvertQueue, Event, Initiator, Keepalive, LinkLimits, OpId, StreamIndex, TargetStream};
@@ -38,6 +38,8 @@ struct Pair {
     memory: Vec<u8>,
     table: BTreeMap<u64, RegionAd>,
     adverts: AdvertQueue,
+    /// The initiator's table as an adapter mirrors it from the `RegionsChanged` updates alone.
+    mirror: RemoteRegions,
     /// Per operation: how it ended (`Some(true)` success), at most once.
     ended: HashMap<usize, bool>,
     started: usize,
@@ -81,6 +83,7 @@ impl Pair {
             memory: vec![0; 64 * SLOT as usize],
             table: BTreeMap::from([(0, ad(0))]),
             adverts: AdvertQueue::new(advert_queue),
+            mirror: RemoteRegions::new([ad(0)]).unwrap(),
             ended: HashMap::new(),
             started: 0,
             served: vec![Vec::new(); streams],
@@ -226,7 +229,8 @@ impl Pair {
                 assert_eq!(payload.len() as u64, payload_len);
                 self.end(op.n, true);
             }
-            Ok(Event::Stale { .. } | Event::RegionsChanged | Event::Nothing) => {}
+            Ok(Event::RegionsChanged(update)) => update.apply(&mut self.mirror).unwrap(),
+            Ok(Event::Stale { .. } | Event::Nothing) => {}
             Ok(Event::SetupAnswered { .. }) => panic!("no setups in this harness"),
             Err(e) => self.close(e),
         }
@@ -379,7 +383,10 @@ proptest! {
         }
         let mut got: Vec<u64> = p.initiator.regions().iter().map(|a| a.key.0).collect();
         got.sort_unstable();
-        prop_assert_eq!(got, p.table.keys().copied().collect::<Vec<_>>());
+        prop_assert_eq!(&got, &p.table.keys().copied().collect::<Vec<_>>());
+        let mut mirrored: Vec<u64> = p.mirror.iter().map(|a| a.key.0).collect();
+        mirrored.sort_unstable();
+        prop_assert_eq!(mirrored, got, "the updates the events carry rebuild the same table");
         check_commit_order(&p);
     }
 

@@ -19,7 +19,7 @@
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
 use ferry_core::codec::{Frame, Hello, HelloAck, Limits, ReadStatus, Segment};
@@ -30,7 +30,7 @@ use ferry_core::{
 use ferry_proto::handshake::check_ack;
 use ferry_proto::initiator::OpKind;
 use ferry_proto::keepalive::{DEFAULT_DEAD, DEFAULT_IDLE};
-use ferry_proto::{Event, Identity, Initiator, Keepalive, LinkLimits, LinkToken, OpId, StreamIndex};
+use ferry_proto::{Event, Identity, Initiator, Keepalive, LinkLimits, LinkToken, OpId, RegionUpdate, StreamIndex};
 use futures::future::BoxFuture;
 use tokio::net::TcpStream;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, TryAcquireError, mpsc, oneshot};
@@ -186,6 +186,12 @@ struct Shared {
     timer_at: AtomicU64,
     timer_moved: tokio::sync::Notify,
     epoch: Instant,
+    /// The peer's region table, mirrored from `proto`'s by the updates its `RegionsChanged` events
+    /// carry (all from the control stream's reader, in order): every transfer looks its remote
+    /// side up here, under a read lock that transfers share, instead of under `proto`'s lock,
+    /// which every frame of the link takes.
+    remote_regions: RwLock<RemoteRegions>,
+    /// Told once `remote_regions` has taken an update.
     region_updates: tokio::sync::Notify,
     streams: Vec<Stream>,
     /// How many of them carry data (all but the control stream when it is kept for control frames):
@@ -354,6 +360,7 @@ impl TcpLink {
             proto.reserve_control();
         }
         let budget_units = (config.max_inflight_bytes / BUDGET_UNIT).clamp(1, u32::MAX as u64 >> 4) as u32;
+        let remote_regions = RwLock::new(proto.regions().clone());
         let shared = Arc::new(Shared {
             peer,
             remote_identity: session.map(|s| s.identity),
@@ -364,6 +371,7 @@ impl TcpLink {
             timer_at: AtomicU64::new(0),
             timer_moved: tokio::sync::Notify::new(),
             epoch: Instant::now(),
+            remote_regions,
             region_updates: tokio::sync::Notify::new(),
             streams: stream_list,
             data_streams: if control_apart { streams - 1 } else { streams },
@@ -420,7 +428,12 @@ impl TcpLink {
 
     /// Runs `f` on the peer's region table.
     pub fn with_remote_regions<T>(&self, f: impl FnOnce(&RemoteRegions) -> T) -> Result<T> {
-        Ok(f(self.shared.proto()?.regions()))
+        let table = self
+            .shared
+            .remote_regions
+            .read()
+            .map_err(|_| Error::Internal("the peer's region table lock is poisoned".into()))?;
+        Ok(f(&table))
     }
 
     /// Waits until the peer's region table changes, or `timeout` passes.
@@ -454,6 +467,19 @@ impl Shared {
         self.proto
             .lock()
             .map_err(|_| Error::Internal("link state lock poisoned".into()))
+    }
+
+    /// Applies a region update `proto` has taken to `remote_regions`, and tells who waits for one.
+    /// It cannot fail where `proto`'s table took it; if it did, the link would close with the error.
+    fn mirror_regions(&self, update: RegionUpdate) -> Result<()> {
+        let mut table = self
+            .remote_regions
+            .write()
+            .map_err(|_| Error::Internal("the peer's region table lock is poisoned".into()))?;
+        update.apply(&mut table)?;
+        drop(table);
+        self.region_updates.notify_waiters();
+        Ok(())
     }
 
     fn closed_error(&self) -> Error {
@@ -1004,10 +1030,7 @@ async fn read_loop(shared: Arc<Shared>, stream: StreamIndex, mut reader: FrameRe
                 Ok(())
             }
             Ok(Event::Stale { payload_len }) => reader.discard(payload_len).await,
-            Ok(Event::RegionsChanged) => {
-                shared.region_updates.notify_waiters();
-                Ok(())
-            }
+            Ok(Event::RegionsChanged(update)) => shared.mirror_regions(update),
             Ok(Event::Nothing) => Ok(()),
             Err(e) => Err(e),
         };
