@@ -14,6 +14,17 @@ use std::sync::Arc;
 use crate::error::{Error, Result};
 use crate::types::{Durability, PersistStats};
 
+/// The size of a memory page on this host, in bytes: the unit of mappings, `msync` ranges and NIC
+/// registrations at a chosen address. 4096 if the system will not say.
+pub fn page_size() -> usize {
+    // SAFETY: sysconf reads a system constant; it has no preconditions.
+    let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    usize::try_from(size)
+        .ok()
+        .filter(|s| s.is_power_of_two())
+        .unwrap_or(4096)
+}
+
 /// How the CPU and a NIC reach a block's bytes, and so what keeping them coherent costs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DmaView {

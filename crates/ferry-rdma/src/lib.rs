@@ -301,7 +301,7 @@ fn register_device(shared: &RdmaShared, region: &RegionEntry, flags: AccessFlags
         );
         None
     };
-    let page = page_size();
+    let page = ferry_core::memory::page_size() as u64;
     if nic_address % page != region.addr() % page {
         return refused(&format_args!(
             "the device address and the host copy ({:#x}) lie at different offsets within a {page}-byte page",
@@ -327,12 +327,6 @@ fn register_device(shared: &RdmaShared, region: &RegionEntry, flags: AccessFlags
 }
 
 /// The system's page size (4 KiB if it cannot say).
-fn page_size() -> u64 {
-    // SAFETY: sysconf reads a system constant; it has no preconditions.
-    let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    u64::try_from(size).ok().filter(|s| s.is_power_of_two()).unwrap_or(4096)
-}
-
 /// Keeps `reg` as the NIC registration of `region`, advertised as `key`; returns the key's wire form.
 fn keep_registered(
     shared: &RdmaShared,

@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::time::Instant;
 
+use ferry_core::memory::page_size;
 use ferry_core::{DmaView, Error, MemoryBlock, PersistStats, Result};
 
 use crate::sigbus;
@@ -45,12 +46,6 @@ pub struct FileMapping {
 unsafe impl Send for FileMapping {}
 // SAFETY: as above.
 unsafe impl Sync for FileMapping {}
-
-fn page_size() -> usize {
-    // SAFETY: sysconf has no preconditions.
-    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    usize::try_from(p).unwrap_or(4096).max(4096)
-}
 
 /// The size of what `file` holds: its length, or for a device-DAX character device the size its
 /// sysfs entry reports.
