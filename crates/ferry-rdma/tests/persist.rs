@@ -13,7 +13,7 @@ use ferry::{
 };
 
 mod common;
-use common::{T, builder, in_rig, pair, pattern, wait_for};
+use common::{T, builder, connect_rdma, in_rig, pair, pattern, wait_for};
 
 /// Device DAX maps in 2 MiB pages.
 const LEN: usize = 2 << 20;
@@ -36,15 +36,7 @@ async fn setup(target: EngineBuilder, initiator: EngineBuilder, file: &str) -> O
     let target = target.listen("127.0.0.1:0").build().await.unwrap();
     let region = target.register_file(file, 0, LEN, Access::READ_WRITE).unwrap();
     let initiator = initiator.build().await.unwrap();
-    let peer = initiator
-        .connect(&target.local_addr().unwrap().to_string(), T)
-        .await
-        .unwrap();
-    if peer.transport() != TransportKind::Rdma {
-        assert!(!in_rig(), "inside the rig the link must use RDMA");
-        eprintln!("skipped: no RDMA device here");
-        return None;
-    }
+    let peer = connect_rdma(&initiator, &target).await?;
     wait_for(&peer, &region).await;
     Some((target, region, initiator, peer))
 }

@@ -48,28 +48,35 @@ pub async fn wait_for(peer: &Peer, region: &Region) {
 pub async fn pair() -> Option<(Engine, Engine, Peer)> {
     let target = builder().listen("127.0.0.1:0").build().await.unwrap();
     let initiator = builder().build().await.unwrap();
-    let peer = initiator
+    let peer = connect_rdma(&initiator, &target).await?;
+    Some((target, initiator, peer))
+}
+
+/// `engine`'s link to `target`, which must be RDMA inside the rig; outside it, `None` (after saying
+/// so) where the engines fell back to TCP for want of a device.
+pub async fn connect_rdma(engine: &Engine, target: &Engine) -> Option<Peer> {
+    let peer = engine
         .connect(&target.local_addr().unwrap().to_string(), T)
         .await
         .unwrap();
-    if peer.transport() != TransportKind::Rdma {
-        let caps = ferry::capabilities();
-        assert!(
-            !in_rig(),
-            "inside the rig the link must use RDMA; capabilities: {caps:?}"
-        );
-        assert_eq!(
-            peer.transport(),
-            TransportKind::Tcp,
-            "without a device the engines fall back to TCP"
-        );
-        eprintln!(
-            "skipped: no usable RDMA device here ({:?}); the rig runs this test",
-            caps.transports
-        );
-        return None;
+    if peer.transport() == TransportKind::Rdma {
+        return Some(peer);
     }
-    Some((target, initiator, peer))
+    let caps = ferry::capabilities();
+    assert!(
+        !in_rig(),
+        "inside the rig the link must use RDMA; capabilities: {caps:?}"
+    );
+    assert_eq!(
+        peer.transport(),
+        TransportKind::Tcp,
+        "without a device the engines fall back to TCP"
+    );
+    eprintln!(
+        "skipped: no usable RDMA device here ({:?}); the rig runs this test",
+        caps.transports
+    );
+    None
 }
 
 /// Descriptors of uneven sizes that cover `[0, len)` from `local` to `remote`: cut at 1 byte, one page
@@ -112,14 +119,6 @@ pub fn tls(name: &str) -> ferry::TlsConfig {
 /// where there is no device outside the rig.
 pub async fn client(name: &str, target: &Engine) -> Option<(Engine, Peer)> {
     let engine = builder().tls(tls(name)).build().await.unwrap();
-    let peer = engine
-        .connect(&target.local_addr().unwrap().to_string(), T)
-        .await
-        .unwrap();
-    if peer.transport() != TransportKind::Rdma {
-        assert!(!in_rig(), "inside the rig an authenticated link must use RDMA too");
-        eprintln!("skipped: no usable RDMA device here; the rig runs this test");
-        return None;
-    }
+    let peer = connect_rdma(&engine, target).await?;
     Some((engine, peer))
 }
