@@ -11,13 +11,22 @@
 //! Run it with `cargo run --release -p ferry-tower --example tower_overhead`; with `-- --tcp`, both
 //! engines use TCP only (by default, two engines of one host pick shared memory, where a 4 KiB write
 //! costs a few times less, so the stack's share of it is larger).
+//!
+//! With `-- --budgets` it measures instead what a retry budget's deposit costs the stack: the stack
+//! alone, and with one more deposit per request into tower's `TpsBudget` or into ferry-tower's
+//! `RetryBudget` (7 alternating rounds each). Prints
+//! `{"case":"retry_budget_deposit_4KiB","stack_ops_per_s":..,"tps_budget_ratio":..,"retry_budget_ratio":..}`.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ferry::{Access, Engine, Op, Peer, Region, TransferDesc};
+use ferry_tower::tower::retry::Policy;
+use ferry_tower::tower::retry::budget::{Budget, TpsBudget};
 use ferry_tower::tower::{Service, ServiceBuilder, ServiceExt};
-use ferry_tower::{DeadlineLayer, Descriptor, RetryPolicy, TransferRequest, TransferService, into_ferry_error};
+use ferry_tower::{
+    DeadlineLayer, Descriptor, RetryBudget, RetryPolicy, TransferRequest, TransferService, into_ferry_error,
+};
 
 const CALLERS: u64 = 16;
 const SIZE: u64 = 4096;
@@ -84,6 +93,58 @@ async fn count(callers: Vec<tokio::task::JoinHandle<ferry::Result<u64>>>, starte
     ops as f64 / started.elapsed().as_secs_f64()
 }
 
+/// `RetryPolicy`, plus one more deposit per request into another budget.
+#[derive(Clone)]
+struct ExtraDeposit(RetryPolicy, Option<Arc<dyn Budget + Send + Sync>>);
+
+impl<Res> Policy<TransferRequest, Res, ferry::Error> for ExtraDeposit {
+    type Future = tokio::time::Sleep;
+
+    fn retry(&mut self, req: &mut TransferRequest, result: &mut Result<Res, ferry::Error>) -> Option<Self::Future> {
+        self.0.retry(req, result)
+    }
+
+    fn clone_request(&mut self, req: &TransferRequest) -> Option<TransferRequest> {
+        if let Some(budget) = &self.1 {
+            budget.deposit();
+        }
+        <RetryPolicy as Policy<TransferRequest, Res, ferry::Error>>::clone_request(&mut self.0, req)
+    }
+}
+
+/// The `--budgets` measurement (see the module documentation).
+async fn budgets(engine: &Engine, target: std::net::SocketAddr, src: &Arc<Region>) -> ferry::Result<()> {
+    let stack = |extra: Option<Arc<dyn Budget + Send + Sync>>| {
+        ServiceBuilder::new()
+            .layer(DeadlineLayer::new(TIMEOUT))
+            .retry(ExtraDeposit(RetryPolicy::default(), extra))
+            .layer(DeadlineLayer::new(TIMEOUT))
+            .service(TransferService::new(engine.clone()))
+    };
+    let alone = stack(None);
+    let tps = stack(Some(Arc::new(TpsBudget::default())));
+    let ours = stack(Some(Arc::new(RetryBudget::new(Duration::from_secs(10), 10, 0.2)?)));
+    through_tower(&alone, target, src).await;
+    let (mut a, mut b, mut c) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..7 {
+        a.push(through_tower(&alone, target, src).await);
+        b.push(through_tower(&tps, target, src).await);
+        c.push(through_tower(&ours, target, src).await);
+    }
+    let (alone, tps, ours) = (median(a), median(b), median(c));
+    let ratio = |ops: f64| (ops / alone * 1000.0).round() / 1000.0;
+    println!(
+        "{}",
+        serde_json::json!({
+            "case": "retry_budget_deposit_4KiB",
+            "stack_ops_per_s": alone.round(),
+            "tps_budget_ratio": ratio(tps),
+            "retry_budget_ratio": ratio(ours),
+        })
+    );
+    Ok(())
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -92,6 +153,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 #[tokio::main]
 async fn main() -> ferry::Result<()> {
     let tcp = std::env::args().skip(1).any(|a| a == "--tcp");
+    let budget_costs = std::env::args().skip(1).any(|a| a == "--budgets");
     let builder = || match tcp {
         true => Engine::builder().transports([ferry::TransportKind::Tcp]),
         false => Engine::builder(),
@@ -104,6 +166,9 @@ async fn main() -> ferry::Result<()> {
 
     let engine = builder().build().await?;
     let src = Arc::new(engine.alloc_host((CALLERS * SIZE) as usize, Access::READ_WRITE)?);
+    if budget_costs {
+        return budgets(&engine, addr, &src).await;
+    }
     // One link for both: the pool adopts the link the direct case made.
     let peer = engine.connect(&addr.to_string(), TIMEOUT).await?;
     // Every layer of this stack answers with ferry::Error: nothing to map back.

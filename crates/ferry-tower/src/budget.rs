@@ -4,10 +4,10 @@
 //! A retry budget is funded by requests and spent by retries: each original request deposits, each
 //! retry withdraws, and deposits older than the budget's time to live stop counting. tower's
 //! `TpsBudget` does this with one mutex, one clock read and one shared counter on every deposit, so
-//! every request of every caller meets every other on the same cache lines. `examples/budget_ab.rs`
-//! measures it (4 KiB writes over shared memory, 16 callers, on the 2-core test machine): one more
-//! `TpsBudget` deposit per request took 12–13 % of the stack's throughput, one more [`RetryBudget`]
-//! deposit 3–6 %.
+//! every request of every caller meets every other on the same cache lines. The `--budgets` mode
+//! of `examples/tower_overhead.rs` measures it (4 KiB writes over shared memory, 16 callers, on the
+//! 2-core test machine): one more `TpsBudget` deposit per request took 12–13 % of the stack's
+//! throughput, one more [`RetryBudget`] deposit 3–6 %.
 //!
 //! Here a deposit touches only its thread's own cache line, and tells the time from the kernel's
 //! coarse monotonic clock: a read of the tick the kernel last stored (about 5 ns on the test
