@@ -326,7 +326,6 @@ fn register_device(shared: &RdmaShared, region: &RegionEntry, flags: AccessFlags
     }
 }
 
-/// The system's page size (4 KiB if it cannot say).
 /// Keeps `reg` as the NIC registration of `region`, advertised as `key`; returns the key's wire form.
 fn keep_registered(
     shared: &RdmaShared,

@@ -124,7 +124,7 @@ impl RetryBudget {
     pub fn available(&self) -> f64 {
         let now = self.window_now();
         let withdrawn = match self.withdrawals.lock() {
-            Ok(w) => live_sum(&w[..], now),
+            Ok(w) => live_sum(*w, now),
             Err(_) => return 0.0,
         };
         self.balance(now, withdrawn)
@@ -135,7 +135,11 @@ impl RetryBudget {
     }
 
     fn balance(&self, now: u32, withdrawn: u64) -> f64 {
-        let deposited: u64 = self.deposits.iter().map(|s| live_sum(&s.0, now)).sum();
+        let deposited: u64 = self
+            .deposits
+            .iter()
+            .map(|s| live_sum(s.0.iter().map(|slot| slot.load(Ordering::Relaxed)), now))
+            .sum();
         self.reserve + self.retry_ratio * deposited as f64 - withdrawn as f64
     }
 
@@ -149,7 +153,7 @@ impl RetryBudget {
         let Ok(mut withdrawals) = self.withdrawals.lock() else {
             return false;
         };
-        if self.balance(now, live_sum(&withdrawals[..], now)) < 1.0 {
+        if self.balance(now, live_sum(*withdrawals, now)) < 1.0 {
             return false;
         }
         let slot = &mut withdrawals[now as usize % WINDOWS];
@@ -189,29 +193,13 @@ fn add_one(slot: &AtomicU64, now: u32) {
 }
 
 /// The counts of the slots whose windows are live at `now`.
-fn live_sum<S: SlotValue>(slots: &[S], now: u32) -> u64 {
+fn live_sum(slots: impl IntoIterator<Item = u64>, now: u32) -> u64 {
     slots
-        .iter()
-        .map(|s| unpack(s.value()))
+        .into_iter()
+        .map(unpack)
         .filter(|&(window, _)| live(now, window))
         .map(|(_, count)| u64::from(count))
         .sum()
-}
-
-trait SlotValue {
-    fn value(&self) -> u64;
-}
-
-impl SlotValue for AtomicU64 {
-    fn value(&self) -> u64 {
-        self.load(Ordering::Relaxed)
-    }
-}
-
-impl SlotValue for u64 {
-    fn value(&self) -> u64 {
-        *self
-    }
 }
 
 /// The kernel's coarse monotonic clock, in nanoseconds: the time as of the last scheduler tick.

@@ -2,9 +2,10 @@
 //! many repeats the whole client may spend.
 //!
 //! tower provides the machinery (the `Retry` service, [`ExponentialBackoffMaker`], the `Budget`
-//! trait that [`RetryBudget`] implements) but no policy, because only the protocol knows which errors are worth repeating. This one repeats what
-//! [`is_transient`] says may succeed later (timeouts, closed peers, refused or reset connections,
-//! unreachable routes) and never `PermissionDenied`, `OutOfBounds` or `InvalidArgument`.
+//! trait that [`RetryBudget`] implements) but no policy, because only the protocol knows which errors
+//! are worth repeating. This one repeats what [`is_transient`] says may succeed later (timeouts,
+//! closed peers, refused or reset connections, unreachable routes) and never `PermissionDenied`,
+//! `OutOfBounds` or `InvalidArgument`.
 //!
 //! How it limits retries is documented on [`RetryPolicy`].
 
