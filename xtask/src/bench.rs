@@ -76,9 +76,11 @@ enum Probe {
     Sockperf,
     /// 4 KiB writes through ferry-tower's stack over the same writes on the engine directly, both in
     /// one run of the `tower_overhead` example: over the transport the engines pick (shared memory,
-    /// on one host), or over TCP only.
+    /// on one host), or over TCP only. With `floor`, through the least service any stack can be
+    /// (the example's `--floor`) in place of the stack.
     TowerOverHead {
         tcp: bool,
+        floor: bool,
     },
     /// One case of `python -m ferry.bench --case NAME` (the Python binding, over TCP in one
     /// process, as `ferry bench` runs); `blocking` measures `transfer_blocking` instead of `await`.
@@ -276,11 +278,28 @@ const MEASURES: &[Measure] = &[
     ),
     Measure {
         key: "tower stack / engine, 4KiB writes",
-        probe: Probe::TowerOverHead { tcp: false },
+        probe: Probe::TowerOverHead {
+            tcp: false,
+            floor: false,
+        },
     },
     Measure {
         key: "tower stack / engine over TCP, 4KiB writes",
-        probe: Probe::TowerOverHead { tcp: true },
+        probe: Probe::TowerOverHead {
+            tcp: true,
+            floor: false,
+        },
+    },
+    Measure {
+        key: "tower floor service / engine, 4KiB writes",
+        probe: Probe::TowerOverHead {
+            tcp: false,
+            floor: true,
+        },
+    },
+    Measure {
+        key: "tower floor service / engine over TCP, 4KiB writes",
+        probe: Probe::TowerOverHead { tcp: true, floor: true },
     },
     ferry(
         "ferry read 1MiB",
@@ -611,6 +630,24 @@ const COMPARISONS: &[Comparison] = &[
         target: Target::Info,
     },
     Comparison {
+        id: "i3",
+        name: "least tower service (the engine's future, boxed; no layers) / engine directly, 4KiB",
+        ferry: "tower floor service / engine, 4KiB writes",
+        peer: None,
+        peer_scale: 1.0,
+        unit: Unit::Ratio,
+        target: Target::Info,
+    },
+    Comparison {
+        id: "i4",
+        name: "the same over TCP only",
+        ferry: "tower floor service / engine over TCP, 4KiB writes",
+        peer: None,
+        peer_scale: 1.0,
+        unit: Unit::Ratio,
+        target: Target::Info,
+    },
+    Comparison {
         id: "j",
         name: "write 1MiB persistent / completed (TCP, msync target, 1 stream, depth 1)",
         ferry: "ferry write 1MiB persistent, 1 stream, depth 1",
@@ -833,7 +870,7 @@ impl Bench<'_> {
                 }
             }
             Probe::Memcpy => Ok(peers::memcpy_gb_per_s(1 << 20, self.duration)),
-            Probe::TowerOverHead { tcp } => peers::tower_overhead(&self.tower_bin, tcp, self.duration),
+            Probe::TowerOverHead { tcp, floor } => peers::tower_overhead(&self.tower_bin, tcp, floor, self.duration),
             Probe::Python { case, blocking, metric } => {
                 let python = self.python()?;
                 let r = peers::python_bench(&python, case, blocking, self.duration)?;
@@ -888,8 +925,12 @@ impl Bench<'_> {
             Probe::UcxShm { test, size } => peers::ucx_shm_describe(test, size),
             Probe::Memcpy => "1 MiB copy_from_slice in a loop, one thread of xtask".into(),
             Probe::Sockperf => peers::sockperf_describe(self.duration),
-            Probe::TowerOverHead { tcp: false } => self.tower_bin.display().to_string(),
-            Probe::TowerOverHead { tcp: true } => format!("{} --tcp", self.tower_bin.display()),
+            Probe::TowerOverHead { tcp, floor } => format!(
+                "{}{}{}",
+                self.tower_bin.display(),
+                if floor { " --floor" } else { "" },
+                if tcp { " --tcp" } else { "" }
+            ),
             Probe::Python { case, blocking, .. } => format!(
                 "python -m ferry.bench --case {case}{} (bindings/python, in {})",
                 if blocking { " --blocking" } else { "" },

@@ -150,12 +150,15 @@ pub fn python_bench(python: &Path, case: &str, blocking: bool, duration: Duratio
     })
 }
 
-/// Runs ferry-tower's `tower_overhead` example (with `--tcp`, over TCP only) and returns its ratio
-/// (stack over direct engine calls).
-pub fn tower_overhead(bin: &Path, tcp: bool, duration: Duration) -> Result<f64> {
+/// Runs ferry-tower's `tower_overhead` example (with `--tcp`, over TCP only) and returns its ratio:
+/// the stack's rate over direct engine calls' or, with `floor` (`--floor`), the least service's.
+pub fn tower_overhead(bin: &Path, tcp: bool, floor: bool, duration: Duration) -> Result<f64> {
     let mut cmd = Command::new(bin);
     if tcp {
         cmd.arg("--tcp");
+    }
+    if floor {
+        cmd.arg("--floor");
     }
     let v = last_json_line(&mut cmd, duration * 20 + SLACK)?;
     v["ratio"].as_f64().ok_or_else(|| anyhow!("no `ratio` in {v}"))

@@ -16,8 +16,19 @@
 //! alone, and with one more deposit per request into tower's `TpsBudget` or into ferry-tower's
 //! `RetryBudget` (7 alternating rounds each). Prints
 //! `{"case":"retry_budget_deposit_4KiB","stack_ops_per_s":..,"tps_budget_ratio":..,"retry_budget_ratio":..}`.
+//!
+//! With `-- --floor` it measures the least that any `tower::Service` over the engine costs, whatever
+//! its layers: a service that holds the engine and the link and hands back the engine's own future,
+//! boxed, called the way the stack is (a clone of the service per request, `oneshot`). A service's
+//! future cannot borrow the service, so it must own handles to the engine and the link: two
+//! reference counts taken and dropped, and one allocation, per request. Direct and floor rounds
+//! alternate five times. Prints
+//! `{"case":"tower_floor_4KiB","direct_ops_per_s":..,"floor_ops_per_s":..,"ratio":..}`.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use ferry::{Access, Engine, Op, Peer, Region, TransferDesc};
@@ -25,7 +36,7 @@ use ferry_tower::tower::retry::Policy;
 use ferry_tower::tower::retry::budget::{Budget, TpsBudget};
 use ferry_tower::tower::{Service, ServiceBuilder, ServiceExt};
 use ferry_tower::{
-    DeadlineLayer, Descriptor, RetryBudget, RetryPolicy, TransferRequest, TransferService, into_ferry_error,
+    DeadlineLayer, Descriptor, RemoteAddr, RetryBudget, RetryPolicy, TransferRequest, TransferService, into_ferry_error,
 };
 
 const CALLERS: u64 = 16;
@@ -145,6 +156,75 @@ async fn budgets(engine: &Engine, target: std::net::SocketAddr, src: &Arc<Region
     Ok(())
 }
 
+/// The `--floor` service: the engine's transfer on one link, with nothing around it (see the module
+/// documentation).
+#[derive(Clone)]
+struct Floor {
+    engine: Engine,
+    peer: Peer,
+    /// The target region's address, which `RemoteAddr::Offset` descriptors are relative to.
+    base: u64,
+}
+
+impl Service<TransferRequest> for Floor {
+    type Response = ();
+    type Error = ferry::Error;
+    type Future = Pin<Box<dyn Future<Output = ferry::Result<()>> + Send>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<ferry::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: TransferRequest) -> Self::Future {
+        let (engine, peer) = (self.engine.clone(), self.peer.clone());
+        let mut descs = request.descriptors().iter().map(|d| match d.remote {
+            RemoteAddr::Offset(offset) => Ok(TransferDesc::new(d.local_addr, self.base + offset, d.len)),
+            RemoteAddr::Absolute(addr) => Ok(TransferDesc::new(d.local_addr, addr, d.len)),
+            RemoteAddr::Region { .. } => Err(ferry::Error::InvalidArgument(
+                "the floor service takes no region keys".into(),
+            )),
+        });
+        // The callers send one descriptor each.
+        let desc = match (descs.next(), descs.next()) {
+            (Some(desc), None) => desc,
+            _ => Err(ferry::Error::InvalidArgument(
+                "the floor service takes one descriptor".into(),
+            )),
+        };
+        let op = request.op();
+        Box::pin(async move { engine.transfer(&peer, op, &[desc?], TIMEOUT).await })
+    }
+}
+
+/// The `--floor` measurement (see the module documentation).
+async fn floor(engine: &Engine, target: std::net::SocketAddr, base: u64, src: &Arc<Region>) -> ferry::Result<()> {
+    let peer = engine.connect(&target.to_string(), TIMEOUT).await?;
+    let service = Floor {
+        engine: engine.clone(),
+        peer: peer.clone(),
+        base,
+    };
+    direct(engine, &peer, src, base).await;
+    through_tower(&service, target, src).await;
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    for _ in 0..ROUNDS {
+        a.push(direct(engine, &peer, src, base).await);
+        b.push(through_tower(&service, target, src).await);
+    }
+    let (direct_ops, floor_ops) = (median(a), median(b));
+    println!(
+        "{}",
+        serde_json::json!({
+            "case": "tower_floor_4KiB",
+            "transport": peer.transport().to_string(),
+            "direct_ops_per_s": direct_ops.round(),
+            "floor_ops_per_s": floor_ops.round(),
+            "ratio": (floor_ops / direct_ops * 1000.0).round() / 1000.0,
+        })
+    );
+    Ok(())
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -154,6 +234,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 async fn main() -> ferry::Result<()> {
     let tcp = std::env::args().skip(1).any(|a| a == "--tcp");
     let budget_costs = std::env::args().skip(1).any(|a| a == "--budgets");
+    let floor_only = std::env::args().skip(1).any(|a| a == "--floor");
     let builder = || match tcp {
         true => Engine::builder().transports([ferry::TransportKind::Tcp]),
         false => Engine::builder(),
@@ -168,6 +249,9 @@ async fn main() -> ferry::Result<()> {
     let src = Arc::new(engine.alloc_host((CALLERS * SIZE) as usize, Access::READ_WRITE)?);
     if budget_costs {
         return budgets(&engine, addr, &src).await;
+    }
+    if floor_only {
+        return floor(&engine, addr, region.addr(), &src).await;
     }
     // One link for both: the pool adopts the link the direct case made.
     let peer = engine.connect(&addr.to_string(), TIMEOUT).await?;
