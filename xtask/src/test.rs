@@ -14,7 +14,7 @@ use crate::util::{cargo, cargo_metadata, ensure_debian_packages, run_step, succe
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Skip the lint steps (fmt, clippy, deny) and their prerequisites, for quick local runs.
+    /// Skip the lint steps (fmt, clippy, doc, deny) and their prerequisites, for quick local runs.
     #[arg(long)]
     no_lint: bool,
     /// Run only the steps whose name contains this text (with the prerequisites), e.g. `python`.
@@ -78,6 +78,19 @@ const STEPS: &[Step] = &[
                     "warnings",
                 ]),
                 45 * MINUTE,
+            )
+        },
+    },
+    // Public docs with no broken or private links: what docs.rs would render.
+    Step {
+        name: "doc",
+        lint: true,
+        run: |_| {
+            run_step(
+                cargo()
+                    .args(["doc", "--workspace", "--no-deps", "--all-features"])
+                    .env("RUSTDOCFLAGS", "-D warnings"),
+                30 * MINUTE,
             )
         },
     },

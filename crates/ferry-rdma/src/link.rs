@@ -7,7 +7,7 @@
 //! bounds the requests outstanding.
 //!
 //! Completions arrive through the completion channel's descriptor in tokio's `AsyncFd` (or by busy
-//! polling, an option; see [`crate::completions`]). Pending work lives in the link, not in the future
+//! polling, an option; see the crate's `completions` module). Pending work lives in the link, not in the future
 //! that posted it, and each group takes its local regions into use when it is posted, so that their
 //! memory stays registered with the NIC until the group's completion arrives.
 //!
@@ -31,7 +31,7 @@
 //!
 //! # Notifications and commit requests
 //!
-//! Notifications are SENDs on the same queue pair ([`crate::messages`]), answered by the target; no
+//! Notifications are SENDs on the same queue pair (the crate's `messages` module), answered by the target; no
 //! more are unanswered at once than the target has receive buffers and reply buffers.
 //!
 //! A persistent write is followed by what the link's persistence method asks for (see

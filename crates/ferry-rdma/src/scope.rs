@@ -1,5 +1,5 @@
 //! Grants the NIC enforces: on an engine that authenticates its links, each accepted link's queue pair
-//! lives in a protection domain of its own ([`PeerDomain`]), and a region is registered there only
+//! lives in a protection domain of its own (`PeerDomain`), and a region is registered there only
 //! while that link's peer may reach it, with the remote access it was granted (READ alone registers
 //! no remote write), at the opaque base the peer was told (see `ferry_core::peer_view`).
 //!

@@ -24,7 +24,7 @@ pub use coalesce::{CoalesceBuf, CoalescePool};
 pub use io::DEFAULT_SEND_TIMEOUT;
 pub use link::{LinkConfig, LocalIdentity, TcpLink};
 pub use server::{AdvertsSent, MAX_STREAMS_PER_LINK, ServerConfig, TcpServer};
-pub use tls::TlsConfig;
+pub use tls::{PSK_SERVER_NAME, TlsConfig};
 
 use ferry_core::{Availability, Transport, TransportKind};
 

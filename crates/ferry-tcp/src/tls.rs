@@ -1,17 +1,4 @@
-//! Mutual TLS 1.3 on a link's control stream (and, with [`TlsConfig::encrypt_data`], on every stream).
-//!
-//! Why only the control stream by default: it carries everything a peer must not learn or forge
-//! without authenticating (the region table with keys and addresses, engine ids, notifications, the
-//! RDMA queue-pair parameters and rkeys), while bulk data on a private fabric needs no secrecy from
-//! the network, only from peers that were never let in. The other streams join with a proof derived
-//! from this session (see `ferry_proto::auth`), so nobody joins a link without having held its
-//! session.
-//!
-//! Both sides present certificates, and each checks the other's against its own CA roots (rustls'
-//! WebPKI verifiers). The initiator checks the target's certificate against the name it dials (the
-//! IP address, unless [`TlsConfig::with_server_name`] names the DNS name the targets' certificates
-//! carry). rustls with the `ring` provider: TLS 1.3 only, no session tickets (links are long-lived,
-//! so resumption would save nothing and only widen what must be kept secret).
+//! Mutual TLS on a link's streams: [`TlsConfig`].
 
 use std::io::BufReader;
 use std::net::SocketAddr;
@@ -37,7 +24,22 @@ pub const PSK_SERVER_NAME: &str = "psk.ferry.invalid";
 pub(crate) const TLS_HANDSHAKE_RECORD: u8 = 0x16;
 
 /// How an engine authenticates its links: its certificate and key, and the CA roots its peers'
-/// certificates must chain to. See the [module documentation](self).
+/// certificates must chain to.
+///
+/// Mutual TLS 1.3 on a link's control stream (and, with [`TlsConfig::encrypt_data`], on every stream).
+///
+/// Why only the control stream by default: it carries everything a peer must not learn or forge
+/// without authenticating (the region table with keys and addresses, engine ids, notifications, the
+/// RDMA queue-pair parameters and rkeys), while bulk data on a private fabric needs no secrecy from
+/// the network, only from peers that were never let in. The other streams join with a proof derived
+/// from this session (see `ferry_proto::auth`), so nobody joins a link without having held its
+/// session.
+///
+/// Both sides present certificates, and each checks the other's against its own CA roots (rustls'
+/// WebPKI verifiers). The initiator checks the target's certificate against the name it dials (the
+/// IP address, unless [`TlsConfig::with_server_name`] names the DNS name the targets' certificates
+/// carry). rustls with the `ring` provider: TLS 1.3 only, no session tickets (links are long-lived,
+/// so resumption would save nothing and only widen what must be kept secret).
 #[derive(Clone)]
 pub struct TlsConfig {
     server: Arc<ServerConfig>,

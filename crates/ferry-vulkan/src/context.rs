@@ -1,12 +1,4 @@
-//! One Vulkan device opened for ferry: the instance, the logical device, a transfer queue, the
-//! extension entry points, and the bookkeeping of what was allocated from which heap.
-//!
-//! Creating an instance and a device costs tens of milliseconds, so a process opens a context once
-//! and shares it (`Arc<VulkanContext>`) between its registries, blocks and imports; each of those holds
-//! the `Arc`, so the device outlives every object made from it. The device is created with the
-//! extensions the allocation paths need, where the device offers them: `VK_KHR_external_memory_fd`
-//! (export), `VK_EXT_external_memory_host` (import), `VK_NV_external_memory_rdma` with its feature
-//! (path 1) and `VK_EXT_memory_budget` (the seed's budget check).
+//! The Vulkan device ferry allocates from: [`VulkanContext`].
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -41,7 +33,15 @@ pub struct AllocationStats {
     pub bytes: u64,
 }
 
-/// A Vulkan device opened for ferry. See the [module docs](self).
+/// One Vulkan device opened for ferry: the instance, the logical device, a transfer queue, the
+/// extension entry points, and the bookkeeping of what was allocated from which heap.
+///
+/// Creating an instance and a device costs tens of milliseconds, so a process opens a context once
+/// and shares it (`Arc<VulkanContext>`) between its registries, blocks and imports; each of those holds
+/// the `Arc`, so the device outlives every object made from it. The device is created with the
+/// extensions the allocation paths need, where the device offers them: `VK_KHR_external_memory_fd`
+/// (export), `VK_EXT_external_memory_host` (import), `VK_NV_external_memory_rdma` with its feature
+/// (path 1) and `VK_EXT_memory_budget` (the heap budget check before an RDMA-capable allocation).
 pub struct VulkanContext {
     facts: DeviceFacts,
     enabled: Extensions,

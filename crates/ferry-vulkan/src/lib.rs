@@ -16,7 +16,7 @@
 //! - [`ImportedHostBuffer`] makes a registered host region a GPU copy source or target
 //!   (`VK_EXT_external_memory_host`); [`VulkanBlock::export`] hands an opaque fd to another Vulkan device
 //!   or CUDA, and [`ImportedBuffer`] takes one in.
-//! - [`probe`] lists the devices for `ferry info`.
+//! - [`probe()`] lists the devices for `ferry info`.
 //!
 //! The Vulkan loader is opened at run time. Without it, or without a driver, every entry point returns
 //! [`Error::Unsupported`](ferry_core::Error::Unsupported) with the reason; nothing panics, and extension

@@ -52,7 +52,7 @@ pub(crate) struct TypeWish {
     pub avoided: vk::MemoryPropertyFlags,
 }
 
-/// Path 1: the seed's choice, the first memory type that is RDMA-capable.
+/// Path 1: the first memory type that is RDMA-capable (`VK_MEMORY_PROPERTY_RDMA_CAPABLE_BIT_NV`).
 pub(crate) const RDMA_WISH: TypeWish = TypeWish {
     required: vk::MemoryPropertyFlags::RDMA_CAPABLE_NV,
     preferred: vk::MemoryPropertyFlags::empty(),
@@ -221,7 +221,7 @@ impl MemoryLayout {
             .map_or(vk::MemoryPropertyFlags::empty(), |t| t.flags)
     }
 
-    /// The seed's heap for RDMA: that of the first RDMA-capable memory type.
+    /// The heap RDMA-capable memory comes from: that of the first RDMA-capable memory type.
     pub fn rdma_heap(&self) -> Option<u32> {
         self.types
             .iter()

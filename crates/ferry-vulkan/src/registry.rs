@@ -1,10 +1,4 @@
-//! [`VulkanRegistry`]: where the engine gets GPU memory from, and which of the three paths it takes.
-//!
-//! Without an override the registry tries the paths best first and falls through when one is not
-//! offered or does not fit: RDMA-capable memory (path 1, the seed's procedure: an RDMA-capable type,
-//! the heap budget, the exportable check, export allocation, the remote address), then host-visible
-//! device memory (path 2), then device-local memory behind a staging buffer (path 3). A forced path
-//! that the device cannot serve is [`Error::Unsupported`], never a silent substitute.
+//! [`VulkanRegistry`]: where the engine gets GPU memory from.
 
 use std::sync::Arc;
 
@@ -16,7 +10,18 @@ use crate::buffer::{BufferSpec, DeviceBuffer, MapMode};
 use crate::context::VulkanContext;
 use crate::memtype::{AllocationPath, DEVICE_ONLY_WISH, HOST_VISIBLE_WISH, RDMA_WISH, STAGING_WISH, fits_budget};
 
-/// Allocates Vulkan memory for ferry regions. See the [module docs](self).
+/// Allocates Vulkan memory for ferry regions, by one of three paths.
+///
+/// Without an override the registry tries the paths best first and falls through when one is not
+/// offered or does not fit:
+///
+/// 1. RDMA-capable memory (`VK_NV_external_memory_rdma`): an RDMA-capable memory type, a check of its
+///    heap's budget, a check that the type can be exported, an exportable allocation, and its remote
+///    address for the NIC;
+/// 2. host-visible device memory;
+/// 3. device-local memory behind a staging buffer.
+///
+/// A forced path that the device cannot serve is [`Error::Unsupported`], never a silent substitute.
 #[derive(Debug, Clone)]
 pub struct VulkanRegistry {
     ctx: Arc<VulkanContext>,

@@ -12,7 +12,7 @@
 //! | `TransferAsync` / `GetTransferStatus` | [`Engine::transfer_async`] → [`TransferHandle::status`], or await it |
 //! | `SendNotify` / `GetNotifies` | [`Engine::notify`] / [`Engine::take_notifications`], [`Engine::notifications`] |
 //! | `MallocMem` / `FreeMem` | [`Engine::alloc_host`] / drop |
-//! | `GetCapability` | [`capabilities`] |
+//! | `GetCapability` | [`capabilities()`] |
 //!
 //! Every wait has a timeout, every failure is an [`Error`] variant that says what to do, and a peer
 //! reaches only memory registered for it: descriptors are checked against the region table on both

@@ -9,7 +9,7 @@ use crate::engine::{DEREGISTER_LIMIT, Inner};
 /// Memory registered with an engine. [`deregister`](Region::deregister)`.await` removes it without
 /// blocking the runtime; dropping it (or [`Engine::deregister`](crate::Engine::deregister)) removes it
 /// on the dropping thread. Either way peers are told, the region's access guard closes, and once that
-/// returns no byte of it is touched again (within [`DEREGISTER_LIMIT`](crate::DEREGISTER_LIMIT); see
+/// returns no byte of it is touched again (within [`DEREGISTER_LIMIT`]; see
 /// there).
 ///
 /// Peers may write into the region at any time, so it offers copies ([`write_at`](Region::write_at),

@@ -12,8 +12,8 @@
 //!
 //! - `rig build`: host packages, kernel, initramfs, cached under `target/rig/` (see [`kernel`], [`image`]).
 //! - `rig -- CMD…`: one boot that runs CMD and exits with its status (see [`boot`]).
-//! - `rig test`: the `ferry-rdma` integration tests in one boot (see [`test`]).
-//! - `rig bench`: perftest and `ferry bench` side by side in one boot (see [`bench`]).
+//! - `rig test`: the `ferry-rdma` integration tests in one boot (see [`test`](mod@test)).
+//! - `rig bench`: perftest and `ferry bench` side by side in one boot (see [`bench`](mod@bench)).
 //! - `rig powercut`: persistent writes against a simulated power cut (see [`powercut`]).
 //!
 //! Every phase prints how long it took, so a CI log shows where its 90 minutes went.
