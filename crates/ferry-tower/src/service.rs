@@ -142,12 +142,13 @@ impl tower::Service<TransferRequest> for TransferService {
                 "TransferService::call without a successful poll_ready first".into(),
             ))));
         }
-        let held = InFlight(self.pool.clone());
-        Box::pin(async move { execute(&held.0, request).await })
+        // The future owns the unit: it goes back when the request ends, or when the future is dropped.
+        Box::pin(execute(InFlight(self.pool.clone()), request))
     }
 }
 
-async fn execute(pool: &Arc<Pool>, request: TransferRequest) -> Result<TransferResponse> {
+async fn execute(held: InFlight, request: TransferRequest) -> Result<TransferResponse> {
+    let pool = &held.0;
     let started = Instant::now();
     let deadline = request.deadline();
     if deadline.is_some_and(|at| at <= started) {
