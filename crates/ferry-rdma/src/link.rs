@@ -7,9 +7,9 @@
 //! bounds the requests outstanding.
 //!
 //! Completions arrive through the completion channel's descriptor in tokio's `AsyncFd` (or by busy
-//! polling, an option; see the crate's `completions` module). Pending work lives in the link, not in the future
-//! that posted it, and each group takes its local regions into use when it is posted, so that their
-//! memory stays registered with the NIC until the group's completion arrives.
+//! polling, an option; see the crate's `completions` module). Pending work lives in the link, not in
+//! the future that posted it, and each group takes its local regions into use when it is posted, so
+//! that their memory stays registered with the NIC until the group's completion arrives.
 //!
 //! # When a call returns, its buffers are the caller's again
 //!
@@ -31,8 +31,8 @@
 //!
 //! # Notifications and commit requests
 //!
-//! Notifications are SENDs on the same queue pair (the crate's `messages` module), answered by the target; no
-//! more are unanswered at once than the target has receive buffers and reply buffers.
+//! Notifications are SENDs on the same queue pair (the crate's `messages` module), answered by the
+//! target; no more are unanswered at once than the target has receive buffers and reply buffers.
 //!
 //! A persistent write is followed by what the link's persistence method asks for (see
 //! `crate::persist`): FLUSH work requests, or one READ, in the same stream of work requests, or a

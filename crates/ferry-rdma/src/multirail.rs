@@ -14,10 +14,10 @@
 //!   each slice goes to the healthy rail that would finish it first, among the rails its local
 //!   memory prefers (its NUMA node's: see [`crate::topology`]), or among all rails when none of those
 //!   can take it: the rail's bytes in flight (and already planned for this batch) over its measured
-//!   throughput (bytes per second of busy time, see the crate's `rate` module), so that a batch splits in
-//!   proportion to the rails' speeds and a rail that slows down gets less; rails not yet measured
-//!   count as fast as the fastest. Each rail posts its share as one batch (merged and signalled as
-//!   on one rail, see [`crate::link`]).
+//!   throughput (bytes per second of busy time, see the crate's `rate` module), so that a batch
+//!   splits in proportion to the rails' speeds and a rail that slows down gets less; rails not yet
+//!   measured count as fast as the fastest. Each rail posts its share as one batch (merged and
+//!   signalled as on one rail, see [`crate::link`]).
 //! - **Rail failure**: a rail whose share fails as a link failure (its queue pair broke, its port went
 //!   down: `PeerClosed` or `Io`, not a refusal such as `PermissionDenied`) rests, for
 //!   [`FIRST_REST`] and then twice as long each time up to [`MAX_REST`], and its share is posted

@@ -10,8 +10,8 @@
 //!   (memfd) sealed against shrinking; the target passes it over the link's Unix socket
 //!   (`SCM_RIGHTS`) to a peer that may read and write it, the peer maps it once, and READ and WRITE
 //!   are then plain copies between the two processes' memory, with no system call and no round
-//!   trip. Large copies are split over two threads (the `copy` module). Deregistration and revokes ask for the
-//!   mapping back and wait until the peer unmapped it.
+//!   trip. Large copies are split over two threads (the `copy` module). Deregistration and revokes
+//!   ask for the mapping back and wait until the peer unmapped it.
 //! - **Other regions are copied by the target** (the `target` module) with cross-memory attach
 //!   (`process_vm_readv` / `process_vm_writev`), when the target could read a probe buffer the
 //!   initiator described at setup, in the process the initiator says it is. Where the kernel refuses

@@ -143,14 +143,13 @@ async fn budgets(engine: &Engine, target: std::net::SocketAddr, src: &Arc<Region
         c.push(through_tower(&ours, target, src).await);
     }
     let (alone, tps, ours) = (median(a), median(b), median(c));
-    let ratio = |ops: f64| (ops / alone * 1000.0).round() / 1000.0;
     println!(
         "{}",
         serde_json::json!({
             "case": "retry_budget_deposit_4KiB",
             "stack_ops_per_s": alone.round(),
-            "tps_budget_ratio": ratio(tps),
-            "retry_budget_ratio": ratio(ours),
+            "tps_budget_ratio": ratio(tps, alone),
+            "retry_budget_ratio": ratio(ours, alone),
         })
     );
     Ok(())
@@ -219,10 +218,15 @@ async fn floor(engine: &Engine, target: std::net::SocketAddr, base: u64, src: &A
             "transport": peer.transport().to_string(),
             "direct_ops_per_s": direct_ops.round(),
             "floor_ops_per_s": floor_ops.round(),
-            "ratio": (floor_ops / direct_ops * 1000.0).round() / 1000.0,
+            "ratio": ratio(floor_ops, direct_ops),
         })
     );
     Ok(())
+}
+
+/// `ops` over `base`, to three decimals.
+fn ratio(ops: f64, base: f64) -> f64 {
+    (ops / base * 1000.0).round() / 1000.0
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -284,7 +288,6 @@ async fn main() -> ferry::Result<()> {
         );
     }
     let (direct_ops, tower_ops, timeouts_ops) = (median(a), median(b), median(c));
-    let ratio = |ops: f64| (ops / direct_ops * 1000.0).round() / 1000.0;
     println!(
         "{}",
         serde_json::json!({
@@ -292,9 +295,9 @@ async fn main() -> ferry::Result<()> {
             "transport": peer.transport().to_string(),
             "direct_ops_per_s": direct_ops.round(),
             "tower_ops_per_s": tower_ops.round(),
-            "ratio": ratio(tower_ops),
+            "ratio": ratio(tower_ops, direct_ops),
             "timeouts_ops_per_s": timeouts_ops.round(),
-            "timeouts_ratio": ratio(timeouts_ops),
+            "timeouts_ratio": ratio(timeouts_ops, direct_ops),
         })
     );
     Ok(())

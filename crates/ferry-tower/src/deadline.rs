@@ -9,9 +9,9 @@
 //! request's deadline and `now + limit` into the [`TransferRequest`], and the pieces under it read it:
 //!
 //! - [`TransferService`](crate::TransferService) fails a request whose deadline has passed at once
-//!   with [`Error::Timeout`](ferry::Error::Timeout), bounds waiting for a link (the per-peer limit, another request's connect,
-//!   its own connect) by it, and hands the engine the time left, so the engine's own timer ends the
-//!   transfer at the deadline;
+//!   with [`Error::Timeout`](ferry::Error::Timeout), bounds waiting for a link (the per-peer limit,
+//!   another request's connect, its own connect) by it, and hands the engine the time left, so the
+//!   engine's own timer ends the transfer at the deadline;
 //! - [`RetryPolicy`](crate::RetryPolicy) does not retry a request whose deadline would pass during the
 //!   backoff pause.
 //!
