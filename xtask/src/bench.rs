@@ -631,7 +631,7 @@ const COMPARISONS: &[Comparison] = &[
     },
     Comparison {
         id: "i3",
-        name: "least tower service (the engine's future, boxed; no layers) / engine directly, 4KiB",
+        name: "least tower service (the engine's own future; no pool, no layers) / engine directly, 4KiB",
         ferry: "tower floor service / engine, 4KiB writes",
         peer: None,
         peer_scale: 1.0,

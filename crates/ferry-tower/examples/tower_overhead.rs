@@ -18,26 +18,25 @@
 //! `{"case":"retry_budget_deposit_4KiB","stack_ops_per_s":..,"tps_budget_ratio":..,"retry_budget_ratio":..}`.
 //!
 //! With `-- --floor` it measures the least that any `tower::Service` over the engine costs, whatever
-//! its layers: a service that holds the engine and the link and hands back the engine's own future,
-//! boxed, called the way the stack is (a clone of the service per request, `oneshot`). A service's
-//! future cannot borrow the service, so it must own handles to the engine and the link: two
-//! reference counts taken and dropped, and one allocation, per request. Direct and floor rounds
-//! alternate five times. Prints
+//! its layers: a service that holds the engine and the link and hands back the engine's own named
+//! future ([`ferry::Transfer`]), called the way the stack is (a clone of the service per request,
+//! `oneshot`). What is left is the clone of the service per request (two reference counts) and the
+//! `oneshot` around each call. Direct and floor rounds alternate five times. Prints
 //! `{"case":"tower_floor_4KiB","direct_ops_per_s":..,"floor_ops_per_s":..,"ratio":..}`.
 
-use std::future::Future;
-use std::pin::Pin;
+use std::future::{Ready, ready};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use ferry::{Access, Engine, Op, Peer, Region, TransferDesc};
+use ferry::{Access, Durability, Engine, Op, Peer, Region, TransferDesc};
 use ferry_tower::tower::retry::Policy;
 use ferry_tower::tower::retry::budget::{Budget, TpsBudget};
 use ferry_tower::tower::{Service, ServiceBuilder, ServiceExt};
 use ferry_tower::{
     DeadlineLayer, Descriptor, RemoteAddr, RetryBudget, RetryPolicy, TransferRequest, TransferService, into_ferry_error,
 };
+use futures::future::Either;
 
 const CALLERS: u64 = 16;
 const SIZE: u64 = 4096;
@@ -168,14 +167,13 @@ struct Floor {
 impl Service<TransferRequest> for Floor {
     type Response = ();
     type Error = ferry::Error;
-    type Future = Pin<Box<dyn Future<Output = ferry::Result<()>> + Send>>;
+    type Future = Either<Ready<ferry::Result<()>>, ferry::Transfer>;
 
     fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<ferry::Result<()>> {
         Poll::Ready(Ok(()))
     }
 
     fn call(&mut self, request: TransferRequest) -> Self::Future {
-        let (engine, peer) = (self.engine.clone(), self.peer.clone());
         let mut descs = request.descriptors().iter().map(|d| match d.remote {
             RemoteAddr::Offset(offset) => Ok(TransferDesc::new(d.local_addr, self.base + offset, d.len)),
             RemoteAddr::Absolute(addr) => Ok(TransferDesc::new(d.local_addr, addr, d.len)),
@@ -190,8 +188,14 @@ impl Service<TransferRequest> for Floor {
                 "the floor service takes one descriptor".into(),
             )),
         };
-        let op = request.op();
-        Box::pin(async move { engine.transfer(&peer, op, &[desc?], TIMEOUT).await })
+        let transfer = desc.and_then(|desc| {
+            self.engine
+                .transfer_future(&self.peer, request.op(), &[desc], Durability::Completed, TIMEOUT)
+        });
+        match transfer {
+            Ok(transfer) => Either::Right(transfer),
+            Err(e) => Either::Left(ready(Err(e))),
+        }
     }
 }
 

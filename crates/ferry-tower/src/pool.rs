@@ -208,9 +208,18 @@ struct LinkState {
     last_error: Option<Error>,
 }
 
-/// A request's hold on a peer's link, for one attempt.
-pub(crate) struct Lease<'a> {
-    pool: &'a Pool,
+/// A request's unit of the pool's in-flight limit, given back when the request ends, however it
+/// ends (its future may be dropped at any point).
+pub(crate) struct InFlight(pub(crate) Arc<Pool>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.in_flight.give_back();
+    }
+}
+
+/// A request's hold on a peer's link, for one attempt, and on its unit of the pool's in-flight limit.
+pub(crate) struct Lease {
     pub(crate) peer: Peer,
     pub(crate) new_link: bool,
     /// Whether taking the lease waited for anything (a unit, a connect).
@@ -220,13 +229,24 @@ pub(crate) struct Lease<'a> {
     generation: u64,
     settled: bool,
     slot: SlotUse,
+    /// Last, so that the pool's unit goes back after the peer's (fields drop in order).
+    held: InFlight,
+}
+
+/// What [`Pool::try_checkout`] found.
+pub(crate) enum Checkout {
+    /// A live link with a unit free on it: the common case, with nothing to wait for.
+    Ready(Lease),
+    /// The request must wait, for a unit of the peer's limit or for a link:
+    /// [`Pool::wait_for_link`] does.
+    Wait(InFlight, SlotUse),
 }
 
 /// A request's reference to a slot, and the unit of the slot's per-peer limit once the request has
 /// taken it. While any exists the slot is in use and is not closed: the pool's map holds one
 /// reference, so a count above one means users (requests holding or waiting). New references are
 /// taken under the map's lock (read), and closing checks the count under it (write).
-struct SlotUse {
+pub(crate) struct SlotUse {
     slot: Arc<PeerEntry>,
     holds_unit: bool,
 }
@@ -397,53 +417,58 @@ impl Pool {
         }
     }
 
-    /// A live link to `addr`, connecting if needed, with a per-peer slot held; waiting (for a slot, for
-    /// another request's connect, for its own) ends with `Timeout` at `deadline`.
-    pub(crate) async fn checkout(self: &Arc<Self>, addr: SocketAddr, deadline: Option<Instant>) -> Result<Lease<'_>> {
-        let (slot, evicted) = self.claim(addr)?;
+    /// A live link to `addr` with a unit of its per-peer limit, if both are at hand now; otherwise
+    /// the claim on the peer's slot, for [`wait_for_link`](Self::wait_for_link).
+    pub(crate) fn try_checkout(held: InFlight, addr: SocketAddr) -> Result<Checkout> {
+        let pool = &held.0;
+        let (slot, evicted) = pool.claim(addr)?;
         let mut slot = SlotUse {
             slot,
             holds_unit: false,
         };
         for peer in evicted {
-            self.close_in_background(peer);
+            pool.close_in_background(peer);
         }
-        // The common case, a free unit on a live link, waits for nothing and so needs no timer.
         if slot.try_take_unit()
-            && let Some(link) = slot.slot.live(self)?
+            && let Some(link) = slot.slot.live(pool)?
         {
-            return Ok(Lease::new(self, slot, link, false, false));
+            return Ok(Checkout::Ready(Lease::new(held, slot, link, false, false)));
         }
-        // Boxed: waiting is the rare path, and its future (a timer, a connect) would otherwise
-        // grow every request's future past the allocator's small-size caches.
-        let waiting = self.wait_for_link(slot);
+        Ok(Checkout::Wait(held, slot))
+    }
+
+    /// [`try_checkout`](Self::try_checkout) when it must wait: for a unit of the per-peer limit unless
+    /// `slot` holds one, then for a live link, dialling one if no other request is. Waiting ends with
+    /// `Timeout` at `deadline`.
+    pub(crate) async fn wait_for_link(held: InFlight, slot: SlotUse, deadline: Option<Instant>) -> Result<Lease> {
+        let addr = slot.slot.addr;
+        let waiting = Pool::wait_unbounded(held, slot);
         match deadline {
-            None => Box::pin(waiting).await,
-            Some(at) => Box::pin(tokio::time::timeout_at(at, waiting))
+            None => waiting.await,
+            Some(at) => tokio::time::timeout_at(at, waiting)
                 .await
                 .unwrap_or_else(|_| Err(past_deadline(addr, "waiting for a link"))),
         }
     }
 
-    /// [`checkout`](Self::checkout) when it must wait: for a unit of the per-peer limit unless `slot`
-    /// holds one, then for a live link, dialling one if no other request is.
-    async fn wait_for_link(&self, mut slot: SlotUse) -> Result<Lease<'_>> {
+    async fn wait_unbounded(held: InFlight, mut slot: SlotUse) -> Result<Lease> {
+        let pool = &held.0;
         slot.take_unit().await;
-        if let Some(link) = slot.slot.live(self)? {
-            return Ok(Lease::new(self, slot, link, false, true));
+        if let Some(link) = slot.slot.live(pool)? {
+            return Ok(Lease::new(held, slot, link, false, true));
         }
         let dialled = {
             let _dialling = slot.slot.connecting.lock().await;
             // Someone else may have connected while this request waited.
-            match slot.slot.live(self)? {
+            match slot.slot.live(pool)? {
                 Some(link) => Ok((link, false)),
-                // Boxed: connecting is rare, and its future is large; inline it would grow every
-                // request's future.
-                None => Box::pin(self.dial(&slot.slot)).await.map(|link| (link, true)),
+                // Boxed: connecting is rarer than waiting, and its future is large; inline it would
+                // grow every wait's future.
+                None => Box::pin(pool.dial(&slot.slot)).await.map(|link| (link, true)),
             }
         };
         let (link, new_link) = dialled?;
-        Ok(Lease::new(self, slot, link, new_link, true))
+        Ok(Lease::new(held, slot, link, new_link, true))
     }
 
     /// Connects `slot`'s address (its `connecting` lock held), or says why not.
@@ -682,10 +707,10 @@ impl Drop for Dial<'_> {
     }
 }
 
-impl<'a> Lease<'a> {
-    fn new(pool: &'a Pool, slot: SlotUse, link: Link, new_link: bool, waited: bool) -> Self {
+impl Lease {
+    fn new(held: InFlight, slot: SlotUse, link: Link, new_link: bool, waited: bool) -> Self {
         Lease {
-            pool,
+            held,
             peer: link.peer,
             new_link,
             waited,
@@ -696,21 +721,34 @@ impl<'a> Lease<'a> {
         }
     }
 
+    /// The pool the lease is from.
+    pub(crate) fn pool(&self) -> &Pool {
+        &self.held.0
+    }
+
     /// Records how the attempt on this link ended.
     pub(crate) fn settle(&mut self, result: &Result<()>) {
-        self.settled = true;
-        let slot = &self.slot.slot;
         match result {
             Ok(()) => {
+                self.settled = true;
+                let slot = &self.slot.slot;
                 if slot.strikes.load(Ordering::Relaxed) != 0 {
                     slot.strikes.store(0, Ordering::Relaxed);
                 }
             }
-            Err(e) if breaks_link(e) || self.peer.is_closed() => {
-                slot.invalidate(self.generation, e.message(), self.pool);
+            Err(e) => self.settle_failed(e),
+        }
+    }
+
+    /// Records that the attempt on this link failed with `e`.
+    pub(crate) fn settle_failed(&mut self, e: &Error) {
+        self.settled = true;
+        match e {
+            e if breaks_link(e) || self.peer.is_closed() => {
+                self.slot.slot.invalidate(self.generation, e.message(), &self.held.0);
             }
-            Err(Error::Timeout(_)) => self.strike("transfers on it time out"),
-            Err(_) => {}
+            Error::Timeout(_) => self.strike("transfers on it time out"),
+            _ => {}
         }
     }
 
@@ -722,13 +760,13 @@ impl<'a> Lease<'a> {
     fn strike(&self, why: &str) {
         let slot = &self.slot.slot;
         let n = slot.strikes.fetch_add(1, Ordering::AcqRel) + 1;
-        if n >= self.pool.config.timeouts_before_reconnect {
-            slot.invalidate(self.generation, why, self.pool);
+        if n >= self.held.0.config.timeouts_before_reconnect {
+            slot.invalidate(self.generation, why, &self.held.0);
         }
     }
 }
 
-impl Drop for Lease<'_> {
+impl Drop for Lease {
     fn drop(&mut self) {
         if !self.settled {
             // Dropped mid-transfer: an outer timeout fired or the caller gave up.

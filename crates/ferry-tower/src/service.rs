@@ -6,6 +6,7 @@
 //! [crate documentation](crate) for the stack.
 
 use std::future::Future;
+use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll, ready};
@@ -13,11 +14,51 @@ use std::task::{Context, Poll, ready};
 use ferry::{Engine, Error, Result};
 use tokio::time::Instant;
 
-use crate::pool::{Pool, PoolConfig, PoolStats, past_deadline};
+use crate::pool::{Checkout, InFlight, Lease, Pool, PoolConfig, PoolStats, past_deadline};
 use crate::request::{TransferRequest, TransferResponse};
 
 /// The future a [`TransferService`] returns.
-pub type TransferFuture = Pin<Box<dyn Future<Output = Result<TransferResponse>> + Send + 'static>>;
+///
+/// In the common case (a live link with room on it) the service resolves the request and hands it
+/// to the engine inside `call`, and this future holds the engine's own [`ferry::Transfer`]: nothing
+/// is allocated for it. A request that must wait (for a connect, for room on the link) runs in a
+/// boxed future instead, as does an error known at once.
+#[must_use = "a transfer does nothing unless it is awaited"]
+pub struct TransferFuture(State);
+
+// The large variant is the common case, held inline on purpose: boxing it is what this type avoids.
+#[allow(clippy::large_enum_variant)]
+enum State {
+    Running(Running),
+    /// Boxed: waiting is the rare path, and its future (a timer, a connect) is large.
+    Waiting(Pin<Box<dyn Future<Output = Result<TransferResponse>> + Send + 'static>>),
+    Failed(Option<Error>),
+}
+
+impl std::fmt::Debug for TransferFuture {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let state = match &self.0 {
+            State::Running(_) => "running",
+            State::Waiting(_) => "waiting for a link",
+            State::Failed(_) => "failed",
+        };
+        f.debug_tuple("TransferFuture").field(&state).finish()
+    }
+}
+
+impl Future for TransferFuture {
+    type Output = Result<TransferResponse>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match &mut self.get_mut().0 {
+            State::Running(running) => Pin::new(running).poll(cx),
+            State::Waiting(waiting) => waiting.as_mut().poll(cx),
+            State::Failed(error) => Poll::Ready(Err(error
+                .take()
+                .unwrap_or_else(|| Error::Internal("a TransferFuture was polled after it completed".into())))),
+        }
+    }
+}
 
 /// A `tower::Service<TransferRequest>` over an [`Engine`], with a connection pool.
 ///
@@ -26,7 +67,10 @@ pub type TransferFuture = Pin<Box<dyn Future<Output = Result<TransferResponse>> 
 ///   `tower::buffer` act on.
 /// - `call` takes a pooled link to the request's peer (connecting on first use, or after the old link
 ///   died), resolves relative descriptors against the regions the peer advertises on that link, and
-///   runs the transfer with the engine. Failures come back as [`ferry::Error`], unchanged.
+///   runs the transfer with the engine. Failures come back as [`ferry::Error`], unchanged. With a
+///   live link and room on it, all of that but the transfer itself happens inside `call`, and the
+///   returned [`TransferFuture`] holds the engine's own future: nothing moves until it is polled, and
+///   one dropped unpolled counts as no attempt on the link.
 /// - A request's [deadline](TransferRequest::deadline) is enforced here: past it, `call` answers
 ///   `Timeout` at once; waiting for a link ends at it; the engine gets the time left as the transfer's
 ///   timeout (see [`crate::deadline`]).
@@ -56,16 +100,6 @@ impl Drop for TransferService {
         if self.reserved {
             self.pool.in_flight.give_back();
         }
-    }
-}
-
-/// A request's unit of the pool's in-flight limit, given back when the request ends, however it
-/// ends (the future may be dropped at any await).
-struct InFlight(Arc<Pool>);
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        self.0.in_flight.give_back();
     }
 }
 
@@ -138,60 +172,119 @@ impl tower::Service<TransferRequest> for TransferService {
 
     fn call(&mut self, request: TransferRequest) -> TransferFuture {
         if !std::mem::take(&mut self.reserved) {
-            return Box::pin(std::future::ready(Err(Error::InvalidArgument(
+            return TransferFuture(State::Failed(Some(Error::InvalidArgument(
                 "TransferService::call without a successful poll_ready first".into(),
             ))));
         }
-        // The future owns the unit: it goes back when the request ends, or when the future is dropped.
-        Box::pin(execute(InFlight(self.pool.clone()), request))
+        // The lease, or the future, owns the unit: it goes back when the request ends, or when
+        // the future is dropped.
+        let held = InFlight(self.pool.clone());
+        let started = Instant::now();
+        if request.deadline().is_some_and(|at| at <= started) {
+            return TransferFuture(State::Failed(Some(past_deadline(
+                request.peer(),
+                "before an attempt started",
+            ))));
+        }
+        let state = match Pool::try_checkout(held, request.peer()) {
+            Ok(Checkout::Ready(lease)) => match Running::start(lease, &request, started) {
+                Ok(running) => State::Running(running),
+                Err(e) => State::Failed(Some(e)),
+            },
+            Ok(Checkout::Wait(held, slot)) => State::Waiting(Box::pin(async move {
+                let lease = Pool::wait_for_link(held, slot, request.deadline()).await?;
+                Running::start(lease, &request, started)?.await
+            })),
+            Err(e) => State::Failed(Some(e)),
+        };
+        TransferFuture(state)
     }
 }
 
-async fn execute(held: InFlight, request: TransferRequest) -> Result<TransferResponse> {
-    let pool = &held.0;
-    let started = Instant::now();
-    let deadline = request.deadline();
-    if deadline.is_some_and(|at| at <= started) {
-        return Err(past_deadline(request.peer(), "before an attempt started"));
-    }
-    let mut lease = pool.checkout(request.peer(), deadline).await?;
-    let descs = match request.resolve(&lease.peer, lease.primary) {
-        Ok(descs) => descs,
-        Err(e) => {
-            lease.settle_neutral();
-            return Err(e);
+/// One attempt on a leased link: the engine's transfer, and what the response needs.
+struct Running {
+    transfer: ferry::Transfer,
+    lease: Lease,
+    peer: SocketAddr,
+    op: ferry::Op,
+    bytes: u64,
+    started: Instant,
+    /// A future dropped before it was ever polled sent nothing: not an abandoned attempt.
+    polled: bool,
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if !self.polled {
+            self.lease.settle_neutral();
         }
-    };
-    let mut timeout = request.timeout().unwrap_or(pool.config.transfer_timeout);
-    if let Some(at) = deadline {
-        // The engine's own timer ends the transfer at the deadline: no second one here. A lease
-        // that waited for nothing was taken microseconds after `started`: no second clock read.
-        let now = if lease.waited { Instant::now() } else { started };
-        let left = at.saturating_duration_since(now);
-        if left.is_zero() {
-            lease.settle_neutral();
-            return Err(past_deadline(request.peer(), "before the transfer started"));
-        }
-        timeout = timeout.min(left);
     }
-    let result = pool
-        .engine
-        .transfer_durable(
+}
+
+impl Running {
+    /// Resolves `request` against the lease's link and hands it to the engine. A request the engine
+    /// refuses settles the lease with that error, as a failed transfer would.
+    fn start(mut lease: Lease, request: &TransferRequest, started: Instant) -> Result<Running> {
+        let descs = match request.resolve(&lease.peer, lease.primary) {
+            Ok(descs) => descs,
+            Err(e) => {
+                lease.settle_neutral();
+                return Err(e);
+            }
+        };
+        let pool = lease.pool();
+        let mut timeout = request.timeout().unwrap_or(pool.config.transfer_timeout);
+        if let Some(at) = request.deadline() {
+            // The engine's own timer ends the transfer at the deadline: no second one here. A lease
+            // that waited for nothing was taken microseconds after `started`: no second clock read.
+            let now = if lease.waited { Instant::now() } else { started };
+            let left = at.saturating_duration_since(now);
+            if left.is_zero() {
+                lease.settle_neutral();
+                return Err(past_deadline(request.peer(), "before the transfer started"));
+            }
+            timeout = timeout.min(left);
+        }
+        let transfer = pool.engine.transfer_future(
             &lease.peer,
             request.op(),
             descs.as_slice(),
             request.durability(),
             timeout,
-        )
-        .await;
-    lease.settle(&result);
-    result?;
-    Ok(TransferResponse {
-        peer: request.peer(),
-        op: request.op(),
-        bytes: request.bytes(),
-        duration: started.elapsed(),
-        transport: lease.peer.transport(),
-        new_link: lease.new_link,
-    })
+        );
+        match transfer {
+            Ok(transfer) => Ok(Running {
+                transfer,
+                lease,
+                peer: request.peer(),
+                op: request.op(),
+                bytes: request.bytes(),
+                started,
+                polled: false,
+            }),
+            Err(e) => {
+                lease.settle_failed(&e);
+                Err(e)
+            }
+        }
+    }
+}
+
+impl Future for Running {
+    type Output = Result<TransferResponse>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        this.polled = true;
+        let result = ready!(Pin::new(&mut this.transfer).poll(cx));
+        this.lease.settle(&result);
+        Poll::Ready(result.map(|()| TransferResponse {
+            peer: this.peer,
+            op: this.op,
+            bytes: this.bytes,
+            duration: this.started.elapsed(),
+            transport: this.lease.peer.transport(),
+            new_link: this.lease.new_link,
+        }))
+    }
 }

@@ -776,3 +776,52 @@ async fn silent_target_times_out_within_the_retry_budget() {
         "{accepted} connections for {attempts} attempts"
     );
 }
+
+/// A request whose link is at hand is handed to the engine inside `call`; its future, dropped before
+/// it is ever polled, sent nothing, and must not count as an attempt abandoned on the link (two of
+/// those in a row would replace a healthy link). Nothing lands at the target, and the unit of the
+/// in-flight limit comes back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn futures_dropped_unpolled_send_nothing_and_leave_the_link_alone() {
+    let (_target, dst, addr) = target().await;
+    let engine = initiator().await;
+    let config = PoolConfig {
+        max_in_flight: 1,
+        ..PoolConfig::default()
+    };
+    let mut service = TransferService::with_config(engine.clone(), config).unwrap();
+    let src = engine.alloc_host(4096, Access::READ_WRITE).unwrap();
+    src.write_at(0, &pattern(4096, 7)).unwrap();
+    let write = || TransferRequest::write(addr, [Descriptor::at_offset(src.addr(), 0, 4096)]);
+    let first = tokio::time::timeout(T, service.clone().oneshot(write()))
+        .await
+        .expect("hung");
+    assert!(first.unwrap().new_link);
+    dst.write_at(0, &[0u8; 4096]).unwrap();
+
+    let strikes_to_replace = service.config().timeouts_before_reconnect;
+    for _ in 0..strikes_to_replace + 1 {
+        tokio::time::timeout(T, service.ready())
+            .await
+            .expect("the unit never came back")
+            .unwrap();
+        drop(service.call(write()));
+    }
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let mut got = vec![1u8; 4096];
+    dst.read_at(0, &mut got).unwrap();
+    assert_eq!(got, vec![0u8; 4096], "an unpolled request wrote");
+    let stats = service.stats();
+    assert_eq!(
+        (stats.links_dropped, stats.connects, stats.in_flight),
+        (0, 1, 0),
+        "{stats:?}"
+    );
+
+    let again = tokio::time::timeout(T, service.clone().oneshot(write()))
+        .await
+        .expect("hung");
+    assert!(!again.unwrap().new_link, "the link was replaced");
+    dst.read_at(0, &mut got).unwrap();
+    assert_eq!(got, pattern(4096, 7));
+}

@@ -14,7 +14,6 @@ use ferry_core::{
 };
 use ferry_tcp::{CoalescePool, LinkConfig, LocalIdentity, ServerConfig, TcpLink, TcpServer, TlsConfig};
 use futures::stream::BoxStream;
-use tracing::Instrument;
 
 use crate::capabilities::TransportOptions;
 use crate::directory::{Directory, EngineRecord, MemberEvent};
@@ -22,7 +21,7 @@ use crate::host::HostAllocation;
 use crate::notify::NotificationQueue;
 use crate::peer::{Peer, PeerInner};
 use crate::region::Region;
-use crate::transfer::{TransferHandle, TransferStatus};
+use crate::transfer::{Transfer, TransferHandle, TransferStatus};
 
 /// Default number of TCP streams per link.
 pub const DEFAULT_STREAMS: usize = 2;
@@ -852,8 +851,23 @@ impl Engine {
         durability: Durability,
         timeout: Duration,
     ) -> Result<()> {
+        self.transfer_future(peer, op, descs, durability, timeout)?.await
+    }
+
+    /// Checks and resolves a batch now, as [`transfer_durable`](Self::transfer_durable) does, and
+    /// returns the future that runs it as a named type, [`Transfer`]: for code that keeps the
+    /// transfer in a struct of its own instead of boxing `transfer`'s future. Every error a
+    /// descriptor can cause comes back here; the future's own errors are the link's and the timeout's.
+    pub fn transfer_future(
+        &self,
+        peer: &Peer,
+        op: Op,
+        descs: &[TransferDesc],
+        durability: Durability,
+        timeout: Duration,
+    ) -> Result<Transfer> {
         let request = self.resolve_request(peer, op, descs, durability)?;
-        run_with_timeout(peer, request, timeout).await
+        Ok(Transfer::new(peer, request, timeout))
     }
 
     /// Resolves a batch once, for [`transfer_prepared`](Self::transfer_prepared) to post many times
@@ -887,7 +901,7 @@ impl Engine {
     /// does.
     pub async fn transfer_prepared(&self, prepared: &PreparedTransfer, timeout: Duration) -> Result<()> {
         self.check_peer(&prepared.peer)?;
-        run_with_timeout(&prepared.peer, prepared.request.clone(), timeout).await
+        Transfer::new(&prepared.peer, prepared.request.clone(), timeout).await
     }
 
     /// Starts a batch and returns at once (HIXL `TransferAsync`): poll the handle's
@@ -914,10 +928,14 @@ impl Engine {
     ) -> Result<TransferHandle> {
         let request = self.resolve_request(peer, op, descs, durability)?;
         let status = Arc::new(AtomicU8::new(0));
+        let transfer = Transfer::new(peer, request, timeout);
+        // The link (and its slot among the engine's links) is held until the batch ends, as a
+        // caller of `transfer` holds it by awaiting.
         let peer = peer.clone();
         let st = status.clone();
         let task = tokio::spawn(async move {
-            let result = run_with_timeout(&peer, request, timeout).await;
+            let result = transfer.await;
+            drop(peer);
             st.store(TransferStatus::of(&result), Ordering::Release);
             result
         });
@@ -1034,57 +1052,6 @@ impl Engine {
 /// starts a timer: arming and cancelling one costs a clock read, a clone of the runtime's handle and
 /// a lock on the timer wheel, as much as a small same-host copy itself. The bound is counted from the
 /// end of that first poll.
-async fn bounded(peer: &Peer, request: TransferRequest, timeout: Duration) -> Result<()> {
-    if peer.inner.data.bounds_transfers() {
-        return peer.inner.data.transfer_within(request, timeout).await;
-    }
-    let n = request.items.len();
-    let mut transfer = peer.inner.data.transfer(request);
-    if let std::task::Poll::Ready(done) =
-        std::future::poll_fn(|cx| std::task::Poll::Ready(transfer.as_mut().poll(cx))).await
-    {
-        return done;
-    }
-    // Boxed: a timer is large, and inline it would grow every transfer's future, the many that
-    // never need it included.
-    match Box::pin(tokio::time::timeout(timeout, transfer)).await {
-        Ok(r) => r,
-        Err(_) => Err(Error::transfer_timeout(n, peer.addr(), timeout)),
-    }
-}
-
-async fn run_with_timeout(peer: &Peer, request: TransferRequest, timeout: Duration) -> Result<()> {
-    let n = request.items.len();
-    let op = request.op;
-    let span = tracing::debug_span!(
-        "transfer",
-        op = ?op,
-        peer = %peer.addr(),
-        transport = %peer.transport(),
-        descriptors = n,
-        bytes = tracing::field::Empty,
-        outcome = tracing::field::Empty,
-    );
-    // Only what a metric or an enabled span reads is worked out.
-    let bytes = match (&peer.inner.metrics, span.is_disabled()) {
-        (None, true) => 0,
-        _ => request.items.iter().map(|i| i.len()).sum(),
-    };
-    span.record("bytes", bytes);
-    let started = peer.inner.metrics.as_ref().map(|_| std::time::Instant::now());
-    let result = bounded(peer, request, timeout).instrument(span.clone()).await;
-    if let (Some(metrics), Some(started)) = (&peer.inner.metrics, started) {
-        metrics.record(op, n, bytes, started.elapsed(), &result);
-    }
-    if !span.is_disabled() {
-        match &result {
-            Ok(()) => span.record("outcome", "ok"),
-            Err(e) => span.record("outcome", e.code().name()),
-        };
-    }
-    result
-}
-
 /// How long deregistration waits for the accesses to a region still in progress once its access
 /// guard closed: CPU copies and non-blocking system calls (microseconds), staged GPU copies and
 /// `msync`s (milliseconds to seconds), NIC work requests (ended by the RDMA transport within its drain

@@ -8,7 +8,7 @@
 //! | `Initialize(ip:port, options)` | [`Engine::builder`]`().listen(..).build().await` |
 //! | `RegisterMem` / `DeregisterMem` | [`Engine::register`], [`Engine::alloc_host`], [`Engine::register_raw`]; drop the [`Region`] |
 //! | `Connect` / `Disconnect` | [`Engine::connect`] / [`Engine::disconnect`] |
-//! | `TransferSync` | [`Engine::transfer`] |
+//! | `TransferSync` | [`Engine::transfer`]; [`Engine::transfer_future`] for its future as a named [`Transfer`] |
 //! | `TransferAsync` / `GetTransferStatus` | [`Engine::transfer_async`] → [`TransferHandle::status`], or await it |
 //! | `SendNotify` / `GetNotifies` | [`Engine::notify`] / [`Engine::take_notifications`], [`Engine::notifications`] |
 //! | `MallocMem` / `FreeMem` | [`Engine::alloc_host`] / drop |
@@ -59,7 +59,7 @@ pub use peer::Peer;
 /// uses the same version.
 pub use prometheus_client;
 pub use region::Region;
-pub use transfer::{TransferHandle, TransferStatus};
+pub use transfer::{Transfer, TransferHandle, TransferStatus};
 
 /// The wire protocol, for tools and tests that speak it directly.
 pub mod codec {

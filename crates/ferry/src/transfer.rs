@@ -4,10 +4,14 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, ready};
+use std::time::{Duration, Instant};
 
-use ferry_core::{Error, Result};
+use ferry_core::{Error, Op, Result, TransferRequest};
+use futures::future::BoxFuture;
 use tokio::task::JoinHandle;
+
+use crate::peer::Peer;
 
 /// Where a transfer stands (HIXL `TransferStatus`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -65,5 +69,133 @@ impl Future for TransferHandle {
         Pin::new(&mut self.task).poll(cx).map(|joined| {
             joined.unwrap_or_else(|e| Err(Error::Internal(format!("the transfer task ended abnormally: {e}"))))
         })
+    }
+}
+
+/// A resolved batch on its way: the future [`Engine::transfer`](crate::Engine::transfer) awaits, as a
+/// type with a name, from [`Engine::transfer_future`](crate::Engine::transfer_future).
+///
+/// Code that stores a transfer in a struct of its own (a `tower::Service`'s response future, a
+/// hand-written state machine) can hold this one instead of boxing an `async fn`'s future: one
+/// allocation and one large move less per batch. It does nothing until polled; dropping it before
+/// it completes abandons the batch, with the same guarantees as dropping `transfer`'s future.
+///
+/// Its timeout counts from when it was made (on links that bound batches themselves, TCP's) or from
+/// the first poll that finds the batch unfinished (elsewhere, so that a batch done at once arms no
+/// timer): await it soon after making it.
+#[must_use = "a transfer does nothing unless it is awaited"]
+pub struct Transfer {
+    addr: std::net::SocketAddr,
+    /// Held only where the engine keeps metrics, which live on the link: one reference count less
+    /// per batch where it does not.
+    metered: Option<(Peer, Instant)>,
+    work: BoxFuture<'static, Result<()>>,
+    timeout: Duration,
+    /// Armed at the first `Pending`, where the link does not bound the batch itself.
+    timer: Timer,
+    op: Op,
+    descriptors: usize,
+    /// Counted only where a metric or an enabled span reads it.
+    bytes: u64,
+    span: tracing::Span,
+}
+
+enum Timer {
+    /// The link ends the batch at its timeout itself.
+    Link,
+    Unarmed,
+    /// Boxed: a timer is large, and inline it would grow every transfer's future, the many that
+    /// never need it included.
+    Armed(Pin<Box<tokio::time::Sleep>>),
+}
+
+impl std::fmt::Debug for Transfer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Transfer")
+            .field("peer", &self.addr)
+            .field("op", &self.op)
+            .field("descriptors", &self.descriptors)
+            .field("timeout", &self.timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Transfer {
+    /// Hands `request`, already resolved and checked, to `peer`'s data link.
+    pub(crate) fn new(peer: &Peer, request: TransferRequest, timeout: Duration) -> Self {
+        let (op, descriptors) = (request.op, request.items.len());
+        let span = tracing::debug_span!(
+            "transfer",
+            op = ?op,
+            peer = %peer.addr(),
+            transport = %peer.transport(),
+            descriptors,
+            bytes = tracing::field::Empty,
+            outcome = tracing::field::Empty,
+        );
+        let bytes = match (&peer.inner.metrics, span.is_disabled()) {
+            (None, true) => 0,
+            _ => request.items.iter().map(|i| i.len()).sum(),
+        };
+        span.record("bytes", bytes);
+        let data = &peer.inner.data;
+        let (work, timer) = match data.bounds_transfers() {
+            true => (data.transfer_within(request, timeout), Timer::Link),
+            false => (data.transfer(request), Timer::Unarmed),
+        };
+        Transfer {
+            addr: peer.addr(),
+            metered: peer.inner.metrics.as_ref().map(|_| (peer.clone(), Instant::now())),
+            work,
+            timeout,
+            timer,
+            op,
+            descriptors,
+            bytes,
+            span,
+        }
+    }
+}
+
+/// Polls `work`, arming `timer` at its first `Pending`; `Err(None)` when the timer ran out first.
+fn poll_bounded(
+    work: &mut BoxFuture<'static, Result<()>>,
+    timer: &mut Timer,
+    timeout: Duration,
+    cx: &mut Context<'_>,
+) -> Poll<std::result::Result<(), Option<Error>>> {
+    if let Poll::Ready(done) = work.as_mut().poll(cx) {
+        return Poll::Ready(done.map_err(Some));
+    }
+    if let Timer::Unarmed = timer {
+        *timer = Timer::Armed(Box::pin(tokio::time::sleep(timeout)));
+    }
+    match timer {
+        Timer::Armed(sleep) => sleep.as_mut().poll(cx).map(|()| Err(None)),
+        _ => Poll::Pending,
+    }
+}
+
+impl Future for Transfer {
+    type Output = Result<()>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<()>> {
+        let this = self.get_mut();
+        let entered = this.span.enter();
+        let result = ready!(poll_bounded(&mut this.work, &mut this.timer, this.timeout, cx))
+            .map_err(|e| e.unwrap_or_else(|| Error::transfer_timeout(this.descriptors, this.addr, this.timeout)));
+        if let Some((peer, started)) = &this.metered
+            && let Some(metrics) = &peer.inner.metrics
+        {
+            metrics.record(this.op, this.descriptors, this.bytes, started.elapsed(), &result);
+        }
+        if !this.span.is_disabled() {
+            match &result {
+                Ok(()) => this.span.record("outcome", "ok"),
+                Err(e) => this.span.record("outcome", e.code().name()),
+            };
+        }
+        drop(entered);
+        Poll::Ready(result)
     }
 }

@@ -109,6 +109,55 @@ async fn async_transfer_reports_status_and_resolves() {
     assert_eq!(dst.to_vec().unwrap(), pattern(8 << 20, 1));
 }
 
+/// `transfer_future` checks a batch when it is called and hands back a named future that does
+/// nothing until it is polled: a bad descriptor is refused at once, a future dropped unpolled moves
+/// no byte, and one kept and awaited later moves them all. On each transport a pair of one host
+/// can use.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn named_transfer_futures_are_checked_at_once_and_lazy() {
+    for transports in [vec![], vec![ferry::TransportKind::Tcp]] {
+        let builder = match transports.is_empty() {
+            true => Engine::builder(),
+            false => Engine::builder().transports(transports),
+        };
+        let (target, initiator, peer) = pair_with(builder).await;
+        let dst = target.alloc_host(64 << 10, rw()).unwrap();
+        wait_for_region(&peer, &dst).await;
+        let src = initiator.register(pattern(64 << 10, 3), rw()).unwrap();
+        let write = |len| [TransferDesc::new(src.addr(), dst.addr(), len)];
+        let completed = ferry::Durability::Completed;
+
+        let past_the_end = initiator.transfer_future(&peer, Op::Write, &write(65 << 10), completed, T);
+        assert!(
+            matches!(past_the_end, Err(ferry::Error::OutOfBounds(_))),
+            "{past_the_end:?}"
+        );
+        let none = initiator.transfer_future(&peer, Op::Write, &[], completed, T);
+        assert!(matches!(none, Err(ferry::Error::InvalidArgument(_))), "{none:?}");
+
+        let unpolled = initiator
+            .transfer_future(&peer, Op::Write, &write(64 << 10), completed, T)
+            .unwrap();
+        drop(unpolled);
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        assert_eq!(
+            dst.to_vec().unwrap(),
+            vec![0u8; 64 << 10],
+            "{}: a dropped future wrote",
+            peer.transport()
+        );
+
+        struct Kept(ferry::Transfer);
+        let kept = Kept(
+            initiator
+                .transfer_future(&peer, Op::Write, &write(64 << 10), completed, T)
+                .unwrap(),
+        );
+        tokio::time::timeout(T, kept.0).await.expect("hung").unwrap();
+        assert_eq!(dst.to_vec().unwrap(), pattern(64 << 10, 3), "{}", peer.transport());
+    }
+}
+
 /// Once a transfer returns (here: timed out) or its future is dropped, no byte lands in its local
 /// buffer again: a canary painted right after stays intact while the target would still be sending.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
