@@ -1,17 +1,93 @@
-//! Copies between a caller's memory and a mapped region, split over two threads when large.
+//! Copies between a caller's memory and a mapped region, split over two threads when that pays.
 //!
-//! One thread's `memcpy` does not reach the memory bandwidth of the machine: measured on the 2-core
-//! development machine, 1 MiB copies ran at 21 GB/s on one thread and 36 GB/s split over two, and
-//! 16 MiB copies at 13 and 26 GB/s. A copy of [`SPLIT_MIN`] bytes or more therefore hands its second
-//! half to a helper thread (one per process, started on first use) and copies the first half itself;
-//! it returns once both are done, so a copy never outlives the call that made it. A batch of many
-//! small copies is split the same way, at half its bytes.
+//! One thread's `memcpy` does not always reach the memory bandwidth of the machine: measured on one
+//! 2-core development machine, 1 MiB copies ran at 21 GB/s on one thread and 36 GB/s split over
+//! two, and 16 MiB copies at 13 and 26 GB/s. On another (2 cores of an AMD EPYC, 32 MiB of L3), one
+//! thread copied 1 MiB at 50 GB/s and the split ran at 14: handing half a copy to another thread
+//! pays only where that thread gets a core at once, and a wake-up across cores of a virtual machine
+//! can cost more than the copy. So neither way is fixed. A copy of [`SPLIT_MIN`] bytes or more goes
+//! the way that has been faster so far ([`Tuner`]): split, it hands its second half to a helper
+//! thread (one per process, started on first use) and copies the first half itself, and returns
+//! once both are done, so a copy never outlives the call that made it. A batch of many small copies
+//! is split the same way, at half its bytes.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
 use std::sync::{Mutex, OnceLock};
+use std::time::Instant;
 
 /// Copies of at least this many bytes are split over two threads.
 pub(crate) const SPLIT_MIN: usize = 512 << 10;
+
+/// Of every this many copies of [`SPLIT_MIN`] bytes or more, [`EXPLORE_BURST`] in a row go the way
+/// that has been slower so far, to notice when that changes (the other core's load comes and goes):
+/// a few percent of large copies' time where the other way is several times slower.
+const EXPLORE_EVERY: u64 = 256;
+
+/// In a row, because the first split copy after a while of whole ones wakes a helper thread that has
+/// slept, and costs more than split copies in a row do.
+const EXPLORE_BURST: u64 = 4;
+
+/// Learns from the large copies themselves whether splitting them pays: a smoothed cost per byte of
+/// each way, the cheaper one taken, the other tried again for [`EXPLORE_BURST`] copies of every
+/// [`EXPLORE_EVERY`].
+pub(crate) struct Tuner {
+    copies: AtomicU64,
+    /// Smoothed nanoseconds per MiB of split copies, and of whole ones; 0 until one was measured.
+    split: AtomicU64,
+    whole: AtomicU64,
+}
+
+impl Tuner {
+    pub(crate) const fn new() -> Self {
+        Tuner {
+            copies: AtomicU64::new(0),
+            split: AtomicU64::new(0),
+            whole: AtomicU64::new(0),
+        }
+    }
+
+    /// Whether the next large copy is split.
+    pub(crate) fn split_next(&self) -> bool {
+        let n = self.copies.fetch_add(1, Ordering::Relaxed);
+        match (self.split.load(Ordering::Relaxed), self.whole.load(Ordering::Relaxed)) {
+            (0, _) => true,
+            (_, 0) => false,
+            (split, whole) => (split <= whole) != (n % EXPLORE_EVERY < EXPLORE_BURST),
+        }
+    }
+
+    /// Counts a copy of `bytes` that took `nanos`, split or not. An average falls halfway to a
+    /// cheaper copy and rises an eighth of the way to a dearer one: a slow copy is often one that
+    /// met something else (first-touch page faults, a preempted thread), a fast one shows what the
+    /// way can do. Two copies recorded at once may lose one of the updates, which only delays
+    /// what the averages learn.
+    pub(crate) fn record(&self, split: bool, bytes: usize, nanos: u64) {
+        let cost = (u128::from(nanos) << 20) / (bytes.max(1) as u128);
+        let cost = u64::try_from(cost).unwrap_or(u64::MAX).max(1);
+        let average = if split { &self.split } else { &self.whole };
+        let old = average.load(Ordering::Relaxed);
+        let new = match old {
+            0 => cost,
+            old if cost < old => old / 2 + cost / 2,
+            old => old - old / 8 + cost / 8,
+        };
+        average.store(new.max(1), Ordering::Relaxed);
+    }
+}
+
+/// Size classes of large copies, each with its own [`Tuner`]: whether splitting pays depends on the
+/// size (a fixed cost to wake the helper against a copy time that grows with it). Class `k` holds
+/// copies of `SPLIT_MIN << k` bytes up to twice that; the last, everything larger.
+const SIZE_CLASSES: usize = 8;
+
+static TUNERS: [Tuner; SIZE_CLASSES] = [const { Tuner::new() }; SIZE_CLASSES];
+
+/// The tuner for copies of `total` bytes (at least [`SPLIT_MIN`]).
+fn tuner(total: usize) -> &'static Tuner {
+    let class = (total / SPLIT_MIN).max(1).ilog2() as usize;
+    &TUNERS[class.min(SIZE_CLASSES - 1)]
+}
 
 /// One contiguous copy.
 #[derive(Debug, Clone, Copy)]
@@ -85,16 +161,33 @@ fn halves(pieces: &[Piece], total: usize) -> (Vec<Piece>, Vec<Piece>) {
     (mine, theirs)
 }
 
-/// Copies every piece; from [`SPLIT_MIN`] bytes in all, half of them on the helper thread.
+/// Copies every piece; from [`SPLIT_MIN`] bytes in all, half of them on the helper thread where
+/// that has been the faster way (see [`Tuner`]).
 ///
 /// # Safety
 /// Every piece's `src` is valid for reads and `dst` for writes of its `len` bytes until this returns,
 /// and no destination overlaps another piece's source or destination.
 pub(crate) unsafe fn copy_all(pieces: &[Piece]) {
     let total: usize = pieces.iter().map(|p| p.len).sum();
-    if total >= SPLIT_MIN
-        && let Some(helper) = helper()
-    {
+    if total < SPLIT_MIN {
+        // SAFETY: valid per the contract.
+        return unsafe { copy_here(pieces) };
+    }
+    let tuner = tuner(total);
+    let started = Instant::now();
+    // SAFETY: valid per the contract.
+    let split = unsafe { copy_large(pieces, total, tuner.split_next()) };
+    let nanos = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
+    tuner.record(split, total, nanos);
+}
+
+/// Copies `pieces` (`total` bytes), split over two threads if `split` and the helper thread runs;
+/// returns whether it was split.
+///
+/// # Safety
+/// As for [`copy_all`].
+unsafe fn copy_large(pieces: &[Piece], total: usize, split: bool) -> bool {
+    if split && let Some(helper) = helper() {
         let (mine, theirs) = halves(pieces, total);
         let (done, finished) = sync_channel(1);
         let job = Job { pieces: theirs, done };
@@ -108,11 +201,12 @@ pub(crate) unsafe fn copy_all(pieces: &[Piece]) {
                 // SAFETY: valid per the contract; the helper never touched them.
                 unsafe { copy_here(&theirs) };
             }
-            return;
+            return true;
         }
     }
     // SAFETY: valid per the contract.
     unsafe { copy_here(pieces) };
+    false
 }
 
 #[cfg(test)]
@@ -136,8 +230,45 @@ mod tests {
                 // SAFETY: the pieces cover the two distinct vectors, each byte once.
                 unsafe { copy_all(&pieces) };
                 assert!(src == dst, "{len} bytes in pieces of {piece}");
+                for split in [true, false] {
+                    dst.fill(0);
+                    // SAFETY: as above.
+                    let was_split = unsafe { copy_large(&pieces, len, split) };
+                    assert_eq!(was_split, split, "the helper thread did not run");
+                    assert!(src == dst, "{len} bytes in pieces of {piece}, split {split}");
+                }
             }
         }
+    }
+
+    /// Measures each way first, then takes the cheaper one, and tries the other for exactly
+    /// `EXPLORE_BURST` copies of every `EXPLORE_EVERY`, so that it notices when the other becomes the
+    /// cheaper.
+    #[test]
+    fn the_tuner_takes_the_cheaper_way_and_keeps_trying_the_other() {
+        let tuner = Tuner::new();
+        assert!(tuner.split_next(), "split copies are measured first");
+        tuner.record(true, 1 << 20, 80_000);
+        assert!(!tuner.split_next(), "then whole ones");
+        tuner.record(false, 1 << 20, 20_000);
+        let splits = (0..10 * EXPLORE_EVERY).filter(|_| tuner.split_next()).count();
+        assert_eq!(
+            splits as u64,
+            10 * EXPLORE_BURST,
+            "whole copies are cheaper: split only to explore"
+        );
+
+        // Whole copies become four times dearer (the other core fell idle, say): the averages follow
+        // within a few dozen copies, and split copies take over.
+        for _ in 0..40 {
+            tuner.record(false, 1 << 20, 160_000);
+        }
+        let splits = (0..10 * EXPLORE_EVERY).filter(|_| tuner.split_next()).count();
+        assert_eq!(
+            splits as u64,
+            10 * (EXPLORE_EVERY - EXPLORE_BURST),
+            "split copies are now cheaper"
+        );
     }
 
     proptest::proptest! {
