@@ -16,7 +16,8 @@ use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
 use std::sync::{Mutex, OnceLock};
 use std::time::Instant;
 
-/// Copies of at least this many bytes are split over two threads.
+/// Copies of at least this many bytes may be split over two threads, where that has been faster
+/// ([`Tuner`]).
 pub(crate) const SPLIT_MIN: usize = 512 << 10;
 
 /// Of every this many copies of [`SPLIT_MIN`] bytes or more, [`EXPLORE_BURST`] in a row go the way

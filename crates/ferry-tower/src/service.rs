@@ -22,7 +22,7 @@ use crate::request::{TransferRequest, TransferResponse};
 /// In the common case (a live link with room on it) the service resolves the request and hands it
 /// to the engine inside `call`, and this future holds the engine's own [`ferry::Transfer`]: nothing
 /// is allocated for it. A request that must wait (for a connect, for room on the link) runs in a
-/// boxed future instead, as does an error known at once.
+/// boxed future instead. An error known in `call` is held as it is, with no future around it.
 #[must_use = "a transfer does nothing unless it is awaited"]
 pub struct TransferFuture(State);
 
