@@ -10,7 +10,9 @@
 //! every operation in the region table before touching memory and delivers notifications to the
 //! [`Notifier`].
 
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
+
+use crate::sync::ShardedLock;
 
 use crate::sync::shim::{AtomicUsize, Ordering};
 
@@ -364,7 +366,7 @@ pub struct EngineContext {
     /// Identifies this host (for choosing shared memory).
     pub host_id: u64,
     /// The registered regions.
-    pub regions: RwLock<RegionTable>,
+    pub regions: ShardedLock<RegionTable>,
     /// The notification queue.
     pub notifier: Arc<dyn Notifier>,
     /// Links other engines opened to this one. Counted apart from [`outgoing`](Self::outgoing), so that

@@ -6,7 +6,7 @@
 
 mod common;
 
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::in_rig;
@@ -197,7 +197,7 @@ async fn the_nic_refuses_what_a_peer_was_not_granted() {
     let ctx = Arc::new(EngineContext {
         engine_id: 1,
         host_id: 1,
-        regions: RwLock::new(table),
+        regions: ferry_core::sync::ShardedLock::new(table),
         notifier: Arc::new(NoNotifications),
         incoming: Arc::new(LinkSlots::new(8)),
         outgoing: Arc::new(LinkSlots::new(8)),

@@ -26,6 +26,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
+use ferry_core::sync::{ShardedLock, ShardedLockReadGuard, ShardedLockWriteGuard};
 use ferry_core::{
     DataLink, Durability, Error, Notification, Op, OwnedPermit, PersistMethod, RegionKey, Result, TransferItem,
     TransferRequest, TransportKind,
@@ -86,14 +87,27 @@ struct Inner {
     /// Lendable regions of the target, by the key this peer knows them by.
     /// Keyed with FxHash: looked up on every transfer, and the keys are the target's own (random
     /// ones, by the engine's rule); a target that picked colliding keys would slow only transfers to
-    /// itself, over at most the regions it may advertise.
-    lendings: Mutex<FxHashMap<RegionKey, Lending>>,
+    /// itself, over at most the regions it may advertise. Read by every transfer and written only
+    /// when a region is asked for, lent or taken back: a read lock lets transfers on both cores
+    /// look up at once, where a mutex made each wait for the other.
+    lendings: ShardedLock<FxHashMap<RegionKey, Lending>>,
     next_id: AtomicU64,
     closed: AtomicBool,
     control: Arc<dyn DataLink>,
     peer: String,
     /// Why the target cannot copy with this process (cross-memory attach denied), if it cannot.
     copies_denied: Option<String>,
+}
+
+/// The first item of each run of items to one region (items of one region usually follow each
+/// other, so that each run is looked up once).
+fn first_of_runs(items: &[TransferItem]) -> impl Iterator<Item = &TransferItem> {
+    let mut last = None;
+    items.iter().filter(move |item| {
+        let first = last != Some(item.remote_key);
+        last = Some(item.remote_key);
+        first
+    })
 }
 
 /// Bytes of one READ request, and so of its staging buffer: a large READ runs as several requests in
@@ -187,8 +201,12 @@ impl Inner {
         ))
     }
 
-    fn lendings(&self) -> std::sync::MutexGuard<'_, FxHashMap<RegionKey, Lending>> {
-        self.lendings.lock().unwrap_or_else(|p| p.into_inner())
+    fn lendings(&self) -> ShardedLockWriteGuard<'_, FxHashMap<RegionKey, Lending>> {
+        self.lendings.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn read_lendings(&self) -> ShardedLockReadGuard<'_, FxHashMap<RegionKey, Lending>> {
+        self.lendings.read().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Ends every request in flight with `error`, and the link with it.
@@ -370,7 +388,7 @@ impl Inner {
 
     /// The mapping of the region the peer knows as `key`, if this link holds one.
     fn mapping_of(&self, key: RegionKey) -> Option<Arc<Mapping>> {
-        match self.lendings().get(&key) {
+        match self.read_lendings().get(&key) {
             Some(Lending::Mapped(m)) => Some(m.clone()),
             _ => None,
         }
@@ -418,22 +436,24 @@ impl Inner {
     /// is looked up once.
     async fn sort(self: &Arc<Self>, request: TransferRequest) -> Sorted {
         let durability = request.durability;
-        let to_ask: Vec<RegionKey> = {
+        // Nearly always every region was asked for already: look under the read lock first.
+        let unasked = |lendings: &FxHashMap<RegionKey, Lending>, item: &TransferItem| {
+            Self::lendable(item, durability) && !lendings.contains_key(&item.remote_key)
+        };
+        let any_unasked = {
+            let lendings = self.read_lendings();
+            first_of_runs(&request.items).any(|item| unasked(&lendings, item))
+        };
+        let mut to_ask = Vec::new();
+        if any_unasked {
             let mut lendings = self.lendings();
-            let mut keys = Vec::new();
-            let mut last = None;
-            for item in &request.items {
-                if last == Some(item.remote_key) {
-                    continue;
-                }
-                last = Some(item.remote_key);
-                if Self::lendable(item, durability) && !lendings.contains_key(&item.remote_key) {
+            for item in first_of_runs(&request.items) {
+                if unasked(&lendings, item) {
                     lendings.insert(item.remote_key, Lending::Asking);
-                    keys.push(item.remote_key);
+                    to_ask.push(item.remote_key);
                 }
             }
-            keys
-        };
+        }
         for key in to_ask {
             self.clone().ask(key).await;
         }
@@ -445,7 +465,7 @@ impl Inner {
             copied: Vec::new(),
             control: Vec::new(),
         };
-        let lendings = self.lendings();
+        let lendings = self.read_lendings();
         let mut last: Option<(RegionKey, Way)> = None;
         for item in request.items {
             let way = match last {
@@ -679,7 +699,7 @@ impl ShmLink {
         let inner = Arc::new(Inner {
             writer: tokio::sync::Mutex::new(Some(writer)),
             pending: Mutex::new(HashMap::new()),
-            lendings: Mutex::new(FxHashMap::default()),
+            lendings: ShardedLock::new(FxHashMap::default()),
             next_id: AtomicU64::new(1),
             closed: AtomicBool::new(false),
             control,

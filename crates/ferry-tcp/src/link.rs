@@ -19,10 +19,11 @@
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use ferry_core::codec::{Frame, Hello, HelloAck, Limits, ReadStatus, Segment};
+use ferry_core::sync::ShardedLock;
 use ferry_core::{
     AccessGuard, DataLink, Durability, Error, Notification, Op, PeerIdentity, PersistMethod, RegionEntry,
     RemoteRegions, Resolved, Result, TransferItem, TransferRequest, TransportKind,
@@ -190,7 +191,7 @@ struct Shared {
     /// carry (all from the control stream's reader, in order): every transfer looks its remote
     /// side up here, under a read lock that transfers share, instead of under `proto`'s lock,
     /// which every frame of the link takes.
-    remote_regions: RwLock<RemoteRegions>,
+    remote_regions: ShardedLock<RemoteRegions>,
     /// Told once `remote_regions` has taken an update.
     region_updates: tokio::sync::Notify,
     streams: Vec<Stream>,
@@ -360,7 +361,7 @@ impl TcpLink {
             proto.reserve_control();
         }
         let budget_units = (config.max_inflight_bytes / BUDGET_UNIT).clamp(1, u32::MAX as u64 >> 4) as u32;
-        let remote_regions = RwLock::new(proto.regions().clone());
+        let remote_regions = ShardedLock::new(proto.regions().clone());
         let shared = Arc::new(Shared {
             peer,
             remote_identity: session.map(|s| s.identity),

@@ -11,11 +11,12 @@
 use std::future::Future;
 use std::hash::{BuildHasher, RandomState};
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::task::Poll;
 use std::time::Duration;
 
+use crossbeam_utils::sync::{ShardedLock, ShardedLockReadGuard, ShardedLockWriteGuard};
 use ferry::{Engine, Error, Peer, Result};
 use rustc_hash::FxHashMap;
 use tokio::time::Instant;
@@ -164,10 +165,10 @@ pub(crate) struct Pool {
     pub(crate) config: PoolConfig,
     /// The total in-flight bound that `poll_ready` takes from.
     pub(crate) in_flight: Limit,
-    /// Read by every request, written only when a peer comes or goes: a read lock lets requests on
-    /// both cores look their peer up at once. Keyed with FxHash: the addresses are the application's
+    /// Read by every request, written only when a peer comes or goes: a sharded lock lets requests
+    /// on every core look their peer up at once without passing a lock word between cores. Keyed with FxHash: the addresses are the application's
     /// own, not a remote party's, so SipHash's defence against chosen keys would only cost time.
-    slots: RwLock<FxHashMap<SocketAddr, Arc<PeerEntry>>>,
+    slots: ShardedLock<FxHashMap<SocketAddr, Arc<PeerEntry>>>,
     epoch: Instant,
     /// Nanoseconds since `epoch`, as of the reaper's last tick (or a connect): a clock that requests
     /// can read without asking the OS, precise enough for idle and least-recently-used decisions.
@@ -187,8 +188,8 @@ struct PeerEntry {
     last_used: AtomicU64,
     /// Consecutive timed-out or abandoned attempts on the current link.
     strikes: AtomicU32,
-    /// Read by every request (is the link live?), written when it changes.
-    state: RwLock<LinkState>,
+    /// Read by every request (is the link live?), written when it changes; sharded, as `slots` is.
+    state: ShardedLock<LinkState>,
     /// Held while connecting, so that one request per address dials and the others wait for it.
     connecting: tokio::sync::Mutex<()>,
 }
@@ -287,7 +288,7 @@ impl PeerEntry {
             last_used: AtomicU64::new(clock.load(Ordering::Relaxed)),
             clock,
             strikes: AtomicU32::new(0),
-            state: RwLock::new(LinkState::default()),
+            state: ShardedLock::new(LinkState::default()),
             connecting: tokio::sync::Mutex::new(()),
         }
     }
@@ -297,11 +298,11 @@ impl PeerEntry {
             .store(self.clock.load(Ordering::Relaxed), Ordering::Relaxed);
     }
 
-    fn state(&self) -> Result<RwLockWriteGuard<'_, LinkState>> {
+    fn state(&self) -> Result<ShardedLockWriteGuard<'_, LinkState>> {
         self.state.write().map_err(|_| poisoned())
     }
 
-    fn read_state(&self) -> Result<RwLockReadGuard<'_, LinkState>> {
+    fn read_state(&self) -> Result<ShardedLockReadGuard<'_, LinkState>> {
         self.state.read().map_err(|_| poisoned())
     }
 
@@ -380,7 +381,7 @@ impl Pool {
             engine,
             in_flight: Limit::new(config.max_in_flight),
             config,
-            slots: RwLock::new(FxHashMap::default()),
+            slots: ShardedLock::new(FxHashMap::default()),
             epoch: Instant::now(),
             clock: Arc::new(AtomicU64::new(0)),
             reaper_started: AtomicBool::new(false),

@@ -3,10 +3,11 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU8, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use ferry_core::codec::Limits;
+use ferry_core::sync::ShardedLock;
 use ferry_core::{
     Access, BufferPool, DataLink, Durability, EngineContext, Error, LinkSlots, MemoryBlock, MemoryRegistry,
     Notification, Op, OwnedBuffer, PciAddress, PeerNames, RawMemory, ReceivedNotification, RegionEntry, RegionKey,
@@ -370,7 +371,7 @@ impl EngineBuilder {
         let ctx = Arc::new(EngineContext {
             engine_id: random_u64()?,
             host_id: host_id(),
-            regions: RwLock::new(RegionTable::new()),
+            regions: ShardedLock::new(RegionTable::new()),
             notifier: notifications.clone(),
             incoming: Arc::new(LinkSlots::new(self.max_links)),
             outgoing: Arc::new(LinkSlots::new(self.max_links)),
@@ -1258,7 +1259,7 @@ fn prefix(e: Error, what: &str) -> Error {
 /// forget it again, so no NIC registration of memory the engine does not know outlives the call.
 fn register_entry(
     transports: &[Arc<dyn Transport>],
-    table: &RwLock<RegionTable>,
+    table: &ShardedLock<RegionTable>,
     mut entry: RegionEntry,
 ) -> Result<Arc<RegionEntry>> {
     let key = entry.key();
@@ -1387,7 +1388,7 @@ mod tests {
     fn a_region_the_table_refuses_is_taken_back_from_every_transport() {
         let rdma = Recording::new(TransportKind::Rdma, false);
         let transports: Vec<Arc<dyn Transport>> = vec![rdma.clone()];
-        let table = RwLock::new(RegionTable::new());
+        let table = ShardedLock::new(RegionTable::new());
         let block: Arc<dyn MemoryBlock> = Arc::new(OwnedBuffer::new(vec![0u8; 4096]));
         let first = register_entry(&transports, &table, entry(&block)).unwrap();
         assert!(rdma.holds(first.key()));
@@ -1407,7 +1408,7 @@ mod tests {
         let tcp = Recording::new(TransportKind::Tcp, false);
         let rdma = Recording::new(TransportKind::Rdma, true);
         let transports: Vec<Arc<dyn Transport>> = vec![tcp.clone(), rdma.clone()];
-        let table = RwLock::new(RegionTable::new());
+        let table = ShardedLock::new(RegionTable::new());
         let block: Arc<dyn MemoryBlock> = Arc::new(OwnedBuffer::new(vec![0u8; 4096]));
         let e = entry(&block);
         let key = e.key();
@@ -1428,7 +1429,7 @@ mod tests {
         let rdma = Recording::new(TransportKind::Rdma, false);
         let tcp = Recording::new(TransportKind::Tcp, true);
         let transports: Vec<Arc<dyn Transport>> = vec![rdma.clone(), tcp];
-        let table = RwLock::new(RegionTable::new());
+        let table = ShardedLock::new(RegionTable::new());
         let block: Arc<dyn MemoryBlock> = Arc::new(OwnedBuffer::new(vec![0u8; 4096]));
         let e = entry(&block);
         let key = e.key();
