@@ -88,8 +88,9 @@ struct Inner {
     /// Keyed with FxHash: looked up on every transfer, and the keys are the target's own (random
     /// ones, by the engine's rule); a target that picked colliding keys would slow only transfers to
     /// itself, over at most the regions it may advertise. Read by every transfer and written only
-    /// when a region is asked for, lent or taken back: a read lock lets transfers on both cores
-    /// look up at once, where a mutex made each wait for the other.
+    /// when a region is asked for, lent or taken back: a sharded lock (see
+    /// [`ShardedLock`]) lets transfers on every core look up at once, where a mutex made each wait
+    /// for the other.
     lendings: ShardedLock<FxHashMap<RegionKey, Lending>>,
     next_id: AtomicU64,
     closed: AtomicBool,

@@ -189,7 +189,8 @@ struct Shared {
     epoch: Instant,
     /// The peer's region table, mirrored from `proto`'s by the updates its `RegionsChanged` events
     /// carry (all from the control stream's reader, in order): every transfer looks its remote
-    /// side up here, under a read lock that transfers share, instead of under `proto`'s lock,
+    /// side up here, under a sharded read lock that transfers on different cores take without
+    /// touching each other's cache lines (see [`ShardedLock`]), instead of under `proto`'s lock,
     /// which every frame of the link takes.
     remote_regions: ShardedLock<RemoteRegions>,
     /// Told once `remote_regions` has taken an update.
