@@ -2,7 +2,6 @@
 //! slots (`shim`).
 
 use std::collections::HashMap;
-
 use std::sync::{Mutex, PoisonError};
 
 /// Empties `map` and returns its values: the operations still waiting when a link fails, so that each

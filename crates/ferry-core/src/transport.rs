@@ -13,7 +13,6 @@
 use std::sync::Arc;
 
 use crate::sync::ShardedLock;
-
 use crate::sync::shim::{AtomicUsize, Ordering};
 
 use futures::future::BoxFuture;

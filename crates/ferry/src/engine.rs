@@ -1046,13 +1046,6 @@ impl Engine {
     }
 }
 
-/// Runs `request` on `peer`'s data path, ending it with `Timeout` after `timeout`.
-///
-/// A link that bounds its transfers itself (TCP: one timer per link, in the protocol core) gets the
-/// timeout. Otherwise a timer bounds the future here, and a transfer that finishes on its first poll (a shared-memory copy, a batch refused at once) never
-/// starts a timer: arming and cancelling one costs a clock read, a clone of the runtime's handle and
-/// a lock on the timer wheel, as much as a small same-host copy itself. The bound is counted from the
-/// end of that first poll.
 /// How long deregistration waits for the accesses to a region still in progress once its access
 /// guard closed: CPU copies and non-blocking system calls (microseconds), staged GPU copies and
 /// `msync`s (milliseconds to seconds), NIC work requests (ended by the RDMA transport within its drain

@@ -158,6 +158,11 @@ impl Transfer {
 }
 
 /// Polls `work`, arming `timer` at its first `Pending`; `Err(None)` when the timer ran out first.
+///
+/// A batch that finishes on its first poll (a shared-memory copy, a batch refused at once) never
+/// starts a timer: arming and cancelling one costs a clock read, a clone of the runtime's handle and
+/// a lock on the timer wheel, as much as a small same-host copy itself. So the bound counts from the
+/// end of that first poll.
 fn poll_bounded(
     work: &mut BoxFuture<'static, Result<()>>,
     timer: &mut Timer,
