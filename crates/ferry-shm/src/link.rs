@@ -388,6 +388,26 @@ impl Inner {
     }
 
     /// The mapping of the region the peer knows as `key`, if this link holds one.
+    /// One range of a region already mapped (a small synchronous write, say), copied here and now,
+    /// without sorting the batch; `None` for anything else. A link already seen down fails at once.
+    fn transfer_now(&self, request: &TransferRequest) -> Option<Result<()>> {
+        if self.closed.load(Ordering::Acquire) {
+            return Some(Err(self.down()));
+        }
+        let [item] = &request.items[..] else { return None };
+        if !Inner::lendable(item, request.durability) {
+            return None;
+        }
+        let mapping = self.mapping_of(item.remote_key)?;
+        let done = copy_one(request.op, item, &mapping)?;
+        // Bytes copied into the mapping of a target whose end of the link is already seen closed
+        // reach nobody: that is no completed write.
+        if done.is_ok() && self.closed.load(Ordering::Acquire) {
+            return Some(Err(self.down()));
+        }
+        Some(done)
+    }
+
     fn mapping_of(&self, key: RegionKey) -> Option<Arc<Mapping>> {
         match self.read_lendings().get(&key) {
             Some(Lending::Mapped(m)) => Some(m.clone()),
@@ -722,22 +742,11 @@ impl DataLink for ShmLink {
     fn transfer(&self, request: TransferRequest) -> BoxFuture<'static, Result<()>> {
         let inner = self.inner.clone();
         Box::pin(async move {
-            if inner.closed.load(Ordering::Acquire) {
-                return Err(inner.down());
-            }
-            // One range of a region already mapped (a small synchronous write, say): copied here
-            // without sorting the batch.
-            if let [item] = &request.items[..]
-                && Inner::lendable(item, request.durability)
-                && let Some(mapping) = inner.mapping_of(item.remote_key)
-                && let Some(result) = copy_one(request.op, item, &mapping)
-            {
-                result?;
-                tokio::task::consume_budget().await;
-                if inner.closed.load(Ordering::Acquire) {
-                    return Err(inner.down());
-                }
-                return Ok(());
+            if let Some(done) = inner.transfer_now(&request) {
+                // A transfer over a mapping never waits: without this, a caller that transfers in
+                // a loop would hold its runtime thread and starve every other task there.
+                tokio::task::coop::consume_budget().await;
+                return done;
             }
             let Sorted {
                 op,
@@ -785,6 +794,10 @@ impl DataLink for ShmLink {
             futures::future::try_join3(to_target, to_control, here).await?;
             Ok(())
         })
+    }
+
+    fn transfer_now(&self, request: &TransferRequest) -> Option<Result<()>> {
+        self.inner.transfer_now(request)
     }
 
     fn notify(&self, notification: Notification) -> BoxFuture<'static, Result<()>> {

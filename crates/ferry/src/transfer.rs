@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::task::{Context, Poll, ready};
 use std::time::{Duration, Instant};
 
-use ferry_core::{Error, Op, Result, TransferRequest};
+use ferry_core::{DataLink, Error, Op, Result, TransferRequest};
 use futures::future::BoxFuture;
 use tokio::task::JoinHandle;
 
@@ -89,7 +89,7 @@ pub struct Transfer {
     /// Held only where the engine keeps metrics, which live on the link: one reference count less
     /// per batch where it does not.
     metered: Option<(Peer, Instant)>,
-    work: BoxFuture<'static, Result<()>>,
+    work: Work,
     timeout: Duration,
     /// Armed at the first `Pending`, where the link does not bound the batch itself.
     timer: Timer,
@@ -98,6 +98,15 @@ pub struct Transfer {
     /// Counted only where a metric or an enabled span reads it.
     bytes: u64,
     span: tracing::Span,
+}
+
+enum Work {
+    /// Not started: the first poll offers it to the link to run inline
+    /// ([`DataLink::transfer_now`]), and starts the link's future only if the link declines.
+    Unstarted(Arc<dyn DataLink>, TransferRequest),
+    Started(BoxFuture<'static, Result<()>>),
+    /// Between taking an unstarted request out and starting its future; never seen by a poll.
+    Taken,
 }
 
 enum Timer {
@@ -140,8 +149,8 @@ impl Transfer {
         span.record("bytes", bytes);
         let data = &peer.inner.data;
         let (work, timer) = match data.bounds_transfers() {
-            true => (data.transfer_within(request, timeout), Timer::Link),
-            false => (data.transfer(request), Timer::Unarmed),
+            true => (Work::Started(data.transfer_within(request, timeout)), Timer::Link),
+            false => (Work::Unstarted(data.clone(), request), Timer::Unarmed),
         };
         Transfer {
             addr: peer.addr(),
@@ -162,14 +171,34 @@ impl Transfer {
 /// A batch that finishes on its first poll (a shared-memory copy, a batch refused at once) never
 /// starts a timer: arming and cancelling one costs a clock read, a clone of the runtime's handle and
 /// a lock on the timer wheel, as much as a small same-host copy itself. So the bound counts from the
-/// end of that first poll.
+/// end of that first poll. A batch the link runs inline ([`DataLink::transfer_now`]) has no future
+/// either: no allocation for it at all.
 fn poll_bounded(
-    work: &mut BoxFuture<'static, Result<()>>,
+    work: &mut Work,
     timer: &mut Timer,
     timeout: Duration,
     cx: &mut Context<'_>,
 ) -> Poll<std::result::Result<(), Option<Error>>> {
-    if let Poll::Ready(done) = work.as_mut().poll(cx) {
+    if let Work::Unstarted(data, request) = work {
+        // Running inline never waits, so it takes a unit of the task's budget, as a future that
+        // completes at once should: a caller transferring in a loop still yields to other tasks.
+        // Out of budget, nothing has started yet and nothing needs bounding.
+        let budget = ready!(tokio::task::coop::poll_proceed(cx));
+        if let Some(done) = data.transfer_now(request) {
+            budget.made_progress();
+            return Poll::Ready(done.map_err(Some));
+        }
+        if let Work::Unstarted(data, request) = std::mem::replace(work, Work::Taken) {
+            *work = Work::Started(data.transfer(request));
+        }
+    }
+    let Work::Started(future) = work else {
+        // Only a link that panicked in `transfer` leaves it taken.
+        return Poll::Ready(Err(Some(Error::Internal(
+            "the link failed to start the transfer".into(),
+        ))));
+    };
+    if let Poll::Ready(done) = future.as_mut().poll(cx) {
         return Poll::Ready(done.map_err(Some));
     }
     if let Timer::Unarmed = timer {

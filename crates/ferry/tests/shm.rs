@@ -130,3 +130,33 @@ async fn a_batch_with_a_bad_range_moves_nothing() {
         "a byte of the batch was written"
     );
 }
+
+/// Writes into a lent region complete on their first poll, with no system call and no future of the
+/// link's own; a caller that writes in a loop must still give its runtime thread up now and then. On a
+/// runtime of one thread, a task spawned beside such a loop runs before the loop ends by itself.
+#[tokio::test(flavor = "current_thread")]
+async fn a_loop_of_inline_writes_lets_other_tasks_run() {
+    let (target, initiator, peer) = shm_pair().await;
+    let dst = target.alloc_host(4096, rw()).unwrap();
+    wait_for_region(&peer, &dst).await;
+    let src = initiator.register(pattern(4096, 7), rw()).unwrap();
+    let desc = [TransferDesc::new(src.addr(), dst.addr(), 64)];
+    // The first write maps the region (a round trip to the target); the rest are copies.
+    initiator.transfer(&peer, Op::Write, &desc, T).await.unwrap();
+    let ran = Arc::new(AtomicBool::new(false));
+    tokio::spawn({
+        let ran = ran.clone();
+        async move { ran.store(true, Ordering::Relaxed) }
+    });
+    const MOST: usize = 100_000;
+    let mut writes = 0;
+    while !ran.load(Ordering::Relaxed) && writes < MOST {
+        initiator.transfer(&peer, Op::Write, &desc, T).await.unwrap();
+        writes += 1;
+    }
+    assert!(ran.load(Ordering::Relaxed), "{MOST} writes in a row never yielded");
+    assert_eq!(dst.to_vec().unwrap()[..64], pattern(4096, 7)[..64]);
+    // Taking a lent region back needs the initiator's tasks to run, which a drop on this one thread
+    // would block until its limit.
+    dst.deregister().await.unwrap();
+}
