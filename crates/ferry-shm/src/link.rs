@@ -149,6 +149,13 @@ fn read_pieces(request: &TransferRequest) -> Vec<TransferRequest> {
 }
 
 /// A same-host data link (see the module documentation).
+///
+/// Aligned to two cache lines so that, inside the engine's `Arc` of it, the reference counts and the
+/// link's fields are on different lines: each transfer holds a clone of that `Arc` until its first
+/// poll, while every transfer reads the fields, and on one line the counts' writes from one core made
+/// every other core's reads miss (16 tasks of 4 KiB writes over a tower stack on two cores: 1.05
+/// against 1.2–1.5 M/s apart).
+#[repr(align(128))]
 pub struct ShmLink {
     inner: Arc<Inner>,
 }
