@@ -20,18 +20,41 @@ use std::time::Instant;
 /// ([`Tuner`]).
 pub(crate) const SPLIT_MIN: usize = 512 << 10;
 
-/// Of every this many copies of [`SPLIT_MIN`] bytes or more, [`EXPLORE_BURST`] in a row go the way
-/// that has been slower so far, to notice when that changes (the other core's load comes and goes):
-/// a few percent of large copies' time where the other way is several times slower.
-const EXPLORE_EVERY: u64 = 256;
+/// Of every so many copies of [`SPLIT_MIN`] bytes or more ([`explore_every`], a power of two from
+/// this up), [`EXPLORE_BURST`] in a row go the way that has been slower so far, to notice when that
+/// changes (the other core's load comes and goes).
+const EXPLORE_EVERY_MIN: u64 = 256;
+
+/// The most bytes of large copies between two bursts of exploring: about 0.3 s of copying at
+/// 50 GB/s, so that a way that became the faster one is found within that.
+const EXPLORE_AT_LEAST_EVERY_BYTES: u64 = 16 << 30;
+
+/// Exploring may cost up to one part in this many of the large copies' time. A fixed one burst in
+/// 256 copies cost 4-8 % of 1 MiB copies where split ones were 3.5 times dearer: shared-memory
+/// writes of 1 MiB, medians of 5 runs alternating in one session, ran at 48.6 GB/s with it, 51.5
+/// with the wait grown to match the gap, and 52.5 with no exploring at all.
+const EXPLORE_SHARE: u128 = 1000;
 
 /// In a row, because the first split copy after a while of whole ones wakes a helper thread that has
 /// slept, and costs more than split copies in a row do.
 const EXPLORE_BURST: u64 = 4;
 
+/// How many copies of `bytes` apart bursts of exploring are, given the smoothed costs of the cheaper
+/// way and of the other: enough that a burst, [`EXPLORE_BURST`] copies that each cost
+/// `other - cheaper` more, stays within [`EXPLORE_SHARE`] of the copies' time, but never more
+/// than [`EXPLORE_AT_LEAST_EVERY_BYTES`] apart.
+fn explore_every(cheaper: u64, other: u64, bytes: usize) -> u64 {
+    let most = (EXPLORE_AT_LEAST_EVERY_BYTES / (bytes as u64).max(1)).max(EXPLORE_EVERY_MIN);
+    let most = 1 << most.ilog2();
+    let extra = u128::from(other.saturating_sub(cheaper));
+    let every = u128::from(EXPLORE_BURST) * EXPLORE_SHARE * extra / u128::from(cheaper.max(1));
+    let every = u64::try_from(every).unwrap_or(u64::MAX);
+    every.clamp(EXPLORE_EVERY_MIN, most).next_power_of_two()
+}
+
 /// Learns from the large copies themselves whether splitting them pays: a smoothed cost per byte of
 /// each way, the cheaper one taken, the other tried again for [`EXPLORE_BURST`] copies of every
-/// [`EXPLORE_EVERY`].
+/// [`explore_every`].
 pub(crate) struct Tuner {
     copies: AtomicU64,
     /// Smoothed nanoseconds per MiB of split copies, and of whole ones; 0 until one was measured.
@@ -48,13 +71,16 @@ impl Tuner {
         }
     }
 
-    /// Whether the next large copy is split.
-    pub(crate) fn split_next(&self) -> bool {
+    /// Whether the next large copy, of `bytes`, is split.
+    pub(crate) fn split_next(&self, bytes: usize) -> bool {
         let n = self.copies.fetch_add(1, Ordering::Relaxed);
         match (self.split.load(Ordering::Relaxed), self.whole.load(Ordering::Relaxed)) {
             (0, _) => true,
             (_, 0) => false,
-            (split, whole) => (split <= whole) != (n % EXPLORE_EVERY < EXPLORE_BURST),
+            (split, whole) => {
+                let every = explore_every(split.min(whole), split.max(whole), bytes);
+                (split <= whole) != (n % every < EXPLORE_BURST)
+            }
         }
     }
 
@@ -177,7 +203,7 @@ pub(crate) unsafe fn copy_all(pieces: &[Piece]) {
     let tuner = tuner(total);
     let started = Instant::now();
     // SAFETY: valid per the contract.
-    let split = unsafe { copy_large(pieces, total, tuner.split_next()) };
+    let split = unsafe { copy_large(pieces, total, tuner.split_next(total)) };
     let nanos = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
     tuner.record(split, total, nanos);
 }
@@ -243,36 +269,73 @@ mod tests {
     }
 
     /// Measures each way first, then takes the cheaper one, and tries the other for exactly
-    /// `EXPLORE_BURST` copies of every `EXPLORE_EVERY`, so that it notices when the other becomes the
+    /// `EXPLORE_BURST` copies of every `explore_every`, so that it notices when the other becomes the
     /// cheaper.
     #[test]
     fn the_tuner_takes_the_cheaper_way_and_keeps_trying_the_other() {
+        const MIB: usize = 1 << 20;
         let tuner = Tuner::new();
-        assert!(tuner.split_next(), "split copies are measured first");
-        tuner.record(true, 1 << 20, 80_000);
-        assert!(!tuner.split_next(), "then whole ones");
-        tuner.record(false, 1 << 20, 20_000);
-        let splits = (0..10 * EXPLORE_EVERY).filter(|_| tuner.split_next()).count();
+        assert!(tuner.split_next(MIB), "split copies are measured first");
+        tuner.record(true, MIB, 80_000);
+        assert!(!tuner.split_next(MIB), "then whole ones");
+        tuner.record(false, MIB, 20_000);
+        // Split copies four times dearer: a burst every 16384 copies of 1 MiB (16 GiB).
+        let splits = (0..10 * 16384).filter(|_| tuner.split_next(MIB)).count();
         assert_eq!(
             splits as u64,
             10 * EXPLORE_BURST,
             "whole copies are cheaper: split only to explore"
         );
 
-        // Whole copies become four times dearer (the other core fell idle, say): the averages follow
-        // within a few dozen copies, and split copies take over.
+        // Whole copies become 1.2 times as dear as split ones (the other core fell idle, say): the
+        // averages follow within a few dozen copies, and split copies take over, trying whole ones
+        // every 1024 copies.
         for _ in 0..40 {
-            tuner.record(false, 1 << 20, 160_000);
+            tuner.record(false, MIB, 96_000);
         }
-        let splits = (0..10 * EXPLORE_EVERY).filter(|_| tuner.split_next()).count();
+        let splits = (0..10 * 1024).filter(|_| tuner.split_next(MIB)).count();
         assert_eq!(
             splits as u64,
-            10 * (EXPLORE_EVERY - EXPLORE_BURST),
+            10 * (1024 - EXPLORE_BURST),
             "split copies are now cheaper"
         );
     }
 
+    #[test]
+    fn the_dearer_the_other_way_the_rarer_the_bursts() {
+        const MIB: usize = 1 << 20;
+        assert_eq!(explore_every(100, 100, MIB), EXPLORE_EVERY_MIN);
+        assert_eq!(explore_every(100, 105, MIB), EXPLORE_EVERY_MIN);
+        assert_eq!(explore_every(100, 120, MIB), 1024);
+        assert_eq!(explore_every(20_000, 80_000, MIB), 16384, "at most every 16 GiB");
+        assert_eq!(
+            explore_every(20_000, 80_000, 64 * MIB),
+            EXPLORE_EVERY_MIN,
+            "at most every 16 GiB"
+        );
+        assert_eq!(explore_every(1, u64::MAX, SPLIT_MIN), 32768);
+        assert_eq!(explore_every(1, u64::MAX, usize::MAX), EXPLORE_EVERY_MIN);
+    }
+
     proptest::proptest! {
+        /// Bursts stay within their share of the time, unless the wait is at its longest; and a wait
+        /// is a power of two within bounds.
+        #[test]
+        fn exploring_costs_at_most_its_share(
+            cheaper in 1u64..1_000_000,
+            extra in 0u64..10_000_000,
+            bytes in SPLIT_MIN..(1usize << 40),
+        ) {
+            let every = explore_every(cheaper, cheaper + extra, bytes);
+            proptest::prop_assert!(every.is_power_of_two());
+            proptest::prop_assert!(every >= EXPLORE_EVERY_MIN);
+            let most = (EXPLORE_AT_LEAST_EVERY_BYTES / bytes as u64).max(EXPLORE_EVERY_MIN);
+            proptest::prop_assert!(every <= most, "a burst at least every 16 GiB");
+            let burst_cost = u128::from(EXPLORE_BURST) * u128::from(extra);
+            let budget = u128::from(every) * u128::from(cheaper) / EXPLORE_SHARE;
+            proptest::prop_assert!(every * 2 > most || burst_cost <= budget + u128::from(cheaper));
+        }
+
         #[test]
         fn halves_cover_every_byte_once(lens in proptest::collection::vec(1usize..5000, 1..40)) {
             let total: usize = lens.iter().sum();
