@@ -1053,6 +1053,23 @@ impl Engine {
 /// logs an error and returns.
 pub const DEREGISTER_LIMIT: Duration = Duration::from_secs(5);
 
+/// Runs `wait`, a blocking wait of the sync deregistration (`Region`'s `Drop`), without holding up
+/// the other tasks of the runtime whose worker calls it: on a worker of a multi-threaded tokio runtime
+/// it runs under [`tokio::task::block_in_place`], which first hands the worker's tasks to another
+/// thread. Those tasks may be what the wait is for: a peer in this process that must give back its
+/// mapping of the region runs on the same runtime, and on a runtime of one worker (a container
+/// limited to one CPU) a wait that held the worker would last all of [`DEREGISTER_LIMIT`] and end
+/// with the mapping still in place. A current-thread runtime has no other thread to hand its tasks
+/// to: there the wait holds it, and [`Region::deregister`] is the way to deregister.
+pub(crate) fn off_the_workers<R>(wait: impl FnOnce() -> R) -> R {
+    match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+        // Also fine on a thread of the runtime that is not a worker (`block_on`, a blocking thread):
+        // `block_in_place` then runs `wait` as it is.
+        Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(wait),
+        _ => wait(),
+    }
+}
+
 /// How long [`Region::revoke`](crate::Region::revoke) waits for the peers' links to have sent the
 /// removal and for the operations that passed the old grant to end.
 pub const REVOKE_LIMIT: Duration = Duration::from_secs(5);
@@ -1158,12 +1175,23 @@ impl Inner {
     /// Deregisters on the calling thread (`Region::drop`): closes the guard, has every transport end
     /// its accesses (the RDMA transport halts and drains the queue pairs that use the region, within
     /// its drain bound), then waits for the permits still held, at most [`DEREGISTER_LIMIT`].
+    ///
+    /// Where something may block (a permit is held, or a transport's deregistration drains queue
+    /// pairs), it runs [`off_the_workers`].
     pub(crate) fn remove_region(&self, key: RegionKey) {
         let Some(entry) = self.unlist_region(key) else { return };
-        for t in &self.transports {
-            t.deregister_region(key);
-        }
-        if !entry.guard().wait_drained(DEREGISTER_LIMIT) {
+        let deregister = || {
+            for t in &self.transports {
+                t.deregister_region(key);
+            }
+            entry.guard().wait_drained(DEREGISTER_LIMIT)
+        };
+        let may_block = !entry.guard().is_drained() || self.transports.iter().any(|t| t.deregister_blocks());
+        let drained = match may_block {
+            true => off_the_workers(deregister),
+            false => deregister(),
+        };
+        if !drained {
             tracing::error!(
                 region = ?entry,
                 held = entry.guard().held(),

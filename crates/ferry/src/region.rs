@@ -4,13 +4,19 @@ use std::sync::{Arc, Weak};
 
 use ferry_core::{Access, Durability, Error, RegionEntry, RegionKey, Result};
 
-use crate::engine::{DEREGISTER_LIMIT, Inner};
+use crate::engine::{DEREGISTER_LIMIT, Inner, off_the_workers};
 
 /// Memory registered with an engine. [`deregister`](Region::deregister)`.await` removes it without
 /// blocking the runtime; dropping it (or [`Engine::deregister`](crate::Engine::deregister)) removes it
 /// on the dropping thread. Either way peers are told, the region's access guard closes, and once that
 /// returns no byte of it is touched again (within [`DEREGISTER_LIMIT`]; see
 /// there).
+///
+/// A drop that must wait (for accesses in progress, or for a peer on this host to give back its
+/// mapping of the region) waits on a worker of a multi-threaded tokio runtime under
+/// `block_in_place`, so that the runtime's other tasks go on meanwhile, the peer's among them when it
+/// lives in this process. A current-thread runtime has no other thread: there, drop a region such a
+/// peer maps only through `deregister().await`, or the drop waits out [`DEREGISTER_LIMIT`].
 ///
 /// Peers may write into the region at any time, so it offers copies ([`write_at`](Region::write_at),
 /// [`read_at`](Region::read_at)) and a raw pointer ([`as_ptr`](Region::as_ptr)), never a slice: no
@@ -245,7 +251,8 @@ impl Drop for Region {
     /// [`deregister`](Region::deregister): the same steps, with the RDMA transport's queue-pair drain
     /// run here and the wait for the accesses in progress a bounded blocking wait
     /// ([`AccessGuard::wait_drained`](ferry_core::AccessGuard::wait_drained), [`DEREGISTER_LIMIT`]),
-    /// after which an error is logged and the drop returns.
+    /// off the runtime's workers where it can be (see the type's documentation), after which an
+    /// error is logged and the drop returns.
     fn drop(&mut self) {
         if self.entry.guard().is_closed() {
             // Deregistered already (`deregister` ran).
@@ -255,7 +262,8 @@ impl Drop for Region {
             Some(engine) => engine.remove_region(self.entry.key()),
             None => {
                 self.entry.guard().close();
-                if !self.entry.guard().wait_drained(DEREGISTER_LIMIT) {
+                let guard = self.entry.guard();
+                if !guard.is_drained() && !off_the_workers(|| guard.wait_drained(DEREGISTER_LIMIT)) {
                     tracing::error!(region = ?self.entry, held = self.entry.guard().held(), "accesses still hold a dropped region after {DEREGISTER_LIMIT:?}");
                 }
             }

@@ -160,3 +160,52 @@ async fn a_loop_of_inline_writes_lets_other_tasks_run() {
     // would block until its limit.
     dst.deregister().await.unwrap();
 }
+
+/// Dropping a region deregisters it on the dropping thread, and a region lent to a peer in this
+/// process comes back only once that peer's tasks have unmapped it. On a runtime of one worker (a
+/// container limited to one CPU), a drop in a task on that worker must let those tasks run while it
+/// waits: holding the worker, it would wait out `DEREGISTER_LIMIT` and return with the peer's mapping
+/// still in place.
+#[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+async fn dropping_a_lent_region_on_a_one_worker_runtime_takes_it_back() {
+    // Lengths no other test of this file maps.
+    drop_lent_region_in_a_task(5 << 20, false).await;
+}
+
+/// The same with the target engine dropped first (its region's `Drop` then finds no engine): the
+/// mapping comes back as the link ends, also before the drop returns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+async fn dropping_a_lent_region_after_its_engine_on_a_one_worker_runtime_takes_it_back() {
+    drop_lent_region_in_a_task(6 << 20, true).await;
+}
+
+async fn drop_lent_region_in_a_task(len: usize, engine_first: bool) {
+    let (target, initiator, peer) = shm_pair().await;
+    let dst = target.alloc_host(len, rw()).unwrap();
+    wait_for_region(&peer, &dst).await;
+    let src = initiator.register(pattern(4096, 8), rw()).unwrap();
+    let desc = [TransferDesc::new(src.addr(), dst.addr(), 4096)];
+    initiator.transfer(&peer, Op::Write, &desc, T).await.unwrap();
+    assert_eq!(memfd_mappings(len), 2, "the target's own mapping and the one it lent");
+    // On the worker: the test's own body runs on the thread that called `block_on`.
+    let dropped = tokio::spawn(async move {
+        if engine_first {
+            drop(target);
+        }
+        drop(dst);
+        memfd_mappings(len)
+    });
+    let left = tokio::time::timeout(T, dropped).await.unwrap().unwrap();
+    assert_eq!(
+        left, 0,
+        "the peer unmapped, and then the target, before the drop returned"
+    );
+    let err = initiator.transfer(&peer, Op::Write, &desc, T).await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::OutOfBounds(_) | Error::PermissionDenied(_) | Error::PeerClosed(_)
+        ),
+        "{err:?}"
+    );
+}
