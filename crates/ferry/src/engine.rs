@@ -1070,6 +1070,12 @@ pub(crate) fn off_the_workers<R>(wait: impl FnOnce() -> R) -> R {
     }
 }
 
+/// What a log of a drop that waited out [`DEREGISTER_LIMIT`] tells the reader to do.
+pub(crate) const STUCK_DROP_HINT: &str = "An access outlived the limit: a GPU copy, an msync, or a peer of \
+    this host that kept its mapping of the region. A peer in this process on a current-thread runtime \
+    cannot give a mapping back while a drop holds that thread: there, await `Region::deregister` instead \
+    of dropping the region.";
+
 /// How long [`Region::revoke`](crate::Region::revoke) waits for the peers' links to have sent the
 /// removal and for the operations that passed the old grant to end.
 pub const REVOKE_LIMIT: Duration = Duration::from_secs(5);
@@ -1195,7 +1201,8 @@ impl Inner {
             tracing::error!(
                 region = ?entry,
                 held = entry.guard().held(),
-                "accesses still hold the region {DEREGISTER_LIMIT:?} after its deregistration began; it is dropped anyway"
+                "accesses still hold the region {DEREGISTER_LIMIT:?} after its deregistration began; it is dropped \
+                 anyway. {STUCK_DROP_HINT}"
             );
             return;
         }

@@ -4,7 +4,7 @@ use std::sync::{Arc, Weak};
 
 use ferry_core::{Access, Durability, Error, RegionEntry, RegionKey, Result};
 
-use crate::engine::{DEREGISTER_LIMIT, Inner, off_the_workers};
+use crate::engine::{DEREGISTER_LIMIT, Inner, STUCK_DROP_HINT, off_the_workers};
 
 /// Memory registered with an engine. [`deregister`](Region::deregister)`.await` removes it without
 /// blocking the runtime; dropping it (or [`Engine::deregister`](crate::Engine::deregister)) removes it
@@ -264,7 +264,7 @@ impl Drop for Region {
                 self.entry.guard().close();
                 let guard = self.entry.guard();
                 if !guard.is_drained() && !off_the_workers(|| guard.wait_drained(DEREGISTER_LIMIT)) {
-                    tracing::error!(region = ?self.entry, held = self.entry.guard().held(), "accesses still hold a dropped region after {DEREGISTER_LIMIT:?}");
+                    tracing::error!(region = ?self.entry, held = self.entry.guard().held(), "accesses still hold a dropped region after {DEREGISTER_LIMIT:?}. {STUCK_DROP_HINT}");
                 }
             }
         }
