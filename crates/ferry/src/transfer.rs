@@ -95,7 +95,7 @@ pub struct Transfer {
     timer: Timer,
     op: Op,
     descriptors: usize,
-    /// Counted only where a metric or an enabled span reads it.
+    /// What the metrics, the span and the coop budget ([`charge_copy`]) count.
     bytes: u64,
     span: tracing::Span,
 }
@@ -142,10 +142,7 @@ impl Transfer {
             bytes = tracing::field::Empty,
             outcome = tracing::field::Empty,
         );
-        let bytes = match (&peer.inner.metrics, span.is_disabled()) {
-            (None, true) => 0,
-            _ => request.items.iter().map(|i| i.len()).sum(),
-        };
+        let bytes = request.items.iter().map(|i| i.len()).sum();
         span.record("bytes", bytes);
         let data = &peer.inner.data;
         let (work, timer) = match data.bounds_transfers() {
@@ -166,6 +163,33 @@ impl Transfer {
     }
 }
 
+/// Bytes a transfer may move on the caller's thread per unit of the task's coop budget. tokio counts
+/// a unit per operation, meant to be microseconds of work; a same-host copy of 64 MiB takes
+/// milliseconds, and a loop of them would hold its worker for a whole budget of 128 such copies
+/// (most of a second) before other tasks there ran. Charged per MiB, such a loop yields after at most
+/// about 128 MiB copied (a few milliseconds), while a transfer of up to 2 MiB still takes one unit, as
+/// any other operation does.
+const BYTES_PER_BUDGET_UNIT: u64 = 1 << 20;
+
+/// tokio's budget for one poll of a task: no transfer needs to be charged more.
+const MOST_BUDGET_UNITS: u64 = 128;
+
+/// Takes from the task's coop budget what a transfer of `bytes` that this thread moved in this poll
+/// costs beyond the one unit the poll took ([`BYTES_PER_BUDGET_UNIT`]), or what is left of the budget:
+/// once it is spent, the task's next operation yields.
+fn charge_copy(cx: &mut Context<'_>, bytes: u64) {
+    for _ in 1..(bytes / BYTES_PER_BUDGET_UNIT).min(MOST_BUDGET_UNITS) {
+        // Checked first: `poll_proceed` on a spent budget would wake the task, which is not waiting.
+        if !tokio::task::coop::has_budget_remaining() {
+            return;
+        }
+        match tokio::task::coop::poll_proceed(cx) {
+            Poll::Ready(unit) => unit.made_progress(),
+            Poll::Pending => return,
+        }
+    }
+}
+
 /// Polls `work`, arming `timer` at its first `Pending`; `Err(None)` when the timer ran out first.
 ///
 /// A batch that finishes on its first poll (a shared-memory copy, a batch refused at once) never
@@ -173,12 +197,18 @@ impl Transfer {
 /// a lock on the timer wheel, as much as a small same-host copy itself. So the bound counts from the
 /// end of that first poll. A batch the link runs inline ([`DataLink::transfer_now`]) has no future
 /// either: no allocation for it at all.
+///
+/// A batch that finished on its first poll was moved by this thread in it (a same-host copy): beyond
+/// the unit of budget every poll takes, it is charged by its size ([`charge_copy`]).
 fn poll_bounded(
     work: &mut Work,
     timer: &mut Timer,
     timeout: Duration,
+    bytes: u64,
     cx: &mut Context<'_>,
 ) -> Poll<std::result::Result<(), Option<Error>>> {
+    // Whether the link's future is polled for the first time, in the poll that started it.
+    let mut fresh = false;
     if let Work::Unstarted(data, request) = work {
         // Running inline never waits, so it takes a unit of the task's budget, as a future that
         // completes at once should: a caller transferring in a loop still yields to other tasks.
@@ -186,10 +216,14 @@ fn poll_bounded(
         let budget = ready!(tokio::task::coop::poll_proceed(cx));
         if let Some(done) = data.transfer_now(request) {
             budget.made_progress();
+            if done.is_ok() {
+                charge_copy(cx, bytes);
+            }
             return Poll::Ready(done.map_err(Some));
         }
         if let Work::Unstarted(data, request) = std::mem::replace(work, Work::Taken) {
             *work = Work::Started(data.transfer(request));
+            fresh = true;
         }
     }
     let Work::Started(future) = work else {
@@ -199,6 +233,9 @@ fn poll_bounded(
         ))));
     };
     if let Poll::Ready(done) = future.as_mut().poll(cx) {
+        if fresh && done.is_ok() {
+            charge_copy(cx, bytes);
+        }
         return Poll::Ready(done.map_err(Some));
     }
     if let Timer::Unarmed = timer {
@@ -216,8 +253,14 @@ impl Future for Transfer {
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<()>> {
         let this = self.get_mut();
         let entered = this.span.enter();
-        let result = ready!(poll_bounded(&mut this.work, &mut this.timer, this.timeout, cx))
-            .map_err(|e| e.unwrap_or_else(|| Error::transfer_timeout(this.descriptors, this.addr, this.timeout)));
+        let result = ready!(poll_bounded(
+            &mut this.work,
+            &mut this.timer,
+            this.timeout,
+            this.bytes,
+            cx
+        ))
+        .map_err(|e| e.unwrap_or_else(|| Error::transfer_timeout(this.descriptors, this.addr, this.timeout)));
         if let Some((peer, started)) = &this.metered
             && let Some(metrics) = &peer.inner.metrics
         {

@@ -136,29 +136,62 @@ async fn a_batch_with_a_bad_range_moves_nothing() {
 /// runtime of one thread, a task spawned beside such a loop runs before the loop ends by itself.
 #[tokio::test(flavor = "current_thread")]
 async fn a_loop_of_inline_writes_lets_other_tasks_run() {
+    a_loop_of_writes_lets_other_tasks_run(1, 64).await;
+}
+
+/// The same with batches of two ranges, which the link copies in a future of its own that completes on
+/// its first poll: no less a loop that never waits.
+#[tokio::test(flavor = "current_thread")]
+async fn a_loop_of_batched_writes_lets_other_tasks_run() {
+    a_loop_of_writes_lets_other_tasks_run(2, 64).await;
+}
+
+/// Large copies are charged to the task's budget by their size, not one unit each as a small one is:
+/// a loop of 16 MiB writes (a few milliseconds each) yields after a few of them, not after the 128
+/// that hold a worker for most of a second. Inline (one range) and in the link's future (two).
+#[tokio::test(flavor = "current_thread")]
+async fn a_loop_of_large_writes_yields_by_the_bytes_it_copied() {
+    const MIB: u64 = 1 << 20;
+    for ranges in [1, 2] {
+        let writes = a_loop_of_writes_lets_other_tasks_run(ranges, 16 * MIB / ranges).await;
+        assert!(
+            writes * 16 <= 256,
+            "{ranges} range(s): {writes} writes of 16 MiB ({} MiB) before the loop yielded",
+            writes * 16
+        );
+    }
+}
+
+/// Writes `ranges` ranges of `len` bytes in a loop until a task spawned beside the loop ran; returns
+/// how many writes that took.
+async fn a_loop_of_writes_lets_other_tasks_run(ranges: u64, len: u64) -> u64 {
     let (target, initiator, peer) = shm_pair().await;
-    let dst = target.alloc_host(4096, rw()).unwrap();
+    let size = (ranges * len) as usize;
+    let dst = target.alloc_host(size, rw()).unwrap();
     wait_for_region(&peer, &dst).await;
-    let src = initiator.register(pattern(4096, 7), rw()).unwrap();
-    let desc = [TransferDesc::new(src.addr(), dst.addr(), 64)];
+    let src = initiator.register(pattern(size, 7), rw()).unwrap();
+    let descs: Vec<_> = (0..ranges)
+        .map(|i| TransferDesc::new(src.addr_at(i * len), dst.addr_at(i * len), len))
+        .collect();
     // The first write maps the region (a round trip to the target); the rest are copies.
-    initiator.transfer(&peer, Op::Write, &desc, T).await.unwrap();
+    initiator.transfer(&peer, Op::Write, &descs, T).await.unwrap();
     let ran = Arc::new(AtomicBool::new(false));
     tokio::spawn({
         let ran = ran.clone();
         async move { ran.store(true, Ordering::Relaxed) }
     });
-    const MOST: usize = 100_000;
+    const MOST: u64 = 100_000;
     let mut writes = 0;
     while !ran.load(Ordering::Relaxed) && writes < MOST {
-        initiator.transfer(&peer, Op::Write, &desc, T).await.unwrap();
+        initiator.transfer(&peer, Op::Write, &descs, T).await.unwrap();
         writes += 1;
     }
     assert!(ran.load(Ordering::Relaxed), "{MOST} writes in a row never yielded");
-    assert_eq!(dst.to_vec().unwrap()[..64], pattern(4096, 7)[..64]);
+    assert!(dst.to_vec().unwrap() == pattern(size, 7), "the bytes at the target");
     // Taking a lent region back needs the initiator's tasks to run, which a drop on this one thread
     // would block until its limit.
     dst.deregister().await.unwrap();
+    writes
 }
 
 /// Dropping a region deregisters it on the dropping thread, and a region lent to a peer in this
