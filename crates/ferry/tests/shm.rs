@@ -147,8 +147,8 @@ async fn a_loop_of_batched_writes_lets_other_tasks_run() {
 }
 
 /// Large copies are charged to the task's budget by their size, not one unit each as a small one is:
-/// a loop of 16 MiB writes (a few milliseconds each) yields after a few of them, not after the 128
-/// that hold a worker for most of a second. Inline (one range) and in the link's future (two).
+/// a loop of 16 MiB writes (about half a millisecond each) yields after a few of them, not after the
+/// 128 (2 GiB) that a unit each allows. Inline (one range) and in the link's future (two).
 #[tokio::test(flavor = "current_thread")]
 async fn a_loop_of_large_writes_yields_by_the_bytes_it_copied() {
     const MIB: u64 = 1 << 20;
