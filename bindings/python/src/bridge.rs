@@ -14,7 +14,7 @@
 //! throughput of the same writes from Rust; through this bridge, 84 µs and 0.94×.)
 
 use std::cell::RefCell;
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::future::Future;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -24,9 +24,10 @@ use pyo3::exceptions::{PyRuntimeError, PyStopAsyncIteration};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyWeakrefMethods, PyWeakrefReference};
 
 use crate::errors;
-use crate::notify::Notification;
+use crate::notify::{Notification, TakenNotification};
 use crate::peer::Peer;
 use crate::runtime::runtime;
 
@@ -36,11 +37,8 @@ pub enum Outcome {
     /// An object the caller already had (`async with engine`): moved through, never touched.
     Object(Py<PyAny>),
     Peer(ferry::Peer),
-    /// A notification, and where to put it back should its future have been cancelled meanwhile.
-    Notification(
-        ferry::ReceivedNotification,
-        Arc<Mutex<VecDeque<ferry::ReceivedNotification>>>,
-    ),
+    /// A notification, which goes back to its stream if dropped undelivered.
+    Notification(TakenNotification),
     /// The end of an async iterator.
     StopIteration,
     Err(ferry::Error),
@@ -61,7 +59,16 @@ impl Outcome {
             Outcome::None => Ok(py.None()),
             Outcome::Object(o) => Ok(o),
             Outcome::Peer(p) => Ok(Py::new(py, Peer::new(p))?.into_any()),
-            Outcome::Notification(n, _) => Ok(Py::new(py, Notification::from(n))?.into_any()),
+            Outcome::Notification(taken) => {
+                let value = match taken.notification() {
+                    Some(n) => Py::new(py, Notification::from(n))?.into_any(),
+                    None => py.None(),
+                };
+                // Only `deliver` converts an outcome, for a future it has just seen pending, on the
+                // loop's thread: `set_result` cannot then fail, so the notification is the future's.
+                taken.delivered();
+                Ok(value)
+            }
             Outcome::StopIteration => Err(PyStopAsyncIteration::new_err(())),
             Outcome::Err(e) => Err(errors::to_py(py, e)),
         }
@@ -102,7 +109,7 @@ impl Completions {
 }
 
 /// One event loop's end of the bridge: its futures by token, and the reader it registered.
-#[pyclass(module = "ferry._ferry", frozen)]
+#[pyclass(module = "ferry._ferry", frozen, weakref)]
 pub struct LoopBridge {
     completions: Arc<Completions>,
     pending: Mutex<HashMap<u64, Py<PyAny>>>,
@@ -142,14 +149,9 @@ impl LoopBridge {
 /// Resolves `future` with `outcome`, unless it is already done.
 fn deliver(future: &Bound<'_, PyAny>, outcome: Outcome) -> PyResult<()> {
     let py = future.py();
-    // Cancelled meanwhile (`asyncio.wait_for`, a cancelled task): the work finished anyway, and a
-    // notification taken for nobody goes back to the front of its stream.
+    // Cancelled meanwhile (`asyncio.wait_for`, a cancelled task): the work finished anyway, and
+    // dropping its outcome puts a notification taken for nobody back at the front of its stream.
     if future.call_method0(intern!(py, "done"))?.is_truthy()? {
-        if let Outcome::Notification(n, returned) = outcome
-            && let Ok(mut returned) = returned.lock()
-        {
-            returned.push_front(n);
-        }
         return Ok(());
     }
     match outcome.into_py(py) {
@@ -160,9 +162,12 @@ fn deliver(future: &Bound<'_, PyAny>, outcome: Outcome) -> PyResult<()> {
 }
 
 thread_local! {
-    /// The bridge of the loop this thread last ran ferry coroutines on, with that loop (held, so
-    /// that a new loop cannot take its address and be mistaken for it).
-    static CURRENT: RefCell<Option<(Py<PyAny>, Py<LoopBridge>)>> = const { RefCell::new(None) };
+    /// The loop this thread last ran ferry coroutines on (held, so that a new loop cannot take its
+    /// address and be mistaken for it), and a weak reference to its bridge. The loop's reader
+    /// callback is what keeps the bridge alive: closing the loop frees it, and with it the outcomes
+    /// it never delivered (a notification among them goes back to its stream), whichever thread
+    /// runs ferry coroutines next.
+    static CURRENT: RefCell<Option<(Py<PyAny>, Py<PyWeakrefReference>)>> = const { RefCell::new(None) };
 }
 
 static GET_RUNNING_LOOP: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
@@ -172,10 +177,10 @@ fn bridge_for(py: Python<'_>, event_loop: &Bound<'_, PyAny>) -> PyResult<Py<Loop
         c.borrow()
             .as_ref()
             .filter(|(l, _)| l.bind(py).is(event_loop))
-            .map(|(_, b)| b.clone_ref(py))
+            .and_then(|(_, b)| b.bind(py).upgrade_as::<LoopBridge>().ok().flatten())
     });
     if let Some(bridge) = cached {
-        return Ok(bridge);
+        return Ok(bridge.unbind());
     }
     // SAFETY: eventfd(2) with valid flags; the result is checked before use.
     let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
@@ -203,7 +208,8 @@ fn bridge_for(py: Python<'_>, event_loop: &Bound<'_, PyAny>) -> PyResult<Py<Loop
         },
     )?;
     event_loop.call_method1("add_reader", (fd, bridge.getattr(py, "_drain")?))?;
-    CURRENT.with(|c| *c.borrow_mut() = Some((event_loop.clone().unbind(), bridge.clone_ref(py))));
+    let weak = PyWeakrefReference::new(bridge.bind(py).as_any())?.unbind();
+    CURRENT.with(|c| *c.borrow_mut() = Some((event_loop.clone().unbind(), weak)));
     Ok(bridge)
 }
 

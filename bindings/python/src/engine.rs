@@ -476,7 +476,7 @@ impl Engine {
     }
 
     /// Notifications as they arrive: `async for n in engine.notifications()`. Each is delivered
-    /// once, to one consumer.
+    /// once, to one consumer, in the order received, also across cancelled waits.
     fn notifications(&self, py: Python<'_>) -> PyResult<NotificationStream> {
         let engine = self.live(py)?;
         let _rt = runtime().enter();

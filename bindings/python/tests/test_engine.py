@@ -346,6 +346,61 @@ def test_cancelled_notification_waits_lose_nothing(pair):
     asyncio.run(run())
 
 
+def test_a_notification_taken_for_a_cancelled_wait_comes_before_the_next(pair):
+    """A wait that had taken a notification, cancelled before the loop could hand it over: the next
+    wait, started at once, gets that notification, not the one after it. The loop is held (a blocking
+    sleep) so that both waits finish their tokio side before it runs again."""
+    target, initiator = pair
+
+    async def run():
+        peer = await connect(initiator, target)
+        it = target.notifications()
+        for i in range(2):
+            await initiator.notify(peer, "n", str(i), timeout=5.0)
+        first = it.__anext__()
+        time.sleep(0.5)  # its task takes "0" and queues the outcome; the loop cannot deliver it
+        assert first.cancel()
+        second = it.__anext__()
+        time.sleep(0.5)  # a task that did not wait for the first's outcome would take "1" now
+        assert (await asyncio.wait_for(second, 5.0)).msg == "0"
+        assert (await asyncio.wait_for(it.__anext__(), 5.0)).msg == "1"
+
+    asyncio.run(run())
+
+
+def test_a_notification_taken_for_a_loop_that_closed_goes_to_the_next_loop(pair):
+    """A wait whose loop closed before it could hand its notification over: a wait on another
+    thread's loop gets that notification, neither losing it nor waiting for the first thread."""
+    target, initiator = pair
+    it = target.notifications()
+
+    async def start_waiting():
+        return it.__anext__()
+
+    async def send():
+        peer = await connect(initiator, target)
+        await initiator.notify(peer, "n", "0", timeout=5.0)
+
+    def in_a_thread(work):
+        thread = threading.Thread(target=work)
+        thread.start()
+        thread.join()
+
+    first_loop = asyncio.new_event_loop()
+    first = first_loop.run_until_complete(start_waiting())  # stopped with the wait in progress
+    in_a_thread(lambda: asyncio.run(send()))
+    time.sleep(0.5)  # the wait takes "0" and queues it for a loop that will not run again
+    first_loop.close()
+    assert not first.done()
+
+    async def next_msg():
+        return (await asyncio.wait_for(it.__anext__(), 5.0)).msg
+
+    got = []
+    in_a_thread(lambda: got.append(asyncio.run(next_msg())))
+    assert got == ["0"]
+
+
 def test_persistent_writes(pair, tmp_path):
     target, initiator = pair
     path = tmp_path / "pmem"
