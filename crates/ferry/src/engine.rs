@@ -1193,9 +1193,10 @@ impl Inner {
             entry.guard().wait_drained(DEREGISTER_LIMIT)
         };
         let may_block = !entry.guard().is_drained() || self.transports.iter().any(|t| t.deregister_blocks());
-        let drained = match may_block {
-            true => off_the_workers(deregister),
-            false => deregister(),
+        let drained = if may_block {
+            off_the_workers(deregister)
+        } else {
+            deregister()
         };
         if !drained {
             tracing::error!(
