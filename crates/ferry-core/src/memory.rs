@@ -61,6 +61,8 @@ pub enum DmaView {
 /// alive, and that the pointer never changes. A block whose [`dma_view`](MemoryBlock::dma_view) is
 /// [`DmaView::Device`] promises the same of its `nic_address`: `len` bytes there that a NIC may
 /// register and read and write for as long as the block is alive, at an address that never changes.
+/// A block that says it [owns its memory](MemoryBlock::owns_memory) promises that no one reaches
+/// those bytes but through the block.
 pub unsafe trait MemoryBlock: Send + Sync + 'static {
     /// The first byte.
     fn as_ptr(&self) -> *mut u8;
@@ -137,6 +139,17 @@ pub unsafe trait MemoryBlock: Send + Sync + 'static {
     fn pci_device(&self) -> Option<crate::PciAddress> {
         None
     }
+    /// Whether the bytes are the block's own: made by the block (a heap buffer, an anonymous mapping),
+    /// reached by no one but through it, and released when it drops. `false` (the default) for
+    /// memory someone else also reaches: a raw pointer the caller keeps, a file others may read.
+    ///
+    /// A region dropped on a current-thread runtime, whose block owns its memory and is held by
+    /// nothing else, is freed by a task once its accesses end, instead of holding the runtime's only
+    /// thread until they do: those accesses may then still change the bytes after the drop returned,
+    /// which only memory no one else reaches can allow.
+    fn owns_memory(&self) -> bool {
+        false
+    }
     /// How the CPU and a NIC reach the bytes; [`DmaView::Host`] unless the block says otherwise.
     fn dma_view(&self) -> DmaView {
         DmaView::Host
@@ -204,6 +217,10 @@ unsafe impl MemoryBlock for OwnedBuffer {
     }
     fn kind(&self) -> &str {
         "host (owned buffer)"
+    }
+    fn owns_memory(&self) -> bool {
+        // The Box's bytes, reached only through `ptr`.
+        true
     }
 }
 

@@ -1053,14 +1053,14 @@ impl Engine {
 /// logs an error and returns.
 pub const DEREGISTER_LIMIT: Duration = Duration::from_secs(5);
 
-/// Runs `wait`, a blocking wait of the sync deregistration (`Region`'s `Drop`), without holding up
+/// Runs `wait`, a blocking step of the sync deregistration (`Region`'s `Drop`), without holding up
 /// the other tasks of the runtime whose worker calls it: on a worker of a multi-threaded tokio runtime
 /// it runs under [`tokio::task::block_in_place`], which first hands the worker's tasks to another
 /// thread. Those tasks may be what the wait is for: a peer in this process that must give back its
 /// mapping of the region runs on the same runtime, and on a runtime of one worker (a container
 /// limited to one CPU) a wait that held the worker would last all of [`DEREGISTER_LIMIT`] and end
 /// with the mapping still in place. A current-thread runtime has no other thread to hand its tasks
-/// to: there the wait holds it, and [`Region::deregister`] is the way to deregister.
+/// to: [`wait_for_dropped`](crate::region::wait_for_dropped) says what happens there.
 pub(crate) fn off_the_workers<R>(wait: impl FnOnce() -> R) -> R {
     match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
         // Also fine on a thread of the runtime that is not a worker (`block_on`, a blocking thread):
@@ -1069,12 +1069,6 @@ pub(crate) fn off_the_workers<R>(wait: impl FnOnce() -> R) -> R {
         _ => wait(),
     }
 }
-
-/// What a log of a drop that waited out [`DEREGISTER_LIMIT`] tells the reader to do.
-pub(crate) const STUCK_DROP_HINT: &str = "An access outlived the limit: a GPU copy, an msync, or a peer of \
-    this host that kept its mapping of the region. A peer in this process on a current-thread runtime \
-    cannot give a mapping back while a drop holds that thread: there, await `Region::deregister` instead \
-    of dropping the region.";
 
 /// How long [`Region::revoke`](crate::Region::revoke) waits for the peers' links to have sent the
 /// removal and for the operations that passed the old grant to end.
@@ -1180,34 +1174,21 @@ impl Inner {
 
     /// Deregisters on the calling thread (`Region::drop`): closes the guard, has every transport end
     /// its accesses (the RDMA transport halts and drains the queue pairs that use the region, within
-    /// its drain bound), then waits for the permits still held, at most [`DEREGISTER_LIMIT`].
-    ///
-    /// Where something may block (a permit is held, or a transport's deregistration drains queue
-    /// pairs), it runs [`off_the_workers`].
+    /// its drain bound, under [`off_the_workers`]), then waits for the permits still held
+    /// ([`wait_for_dropped`](crate::region::wait_for_dropped)).
     pub(crate) fn remove_region(&self, key: RegionKey) {
         let Some(entry) = self.unlist_region(key) else { return };
         let deregister = || {
             for t in &self.transports {
                 t.deregister_region(key);
             }
-            entry.guard().wait_drained(DEREGISTER_LIMIT)
         };
-        let may_block = !entry.guard().is_drained() || self.transports.iter().any(|t| t.deregister_blocks());
-        let drained = if may_block {
-            off_the_workers(deregister)
+        if self.transports.iter().any(|t| t.deregister_blocks()) {
+            off_the_workers(deregister);
         } else {
-            deregister()
-        };
-        if !drained {
-            tracing::error!(
-                region = ?entry,
-                held = entry.guard().held(),
-                "accesses still hold the region {DEREGISTER_LIMIT:?} after its deregistration began; it is dropped \
-                 anyway. {STUCK_DROP_HINT}"
-            );
-            return;
+            deregister();
         }
-        tracing::debug!(region = ?entry, "deregistered");
+        crate::region::wait_for_dropped(entry);
     }
 
     /// Deregisters without blocking the runtime: what the sync path does, with the transports whose

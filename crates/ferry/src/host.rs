@@ -117,6 +117,11 @@ unsafe impl MemoryBlock for HostAllocation {
     fn kind(&self) -> &str {
         "host (memfd)"
     }
+    fn owns_memory(&self) -> bool {
+        // An anonymous file made for this block: others reach it only through the block (its
+        // descriptor, lent to peers under the region's access guard).
+        true
+    }
     fn shared_file(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
         use std::os::fd::AsFd;
         Some(self.fd.as_fd())

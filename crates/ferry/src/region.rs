@@ -4,7 +4,7 @@ use std::sync::{Arc, Weak};
 
 use ferry_core::{Access, Durability, Error, RegionEntry, RegionKey, Result};
 
-use crate::engine::{DEREGISTER_LIMIT, Inner, STUCK_DROP_HINT, off_the_workers};
+use crate::engine::{DEREGISTER_LIMIT, Inner, off_the_workers};
 
 /// Memory registered with an engine. [`deregister`](Region::deregister)`.await` removes it without
 /// blocking the runtime; dropping it (or [`Engine::deregister`](crate::Engine::deregister)) removes it
@@ -15,8 +15,15 @@ use crate::engine::{DEREGISTER_LIMIT, Inner, STUCK_DROP_HINT, off_the_workers};
 /// A drop that must wait (for accesses in progress, or for a peer on this host to give back its
 /// mapping of the region) waits on a worker of a multi-threaded tokio runtime under
 /// `block_in_place`, so that the runtime's other tasks go on meanwhile, the peer's among them when it
-/// lives in this process. A current-thread runtime has no other thread: there, drop a region such a
-/// peer maps only through `deregister().await`, or the drop waits out [`DEREGISTER_LIMIT`].
+/// lives in this process. A current-thread runtime has no other thread to run them while the drop
+/// waits. There, a region whose memory nothing but the region holds (what
+/// [`Engine::alloc_host`](crate::Engine::alloc_host) and [`Engine::register`](crate::Engine::register)
+/// make: see [`MemoryBlock::owns_memory`](ferry_core::MemoryBlock::owns_memory)) is handed to a task of that runtime,
+/// which frees the memory once the accesses end, and the drop returns at once: no one is left who
+/// could see a byte change. Memory the caller can still reach (a block given to
+/// [`Engine::register_block`](crate::Engine::register_block) and kept, or
+/// [`RawMemory`](ferry_core::RawMemory)) must not change once the drop returns, so that drop waits
+/// on the thread, at most [`DEREGISTER_LIMIT`]: await [`deregister`](Region::deregister) instead.
 ///
 /// Peers may write into the region at any time, so it offers copies ([`write_at`](Region::write_at),
 /// [`read_at`](Region::read_at)) and a raw pointer ([`as_ptr`](Region::as_ptr)), never a slice: no
@@ -251,8 +258,8 @@ impl Drop for Region {
     /// [`deregister`](Region::deregister): the same steps, with the RDMA transport's queue-pair drain
     /// run here and the wait for the accesses in progress a bounded blocking wait
     /// ([`AccessGuard::wait_drained`](ferry_core::AccessGuard::wait_drained), [`DEREGISTER_LIMIT`]),
-    /// off the runtime's workers where it can be (see the type's documentation), after which an
-    /// error is logged and the drop returns.
+    /// off the runtime's workers where it can be, or left to a task (see the type's documentation),
+    /// after which an error is logged and the drop returns.
     fn drop(&mut self) {
         if self.entry.guard().is_closed() {
             // Deregistered already (`deregister` ran).
@@ -262,11 +269,87 @@ impl Drop for Region {
             Some(engine) => engine.remove_region(self.entry.key()),
             None => {
                 self.entry.guard().close();
-                let guard = self.entry.guard();
-                if !guard.is_drained() && !off_the_workers(|| guard.wait_drained(DEREGISTER_LIMIT)) {
-                    tracing::error!(region = ?self.entry, held = self.entry.guard().held(), "accesses still hold a dropped region after {DEREGISTER_LIMIT:?}. {STUCK_DROP_HINT}");
-                }
+                wait_for_dropped(self.entry.clone());
             }
+        }
+    }
+}
+
+/// The last step of a sync deregistration (the guard closed, the transports told): waits for the
+/// accesses that still hold `entry`, at most [`DEREGISTER_LIMIT`], under
+/// [`off_the_workers`]. On a current-thread runtime, where the accesses' own tasks cannot run while
+/// the thread waits, memory that only `entry` holds is instead kept by a task of the runtime until
+/// they end ([`free_once_drained`]), and this returns at once.
+pub(crate) fn wait_for_dropped(entry: Arc<RegionEntry>) {
+    if entry.guard().is_drained() {
+        tracing::debug!(region = ?entry, "deregistered");
+        return;
+    }
+    if let Ok(runtime) = tokio::runtime::Handle::try_current()
+        && runtime.runtime_flavor() == tokio::runtime::RuntimeFlavor::CurrentThread
+        && only_the_region_holds_its_memory(&entry)
+    {
+        tracing::debug!(region = ?entry, held = entry.guard().held(), "deregistered; its memory is freed once the accesses in progress end");
+        runtime.spawn(free_once_drained(entry));
+        return;
+    }
+    if off_the_workers(|| entry.guard().wait_drained(DEREGISTER_LIMIT)) {
+        tracing::debug!(region = ?entry, "deregistered");
+    } else {
+        tracing::error!(
+            region = ?entry,
+            held = entry.guard().held(),
+            "accesses still hold the region {DEREGISTER_LIMIT:?} after its deregistration began; it is dropped \
+             anyway. {STUCK_DROP_HINT}"
+        );
+    }
+}
+
+/// What a log of a drop that waited out [`DEREGISTER_LIMIT`] tells the reader to do.
+const STUCK_DROP_HINT: &str = "An access outlived the limit: a GPU copy, an msync, or a peer of this host that kept its \
+    mapping of the region. A peer in this process on a current-thread runtime cannot give a mapping back while a drop \
+    holds that thread: there, await `Region::deregister` instead of dropping a region whose memory you keep.";
+
+/// Whether no one but `entry` can reach its memory: the block [owns it](ferry_core::MemoryBlock::owns_memory)
+/// and is held by the entry alone (no caller kept the `Arc` given to `register_block`; the engine
+/// never hands a block out).
+fn only_the_region_holds_its_memory(entry: &RegionEntry) -> bool {
+    let block = entry.block();
+    block.owns_memory() && Arc::strong_count(block) == 1 && Arc::weak_count(block) == 0
+}
+
+/// Keeps a dropped region's memory until the accesses that still hold it end, at most
+/// [`DEREGISTER_LIMIT`], then frees it. Memory that accesses still hold past the limit, or when the
+/// runtime ends first (this future dropped unfinished), is leaked, not freed under them.
+async fn free_once_drained(entry: Arc<RegionEntry>) {
+    let kept = FreedOnlyDrained(entry);
+    match tokio::time::timeout(DEREGISTER_LIMIT, kept.0.guard().drained()).await {
+        Ok(()) => tracing::debug!(region = ?kept.0, "the accesses to a dropped region ended; its memory is freed"),
+        Err(_) => {
+            tracing::error!(
+                region = ?kept.0,
+                held = kept.0.guard().held(),
+                "accesses still hold a dropped region {DEREGISTER_LIMIT:?} after its deregistration began; its \
+                 memory is leaked rather than freed under them. {STUCK_DROP_HINT}"
+            );
+            std::mem::forget(kept);
+        }
+    }
+}
+
+/// A dropped region's entry that is freed only once its accesses ended, and leaked otherwise.
+struct FreedOnlyDrained(Arc<RegionEntry>);
+
+impl Drop for FreedOnlyDrained {
+    fn drop(&mut self) {
+        if !self.0.guard().is_drained() {
+            tracing::warn!(
+                region = ?self.0,
+                held = self.0.guard().held(),
+                "the runtime ended while accesses still held a dropped region; its memory is leaked rather than \
+                 freed under them"
+            );
+            std::mem::forget(self.0.clone());
         }
     }
 }

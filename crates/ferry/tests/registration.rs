@@ -167,41 +167,7 @@ unsafe impl MemoryBlock for SlowStaged {
 /// it returns no byte of the region is touched: a canary written then is neither overwritten nor sent.
 #[tokio::test(flavor = "current_thread")]
 async fn async_deregister_waits_for_a_read_in_flight_without_blocking_the_runtime() {
-    let (target, initiator, peer) = pair().await;
-    const LEN: usize = 1 << 20;
-    let original = pattern(LEN, 3);
-    let memory: &'static mut [u8] = Box::leak(original.clone().into_boxed_slice());
-    let ptr = memory.as_mut_ptr();
-    let hooks = Arc::new(Hooks::default());
-    let block = Arc::new(SlowStaged {
-        ptr,
-        len: LEN,
-        hooks: hooks.clone(),
-    });
-    let region = target.register_block(block, Access::READ_WRITE).unwrap();
-    wait_for_region(&peer, &region).await;
-    let remote = region.addr();
-
-    let read = tokio::spawn(async move {
-        let dst = initiator.alloc_host(LEN, rw()).unwrap();
-        let result = initiator
-            .transfer(&peer, Op::Read, &[TransferDesc::new(dst.addr(), remote, LEN as u64)], T)
-            .await;
-        (result, dst.to_vec().unwrap())
-    });
-    let deadline = tokio::time::Instant::now() + T;
-    while !hooks.started.load(Ordering::SeqCst) {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the read never reached the target"
-        );
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
-    assert!(
-        !hooks.done.load(Ordering::SeqCst),
-        "the hook runs off the runtime's thread"
-    );
-
+    let (target, region, read, hooks) = a_read_in_flight().await;
     let ticks = Arc::new(AtomicUsize::new(0));
     let ticker = {
         let ticks = ticks.clone();
@@ -224,21 +190,95 @@ async fn async_deregister_waits_for_a_read_in_flight_without_blocking_the_runtim
         "the runtime's only thread was blocked during deregistration ({ticked} ticks)"
     );
     assert_eq!(target.region_count(), 0);
+    no_byte_touched_after(read).await;
+}
 
+/// A read of a slow staged region from another engine, in flight: its `prepare_read` has started
+/// (holding a permit of the region's guard, off the runtime's thread) and not finished. The region's
+/// memory is the test's (leaked), which the region's block does not own.
+struct ReadInFlight {
+    ptr: *mut u8,
+    original: Vec<u8>,
+    task: tokio::task::JoinHandle<(ferry::Result<()>, Vec<u8>)>,
+}
+
+const IN_FLIGHT_LEN: usize = 1 << 20;
+
+async fn a_read_in_flight() -> (ferry::Engine, ferry::Region, ReadInFlight, Arc<Hooks>) {
+    let (target, initiator, peer) = pair().await;
+    let original = pattern(IN_FLIGHT_LEN, 3);
+    let memory: &'static mut [u8] = Box::leak(original.clone().into_boxed_slice());
+    let ptr = memory.as_mut_ptr();
+    let hooks = Arc::new(Hooks::default());
+    let block = Arc::new(SlowStaged {
+        ptr,
+        len: IN_FLIGHT_LEN,
+        hooks: hooks.clone(),
+    });
+    let region = target.register_block(block, Access::READ_WRITE).unwrap();
+    wait_for_region(&peer, &region).await;
+    let remote = region.addr();
+
+    let task = tokio::spawn(async move {
+        let dst = initiator.alloc_host(IN_FLIGHT_LEN, rw()).unwrap();
+        let result = initiator
+            .transfer(
+                &peer,
+                Op::Read,
+                &[TransferDesc::new(dst.addr(), remote, IN_FLIGHT_LEN as u64)],
+                T,
+            )
+            .await;
+        (result, dst.to_vec().unwrap())
+    });
+    let deadline = tokio::time::Instant::now() + T;
+    while !hooks.started.load(Ordering::SeqCst) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the read never reached the target"
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert!(
+        !hooks.done.load(Ordering::SeqCst),
+        "the hook runs off the runtime's thread"
+    );
+    (target, region, ReadInFlight { ptr, original, task }, hooks)
+}
+
+/// Paints a canary over the region's memory (deregistered: the test's again) and checks that the
+/// read saw none of it and that nothing overwrote it.
+async fn no_byte_touched_after(read: ReadInFlight) {
     // SAFETY: the region is deregistered; the bytes are the test's again, reached by raw pointer.
-    unsafe { std::ptr::write_bytes(ptr, 0xEE, LEN) };
-    let (result, got) = tokio::time::timeout(T, read).await.unwrap().unwrap();
+    unsafe { std::ptr::write_bytes(read.ptr, 0xEE, IN_FLIGHT_LEN) };
+    let (result, got) = tokio::time::timeout(T, read.task).await.unwrap().unwrap();
     match result {
         // Finished before the guard closed: the bytes are the original ones.
-        Ok(()) => assert!(got == original, "the read returned bytes other than the region's"),
+        Ok(()) => assert!(got == read.original, "the read returned bytes other than the region's"),
         Err(e) => assert!(matches!(e, Error::PermissionDenied(_) | Error::OutOfBounds(_)), "{e:?}"),
     }
     assert!(
         !got.contains(&0xEE),
-        "a byte of the region was read after deregister returned"
+        "a byte of the region was read after deregistration returned"
     );
     tokio::time::sleep(Duration::from_millis(50)).await;
     // SAFETY: as above; nothing else reaches these bytes.
-    let after = unsafe { std::slice::from_raw_parts(ptr, LEN) };
+    let after = unsafe { std::slice::from_raw_parts(read.ptr, IN_FLIGHT_LEN) };
     assert!(after.iter().all(|&b| b == 0xEE), "the canary was overwritten");
+}
+
+/// The same read in flight when the region is dropped, on a current-thread runtime: memory the
+/// caller keeps (a block that does not own its bytes) must not change once the drop returns, so the
+/// drop waits for the access on the thread (the access runs off it), rather than leaving the wait to
+/// a task as it may for memory only the region holds.
+#[tokio::test(flavor = "current_thread")]
+async fn dropping_a_region_of_memory_the_caller_keeps_waits_for_a_read_in_flight() {
+    let (target, region, read, hooks) = a_read_in_flight().await;
+    drop(region);
+    assert!(
+        hooks.done.load(Ordering::SeqCst),
+        "the drop returned while the read's access was still in progress"
+    );
+    assert_eq!(target.region_count(), 0);
+    no_byte_touched_after(read).await;
 }

@@ -188,8 +188,6 @@ async fn a_loop_of_writes_lets_other_tasks_run(ranges: u64, len: u64) -> u64 {
     }
     assert!(ran.load(Ordering::Relaxed), "{MOST} writes in a row never yielded");
     assert!(dst.to_vec().unwrap() == pattern(size, 7), "the bytes at the target");
-    // Taking a lent region back needs the initiator's tasks to run, which a drop on this one thread
-    // would block until its limit.
     dst.deregister().await.unwrap();
     writes
 }
@@ -241,4 +239,42 @@ async fn drop_lent_region_in_a_task(len: usize, engine_first: bool) {
         ),
         "{err:?}"
     );
+}
+
+/// On a current-thread runtime the peer's tasks cannot run while a drop holds the thread, so a drop
+/// that waited for the peer to unmap would wait out `DEREGISTER_LIMIT` and return with the mapping
+/// still in place. A region whose memory only the region holds (an `alloc_host`) is instead left to a
+/// task of the runtime, which frees the memory once the peer gave its mapping back: the drop returns
+/// at once with both mappings still there, the peer's next write is refused, and the mappings are
+/// all gone soon after.
+#[tokio::test(flavor = "current_thread")]
+async fn dropping_a_lent_allocation_on_a_current_thread_runtime_leaves_it_to_a_task() {
+    // A length no other test of this file maps.
+    const LEN: usize = 7 << 20;
+    let (target, initiator, peer) = shm_pair().await;
+    let dst = target.alloc_host(LEN, rw()).unwrap();
+    wait_for_region(&peer, &dst).await;
+    let src = initiator.register(pattern(4096, 9), rw()).unwrap();
+    let desc = [TransferDesc::new(src.addr(), dst.addr(), 4096)];
+    initiator.transfer(&peer, Op::Write, &desc, T).await.unwrap();
+    assert_eq!(memfd_mappings(LEN), 2, "the target's own mapping and the one it lent");
+    drop(dst);
+    assert_eq!(
+        memfd_mappings(LEN),
+        2,
+        "the drop returned before the peer's tasks ran, with the target's memory kept for them"
+    );
+    tokio::time::timeout(T, async {
+        while memfd_mappings(LEN) > 0 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("the peer unmapped the region, and then the target freed it");
+    let err = initiator.transfer(&peer, Op::Write, &desc, T).await.unwrap_err();
+    assert!(
+        matches!(err, Error::OutOfBounds(_) | Error::PermissionDenied(_)),
+        "{err:?}"
+    );
+    drop((target, initiator));
 }
