@@ -231,7 +231,10 @@ impl Region {
     /// accesses were still held; the region is deregistered all the same, but memory the caller owns
     /// ([`RawMemory`](ferry_core::RawMemory)) may still be in use by those accesses, so it must not be
     /// freed then. If this future is dropped before it completes, the region is deregistered all the
-    /// same; only the wait is cut short.
+    /// same; only the wait is cut short. In both cases memory the region's block owns
+    /// ([`MemoryBlock::owns_memory`](ferry_core::MemoryBlock::owns_memory)) is kept until the accesses
+    /// end, by a task that then frees it (at most [`DEREGISTER_LIMIT`] more; past that it is leaked,
+    /// never freed under them).
     pub async fn deregister(self) -> Result<()> {
         let result = match self.engine.upgrade() {
             Some(engine) => engine.remove_region_async(&self.entry).await,
@@ -262,7 +265,11 @@ impl Drop for Region {
     /// after which an error is logged and the drop returns.
     fn drop(&mut self) {
         if self.entry.guard().is_closed() {
-            // Deregistered already (`deregister` ran).
+            // Deregistered already: `deregister` ran to its end, or to its limit, or its future was
+            // dropped during the wait. In the last two, accesses may still hold the memory.
+            if !self.entry.guard().is_drained() && self.entry.block().owns_memory() {
+                keep_until_drained(self.entry.clone());
+            }
             return;
         }
         match self.engine.upgrade() {
@@ -295,6 +302,14 @@ pub(crate) fn wait_for_dropped(entry: Arc<RegionEntry>) {
     }
     if off_the_workers(|| entry.guard().wait_drained(DEREGISTER_LIMIT)) {
         tracing::debug!(region = ?entry, "deregistered");
+    } else if entry.block().owns_memory() {
+        tracing::error!(
+            region = ?entry,
+            held = entry.guard().held(),
+            "accesses still hold the region {DEREGISTER_LIMIT:?} after its deregistration began; it is dropped, \
+             and its memory leaked rather than freed under them. {STUCK_DROP_HINT}"
+        );
+        std::mem::forget(entry);
     } else {
         tracing::error!(
             region = ?entry,
@@ -302,6 +317,26 @@ pub(crate) fn wait_for_dropped(entry: Arc<RegionEntry>) {
             "accesses still hold the region {DEREGISTER_LIMIT:?} after its deregistration began; it is dropped \
              anyway. {STUCK_DROP_HINT}"
         );
+    }
+}
+
+/// Keeps memory that `entry`'s block owns from being freed while accesses still hold it (a peer's
+/// copy into it, a staged copy): a task of the current runtime frees it once they end; with no
+/// runtime to run one, it is leaked.
+fn keep_until_drained(entry: Arc<RegionEntry>) {
+    match tokio::runtime::Handle::try_current() {
+        Ok(runtime) => {
+            runtime.spawn(free_once_drained(entry));
+        }
+        Err(_) => {
+            tracing::warn!(
+                region = ?entry,
+                held = entry.guard().held(),
+                "accesses still hold a deregistered region and no runtime runs to wait for them; its memory is \
+                 leaked rather than freed under them"
+            );
+            std::mem::forget(entry);
+        }
     }
 }
 
@@ -351,5 +386,70 @@ impl Drop for FreedOnlyDrained {
             );
             std::mem::forget(self.0.clone());
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::Duration;
+
+    use ferry_core::{MemoryBlock, OwnedBuffer};
+
+    use super::*;
+    use crate::Engine;
+
+    /// An owned buffer that records when it is freed.
+    struct Tracked {
+        buffer: OwnedBuffer,
+        freed: Arc<AtomicBool>,
+    }
+
+    impl Drop for Tracked {
+        fn drop(&mut self) {
+            self.freed.store(true, Ordering::SeqCst);
+        }
+    }
+
+    // SAFETY: the buffer's own promise: its bytes live as long as it, and so as long as `self`.
+    unsafe impl MemoryBlock for Tracked {
+        fn as_ptr(&self) -> *mut u8 {
+            self.buffer.as_ptr()
+        }
+        fn len(&self) -> usize {
+            self.buffer.len()
+        }
+        fn kind(&self) -> &str {
+            "test (tracked)"
+        }
+        fn owns_memory(&self) -> bool {
+            true
+        }
+    }
+
+    /// An access that holds only a permit (a peer's copy into the memory, say) outlives a
+    /// `deregister` whose future was dropped mid-wait: the memory the region owns is freed only once
+    /// that access ended, not when the region went.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn owned_memory_outlives_a_cut_short_deregister_until_its_accesses_end() {
+        let engine = Engine::builder().build().await.unwrap();
+        let freed = Arc::new(AtomicBool::new(false));
+        let block = Tracked {
+            buffer: OwnedBuffer::new(vec![0u8; 4096]),
+            freed: freed.clone(),
+        };
+        let region = engine.register_block(Arc::new(block), Access::READ_WRITE).unwrap();
+        let access = region.entry.guard().enter_owned().unwrap();
+        let cut_short = tokio::time::timeout(Duration::from_millis(20), region.deregister()).await;
+        assert!(cut_short.is_err(), "deregister finished with an access held");
+        assert!(!freed.load(Ordering::SeqCst), "the memory was freed under an access");
+        drop(access);
+        tokio::time::timeout(Duration::from_secs(10), async {
+            while !freed.load(Ordering::SeqCst) {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+        .await
+        .expect("the memory is freed once the access ended");
     }
 }
