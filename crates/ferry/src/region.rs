@@ -283,33 +283,25 @@ impl Drop for Region {
 }
 
 /// The last step of a sync deregistration (the guard closed, the transports told): waits for the
-/// accesses that still hold `entry`, at most [`DEREGISTER_LIMIT`], under
-/// [`off_the_workers`]. On a current-thread runtime, where the accesses' own tasks cannot run while
-/// the thread waits, memory that only `entry` holds is instead kept by a task of the runtime until
-/// they end ([`free_once_drained`]), and this returns at once.
+/// accesses that still hold `entry`, at most [`DEREGISTER_LIMIT`], under [`off_the_workers`]. On a
+/// current-thread runtime, where the accesses' own tasks cannot run while the thread waits, memory
+/// that only `entry` holds is instead left to [`keep_until_drained`] at once. Memory the block owns
+/// that is still held past the limit is left to it too; the caller's own memory is the caller's.
 pub(crate) fn wait_for_dropped(entry: Arc<RegionEntry>) {
     if entry.guard().is_drained() {
         tracing::debug!(region = ?entry, "deregistered");
         return;
     }
-    if let Ok(runtime) = tokio::runtime::Handle::try_current()
-        && runtime.runtime_flavor() == tokio::runtime::RuntimeFlavor::CurrentThread
-        && only_the_region_holds_its_memory(&entry)
-    {
-        tracing::debug!(region = ?entry, held = entry.guard().held(), "deregistered; its memory is freed once the accesses in progress end");
-        runtime.spawn(free_once_drained(entry));
+    let left_to_a_task = tokio::runtime::Handle::try_current().is_ok_and(|runtime| {
+        runtime.runtime_flavor() == tokio::runtime::RuntimeFlavor::CurrentThread
+            && only_the_region_holds_its_memory(&entry)
+    });
+    if !left_to_a_task && off_the_workers(|| entry.guard().wait_drained(DEREGISTER_LIMIT)) {
+        tracing::debug!(region = ?entry, "deregistered");
         return;
     }
-    if off_the_workers(|| entry.guard().wait_drained(DEREGISTER_LIMIT)) {
-        tracing::debug!(region = ?entry, "deregistered");
-    } else if entry.block().owns_memory() {
-        tracing::error!(
-            region = ?entry,
-            held = entry.guard().held(),
-            "accesses still hold the region {DEREGISTER_LIMIT:?} after its deregistration began; it is dropped, \
-             and its memory leaked rather than freed under them. {STUCK_DROP_HINT}"
-        );
-        std::mem::forget(entry);
+    if left_to_a_task {
+        tracing::debug!(region = ?entry, held = entry.guard().held(), "deregistered; its memory is freed once the accesses in progress end");
     } else {
         tracing::error!(
             region = ?entry,
@@ -318,29 +310,12 @@ pub(crate) fn wait_for_dropped(entry: Arc<RegionEntry>) {
              anyway. {STUCK_DROP_HINT}"
         );
     }
-}
-
-/// Keeps memory that `entry`'s block owns from being freed while accesses still hold it (a peer's
-/// copy into it, a staged copy): a task of the current runtime frees it once they end; with no
-/// runtime to run one, it is leaked.
-fn keep_until_drained(entry: Arc<RegionEntry>) {
-    match tokio::runtime::Handle::try_current() {
-        Ok(runtime) => {
-            runtime.spawn(free_once_drained(entry));
-        }
-        Err(_) => {
-            tracing::warn!(
-                region = ?entry,
-                held = entry.guard().held(),
-                "accesses still hold a deregistered region and no runtime runs to wait for them; its memory is \
-                 leaked rather than freed under them"
-            );
-            std::mem::forget(entry);
-        }
+    if entry.block().owns_memory() {
+        keep_until_drained(entry);
     }
 }
 
-/// What a log of a drop that waited out [`DEREGISTER_LIMIT`] tells the reader to do.
+/// What a log of accesses that outlived [`DEREGISTER_LIMIT`] tells the reader to do.
 const STUCK_DROP_HINT: &str = "An access outlived the limit: a GPU copy, an msync, or a peer of this host that kept its \
     mapping of the region. A peer in this process on a current-thread runtime cannot give a mapping back while a drop \
     holds that thread: there, await `Region::deregister` instead of dropping a region whose memory you keep.";
@@ -353,39 +328,37 @@ fn only_the_region_holds_its_memory(entry: &RegionEntry) -> bool {
     block.owns_memory() && Arc::strong_count(block) == 1 && Arc::weak_count(block) == 0
 }
 
-/// Keeps a dropped region's memory until the accesses that still hold it end, at most
-/// [`DEREGISTER_LIMIT`], then frees it. Memory that accesses still hold past the limit, or when the
-/// runtime ends first (this future dropped unfinished), is leaked, not freed under them.
-async fn free_once_drained(entry: Arc<RegionEntry>) {
+/// Keeps memory that `entry`'s block owns from being freed while accesses still hold it (a peer's
+/// copy into it, a staged copy): a task of the current runtime frees it once they end, waiting at
+/// most [`DEREGISTER_LIMIT`]. Memory still held past that, or when no runtime runs (or it ends
+/// first), is leaked, never freed under them ([`FreedOnlyDrained`]).
+fn keep_until_drained(entry: Arc<RegionEntry>) {
     let kept = FreedOnlyDrained(entry);
-    match tokio::time::timeout(DEREGISTER_LIMIT, kept.0.guard().drained()).await {
-        Ok(()) => tracing::debug!(region = ?kept.0, "the accesses to a dropped region ended; its memory is freed"),
-        Err(_) => {
-            tracing::error!(
-                region = ?kept.0,
-                held = kept.0.guard().held(),
-                "accesses still hold a dropped region {DEREGISTER_LIMIT:?} after its deregistration began; its \
-                 memory is leaked rather than freed under them. {STUCK_DROP_HINT}"
-            );
-            std::mem::forget(kept);
-        }
+    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+        runtime.spawn(async move {
+            let _ = tokio::time::timeout(DEREGISTER_LIMIT, kept.0.guard().drained()).await;
+            drop(kept);
+        });
     }
 }
 
-/// A dropped region's entry that is freed only once its accesses ended, and leaked otherwise.
+/// A deregistered region's entry whose memory is freed when this drops only if no access holds it
+/// any more, and leaked otherwise.
 struct FreedOnlyDrained(Arc<RegionEntry>);
 
 impl Drop for FreedOnlyDrained {
     fn drop(&mut self) {
-        if !self.0.guard().is_drained() {
-            tracing::warn!(
-                region = ?self.0,
-                held = self.0.guard().held(),
-                "the runtime ended while accesses still held a dropped region; its memory is leaked rather than \
-                 freed under them"
-            );
-            std::mem::forget(self.0.clone());
+        if self.0.guard().is_drained() {
+            tracing::debug!(region = ?self.0, "the accesses to a deregistered region ended; its memory is freed");
+            return;
         }
+        tracing::error!(
+            region = ?self.0,
+            held = self.0.guard().held(),
+            "accesses still hold a deregistered region; its memory is leaked rather than freed under them. \
+             {STUCK_DROP_HINT}"
+        );
+        std::mem::forget(self.0.clone());
     }
 }
 
