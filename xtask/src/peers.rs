@@ -150,9 +150,10 @@ pub fn python_bench(python: &Path, case: &str, blocking: bool, duration: Duratio
     })
 }
 
-/// Runs ferry-tower's `tower_overhead` example (with `--tcp`, over TCP only) and returns its ratio:
-/// the stack's rate over direct engine calls' or, with `floor` (`--floor`), the least service's.
-pub fn tower_overhead(bin: &Path, tcp: bool, floor: bool, duration: Duration) -> Result<f64> {
+/// Runs ferry-tower's `tower_overhead` example (with `--tcp`, over TCP only) and returns its ratio
+/// (the stack's rate over direct engine calls' or, with `floor` (`--floor`), the least service's)
+/// and, for the stack, the CPU time it adds per request in microseconds.
+pub fn tower_overhead(bin: &Path, tcp: bool, floor: bool, duration: Duration) -> Result<(f64, Option<f64>)> {
     let mut cmd = Command::new(bin);
     if tcp {
         cmd.arg("--tcp");
@@ -161,7 +162,8 @@ pub fn tower_overhead(bin: &Path, tcp: bool, floor: bool, duration: Duration) ->
         cmd.arg("--floor");
     }
     let v = last_json_line(&mut cmd, duration * 20 + SLACK)?;
-    v["ratio"].as_f64().ok_or_else(|| anyhow!("no `ratio` in {v}"))
+    let ratio = v["ratio"].as_f64().ok_or_else(|| anyhow!("no `ratio` in {v}"))?;
+    Ok((ratio, v["added_cpu_us"].as_f64()))
 }
 
 /// Runs `cmd`, which must succeed within `timeout`, and parses the last line of its stdout that is

@@ -6,7 +6,11 @@
 //! Rounds alternate (direct, deadlines, timeouts) five times; each round runs 16 concurrent callers
 //! for 1 s; the medians are compared. Prints one JSON line:
 //! `{"case":"tower_overhead_4KiB","direct_ops_per_s":..,"tower_ops_per_s":..,"ratio":..,
-//! "timeouts_ops_per_s":..,"timeouts_ratio":..}`.
+//! "added_cpu_us":..,"timeouts_ops_per_s":..,"timeouts_ratio":..}`. `added_cpu_us` is what the stack
+//! costs a request in absolute terms: the CPU time per request through the stack less that per direct
+//! call, both rates taken with every worker thread busy (16 callers, one worker per CPU), so that a
+//! CPU-second is worth `workers / rate` per request. A ratio depends as much on how cheap the
+//! operation under the stack is as on the stack; this figure does not.
 //!
 //! Run it with `cargo run --release -p ferry-tower --example tower_overhead`; with `-- --tcp`, both
 //! engines use TCP only (by default, two engines of one host pick shared memory, where a 4 KiB write
@@ -292,6 +296,8 @@ async fn main() -> ferry::Result<()> {
         );
     }
     let (direct_ops, tower_ops, timeouts_ops) = (median(a), median(b), median(c));
+    let workers = std::thread::available_parallelism().map_or(1, usize::from) as f64;
+    let added_cpu_us = workers * 1e6 * (1.0 / tower_ops - 1.0 / direct_ops);
     println!(
         "{}",
         serde_json::json!({
@@ -300,6 +306,7 @@ async fn main() -> ferry::Result<()> {
             "direct_ops_per_s": direct_ops.round(),
             "tower_ops_per_s": tower_ops.round(),
             "ratio": ratio(tower_ops, direct_ops),
+            "added_cpu_us": (added_cpu_us * 1000.0).round() / 1000.0,
             "timeouts_ops_per_s": timeouts_ops.round(),
             "timeouts_ratio": ratio(timeouts_ops, direct_ops),
         })
