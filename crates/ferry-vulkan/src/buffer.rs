@@ -351,7 +351,10 @@ impl DeviceBuffer {
             .ok_or_else(|| missing_extension(self.ctx.name(), "VK_KHR_external_memory_fd", "exporting an fd"))?;
         if !self.export.contains(ht) {
             return Err(Error::Unsupported(
-                "this memory was not allocated exportable as an opaque fd".into(),
+                "this memory was not allocated exportable as an opaque fd (the registry was made with \
+                 `exportable(false)`, or this device lets exportable buffers use no memory type its \
+                 allocation path needs)"
+                    .into(),
             ));
         }
         let info = vk::MemoryGetFdInfoKHR::default().memory(self.memory).handle_type(ht);

@@ -10,7 +10,7 @@ use crate::commands::CopyCommands;
 use crate::error::vk_error;
 use crate::ext::ExtFns;
 use crate::loader::Loaded;
-use crate::memtype::{MemoryLayout, PathSupport, fits_budget};
+use crate::memtype::{BufferTypes, MemoryLayout, PathSupport, fits_budget};
 use crate::probe::{DeviceFacts, Extensions, VulkanDeviceInfo, enumerate};
 use crate::select::{DeviceSelector, choose};
 
@@ -47,6 +47,8 @@ pub struct VulkanContext {
     enabled: Extensions,
     rdma_enabled: bool,
     paths: PathSupport,
+    /// The memory types this context's buffers may use, by handle types.
+    buffer_types: BufferTypes,
     device: ash::Device,
     pub(crate) ext: ExtFns,
     queue: Mutex<vk::Queue>,
@@ -115,12 +117,15 @@ impl VulkanContext {
         let ext = ExtFns::load(instance, &device, &enabled);
         // SAFETY: one queue of `queue_family` was requested at device creation.
         let queue = unsafe { device.get_device_queue(queue_family, 0) };
-        let paths = facts.layout.paths(rdma_enabled && ext.remote_address.is_some());
+        let rdma_usable = rdma_enabled && ext.remote_address.is_some();
+        let buffer_types = buffer_types(&loaded, &facts, &device, &enabled, rdma_usable);
+        let paths = facts.layout.paths(rdma_usable, &buffer_types);
         tracing::info!(
             device = %facts.name,
             driver = %facts.driver,
             queue_family,
             ?paths,
+            ?buffer_types,
             extensions = ?enabled.names(),
             "Vulkan device opened"
         );
@@ -130,6 +135,7 @@ impl VulkanContext {
             enabled,
             rdma_enabled,
             paths,
+            buffer_types,
             device,
             ext,
             queue: Mutex::new(queue),
@@ -258,6 +264,10 @@ impl VulkanContext {
         &self.facts.layout
     }
 
+    pub(crate) fn buffer_types(&self) -> &BufferTypes {
+        &self.buffer_types
+    }
+
     pub(crate) fn facts(&self) -> &DeviceFacts {
         &self.facts
     }
@@ -347,6 +357,70 @@ impl VulkanContext {
                 .get_physical_device_external_buffer_properties(self.facts.handle, &info, &mut out)
         };
         out.external_memory_properties
+    }
+}
+
+/// The memory types buffers of [`BUFFER_USAGE`] may use on `device`, plain and with each external
+/// handle type the crate exports (see [`BufferTypes`]), from a 4 KiB probe buffer per set. A handle
+/// type the device cannot export buffers as, or whose probe fails, allows no type.
+fn buffer_types(
+    loaded: &Loaded,
+    facts: &DeviceFacts,
+    device: &ash::Device,
+    enabled: &Extensions,
+    rdma: bool,
+) -> BufferTypes {
+    let exportable = |handle_type: vk::ExternalMemoryHandleTypeFlags| {
+        let info = vk::PhysicalDeviceExternalBufferInfo::default()
+            .usage(BUFFER_USAGE)
+            .handle_type(handle_type);
+        let mut out = vk::ExternalBufferProperties::default();
+        // SAFETY: a Vulkan 1.1 query on a physical device of the live instance, for a handle type of
+        // an extension enabled on the device.
+        unsafe {
+            loaded
+                .instance
+                .get_physical_device_external_buffer_properties(facts.handle, &info, &mut out)
+        };
+        out.external_memory_properties
+            .external_memory_features
+            .contains(vk::ExternalMemoryFeatureFlags::EXPORTABLE)
+    };
+    let probe = |handle_types: vk::ExternalMemoryHandleTypeFlags| -> u32 {
+        let mut external = vk::ExternalMemoryBufferCreateInfo::default().handle_types(handle_types);
+        let mut info = vk::BufferCreateInfo::default()
+            .size(4096)
+            .usage(BUFFER_USAGE)
+            .sharing_mode(vk::SharingMode::EXCLUSIVE);
+        if !handle_types.is_empty() {
+            info = info.push_next(&mut external);
+        }
+        // SAFETY: a valid create info whose chain lives until the call returns, with handle types the
+        // device said it can export buffers of this usage as; the buffer is destroyed below, unbound.
+        let buffer = match unsafe { device.create_buffer(&info, None) } {
+            Ok(b) => b,
+            Err(e) => {
+                tracing::warn!(?handle_types, error = %e, "probe buffer refused: these buffers get no memory type");
+                return 0;
+            }
+        };
+        // SAFETY: `buffer` is a live buffer of `device`, destroyed right after and never used again.
+        unsafe {
+            let bits = device.get_buffer_memory_requirements(buffer).memory_type_bits;
+            device.destroy_buffer(buffer, None);
+            bits
+        }
+    };
+    let fd = vk::ExternalMemoryHandleTypeFlags::OPAQUE_FD;
+    let address = vk::ExternalMemoryHandleTypeFlags::RDMA_ADDRESS_NV;
+    BufferTypes {
+        plain: probe(vk::ExternalMemoryHandleTypeFlags::empty()),
+        opaque_fd: if enabled.memory_fd && exportable(fd) {
+            probe(fd)
+        } else {
+            0
+        },
+        rdma: if rdma && exportable(address) { probe(address) } else { 0 },
     }
 }
 

@@ -140,6 +140,69 @@ impl std::str::FromStr for AllocationPath {
     }
 }
 
+/// Which memory types this crate's buffers may be bound to (`memoryTypeBits`), by the external
+/// handle types they are created with.
+///
+/// A memory type that exists is not one every buffer may use: drivers narrow the choice by the
+/// buffer's usage and its external handle types. An NVIDIA H200 (driver 580), for one, lists a
+/// device-local and host-visible type, but allows an exportable buffer only its first four types,
+/// which are not it. Vulkan gives every buffer created with the same usage, flags and handle types
+/// the same bits, whatever its size, so one small probe buffer per set of handle types answers for
+/// all allocations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct BufferTypes {
+    /// No external handle types.
+    pub plain: u32,
+    /// Exportable as an opaque fd (0 where the device cannot export such buffers).
+    pub opaque_fd: u32,
+    /// Exportable as an RDMA address (0 without `VK_NV_external_memory_rdma`).
+    pub rdma: u32,
+}
+
+impl BufferTypes {
+    /// Every type allowed for every kind of buffer: a layout's upper bound, before a device is open.
+    pub const ANY: BufferTypes = BufferTypes {
+        plain: u32::MAX,
+        opaque_fd: u32::MAX,
+        rdma: u32::MAX,
+    };
+
+    /// The handle types a buffer for `wish` is created with, given the ones asked for: `wanted` where
+    /// a buffer exportable that way may still get a type for `wish`, else none (the allocation is
+    /// served, not exportable), or `None` when neither buffer could. Only an opaque fd is dropped:
+    /// an RDMA address is what path 1 exists for.
+    pub fn export_for(
+        &self,
+        layout: &MemoryLayout,
+        wish: &TypeWish,
+        wanted: vk::ExternalMemoryHandleTypeFlags,
+    ) -> Option<vk::ExternalMemoryHandleTypeFlags> {
+        let fd = vk::ExternalMemoryHandleTypeFlags::OPAQUE_FD;
+        let rdma = vk::ExternalMemoryHandleTypeFlags::RDMA_ADDRESS_NV;
+        let bits = |handles: vk::ExternalMemoryHandleTypeFlags| {
+            let mut bits = u32::MAX;
+            if handles.is_empty() {
+                bits &= self.plain;
+            }
+            if handles.contains(fd) {
+                bits &= self.opaque_fd;
+            }
+            if handles.contains(rdma) {
+                bits &= self.rdma;
+            }
+            bits
+        };
+        let fits = |handles| layout.pick(bits(handles), wish).is_some();
+        if fits(wanted) {
+            Some(wanted)
+        } else if wanted.contains(fd) && fits(wanted & !fd) {
+            Some(wanted & !fd)
+        } else {
+            None
+        }
+    }
+}
+
 /// Which allocation paths a device can serve.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct PathSupport {
@@ -204,11 +267,6 @@ impl MemoryLayout {
             .map(|(i, _)| i as u32)
     }
 
-    /// Whether some type (any allowed) satisfies `wish`.
-    pub fn has(&self, wish: &TypeWish) -> bool {
-        self.pick(u32::MAX, wish).is_some()
-    }
-
     /// The heap of memory type `index`.
     pub fn heap_of(&self, index: u32) -> Option<u32> {
         self.types.get(index as usize).map(|t| t.heap)
@@ -229,12 +287,19 @@ impl MemoryLayout {
             .map(|t| t.heap)
     }
 
-    /// Which paths this layout supports, given whether the RDMA extension and feature are enabled.
-    pub fn paths(&self, rdma_enabled: bool) -> PathSupport {
+    /// Which paths this layout supports for buffers that may use `types`, given whether the RDMA
+    /// extension and feature are enabled. With [`BufferTypes::ANY`]: what the memory types alone
+    /// allow, before a device is open.
+    pub fn paths(&self, rdma_enabled: bool, types: &BufferTypes) -> PathSupport {
+        let none = vk::ExternalMemoryHandleTypeFlags::empty();
+        let fd = vk::ExternalMemoryHandleTypeFlags::OPAQUE_FD;
+        let rdma = vk::ExternalMemoryHandleTypeFlags::RDMA_ADDRESS_NV;
+        // Each path's buffers are tried exportable first and plain after (see `export_for`).
+        let served = |wish: &TypeWish, wanted| types.export_for(self, wish, wanted).is_some();
         PathSupport {
-            rdma: rdma_enabled && self.has(&RDMA_WISH),
-            host_visible: self.has(&HOST_VISIBLE_WISH),
-            staged: self.has(&DEVICE_ONLY_WISH) && self.has(&STAGING_WISH),
+            rdma: rdma_enabled && served(&RDMA_WISH, rdma),
+            host_visible: served(&HOST_VISIBLE_WISH, fd),
+            staged: served(&DEVICE_ONLY_WISH, fd) && served(&STAGING_WISH, none),
         }
     }
 }
@@ -310,7 +375,7 @@ mod tests {
     fn lavapipe_offers_paths_two_and_three_from_its_one_type() {
         let l = lavapipe();
         assert_eq!(
-            l.paths(false),
+            l.paths(false, &BufferTypes::ANY),
             PathSupport {
                 rdma: false,
                 host_visible: true,
@@ -327,8 +392,11 @@ mod tests {
     #[test]
     fn nvidia_layout_picks_the_intended_type_for_each_role() {
         let l = nvidia();
-        assert!(l.paths(true).rdma);
-        assert!(!l.paths(false).rdma, "RDMA needs the extension enabled");
+        assert!(l.paths(true, &BufferTypes::ANY).rdma);
+        assert!(
+            !l.paths(false, &BufferTypes::ANY).rdma,
+            "RDMA needs the extension enabled"
+        );
         assert_eq!(l.pick(u32::MAX, &RDMA_WISH), Some(5));
         assert_eq!(l.rdma_heap(), Some(0));
         assert_eq!(l.pick(u32::MAX, &HOST_VISIBLE_WISH), Some(4), "the BAR window");
@@ -342,6 +410,64 @@ mod tests {
         assert_eq!(l.heap_of(40), None);
     }
 
+    /// An NVIDIA H200 as its driver (580.159) reports it: VRAM all mappable (resizable BAR), system
+    /// memory plain and cached; exportable buffers may use types 0-3 only.
+    fn h200() -> (MemoryLayout, BufferTypes) {
+        let layout = layout(
+            &[
+                (F::empty(), 1),
+                (F::DEVICE_LOCAL, 0),
+                (F::HOST_VISIBLE | F::HOST_COHERENT, 1),
+                (F::HOST_VISIBLE | F::HOST_COHERENT | F::HOST_CACHED, 1),
+                (F::DEVICE_LOCAL | F::HOST_VISIBLE | F::HOST_COHERENT, 0),
+            ],
+            &[150_754_820_096, 101_346_797_568],
+        );
+        let types = BufferTypes {
+            plain: 0b1_1111,
+            opaque_fd: 0b1111,
+            rdma: 0,
+        };
+        (layout, types)
+    }
+
+    #[test]
+    fn paths_follow_the_types_a_buffer_may_use() {
+        let fd = vk::ExternalMemoryHandleTypeFlags::OPAQUE_FD;
+        let plain = vk::ExternalMemoryHandleTypeFlags::empty();
+        let (l, types) = h200();
+        assert_eq!(
+            l.paths(false, &types),
+            PathSupport {
+                rdma: false,
+                host_visible: true,
+                staged: true
+            }
+        );
+        // Mapped VRAM is served, but not exportable; VRAM behind staging stays exportable.
+        assert_eq!(types.export_for(&l, &HOST_VISIBLE_WISH, fd), Some(plain));
+        assert_eq!(types.export_for(&l, &DEVICE_ONLY_WISH, fd), Some(fd));
+        assert_eq!(l.pick(types.plain, &HOST_VISIBLE_WISH), Some(4));
+        assert_eq!(l.pick(types.opaque_fd, &DEVICE_ONLY_WISH), Some(1));
+        assert_eq!(l.pick(types.plain, &STAGING_WISH), Some(3));
+        // Were plain buffers as narrow, there would be no host-visible path at all, where the memory
+        // types alone say there is.
+        let narrow = BufferTypes { plain: 0b1111, ..types };
+        assert!(l.paths(false, &BufferTypes::ANY).host_visible);
+        assert!(!l.paths(false, &narrow).host_visible);
+        assert_eq!(narrow.export_for(&l, &HOST_VISIBLE_WISH, fd), None);
+        // An RDMA address is never dropped to find a type.
+        let nv = nvidia();
+        let rdma = vk::ExternalMemoryHandleTypeFlags::RDMA_ADDRESS_NV;
+        let no_rdma_type = BufferTypes {
+            rdma: !(1 << 5),
+            ..BufferTypes::ANY
+        };
+        assert!(!nv.paths(true, &no_rdma_type).rdma);
+        assert_eq!(no_rdma_type.export_for(&nv, &RDMA_WISH, rdma | fd), None);
+        assert_eq!(BufferTypes::ANY.export_for(&nv, &RDMA_WISH, rdma | fd), Some(rdma | fd));
+    }
+
     #[test]
     fn forbidden_flags_are_never_picked() {
         let l = layout(
@@ -352,7 +478,7 @@ mod tests {
             &[1 << 30],
         );
         assert_eq!(l.pick(u32::MAX, &DEVICE_ONLY_WISH), None);
-        assert!(!l.paths(false).staged);
+        assert!(!l.paths(false, &BufferTypes::ANY).staged);
     }
 
     #[test]

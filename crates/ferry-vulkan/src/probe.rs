@@ -14,7 +14,7 @@ use serde::Serialize;
 
 use crate::error::vk_error;
 use crate::loader::{Loaded, version_string};
-use crate::memtype::{MemoryLayout, PathSupport, flag_names};
+use crate::memtype::{BufferTypes, MemoryLayout, PathSupport, flag_names};
 use crate::select::{Candidate, format_uuid};
 
 /// Device extensions this crate enables where offered.
@@ -88,12 +88,15 @@ pub(crate) struct DeviceFacts {
 }
 
 impl DeviceFacts {
-    /// The paths this device could serve once created with the extensions it offers.
+    /// The paths this device's memory types allow once it is created with the extensions it offers.
+    /// An upper bound: an open [`VulkanContext`](crate::VulkanContext) also asks which types its
+    /// buffers may use, and may serve fewer.
     pub fn paths(&self) -> PathSupport {
         if self.unusable.is_some() {
             return PathSupport::default();
         }
-        self.layout.paths(self.extensions.memory_rdma && self.rdma_feature)
+        self.layout
+            .paths(self.extensions.memory_rdma && self.rdma_feature, &BufferTypes::ANY)
     }
 
     /// What device selection needs.

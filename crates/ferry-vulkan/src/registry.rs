@@ -8,7 +8,9 @@ use ferry_core::{Error, MemoryBlock, MemoryRegistry, Result};
 use crate::block::VulkanBlock;
 use crate::buffer::{BufferSpec, DeviceBuffer, MapMode};
 use crate::context::VulkanContext;
-use crate::memtype::{AllocationPath, DEVICE_ONLY_WISH, HOST_VISIBLE_WISH, RDMA_WISH, STAGING_WISH, fits_budget};
+use crate::memtype::{
+    AllocationPath, DEVICE_ONLY_WISH, HOST_VISIBLE_WISH, RDMA_WISH, STAGING_WISH, TypeWish, fits_budget,
+};
 
 /// Allocates Vulkan memory for ferry regions, by one of three paths.
 ///
@@ -49,7 +51,8 @@ impl VulkanRegistry {
     }
 
     /// Whether device memory is allocated exportable as an opaque fd (default: yes, where the device
-    /// can export; exportable memory is always a dedicated allocation).
+    /// can export buffers of the memory type the path needs; exportable memory is always a dedicated
+    /// allocation).
     pub fn exportable(mut self, on: bool) -> Self {
         self.exportable = on;
         self
@@ -120,7 +123,7 @@ impl VulkanRegistry {
                     &BufferSpec {
                         size,
                         wish: HOST_VISIBLE_WISH,
-                        export: self.opaque_fd(),
+                        export: self.export_for(&HOST_VISIBLE_WISH, self.opaque_fd()),
                         map: MapMode::Required,
                         role: "host-visible region",
                     },
@@ -133,7 +136,7 @@ impl VulkanRegistry {
                     &BufferSpec {
                         size,
                         wish: DEVICE_ONLY_WISH,
-                        export: self.opaque_fd(),
+                        export: self.export_for(&DEVICE_ONLY_WISH, self.opaque_fd()),
                         map: MapMode::Never,
                         role: "device-local region",
                     },
@@ -184,7 +187,7 @@ impl VulkanRegistry {
             &BufferSpec {
                 size,
                 wish: RDMA_WISH,
-                export,
+                export: self.export_for(&RDMA_WISH, export),
                 map: MapMode::IfHostVisible,
                 role: "RDMA-capable region",
             },
@@ -221,6 +224,29 @@ impl VulkanRegistry {
                 role: "staging buffer",
             },
         )
+    }
+
+    /// The handle types to create a buffer for `wish` with: `wanted`, or `wanted` less the opaque fd
+    /// where a buffer exportable that way may use no memory type that suits `wish` (the region is then
+    /// served, not exportable: [`VulkanBlock::export`] says so). Where no buffer may,
+    /// `wanted`, and the allocation's error names the types it was allowed.
+    fn export_for(
+        &self,
+        wish: &TypeWish,
+        wanted: vk::ExternalMemoryHandleTypeFlags,
+    ) -> vk::ExternalMemoryHandleTypeFlags {
+        match self.ctx.buffer_types().export_for(self.ctx.layout(), wish, wanted) {
+            Some(handles) if handles != wanted => {
+                tracing::debug!(
+                    device = %self.ctx.name(),
+                    wanted = ?wanted,
+                    "exportable buffers may not use the memory this allocation needs: allocated without an opaque fd"
+                );
+                handles
+            }
+            Some(handles) => handles,
+            None => wanted,
+        }
     }
 
     /// OPAQUE_FD where export is on, the extension enabled, and the device can export such buffers.

@@ -32,7 +32,7 @@ async fn registered_host_region_is_a_device_copy_target() {
     let imported = unsafe { ImportedHostBuffer::from_raw(&ctx, region.as_ptr(), LEN) }.unwrap();
 
     let gpu = VulkanRegistry::new(ctx.clone())
-        .with_path(Some(AllocationPath::HostVisible))
+        .with_path(Some(host_reachable_path(&ctx)))
         .allocate_block(LEN)
         .unwrap();
     let want = pattern(LEN, 3);
@@ -89,6 +89,9 @@ fn exported_fd_imports_as_the_same_memory() {
         return;
     };
     for path in [AllocationPath::HostVisible, AllocationPath::Staged] {
+        if !offered(&ctx, path) {
+            continue;
+        }
         let registry = VulkanRegistry::new(ctx.clone()).with_path(Some(path));
         let block = registry.allocate_block(LEN).unwrap();
         let want = pattern(LEN, 11);
@@ -96,9 +99,13 @@ fn exported_fd_imports_as_the_same_memory() {
         let exported = match block.export() {
             Ok(e) => e,
             Err(e @ Error::Unsupported(_)) => {
-                assert!(!required(), "export must work on the test driver: {e}");
-                eprintln!("skipped: {e}");
-                return;
+                // A device may let exportable buffers use no memory type of this path: the registry
+                // then serves the path without export, and says so here.
+                let lavapipe = ctx.name().contains("llvmpipe");
+                assert!(!(required() && lavapipe), "export must work on the test driver: {e}");
+                assert!(e.message().contains("exportable"), "{e}");
+                eprintln!("skipped: {path}: {e}");
+                continue;
             }
             Err(e) => panic!("{e}"),
         };
@@ -108,7 +115,7 @@ fn exported_fd_imports_as_the_same_memory() {
 
         // What the block holds is what the import reads…
         let check = VulkanRegistry::new(ctx.clone())
-            .with_path(Some(AllocationPath::HostVisible))
+            .with_path(Some(host_reachable_path(&ctx)))
             .allocate_block(LEN)
             .unwrap();
         ctx.copy(&imported, 0, &*check, 0, LEN as u64).unwrap();

@@ -30,25 +30,57 @@ fn allocation_beyond_heap_budget_is_resource_exhausted_and_leaks_nothing() {
     let Some(ctx) = private_context("heap budget") else {
         return;
     };
-    let registry = VulkanRegistry::new(ctx.clone()).with_path(Some(AllocationPath::HostVisible));
-    // Take a good part of the heap (never touched, so it costs address space, not memory)…
-    let probe = registry.allocate_block(4096).unwrap();
-    let heap = probe_heap(&ctx, probe.memory_type_index());
-    drop(probe);
+    let mut heaps = Vec::new();
+    for path in [AllocationPath::HostVisible, AllocationPath::Staged] {
+        if !offered(&ctx, path) {
+            continue;
+        }
+        let registry = VulkanRegistry::new(ctx.clone()).with_path(Some(path));
+        // The heap this path's device memory comes from.
+        let probe = registry.allocate_block(4096).unwrap();
+        let heap = probe_heap(&ctx, probe.memory_type_index());
+        drop(probe);
+        heaps.push(heap);
+        exceed_budget(&ctx, heap, &[Some(path)]);
+    }
+    // Where every path draws on one heap (lavapipe), the automatic choice has nowhere else to go.
+    if heaps.len() > 1 && heaps.windows(2).all(|w| w[0] == w[1]) {
+        exceed_budget(&ctx, heaps[0], &[None]);
+    }
+}
+
+/// Takes a good part of `heap` with one allocation, then asks each of `paths` for more than is left
+/// (but less than one allocation may be): each must fail with ResourceExhausted, leaving nothing.
+fn exceed_budget(ctx: &std::sync::Arc<ferry_vulkan::VulkanContext>, heap: u32, paths: &[Option<AllocationPath>]) {
     let (budget, _) = ctx.heap_budget(heap).unwrap();
-    let first_len = (budget / 2).min(ctx.max_allocation_size() / 2) as usize + (1 << 20);
-    let first = registry.allocate_block(first_len).unwrap();
+    let first_path = paths[0].unwrap_or(AllocationPath::HostVisible);
+    // A staged block takes its length twice where its staging buffer shares the heap (lavapipe).
+    let share = if first_path == AllocationPath::Staged { 4 } else { 2 };
+    let first_len = (budget / share).min(ctx.max_allocation_size() / 2) as usize + (1 << 20);
+    // Never touched: on a CPU driver it costs address space, not memory.
+    let first = VulkanRegistry::new(ctx.clone())
+        .with_path(Some(first_path))
+        .allocate_block(first_len)
+        .unwrap();
     let (budget, used) = ctx.heap_budget(heap).unwrap();
     assert!(used >= first_len as u64, "the heap usage counts the allocation");
-    // …then ask for more than is left, but less than one allocation may be.
     let rest = budget.saturating_sub(used) + (1 << 20);
-    assert!(
-        rest <= ctx.max_allocation_size(),
-        "test setup: {rest} vs {}",
-        ctx.max_allocation_size()
-    );
+    if rest > ctx.max_allocation_size() {
+        // A heap larger than twice what one allocation may be (a GPU's VRAM, say) is not exceeded by
+        // one more allocation; the size limit has its own test.
+        assert!(
+            !ctx.name().contains("llvmpipe"),
+            "test setup: {rest} vs {}",
+            ctx.max_allocation_size()
+        );
+        eprintln!(
+            "heap {heap} of {}: {rest} bytes left exceed maxMemoryAllocationSize; the budget is not reached this way",
+            ctx.name()
+        );
+        return;
+    }
     let before = ctx.stats();
-    for path in [None, Some(AllocationPath::HostVisible), Some(AllocationPath::Staged)] {
+    for &path in paths {
         let r = VulkanRegistry::new(ctx.clone())
             .with_path(path)
             .allocate_block(rest as usize);

@@ -31,6 +31,9 @@ async fn write_lands_on_device(path: AllocationPath) {
     let Some(ctx) = context("write into Vulkan memory over TCP") else {
         return;
     };
+    if !offered(&ctx, path) {
+        return;
+    }
     let registry = VulkanRegistry::new(ctx.clone()).with_path(Some(path));
     let block = registry.allocate_block(LEN).unwrap();
     assert_eq!(block.path(), path);
@@ -55,9 +58,9 @@ async fn write_lands_on_device(path: AllocationPath) {
         .unwrap();
 
     // The device buffer itself (not the staging buffer) must hold the bytes: copy it on the GPU into
-    // a buffer of its own and read that on the host.
+    // a buffer of its own and read that on the host (through its mapping, or its own staging copy).
     let check = VulkanRegistry::new(ctx.clone())
-        .with_path(Some(AllocationPath::HostVisible))
+        .with_path(Some(host_reachable_path(&ctx)))
         .allocate_block(LEN)
         .unwrap();
     ctx.copy(&*block, 0, &*check, 0, LEN as u64).unwrap();
@@ -70,16 +73,19 @@ async fn read_sees_device_writes(path: AllocationPath) {
     let Some(ctx) = context("read from Vulkan memory over TCP") else {
         return;
     };
+    if !offered(&ctx, path) {
+        return;
+    }
     let registry = VulkanRegistry::new(ctx.clone()).with_path(Some(path));
     let block = registry.allocate_block(LEN).unwrap();
     let (target, initiator, peer) = pair().await;
     let region = target.register_block(block.clone(), Access::READ_WRITE).unwrap();
     wait_for_region(&peer, &region).await;
 
-    // Only the device writes the region: a host-visible source, copied on the GPU into it.
+    // Only the device writes the region: a source the host fills, copied on the GPU into it.
     let want = pattern(LEN, 99);
     let source = VulkanRegistry::new(ctx.clone())
-        .with_path(Some(AllocationPath::HostVisible))
+        .with_path(Some(host_reachable_path(&ctx)))
         .allocate_block(LEN)
         .unwrap();
     source.upload(0, &want).unwrap();

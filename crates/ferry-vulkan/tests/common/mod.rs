@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use ferry::{Engine, Peer, Region};
 use ferry_core::Error;
-use ferry_vulkan::{INSTALL_HINT, VulkanContext};
+use ferry_vulkan::{AllocationPath, INSTALL_HINT, VulkanContext};
 
 pub const T: Duration = Duration::from_secs(20);
 
@@ -85,4 +85,32 @@ pub async fn wait_for_region(peer: &Peer, region: &Region) {
         );
         peer.regions_changed(Duration::from_millis(50)).await;
     }
+}
+
+/// A path whose blocks the host reads and writes (through a mapping or a staging buffer), for
+/// checking what a device buffer holds: host-visible where the device offers it, else staged. A
+/// discrete GPU may offer no host-visible memory to ferry's buffers at all.
+pub fn host_reachable_path(ctx: &VulkanContext) -> AllocationPath {
+    match ctx.paths().host_visible {
+        true => AllocationPath::HostVisible,
+        false => AllocationPath::Staged,
+    }
+}
+
+/// Whether the test of `path` applies: `false` (saying so) where the device does not offer it. Where
+/// a driver is required, lavapipe (the driver CI installs) must offer the host-visible and staged
+/// paths, so that a test there never passes by skipping.
+pub fn offered(ctx: &VulkanContext, path: AllocationPath) -> bool {
+    if ctx.paths().offers(path) {
+        return true;
+    }
+    let lavapipe = ctx.name().contains("llvmpipe");
+    if required() && lavapipe && path != AllocationPath::RdmaCapable {
+        panic!("{} must offer the {path} path", ctx.name());
+    }
+    eprintln!(
+        "skipped: {} does not offer the {path} allocation path to ferry's buffers",
+        ctx.name()
+    );
+    false
 }
