@@ -57,6 +57,11 @@ pub struct Args {
     /// offers; `FERRY_VULKAN_DEVICE` picks the device; needs the `vulkan` feature).
     #[arg(long, default_value = "host", value_parser = ["host", "vulkan"])]
     target_mem: String,
+    /// With `--target-mem vulkan`: the allocation path, auto (the best the device offers), rdma
+    /// (`VK_NV_external_memory_rdma`), host-visible (mapped device memory) or staged (device-local
+    /// memory behind a staging buffer); a path the device does not offer is an error.
+    #[arg(long, default_value = "auto", value_parser = ["auto", "rdma", "host-visible", "staged"])]
+    vulkan_path: String,
     /// What a write's completion promises: completed (in the target's memory), persistent (in its
     /// persistence domain; the target registers a file), or both, side by side.
     #[arg(long, default_value = "completed", value_parser = ["completed", "persistent", "both"])]
@@ -334,14 +339,21 @@ fn target_region(
         return Ok(region);
     }
     if args.target_mem != "vulkan" {
+        if args.vulkan_path != "auto" {
+            bail!("--vulkan-path needs --target-mem vulkan");
+        }
         return target
             .alloc_host(len, Access::READ_WRITE)
             .context("allocating target memory");
     }
     #[cfg(feature = "vulkan")]
     {
+        let path = match args.vulkan_path.as_str() {
+            "auto" => None,
+            name => Some(name.parse::<ferry_vulkan::AllocationPath>()?),
+        };
         let ctx = ferry_vulkan::VulkanContext::from_env().context("opening a Vulkan device for --target-mem vulkan")?;
-        let registry = ferry_vulkan::VulkanRegistry::new(ctx);
+        let registry = ferry_vulkan::VulkanRegistry::new(ctx).with_path(path);
         let region = target
             .alloc_from(&registry, len, Access::READ_WRITE)
             .context("allocating Vulkan target memory")?;
