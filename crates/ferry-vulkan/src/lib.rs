@@ -22,25 +22,14 @@
 //! types it lists: drivers narrow them by a buffer's external handle types. On an NVIDIA H200
 //! (driver 580.159) all VRAM is mappable, yet a buffer exportable as an opaque fd may not use that
 //! memory type, so host-visible regions there are served without export ([`VulkanBlock::export`]
-//! says so) and staged regions keep it. The crate's tests pass there; what they could not reach is
-//! the RDMA path, which that driver did not offer, and the heap-budget check (one allocation of at
-//! most 4 GiB does not exhaust 140 GB of VRAM). 1 MiB writes over TCP land in its mapped VRAM as
-//! fast as in host memory (8.68 and 8.71 GB/s against 8.96 and 8.33, alternating, `ferry bench
-//! --target-mem vulkan`).
+//! says so) and staged regions keep it. That mapping is write-combined, not cached: over TCP, 1 MiB
+//! writes into it ran at 10.5–10.9 GB/s (host memory: 10.3–10.7) but reads out of it at 0.06 GB/s,
+//! against 4.6–4.8 and 5.1–5.6 staged (`ferry bench --target-mem vulkan --vulkan-path ...`,
+//! alternating). So where mapped device memory is not host-cached, automatic allocations take the
+//! staged path first; force the host-visible one for regions peers only write. The crate's tests
+//! pass there; what they could not reach is the RDMA path, which that driver did not offer, and the
+//! heap-budget check (one allocation of at most 4 GiB does not exhaust 140 GB of VRAM).
 //!
-//! The Vulkan loader is opened at run time. Without it, or without a driver, every entry point returns
-//! [`Error::Unsupported`](ferry_core::Error::Unsupported) with the reason; nothing panics, and extension
-//! functions are only called where the extension was enabled.
-//!
-//! ```no_run
-//! # async fn demo() -> ferry_core::Result<()> {
-//! use ferry_vulkan::{DeviceSelector, VulkanContext, VulkanRegistry};
-//! let ctx = VulkanContext::new(&DeviceSelector::Default)?;
-//! let registry = VulkanRegistry::new(ctx);
-//! let block = registry.allocate_block(64 << 20)?;
-//! println!("{} via the {} path", ferry_core::MemoryBlock::kind(&*block), block.path());
-//! # Ok(()) }
-//! ```
 #![deny(missing_docs)]
 
 mod block;

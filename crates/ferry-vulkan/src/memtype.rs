@@ -59,12 +59,14 @@ pub(crate) const RDMA_WISH: TypeWish = TypeWish {
     avoided: vk::MemoryPropertyFlags::empty(),
 };
 
-/// Path 2: device memory the host can map, coherent if there is such a type.
+/// Path 2: device memory the host can map, coherent and cached if there is such a type.
 pub(crate) const HOST_VISIBLE_WISH: TypeWish = TypeWish {
     required: vk::MemoryPropertyFlags::from_raw(
         vk::MemoryPropertyFlags::DEVICE_LOCAL.as_raw() | vk::MemoryPropertyFlags::HOST_VISIBLE.as_raw(),
     ),
-    preferred: vk::MemoryPropertyFlags::HOST_COHERENT,
+    preferred: vk::MemoryPropertyFlags::from_raw(
+        vk::MemoryPropertyFlags::HOST_COHERENT.as_raw() | vk::MemoryPropertyFlags::HOST_CACHED.as_raw(),
+    ),
     avoided: vk::MemoryPropertyFlags::empty(),
 };
 
@@ -200,6 +202,31 @@ impl BufferTypes {
         } else {
             None
         }
+    }
+
+    /// Whether the memory type a host-visible region would get is host-cached (`None`: no such type
+    /// for these buffers).
+    pub fn mapped_reads_cached(&self, layout: &MemoryLayout) -> Option<bool> {
+        let index = layout
+            .pick(self.opaque_fd, &HOST_VISIBLE_WISH)
+            .or_else(|| layout.pick(self.plain, &HOST_VISIBLE_WISH))?;
+        Some(layout.flags_of(index).contains(vk::MemoryPropertyFlags::HOST_CACHED))
+    }
+}
+
+/// The order in which an allocation without a forced path tries the paths.
+///
+/// Path 2 comes before path 3 where the CPU reads its mapping through the cache. Where it does not
+/// (a discrete GPU's VRAM behind its BAR is write-combined: the CPU's writes stream, its reads go one
+/// by one over PCIe), a peer's READ of the region would run at the speed of uncached loads, and the
+/// staged path, whose reads are a GPU copy into cached host memory, comes first. On an NVIDIA H200,
+/// over TCP: 1 MiB reads at 0.06 GB/s from the mapping against 5.1–5.6 GB/s staged, writes at
+/// 10.5–10.9 against 4.6–4.8.
+pub(crate) fn auto_order(mapped_reads_cached: bool) -> [AllocationPath; 3] {
+    use AllocationPath::{HostVisible, RdmaCapable, Staged};
+    match mapped_reads_cached {
+        true => [RdmaCapable, HostVisible, Staged],
+        false => [RdmaCapable, Staged, HostVisible],
     }
 }
 
@@ -450,6 +477,12 @@ mod tests {
         assert_eq!(l.pick(types.plain, &HOST_VISIBLE_WISH), Some(4));
         assert_eq!(l.pick(types.opaque_fd, &DEVICE_ONLY_WISH), Some(1));
         assert_eq!(l.pick(types.plain, &STAGING_WISH), Some(3));
+        // Its mapped VRAM is not cached: automatic allocations take the staged path first.
+        assert_eq!(types.mapped_reads_cached(&l), Some(false));
+        assert_eq!(auto_order(false)[1], AllocationPath::Staged);
+        let (cpu, all) = (lavapipe(), BufferTypes::ANY);
+        assert_eq!(all.mapped_reads_cached(&cpu), Some(true));
+        assert_eq!(auto_order(true)[1], AllocationPath::HostVisible);
         // Were plain buffers as narrow, there would be no host-visible path at all, where the memory
         // types alone say there is.
         let narrow = BufferTypes { plain: 0b1111, ..types };

@@ -132,9 +132,15 @@ async fn alloc_from_picks_the_best_offered_path() {
     let target = ferry::Engine::builder().build().await.unwrap();
     let region = target.alloc_from(&registry, 1 << 20, Access::READ_WRITE).unwrap();
     let paths = ctx.paths();
+    // Mapped memory the CPU reads uncached (a discrete GPU's BAR) gives way to the staged path.
+    let mapped_uncached = !ctx.info().memory_types.iter().any(|t| {
+        ["device-local", "host-visible", "host-cached"]
+            .iter()
+            .all(|f| t.flags.iter().any(|have| have == f))
+    });
     let want = if paths.rdma {
         "vulkan rdma-capable"
-    } else if paths.host_visible {
+    } else if paths.host_visible && !(mapped_uncached && paths.staged) {
         "vulkan host-visible"
     } else {
         "vulkan device-local (staged)"
