@@ -345,19 +345,28 @@ impl VulkanContext {
         &self,
         handle_type: vk::ExternalMemoryHandleTypeFlags,
     ) -> vk::ExternalMemoryProperties {
-        let info = vk::PhysicalDeviceExternalBufferInfo::default()
-            .usage(BUFFER_USAGE)
-            .handle_type(handle_type);
-        let mut out = vk::ExternalBufferProperties::default();
-        // SAFETY: a Vulkan 1.1 query (the device supports 1.1) on a physical device of the live instance;
-        // only handle types of enabled extensions are asked for.
-        unsafe {
-            self.loaded
-                .instance
-                .get_physical_device_external_buffer_properties(self.facts.handle, &info, &mut out)
-        };
-        out.external_memory_properties
+        external_features(&self.loaded, &self.facts, handle_type)
     }
+}
+
+/// External-memory features of buffers of [`BUFFER_USAGE`] for `handle_type` on `facts`' device.
+fn external_features(
+    loaded: &Loaded,
+    facts: &DeviceFacts,
+    handle_type: vk::ExternalMemoryHandleTypeFlags,
+) -> vk::ExternalMemoryProperties {
+    let info = vk::PhysicalDeviceExternalBufferInfo::default()
+        .usage(BUFFER_USAGE)
+        .handle_type(handle_type);
+    let mut out = vk::ExternalBufferProperties::default();
+    // SAFETY: a Vulkan 1.1 query (the device supports 1.1) on a physical device of the live instance;
+    // only handle types of enabled extensions are asked for.
+    unsafe {
+        loaded
+            .instance
+            .get_physical_device_external_buffer_properties(facts.handle, &info, &mut out)
+    };
+    out.external_memory_properties
 }
 
 /// The memory types buffers of [`BUFFER_USAGE`] may use on `device`, plain and with each external
@@ -370,19 +379,8 @@ fn buffer_types(
     enabled: &Extensions,
     rdma: bool,
 ) -> BufferTypes {
-    let exportable = |handle_type: vk::ExternalMemoryHandleTypeFlags| {
-        let info = vk::PhysicalDeviceExternalBufferInfo::default()
-            .usage(BUFFER_USAGE)
-            .handle_type(handle_type);
-        let mut out = vk::ExternalBufferProperties::default();
-        // SAFETY: a Vulkan 1.1 query on a physical device of the live instance, for a handle type of
-        // an extension enabled on the device.
-        unsafe {
-            loaded
-                .instance
-                .get_physical_device_external_buffer_properties(facts.handle, &info, &mut out)
-        };
-        out.external_memory_properties
+    let exportable = |handle_type| {
+        external_features(loaded, facts, handle_type)
             .external_memory_features
             .contains(vk::ExternalMemoryFeatureFlags::EXPORTABLE)
     };

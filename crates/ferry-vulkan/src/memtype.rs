@@ -180,21 +180,7 @@ impl BufferTypes {
         wanted: vk::ExternalMemoryHandleTypeFlags,
     ) -> Option<vk::ExternalMemoryHandleTypeFlags> {
         let fd = vk::ExternalMemoryHandleTypeFlags::OPAQUE_FD;
-        let rdma = vk::ExternalMemoryHandleTypeFlags::RDMA_ADDRESS_NV;
-        let bits = |handles: vk::ExternalMemoryHandleTypeFlags| {
-            let mut bits = u32::MAX;
-            if handles.is_empty() {
-                bits &= self.plain;
-            }
-            if handles.contains(fd) {
-                bits &= self.opaque_fd;
-            }
-            if handles.contains(rdma) {
-                bits &= self.rdma;
-            }
-            bits
-        };
-        let fits = |handles| layout.pick(bits(handles), wish).is_some();
+        let fits = |handles| layout.pick(self.allowed(handles), wish).is_some();
         if fits(wanted) {
             Some(wanted)
         } else if wanted.contains(fd) && fits(wanted & !fd) {
@@ -204,12 +190,26 @@ impl BufferTypes {
         }
     }
 
-    /// Whether the memory type a host-visible region would get is host-cached (`None`: no such type
-    /// for these buffers).
+    /// The types a buffer created with `handles` may use.
+    fn allowed(&self, handles: vk::ExternalMemoryHandleTypeFlags) -> u32 {
+        let mut bits = u32::MAX;
+        if handles.is_empty() {
+            bits &= self.plain;
+        }
+        if handles.contains(vk::ExternalMemoryHandleTypeFlags::OPAQUE_FD) {
+            bits &= self.opaque_fd;
+        }
+        if handles.contains(vk::ExternalMemoryHandleTypeFlags::RDMA_ADDRESS_NV) {
+            bits &= self.rdma;
+        }
+        bits
+    }
+
+    /// Whether the memory type a host-visible region gets (exportable where it may be, as the
+    /// registry allocates it) is host-cached; `None` where no buffer may get one.
     pub fn mapped_reads_cached(&self, layout: &MemoryLayout) -> Option<bool> {
-        let index = layout
-            .pick(self.opaque_fd, &HOST_VISIBLE_WISH)
-            .or_else(|| layout.pick(self.plain, &HOST_VISIBLE_WISH))?;
+        let handles = self.export_for(layout, &HOST_VISIBLE_WISH, vk::ExternalMemoryHandleTypeFlags::OPAQUE_FD)?;
+        let index = layout.pick(self.allowed(handles), &HOST_VISIBLE_WISH)?;
         Some(layout.flags_of(index).contains(vk::MemoryPropertyFlags::HOST_CACHED))
     }
 }
