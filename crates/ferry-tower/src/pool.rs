@@ -52,6 +52,12 @@ use crate::request::primary_region;
 ///   what `poll_ready` waits for.
 /// - **Idle links close** after [`Self::idle_timeout`] without requests, from a background task
 ///   that ends when the last clone of the service is dropped.
+/// - **Links the pool did not make stay open.** Where the engine already has a link to the address
+///   (the application called [`Engine::connect`](ferry::Engine::connect) itself, or another pool
+///   did), the pool uses that link instead of failing with `AlreadyConnected`, and leaves it to its
+///   maker: idle, evicted or with the pool dropped, it is forgotten, not disconnected. Only a link the
+///   pool judges broken (above) is disconnected, since the engine keeps one link per address and the
+///   pool cannot make its own beside it.
 /// - **Region tables are followed.** While a link lives, a small task keeps its peer's primary
 ///   region (what [`RemoteAddr::Offset`](crate::RemoteAddr::Offset) resolves against) current as
 ///   the peer's region adverts change, so that requests need not copy the table each time.
@@ -202,7 +208,12 @@ struct LinkState {
     /// The link's [`primary_region`], kept current by [`watch_regions`] (`None` while nothing keeps
     /// it: requests then read the peer's table themselves).
     primary: Option<Option<(u64, u64)>>,
+    /// Whether `peer` is a link the application made itself, which the pool uses but does not own:
+    /// leaving the pool (idle, evicted, the pool dropped) it is forgotten, not disconnected.
+    adopted: bool,
     /// Links dropped but not yet disconnected from the engine; the next connect closes them first.
+    /// A link the pool adopted lands here too once it has judged it broken: the engine keeps one
+    /// link per address, so the pool cannot make its own while that one stays.
     retired: Vec<Peer>,
     failures: u32,
     retry_at: Option<Instant>,
@@ -356,12 +367,18 @@ impl PeerEntry {
         }
     }
 
-    /// Every link of this slot, live or retired, for closing it.
+    /// Takes every link out of this slot and returns those the pool must close: the retired ones, and
+    /// the live one unless the application made it (see [`LinkState::adopted`]).
     fn take_links(&self) -> Vec<Peer> {
         match self.state.write() {
             Ok(mut st) => {
                 let mut all = std::mem::take(&mut st.retired);
-                all.extend(st.peer.take());
+                match st.peer.take() {
+                    Some(_) if st.adopted => {
+                        tracing::debug!(peer = %self.addr, "leaving the application's own link open");
+                    }
+                    live => all.extend(live),
+                }
                 all
             }
             Err(_) => Vec::new(),
@@ -503,19 +520,21 @@ impl Pool {
             .connect(&addr.to_string(), self.config.connect_timeout)
             .await
         {
-            // A link the application made itself through the engine: adopt it.
+            // A link the application (or another pool) made itself through the engine: use it,
+            // and leave closing it to its maker.
             Err(Error::AlreadyConnected(msg)) => self
                 .engine
                 .peer_at(addr)
                 .filter(|p| !p.is_closed())
+                .map(|p| (p, true))
                 .ok_or(Error::AlreadyConnected(msg)),
-            other => other,
+            other => other.map(|p| (p, false)),
         };
         dial.done = true;
         self.tick_clock();
         let mut st = slot.state()?;
         match connected {
-            Ok(peer) => {
+            Ok((peer, adopted)) => {
                 self.counters.connects.fetch_add(1, Ordering::Relaxed);
                 if st.failures > 0 {
                     tracing::info!(peer = %addr, failures = st.failures, "reconnected");
@@ -524,6 +543,7 @@ impl Pool {
                 }
                 st.generation += 1;
                 st.peer = Some(peer.clone());
+                st.adopted = adopted;
                 st.failures = 0;
                 st.retry_at = None;
                 st.last_error = None;

@@ -210,6 +210,71 @@ async fn idle_links_are_closed_and_reopened_on_demand() {
     assert_eq!(service.stats().connects, 2);
 }
 
+/// A link the application made itself is used by the pool but stays the application's: neither
+/// idleness nor dropping the pool disconnects it. A link the pool made is closed with the pool.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn links_the_application_made_stay_open() {
+    let (_target, dst, addr) = target().await;
+    let engine = initiator().await;
+    let peer = engine.connect(&addr.to_string(), T).await.unwrap();
+    let src = engine.alloc_host(4096, Access::READ_WRITE).unwrap();
+    let config = PoolConfig {
+        idle_timeout: Duration::from_millis(100),
+        ..PoolConfig::default()
+    };
+    let service = TransferService::with_config(engine.clone(), config).unwrap();
+    let req = TransferRequest::write(addr, [Descriptor::at_offset(src.addr(), 0, 4096)]);
+    let direct = [ferry::TransferDesc::new(src.addr(), dst.addr(), 4096)];
+    let expect_at_target = |seed| {
+        let mut got = vec![0u8; 4096];
+        dst.read_at(0, &mut got).unwrap();
+        assert_eq!(got, pattern(4096, seed));
+    };
+
+    src.write_at(0, &pattern(4096, 1)).unwrap();
+    tokio::time::timeout(T, service.clone().oneshot(req.clone()))
+        .await
+        .unwrap()
+        .unwrap();
+    expect_at_target(1);
+    eventually("the pool lets go of the idle link", || service.stats().links == 0).await;
+    // The reaper has run; a disconnect it started would be done within this pause.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(!peer.is_closed(), "the pool closed the application's idle link");
+    assert_eq!(engine.link_count(), 1);
+    assert_eq!(service.stats().idle_closed, 0);
+    src.write_at(0, &pattern(4096, 2)).unwrap();
+    engine.transfer(&peer, Op::Write, &direct, T).await.unwrap();
+    expect_at_target(2);
+
+    // Used again, then the pool is dropped.
+    src.write_at(0, &pattern(4096, 3)).unwrap();
+    tokio::time::timeout(T, service.clone().oneshot(req.clone()))
+        .await
+        .unwrap()
+        .unwrap();
+    expect_at_target(3);
+    drop(service);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(!peer.is_closed(), "dropping the pool closed the application's link");
+    src.write_at(0, &pattern(4096, 4)).unwrap();
+    engine.transfer(&peer, Op::Write, &direct, T).await.unwrap();
+    expect_at_target(4);
+
+    // The control: a link the pool made goes with the pool.
+    let (_other, _other_region, other_addr) = target().await;
+    let service = TransferService::new(engine.clone());
+    let req = TransferRequest::write(other_addr, [Descriptor::at_offset(src.addr(), 0, 4096)]);
+    tokio::time::timeout(T, service.clone().oneshot(req))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(engine.link_count(), 2);
+    drop(service);
+    eventually("the pool's own link is closed with it", || engine.link_count() == 1).await;
+    assert!(!peer.is_closed());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_link_limit_evicts_the_least_recently_used_idle_link() {
     let (_a, a_region, a) = target().await;
