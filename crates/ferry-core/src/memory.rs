@@ -87,6 +87,20 @@ pub unsafe trait MemoryBlock: Send + Sync + 'static {
             Durability::Persistent => self.persist(&[(offset, len)]),
         }
     }
+    /// [`commit_written`](Self::commit_written) for the ranges `(offset, len)` that one operation
+    /// wrote, as one batch: a block whose hook has a cost per call (a GPU submission and its fence)
+    /// pays it once. By default, one `commit_written` per range; on an error the remaining ranges
+    /// are still committed and the first error is returned.
+    fn commit_written_ranges(&self, ranges: &[(usize, usize)], durability: Durability) -> Result<()> {
+        let mut result = Ok(());
+        for &(offset, len) in ranges {
+            let committed = self.commit_written(offset, len, durability);
+            if result.is_ok() {
+                result = committed;
+            }
+        }
+        result
+    }
     /// Makes the written ranges `(offset, len)` persistent, as one batch: a page or cache line that
     /// several ranges share is flushed once. Only persistent blocks can; the others refuse with
     /// `InvalidArgument`. The caller holds a permit of the region's access guard.
@@ -124,6 +138,14 @@ pub unsafe trait MemoryBlock: Send + Sync + 'static {
     fn prepare_read(&self, offset: usize, len: usize) -> Result<()> {
         let _ = (offset, len);
         Ok(())
+    }
+    /// [`prepare_read`](Self::prepare_read) for the ranges `(offset, len)` that one operation reads,
+    /// as one batch (see [`commit_written_ranges`](Self::commit_written_ranges)). By default, one
+    /// `prepare_read` per range, stopping at the first error.
+    fn prepare_read_ranges(&self, ranges: &[(usize, usize)]) -> Result<()> {
+        ranges
+            .iter()
+            .try_for_each(|&(offset, len)| self.prepare_read(offset, len))
     }
     /// A memory file whose bytes `[0, len)` are this block, sealed so that nobody can shrink it (a
     /// process that maps it can never fault on a page that was cut off), for another process of this

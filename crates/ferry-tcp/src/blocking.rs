@@ -51,6 +51,49 @@ pub(crate) async fn prepare_read(r: &Resolved) -> Result<()> {
     .await
 }
 
+/// The staged blocks' copies to the device after a peer wrote `parts`, one batch per region (see
+/// `MemoryBlock::commit_written_ranges`): a request of many scattered ranges pays one device
+/// submission and one trip to a blocking thread per region, not per range. Every region is committed
+/// whatever happened to the others; the first error is returned.
+pub(crate) async fn commit_written_parts(parts: &[Resolved]) -> Result<()> {
+    let mut result = Ok(());
+    for (region, ranges) in by_region(parts) {
+        let committed = match region.block().check_intact() {
+            Ok(()) => {
+                let blocking = region.staging_may_block(Durability::Completed);
+                let ranges = as_usize(&ranges);
+                under_permit(&region, blocking, move |region| {
+                    region.block().commit_written_ranges(&ranges, Durability::Completed)
+                })
+                .await
+            }
+            Err(e) => Err(e),
+        };
+        if result.is_ok() {
+            result = committed;
+        }
+    }
+    result
+}
+
+/// The staged blocks' copies from the device before a peer reads `parts`, one batch per region.
+pub(crate) async fn prepare_read_parts(parts: &[Resolved]) -> Result<()> {
+    for (region, ranges) in by_region(parts) {
+        let blocking = region.staging_may_block(Durability::Completed);
+        let ranges = as_usize(&ranges);
+        under_permit(&region, blocking, move |region| {
+            region.block().prepare_read_ranges(&ranges)
+        })
+        .await?;
+    }
+    Ok(())
+}
+
+/// Region ranges as the block hooks take them (offsets inside a region fit its `usize` length).
+fn as_usize(ranges: &[(u64, u64)]) -> Vec<(usize, usize)> {
+    ranges.iter().map(|&(o, n)| (o as usize, n as usize)).collect()
+}
+
 /// Makes the written `parts` persistent when asked, one batch per region (a page written by several
 /// parts is flushed once); an `msync` runs on a blocking thread.
 pub(crate) async fn persist(parts: &[Resolved], durability: Durability) -> Result<()> {

@@ -750,9 +750,18 @@ async fn resolve_reads(
         }
         parts.push(r);
     }
-    for r in &parts {
-        // A staged block's device copy: off the runtime, under a permit.
-        crate::blocking::prepare_read(r).await?;
+    // A staged block's device copies: off the runtime, under a permit; several ranges of one region
+    // as one batch.
+    match parts.as_slice() {
+        [one] => crate::blocking::prepare_read(one).await?,
+        _ if parts.iter().any(|r| r.region.staging_may_block(Durability::Completed)) => {
+            crate::blocking::prepare_read_parts(&parts).await?
+        }
+        _ => {
+            for r in &parts {
+                crate::blocking::prepare_read(r).await?;
+            }
+        }
     }
     Ok(parts)
 }
@@ -764,11 +773,15 @@ async fn land(reader: &mut FrameReader, parts: &[Resolved]) -> Result<Result<()>
     if reader.read_parts(parts, None).await? != Landed::Written {
         return Ok(Err(access_error(parts)));
     }
+    // Staged blocks' device copies, off the runtime, under a permit: several ranges of one region as
+    // one batch. Parts of host memory keep the loop, which allocates nothing.
+    if parts.len() > 1 && parts.iter().any(|r| r.region.staging_may_block(Durability::Completed)) {
+        return Ok(crate::blocking::commit_written_parts(parts).await);
+    }
     let mut result = Ok(());
     for r in parts {
         // A copy into a file that shrank meanwhile landed in zero pages without failing.
         let committed = match r.region.block().check_intact() {
-            // A staged block's device copy: off the runtime, under a permit.
             Ok(()) => crate::blocking::commit_written(r).await,
             Err(e) => Err(e),
         };

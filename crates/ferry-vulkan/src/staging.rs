@@ -2,7 +2,9 @@
 //!
 //! A range is cut into chunks of [`CHUNK`] bytes; each chunk is recorded into its own command slot and
 //! submitted at once, with up to [`DEPTH`] chunks of one call in flight, so the GPU copies chunk *n*
-//! while the CPU records chunk *n + 1*. Calls from several threads (one per TCP stream) run side by side
+//! while the CPU records chunk *n + 1*. The ranges one request wrote or reads (a batch of scattered
+//! KV-cache blocks) are recorded together, many to a command buffer up to a chunk's bytes, so that
+//! each costs a copy region rather than a submission, a fence and a wait of its own. Calls from several threads (one per TCP stream) run side by side
 //! on their own slots, so the device copy of one stream's range overlaps the network receive of the
 //! others. A call returns only when every one of its copies is complete on the device, which is what
 //! `commit_written` and `prepare_read` promise the engine.
@@ -34,6 +36,8 @@ use crate::error::vk_error;
 pub(crate) const CHUNK: u64 = 4 << 20;
 /// Chunks of one call in flight at once.
 pub(crate) const DEPTH: usize = 4;
+/// Most regions recorded into one command buffer (one `vkCmdCopyBuffer`).
+const REGIONS_PER_SUBMIT: usize = 1024;
 
 /// A Vulkan buffer this crate made, usable as a source or destination of [`VulkanContext::copy`].
 pub trait GpuBuffer: private::Sealed {
@@ -143,48 +147,63 @@ impl VulkanContext {
                 "a copy within one buffer may not overlap itself".into(),
             ));
         }
-        let family = self.queue_family_index();
-        let mut inflight: VecDeque<PendingCopy<'_>> = VecDeque::with_capacity(DEPTH);
-        let mut done = 0u64;
-        while done < len {
-            let n = (len - done).min(CHUNK);
-            let slot = if inflight.len() >= DEPTH {
-                next_free(&mut inflight)?
-            } else if inflight.is_empty() {
-                self.slots.acquire(self.device(), family)?
-            } else {
-                // Holding slots already: never wait on the pool (two callers could wait on each other);
-                // reuse our own oldest slot instead.
-                match self.slots.try_acquire(self.device(), family)? {
-                    Some(s) => s,
-                    None => next_free(&mut inflight)?,
-                }
-            };
-            let region = vk::BufferCopy {
-                src_offset: src_offset + done,
-                dst_offset: dst_offset + done,
-                size: n,
-            };
-            if let Err(e) = self.record_and_submit(&slot, src, dst, region) {
-                self.slots.release(slot);
-                return Err(e);
-            }
-            inflight.push_back(PendingCopy {
-                ctx: self,
-                slot: Some(slot),
-                keep: [src.clone(), dst.clone()],
-            });
-            done += n;
+        let region = vk::BufferCopy {
+            src_offset,
+            dst_offset,
+            size: len,
+        };
+        self.copy_regions(src, dst, &[region])
+    }
+
+    /// Copies the `(offset, len)` ranges of `src` to the same offsets of `dst` (a staging buffer and the
+    /// device buffer behind it), several ranges to a submission, and returns when every copy is
+    /// complete and visible to the host: a request that wrote many small ranges pays for one
+    /// submission and one fence, not one of each per range.
+    pub(crate) fn copy_ranges(
+        &self,
+        src: &Arc<DeviceBuffer>,
+        dst: &Arc<DeviceBuffer>,
+        ranges: &[(u64, u64)],
+    ) -> Result<()> {
+        if Arc::ptr_eq(src, dst) {
+            return Err(Error::InvalidArgument(
+                "a range copied onto itself: the staging copies run between two buffers".into(),
+            ));
         }
-        let mut result = Ok(());
-        for f in inflight {
-            match f.finish() {
-                Ok(slot) => self.slots.release(slot),
-                Err(e) if result.is_ok() => result = Err(e),
-                Err(_) => {}
+        let size = src.size().min(dst.size());
+        let mut regions = Vec::with_capacity(ranges.len());
+        for &(offset, len) in ranges {
+            if offset.checked_add(len).is_none_or(|end| end > size) {
+                return Err(Error::OutOfBounds(format!(
+                    "a copy of {len} bytes at offset {offset} does not fit buffers of {} and {} bytes",
+                    src.size(),
+                    dst.size()
+                )));
+            }
+            if len > 0 {
+                regions.push(vk::BufferCopy {
+                    src_offset: offset,
+                    dst_offset: offset,
+                    size: len,
+                });
             }
         }
-        result
+        self.copy_regions(src, dst, &regions)
+    }
+
+    /// Submits `regions` (checked by the caller) as [`submissions`] cuts them, up to [`DEPTH`] in
+    /// flight, and waits for them all.
+    fn copy_regions(&self, src: &Arc<DeviceBuffer>, dst: &Arc<DeviceBuffer>, regions: &[vk::BufferCopy]) -> Result<()> {
+        let mut pipeline = Pipeline {
+            ctx: self,
+            src,
+            dst,
+            inflight: VecDeque::with_capacity(DEPTH),
+        };
+        for batch in submissions(regions) {
+            pipeline.submit(&batch)?;
+        }
+        pipeline.finish()
     }
 
     fn record_and_submit(
@@ -192,7 +211,7 @@ impl VulkanContext {
         slot: &CopyCommand,
         src: &DeviceBuffer,
         dst: &DeviceBuffer,
-        region: vk::BufferCopy,
+        regions: &[vk::BufferCopy],
     ) -> Result<()> {
         let device = self.device();
         let before = vk::MemoryBarrier::default()
@@ -204,7 +223,7 @@ impl VulkanContext {
         // SAFETY: the slot is ours alone (taken from the pool, its previous submission complete), so its
         // pool may be reset and its command buffer recorded on this thread; the buffers are live (the
         // caller holds `Arc`s, kept by the in-flight entry until the fence signals) and the region lies
-        // inside both (checked by `copy_buffers`); the fence is unsignalled after the reset.
+        // inside both (checked by `copy_buffers` and `copy_ranges`); the fence is unsignalled after the reset.
         unsafe {
             device
                 .reset_command_pool(slot.pool, vk::CommandPoolResetFlags::empty())
@@ -222,7 +241,7 @@ impl VulkanContext {
                 &[],
                 &[],
             );
-            device.cmd_copy_buffer(slot.cmd, src.handle(), dst.handle(), &[region]);
+            device.cmd_copy_buffer(slot.cmd, src.handle(), dst.handle(), regions);
             device.cmd_pipeline_barrier(
                 slot.cmd,
                 vk::PipelineStageFlags::TRANSFER,
@@ -248,10 +267,156 @@ impl VulkanContext {
     }
 }
 
+/// `regions` cut into command buffers' worth, in order: each of at most [`CHUNK`] bytes and
+/// [`REGIONS_PER_SUBMIT`] regions, a region larger than what is left of a chunk split across two.
+fn submissions(regions: &[vk::BufferCopy]) -> Vec<Vec<vk::BufferCopy>> {
+    let mut all = Vec::new();
+    let mut batch: Vec<vk::BufferCopy> = Vec::new();
+    let mut bytes = 0u64;
+    for r in regions {
+        let mut done = 0u64;
+        while done < r.size {
+            let n = (r.size - done).min(CHUNK - bytes);
+            batch.push(vk::BufferCopy {
+                src_offset: r.src_offset + done,
+                dst_offset: r.dst_offset + done,
+                size: n,
+            });
+            bytes += n;
+            done += n;
+            if bytes == CHUNK || batch.len() == REGIONS_PER_SUBMIT {
+                all.push(std::mem::take(&mut batch));
+                bytes = 0;
+            }
+        }
+    }
+    if !batch.is_empty() {
+        all.push(batch);
+    }
+    all
+}
+
+/// One call's submissions between a source and a destination buffer, up to [`DEPTH`] in flight.
+struct Pipeline<'c> {
+    ctx: &'c VulkanContext,
+    src: &'c Arc<DeviceBuffer>,
+    dst: &'c Arc<DeviceBuffer>,
+    inflight: VecDeque<PendingCopy<'c>>,
+}
+
+impl Pipeline<'_> {
+    /// Records `regions` into a free slot and submits them.
+    fn submit(&mut self, regions: &[vk::BufferCopy]) -> Result<()> {
+        let ctx = self.ctx;
+        let family = ctx.queue_family_index();
+        let slot = if self.inflight.len() >= DEPTH {
+            next_free(&mut self.inflight)?
+        } else if self.inflight.is_empty() {
+            ctx.slots.acquire(ctx.device(), family)?
+        } else {
+            // Holding slots already: never wait on the pool (two callers could wait on each other);
+            // reuse our own oldest slot instead.
+            match ctx.slots.try_acquire(ctx.device(), family)? {
+                Some(s) => s,
+                None => next_free(&mut self.inflight)?,
+            }
+        };
+        if let Err(e) = ctx.record_and_submit(&slot, self.src, self.dst, regions) {
+            ctx.slots.release(slot);
+            return Err(e);
+        }
+        self.inflight.push_back(PendingCopy {
+            ctx,
+            slot: Some(slot),
+            keep: [self.src.clone(), self.dst.clone()],
+        });
+        Ok(())
+    }
+
+    /// Waits for every submission; the first error, once all are done.
+    fn finish(self) -> Result<()> {
+        let mut result = Ok(());
+        for f in self.inflight {
+            match f.finish() {
+                Ok(slot) => self.ctx.slots.release(slot),
+                Err(e) if result.is_ok() => result = Err(e),
+                Err(_) => {}
+            }
+        }
+        result
+    }
+}
+
 /// Waits for the oldest in-flight chunk and hands back its slot.
 fn next_free(inflight: &mut VecDeque<PendingCopy<'_>>) -> Result<CopyCommand> {
     match inflight.pop_front() {
         Some(f) => f.finish(),
         None => Err(Error::Protocol("no copy in flight to wait for".into())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn copy(offset: u64, size: u64) -> vk::BufferCopy {
+        vk::BufferCopy {
+            src_offset: offset,
+            dst_offset: offset + 1,
+            size,
+        }
+    }
+
+    #[test]
+    fn small_ranges_share_a_submission_and_large_ones_are_cut() {
+        let many: Vec<_> = (0..256).map(|i| copy((i * 128) << 10, 64 << 10)).collect();
+        assert_eq!(
+            submissions(&many).len(),
+            4,
+            "16 MiB of 64 KiB ranges: four 4 MiB submissions"
+        );
+        let one = submissions(&[copy(0, 9 << 20)]);
+        let sizes: Vec<u64> = one.iter().map(|b| b[0].size).collect();
+        assert_eq!(sizes, [CHUNK, CHUNK, 1 << 20]);
+        assert_eq!(one[1][0].src_offset, CHUNK);
+        assert_eq!(one[1][0].dst_offset, CHUNK + 1);
+        let tiny: Vec<_> = (0..2500).map(|i| copy(i * 8, 4)).collect();
+        let counts: Vec<usize> = submissions(&tiny).iter().map(Vec::len).collect();
+        assert_eq!(
+            counts,
+            [REGIONS_PER_SUBMIT, REGIONS_PER_SUBMIT, 2500 - 2 * REGIONS_PER_SUBMIT]
+        );
+        assert!(submissions(&[]).is_empty());
+    }
+
+    proptest! {
+        /// Every byte of every region is copied once, in order, to the same place, within the
+        /// limits of a submission.
+        #[test]
+        fn submissions_cover_the_regions_exactly(sizes in proptest::collection::vec(1u64..(9 << 20), 0..40)) {
+            let mut offset = 0;
+            let regions: Vec<_> = sizes.iter().map(|&n| { let r = copy(offset, n); offset += n + 3; r }).collect();
+            let batches = submissions(&regions);
+            let pieces: Vec<vk::BufferCopy> = batches.iter().flatten().copied().collect();
+            for b in &batches {
+                prop_assert!(!b.is_empty() && b.len() <= REGIONS_PER_SUBMIT);
+                prop_assert!(b.iter().map(|r| r.size).sum::<u64>() <= CHUNK);
+            }
+            let mut next = pieces.iter();
+            for r in &regions {
+                let mut done = 0;
+                while done < r.size {
+                    let p = next.next().ok_or_else(|| TestCaseError::fail("a region was not copied whole"))?;
+                    prop_assert_eq!(p.src_offset, r.src_offset + done);
+                    prop_assert_eq!(p.dst_offset, r.dst_offset + done);
+                    prop_assert!(p.size > 0);
+                    done += p.size;
+                }
+                prop_assert_eq!(done, r.size);
+            }
+            prop_assert!(next.next().is_none());
+        }
     }
 }
