@@ -191,13 +191,31 @@ impl RegionEntry {
     /// Makes the written ranges `(offset, len)` persistent in one batch, under a permit: once the
     /// region is being deregistered this fails and leaves the memory alone.
     pub fn persist(&self, ranges: &[(u64, u64)]) -> Result<()> {
-        let mut local = Vec::with_capacity(ranges.len());
-        for &(offset, len) in ranges {
-            self.check_range(offset, len)?;
-            local.push((offset as usize, len as usize));
-        }
+        let local = self.block_ranges(ranges)?;
         let _permit = self.guard.enter().ok_or_else(|| self.gone())?;
         self.block.persist(&local)
+    }
+
+    /// The block's [`commit_written_ranges`](MemoryBlock::commit_written_ranges) for the ranges
+    /// `(offset, len)` that one operation wrote, checked against the region. The caller holds a
+    /// permit of the region's guard (an owned one, where this runs on a blocking thread).
+    pub fn commit_written_ranges(&self, ranges: &[(u64, u64)], durability: Durability) -> Result<()> {
+        self.block
+            .commit_written_ranges(&self.block_ranges(ranges)?, durability)
+    }
+
+    /// The block's [`prepare_read_ranges`](MemoryBlock::prepare_read_ranges) for the ranges
+    /// `(offset, len)` that one operation reads, checked against the region; the caller holds a permit.
+    pub fn prepare_read_ranges(&self, ranges: &[(u64, u64)]) -> Result<()> {
+        self.block.prepare_read_ranges(&self.block_ranges(ranges)?)
+    }
+
+    /// `ranges`, each checked against the region, as the block's hooks take them.
+    fn block_ranges(&self, ranges: &[(u64, u64)]) -> Result<Vec<(usize, usize)>> {
+        ranges
+            .iter()
+            .map(|&(offset, len)| self.check_range(offset, len).map(|()| (offset as usize, len as usize)))
+            .collect()
     }
 
     /// Whether the work around an access with `durability` may block the calling thread: the hooks of

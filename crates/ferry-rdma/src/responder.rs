@@ -197,14 +197,11 @@ impl Responder {
             .collect::<ferry_core::Result<Vec<_>>>()?;
         for_each_region(&parts, |region, ranges| {
             shared.commit_bounced(region, ranges)?;
-            // A staged block (device memory behind a host copy) takes the bytes to the device here.
+            // A staged block (device memory behind a host copy) takes the bytes to the device here,
+            // all of this region's ranges as one batch.
             if region.block().has_access_hooks() {
                 let _permit = region.guard().enter().ok_or_else(|| region.gone())?;
-                for &(offset, len) in ranges {
-                    region
-                        .block()
-                        .commit_written(offset as usize, len as usize, Durability::Completed)?;
-                }
+                region.commit_written_ranges(ranges, Durability::Completed)?;
             }
             if durability == Durability::Persistent {
                 region.persist(ranges)?;
@@ -220,12 +217,15 @@ impl Responder {
             .context
             .upgrade()
             .ok_or_else(|| ferry_core::Error::PeerClosed("the engine is shutting down".into()))?;
-        for s in segments {
-            let r = context.resolve(&self.peer, s.key, s.offset, s.len, Op::Read)?;
-            let _permit = r.region.guard().enter().ok_or_else(|| r.region.gone())?;
-            r.region.block().prepare_read(r.offset as usize, r.len as usize)?;
-        }
-        Ok(())
+        let parts = segments
+            .iter()
+            .map(|s| context.resolve(&self.peer, s.key, s.offset, s.len, Op::Read))
+            .collect::<ferry_core::Result<Vec<_>>>()?;
+        // Each region's ranges as one batch (one device submission for a staged GPU block).
+        for_each_region(&parts, |region, ranges| {
+            let _permit = region.guard().enter().ok_or_else(|| region.gone())?;
+            region.prepare_read_ranges(ranges)
+        })
     }
 
     /// Sends `reply` now, or queues it behind the replies already waiting for a buffer.

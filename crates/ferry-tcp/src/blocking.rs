@@ -61,9 +61,8 @@ pub(crate) async fn commit_written_parts(parts: &[Resolved]) -> Result<()> {
         let committed = match region.block().check_intact() {
             Ok(()) => {
                 let blocking = region.staging_may_block(Durability::Completed);
-                let ranges = as_usize(&ranges);
                 under_permit(&region, blocking, move |region| {
-                    region.block().commit_written_ranges(&ranges, Durability::Completed)
+                    region.commit_written_ranges(&ranges, Durability::Completed)
                 })
                 .await
             }
@@ -80,18 +79,9 @@ pub(crate) async fn commit_written_parts(parts: &[Resolved]) -> Result<()> {
 pub(crate) async fn prepare_read_parts(parts: &[Resolved]) -> Result<()> {
     for (region, ranges) in by_region(parts) {
         let blocking = region.staging_may_block(Durability::Completed);
-        let ranges = as_usize(&ranges);
-        under_permit(&region, blocking, move |region| {
-            region.block().prepare_read_ranges(&ranges)
-        })
-        .await?;
+        under_permit(&region, blocking, move |region| region.prepare_read_ranges(&ranges)).await?;
     }
     Ok(())
-}
-
-/// Region ranges as the block hooks take them (offsets inside a region fit its `usize` length).
-fn as_usize(ranges: &[(u64, u64)]) -> Vec<(usize, usize)> {
-    ranges.iter().map(|&(o, n)| (o as usize, n as usize)).collect()
 }
 
 /// Makes the written `parts` persistent when asked, one batch per region (a page written by several
