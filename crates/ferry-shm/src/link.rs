@@ -402,7 +402,7 @@ impl Inner {
             return Some(Err(self.down()));
         }
         let [item] = &request.items[..] else { return None };
-        if !Inner::lendable(item, request.durability) {
+        if !Inner::lendable(item, request.durability) || stages_locally(item) {
             return None;
         }
         let mapping = self.mapping_of(item.remote_key)?;
@@ -496,6 +496,10 @@ impl Inner {
         let lendings = self.read_lendings();
         let mut last: Option<(RegionKey, Way)> = None;
         for item in request.items {
+            if stages_locally(&item) {
+                sorted.control.push(item);
+                continue;
+            }
             let way = match last {
                 Some((key, way)) if key == item.remote_key => way,
                 _ => {
@@ -627,6 +631,15 @@ struct Sorted {
     mappings: Vec<Arc<Mapping>>,
     copied: Vec<TransferItem>,
     control: Vec<TransferItem>,
+}
+
+/// Whether `item`'s local memory is staged by its owner (device memory behind a host copy), which
+/// only the control link moves: its hooks bring the bytes from the device before a write and take
+/// them there after a read, where a copy through a mapping or by the target would see the host
+/// copy alone. (Such memory is not offered to peers over this transport either: see
+/// `register_region`.)
+fn stages_locally(item: &TransferItem) -> bool {
+    item.local.region.block().has_access_hooks()
 }
 
 /// Checks that `item` lies in its local region and in `mapping` (writable, for a WRITE).

@@ -1,7 +1,7 @@
 //! The same-host transport's guarantees, with both engines in this process (the two-process tests are
 //! `shm_processes.rs` and ferry-cli's `shm.rs`): deregistration ends the peer's access before it
-//! returns, whether the target copies for the peer or lent it the region's memory file, and a bad
-//! descriptor is refused before any byte moves.
+//! returns, whether the target copies for the peer or lent it the region's memory file, a bad
+//! descriptor is refused before any byte moves, and local memory behind a host copy moves by its hooks.
 #![cfg(feature = "shm")]
 
 mod common;
@@ -277,4 +277,102 @@ async fn dropping_a_lent_allocation_on_a_current_thread_runtime_leaves_it_to_a_t
         "{err:?}"
     );
     drop((target, initiator));
+}
+
+/// Memory its owner stages, as a GPU block behind a host copy is: the bytes that count are in
+/// `device`; `prepare_read` brings a range to the host copy, `commit_written` takes it back.
+struct Staged {
+    host: std::sync::Mutex<Vec<u8>>,
+    device: std::sync::Mutex<Vec<u8>>,
+    ptr: *mut u8,
+}
+
+// SAFETY: `ptr` points into `host`'s buffer, never reallocated; the mutexes guard the rest.
+unsafe impl Send for Staged {}
+// SAFETY: as above.
+unsafe impl Sync for Staged {}
+
+impl Staged {
+    fn new(device: Vec<u8>) -> Arc<Self> {
+        let mut host = vec![0u8; device.len()];
+        let ptr = host.as_mut_ptr();
+        Arc::new(Staged {
+            host: std::sync::Mutex::new(host),
+            device: std::sync::Mutex::new(device),
+            ptr,
+        })
+    }
+}
+
+// SAFETY: `ptr` is the start of `host`'s `len` bytes, which live (unmoved) as long as the block.
+unsafe impl ferry::MemoryBlock for Staged {
+    fn as_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+    fn len(&self) -> usize {
+        self.device.lock().unwrap().len()
+    }
+    fn kind(&self) -> &str {
+        "test (staged)"
+    }
+    fn dma_view(&self) -> ferry::DmaView {
+        ferry::DmaView::Staged
+    }
+    fn prepare_read(&self, offset: usize, len: usize) -> ferry::Result<()> {
+        let device = self.device.lock().unwrap();
+        self.host.lock().unwrap()[offset..offset + len].copy_from_slice(&device[offset..offset + len]);
+        Ok(())
+    }
+    fn commit_written(&self, offset: usize, len: usize, _: ferry::Durability) -> ferry::Result<()> {
+        let host = self.host.lock().unwrap();
+        self.device.lock().unwrap()[offset..offset + len].copy_from_slice(&host[offset..offset + len]);
+        Ok(())
+    }
+}
+
+/// A local region its owner stages moves by its hooks, which the shared-memory link leaves to its
+/// control link: a write sends what the device holds (not the host copy's zeros), a read lands on
+/// the device; one range (the inline path) and a batch alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn local_memory_behind_a_host_copy_moves_by_its_hooks() {
+    const LEN: usize = 64 << 10;
+    let (target, initiator, peer) = shm_pair().await;
+    let remote = target.alloc_host(LEN, rw()).unwrap();
+    wait_for_region(&peer, &remote).await;
+    let block = Staged::new(pattern(LEN, 7));
+    let local = initiator.register_block(block.clone(), rw()).unwrap();
+    let one = [TransferDesc::new(local.addr(), remote.addr(), 4096)];
+    let batch: Vec<TransferDesc> = (1..8u64)
+        .map(|i| TransferDesc::new(local.addr() + i * 8192, remote.addr() + i * 8192, 4096))
+        .collect();
+
+    for descs in [&one[..], &batch[..]] {
+        initiator.transfer(&peer, Op::Write, descs, T).await.unwrap();
+    }
+    let at_peer = remote.to_vec().unwrap();
+    let want = pattern(LEN, 7);
+    for d in one.iter().chain(&batch) {
+        let at = (d.remote_addr - remote.addr()) as usize;
+        assert_eq!(
+            at_peer[at..at + 4096],
+            want[at..at + 4096],
+            "a write at {at} sent the host copy"
+        );
+    }
+
+    let fresh = pattern(LEN, 8);
+    remote.write_at(0, &fresh).unwrap();
+    for descs in [&one[..], &batch[..]] {
+        initiator.transfer(&peer, Op::Read, descs, T).await.unwrap();
+    }
+    let device = block.device.lock().unwrap().clone();
+    for d in one.iter().chain(&batch) {
+        let at = (d.local_addr - local.addr()) as usize;
+        assert_eq!(
+            device[at..at + 4096],
+            fresh[at..at + 4096],
+            "a read at {at} did not reach the device"
+        );
+    }
+    assert_eq!(device[4096..8192], want[4096..8192], "bytes between the ranges changed");
 }
