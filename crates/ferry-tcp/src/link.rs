@@ -797,13 +797,15 @@ async fn run_batch(shared: &Arc<Shared>, request: TransferRequest, bound: Option
     }
     if request.op == Op::Write {
         // A staged block (device-local GPU memory behind a host copy) is brought to the host first,
-        // off the runtime.
-        for item in request
+        // off the runtime, each region's ranges as one batch.
+        let staged: Vec<Resolved> = request
             .items
             .iter()
             .filter(|i| i.local.region.block().has_access_hooks())
-        {
-            within(bound, crate::blocking::prepare_read(&item.local)).await?;
+            .map(|i| i.local.clone())
+            .collect();
+        if !staged.is_empty() {
+            within(bound, crate::blocking::prepare_read_parts(&staged)).await?;
         }
     }
     let caller = CallerGuard(Arc::new(AccessGuard::new()));
@@ -1110,16 +1112,20 @@ fn landed_in(region: &RegionEntry, landed: Landed) -> Result<()> {
 /// A coalesced block's copy to the device of the read data that landed in `parts` (off the runtime),
 /// while the transfer that asked for it still waits: none once it returned.
 async fn commit_for_caller(caller: &Arc<AccessGuard>, parts: &[Resolved]) -> Result<()> {
-    let mut result = Ok(());
-    for p in parts.iter().filter(|p| p.region.block().has_access_hooks()) {
-        let Some(held) = caller.enter_owned() else {
-            return Err(abandoned());
-        };
-        if let Err(e) = crate::blocking::commit_written(p).await {
-            result = Err(e);
-        }
-        drop(held);
+    let hooked: Vec<Resolved> = parts
+        .iter()
+        .filter(|p| p.region.block().has_access_hooks())
+        .cloned()
+        .collect();
+    if hooked.is_empty() {
+        return Ok(());
     }
+    let Some(held) = caller.enter_owned() else {
+        return Err(abandoned());
+    };
+    // Each region's ranges as one batch of device copies.
+    let result = crate::blocking::commit_written_parts(&hooked).await;
+    drop(held);
     result
 }
 

@@ -1,5 +1,7 @@
-//! A peer writes into and reads from Vulkan memory over TCP; the GPU side is checked with device
-//! copies (vkCmdCopyBuffer), every byte compared on the host.
+//! A peer writes into and reads from Vulkan memory; the GPU side is checked with device copies
+//! (vkCmdCopyBuffer), every byte compared on the host. The two engines of one process link over
+//! shared memory, which moves staged memory (either side's) over its TCP control link and the rest
+//! itself: these tests see the paths a same-host user gets.
 
 mod common;
 
@@ -231,4 +233,67 @@ async fn scattered_ranges_of_staged_memory_move_exactly() {
             "scattered staged read",
         );
     }
+}
+
+/// The same from the initiator's side: scattered ranges of a staged region are written to a peer
+/// (brought from the device first) and read from it into the region (taken to the device after),
+/// every range exactly, the gaps untouched on the device.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scattered_ranges_of_local_staged_memory_move_exactly() {
+    const BLOCK: usize = 16 << 10;
+    const COUNT: usize = 128;
+    const LEN: usize = 2 * BLOCK * COUNT;
+    let Some(ctx) = context("scattered ranges of local staged Vulkan memory") else {
+        return;
+    };
+    if !offered(&ctx, AllocationPath::Staged) {
+        return;
+    }
+    let block = VulkanRegistry::new(ctx.clone())
+        .with_path(Some(AllocationPath::Staged))
+        .allocate_block(LEN)
+        .unwrap();
+    let host_side = VulkanRegistry::new(ctx.clone())
+        .with_path(Some(host_reachable_path(&ctx)))
+        .allocate_block(LEN)
+        .unwrap();
+    let on_device = pattern(LEN, 5);
+    host_side.upload(0, &on_device).unwrap();
+    ctx.copy(&*host_side, 0, &*block, 0, LEN as u64).unwrap();
+
+    let (target, initiator, peer) = pair().await;
+    let local = initiator.register_block(block.clone(), Access::READ_WRITE).unwrap();
+    let remote = target.alloc_host(LEN, Access::READ_WRITE).unwrap();
+    wait_for_region(&peer, &remote).await;
+    let ranges: Vec<(usize, usize)> = (0..COUNT)
+        .map(|i| (i * 2 * BLOCK + 1000, (COUNT - 1 - i) * 2 * BLOCK))
+        .collect();
+    let descs: Vec<TransferDesc> = ranges
+        .iter()
+        .map(|&(l, r)| TransferDesc::new(local.addr() + l as u64, remote.addr() + r as u64, BLOCK as u64))
+        .collect();
+
+    // Out of the device: what the peer gets is what only the device held.
+    initiator.transfer(&peer, Op::Write, &descs, T).await.unwrap();
+    let at_peer = remote.to_vec().unwrap();
+    for &(l, r) in &ranges {
+        assert_bytes(
+            &at_peer[r..r + BLOCK],
+            &on_device[l..l + BLOCK],
+            "scattered write from staged memory",
+        );
+    }
+
+    // Into the device: the ranges change, the gaps keep the device's bytes.
+    let fresh = pattern(LEN, 6);
+    remote.write_at(0, &fresh).unwrap();
+    initiator.transfer(&peer, Op::Read, &descs, T).await.unwrap();
+    let mut want = on_device.clone();
+    for &(l, r) in &ranges {
+        want[l..l + BLOCK].copy_from_slice(&fresh[r..r + BLOCK]);
+    }
+    ctx.copy(&*block, 0, &*host_side, 0, LEN as u64).unwrap();
+    let mut got = vec![0u8; LEN];
+    host_side.download(0, &mut got).unwrap();
+    assert_bytes(&got, &want, "scattered reads into staged memory, after a device copy");
 }
