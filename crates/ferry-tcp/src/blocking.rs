@@ -31,57 +31,78 @@ async fn under_permit(
     .map_err(|e| Error::Internal(format!("a staged block's work on a blocking thread panicked: {e}")))?
 }
 
-/// The staged block's copy to the device after a peer wrote `r` (a completed write).
-pub(crate) async fn commit_written(r: &Resolved) -> Result<()> {
-    let (offset, len) = (r.offset as usize, r.len as usize);
-    let blocking = r.region.staging_may_block(Durability::Completed);
-    under_permit(&r.region, blocking, move |region| {
-        region.block().commit_written(offset, len, Durability::Completed)
-    })
-    .await
-}
-
-/// The staged block's copy from the device before a peer reads `r`.
-pub(crate) async fn prepare_read(r: &Resolved) -> Result<()> {
-    let (offset, len) = (r.offset as usize, r.len as usize);
-    let blocking = r.region.staging_may_block(Durability::Completed);
-    under_permit(&r.region, blocking, move |region| {
-        region.block().prepare_read(offset, len)
-    })
-    .await
-}
-
-/// The staged blocks' copies to the device after a peer wrote `parts`, one batch per region (see
-/// `MemoryBlock::commit_written_ranges`): a request of many scattered ranges pays one device
-/// submission and one trip to a blocking thread per region, not per range. Every region is committed
-/// whatever happened to the others; the first error is returned.
-pub(crate) async fn commit_written_parts(parts: &[Resolved]) -> Result<()> {
+/// After `parts` were written (by a peer, or by a read's data landing): each part's block checked
+/// intact (a copy into a file that shrank meanwhile landed in zero pages without failing), then the
+/// staged blocks' copies to the device. Several parts with staged memory among them go one batch per
+/// region (`MemoryBlock::commit_written_ranges`): one trip to a blocking thread and one device
+/// submission per region, not per range. Other requests go part by part, allocating nothing. Every
+/// part is committed whatever happened to the others; the first error is returned.
+pub(crate) async fn commit_written(parts: &[Resolved]) -> Result<()> {
     let mut result = Ok(());
-    for (region, ranges) in by_region(parts) {
-        let committed = match region.block().check_intact() {
-            Ok(()) => {
-                let blocking = region.staging_may_block(Durability::Completed);
-                under_permit(&region, blocking, move |region| {
-                    region.commit_written_ranges(&ranges, Durability::Completed)
-                })
-                .await
-            }
-            Err(e) => Err(e),
-        };
+    let mut keep_first = |outcome: Result<()>| {
         if result.is_ok() {
-            result = committed;
+            result = outcome;
+        }
+    };
+    if worth_grouping(parts) {
+        for (region, ranges) in by_region(parts) {
+            keep_first(match region.block().check_intact() {
+                Ok(()) => {
+                    under_permit(&region, may_block(&region), move |region| {
+                        region.commit_written_ranges(&ranges, Durability::Completed)
+                    })
+                    .await
+                }
+                Err(e) => Err(e),
+            });
+        }
+    } else {
+        for r in parts {
+            let (offset, len) = (r.offset as usize, r.len as usize);
+            keep_first(match r.region.block().check_intact() {
+                Ok(()) => {
+                    under_permit(&r.region, may_block(&r.region), move |region| {
+                        region.block().commit_written(offset, len, Durability::Completed)
+                    })
+                    .await
+                }
+                Err(e) => Err(e),
+            });
         }
     }
     result
 }
 
-/// The staged blocks' copies from the device before a peer reads `parts`, one batch per region.
-pub(crate) async fn prepare_read_parts(parts: &[Resolved]) -> Result<()> {
-    for (region, ranges) in by_region(parts) {
-        let blocking = region.staging_may_block(Durability::Completed);
-        under_permit(&region, blocking, move |region| region.prepare_read_ranges(&ranges)).await?;
+/// Before `parts` are read: the staged blocks' copies from the device, grouped as
+/// [`commit_written`] groups them; stops at the first error.
+pub(crate) async fn prepare_read(parts: &[Resolved]) -> Result<()> {
+    if worth_grouping(parts) {
+        for (region, ranges) in by_region(parts) {
+            under_permit(&region, may_block(&region), move |region| {
+                region.prepare_read_ranges(&ranges)
+            })
+            .await?;
+        }
+        return Ok(());
+    }
+    for r in parts {
+        let (offset, len) = (r.offset as usize, r.len as usize);
+        under_permit(&r.region, may_block(&r.region), move |region| {
+            region.block().prepare_read(offset, len)
+        })
+        .await?;
     }
     Ok(())
+}
+
+/// Whether `parts` are several and some have hooks to batch (staged memory).
+fn worth_grouping(parts: &[Resolved]) -> bool {
+    parts.len() > 1 && parts.iter().any(|r| r.region.block().has_access_hooks())
+}
+
+/// Whether a completed access's hooks on `region` may block (and so run on a blocking thread).
+fn may_block(region: &RegionEntry) -> bool {
+    region.staging_may_block(Durability::Completed)
 }
 
 /// Makes the written `parts` persistent when asked, one batch per region (a page written by several

@@ -805,7 +805,7 @@ async fn run_batch(shared: &Arc<Shared>, request: TransferRequest, bound: Option
             .map(|i| i.local.clone())
             .collect();
         if !staged.is_empty() {
-            within(bound, crate::blocking::prepare_read_parts(&staged)).await?;
+            within(bound, crate::blocking::prepare_read(&staged)).await?;
         }
     }
     let caller = CallerGuard(Arc::new(AccessGuard::new()));
@@ -1123,8 +1123,7 @@ async fn commit_for_caller(caller: &Arc<AccessGuard>, parts: &[Resolved]) -> Res
     let Some(held) = caller.enter_owned() else {
         return Err(abandoned());
     };
-    // Each region's ranges as one batch of device copies.
-    let result = crate::blocking::commit_written_parts(&hooked).await;
+    let result = crate::blocking::commit_written(&hooked).await;
     drop(held);
     result
 }

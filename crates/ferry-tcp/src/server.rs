@@ -750,19 +750,8 @@ async fn resolve_reads(
         }
         parts.push(r);
     }
-    // A staged block's device copies: off the runtime, under a permit; several ranges of one region
-    // as one batch.
-    match parts.as_slice() {
-        [one] => crate::blocking::prepare_read(one).await?,
-        _ if parts.iter().any(|r| r.region.staging_may_block(Durability::Completed)) => {
-            crate::blocking::prepare_read_parts(&parts).await?
-        }
-        _ => {
-            for r in &parts {
-                crate::blocking::prepare_read(r).await?;
-            }
-        }
-    }
+    // A staged block's device copies: off the runtime, under a permit.
+    crate::blocking::prepare_read(&parts).await?;
     Ok(parts)
 }
 
@@ -773,23 +762,8 @@ async fn land(reader: &mut FrameReader, parts: &[Resolved]) -> Result<Result<()>
     if reader.read_parts(parts, None).await? != Landed::Written {
         return Ok(Err(access_error(parts)));
     }
-    // Staged blocks' device copies, off the runtime, under a permit: several ranges of one region as
-    // one batch. Parts of host memory keep the loop, which allocates nothing.
-    if parts.len() > 1 && parts.iter().any(|r| r.region.staging_may_block(Durability::Completed)) {
-        return Ok(crate::blocking::commit_written_parts(parts).await);
-    }
-    let mut result = Ok(());
-    for r in parts {
-        // A copy into a file that shrank meanwhile landed in zero pages without failing.
-        let committed = match r.region.block().check_intact() {
-            Ok(()) => crate::blocking::commit_written(r).await,
-            Err(e) => Err(e),
-        };
-        if result.is_ok() {
-            result = committed;
-        }
-    }
-    Ok(result)
+    // A staged block's device copies: off the runtime, under a permit.
+    Ok(crate::blocking::commit_written(parts).await)
 }
 
 /// Makes the written `parts` persistent when asked, one batch per region: a page written by several

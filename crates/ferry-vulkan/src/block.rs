@@ -212,25 +212,14 @@ unsafe impl MemoryBlock for VulkanBlock {
     }
 
     fn commit_written(&self, offset: usize, len: usize, durability: Durability) -> Result<()> {
-        if durability == Durability::Persistent {
-            // GPU memory has no persistence domain: the trait's refusal.
-            self.persist(&[(offset, len)])?;
-        }
-        self.check(offset, len)?;
-        let (off, n) = (offset as u64, len as u64);
-        match &self.staging {
-            None => self.device.flush(off, n),
-            Some(staging) => {
-                staging.flush(off, n)?;
-                self.context().copy_buffers(staging, off, &self.device, off, n)
-            }
-        }
+        self.commit_written_ranges(&[(offset, len)], durability)
     }
 
     /// The ranges' device copies recorded together: one submission per 4 MiB of them, not one per
     /// range, and one wait for the whole batch.
     fn commit_written_ranges(&self, ranges: &[(usize, usize)], durability: Durability) -> Result<()> {
         if durability == Durability::Persistent {
+            // GPU memory has no persistence domain: the trait's refusal.
             self.persist(ranges)?;
         }
         let ranges = self.checked(ranges)?;
@@ -266,15 +255,7 @@ unsafe impl MemoryBlock for VulkanBlock {
     }
 
     fn prepare_read(&self, offset: usize, len: usize) -> Result<()> {
-        self.check(offset, len)?;
-        let (off, n) = (offset as u64, len as u64);
-        match &self.staging {
-            None => self.device.invalidate(off, n),
-            Some(staging) => {
-                self.context().copy_buffers(&self.device, off, staging, off, n)?;
-                staging.invalidate(off, n)
-            }
-        }
+        self.prepare_read_ranges(&[(offset, len)])
     }
 
     fn prepare_read_ranges(&self, ranges: &[(usize, usize)]) -> Result<()> {

@@ -5,9 +5,11 @@
 
 mod common;
 
+use std::sync::Arc;
+
 use common::*;
 use ferry::{Access, MemoryBlock, Op, TransferDesc};
-use ferry_vulkan::{AllocationPath, VulkanRegistry};
+use ferry_vulkan::{AllocationPath, VulkanBlock, VulkanContext, VulkanRegistry};
 
 /// Spans several staging chunks and TCP pieces, and ends off any page or chunk boundary.
 const LEN: usize = (9 << 20) + 4097;
@@ -158,37 +160,72 @@ async fn alloc_from_picks_the_best_offered_path() {
     assert!(block.upload(4092, b"ferry").is_err(), "past the end");
 }
 
+/// Blocks of the scattered tests: every other one of `COUNT`, `BLOCK` bytes each.
+const BLOCK: usize = 16 << 10;
+const COUNT: usize = 128;
+const SCATTERED: usize = 2 * BLOCK * COUNT;
+
+/// A staged block of `SCATTERED` bytes whose device memory holds `bytes`, put there by a GPU copy alone
+/// (its staging buffer never saw them), and a host-reachable block to read the device through.
+struct DeviceHeld {
+    ctx: Arc<VulkanContext>,
+    block: Arc<VulkanBlock>,
+    host_side: Arc<VulkanBlock>,
+    bytes: Vec<u8>,
+}
+
+impl DeviceHeld {
+    /// `None` (the test skips, saying so) where the device offers no staged path.
+    fn new(ctx: &Arc<VulkanContext>, bytes: Vec<u8>) -> Option<Self> {
+        if !offered(ctx, AllocationPath::Staged) {
+            return None;
+        }
+        let block = VulkanRegistry::new(ctx.clone())
+            .with_path(Some(AllocationPath::Staged))
+            .allocate_block(SCATTERED)
+            .unwrap();
+        let host_side = VulkanRegistry::new(ctx.clone())
+            .with_path(Some(host_reachable_path(ctx)))
+            .allocate_block(SCATTERED)
+            .unwrap();
+        host_side.upload(0, &bytes).unwrap();
+        ctx.copy(&*host_side, 0, &*block, 0, SCATTERED as u64).unwrap();
+        Some(DeviceHeld {
+            ctx: ctx.clone(),
+            block,
+            host_side,
+            bytes,
+        })
+    }
+
+    /// What the device memory holds now, read through a GPU copy.
+    fn on_device(&self) -> Vec<u8> {
+        self.ctx
+            .copy(&*self.block, 0, &*self.host_side, 0, SCATTERED as u64)
+            .unwrap();
+        let mut got = vec![0u8; SCATTERED];
+        self.host_side.download(0, &mut got).unwrap();
+        got
+    }
+}
+
 /// Scattered ranges of one staged region, written in one batch (several to a frame, whose device
 /// copies are submitted together) and read back: each range reaches the device, and the bytes between
 /// them keep what the device held, which the staging buffer never saw.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scattered_ranges_of_staged_memory_move_exactly() {
-    const BLOCK: usize = 16 << 10;
-    const COUNT: usize = 128;
-    const LEN: usize = 2 * BLOCK * COUNT;
     let Some(ctx) = context("scattered ranges of staged Vulkan memory") else {
         return;
     };
-    if !offered(&ctx, AllocationPath::Staged) {
+    let Some(staged) = DeviceHeld::new(&ctx, pattern(SCATTERED, 3)) else {
         return;
-    }
-    let block = VulkanRegistry::new(ctx.clone())
-        .with_path(Some(AllocationPath::Staged))
-        .allocate_block(LEN)
-        .unwrap();
-    let host_side = VulkanRegistry::new(ctx.clone())
-        .with_path(Some(host_reachable_path(&ctx)))
-        .allocate_block(LEN)
-        .unwrap();
-    // The device holds `before` everywhere, put there by a GPU copy alone.
-    let before = pattern(LEN, 3);
-    host_side.upload(0, &before).unwrap();
-    ctx.copy(&*host_side, 0, &*block, 0, LEN as u64).unwrap();
+    };
+    let (block, before) = (staged.block.clone(), staged.bytes.clone());
 
     let (target, initiator, peer) = pair().await;
     let region = target.register_block(block.clone(), Access::READ_WRITE).unwrap();
     wait_for_region(&peer, &region).await;
-    let written = pattern(LEN, 4);
+    let written = pattern(SCATTERED, 4);
     let src = initiator.register(written.clone(), Access::READ_WRITE).unwrap();
     // Every other block, shifted off any page boundary, in reverse order on the target.
     let ranges: Vec<(usize, usize)> = (0..COUNT)
@@ -206,13 +243,14 @@ async fn scattered_ranges_of_staged_memory_move_exactly() {
     for &(local, remote) in &ranges {
         want[remote..remote + BLOCK].copy_from_slice(&written[local..local + BLOCK]);
     }
-    ctx.copy(&*block, 0, &*host_side, 0, LEN as u64).unwrap();
-    let mut got = vec![0u8; LEN];
-    host_side.download(0, &mut got).unwrap();
-    assert_bytes(&got, &want, "scattered staged writes, after a device copy");
+    assert_bytes(
+        &staged.on_device(),
+        &want,
+        "scattered staged writes, after a device copy",
+    );
 
     // Read back the same ranges, and the gaps' first bytes, which only the device holds.
-    let back = initiator.alloc_host(LEN, Access::READ_WRITE).unwrap();
+    let back = initiator.alloc_host(SCATTERED, Access::READ_WRITE).unwrap();
     let reads: Vec<TransferDesc> = ranges
         .iter()
         .map(|&(local, remote)| {
@@ -240,30 +278,17 @@ async fn scattered_ranges_of_staged_memory_move_exactly() {
 /// every range exactly, the gaps untouched on the device.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scattered_ranges_of_local_staged_memory_move_exactly() {
-    const BLOCK: usize = 16 << 10;
-    const COUNT: usize = 128;
-    const LEN: usize = 2 * BLOCK * COUNT;
     let Some(ctx) = context("scattered ranges of local staged Vulkan memory") else {
         return;
     };
-    if !offered(&ctx, AllocationPath::Staged) {
+    let Some(staged) = DeviceHeld::new(&ctx, pattern(SCATTERED, 5)) else {
         return;
-    }
-    let block = VulkanRegistry::new(ctx.clone())
-        .with_path(Some(AllocationPath::Staged))
-        .allocate_block(LEN)
-        .unwrap();
-    let host_side = VulkanRegistry::new(ctx.clone())
-        .with_path(Some(host_reachable_path(&ctx)))
-        .allocate_block(LEN)
-        .unwrap();
-    let on_device = pattern(LEN, 5);
-    host_side.upload(0, &on_device).unwrap();
-    ctx.copy(&*host_side, 0, &*block, 0, LEN as u64).unwrap();
+    };
+    let (block, on_device) = (staged.block.clone(), staged.bytes.clone());
 
     let (target, initiator, peer) = pair().await;
     let local = initiator.register_block(block.clone(), Access::READ_WRITE).unwrap();
-    let remote = target.alloc_host(LEN, Access::READ_WRITE).unwrap();
+    let remote = target.alloc_host(SCATTERED, Access::READ_WRITE).unwrap();
     wait_for_region(&peer, &remote).await;
     let ranges: Vec<(usize, usize)> = (0..COUNT)
         .map(|i| (i * 2 * BLOCK + 1000, (COUNT - 1 - i) * 2 * BLOCK))
@@ -285,15 +310,16 @@ async fn scattered_ranges_of_local_staged_memory_move_exactly() {
     }
 
     // Into the device: the ranges change, the gaps keep the device's bytes.
-    let fresh = pattern(LEN, 6);
+    let fresh = pattern(SCATTERED, 6);
     remote.write_at(0, &fresh).unwrap();
     initiator.transfer(&peer, Op::Read, &descs, T).await.unwrap();
     let mut want = on_device.clone();
     for &(l, r) in &ranges {
         want[l..l + BLOCK].copy_from_slice(&fresh[r..r + BLOCK]);
     }
-    ctx.copy(&*block, 0, &*host_side, 0, LEN as u64).unwrap();
-    let mut got = vec![0u8; LEN];
-    host_side.download(0, &mut got).unwrap();
-    assert_bytes(&got, &want, "scattered reads into staged memory, after a device copy");
+    assert_bytes(
+        &staged.on_device(),
+        &want,
+        "scattered reads into staged memory, after a device copy",
+    );
 }
