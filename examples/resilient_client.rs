@@ -52,7 +52,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .concurrency_limit(64)
         .layer(DeadlineLayer::new(Duration::from_secs(10)))
         .retry(RetryPolicy::default())
-        .layer(DeadlineLayer::new(Duration::from_secs(2)))
+        .layer(DeadlineLayer::per_attempt(Duration::from_secs(2)))
         .map_request(move |r: TransferRequest| {
             counted.fetch_add(1, Ordering::Relaxed);
             r

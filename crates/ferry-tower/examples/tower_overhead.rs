@@ -3,8 +3,12 @@
 //! [`DeadlineLayer`]), in one run, on one link. The same stack with two `tower::timeout`s in place of
 //! the deadlines is measured beside it, for what a timer per layer costs.
 //!
-//! Rounds alternate (direct, deadlines, timeouts) five times; each round runs 16 concurrent callers
-//! for 1 s; the medians are compared. Prints one JSON line:
+//! Each case runs 16 concurrent callers for a 200 ms slice at a time; the cases take turns, 25
+//! slices each, in an order reversed every other turn (direct, deadlines, timeouts; then timeouts,
+//! deadlines, direct). A ratio is the median over turns of the case's rate over the direct rate of
+//! the same turn: the machines this runs on change speed by a third from one second to the next, and
+//! rates taken a few hundred milliseconds apart, in both orders, cancel most of that, where medians
+//! of whole-second rounds taken seconds apart did not. Prints one JSON line:
 //! `{"case":"tower_overhead_4KiB","direct_ops_per_s":..,"tower_ops_per_s":..,"ratio":..,
 //! "added_cpu_us":..,"timeouts_ops_per_s":..,"timeouts_ratio":..}`. `added_cpu_us` is what the stack
 //! costs a request in absolute terms: the CPU time per request through the stack less that per direct
@@ -18,17 +22,18 @@
 //!
 //! With `-- --budgets` it measures instead what a retry budget's deposit costs the stack: the stack
 //! alone, and with one more deposit per request into tower's `TpsBudget` or into ferry-tower's
-//! `RetryBudget` (7 alternating rounds each). Prints
+//! `RetryBudget` (taking turns as above). Prints
 //! `{"case":"retry_budget_deposit_4KiB","stack_ops_per_s":..,"tps_budget_ratio":..,"retry_budget_ratio":..}`.
 //!
 //! With `-- --floor` it measures the least that any `tower::Service` over the engine costs, whatever
 //! its layers: a service that holds the engine and the link and hands back the engine's own named
 //! future ([`ferry::Transfer`]), called the way the stack is (a clone of the service per request,
 //! `oneshot`). What is left is the clone of the service per request (two reference counts) and the
-//! `oneshot` around each call. Direct and floor rounds alternate five times. Prints
+//! `oneshot` around each call. Direct and floor take turns as above. Prints
 //! `{"case":"tower_floor_4KiB","direct_ops_per_s":..,"floor_ops_per_s":..,"ratio":..}`.
 
-use std::future::{Ready, ready};
+use std::future::{Future, Ready, ready};
+use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -44,12 +49,13 @@ use futures::future::Either;
 
 const CALLERS: u64 = 16;
 const SIZE: u64 = 4096;
-const ROUNDS: usize = 5;
-const ROUND: Duration = Duration::from_secs(1);
+/// Turns each case takes, and how long one runs.
+const SLICES: usize = 25;
+const SLICE: Duration = Duration::from_millis(200);
 const TIMEOUT: Duration = Duration::from_secs(10);
 
 async fn direct(engine: &Engine, peer: &Peer, src: &Arc<Region>, dst: u64) -> f64 {
-    let deadline = Instant::now() + ROUND;
+    let deadline = Instant::now() + SLICE;
     let started = Instant::now();
     let callers: Vec<_> = (0..CALLERS)
         .map(|c| {
@@ -76,7 +82,7 @@ where
     S::Future: Send,
     S::Response: Send,
 {
-    let deadline = Instant::now() + ROUND;
+    let deadline = Instant::now() + SLICE;
     let started = Instant::now();
     let callers: Vec<_> = (0..CALLERS)
         .map(|c| {
@@ -132,27 +138,25 @@ async fn budgets(engine: &Engine, target: std::net::SocketAddr, src: &Arc<Region
         ServiceBuilder::new()
             .layer(DeadlineLayer::new(TIMEOUT))
             .retry(ExtraDeposit(RetryPolicy::default(), extra))
-            .layer(DeadlineLayer::new(TIMEOUT))
+            .layer(DeadlineLayer::per_attempt(TIMEOUT))
             .service(TransferService::new(engine.clone()))
     };
     let alone = stack(None);
     let tps = stack(Some(Arc::new(TpsBudget::default())));
     let ours = stack(Some(Arc::new(RetryBudget::new(Duration::from_secs(10), 10, 0.2)?)));
-    through_tower(&alone, target, src).await;
-    let (mut a, mut b, mut c) = (Vec::new(), Vec::new(), Vec::new());
-    for _ in 0..7 {
-        a.push(through_tower(&alone, target, src).await);
-        b.push(through_tower(&tps, target, src).await);
-        c.push(through_tower(&ours, target, src).await);
-    }
-    let (alone, tps, ours) = (median(a), median(b), median(c));
+    let rates = take_turns(&[
+        &|| Box::pin(through_tower(&alone, target, src)),
+        &|| Box::pin(through_tower(&tps, target, src)),
+        &|| Box::pin(through_tower(&ours, target, src)),
+    ])
+    .await;
     println!(
         "{}",
         serde_json::json!({
             "case": "retry_budget_deposit_4KiB",
-            "stack_ops_per_s": alone.round(),
-            "tps_budget_ratio": ratio(tps, alone),
-            "retry_budget_ratio": ratio(ours, alone),
+            "stack_ops_per_s": median(rates[0].clone()).round(),
+            "tps_budget_ratio": ratio_per_turn(&rates[1], &rates[0]),
+            "retry_budget_ratio": ratio_per_turn(&rates[2], &rates[0]),
         })
     );
     Ok(())
@@ -211,30 +215,50 @@ async fn floor(engine: &Engine, target: std::net::SocketAddr, base: u64, src: &A
         peer: peer.clone(),
         base,
     };
-    direct(engine, &peer, src, base).await;
-    through_tower(&service, target, src).await;
-    let (mut a, mut b) = (Vec::new(), Vec::new());
-    for _ in 0..ROUNDS {
-        a.push(direct(engine, &peer, src, base).await);
-        b.push(through_tower(&service, target, src).await);
-    }
-    let (direct_ops, floor_ops) = (median(a), median(b));
+    let rates = take_turns(&[
+        &|| Box::pin(direct(engine, &peer, src, base)),
+        &|| Box::pin(through_tower(&service, target, src)),
+    ])
+    .await;
     println!(
         "{}",
         serde_json::json!({
             "case": "tower_floor_4KiB",
             "transport": peer.transport().to_string(),
-            "direct_ops_per_s": direct_ops.round(),
-            "floor_ops_per_s": floor_ops.round(),
-            "ratio": ratio(floor_ops, direct_ops),
+            "direct_ops_per_s": median(rates[0].clone()).round(),
+            "floor_ops_per_s": median(rates[1].clone()).round(),
+            "ratio": ratio_per_turn(&rates[1], &rates[0]),
         })
     );
     Ok(())
 }
 
-/// `ops` over `base`, to three decimals.
-fn ratio(ops: f64, base: f64) -> f64 {
-    (ops / base * 1000.0).round() / 1000.0
+/// One case: a slice of callers, to its rate in operations a second.
+type Case<'a> = &'a dyn Fn() -> Pin<Box<dyn Future<Output = f64> + 'a>>;
+
+/// Runs every case once to warm it up, then [`SLICES`] turns of all of them, the order reversed
+/// every other turn; returns each case's rates, turn by turn.
+async fn take_turns(cases: &[Case<'_>]) -> Vec<Vec<f64>> {
+    for case in cases {
+        case().await;
+    }
+    let mut rates = vec![Vec::with_capacity(SLICES); cases.len()];
+    for turn in 0..SLICES {
+        let order: Vec<usize> = match turn % 2 {
+            0 => (0..cases.len()).collect(),
+            _ => (0..cases.len()).rev().collect(),
+        };
+        for i in order {
+            rates[i].push(cases[i]().await);
+        }
+    }
+    rates
+}
+
+/// The median over turns of `ops` over `base` in the same turn, to three decimals.
+fn ratio_per_turn(ops: &[f64], base: &[f64]) -> f64 {
+    let per_turn = ops.iter().zip(base).map(|(o, b)| o / b).collect();
+    (median(per_turn) * 1000.0).round() / 1000.0
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -271,7 +295,7 @@ async fn main() -> ferry::Result<()> {
     let service = ServiceBuilder::new()
         .layer(DeadlineLayer::new(TIMEOUT))
         .retry(RetryPolicy::default())
-        .layer(DeadlineLayer::new(TIMEOUT))
+        .layer(DeadlineLayer::per_attempt(TIMEOUT))
         .service(TransferService::new(engine.clone()));
     let timeouts = ServiceBuilder::new()
         .map_err(into_ferry_error)
@@ -280,24 +304,24 @@ async fn main() -> ferry::Result<()> {
         .timeout(TIMEOUT)
         .service(TransferService::new(engine.clone()));
 
-    // Warm every path up.
-    direct(&engine, &peer, &src, region.addr()).await;
-    through_tower(&service, addr, &src).await;
-    through_tower(&timeouts, addr, &src).await;
-
-    let (mut a, mut b, mut c) = (Vec::new(), Vec::new(), Vec::new());
-    for round in 0..ROUNDS {
-        a.push(direct(&engine, &peer, &src, region.addr()).await);
-        b.push(through_tower(&service, addr, &src).await);
-        c.push(through_tower(&timeouts, addr, &src).await);
-        eprintln!(
-            "round {round}: direct {:.0} ops/s, deadlines {:.0} ops/s, timeouts {:.0} ops/s",
-            a[round], b[round], c[round]
-        );
+    let rates = take_turns(&[
+        &|| Box::pin(direct(&engine, &peer, &src, region.addr())),
+        &|| Box::pin(through_tower(&service, addr, &src)),
+        &|| Box::pin(through_tower(&timeouts, addr, &src)),
+    ])
+    .await;
+    for (turn, ((d, t), o)) in rates[0].iter().zip(&rates[1]).zip(&rates[2]).enumerate() {
+        eprintln!("turn {turn}: direct {d:.0} ops/s, deadlines {t:.0} ops/s, timeouts {o:.0} ops/s");
     }
-    let (direct_ops, tower_ops, timeouts_ops) = (median(a), median(b), median(c));
+    let (direct_ops, tower_ops, timeouts_ops) = (
+        median(rates[0].clone()),
+        median(rates[1].clone()),
+        median(rates[2].clone()),
+    );
+    let tower_ratio = ratio_per_turn(&rates[1], &rates[0]);
+    // From the ratio rather than the two medians, which come from different turns.
     let workers = std::thread::available_parallelism().map_or(1, usize::from) as f64;
-    let added_cpu_us = workers * 1e6 * (1.0 / tower_ops - 1.0 / direct_ops);
+    let added_cpu_us = workers * 1e6 * (1.0 / tower_ratio - 1.0) / direct_ops;
     println!(
         "{}",
         serde_json::json!({
@@ -305,10 +329,10 @@ async fn main() -> ferry::Result<()> {
             "transport": peer.transport().to_string(),
             "direct_ops_per_s": direct_ops.round(),
             "tower_ops_per_s": tower_ops.round(),
-            "ratio": ratio(tower_ops, direct_ops),
+            "ratio": tower_ratio,
             "added_cpu_us": (added_cpu_us * 1000.0).round() / 1000.0,
             "timeouts_ops_per_s": timeouts_ops.round(),
-            "timeouts_ratio": ratio(timeouts_ops, direct_ops),
+            "timeouts_ratio": ratio_per_turn(&rates[2], &rates[0]),
         })
     );
     Ok(())

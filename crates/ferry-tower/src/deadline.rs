@@ -15,11 +15,22 @@
 //! - [`RetryPolicy`](crate::RetryPolicy) does not retry a request whose deadline would pass during the
 //!   backoff pause.
 //!
-//! Placed outside `retry`, a deadline bounds the whole request; inside it, each attempt (the retry
-//! layer keeps the request as it received it, so each attempt gets a fresh per-attempt deadline, never
-//! later than the overall one). Layers between a `DeadlineLayer` and the service that only pass
-//! requests through (`map_err`, `retry`, `concurrency_limit`) need nothing; a layer of your own that
-//! may wait inside `call` is not bounded by it: put a `tower::timeout` around that one.
+//! Two kinds, for the two bounds a client wants:
+//!
+//! - [`DeadlineLayer::new`] bounds the whole request, retries and their pauses included: placed
+//!   outside `retry`, it fixes the deadline once, when the request passes.
+//! - [`DeadlineLayer::per_attempt`] bounds each attempt: it writes only the limit into the request
+//!   ([`TransferRequest::with_attempt_limit`]), and the service starts that clock when an attempt
+//!   reaches it, so every attempt gets the whole limit (never past the overall deadline), wherever the
+//!   layer sits. It reads no clock: the service reads the one it needs anyway for the overall
+//!   deadline. The time a request spends in layers between it and the service (a `tower::buffer`
+//!   queue) is not part of an attempt.
+//!
+//! (A `DeadlineLayer::new` placed inside `retry` also bounds each attempt, since the retry layer
+//! keeps the request as it received it: at the cost of one more clock read per request.) Layers
+//! between a `DeadlineLayer` and the service that only pass requests through (`map_err`, `retry`,
+//! `concurrency_limit`) need nothing; a layer of your own that may wait inside `call` is not bounded
+//! by them: put a `tower::timeout` around that one.
 
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -30,16 +41,30 @@ use tower::{Layer, Service};
 use crate::request::TransferRequest;
 
 /// A tower layer that gives each [`TransferRequest`] a deadline `limit` from when it passes, or keeps
-/// the earlier one it already has. See the [module documentation](self) for what enforces it.
+/// the earlier one it already has; or, made with [`per_attempt`](Self::per_attempt), a limit on each
+/// attempt. See the [module documentation](self) for what enforces them.
 #[derive(Debug, Clone, Copy)]
 pub struct DeadlineLayer {
     limit: Duration,
+    per_attempt: bool,
 }
 
 impl DeadlineLayer {
-    /// Requests passing through must be done within `limit`.
+    /// Requests passing through must be done within `limit`, retries included.
     pub fn new(limit: Duration) -> Self {
-        DeadlineLayer { limit }
+        DeadlineLayer {
+            limit,
+            per_attempt: false,
+        }
+    }
+
+    /// Each attempt of a request passing through must be done within `limit` of reaching the
+    /// service, waiting for a link included (see [`TransferRequest::with_attempt_limit`]).
+    pub fn per_attempt(limit: Duration) -> Self {
+        DeadlineLayer {
+            limit,
+            per_attempt: true,
+        }
     }
 }
 
@@ -50,16 +75,18 @@ impl<S> Layer<S> for DeadlineLayer {
         Deadline {
             inner,
             limit: self.limit,
+            per_attempt: self.per_attempt,
         }
     }
 }
 
-/// The service [`DeadlineLayer`] makes: sets the deadline and calls the inner service, with no
-/// future or timer of its own.
+/// The service [`DeadlineLayer`] makes: sets the deadline (or the attempt limit) and calls the inner
+/// service, with no future or timer of its own.
 #[derive(Debug, Clone)]
 pub struct Deadline<S> {
     inner: S,
     limit: Duration,
+    per_attempt: bool,
 }
 
 impl<S> Service<TransferRequest> for Deadline<S>
@@ -75,6 +102,9 @@ where
     }
 
     fn call(&mut self, request: TransferRequest) -> S::Future {
+        if self.per_attempt {
+            return self.inner.call(request.with_attempt_limit(self.limit));
+        }
         // A limit too large to add to now (Duration::MAX, say) sets no deadline.
         let request = match Instant::now().checked_add(self.limit) {
             Some(at) => request.with_deadline(at),

@@ -304,9 +304,14 @@ impl PeerEntry {
         }
     }
 
+    /// Notes a release. The coarse clock moves once per reaper tick, so most releases find the time
+    /// already noted and only read it: the line stays shared between cores instead of moving to each
+    /// releasing one.
     fn touch(&self) {
-        self.last_used
-            .store(self.clock.load(Ordering::Relaxed), Ordering::Relaxed);
+        let now = self.clock.load(Ordering::Relaxed);
+        if self.last_used.load(Ordering::Relaxed) != now {
+            self.last_used.store(now, Ordering::Relaxed);
+        }
     }
 
     fn state(&self) -> Result<ShardedLockWriteGuard<'_, LinkState>> {

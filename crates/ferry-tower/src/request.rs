@@ -98,6 +98,7 @@ pub struct TransferRequest {
     durability: Durability,
     timeout: Option<Duration>,
     deadline: Option<Instant>,
+    attempt_limit: Option<Duration>,
 }
 
 impl TransferRequest {
@@ -110,6 +111,7 @@ impl TransferRequest {
             durability: Durability::Completed,
             timeout: None,
             deadline: None,
+            attempt_limit: None,
         }
     }
 
@@ -148,6 +150,22 @@ impl TransferRequest {
     /// When the request must be done, if anything set a deadline.
     pub fn deadline(&self) -> Option<Instant> {
         self.deadline
+    }
+
+    /// Each attempt must be done within `limit` of reaching the
+    /// [`TransferService`](crate::TransferService) (waiting for a link, connecting and the transfer),
+    /// or within the smaller limit the request already has; never past its
+    /// [deadline](Self::deadline). Usually set by [`DeadlineLayer::per_attempt`](crate::DeadlineLayer::per_attempt).
+    /// Unlike a deadline, the limit is not a point in time: each attempt starts it afresh, so a retry
+    /// gets all of it.
+    pub fn with_attempt_limit(mut self, limit: Duration) -> Self {
+        self.attempt_limit = Some(self.attempt_limit.map_or(limit, |smaller| smaller.min(limit)));
+        self
+    }
+
+    /// How long each attempt may take, if anything set a limit.
+    pub fn attempt_limit(&self) -> Option<Duration> {
+        self.attempt_limit
     }
 
     /// The peer's listen address.
@@ -293,9 +311,6 @@ pub struct TransferResponse {
     pub op: Op,
     /// Bytes moved.
     pub bytes: u64,
-    /// Time spent in the successful attempt, from checkout of a link to completion (a connect
-    /// included, earlier failed attempts and retry backoff not).
-    pub duration: Duration,
     /// The data path the engine used.
     pub transport: TransportKind,
     /// Whether this attempt had to establish the link (first use, or a reconnect).

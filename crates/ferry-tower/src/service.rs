@@ -71,9 +71,10 @@ impl Future for TransferFuture {
 ///   live link and room on it, all of that but the transfer itself happens inside `call`, and the
 ///   returned [`TransferFuture`] holds the engine's own future: nothing moves until it is polled, and
 ///   one dropped unpolled counts as no attempt on the link.
-/// - A request's [deadline](TransferRequest::deadline) is enforced here: past it, `call` answers
-///   `Timeout` at once; waiting for a link ends at it; the engine gets the time left as the transfer's
-///   timeout (see [`crate::deadline`]).
+/// - A request's [deadline](TransferRequest::deadline) is enforced here, and so is its
+///   [attempt limit](TransferRequest::attempt_limit), from when `call` starts the attempt: past the
+///   earlier of the two, `call` answers `Timeout` at once; waiting for a link ends at it; the engine
+///   gets the time left as the transfer's timeout (see [`crate::deadline`]).
 ///
 /// Clones share the pool (and so the links); each clone reserves its own slot in `poll_ready`, as
 /// tower requires of cloned services.
@@ -177,27 +178,53 @@ impl tower::Service<TransferRequest> for TransferService {
             ))));
         }
         // The lease, or the future, owns the unit: it goes back when the request ends, or when
-        // the future is dropped.
+        // the future is dropped. The future holds the pool too, so that its links stay up while the
+        // request runs, even once the last clone of the service is gone.
         let held = InFlight(self.pool.clone());
-        let started = Instant::now();
-        if request.deadline().is_some_and(|at| at <= started) {
+        let bound = AttemptBound::of(&request);
+        if bound.is_some_and(|b| b.deadline <= b.started) {
             return TransferFuture(State::Failed(Some(past_deadline(
                 request.peer(),
                 "before an attempt started",
             ))));
         }
         let state = match Pool::try_checkout(held, request.peer()) {
-            Ok(Checkout::Ready(lease)) => match Running::start(lease, &request, started) {
+            Ok(Checkout::Ready(lease)) => match Running::start(lease, &request, bound) {
                 Ok(running) => State::Running(running),
                 Err(e) => State::Failed(Some(e)),
             },
             Ok(Checkout::Wait(held, slot)) => State::Waiting(Box::pin(async move {
-                let lease = Pool::wait_for_link(held, slot, request.deadline()).await?;
-                Running::start(lease, &request, started)?.await
+                let lease = Pool::wait_for_link(held, slot, bound.map(|b| b.deadline)).await?;
+                Running::start(lease, &request, bound)?.await
             })),
             Err(e) => State::Failed(Some(e)),
         };
         TransferFuture(state)
+    }
+}
+
+/// When an attempt must end (the earlier of the request's deadline and its attempt limit from when
+/// it reached the service), and when it reached the service. Only a request with such a bound reads
+/// the clock: a read costs about 1 % of a 4 KiB write over TCP on a small machine.
+#[derive(Clone, Copy)]
+struct AttemptBound {
+    deadline: Instant,
+    started: Instant,
+}
+
+impl AttemptBound {
+    fn of(request: &TransferRequest) -> Option<AttemptBound> {
+        if request.deadline().is_none() && request.attempt_limit().is_none() {
+            return None;
+        }
+        let started = Instant::now();
+        // A limit too large to add to now bounds nothing.
+        let attempt = request.attempt_limit().and_then(|limit| started.checked_add(limit));
+        let deadline = match (request.deadline(), attempt) {
+            (Some(a), Some(b)) => a.min(b),
+            (a, b) => a.or(b)?,
+        };
+        Some(AttemptBound { deadline, started })
     }
 }
 
@@ -208,7 +235,6 @@ struct Running {
     peer: SocketAddr,
     op: ferry::Op,
     bytes: u64,
-    started: Instant,
     /// A future dropped before it was ever polled sent nothing: not an abandoned attempt.
     polled: bool,
 }
@@ -224,7 +250,7 @@ impl Drop for Running {
 impl Running {
     /// Resolves `request` against the lease's link and hands it to the engine. A request the engine
     /// refuses settles the lease with that error, as a failed transfer would.
-    fn start(mut lease: Lease, request: &TransferRequest, started: Instant) -> Result<Running> {
+    fn start(mut lease: Lease, request: &TransferRequest, bound: Option<AttemptBound>) -> Result<Running> {
         let descs = match request.resolve(&lease.peer, lease.primary) {
             Ok(descs) => descs,
             Err(e) => {
@@ -234,11 +260,12 @@ impl Running {
         };
         let pool = lease.pool();
         let mut timeout = request.timeout().unwrap_or(pool.config.transfer_timeout);
-        if let Some(at) = request.deadline() {
+        if let Some(bound) = bound {
             // The engine's own timer ends the transfer at the deadline: no second one here. A lease
-            // that waited for nothing was taken microseconds after `started`: no second clock read.
-            let now = if lease.waited { Instant::now() } else { started };
-            let left = at.saturating_duration_since(now);
+            // that waited for nothing was taken microseconds after the attempt started: no second
+            // clock read.
+            let now = if lease.waited { Instant::now() } else { bound.started };
+            let left = bound.deadline.saturating_duration_since(now);
             if left.is_zero() {
                 lease.settle_neutral();
                 return Err(past_deadline(request.peer(), "before the transfer started"));
@@ -259,7 +286,6 @@ impl Running {
                 peer: request.peer(),
                 op: request.op(),
                 bytes: request.bytes(),
-                started,
                 polled: false,
             }),
             Err(e) => {
@@ -282,7 +308,6 @@ impl Future for Running {
             peer: this.peer,
             op: this.op,
             bytes: this.bytes,
-            duration: this.started.elapsed(),
             transport: this.lease.peer.transport(),
             new_link: this.lease.new_link,
         }))

@@ -191,3 +191,98 @@ async fn no_retry_waits_past_the_deadline() {
     );
     assert_eq!(attempts.load(Ordering::SeqCst), 1);
 }
+
+/// An attempt limit is a length, not a point in time: it starts when an attempt reaches the service.
+/// A request that waited longer than its limit before its attempt still gets all of it, where a
+/// deadline set at the same moment has passed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_attempt_limit_starts_with_the_attempt() {
+    let target = Engine::builder().listen("127.0.0.1:0").build().await.unwrap();
+    let dst = target.alloc_host(4096, Access::READ_WRITE).unwrap();
+    let addr = target.local_addr().unwrap();
+    let engine = Engine::builder().build().await.unwrap();
+    let src = engine.alloc_host(4096, Access::READ_WRITE).unwrap();
+    src.write_at(0, &[0x5a; 4096]).unwrap();
+    let service = TransferService::with_config(engine.clone(), patient_pool()).unwrap();
+
+    let limit = Duration::from_millis(200);
+    let write = TransferRequest::write(addr, [Descriptor::at_offset(src.addr(), 0, 4096)]);
+    let limited = write.clone().with_attempt_limit(limit);
+    let deadline = write.with_deadline(tokio::time::Instant::now() + limit);
+    assert_eq!(limited.attempt_limit(), Some(limit));
+    assert_eq!(
+        limited.clone().with_attempt_limit(limit * 2).attempt_limit(),
+        Some(limit),
+        "the smaller limit holds"
+    );
+    tokio::time::sleep(limit * 2).await;
+
+    let err = tokio::time::timeout(HANG, service.clone().oneshot(deadline))
+        .await
+        .expect("hung")
+        .unwrap_err();
+    assert!(matches!(err, Error::Timeout(_)), "{err:?}");
+    let mut got = [0u8; 4096];
+    dst.read_at(0, &mut got).unwrap();
+    assert_eq!(got, [0u8; 4096], "nothing written for the late request");
+
+    tokio::time::timeout(HANG, service.oneshot(limited))
+        .await
+        .expect("hung")
+        .expect("the attempt had its whole limit");
+    dst.read_at(0, &mut got).unwrap();
+    assert_eq!(got, [0x5a; 4096]);
+}
+
+/// Each attempt gets the whole limit, wherever the layer sits: two attempts at a silent peer each
+/// dial it until their own limit ends them. Were the limit fixed once, as a deadline is, the second
+/// attempt would fail before dialling.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_attempt_gets_the_whole_limit() {
+    let (addr, listener) = silent_listener().await;
+    let engine = Engine::builder().build().await.unwrap();
+    let src = engine.alloc_host(4096, Access::READ_WRITE).unwrap();
+    let transfers = TransferService::with_config(
+        engine.clone(),
+        PoolConfig {
+            // Shorter than the retry's pause, so that the second attempt dials again.
+            reconnect_backoff_min: Duration::from_millis(1),
+            reconnect_backoff_max: Duration::from_millis(1),
+            ..patient_pool()
+        },
+    )
+    .unwrap();
+    let policy = RetryPolicy::new(RetryConfig {
+        max_retries: 1,
+        backoff_min: Duration::from_millis(50),
+        backoff_max: Duration::from_millis(50),
+        ..RetryConfig::default()
+    })
+    .unwrap();
+    let attempts = Arc::new(AtomicUsize::new(0));
+    let counter = attempts.clone();
+    // Outside `retry`: the limit is still per attempt.
+    let service = ServiceBuilder::new()
+        .layer(DeadlineLayer::per_attempt(Duration::from_millis(300)))
+        .retry(policy)
+        .map_request(move |r: TransferRequest| {
+            counter.fetch_add(1, Ordering::SeqCst);
+            r
+        })
+        .service(transfers.clone());
+
+    let req = TransferRequest::write(addr, [Descriptor::at_offset(src.addr(), 0, 4096)]);
+    let err = tokio::time::timeout(HANG, service.oneshot(req))
+        .await
+        .expect("an attempt limit did not end a dial")
+        .unwrap_err();
+    assert!(matches!(err, Error::Timeout(_)), "{err:?}");
+    assert_eq!(attempts.load(Ordering::SeqCst), 2);
+    assert_eq!(
+        transfers.stats().connect_failures,
+        2,
+        "both attempts dialled and were cut short: {:?}",
+        transfers.stats()
+    );
+    listener.abort();
+}
