@@ -245,7 +245,7 @@ pub fn for_each_region(parts: &[Resolved], mut f: impl FnMut(&RegionEntry, &[(u6
 pub type RegionRanges = (Arc<RegionEntry>, Vec<(u64, u64)>);
 
 /// `parts` grouped by region, in the order regions first appear.
-pub fn by_region(parts: &[Resolved]) -> Vec<RegionRanges> {
+pub fn by_region<'a>(parts: impl IntoIterator<Item = &'a Resolved>) -> Vec<RegionRanges> {
     let mut groups: Vec<RegionRanges> = Vec::new();
     for p in parts {
         match groups.iter_mut().find(|(r, _)| r.key() == p.region.key()) {

@@ -59,10 +59,11 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use ferry_core::codec::Segment;
+use ferry_core::region::by_region;
 use ferry_core::sync::take_all;
 use ferry_core::{
-    Access, DataLink, Durability, Error, Notification, Op, PersistMethod, Result, SetupExchange, TransferItem,
-    TransferRequest, TransportKind,
+    Access, DataLink, Durability, Error, Notification, Op, PersistMethod, RegionEntry, Result, SetupExchange,
+    TransferItem, TransferRequest, TransportKind,
 };
 use ferry_proto::rdma::{QpEndpoint, RemoteKey};
 use futures::future::BoxFuture;
@@ -901,11 +902,8 @@ async fn run(inner: Arc<Inner>, request: TransferRequest) -> Result<()> {
     }
     if request.op == Op::Write {
         // Memory behind a staging buffer (device-local GPU memory) is brought to the host first.
-        for &i in &hooked_local {
-            off_runtime(&request.items[i].local, |block, offset, len| {
-                block.prepare_read(offset, len)
-            })
-            .await?;
+        for (region, ranges) in by_region(hooked_local.iter().map(|&i| &request.items[i].local)) {
+            off_runtime(region, move |region| region.prepare_read_ranges(&ranges)).await?;
         }
     }
     if request.op == Op::Read && !hooked_remote.is_empty() {
@@ -926,9 +924,9 @@ async fn run(inner: Arc<Inner>, request: TransferRequest) -> Result<()> {
     posted.ids.clear();
     if request.op == Op::Read {
         // Local memory behind a staging buffer (device-local GPU memory) takes the bytes to the device.
-        for &i in &hooked_local {
-            off_runtime(&request.items[i].local, |block, offset, len| {
-                block.commit_written(offset, len, Durability::Completed)
+        for (region, ranges) in by_region(hooked_local.iter().map(|&i| &request.items[i].local)) {
+            off_runtime(region, move |region| {
+                region.commit_written_ranges(&ranges, Durability::Completed)
             })
             .await?;
         }
@@ -1007,18 +1005,18 @@ async fn post_and_commit(
     })
 }
 
-/// Runs a staged block's hook (a GPU copy, which waits for its fence) on `part`: on a blocking thread,
-/// under an owned permit of the region's guard held across it. [`Plan::hooked_local`] says which parts
-/// need it.
+/// Runs a staged block's hooks (GPU copies, which wait for their fence) on `region`: on a blocking
+/// thread, under an owned permit of the region's guard held across it. [`Plan::hooked_local`] says
+/// which parts need them; the caller groups them by region, so that each region's ranges are one trip
+/// to the blocking thread and one batch of device copies (`MemoryBlock::prepare_read_ranges`,
+/// `commit_written_ranges`), not one per range.
 async fn off_runtime(
-    part: &ferry_core::Resolved,
-    hook: impl FnOnce(&dyn ferry_core::MemoryBlock, usize, usize) -> Result<()> + Send + 'static,
+    region: Arc<RegionEntry>,
+    hooks: impl FnOnce(&RegionEntry) -> Result<()> + Send + 'static,
 ) -> Result<()> {
-    let region = &part.region;
     let permit = region.guard().enter_owned().ok_or_else(|| region.gone())?;
-    let (region, offset, len) = (region.clone(), part.offset as usize, part.len as usize);
     tokio::task::spawn_blocking(move || {
-        let result = hook(region.block().as_ref(), offset, len);
+        let result = hooks(&region);
         drop(permit);
         result
     })

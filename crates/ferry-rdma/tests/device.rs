@@ -100,6 +100,50 @@ async fn local_device_memory_is_what_the_nic_reads_and_writes() {
     assert_eq!(block.hook_calls(), 0, "no hook runs around the NIC's access");
 }
 
+/// Local device memory that no NIC reaches moves through its host copy: a WRITE sends what the device
+/// holds (copied into the host copy first), a READ's bytes go on to the device (copied from the host
+/// copy after). Each transfer's ranges reach the block as one batch, not one call per range.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn local_device_memory_the_nic_cannot_reach_moves_through_its_host_copy() {
+    let Some((target, initiator, peer)) = pair().await else {
+        return;
+    };
+    let remote = target.alloc_host(LEN, Access::READ_WRITE).unwrap();
+    wait_for(&peer, &remote).await;
+    let stale = pattern(LEN, 13);
+    let block = EmulatedDevice::unreachable_by_nics(&stale, &pattern(LEN, 14));
+    let local = initiator.register_block(block.clone(), Access::READ_WRITE).unwrap();
+    let descs = descs(local.addr(), remote.addr());
+    assert!(descs.len() > 1, "several ranges of one block");
+    assert_eq!(peer.transport(), TransportKind::Rdma);
+
+    initiator.transfer(&peer, Op::Write, &descs, T).await.unwrap();
+    assert_bytes(
+        &remote.to_vec().unwrap(),
+        &pattern(LEN, 14),
+        "RDMA WRITEs from local device memory behind its host copy",
+    );
+    assert_eq!(
+        block.batches(),
+        1,
+        "the write's ranges were copied from the device as one batch"
+    );
+
+    let want = pattern(LEN, 15);
+    remote.write_at(0, &want).unwrap();
+    initiator.transfer(&peer, Op::Read, &descs, T).await.unwrap();
+    assert_bytes(
+        &block.device_bytes(),
+        &want,
+        "the local device after RDMA READs into its host copy",
+    );
+    assert_eq!(
+        block.batches(),
+        2,
+        "the read's ranges were copied to the device as one batch"
+    );
+}
+
 /// On an engine that authenticates its links, each peer's registration of the region (in its own
 /// protection domain, at its own base) reaches the device memory too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -215,10 +215,9 @@ async fn floor(engine: &Engine, target: std::net::SocketAddr, base: u64, src: &A
         peer: peer.clone(),
         base,
     };
-    let rates = take_turns(&[
-        &|| Box::pin(direct(engine, &peer, src, base)),
-        &|| Box::pin(through_tower(&service, target, src)),
-    ])
+    let rates = take_turns(&[&|| Box::pin(direct(engine, &peer, src, base)), &|| {
+        Box::pin(through_tower(&service, target, src))
+    }])
     .await;
     println!(
         "{}",

@@ -46,7 +46,10 @@ pub struct EmulatedDevice {
     len: usize,
     /// What the block tells NICs to register; the device buffer unless a test says otherwise.
     nic_address: u64,
+    /// Ranges the hooks copied.
     hook_calls: AtomicUsize,
+    /// Calls of the batched hooks (`*_ranges`), each copying one or more ranges.
+    batches: AtomicUsize,
 }
 
 // SAFETY: the two buffers are owned by this value; their bytes are only reached through raw pointers
@@ -72,6 +75,7 @@ impl EmulatedDevice {
             host,
             device,
             hook_calls: AtomicUsize::new(0),
+            batches: AtomicUsize::new(0),
         })
     }
 
@@ -104,6 +108,10 @@ impl EmulatedDevice {
 
     pub fn hook_calls(&self) -> usize {
         self.hook_calls.load(Ordering::SeqCst)
+    }
+
+    pub fn batches(&self) -> usize {
+        self.batches.load(Ordering::SeqCst)
     }
 }
 
@@ -138,5 +146,17 @@ unsafe impl MemoryBlock for EmulatedDevice {
         // SAFETY: as in `commit_written`.
         unsafe { std::ptr::copy_nonoverlapping(self.device.first.add(offset), self.host.first.add(offset), len) };
         Ok(())
+    }
+    fn commit_written_ranges(&self, ranges: &[(usize, usize)], durability: Durability) -> ferry::Result<()> {
+        self.batches.fetch_add(1, Ordering::SeqCst);
+        ranges
+            .iter()
+            .try_for_each(|&(offset, len)| self.commit_written(offset, len, durability))
+    }
+    fn prepare_read_ranges(&self, ranges: &[(usize, usize)]) -> ferry::Result<()> {
+        self.batches.fetch_add(1, Ordering::SeqCst);
+        ranges
+            .iter()
+            .try_for_each(|&(offset, len)| self.prepare_read(offset, len))
     }
 }
