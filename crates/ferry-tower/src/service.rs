@@ -205,7 +205,7 @@ impl tower::Service<TransferRequest> for TransferService {
 
 /// When an attempt must end (the earlier of the request's deadline and its attempt limit from when
 /// it reached the service), and when it reached the service. Only a request with such a bound reads
-/// the clock: a read costs about 1 % of a 4 KiB write over TCP on a small machine.
+/// the clock: a read costs about half a percent of a 4 KiB write over TCP on a small machine.
 #[derive(Clone, Copy)]
 struct AttemptBound {
     deadline: Instant,

@@ -202,13 +202,14 @@ async fn an_attempt_limit_starts_with_the_attempt() {
     let addr = target.local_addr().unwrap();
     let engine = Engine::builder().build().await.unwrap();
     let src = engine.alloc_host(4096, Access::READ_WRITE).unwrap();
-    src.write_at(0, &[0x5a; 4096]).unwrap();
+    src.write_at(0, &[0x11; 4096]).unwrap();
     let service = TransferService::with_config(engine.clone(), patient_pool()).unwrap();
 
     let limit = Duration::from_millis(200);
+    let set_at = tokio::time::Instant::now();
     let write = TransferRequest::write(addr, [Descriptor::at_offset(src.addr(), 0, 4096)]);
     let limited = write.clone().with_attempt_limit(limit);
-    let deadline = write.with_deadline(tokio::time::Instant::now() + limit);
+    let deadline = write.clone().with_deadline(set_at + limit);
     assert_eq!(limited.attempt_limit(), Some(limit));
     assert_eq!(
         limited.clone().with_attempt_limit(limit * 2).attempt_limit(),
@@ -226,6 +227,19 @@ async fn an_attempt_limit_starts_with_the_attempt() {
     dst.read_at(0, &mut got).unwrap();
     assert_eq!(got, [0u8; 4096], "nothing written for the late request");
 
+    // Connect with a request that has no bound, so that the limited one only has its transfer to
+    // do, well within its limit even on a loaded machine.
+    tokio::time::timeout(HANG, service.clone().oneshot(write))
+        .await
+        .expect("hung")
+        .unwrap();
+    dst.read_at(0, &mut got).unwrap();
+    assert_eq!(got, [0x11; 4096]);
+    src.write_at(0, &[0x5a; 4096]).unwrap();
+    assert!(
+        set_at.elapsed() > limit * 2,
+        "the limited request has waited past its limit"
+    );
     tokio::time::timeout(HANG, service.oneshot(limited))
         .await
         .expect("hung")
