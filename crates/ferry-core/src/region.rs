@@ -130,6 +130,22 @@ impl RegionEntry {
     pub fn guard(&self) -> &Arc<AccessGuard> {
         &self.guard
     }
+    /// `work` on this region under an owned permit of its guard, taken now and released when `work`
+    /// returns, as a closure to run where the caller chooses: on a blocking thread, for work that may
+    /// block (a GPU copy and its fence, an `msync`), so that deregistration waits for it and no async
+    /// runtime thread does. `PermissionDenied` once the region is being deregistered.
+    pub fn with_owned_permit<T, F>(self: &Arc<Self>, work: F) -> Result<impl FnOnce() -> T + use<T, F>>
+    where
+        F: FnOnce(&RegionEntry) -> T,
+    {
+        let permit = self.guard.enter_owned().ok_or_else(|| self.gone())?;
+        let region = self.clone();
+        Ok(move || {
+            let result = work(&region);
+            drop(permit);
+            result
+        })
+    }
     /// What peers are told about this region.
     pub fn advert(&self) -> RegionAd {
         RegionAd {
@@ -435,6 +451,20 @@ mod tests {
     fn entry(len: usize, access: Access) -> Arc<RegionEntry> {
         let block: Arc<dyn MemoryBlock> = Arc::new(OwnedBuffer::new(vec![0u8; len]));
         Arc::new(RegionEntry::new(RegionKey::random().unwrap(), access, block).unwrap())
+    }
+
+    #[test]
+    fn work_under_an_owned_permit_holds_it_until_it_returns() {
+        let r = entry(4096, Access::READ_WRITE);
+        let work = r.with_owned_permit(|region| region.guard().held()).unwrap();
+        assert_eq!(r.guard().held(), 1, "taken when the work is packaged");
+        assert_eq!(work(), 1, "held while the work runs");
+        assert_eq!(r.guard().held(), 0, "released when it returns");
+        r.guard().close();
+        assert!(matches!(
+            r.with_owned_permit(|_| ()).map(|_| ()),
+            Err(Error::PermissionDenied(_))
+        ));
     }
 
     #[test]

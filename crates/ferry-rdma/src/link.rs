@@ -1014,14 +1014,9 @@ async fn off_runtime(
     region: Arc<RegionEntry>,
     hooks: impl FnOnce(&RegionEntry) -> Result<()> + Send + 'static,
 ) -> Result<()> {
-    let permit = region.guard().enter_owned().ok_or_else(|| region.gone())?;
-    tokio::task::spawn_blocking(move || {
-        let result = hooks(&region);
-        drop(permit);
-        result
-    })
-    .await
-    .map_err(|e| Error::Internal(format!("a staged block's copy on a blocking thread panicked: {e}")))?
+    tokio::task::spawn_blocking(region.with_owned_permit(hooks)?)
+        .await
+        .map_err(|e| Error::Internal(format!("a staged block's copy on a blocking thread panicked: {e}")))?
 }
 
 impl Inner {

@@ -15,20 +15,13 @@ async fn under_permit(
     blocking: bool,
     work: impl FnOnce(&RegionEntry) -> Result<()> + Send + 'static,
 ) -> Result<()> {
-    let permit = region.guard().enter_owned().ok_or_else(|| region.gone())?;
+    let work = region.with_owned_permit(work)?;
     if !blocking {
-        let result = work(region);
-        drop(permit);
-        return result;
+        return work();
     }
-    let region = region.clone();
-    tokio::task::spawn_blocking(move || {
-        let result = work(&region);
-        drop(permit);
-        result
-    })
-    .await
-    .map_err(|e| Error::Internal(format!("a staged block's work on a blocking thread panicked: {e}")))?
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|e| Error::Internal(format!("a staged block's work on a blocking thread panicked: {e}")))?
 }
 
 /// After `parts` were written (by a peer, or by a read's data landing): each part's block checked
