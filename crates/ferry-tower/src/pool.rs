@@ -234,10 +234,6 @@ impl Drop for InFlight {
 pub(crate) struct Lease {
     pub(crate) peer: Peer,
     pub(crate) new_link: bool,
-    /// Whether taking the lease waited for anything (a unit, a connect).
-    pub(crate) waited: bool,
-    /// The link's primary region as the pool knows it (see [`LinkState::primary`]).
-    pub(crate) primary: Option<Option<(u64, u64)>>,
     generation: u64,
     settled: bool,
     slot: SlotUse,
@@ -245,10 +241,20 @@ pub(crate) struct Lease {
     held: InFlight,
 }
 
+/// What starting a transfer on a fresh [`Lease`] needs to know, and the transfer's future then does
+/// not: kept apart from the lease, which that future carries.
+#[derive(Clone, Copy)]
+pub(crate) struct LeaseStart {
+    /// Whether taking the lease waited for anything (a unit, a connect).
+    pub(crate) waited: bool,
+    /// The link's primary region as the pool knows it (see [`LinkState::primary`]).
+    pub(crate) primary: Option<Option<(u64, u64)>>,
+}
+
 /// What [`Pool::try_checkout`] found.
 pub(crate) enum Checkout {
     /// A live link with a unit free on it: the common case, with nothing to wait for.
-    Ready(Lease),
+    Ready(Lease, LeaseStart),
     /// The request must wait, for a unit of the peer's limit or for a link:
     /// [`Pool::wait_for_link`] does.
     Wait(InFlight, SlotUse),
@@ -455,7 +461,8 @@ impl Pool {
         if slot.try_take_unit()
             && let Some(link) = slot.slot.live(pool)?
         {
-            return Ok(Checkout::Ready(Lease::new(held, slot, link, false, false)));
+            let (lease, start) = Lease::new(held, slot, link, false, false);
+            return Ok(Checkout::Ready(lease, start));
         }
         Ok(Checkout::Wait(held, slot))
     }
@@ -463,7 +470,11 @@ impl Pool {
     /// [`try_checkout`](Self::try_checkout) when it must wait: for a unit of the per-peer limit unless
     /// `slot` holds one, then for a live link, dialling one if no other request is. Waiting ends with
     /// `Timeout` at `deadline`.
-    pub(crate) async fn wait_for_link(held: InFlight, slot: SlotUse, deadline: Option<Instant>) -> Result<Lease> {
+    pub(crate) async fn wait_for_link(
+        held: InFlight,
+        slot: SlotUse,
+        deadline: Option<Instant>,
+    ) -> Result<(Lease, LeaseStart)> {
         let addr = slot.slot.addr;
         let waiting = Pool::wait_unbounded(held, slot);
         match deadline {
@@ -474,7 +485,7 @@ impl Pool {
         }
     }
 
-    async fn wait_unbounded(held: InFlight, mut slot: SlotUse) -> Result<Lease> {
+    async fn wait_unbounded(held: InFlight, mut slot: SlotUse) -> Result<(Lease, LeaseStart)> {
         let pool = &held.0;
         slot.take_unit().await;
         if let Some(link) = slot.slot.live(pool)? {
@@ -734,17 +745,25 @@ impl Drop for Dial<'_> {
 }
 
 impl Lease {
-    fn new(held: InFlight, slot: SlotUse, link: Link, new_link: bool, waited: bool) -> Self {
-        Lease {
+    fn new(held: InFlight, slot: SlotUse, link: Link, new_link: bool, waited: bool) -> (Self, LeaseStart) {
+        let lease = Lease {
             held,
             peer: link.peer,
             new_link,
-            waited,
-            primary: link.primary,
             generation: link.generation,
             settled: false,
             slot,
-        }
+        };
+        let start = LeaseStart {
+            waited,
+            primary: link.primary,
+        };
+        (lease, start)
+    }
+
+    /// The address the lease is for.
+    pub(crate) fn addr(&self) -> SocketAddr {
+        self.slot.slot.addr
     }
 
     /// The pool the lease is from.

@@ -202,56 +202,77 @@ impl TransferRequest {
     /// the regions `peer` advertises: `primary` is the pool's cached [`primary_region`] of the link
     /// when it keeps one (`None`: read the table now).
     pub(crate) fn resolve(&self, peer: &Peer, primary: Option<Option<(u64, u64)>>) -> Result<Resolved> {
-        let mut primary = primary;
         let needs_table = self.descs.iter().any(|d| match d.remote {
             RemoteAddr::Absolute(_) => false,
             RemoteAddr::Offset(_) => primary.is_none(),
             RemoteAddr::Region { .. } => true,
         });
-        let table = needs_table.then(|| peer.regions());
-        let mut resolve = |i: usize, d: &Descriptor| -> Result<TransferDesc> {
-            let remote_addr = match (d.remote, &table) {
-                (RemoteAddr::Absolute(addr), _) => addr,
-                (RemoteAddr::Offset(offset), table) => {
-                    let primary = match (primary, table) {
-                        (Some(cached), _) => cached,
-                        (None, Some(table)) => *primary.insert(primary_region(table)),
-                        (None, None) => None,
-                    };
-                    let Some((base, len)) = primary else {
-                        return Err(Error::OutOfBounds(format!(
-                            "descriptor {i}: {} advertises no region to resolve an offset against",
-                            peer.addr()
-                        )));
-                    };
-                    offset_into(base, len, offset, d.len, i)?
-                }
-                (RemoteAddr::Region { key, offset }, Some(table)) => {
-                    let ad = table.iter().find(|a| a.key == key).ok_or_else(|| {
-                        Error::PermissionDenied(format!(
-                            "descriptor {i}: {} advertises no region with key {key:?} (keys change when a peer \
-                                 restarts)",
-                            peer.addr()
-                        ))
-                    })?;
-                    offset_into(ad.addr, ad.len, offset, d.len, i)?
-                }
-                (_, None) => {
-                    return Err(Error::Internal("relative descriptor without a region table".into()));
-                }
-            };
-            Ok(TransferDesc::new(d.local_addr, remote_addr, d.len))
+        let mut resolver = Resolver {
+            peer,
+            primary,
+            table: needs_table.then(|| peer.regions()),
         };
-        if self.descs.len() <= INLINE {
-            let mut inline = [TransferDesc::new(0, 0, 0); INLINE];
-            for (i, d) in self.descs.iter().enumerate() {
-                inline[i] = resolve(i, d)?;
+        match &*self.descs {
+            // The common case, kept apart: nothing to fill but the one descriptor.
+            [d] => Ok(Resolved::One(resolver.resolve(0, d)?)),
+            descs if descs.len() <= INLINE => {
+                let mut inline = [TransferDesc::new(0, 0, 0); INLINE];
+                for (i, d) in descs.iter().enumerate() {
+                    inline[i] = resolver.resolve(i, d)?;
+                }
+                Ok(Resolved::Inline(inline, descs.len()))
             }
-            Ok(Resolved::Inline(inline, self.descs.len()))
-        } else {
-            let descs = self.descs.iter().enumerate().map(|(i, d)| resolve(i, d));
-            Ok(Resolved::Heap(descs.collect::<Result<_>>()?))
+            descs => {
+                let descs = descs.iter().enumerate().map(|(i, d)| resolver.resolve(i, d));
+                Ok(Resolved::Heap(descs.collect::<Result<_>>()?))
+            }
         }
+    }
+}
+
+/// Resolves one request's descriptors: reads the peer's region table at most once, and finds the
+/// primary region in it at most once.
+struct Resolver<'a> {
+    peer: &'a Peer,
+    primary: Option<Option<(u64, u64)>>,
+    /// The peer's table, where some descriptor needs it.
+    table: Option<RemoteRegions>,
+}
+
+impl Resolver<'_> {
+    /// Descriptor `i` of the request, `d`, as the engine takes it.
+    fn resolve(&mut self, i: usize, d: &Descriptor) -> Result<TransferDesc> {
+        let remote_addr = match d.remote {
+            RemoteAddr::Absolute(addr) => addr,
+            RemoteAddr::Offset(offset) => {
+                let primary = match (self.primary, &self.table) {
+                    (Some(cached), _) => cached,
+                    (None, Some(table)) => *self.primary.insert(primary_region(table)),
+                    (None, None) => None,
+                };
+                let Some((base, len)) = primary else {
+                    return Err(Error::OutOfBounds(format!(
+                        "descriptor {i}: {} advertises no region to resolve an offset against",
+                        self.peer.addr()
+                    )));
+                };
+                offset_into(base, len, offset, d.len, i)?
+            }
+            RemoteAddr::Region { key, offset } => {
+                let Some(table) = &self.table else {
+                    return Err(Error::Internal("relative descriptor without a region table".into()));
+                };
+                let ad = table.iter().find(|a| a.key == key).ok_or_else(|| {
+                    Error::PermissionDenied(format!(
+                        "descriptor {i}: {} advertises no region with key {key:?} (keys change when a peer \
+                             restarts)",
+                        self.peer.addr()
+                    ))
+                })?;
+                offset_into(ad.addr, ad.len, offset, d.len, i)?
+            }
+        };
+        Ok(TransferDesc::new(d.local_addr, remote_addr, d.len))
     }
 }
 
@@ -261,6 +282,7 @@ const INLINE: usize = 4;
 /// A request's descriptors as the engine takes them. Most requests carry one or a few, which stay
 /// inline: one allocation less per attempt.
 pub(crate) enum Resolved {
+    One(TransferDesc),
     Inline([TransferDesc; INLINE], usize),
     Heap(Vec<TransferDesc>),
 }
@@ -268,6 +290,7 @@ pub(crate) enum Resolved {
 impl Resolved {
     pub(crate) fn as_slice(&self) -> &[TransferDesc] {
         match self {
+            Resolved::One(desc) => std::slice::from_ref(desc),
             Resolved::Inline(descs, n) => &descs[..*n],
             Resolved::Heap(descs) => descs,
         }

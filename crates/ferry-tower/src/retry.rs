@@ -79,12 +79,20 @@ impl Default for RetryConfig {
 /// [deadline](TransferRequest::deadline) would pass during the pause is not retried.
 #[derive(Debug, Clone)]
 pub struct RetryPolicy {
-    max_retries: u32,
+    /// The settings and the budget, which every clone shares: `Retry` clones the policy for each
+    /// request, so that a clone is one reference count and a few words to copy.
+    shared: Arc<Shared>,
     retries: u32,
+    /// Made at the first retry: most requests never need one.
+    backoff: Option<Box<ExponentialBackoff<HasherRng>>>,
+}
+
+#[derive(Debug)]
+struct Shared {
+    max_retries: u32,
     backoff_min: Duration,
     backoff_max: Duration,
     jitter: f64,
-    backoff: Option<ExponentialBackoff<HasherRng>>,
     budget: Arc<RetryBudget>,
 }
 
@@ -118,19 +126,21 @@ impl RetryPolicy {
 
     fn from_parts(config: RetryConfig, budget: Arc<RetryBudget>) -> Self {
         RetryPolicy {
-            max_retries: config.max_retries,
+            shared: Arc::new(Shared {
+                max_retries: config.max_retries,
+                backoff_min: config.backoff_min,
+                backoff_max: config.backoff_max,
+                jitter: config.jitter,
+                budget,
+            }),
             retries: 0,
-            backoff_min: config.backoff_min,
-            backoff_max: config.backoff_max,
-            jitter: config.jitter,
             backoff: None,
-            budget,
         }
     }
 
     /// The budget this policy draws on.
     pub fn budget(&self) -> &Arc<RetryBudget> {
-        &self.budget
+        &self.shared.budget
     }
 
     fn decide(&mut self, failed: Option<bool>, deadline: Option<Instant>) -> Option<tokio::time::Sleep> {
@@ -139,15 +149,17 @@ impl RetryPolicy {
             tracing::debug!("not retrying: the error is not transient");
             return None;
         }
-        if self.retries >= self.max_retries {
+        let shared = &*self.shared;
+        if self.retries >= shared.max_retries {
             tracing::debug!(retries = self.retries, "not retrying: the request used all its retries");
             return None;
         }
         if self.backoff.is_none() {
             // A fresh random source per request: a maker clones its generator into every backoff
             // it makes, which would give concurrent requests the same "random" pauses.
-            let maker = ExponentialBackoffMaker::new(self.backoff_min, self.backoff_max, self.jitter, HasherRng::new());
-            self.backoff = maker.ok().map(|mut m| m.make_backoff());
+            let maker =
+                ExponentialBackoffMaker::new(shared.backoff_min, shared.backoff_max, shared.jitter, HasherRng::new());
+            self.backoff = maker.ok().map(|mut m| Box::new(m.make_backoff()));
         }
         let pause = self.backoff.as_mut()?.next_backoff();
         if deadline.is_some_and(|at| pause.deadline() >= at) {
@@ -155,7 +167,7 @@ impl RetryPolicy {
             return None;
         }
         // Last, so that only a retry that happens draws on the budget.
-        if !self.budget.withdraw() {
+        if !shared.budget.withdraw() {
             tracing::debug!("not retrying: the retry budget is spent");
             return None;
         }
@@ -168,7 +180,7 @@ impl RetryPolicy {
         // `Retry` calls this on its prototype policy for each new request (which has never retried)
         // and on the request's own clone after each retry: deposit once per original request.
         if self.retries == 0 {
-            self.budget.deposit();
+            self.shared.budget.deposit();
         }
         Some(req.clone())
     }
