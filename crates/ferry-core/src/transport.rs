@@ -233,6 +233,17 @@ pub struct TransferRequest {
     pub items: Vec<TransferItem>,
 }
 
+/// When a batch must be done: the instant its link fails it with `Timeout`, and how long it was given
+/// from when it started (what the error reports). The engine reads the clock once per batch to make
+/// it, from the transfer's timeout and the caller's deadline, whichever ends first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Due {
+    /// The instant the batch fails with `Timeout` unless complete.
+    pub at: std::time::Instant,
+    /// The time from the batch's start to `at`.
+    pub within: std::time::Duration,
+}
+
 /// The data path to one peer.
 pub trait DataLink: Send + Sync + 'static {
     /// Which transport carries it.
@@ -257,15 +268,11 @@ pub trait DataLink: Send + Sync + 'static {
         false
     }
     /// Runs a batch as [`transfer`](Self::transfer) does and, on a link that
-    /// [bounds transfers](Self::bounds_transfers), fails it with `Timeout` once `timeout` has passed
-    /// without its completion (one timer per link rather than one per transfer). Other links ignore
-    /// `timeout`.
-    fn transfer_within(
-        &self,
-        request: TransferRequest,
-        timeout: std::time::Duration,
-    ) -> BoxFuture<'static, Result<()>> {
-        let _ = timeout;
+    /// [bounds transfers](Self::bounds_transfers), fails it with `Timeout` at `due` if it has not
+    /// completed by then (one timer per link rather than one per transfer). `None`: no bound. Other
+    /// links ignore `due`.
+    fn transfer_within(&self, request: TransferRequest, due: Option<Due>) -> BoxFuture<'static, Result<()>> {
+        let _ = due;
         self.transfer(request)
     }
     /// Sends a notification; completes when the peer queued it. Ordered after every transfer that

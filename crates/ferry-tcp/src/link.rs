@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 use ferry_core::codec::{Frame, Hello, HelloAck, Limits, ReadStatus, Segment};
 use ferry_core::sync::ShardedLock;
 use ferry_core::{
-    AccessGuard, DataLink, Durability, Error, Notification, Op, PeerIdentity, PersistMethod, RegionEntry,
+    AccessGuard, DataLink, Due, Durability, Error, Notification, Op, PeerIdentity, PersistMethod, RegionEntry,
     RemoteRegions, Resolved, Result, TransferItem, TransferRequest, TransportKind,
 };
 use ferry_proto::handshake::check_ack;
@@ -607,7 +607,7 @@ impl Shared {
     }
 
     /// `bytes`' share of the link's byte budget, waiting until `bound` for it if it must wait.
-    async fn budget(&self, bytes: u64, bound: Option<Bound>) -> Result<OwnedSemaphorePermit> {
+    async fn budget(&self, bytes: u64, bound: Option<Due>) -> Result<OwnedSemaphorePermit> {
         let units = bytes.div_ceil(BUDGET_UNIT).clamp(1, self.budget_units as u64) as u32;
         match self.budget.clone().try_acquire_many_owned(units) {
             Ok(permit) => return Ok(permit),
@@ -755,17 +755,9 @@ fn segments(items: &[TransferItem]) -> Vec<Segment> {
         .collect()
 }
 
-/// A transfer's time limit: the deadline its operations carry, and the timeout it came from (for the
-/// error).
-#[derive(Debug, Clone, Copy)]
-struct Bound {
-    at: Instant,
-    timeout: Duration,
-}
-
 /// `what`, ended with `Timeout` at `bound`'s deadline when there is one: for what the protocol core's
 /// deadlines do not see (a wait for the byte budget, a staged block's hooks, a whole read).
-async fn within<T>(bound: Option<Bound>, what: impl Future<Output = Result<T>>) -> Result<T> {
+async fn within<T>(bound: Option<Due>, what: impl Future<Output = Result<T>>) -> Result<T> {
     match bound {
         None => what.await,
         Some(b) => tokio::time::timeout_at(b.at.into(), what)
@@ -774,7 +766,7 @@ async fn within<T>(bound: Option<Bound>, what: impl Future<Output = Result<T>>) 
     }
 }
 
-async fn run_transfer(shared: Arc<Shared>, request: TransferRequest, bound: Option<Bound>) -> Result<()> {
+async fn run_transfer(shared: Arc<Shared>, request: TransferRequest, bound: Option<Due>) -> Result<()> {
     let n = request.items.len();
     let result = match (request.op, bound) {
         // A read's answer is its data, which the stream's reader lands after the protocol core has
@@ -785,13 +777,13 @@ async fn run_transfer(shared: Arc<Shared>, request: TransferRequest, bound: Opti
     };
     match (result, bound) {
         (Err(Error::Timeout(_)), Some(b)) if Instant::now() >= b.at => {
-            Err(Error::transfer_timeout(n, &shared.peer, b.timeout))
+            Err(Error::transfer_timeout(n, &shared.peer, b.within))
         }
         (result, _) => result,
     }
 }
 
-async fn run_batch(shared: &Arc<Shared>, request: TransferRequest, bound: Option<Bound>) -> Result<()> {
+async fn run_batch(shared: &Arc<Shared>, request: TransferRequest, bound: Option<Due>) -> Result<()> {
     if shared.closed.load(Ordering::Acquire) {
         return Err(shared.closed_error());
     }
@@ -863,12 +855,7 @@ fn piece_len(piece: &Piece) -> u64 {
 
 /// Sends one piece of a write, under its share of the byte budget: straight from the region, or
 /// copied into a pool buffer with the rest of its group.
-async fn submit_write(
-    shared: &Shared,
-    piece: Piece,
-    durability: Durability,
-    bound: Option<Bound>,
-) -> Result<Submitted> {
+async fn submit_write(shared: &Shared, piece: Piece, durability: Durability, bound: Option<Due>) -> Result<Submitted> {
     let bytes = piece_len(&piece);
     let budget = Some(shared.budget(bytes, bound).await?);
     let deadline = bound.map(|b| b.at);
@@ -1211,9 +1198,8 @@ impl DataLink for TcpLink {
         true
     }
 
-    fn transfer_within(&self, request: TransferRequest, timeout: Duration) -> BoxFuture<'static, Result<()>> {
-        let bound = Instant::now().checked_add(timeout).map(|at| Bound { at, timeout });
-        Box::pin(run_transfer(self.shared.clone(), request, bound))
+    fn transfer_within(&self, request: TransferRequest, due: Option<Due>) -> BoxFuture<'static, Result<()>> {
+        Box::pin(run_transfer(self.shared.clone(), request, due))
     }
 
     fn notify(&self, notification: Notification) -> BoxFuture<'static, Result<()>> {

@@ -9,9 +9,10 @@
 //! request's deadline and `now + limit` into the [`TransferRequest`], and the pieces under it read it:
 //!
 //! - [`TransferService`](crate::TransferService) fails a request whose deadline has passed at once
-//!   with [`Error::Timeout`](ferry::Error::Timeout), bounds waiting for a link (the per-peer limit,
-//!   another request's connect, its own connect) by it, and hands the engine the time left, so the
-//!   engine's own timer ends the transfer at the deadline;
+//!   with [`Error::Timeout`](ferry::Error::Timeout), having sent nothing, bounds waiting for a link
+//!   (the per-peer limit, another request's connect, its own connect) by it, and hands it to the
+//!   engine ([`Engine::transfer_future_until`](ferry::Engine::transfer_future_until)), whose own timer
+//!   ends the transfer at the deadline;
 //! - [`RetryPolicy`](crate::RetryPolicy) does not retry a request whose deadline would pass during the
 //!   backoff pause.
 //!
@@ -22,8 +23,9 @@
 //! - [`DeadlineLayer::per_attempt`] bounds each attempt: it writes only the limit into the request
 //!   ([`TransferRequest::with_attempt_limit`]), and the service starts that clock when an attempt
 //!   reaches it, so every attempt gets the whole limit (never past the overall deadline), wherever the
-//!   layer sits. It reads no clock: the service reads the one it needs anyway for the overall
-//!   deadline. The time a request spends in layers between it and the service (a `tower::buffer`
+//!   layer sits. It reads no clock, and neither does the service on a live link: the engine takes the
+//!   limit as the transfer's timeout and the deadline as an instant, and reads the clock once for both
+//!   (waiting for a link reads it once more). The time a request spends in layers between it and the service (a `tower::buffer`
 //!   queue) is not part of an attempt.
 //!
 //! (A `DeadlineLayer::new` placed inside `retry` also bounds each attempt, since the retry layer

@@ -46,8 +46,9 @@
 //! attempt that hangs is cut short and repeated.
 //!
 //! The deadlines travel with the request and are enforced by the service, the pool, the engine's own
-//! transfer timeout and the retry policy, with no timer of their own (see [`deadline`]); the stack
-//! reads the clock twice per request, once for each. To time requests, read the engine's
+//! transfer timeout and the retry policy, with no timer of their own (see [`deadline`]); on a live
+//! link the stack reads the clock once per request (for the overall deadline) beside the engine's own
+//! read for the transfer's bound. To time requests, read the engine's
 //! `transfer_duration_seconds` histogram ([`ferry::metrics`]) or wrap the stack in a layer that does.
 //! `tower::timeout` works in the same places and also bounds layers that know nothing of deadlines,
 //! at the cost of a tokio timer per request and layer: for the two in this stack, 4–10 % fewer 4 KiB

@@ -245,8 +245,6 @@ pub(crate) struct Lease {
 /// not: kept apart from the lease, which that future carries.
 #[derive(Clone, Copy)]
 pub(crate) struct LeaseStart {
-    /// Whether taking the lease waited for anything (a unit, a connect).
-    pub(crate) waited: bool,
     /// The link's primary region as the pool knows it (see [`LinkState::primary`]).
     pub(crate) primary: Option<Option<(u64, u64)>>,
 }
@@ -461,7 +459,7 @@ impl Pool {
         if slot.try_take_unit()
             && let Some(link) = slot.slot.live(pool)?
         {
-            let (lease, start) = Lease::new(held, slot, link, false, false);
+            let (lease, start) = Lease::new(held, slot, link, false);
             return Ok(Checkout::Ready(lease, start));
         }
         Ok(Checkout::Wait(held, slot))
@@ -489,7 +487,7 @@ impl Pool {
         let pool = &held.0;
         slot.take_unit().await;
         if let Some(link) = slot.slot.live(pool)? {
-            return Ok(Lease::new(held, slot, link, false, true));
+            return Ok(Lease::new(held, slot, link, false));
         }
         let dialled = {
             let _dialling = slot.slot.connecting.lock().await;
@@ -502,7 +500,7 @@ impl Pool {
             }
         };
         let (link, new_link) = dialled?;
-        Ok(Lease::new(held, slot, link, new_link, true))
+        Ok(Lease::new(held, slot, link, new_link))
     }
 
     /// Connects `slot`'s address (its `connecting` lock held), or says why not.
@@ -745,7 +743,7 @@ impl Drop for Dial<'_> {
 }
 
 impl Lease {
-    fn new(held: InFlight, slot: SlotUse, link: Link, new_link: bool, waited: bool) -> (Self, LeaseStart) {
+    fn new(held: InFlight, slot: SlotUse, link: Link, new_link: bool) -> (Self, LeaseStart) {
         let lease = Lease {
             held,
             peer: link.peer,
@@ -754,10 +752,7 @@ impl Lease {
             settled: false,
             slot,
         };
-        let start = LeaseStart {
-            waited,
-            primary: link.primary,
-        };
+        let start = LeaseStart { primary: link.primary };
         (lease, start)
     }
 

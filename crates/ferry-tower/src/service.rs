@@ -71,9 +71,11 @@ impl Future for TransferFuture {
 ///   returned [`TransferFuture`] holds the engine's own future: nothing moves until it is polled, and
 ///   one dropped unpolled counts as no attempt on the link.
 /// - A request's [deadline](TransferRequest::deadline) is enforced here, and so is its
-///   [attempt limit](TransferRequest::attempt_limit), from when `call` starts the attempt: past the
-///   earlier of the two, `call` answers `Timeout` at once; waiting for a link ends at it; the engine
-///   gets the time left as the transfer's timeout (see [`crate::deadline`]).
+///   [attempt limit](TransferRequest::attempt_limit), from when `call` starts the attempt: a request
+///   already past its deadline fails with `Timeout` at once, having sent nothing; waiting for a link
+///   ends at the earlier of the two; the engine ends the transfer at it, taking the deadline as an
+///   instant and the limit as the transfer's timeout, so that the clock is read once per attempt, by
+///   the engine (see [`crate::deadline`]).
 ///
 /// Clones share the pool (and so the links); each clone reserves its own slot in `poll_ready`, as
 /// tower requires of cloned services.
@@ -180,46 +182,38 @@ impl tower::Service<TransferRequest> for TransferService {
         // the future is dropped. The future holds the pool too, so that its links stay up while the
         // request runs, even once the last clone of the service is gone.
         let held = InFlight(self.pool.clone());
-        let bound = AttemptBound::of(&request);
-        if bound.is_some_and(|b| b.deadline <= b.started) {
-            return TransferFuture(State::Failed(Some(past_deadline(
-                request.peer(),
-                "before an attempt started",
-            ))));
-        }
         match Pool::try_checkout(held, request.peer()) {
-            Ok(Checkout::Ready(lease, start)) => TransferFuture(Running::start(lease, start, &request, bound)),
-            Ok(Checkout::Wait(held, slot)) => TransferFuture(State::Waiting(Box::pin(async move {
-                let (lease, start) = Pool::wait_for_link(held, slot, bound.map(|b| b.deadline)).await?;
-                TransferFuture(Running::start(lease, start, &request, bound)).await
-            }))),
+            // The engine bounds the transfer by the request's deadline and reads the clock for it:
+            // none read here.
+            Ok(Checkout::Ready(lease, start)) => {
+                TransferFuture(Running::start(lease, start, &request, request.deadline()))
+            }
+            Ok(Checkout::Wait(held, slot)) => {
+                // Waiting needs the attempt's end as an instant: the clock is read on this path only.
+                let deadline = attempt_deadline(&request, Instant::now());
+                if deadline.is_some_and(|at| at <= Instant::now()) {
+                    return TransferFuture(State::Failed(Some(past_deadline(
+                        request.peer(),
+                        "before an attempt started",
+                    ))));
+                }
+                TransferFuture(State::Waiting(Box::pin(async move {
+                    let (lease, start) = Pool::wait_for_link(held, slot, deadline).await?;
+                    TransferFuture(Running::start(lease, start, &request, deadline)).await
+                })))
+            }
             Err(e) => TransferFuture(State::Failed(Some(e))),
         }
     }
 }
 
-/// When an attempt must end (the earlier of the request's deadline and its attempt limit from when
-/// it reached the service), and when it reached the service. Only a request with such a bound reads
-/// the clock: a read costs about half a percent of a 4 KiB write over TCP on a small machine.
-#[derive(Clone, Copy)]
-struct AttemptBound {
-    deadline: Instant,
-    started: Instant,
-}
-
-impl AttemptBound {
-    fn of(request: &TransferRequest) -> Option<AttemptBound> {
-        if request.deadline().is_none() && request.attempt_limit().is_none() {
-            return None;
-        }
-        let started = Instant::now();
-        // A limit too large to add to now bounds nothing.
-        let attempt = request.attempt_limit().and_then(|limit| started.checked_add(limit));
-        let deadline = match (request.deadline(), attempt) {
-            (Some(a), Some(b)) => a.min(b),
-            (a, b) => a.or(b)?,
-        };
-        Some(AttemptBound { deadline, started })
+/// When an attempt that starts at `now` must end: the earlier of the request's deadline and its
+/// attempt limit from `now` (a limit too large to add to now bounds nothing).
+fn attempt_deadline(request: &TransferRequest, now: Instant) -> Option<Instant> {
+    let limit = request.attempt_limit().and_then(|limit| now.checked_add(limit));
+    match (request.deadline(), limit) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
     }
 }
 
@@ -249,7 +243,7 @@ impl Running {
     /// Inlined so that the running state is built where the caller's future lives: a transfer's
     /// state is some 260 bytes, and each move of it costs a `memcpy` on every request.
     #[inline(always)]
-    fn start(mut lease: Lease, start: LeaseStart, request: &TransferRequest, bound: Option<AttemptBound>) -> State {
+    fn start(mut lease: Lease, start: LeaseStart, request: &TransferRequest, deadline: Option<Instant>) -> State {
         let descs = match request.resolve(&lease.peer, start.primary) {
             Ok(descs) => descs,
             Err(e) => {
@@ -259,24 +253,17 @@ impl Running {
         };
         let pool = lease.pool();
         let mut timeout = request.timeout().unwrap_or(pool.config.transfer_timeout);
-        if let Some(bound) = bound {
-            // The engine's own timer ends the transfer at the deadline: no second one here. A lease
-            // that waited for nothing was taken microseconds after the attempt started: no second
-            // clock read.
-            let now = if start.waited { Instant::now() } else { bound.started };
-            let left = bound.deadline.saturating_duration_since(now);
-            if left.is_zero() {
-                lease.settle_neutral();
-                return State::Failed(Some(past_deadline(request.peer(), "before the transfer started")));
-            }
-            timeout = timeout.min(left);
+        if let Some(limit) = request.attempt_limit() {
+            timeout = timeout.min(limit);
         }
-        let transfer = pool.engine.transfer_future(
+        // The engine's own timer ends the transfer at the deadline: no second one here.
+        let transfer = pool.engine.transfer_future_until(
             &lease.peer,
             request.op(),
             descs.as_slice(),
             request.durability(),
             timeout,
+            deadline.map(Instant::into_std),
         );
         match transfer {
             Ok(transfer) => State::Running(Running {
@@ -286,6 +273,12 @@ impl Running {
                 bytes: request.bytes(),
                 polled: false,
             }),
+            // Before sending anything the engine answers `Timeout` only for a deadline already
+            // passed: the request was late, which says nothing of the link.
+            Err(e @ Error::Timeout(_)) => {
+                lease.settle_neutral();
+                State::Failed(Some(e))
+            }
             Err(e) => {
                 lease.settle_failed(&e);
                 State::Failed(Some(e))

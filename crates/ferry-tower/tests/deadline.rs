@@ -60,6 +60,32 @@ async fn a_passed_deadline_fails_before_anything_is_sent() {
     dst.read_at(0, &mut got).unwrap();
     assert_eq!(got, [0u8; 4096], "nothing written");
 
+    // On a live link the engine refuses the late request, still before sending anything, and the
+    // pool does not hold it against the link: late requests are not a link that stops answering.
+    let write = TransferRequest::write(addr, [Descriptor::at_offset(src.addr(), 0, 4096)]);
+    tokio::time::timeout(HANG, service.clone().oneshot(write.clone().with_attempt_limit(HANG)))
+        .await
+        .expect("hung")
+        .unwrap();
+    dst.write_at(0, &[0u8; 4096]).unwrap();
+    let before = service.stats();
+    for _ in 0..3 {
+        let late = write.clone().with_deadline(tokio::time::Instant::now());
+        let err = tokio::time::timeout(HANG, service.clone().oneshot(late))
+            .await
+            .expect("hung")
+            .unwrap_err();
+        assert!(matches!(err, Error::Timeout(_)), "{err:?}");
+    }
+    dst.read_at(0, &mut got).unwrap();
+    assert_eq!(got, [0u8; 4096], "nothing written on a live link either");
+    let after = service.stats();
+    assert_eq!(
+        (after.links_dropped, after.connects),
+        (before.links_dropped, before.connects),
+        "late requests cost the link: {after:?}"
+    );
+
     // The earlier of two deadlines holds: a later one does not revive the request.
     let later = tokio::time::Instant::now() + Duration::from_secs(60);
     let req = TransferRequest::write(addr, [Descriptor::at_offset(src.addr(), 0, 4096)])

@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use ferry_core::codec::Limits;
 use ferry_core::sync::ShardedLock;
@@ -867,8 +867,25 @@ impl Engine {
         durability: Durability,
         timeout: Duration,
     ) -> Result<Transfer> {
+        self.transfer_future_until(peer, op, descs, durability, timeout, None)
+    }
+
+    /// [`transfer_future`](Self::transfer_future) that also ends by `deadline`: the transfer fails
+    /// with `Timeout` at `timeout` from now or at `deadline`, whichever comes first, and at once,
+    /// having sent nothing, when the deadline has already passed. For callers that carry a deadline
+    /// across calls (a request with retries, say): the engine reads the clock once for both bounds,
+    /// where turning the deadline into a timeout first would read it twice.
+    pub fn transfer_future_until(
+        &self,
+        peer: &Peer,
+        op: Op,
+        descs: &[TransferDesc],
+        durability: Durability,
+        timeout: Duration,
+        deadline: Option<Instant>,
+    ) -> Result<Transfer> {
         let request = self.resolve_request(peer, op, descs, durability)?;
-        Ok(Transfer::new(peer, request, timeout))
+        Transfer::new(peer, request, timeout, deadline)
     }
 
     /// Resolves a batch once, for [`transfer_prepared`](Self::transfer_prepared) to post many times
@@ -902,7 +919,7 @@ impl Engine {
     /// does.
     pub async fn transfer_prepared(&self, prepared: &PreparedTransfer, timeout: Duration) -> Result<()> {
         self.check_peer(&prepared.peer)?;
-        Transfer::new(&prepared.peer, prepared.request.clone(), timeout).await
+        Transfer::new(&prepared.peer, prepared.request.clone(), timeout, None)?.await
     }
 
     /// Starts a batch and returns at once (HIXL `TransferAsync`): poll the handle's
@@ -929,7 +946,7 @@ impl Engine {
     ) -> Result<TransferHandle> {
         let request = self.resolve_request(peer, op, descs, durability)?;
         let status = Arc::new(AtomicU8::new(0));
-        let transfer = Transfer::new(peer, request, timeout);
+        let transfer = Transfer::new(peer, request, timeout, None)?;
         // The link (and its slot among the engine's links) is held until the batch ends, as a
         // caller of `transfer` holds it by awaiting.
         let peer = peer.clone();

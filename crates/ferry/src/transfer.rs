@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::task::{Context, Poll, ready};
 use std::time::{Duration, Instant};
 
-use ferry_core::{DataLink, Error, Op, Result, TransferRequest};
+use ferry_core::{DataLink, Due, Error, Op, Result, TransferRequest};
 use futures::future::BoxFuture;
 use tokio::task::JoinHandle;
 
@@ -82,7 +82,9 @@ impl Future for TransferHandle {
 ///
 /// Its timeout counts from when it was made (on links that bound batches themselves, TCP's) or from
 /// the first poll that finds the batch unfinished (elsewhere, so that a batch done at once arms no
-/// timer): await it soon after making it.
+/// timer): await it soon after making it. A deadline
+/// ([`Engine::transfer_future_until`](crate::Engine::transfer_future_until)) ends it at that instant
+/// whatever the link.
 #[must_use = "a transfer does nothing unless it is awaited"]
 pub struct Transfer {
     addr: std::net::SocketAddr,
@@ -112,7 +114,9 @@ enum Work {
 enum Timer {
     /// The link ends the batch at its timeout itself.
     Link,
-    Unarmed,
+    /// Armed at the first `Pending`: for the transfer's timeout from then, or until the instant given
+    /// (a caller's deadline, already folded with the timeout).
+    Unarmed(Option<Instant>),
     /// Boxed: a timer is large, and inline it would grow every transfer's future, the many that
     /// never need it included.
     Armed(Pin<Box<tokio::time::Sleep>>),
@@ -130,9 +134,34 @@ impl std::fmt::Debug for Transfer {
 }
 
 impl Transfer {
-    /// Hands `request`, already resolved and checked, to `peer`'s data link.
-    pub(crate) fn new(peer: &Peer, request: TransferRequest, timeout: Duration) -> Self {
+    /// Hands `request`, already resolved and checked, to `peer`'s data link, to be done within
+    /// `timeout` and, with a `deadline`, by then. `Timeout` at once, with nothing sent, when the
+    /// deadline has already passed.
+    ///
+    /// The clock is read once here, for both bounds, and only where something needs it: a link that
+    /// bounds batches itself takes the instant they make ([`Due`]); elsewhere, a transfer without a
+    /// deadline reads none until its first poll finds it unfinished (see [`poll_bounded`]).
+    pub(crate) fn new(
+        peer: &Peer,
+        request: TransferRequest,
+        timeout: Duration,
+        deadline: Option<Instant>,
+    ) -> Result<Self> {
         let (op, descriptors) = (request.op, request.items.len());
+        let data = &peer.inner.data;
+        let link_bounds = data.bounds_transfers();
+        let metered = peer.inner.metrics.is_some();
+        let now = (link_bounds || deadline.is_some() || metered).then(Instant::now);
+        let due = match now {
+            Some(now) => due(now, timeout, deadline).map_err(|()| {
+                Error::Timeout(format!(
+                    "a batch of {descriptors} descriptors to {}: its deadline passed before it started; \
+                     nothing was sent",
+                    peer.addr()
+                ))
+            })?,
+            None => None,
+        };
         let span = tracing::debug_span!(
             "transfer",
             op = ?op,
@@ -144,14 +173,25 @@ impl Transfer {
         );
         let bytes = request.items.iter().map(|i| i.len()).sum();
         span.record("bytes", bytes);
-        let data = &peer.inner.data;
-        let (work, timer) = match data.bounds_transfers() {
-            true => (Work::Started(data.transfer_within(request, timeout)), Timer::Link),
-            false => (Work::Unstarted(data.clone(), request), Timer::Unarmed),
+        let (work, timer, timeout) = match link_bounds {
+            true => (Work::Started(data.transfer_within(request, due)), Timer::Link, timeout),
+            // With a deadline the timer ends at the instant both bounds make; without, it counts the
+            // timeout from the first `Pending`.
+            false => match (deadline, due) {
+                (Some(_), Some(due)) => (
+                    Work::Unstarted(data.clone(), request),
+                    Timer::Unarmed(Some(due.at)),
+                    due.within,
+                ),
+                _ => (Work::Unstarted(data.clone(), request), Timer::Unarmed(None), timeout),
+            },
         };
-        Transfer {
+        Ok(Transfer {
             addr: peer.addr(),
-            metered: peer.inner.metrics.as_ref().map(|_| (peer.clone(), Instant::now())),
+            metered: match (metered, now) {
+                (true, Some(now)) => Some((peer.clone(), now)),
+                _ => None,
+            },
             work,
             timeout,
             timer,
@@ -159,7 +199,22 @@ impl Transfer {
             descriptors,
             bytes,
             span,
-        }
+        })
+    }
+}
+
+/// When a batch started at `now` must end: `timeout` later, or at `deadline` if that comes first.
+/// `None` when neither bounds it (a timeout too long to add to now, and no deadline); `Err` when the
+/// deadline is not after `now`.
+fn due(now: Instant, timeout: Duration, deadline: Option<Instant>) -> std::result::Result<Option<Due>, ()> {
+    let at = match (now.checked_add(timeout), deadline) {
+        (Some(a), Some(d)) => Some(a.min(d)),
+        (a, d) => a.or(d),
+    };
+    match at {
+        Some(at) if at <= now => Err(()),
+        Some(at) => Ok(Some(Due { at, within: at - now })),
+        None => Ok(None),
     }
 }
 
@@ -238,8 +293,12 @@ fn poll_bounded(
         }
         return Poll::Ready(done.map_err(Some));
     }
-    if let Timer::Unarmed = timer {
-        *timer = Timer::Armed(Box::pin(tokio::time::sleep(timeout)));
+    if let Timer::Unarmed(until) = *timer {
+        let sleep = match until {
+            Some(at) => tokio::time::sleep_until(at.into()),
+            None => tokio::time::sleep(timeout),
+        };
+        *timer = Timer::Armed(Box::pin(sleep));
     }
     match timer {
         Timer::Armed(sleep) => sleep.as_mut().poll(cx).map(|()| Err(None)),

@@ -1,11 +1,13 @@
 //! Transfer timeouts over TCP, which the link enforces with one timer for all its operations (the
 //! protocol core's deadlines): a write to a frozen target ends at its own timeout, even when another
 //! write with a much later one is already waiting, and the link serves again once the target thaws.
+//! A deadline (`Engine::transfer_future_until`) ends a write that its timeout would let run on, and
+//! one already passed refuses the transfer before anything is sent.
 
 use std::sync::mpsc;
 use std::time::Duration;
 
-use ferry::{Access, Engine, Error, Op, TransferDesc, TransportKind};
+use ferry::{Access, Durability, Engine, Error, Op, Peer, Region, TransferDesc, TransportKind};
 
 /// Far longer than any step here takes, and shorter than the link's keepalive step (5 s), so that a
 /// timer that slept towards that step instead of the sooner deadline shows as a hang.
@@ -65,6 +67,18 @@ fn frozen_target() -> Frozen {
     }
 }
 
+/// An engine linked to `target` over TCP, with a local region of 64 KiB.
+async fn writer_to(target: &Frozen) -> (Engine, Peer, Region) {
+    let engine = Engine::builder()
+        .transports([TransportKind::Tcp])
+        .build()
+        .await
+        .unwrap();
+    let peer = engine.connect(&target.addr.to_string(), HANG).await.unwrap();
+    let src = engine.alloc_host(1 << 16, Access::READ_WRITE).unwrap();
+    (engine, peer, src)
+}
+
 impl Frozen {
     /// Blocks the target's thread, and returns once it is blocked.
     fn freeze(&self) {
@@ -76,13 +90,7 @@ impl Frozen {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_write_ends_at_its_own_timeout_however_late_the_others_are() {
     let target = frozen_target();
-    let engine = Engine::builder()
-        .transports([TransportKind::Tcp])
-        .build()
-        .await
-        .unwrap();
-    let peer = engine.connect(&target.addr.to_string(), HANG).await.unwrap();
-    let src = engine.alloc_host(1 << 16, Access::READ_WRITE).unwrap();
+    let (engine, peer, src) = writer_to(&target).await;
     src.write_at(0, &[7u8; 4096]).unwrap();
     let desc = |at: u64| [TransferDesc::new(src.addr_at(at), target.region + at, 4096)];
     engine.transfer(&peer, Op::Write, &desc(0), HANG).await.unwrap();
@@ -116,4 +124,81 @@ async fn a_write_ends_at_its_own_timeout_however_late_the_others_are() {
     drop(engine);
     target.done.send(()).unwrap();
     target.thread.join().unwrap();
+}
+
+/// `transfer_future_until` ends a write at its deadline when that comes before its timeout: against a
+/// frozen target, a write with ten times `HANG` to run and a deadline 300 ms away fails with
+/// `Timeout` well within `HANG`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_ends_at_its_deadline_before_its_timeout() {
+    let target = frozen_target();
+    let (engine, peer, src) = writer_to(&target).await;
+    let desc = [TransferDesc::new(src.addr(), target.region, 4096)];
+    engine.transfer(&peer, Op::Write, &desc, HANG).await.unwrap();
+
+    target.freeze();
+    let started = std::time::Instant::now();
+    let deadline = started + Duration::from_millis(300);
+    let transfer = engine
+        .transfer_future_until(
+            &peer,
+            Op::Write,
+            &desc,
+            Durability::Completed,
+            HANG * 10,
+            Some(deadline),
+        )
+        .unwrap();
+    let result = tokio::time::timeout(HANG, transfer)
+        .await
+        .expect("the write waited past its deadline");
+    assert!(matches!(result, Err(Error::Timeout(_))), "{result:?}");
+    assert!(std::time::Instant::now() >= deadline, "it ended before its deadline");
+
+    target.thaw.send(()).unwrap();
+    drop(engine);
+    target.done.send(()).unwrap();
+    target.thread.join().unwrap();
+}
+
+/// A transfer whose deadline has already passed is refused when it is made, with `Timeout`, and
+/// sends nothing: over TCP, whose link bounds batches itself, and over shared memory, where the
+/// transfer bounds itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transfer_past_its_deadline_sends_nothing() {
+    for transports in [vec![TransportKind::Tcp], vec![TransportKind::Shm]] {
+        let target = Engine::builder()
+            .transports(transports.clone())
+            .listen("127.0.0.1:0")
+            .build()
+            .await
+            .unwrap();
+        let dst = target.alloc_host(4096, Access::READ_WRITE).unwrap();
+        let engine = Engine::builder().transports(transports).build().await.unwrap();
+        let peer = engine
+            .connect(&target.local_addr().unwrap().to_string(), HANG)
+            .await
+            .unwrap();
+        let src = engine.alloc_host(4096, Access::READ_WRITE).unwrap();
+        src.write_at(0, &[0x5a; 4096]).unwrap();
+        let desc = [TransferDesc::new(src.addr(), dst.addr(), 4096)];
+        let past = std::time::Instant::now() - Duration::from_millis(1);
+        let late = engine.transfer_future_until(&peer, Op::Write, &desc, Durability::Completed, HANG, Some(past));
+        match late {
+            Err(Error::Timeout(msg)) => assert!(msg.contains("nothing was sent"), "{msg}"),
+            other => panic!("{}: a transfer made past its deadline: {other:?}", peer.transport()),
+        }
+        // The link is fine, and nothing of the late write landed before this one's check.
+        let mut got = [1u8; 4096];
+        dst.read_at(0, &mut got).unwrap();
+        assert_eq!(got, [0u8; 4096], "{}: the late write landed", peer.transport());
+        let soon = std::time::Instant::now() + HANG;
+        engine
+            .transfer_future_until(&peer, Op::Write, &desc, Durability::Completed, HANG, Some(soon))
+            .unwrap()
+            .await
+            .unwrap();
+        dst.read_at(0, &mut got).unwrap();
+        assert_eq!(got, [0x5a; 4096], "{}: a write within its deadline", peer.transport());
+    }
 }
