@@ -233,15 +233,22 @@ pub struct TransferRequest {
     pub items: Vec<TransferItem>,
 }
 
-/// When a batch must be done: the instant its link fails it with `Timeout`, and how long it was given
-/// from when it started (what the error reports). The engine reads the clock once per batch to make
-/// it, from the transfer's timeout and the caller's deadline, whichever ends first.
+/// When a batch must be done: the instant its link fails it with `Timeout`, and when it started (for
+/// the error, which says how long the batch was given). The engine reads the clock once per batch to
+/// make it, from the transfer's timeout and the caller's deadline, whichever ends first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Due {
     /// The instant the batch fails with `Timeout` unless complete.
     pub at: std::time::Instant,
-    /// The time from the batch's start to `at`.
-    pub within: std::time::Duration,
+    /// When the batch started.
+    pub started: std::time::Instant,
+}
+
+impl Due {
+    /// How long the batch was given.
+    pub fn within(&self) -> std::time::Duration {
+        self.at.saturating_duration_since(self.started)
+    }
 }
 
 /// The data path to one peer.

@@ -777,7 +777,7 @@ async fn run_transfer(shared: Arc<Shared>, request: TransferRequest, bound: Opti
     };
     match (result, bound) {
         (Err(Error::Timeout(_)), Some(b)) if Instant::now() >= b.at => {
-            Err(Error::transfer_timeout(n, &shared.peer, b.within))
+            Err(Error::transfer_timeout(n, &shared.peer, b.within()))
         }
         (result, _) => result,
     }

@@ -181,7 +181,7 @@ impl Transfer {
                 (Some(_), Some(due)) => (
                     Work::Unstarted(data.clone(), request),
                     Timer::Unarmed(Some(due.at)),
-                    due.within,
+                    due.within(),
                 ),
                 _ => (Work::Unstarted(data.clone(), request), Timer::Unarmed(None), timeout),
             },
@@ -205,17 +205,16 @@ impl Transfer {
 
 /// When a batch started at `now` must end: `timeout` later, or at `deadline` if that comes first.
 /// `None` when neither bounds it (a timeout too long to add to now, and no deadline); `Err` when the
-/// deadline is not after `now`.
+/// deadline comes first and is not after `now`.
 fn due(now: Instant, timeout: Duration, deadline: Option<Instant>) -> std::result::Result<Option<Due>, ()> {
     let at = match (now.checked_add(timeout), deadline) {
-        (Some(a), Some(d)) => Some(a.min(d)),
-        (a, d) => a.or(d),
+        (Some(at), None) => at,
+        (Some(at), Some(d)) if at <= d => at,
+        (_, Some(d)) if d <= now => return Err(()),
+        (_, Some(d)) => d,
+        (None, None) => return Ok(None),
     };
-    match at {
-        Some(at) if at <= now => Err(()),
-        Some(at) => Ok(Some(Due { at, within: at - now })),
-        None => Ok(None),
-    }
+    Ok(Some(Due { at, started: now }))
 }
 
 /// Bytes a transfer may move on the caller's thread per unit of the task's coop budget. tokio counts
