@@ -103,15 +103,13 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, request: TransferRequest) -> S::Future {
+    fn call(&mut self, mut request: TransferRequest) -> S::Future {
         if self.per_attempt {
-            return self.inner.call(request.with_attempt_limit(self.limit));
+            request.limit_attempts(self.limit);
+        } else if let Some(at) = Instant::now().checked_add(self.limit) {
+            // A limit too large to add to now (Duration::MAX, say) sets no deadline.
+            request.bound_by(at);
         }
-        // A limit too large to add to now (Duration::MAX, say) sets no deadline.
-        let request = match Instant::now().checked_add(self.limit) {
-            Some(at) => request.with_deadline(at),
-            None => request,
-        };
         self.inner.call(request)
     }
 }

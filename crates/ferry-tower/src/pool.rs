@@ -453,8 +453,10 @@ impl Pool {
             slot,
             holds_unit: false,
         };
-        for peer in evicted {
-            pool.close_in_background(peer);
+        if !evicted.is_empty() {
+            for peer in evicted {
+                pool.close_in_background(peer);
+            }
         }
         if slot.try_take_unit()
             && let Some(link) = slot.slot.live(pool)?

@@ -143,8 +143,13 @@ impl TransferRequest {
     /// [`DeadlineLayer`](crate::DeadlineLayer); the [`TransferService`](crate::TransferService)
     /// enforces it (see [`crate::deadline`]).
     pub fn with_deadline(mut self, at: Instant) -> Self {
-        self.deadline = Some(self.deadline.map_or(at, |earlier| earlier.min(at)));
+        self.bound_by(at);
         self
+    }
+
+    /// [`with_deadline`](Self::with_deadline) in place, for layers that pass the request on.
+    pub(crate) fn bound_by(&mut self, at: Instant) {
+        self.deadline = Some(self.deadline.map_or(at, |earlier| earlier.min(at)));
     }
 
     /// When the request must be done, if anything set a deadline.
@@ -159,8 +164,13 @@ impl TransferRequest {
     /// Unlike a deadline, the limit is not a point in time: each attempt starts it afresh, so a retry
     /// gets all of it.
     pub fn with_attempt_limit(mut self, limit: Duration) -> Self {
-        self.attempt_limit = Some(self.attempt_limit.map_or(limit, |smaller| smaller.min(limit)));
+        self.limit_attempts(limit);
         self
+    }
+
+    /// [`with_attempt_limit`](Self::with_attempt_limit) in place, for layers that pass the request on.
+    pub(crate) fn limit_attempts(&mut self, limit: Duration) {
+        self.attempt_limit = Some(self.attempt_limit.map_or(limit, |smaller| smaller.min(limit)));
     }
 
     /// How long each attempt may take, if anything set a limit.
@@ -202,6 +212,14 @@ impl TransferRequest {
     /// the regions `peer` advertises: `primary` is the pool's cached [`primary_region`] of the link
     /// when it keeps one (`None`: read the table now).
     pub(crate) fn resolve(&self, peer: &Peer, primary: Option<Option<(u64, u64)>>) -> Result<Resolved> {
+        // The common case, in short: one descriptor at an offset into the primary region the pool
+        // keeps for the link.
+        if let ([d], Some(Some((base, len)))) = (&*self.descs, primary)
+            && let RemoteAddr::Offset(offset) = d.remote
+        {
+            let remote_addr = offset_into(base, len, offset, d.len, 0)?;
+            return Ok(Resolved::One(TransferDesc::new(d.local_addr, remote_addr, d.len)));
+        }
         let needs_table = self.descs.iter().any(|d| match d.remote {
             RemoteAddr::Absolute(_) => false,
             RemoteAddr::Offset(_) => primary.is_none(),
@@ -213,7 +231,6 @@ impl TransferRequest {
             table: needs_table.then(|| peer.regions()),
         };
         match &*self.descs {
-            // The common case, kept apart: nothing to fill but the one descriptor.
             [d] => Ok(Resolved::One(resolver.resolve(0, d)?)),
             descs if descs.len() <= INLINE => {
                 let mut inline = [TransferDesc::new(0, 0, 0); INLINE];
