@@ -143,8 +143,9 @@ impl RetryPolicy {
         &self.shared.budget
     }
 
-    fn decide(&mut self, failed: Option<bool>, deadline: Option<Instant>) -> Option<tokio::time::Sleep> {
-        let transient = failed?;
+    /// Whether to repeat a request that failed with an error that is `transient` or not, and after
+    /// what pause.
+    fn decide(&mut self, transient: bool, deadline: Option<Instant>) -> Option<tokio::time::Sleep> {
         if !transient {
             tracing::debug!("not retrying: the error is not transient");
             return None;
@@ -194,7 +195,9 @@ impl<Res> Policy<TransferRequest, Res, Error> for RetryPolicy {
         req: &mut TransferRequest,
         result: &mut std::result::Result<Res, Error>,
     ) -> Option<Self::Future> {
-        self.decide(result.as_ref().err().map(is_transient_ferry), req.deadline())
+        // A success ends here, without a call: it is every request's last step.
+        let error = result.as_ref().err()?;
+        self.decide(is_transient_ferry(error), req.deadline())
     }
 
     fn clone_request(&mut self, req: &TransferRequest) -> Option<TransferRequest> {
@@ -210,7 +213,8 @@ impl<Res> Policy<TransferRequest, Res, BoxError> for RetryPolicy {
         req: &mut TransferRequest,
         result: &mut std::result::Result<Res, BoxError>,
     ) -> Option<Self::Future> {
-        self.decide(result.as_ref().err().map(|e| is_transient(&**e)), req.deadline())
+        let error = result.as_ref().err()?;
+        self.decide(is_transient(&**error), req.deadline())
     }
 
     fn clone_request(&mut self, req: &TransferRequest) -> Option<TransferRequest> {
