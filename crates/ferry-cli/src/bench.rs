@@ -66,7 +66,7 @@ pub struct Args {
     /// persistence domain; the target registers a file), or both, side by side.
     #[arg(long, default_value = "completed", value_parser = ["completed", "persistent", "both"])]
     durability: String,
-    /// Place each batch's descriptors in a shuffled order of block slots, a different one on each
+    /// Place each batch's descriptors in a shuffled order of block positions, a different one on each
     /// side, as the blocks of a paged KV cache lie (no two neighbours are adjacent in memory).
     #[arg(long)]
     scatter: bool,
@@ -118,7 +118,7 @@ struct CaseResult {
     persist_share: Option<f64>,
     size: u64,
     batch: usize,
-    /// Whether the descriptors were scattered over block slots (`--scatter`).
+    /// Whether the descriptors were scattered over block positions (`--scatter`).
     scatter: bool,
     /// Whether the batch was prepared once and posted again and again (`--prepared`).
     prepared: bool,
@@ -455,14 +455,14 @@ async fn run_case(
     duration: Duration,
     registered: u64,
 ) -> anyhow::Result<CaseResult> {
-    let (local_slots, remote_slots) = if args.scatter {
+    let (local_order, remote_order) = if args.scatter {
         (shuffled(case.batch, 0x5EED_0001), shuffled(case.batch, 0x5EED_0002))
     } else {
         ((0..case.batch as u64).collect(), (0..case.batch as u64).collect())
     };
-    let descs: Vec<TransferDesc> = local_slots
+    let descs: Vec<TransferDesc> = local_order
         .iter()
-        .zip(&remote_slots)
+        .zip(&remote_order)
         .map(|(&l, &r)| TransferDesc::new(local.addr_at(l * case.size), s.remote_addr + r * case.size, case.size))
         .collect();
     let prepared = match args.prepared {
@@ -627,15 +627,15 @@ fn peak_rss() -> u64 {
 
 /// `0..n` in an order fixed by `seed` (Fisher–Yates over a xorshift sequence), so that runs compare.
 fn shuffled(n: usize, seed: u64) -> Vec<u64> {
-    let mut slots: Vec<u64> = (0..n as u64).collect();
+    let mut order: Vec<u64> = (0..n as u64).collect();
     let mut state = seed | 1;
     for i in (1..n).rev() {
         state ^= state << 13;
         state ^= state >> 7;
         state ^= state << 17;
-        slots.swap(i, (state % (i as u64 + 1)) as usize);
+        order.swap(i, (state % (i as u64 + 1)) as usize);
     }
-    slots
+    order
 }
 
 #[cfg(test)]
@@ -644,12 +644,12 @@ mod scatter_tests {
 
     #[test]
     fn shuffled_is_a_permutation_that_scatters() {
-        let slots = shuffled(256, 7);
-        let mut sorted = slots.clone();
+        let order = shuffled(256, 7);
+        let mut sorted = order.clone();
         sorted.sort_unstable();
         assert_eq!(sorted, (0..256).collect::<Vec<_>>());
-        let adjacent = slots.windows(2).filter(|w| w[1] == w[0] + 1).count();
+        let adjacent = order.windows(2).filter(|w| w[1] == w[0] + 1).count();
         assert!(adjacent < 8, "{adjacent} neighbours stayed adjacent");
-        assert_eq!(shuffled(256, 7), slots, "the same seed gives the same order");
+        assert_eq!(shuffled(256, 7), order, "the same seed gives the same order");
     }
 }

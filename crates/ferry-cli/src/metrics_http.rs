@@ -29,14 +29,14 @@ pub async fn bind(addr: &str) -> anyhow::Result<TcpListener> {
 
 /// Serves scrapes of `registry` on `listener` until the task is dropped.
 pub async fn serve(listener: TcpListener, registry: Arc<Registry>) {
-    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let connections = Arc::new(Semaphore::new(MAX_CONNECTIONS));
     loop {
         let Ok((stream, from)) = listener.accept().await else {
             // Out of descriptors, say: let the condition pass.
             tokio::time::sleep(Duration::from_millis(50)).await;
             continue;
         };
-        let Ok(slot) = slots.clone().try_acquire_owned() else {
+        let Ok(permit) = connections.clone().try_acquire_owned() else {
             tracing::debug!(%from, "metrics: too many scrapes at once; closing");
             continue;
         };
@@ -45,7 +45,7 @@ pub async fn serve(listener: TcpListener, registry: Arc<Registry>) {
             if let Err(e) = answer(stream, &registry).await {
                 tracing::debug!(%from, error = %e, "metrics: request not answered");
             }
-            drop(slot);
+            drop(permit);
         });
     }
 }

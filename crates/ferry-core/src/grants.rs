@@ -47,8 +47,8 @@ pub struct AccessEpochs {
     active: [AtomicUsize; 2],
     /// Set by whoever advances the epoch, until its wait is dropped: one advance at a time.
     advancing: AtomicBool,
-    /// An advance gave up before its old epoch emptied: that epoch's operations now share a slot
-    /// with newer ones, so the next advance waits for both slots to empty.
+    /// An advance gave up before its old epoch emptied: that epoch's operations now share a counter
+    /// with newer ones, so the next advance waits for both counters to empty.
     stale: AtomicBool,
 }
 
@@ -56,12 +56,12 @@ pub struct AccessEpochs {
 #[derive(Debug)]
 pub struct EpochTicket {
     epochs: Arc<AccessEpochs>,
-    slot: usize,
+    parity: usize,
 }
 
 impl Drop for EpochTicket {
     fn drop(&mut self) {
-        self.epochs.active[self.slot].fetch_sub(1, Ordering::SeqCst);
+        self.epochs.active[self.parity].fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -70,17 +70,17 @@ impl AccessEpochs {
     pub fn begin(self: &Arc<Self>) -> EpochTicket {
         loop {
             let epoch = self.epoch.load(Ordering::SeqCst);
-            let slot = (epoch & 1) as usize;
-            self.active[slot].fetch_add(1, Ordering::SeqCst);
+            let parity = (epoch & 1) as usize;
+            self.active[parity].fetch_add(1, Ordering::SeqCst);
             // Counted under the epoch it read: if the epoch moved meanwhile, the advancer may already
-            // be waiting on the other slot; count again under the new one.
+            // be waiting on the other counter; count again under the new one.
             if self.epoch.load(Ordering::SeqCst) == epoch {
                 return EpochTicket {
                     epochs: self.clone(),
-                    slot,
+                    parity,
                 };
             }
-            self.active[slot].fetch_sub(1, Ordering::SeqCst);
+            self.active[parity].fetch_sub(1, Ordering::SeqCst);
         }
     }
 
@@ -94,7 +94,7 @@ impl AccessEpochs {
         let old = self.epoch.fetch_add(1, Ordering::SeqCst);
         Some(EpochWait {
             epochs: self,
-            slot: (old & 1) as usize,
+            parity: (old & 1) as usize,
             both: self.stale.load(Ordering::SeqCst),
         })
     }
@@ -104,16 +104,16 @@ impl AccessEpochs {
 #[derive(Debug)]
 pub struct EpochWait<'a> {
     epochs: &'a AccessEpochs,
-    slot: usize,
-    /// Wait for both slots (see [`AccessEpochs::stale`]).
+    parity: usize,
+    /// Wait for both counters (see [`AccessEpochs::stale`]).
     both: bool,
 }
 
 impl EpochWait<'_> {
     /// Whether every operation started before the advance has ended.
     pub fn settled(&self) -> bool {
-        let empty = |slot: usize| self.epochs.active[slot].load(Ordering::SeqCst) == 0;
-        let settled = empty(self.slot) && (!self.both || empty(1 - self.slot));
+        let empty = |parity: usize| self.epochs.active[parity].load(Ordering::SeqCst) == 0;
+        let settled = empty(self.parity) && (!self.both || empty(1 - self.parity));
         if settled && self.both {
             self.epochs.stale.store(false, Ordering::SeqCst);
         }
@@ -179,7 +179,7 @@ mod tests {
         let epochs = Arc::new(AccessEpochs::default());
         let old = epochs.begin();
         drop(epochs.advance().unwrap()); // gave up with `old` still running
-        let newer = epochs.begin(); // shares `old`'s slot
+        let newer = epochs.begin(); // shares `old`'s counter
         let wait = epochs.advance().unwrap();
         drop(newer);
         assert!(!wait.settled(), "`old` started before both advances and still runs");

@@ -210,8 +210,8 @@ impl Future for Drained<'_> {
         if guard.is_drained() {
             return Poll::Ready(());
         }
-        let slot = self.id.and_then(|id| waiters.list.iter_mut().find(|(i, _)| *i == id));
-        match slot {
+        let waiter = self.id.and_then(|id| waiters.list.iter_mut().find(|(i, _)| *i == id));
+        match waiter {
             Some((_, w)) => {
                 if !w.will_wake(cx.waker()) {
                     *w = cx.waker().clone();

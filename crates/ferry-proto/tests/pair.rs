@@ -17,7 +17,7 @@ use ferry_proto::target::{Request, ack};
 use ferry_proto::{AdvertQueue, Event, Initiator, Keepalive, LinkLimits, OpId, StreamIndex, TargetStream};
 use proptest::prelude::*;
 
-const SLOT: u64 = 8;
+const CELL: u64 = 8;
 
 /// What the harness remembers of an operation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -55,7 +55,7 @@ fn ad(key: u64) -> RegionAd {
     RegionAd {
         key: RegionKey(key),
         addr: key << 20,
-        len: 64 * SLOT,
+        len: 64 * CELL,
         access: Access::READ_WRITE,
         persistent: false,
         transport_keys: Vec::new(),
@@ -80,7 +80,7 @@ impl Pair {
                     to_initiator: VecDeque::new(),
                 })
                 .collect(),
-            memory: vec![0; 64 * SLOT as usize],
+            memory: vec![0; 64 * CELL as usize],
             table: BTreeMap::from([(0, ad(0))]),
             adverts: AdvertQueue::new(advert_queue),
             mirror: RemoteRegions::new([ad(0)]).unwrap(),
@@ -106,12 +106,12 @@ impl Pair {
         self.wires[stream.get()].to_target.push_back((decoded, payload));
     }
 
-    /// Starts a write of one slot, or a commit on `stream` after it.
-    fn write(&mut self, slot: u64, byte: u8, stream: Option<StreamIndex>, commit: bool) {
+    /// Starts a write of one cell, or a commit on `stream` after it.
+    fn write(&mut self, cell: u64, byte: u8, stream: Option<StreamIndex>, commit: bool) {
         let n = self.started;
         self.started += 1;
         let kind = OpKind::Ack;
-        let bytes = if commit { 0 } else { SLOT };
+        let bytes = if commit { 0 } else { CELL };
         let Ok((s, id)) = self.initiator.start(stream, kind, bytes, None, Op { n, kind }) else {
             assert!(self.broken, "a start refused on an open link");
             self.end(n, false);
@@ -123,8 +123,8 @@ impl Pair {
         self.ids.insert(n, (s, id));
         let seg = Segment {
             key: RegionKey(0),
-            offset: slot * SLOT,
-            len: SLOT,
+            offset: cell * CELL,
+            len: CELL,
         };
         match commit {
             false => self.send(
@@ -134,7 +134,7 @@ impl Pair {
                     durability: Durability::Completed,
                     segments: vec![seg],
                 },
-                vec![byte; SLOT as usize],
+                vec![byte; CELL as usize],
             ),
             true => self.send(
                 s,
@@ -148,24 +148,24 @@ impl Pair {
         }
     }
 
-    fn read(&mut self, slot: u64) {
+    fn read(&mut self, cell: u64) {
         let n = self.started;
         self.started += 1;
         let kind = OpKind::Read;
-        let Ok((s, id)) = self.initiator.start(None, kind, SLOT, None, Op { n, kind }) else {
+        let Ok((s, id)) = self.initiator.start(None, kind, CELL, None, Op { n, kind }) else {
             assert!(self.broken);
             self.end(n, false);
             return;
         };
         self.ids.insert(n, (s, id));
-        if slot % 7 == 6 {
+        if cell % 7 == 6 {
             self.may_fail.insert(n);
         }
         let frame = Frame::Read {
             id: id.0,
-            key: RegionKey(if slot % 7 == 6 { 99 } else { 0 }),
-            offset: slot * SLOT,
-            len: SLOT,
+            key: RegionKey(if cell % 7 == 6 { 99 } else { 0 }),
+            offset: cell * CELL,
+            len: CELL,
         };
         self.send(s, frame, Vec::new());
     }
@@ -225,7 +225,7 @@ impl Pair {
             Ok(Event::Answered { op, result }) => self.end(op.n, result.is_ok()),
             Ok(Event::Data { op, payload_len }) => {
                 assert_eq!(op.kind, OpKind::Read);
-                assert_eq!(payload_len, SLOT + ReadStatus::LEN);
+                assert_eq!(payload_len, CELL + ReadStatus::LEN);
                 assert_eq!(payload.len() as u64, payload_len);
                 self.end(op.n, true);
             }
@@ -304,9 +304,9 @@ impl Pair {
 
 #[derive(Debug, Clone)]
 enum Step {
-    Write { slot: u64, byte: u8, stream: Option<u16> },
-    CommitAfter { slot: u64, stream: u16 },
-    Read { slot: u64 },
+    Write { cell: u64, byte: u8, stream: Option<u16> },
+    CommitAfter { cell: u64, stream: u16 },
+    Read { cell: u64 },
     Serve(usize),
     Receive(usize),
     Region { key: u64, add: bool },
@@ -319,9 +319,9 @@ enum Step {
 fn step(streams: usize) -> impl Strategy<Value = Step> {
     let s = streams as u16;
     prop_oneof![
-        4 => (0..64u64, any::<u8>(), proptest::option::of(0..s)).prop_map(|(slot, byte, stream)| Step::Write { slot, byte, stream }),
-        1 => (0..64u64, 0..s).prop_map(|(slot, stream)| Step::CommitAfter { slot, stream }),
-        2 => (0..64u64).prop_map(|slot| Step::Read { slot }),
+        4 => (0..64u64, any::<u8>(), proptest::option::of(0..s)).prop_map(|(cell, byte, stream)| Step::Write { cell, byte, stream }),
+        1 => (0..64u64, 0..s).prop_map(|(cell, stream)| Step::CommitAfter { cell, stream }),
+        2 => (0..64u64).prop_map(|cell| Step::Read { cell }),
         5 => (0..streams).prop_map(Step::Serve),
         5 => (0..streams).prop_map(Step::Receive),
         2 => (1..10u64, any::<bool>()).prop_map(|(key, add)| Step::Region { key, add }),
@@ -334,12 +334,12 @@ fn run(streams: usize, advert_queue: usize, steps: &[Step], hostile: &[Step]) ->
     let mut p = Pair::new(streams, advert_queue);
     for st in steps.iter().chain(hostile) {
         match *st {
-            Step::Write { slot, byte, stream } => p.write(slot, byte, stream.map(StreamIndex), false),
-            Step::CommitAfter { slot, stream } => {
-                p.write(slot, 1, Some(StreamIndex(stream)), false);
-                p.write(slot, 0, Some(StreamIndex(stream)), true);
+            Step::Write { cell, byte, stream } => p.write(cell, byte, stream.map(StreamIndex), false),
+            Step::CommitAfter { cell, stream } => {
+                p.write(cell, 1, Some(StreamIndex(stream)), false);
+                p.write(cell, 0, Some(StreamIndex(stream)), true);
             }
-            Step::Read { slot } => p.read(slot),
+            Step::Read { cell } => p.read(cell),
             Step::Serve(s) => p.serve(s),
             Step::Receive(s) => p.receive(s),
             Step::Region { key, add } => p.change_region(key, add),
@@ -350,7 +350,7 @@ fn run(streams: usize, advert_queue: usize, steps: &[Step], hostile: &[Step]) ->
                     true => Frame::ReadData { id },
                     false => Frame::Ack { id, error: None },
                 };
-                let payload_len = if data { SLOT + 1 } else { 0 };
+                let payload_len = if data { CELL + 1 } else { 0 };
                 p.wires[stream]
                     .to_initiator
                     .push_front((Decoded { frame, payload_len }, vec![0; payload_len as usize]));
@@ -431,7 +431,7 @@ fn a_hostile_answer_for_an_unsent_id_breaks_the_link() {
         1,
         4,
         &[Step::Write {
-            slot: 1,
+            cell: 1,
             byte: 7,
             stream: None,
         }],
@@ -454,12 +454,12 @@ fn writes_land_and_reads_see_them() {
         4,
         &[
             Step::Write {
-                slot: 3,
+                cell: 3,
                 byte: 9,
                 stream: Some(1),
             },
             Step::Serve(1),
-            Step::Read { slot: 3 },
+            Step::Read { cell: 3 },
         ],
         &[],
     );

@@ -72,32 +72,32 @@ async fn notifications_follow_their_data() {
         return;
     };
     const N: usize = 50;
-    const SLOT: usize = 96 << 10;
-    let dst = target.alloc_host(N * SLOT, Access::READ_WRITE).unwrap();
+    const BLOCK: usize = 96 << 10;
+    let dst = target.alloc_host(N * BLOCK, Access::READ_WRITE).unwrap();
     wait_for(&peer, &dst).await;
-    let src = initiator.alloc_host(N * SLOT, Access::READ_WRITE).unwrap();
+    let src = initiator.alloc_host(N * BLOCK, Access::READ_WRITE).unwrap();
     let mut stream = target.notifications();
     for i in 0..N {
-        src.write_at((i * SLOT) as u64, &pattern(SLOT, i as u8)).unwrap();
-        let off = (i * SLOT) as u64;
+        src.write_at((i * BLOCK) as u64, &pattern(BLOCK, i as u8)).unwrap();
+        let off = (i * BLOCK) as u64;
         initiator
             .transfer(
                 &peer,
                 Op::Write,
-                &[TransferDesc::new(src.addr_at(off), dst.addr_at(off), SLOT as u64)],
+                &[TransferDesc::new(src.addr_at(off), dst.addr_at(off), BLOCK as u64)],
                 T,
             )
             .await
             .unwrap();
         initiator
-            .notify(&peer, Notification::new("slot", i.to_string()), T)
+            .notify(&peer, Notification::new("block", i.to_string()), T)
             .await
             .unwrap();
         let n = tokio::time::timeout(T, stream.next()).await.unwrap().unwrap();
         let j: usize = n.notification.msg.parse().unwrap();
-        let mut got = vec![0u8; SLOT];
-        dst.read_at((j * SLOT) as u64, &mut got).unwrap();
-        assert!(got == pattern(SLOT, j as u8), "notification {j} before its data");
+        let mut got = vec![0u8; BLOCK];
+        dst.read_at((j * BLOCK) as u64, &mut got).unwrap();
+        assert!(got == pattern(BLOCK, j as u8), "notification {j} before its data");
     }
 }
 
@@ -249,7 +249,7 @@ fn spawn_target() -> (std::process::Child, String, u64) {
     }
 }
 
-/// A burst of notifications larger than the message slots on either end: every one is answered.
+/// A burst of notifications larger than the message buffers on either end: every one is answered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_burst_of_notifications_is_answered() {
     let Some((target, initiator, peer)) = pair().await else {

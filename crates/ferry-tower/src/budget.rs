@@ -13,11 +13,11 @@
 //! coarse monotonic clock: a read of the tick the kernel last stored (about 5 ns on the test
 //! machine, against about 35 ns for `Instant::now`), whose resolution of a few milliseconds is far
 //! below a window's. The time to live is cut into [`WINDOWS`] windows; each thread's stripe keeps
-//! one slot per window, which holds the window's number and the deposits made in it. A deposit
-//! increments the slot of the current window (taking it over from a window that has expired); a
-//! withdrawal, which happens only when a request failed, sums the slots of the live windows over
+//! one counter per window, which holds the window's number and the deposits made in it. A deposit
+//! increments the counter of the current window (taking it over from a window that has expired); a
+//! withdrawal, which happens only when a request failed, sums the counters of the live windows over
 //! every stripe, under a mutex that also makes its check and its record one step. Nothing needs
-//! rolling over: a slot whose window is too old is simply not counted. The balance is the same as
+//! rolling over: a counter whose window is too old is simply not counted. The balance is the same as
 //! `TpsBudget`'s: a reserve, plus `retry_ratio` per deposit of the last time to live, minus the
 //! withdrawals of the last time to live.
 
@@ -33,28 +33,28 @@ use tower::retry::budget::Budget;
 /// `ttl × (WINDOWS - 1) / WINDOWS` and `ttl`.
 pub const WINDOWS: usize = 10;
 
-/// Stripes of deposit slots. Threads are spread over them round-robin; more threads than stripes
+/// Stripes of deposit counters. Threads are spread over them round-robin; more threads than stripes
 /// share, which costs speed, not correctness.
 const STRIPES: usize = 16;
 
-/// One thread's deposit slots, on cache lines of their own.
+/// One thread's deposit counters, on cache lines of their own.
 #[repr(align(128))]
 #[derive(Default)]
 struct Stripe([AtomicU64; WINDOWS]);
 
-/// A slot: the window's number in the high 32 bits, its deposits in the low 32.
+/// A counter: the window's number in the high 32 bits, its deposits in the low 32.
 fn pack(window: u32, count: u32) -> u64 {
     (u64::from(window) << 32) | u64::from(count)
 }
 
-fn unpack(slot: u64) -> (u32, u32) {
-    ((slot >> 32) as u32, slot as u32)
+fn unpack(counter: u64) -> (u32, u32) {
+    ((counter >> 32) as u32, counter as u32)
 }
 
-/// Whether a slot of window `slot` counts at window `now`: the last [`WINDOWS`] windows, and one
-/// ahead (a thread that read the clock just after the withdrawing one).
-fn live(now: u32, slot: u32) -> bool {
-    now.wrapping_sub(slot) < WINDOWS as u32 || slot.wrapping_sub(now) == 1
+/// Whether a counter of window `window` counts at window `now`: the last [`WINDOWS`] windows, and
+/// one ahead (a thread that read the clock just after the withdrawing one).
+fn live(now: u32, window: u32) -> bool {
+    now.wrapping_sub(window) < WINDOWS as u32 || window.wrapping_sub(now) == 1
 }
 
 /// A retry budget shared by every clone of a [`RetryPolicy`](crate::RetryPolicy); it implements
@@ -76,7 +76,7 @@ pub struct RetryBudget {
     reserve: f64,
     retry_ratio: f64,
     deposits: Box<[Stripe]>,
-    /// Withdrawals per window, as (window, count) slots like the deposits'.
+    /// Withdrawals per window, as (window, count) counters like the deposits'.
     withdrawals: Mutex<[u64; WINDOWS]>,
 }
 
@@ -138,14 +138,14 @@ impl RetryBudget {
         let deposited: u64 = self
             .deposits
             .iter()
-            .map(|s| live_sum(s.0.iter().map(|slot| slot.load(Ordering::Relaxed)), now))
+            .map(|s| live_sum(s.0.iter().map(|counter| counter.load(Ordering::Relaxed)), now))
             .sum();
         self.reserve + self.retry_ratio * deposited as f64 - withdrawn as f64
     }
 
     fn deposit_at(&self, now: u32) {
-        let slot = &self.deposits[stripe()].0[now as usize % WINDOWS];
-        add_one(slot, now);
+        let counter = &self.deposits[stripe()].0[now as usize % WINDOWS];
+        add_one(counter, now);
     }
 
     fn withdraw_at(&self, now: u32) -> bool {
@@ -156,9 +156,9 @@ impl RetryBudget {
         if self.balance(now, live_sum(*withdrawals, now)) < 1.0 {
             return false;
         }
-        let slot = &mut withdrawals[now as usize % WINDOWS];
-        let (window, count) = unpack(*slot);
-        *slot = match window == now {
+        let counter = &mut withdrawals[now as usize % WINDOWS];
+        let (window, count) = unpack(*counter);
+        *counter = match window == now {
             true => pack(now, count.saturating_add(1)),
             false => pack(now, 1),
         };
@@ -176,25 +176,25 @@ impl Budget for RetryBudget {
     }
 }
 
-/// Counts one in `slot` for window `now`, taking the slot over if it holds an older window.
-fn add_one(slot: &AtomicU64, now: u32) {
-    let mut current = slot.load(Ordering::Relaxed);
+/// Counts one in `counter` for window `now`, taking the counter over if it holds an older window.
+fn add_one(counter: &AtomicU64, now: u32) {
+    let mut current = counter.load(Ordering::Relaxed);
     loop {
         let (window, count) = unpack(current);
         let next = match window == now {
             true => pack(now, count.saturating_add(1)),
             false => pack(now, 1),
         };
-        match slot.compare_exchange_weak(current, next, Ordering::Relaxed, Ordering::Relaxed) {
+        match counter.compare_exchange_weak(current, next, Ordering::Relaxed, Ordering::Relaxed) {
             Ok(_) => return,
             Err(seen) => current = seen,
         }
     }
 }
 
-/// The counts of the slots whose windows are live at `now`.
-fn live_sum(slots: impl IntoIterator<Item = u64>, now: u32) -> u64 {
-    slots
+/// The counts of the counters whose windows are live at `now`.
+fn live_sum(counters: impl IntoIterator<Item = u64>, now: u32) -> u64 {
+    counters
         .into_iter()
         .map(unpack)
         .filter(|&(window, _)| live(now, window))
@@ -266,7 +266,7 @@ mod tests {
         b.deposit_at(5);
         assert!(b.balance(14, 0) == 1.0, "still live in the 10th window");
         assert!(b.balance(15, 0) == 0.0, "gone in the 11th");
-        // The slot is taken over by the later window, not added to.
+        // The counter is taken over by the later window, not added to.
         b.deposit_at(15);
         assert!(b.balance(15, 0) == 1.0);
     }

@@ -66,7 +66,7 @@ pub struct PoolConfig {
     /// Most peers with a link (default 512, HIXL's limit). The engine's own
     /// [`max_links`](ferry::EngineBuilder::max_links) also counts incoming links.
     pub max_links: usize,
-    /// Most requests in flight on one peer's link (default 256); more wait for a slot.
+    /// Most requests in flight on one peer's link (default 256); more wait for one of them to end.
     pub max_in_flight_per_peer: usize,
     /// Most requests in flight through the service in total (default 4096); `poll_ready` is
     /// `Pending` while they are.
@@ -174,7 +174,7 @@ pub(crate) struct Pool {
     /// Read by every request, written only when a peer comes or goes: a sharded lock lets requests
     /// on every core look their peer up at once without passing a lock word between cores. Keyed with FxHash: the addresses are the application's
     /// own, not a remote party's, so SipHash's defence against chosen keys would only cost time.
-    slots: ShardedLock<FxHashMap<SocketAddr, Arc<PeerEntry>>>,
+    entries: ShardedLock<FxHashMap<SocketAddr, Arc<PeerEntry>>>,
     epoch: Instant,
     /// Nanoseconds since `epoch`, as of the reaper's last tick (or a connect): a clock that requests
     /// can read without asking the OS, precise enough for idle and least-recently-used decisions.
@@ -194,7 +194,7 @@ struct PeerEntry {
     last_used: AtomicU64,
     /// Consecutive timed-out or abandoned attempts on the current link.
     strikes: AtomicU32,
-    /// Read by every request (is the link live?), written when it changes; sharded, as `slots` is.
+    /// Read by every request (is the link live?), written when it changes; sharded, as `entries` is.
     state: ShardedLock<LinkState>,
     /// Held while connecting, so that one request per address dials and the others wait for it.
     connecting: tokio::sync::Mutex<()>,
@@ -236,7 +236,7 @@ pub(crate) struct Lease {
     pub(crate) new_link: bool,
     generation: u64,
     settled: bool,
-    slot: SlotUse,
+    claim: EntryUse,
     /// Last, so that the pool's unit goes back after the peer's (fields drop in order).
     held: InFlight,
 }
@@ -255,43 +255,43 @@ pub(crate) enum Checkout {
     Ready(Lease, LeaseStart),
     /// The request must wait, for a unit of the peer's limit or for a link:
     /// [`Pool::wait_for_link`] does.
-    Wait(InFlight, SlotUse),
+    Wait(InFlight, EntryUse),
 }
 
-/// A request's reference to a slot, and the unit of the slot's per-peer limit once the request has
-/// taken it. While any exists the slot is in use and is not closed: the pool's map holds one
+/// A request's reference to an entry, and the unit of the entry's per-peer limit once the request has
+/// taken it. While any exists the entry is in use and is not closed: the pool's map holds one
 /// reference, so a count above one means users (requests holding or waiting). New references are
 /// taken under the map's lock (read), and closing checks the count under it (write).
-pub(crate) struct SlotUse {
-    slot: Arc<PeerEntry>,
+pub(crate) struct EntryUse {
+    entry: Arc<PeerEntry>,
     holds_unit: bool,
 }
 
-impl SlotUse {
-    fn unused(slot: &Arc<PeerEntry>) -> bool {
-        Arc::strong_count(slot) == 1
+impl EntryUse {
+    fn unused(entry: &Arc<PeerEntry>) -> bool {
+        Arc::strong_count(entry) == 1
     }
 
     fn try_take_unit(&mut self) -> bool {
-        self.holds_unit = self.holds_unit || self.slot.permits.try_take();
+        self.holds_unit = self.holds_unit || self.entry.permits.try_take();
         self.holds_unit
     }
 
     async fn take_unit(&mut self) {
         if !self.holds_unit {
-            self.slot.permits.take().await;
+            self.entry.permits.take().await;
             self.holds_unit = true;
         }
     }
 }
 
-impl Drop for SlotUse {
+impl Drop for EntryUse {
     fn drop(&mut self) {
-        // The unit goes back before the reference does, so that a slot seen unused has none out.
+        // The unit goes back before the reference does, so that an entry seen unused has none out.
         if self.holds_unit {
-            self.slot.permits.give_back();
+            self.entry.permits.give_back();
         }
-        self.slot.touch();
+        self.entry.touch();
     }
 }
 
@@ -376,7 +376,7 @@ impl PeerEntry {
         }
     }
 
-    /// Takes every link out of this slot and returns those the pool must close: the retired ones, and
+    /// Takes every link out of this entry and returns those the pool must close: the retired ones, and
     /// the live one unless the application made it (see [`LinkState::adopted`]).
     fn take_links(&self) -> Vec<Peer> {
         match self.state.write() {
@@ -407,7 +407,7 @@ impl Pool {
             engine,
             in_flight: Limit::new(config.max_in_flight),
             config,
-            slots: ShardedLock::new(FxHashMap::default()),
+            entries: ShardedLock::new(FxHashMap::default()),
             epoch: Instant::now(),
             clock: Arc::new(AtomicU64::new(0)),
             reaper_started: AtomicBool::new(false),
@@ -417,9 +417,9 @@ impl Pool {
     }
 
     pub(crate) fn stats(&self) -> PoolStats {
-        let (peers, links) = match self.slots.read() {
-            Ok(slots) => {
-                let links = slots
+        let (peers, links) = match self.entries.read() {
+            Ok(entries) => {
+                let links = entries
                     .values()
                     .filter(|s| {
                         s.state
@@ -427,7 +427,7 @@ impl Pool {
                             .is_ok_and(|st| st.peer.as_ref().is_some_and(|p| !p.is_closed()))
                     })
                     .count();
-                (slots.len(), links)
+                (entries.len(), links)
             }
             Err(_) => (0, 0),
         };
@@ -445,12 +445,12 @@ impl Pool {
     }
 
     /// A live link to `addr` with a unit of its per-peer limit, if both are at hand now; otherwise
-    /// the claim on the peer's slot, for [`wait_for_link`](Self::wait_for_link).
+    /// the claim on the peer's entry, for [`wait_for_link`](Self::wait_for_link).
     pub(crate) fn try_checkout(held: InFlight, addr: SocketAddr) -> Result<Checkout> {
         let pool = &held.0;
-        let (slot, evicted) = pool.claim(addr)?;
-        let mut slot = SlotUse {
-            slot,
+        let (entry, evicted) = pool.claim(addr)?;
+        let mut claim = EntryUse {
+            entry,
             holds_unit: false,
         };
         if !evicted.is_empty() {
@@ -458,25 +458,25 @@ impl Pool {
                 pool.close_in_background(peer);
             }
         }
-        if slot.try_take_unit()
-            && let Some(link) = slot.slot.live(pool)?
+        if claim.try_take_unit()
+            && let Some(link) = claim.entry.live(pool)?
         {
-            let (lease, start) = Lease::new(held, slot, link, false);
+            let (lease, start) = Lease::new(held, claim, link, false);
             return Ok(Checkout::Ready(lease, start));
         }
-        Ok(Checkout::Wait(held, slot))
+        Ok(Checkout::Wait(held, claim))
     }
 
     /// [`try_checkout`](Self::try_checkout) when it must wait: for a unit of the per-peer limit unless
-    /// `slot` holds one, then for a live link, dialling one if no other request is. Waiting ends with
+    /// `claim` holds one, then for a live link, dialling one if no other request is. Waiting ends with
     /// `Timeout` at `deadline`.
     pub(crate) async fn wait_for_link(
         held: InFlight,
-        slot: SlotUse,
+        claim: EntryUse,
         deadline: Option<Instant>,
     ) -> Result<(Lease, LeaseStart)> {
-        let addr = slot.slot.addr;
-        let waiting = Pool::wait_unbounded(held, slot);
+        let addr = claim.entry.addr;
+        let waiting = Pool::wait_unbounded(held, claim);
         match deadline {
             None => waiting.await,
             Some(at) => tokio::time::timeout_at(at, waiting)
@@ -485,31 +485,31 @@ impl Pool {
         }
     }
 
-    async fn wait_unbounded(held: InFlight, mut slot: SlotUse) -> Result<(Lease, LeaseStart)> {
+    async fn wait_unbounded(held: InFlight, mut claim: EntryUse) -> Result<(Lease, LeaseStart)> {
         let pool = &held.0;
-        slot.take_unit().await;
-        if let Some(link) = slot.slot.live(pool)? {
-            return Ok(Lease::new(held, slot, link, false));
+        claim.take_unit().await;
+        if let Some(link) = claim.entry.live(pool)? {
+            return Ok(Lease::new(held, claim, link, false));
         }
         let dialled = {
-            let _dialling = slot.slot.connecting.lock().await;
+            let _dialling = claim.entry.connecting.lock().await;
             // Someone else may have connected while this request waited.
-            match slot.slot.live(pool)? {
+            match claim.entry.live(pool)? {
                 Some(link) => Ok((link, false)),
                 // Boxed: connecting is rarer than waiting, and its future is large; inline it would
                 // grow every wait's future.
-                None => Box::pin(pool.dial(&slot.slot)).await.map(|link| (link, true)),
+                None => Box::pin(pool.dial(&claim.entry)).await.map(|link| (link, true)),
             }
         };
         let (link, new_link) = dialled?;
-        Ok(Lease::new(held, slot, link, new_link))
+        Ok(Lease::new(held, claim, link, new_link))
     }
 
-    /// Connects `slot`'s address (its `connecting` lock held), or says why not.
-    async fn dial(&self, slot: &Arc<PeerEntry>) -> Result<Link> {
-        let addr = slot.addr;
+    /// Connects `entry`'s address (its `connecting` lock held), or says why not.
+    async fn dial(&self, entry: &Arc<PeerEntry>) -> Result<Link> {
+        let addr = entry.addr;
         let retired = {
-            let mut st = slot.state()?;
+            let mut st = entry.state()?;
             if let Some(at) = st.retry_at.filter(|at| *at > Instant::now()) {
                 return Err(backed_off(
                     st.last_error.as_ref(),
@@ -524,7 +524,7 @@ impl Pool {
         // failed connect, so that abandoned dials back off like failed ones.
         let mut dial = Dial {
             pool: self,
-            slot,
+            entry,
             done: false,
         };
         for old in retired {
@@ -548,7 +548,7 @@ impl Pool {
         };
         dial.done = true;
         self.tick_clock();
-        let mut st = slot.state()?;
+        let mut st = entry.state()?;
         match connected {
             Ok((peer, adopted)) => {
                 self.counters.connects.fetch_add(1, Ordering::Relaxed);
@@ -564,10 +564,10 @@ impl Pool {
                 st.retry_at = None;
                 st.last_error = None;
                 st.primary = None;
-                slot.strikes.store(0, Ordering::Relaxed);
+                entry.strikes.store(0, Ordering::Relaxed);
                 if let Ok(runtime) = tokio::runtime::Handle::try_current() {
                     st.primary = Some(primary_region(&peer.regions()));
-                    runtime.spawn(watch_regions(Arc::downgrade(slot), peer.clone(), st.generation));
+                    runtime.spawn(watch_regions(Arc::downgrade(entry), peer.clone(), st.generation));
                 }
                 Ok(Link {
                     peer,
@@ -595,27 +595,27 @@ impl Pool {
         tracing::warn!(peer = %addr, error = %e, failures = st.failures, ?pause, "connect failed");
     }
 
-    /// Finds or makes the slot for `addr` and counts a user on it; at the link limit, takes the least
-    /// recently used idle slot out (its links are returned, to be closed).
+    /// Finds or makes the entry for `addr` and counts a user on it; at the link limit, takes the least
+    /// recently used idle entry out (its links are returned, to be closed).
     fn claim(self: &Arc<Self>, addr: SocketAddr) -> Result<(Arc<PeerEntry>, Vec<Peer>)> {
-        // No need to note the time here: a slot in use is never idle, and the release notes it.
-        if let Some(slot) = self.slots.read().map_err(|_| poisoned())?.get(&addr) {
-            return Ok((slot.clone(), Vec::new()));
+        // No need to note the time here: an entry in use is never idle, and the release notes it.
+        if let Some(entry) = self.entries.read().map_err(|_| poisoned())?.get(&addr) {
+            return Ok((entry.clone(), Vec::new()));
         }
         self.start_reaper();
-        let mut slots = self.slots.write().map_err(|_| poisoned())?;
-        // Another request may have made the slot between the two locks.
-        if let Some(slot) = slots.get(&addr) {
-            return Ok((slot.clone(), Vec::new()));
+        let mut entries = self.entries.write().map_err(|_| poisoned())?;
+        // Another request may have made the entry between the two locks.
+        if let Some(entry) = entries.get(&addr) {
+            return Ok((entry.clone(), Vec::new()));
         }
         let mut evicted = Vec::new();
-        if slots.len() >= self.config.max_links {
-            let victim = slots
+        if entries.len() >= self.config.max_links {
+            let victim = entries
                 .values()
-                .filter(|s| SlotUse::unused(s))
+                .filter(|s| EntryUse::unused(s))
                 .min_by_key(|s| s.last_used.load(Ordering::Relaxed))
                 .map(|s| s.addr);
-            let Some(victim) = victim.and_then(|a| slots.remove(&a)) else {
+            let Some(victim) = victim.and_then(|a| entries.remove(&a)) else {
                 return Err(Error::ResourceExhausted(format!(
                     "the pool holds links to {} peers, all busy (PoolConfig::max_links); {addr} must wait",
                     self.config.max_links
@@ -626,13 +626,13 @@ impl Pool {
             evicted = victim.take_links();
         }
         self.tick_clock();
-        let slot = Arc::new(PeerEntry::new(
+        let entry = Arc::new(PeerEntry::new(
             addr,
             self.config.max_in_flight_per_peer,
             self.clock.clone(),
         ));
-        slots.insert(addr, slot.clone());
-        Ok((slot, evicted))
+        entries.insert(addr, entry.clone());
+        Ok((entry, evicted))
     }
 
     /// Exponential pause with "equal jitter": half fixed, half random.
@@ -673,19 +673,19 @@ impl Pool {
         });
     }
 
-    /// Takes the slots idle for `idle_timeout` out of the pool and returns their links. Last-use times
+    /// Takes the entries idle for `idle_timeout` out of the pool and returns their links. Last-use times
     /// lag by up to one `tick` of the coarse clock, so that much is added before judging.
     fn take_idle(&self, tick: Duration) -> Vec<Peer> {
         let now = nanos_since(self.epoch);
         let idle = u64::try_from((self.config.idle_timeout + tick).as_nanos()).unwrap_or(u64::MAX);
-        let Ok(mut slots) = self.slots.write() else {
+        let Ok(mut entries) = self.entries.write() else {
             return Vec::new();
         };
         let mut closing = Vec::new();
-        slots.retain(|addr, slot| {
-            let unused = SlotUse::unused(slot) && now.saturating_sub(slot.last_used.load(Ordering::Relaxed)) >= idle;
+        entries.retain(|addr, entry| {
+            let unused = EntryUse::unused(entry) && now.saturating_sub(entry.last_used.load(Ordering::Relaxed)) >= idle;
             if unused {
-                let links = slot.take_links();
+                let links = entry.take_links();
                 if !links.is_empty() {
                     tracing::debug!(peer = %addr, "closing an idle link");
                     self.counters.idle_closed.fetch_add(1, Ordering::Relaxed);
@@ -710,12 +710,12 @@ impl Pool {
 
 impl Drop for Pool {
     fn drop(&mut self) {
-        let slots = match self.slots.get_mut() {
-            Ok(slots) => std::mem::take(slots),
+        let entries = match self.entries.get_mut() {
+            Ok(entries) => std::mem::take(entries),
             Err(_) => return,
         };
-        for slot in slots.into_values() {
-            for peer in slot.take_links() {
+        for entry in entries.into_values() {
+            for peer in entry.take_links() {
                 self.close_in_background(peer);
             }
         }
@@ -725,7 +725,7 @@ impl Drop for Pool {
 /// A connect in progress; see [`Pool::checkout`].
 struct Dial<'a> {
     pool: &'a Pool,
-    slot: &'a PeerEntry,
+    entry: &'a PeerEntry,
     done: bool,
 }
 
@@ -734,25 +734,25 @@ impl Drop for Dial<'_> {
         if self.done {
             return;
         }
-        if let Ok(mut st) = self.slot.state.write() {
+        if let Ok(mut st) = self.entry.state.write() {
             let e = Error::Timeout(format!(
                 "connecting to {} was abandoned before it finished (an outer timeout)",
-                self.slot.addr
+                self.entry.addr
             ));
-            self.pool.connect_failed(self.slot.addr, &mut st, &e);
+            self.pool.connect_failed(self.entry.addr, &mut st, &e);
         }
     }
 }
 
 impl Lease {
-    fn new(held: InFlight, slot: SlotUse, link: Link, new_link: bool) -> (Self, LeaseStart) {
+    fn new(held: InFlight, claim: EntryUse, link: Link, new_link: bool) -> (Self, LeaseStart) {
         let lease = Lease {
             held,
             peer: link.peer,
             new_link,
             generation: link.generation,
             settled: false,
-            slot,
+            claim,
         };
         let start = LeaseStart { primary: link.primary };
         (lease, start)
@@ -760,7 +760,7 @@ impl Lease {
 
     /// The address the lease is for.
     pub(crate) fn addr(&self) -> SocketAddr {
-        self.slot.slot.addr
+        self.claim.entry.addr
     }
 
     /// The pool the lease is from.
@@ -773,9 +773,9 @@ impl Lease {
         match result {
             Ok(()) => {
                 self.settled = true;
-                let slot = &self.slot.slot;
-                if slot.strikes.load(Ordering::Relaxed) != 0 {
-                    slot.strikes.store(0, Ordering::Relaxed);
+                let entry = &self.claim.entry;
+                if entry.strikes.load(Ordering::Relaxed) != 0 {
+                    entry.strikes.store(0, Ordering::Relaxed);
                 }
             }
             Err(e) => self.settle_failed(e),
@@ -787,7 +787,7 @@ impl Lease {
         self.settled = true;
         match e {
             e if breaks_link(e) || self.peer.is_closed() => {
-                self.slot.slot.invalidate(self.generation, e.message(), &self.held.0);
+                self.claim.entry.invalidate(self.generation, e.message(), &self.held.0);
             }
             Error::Timeout(_) => self.strike("transfers on it time out"),
             _ => {}
@@ -800,10 +800,10 @@ impl Lease {
     }
 
     fn strike(&self, why: &str) {
-        let slot = &self.slot.slot;
-        let n = slot.strikes.fetch_add(1, Ordering::AcqRel) + 1;
+        let entry = &self.claim.entry;
+        let n = entry.strikes.fetch_add(1, Ordering::AcqRel) + 1;
         if n >= self.held.0.config.timeouts_before_reconnect {
-            slot.invalidate(self.generation, why, &self.held.0);
+            entry.invalidate(self.generation, why, &self.held.0);
         }
     }
 }
@@ -829,18 +829,18 @@ const REGION_REFRESH: Duration = Duration::from_secs(1);
 
 /// Keeps [`LinkState::primary`] current for the link of `generation`, so that requests with
 /// [`RemoteAddr::Offset`](crate::RemoteAddr::Offset) descriptors need not copy the peer's region table
-/// each time. Ends when the link is replaced or closed, or the slot leaves the pool.
-async fn watch_regions(slot: std::sync::Weak<PeerEntry>, peer: Peer, generation: u64) {
+/// each time. Ends when the link is replaced or closed, or the entry leaves the pool.
+async fn watch_regions(entry: std::sync::Weak<PeerEntry>, peer: Peer, generation: u64) {
     loop {
         let mut changed = std::pin::pin!(peer.regions_changed(REGION_REFRESH));
         // Poll once before re-reading, so that a change during the re-read still ends the wait.
         let pending = std::future::poll_fn(|cx| Poll::Ready(changed.as_mut().poll(cx).is_pending())).await;
         {
-            let Some(slot) = slot.upgrade() else { return };
+            let Some(entry) = entry.upgrade() else { return };
             if peer.is_closed() {
                 return;
             }
-            let Ok(mut st) = slot.state.write() else { return };
+            let Ok(mut st) = entry.state.write() else { return };
             if st.generation != generation {
                 return;
             }

@@ -61,7 +61,7 @@ impl Future for TransferFuture {
 
 /// A `tower::Service<TransferRequest>` over an [`Engine`], with a connection pool.
 ///
-/// - `poll_ready` reserves one of the pool's [`max_in_flight`](PoolConfig::max_in_flight) slots and
+/// - `poll_ready` reserves one of the pool's [`max_in_flight`](PoolConfig::max_in_flight) units and
 ///   is `Pending` while all are taken: that is the backpressure `tower::load_shed` and
 ///   `tower::buffer` act on.
 /// - `call` takes a pooled link to the request's peer (connecting on first use, or after the old link
@@ -77,7 +77,7 @@ impl Future for TransferFuture {
 ///   instant and the limit as the transfer's timeout, so that the clock is read once per attempt, by
 ///   the engine (see [`crate::deadline`]).
 ///
-/// Clones share the pool (and so the links); each clone reserves its own slot in `poll_ready`, as
+/// Clones share the pool (and so the links); each clone reserves its own unit in `poll_ready`, as
 /// tower requires of cloned services.
 pub struct TransferService {
     pool: Arc<Pool>,
@@ -188,7 +188,7 @@ impl tower::Service<TransferRequest> for TransferService {
             Ok(Checkout::Ready(lease, start)) => {
                 TransferFuture(Running::start(lease, start, &request, request.deadline()))
             }
-            Ok(Checkout::Wait(held, slot)) => {
+            Ok(Checkout::Wait(held, claim)) => {
                 // Waiting needs the attempt's end as an instant: the clock is read on this path only.
                 let deadline = attempt_deadline(&request, Instant::now());
                 if deadline.is_some_and(|at| at <= Instant::now()) {
@@ -198,7 +198,7 @@ impl tower::Service<TransferRequest> for TransferService {
                     ))));
                 }
                 TransferFuture(State::Waiting(Box::pin(async move {
-                    let (lease, start) = Pool::wait_for_link(held, slot, deadline).await?;
+                    let (lease, start) = Pool::wait_for_link(held, claim, deadline).await?;
                     TransferFuture(Running::start(lease, start, &request, deadline)).await
                 })))
             }

@@ -333,7 +333,7 @@ async fn the_link_limit_with_every_link_busy_is_resource_exhausted() {
     };
     let service = TransferService::with_config(engine.clone(), config).unwrap();
     let src = engine.alloc_host(4096, Access::READ_WRITE).unwrap();
-    // This one holds the only link slot while it tries to connect.
+    // This one holds the pool's only entry (max_links: 1) while it tries to connect.
     let stuck = {
         let req = TransferRequest::write(silent, [Descriptor::at_offset(src.addr(), 0, 4096)]);
         let service = service.clone();
@@ -369,13 +369,13 @@ async fn poll_ready_reflects_the_in_flight_bound() {
     poll_fn(|cx| first.poll_ready(cx)).now_or_never().unwrap().unwrap();
     assert!(
         poll_fn(|cx| second.poll_ready(cx)).now_or_never().is_none(),
-        "the second clone must wait while the first holds the only slot"
+        "the second clone must wait while the first holds the only unit"
     );
     let src = engine.alloc_host(4096, Access::READ_WRITE).unwrap();
     let req = TransferRequest::write(addr, [Descriptor::at_offset(src.addr(), 0, 4096)]);
     let resp = tokio::time::timeout(T, first.call(req.clone())).await.unwrap().unwrap();
     assert_eq!(resp.bytes, 4096);
-    // The slot came back with the response.
+    // The unit came back with the response.
     tokio::time::timeout(T, poll_fn(|cx| second.poll_ready(cx)))
         .await
         .unwrap()
@@ -383,14 +383,14 @@ async fn poll_ready_reflects_the_in_flight_bound() {
     assert!(poll_fn(|cx| first.poll_ready(cx)).now_or_never().is_none());
     tokio::time::timeout(T, second.call(req)).await.unwrap().unwrap();
 
-    // Calling without a reserved slot is refused, not a panic.
+    // Calling without a reserved unit is refused, not a panic.
     let err = first
         .call(TransferRequest::write(addr, [Descriptor::at_offset(src.addr(), 0, 1)]))
         .await
         .unwrap_err();
     assert!(matches!(err, Error::InvalidArgument(_)), "{err:?}");
 
-    // A reservation dropped unused, and a call dropped before it ran, give their slot back.
+    // A reservation dropped unused, and a call dropped before it ran, give their unit back.
     assert_eq!(first.stats().in_flight, 0);
     let mut unused = second.clone();
     tokio::time::timeout(T, poll_fn(|cx| unused.poll_ready(cx)))
@@ -399,14 +399,14 @@ async fn poll_ready_reflects_the_in_flight_bound() {
         .unwrap();
     assert_eq!(first.stats().in_flight, 1);
     drop(unused);
-    assert_eq!(first.stats().in_flight, 0, "a dropped reservation kept its slot");
+    assert_eq!(first.stats().in_flight, 0, "a dropped reservation kept its unit");
     let mut abandoned = second.clone();
     tokio::time::timeout(T, poll_fn(|cx| abandoned.poll_ready(cx)))
         .await
         .unwrap()
         .unwrap();
     drop(abandoned.call(TransferRequest::write(addr, [Descriptor::at_offset(src.addr(), 0, 1)])));
-    assert_eq!(first.stats().in_flight, 0, "a dropped call kept its slot");
+    assert_eq!(first.stats().in_flight, 0, "a dropped call kept its unit");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -612,7 +612,7 @@ async fn load_shedding_answers_resource_exhausted() {
         .service(TransferService::with_config(engine.clone(), config).unwrap());
     let src = engine.alloc_host(4096, Access::READ_WRITE).unwrap();
     let req = TransferRequest::write(silent, [Descriptor::at_offset(src.addr(), 0, 4096)]);
-    // The first takes the only slot and hangs in connect (bounded by connect_timeout).
+    // The first takes the only place the concurrency limit leaves and hangs in connect (bounded by connect_timeout).
     let first = service.ready().await.unwrap().call(req.clone());
     let err = tokio::time::timeout(T, service.ready().await.unwrap().call(req))
         .await

@@ -40,7 +40,7 @@ pub struct VulkanBlock {
 // SAFETY: the fields are handles (see `DeviceBuffer`'s `Send`), `Arc`s of `Send + Sync` types and a
 // pointer into a process-wide mapping that is only accessed through raw pointers.
 unsafe impl Send for VulkanBlock {}
-// SAFETY: as above; shared access reads the fields and copies through the queue lock and per-slot pools.
+// SAFETY: as above; shared access reads the fields and copies through the queue lock and per-command pools.
 unsafe impl Sync for VulkanBlock {}
 
 impl std::fmt::Debug for VulkanBlock {

@@ -60,7 +60,7 @@ pub struct DeviceBuffer {
 
 // SAFETY: the handles are plain identifiers that Vulkan lets any thread use (the operations this crate
 // performs on them are externally synchronised where Vulkan asks for it: queue submission under the
-// queue lock, command recording in per-slot pools); `mapped` is a process-wide mapping only accessed
+// queue lock, command recording in per-command pools); `mapped` is a process-wide mapping only accessed
 // through raw pointers.
 unsafe impl Send for DeviceBuffer {}
 // SAFETY: as above; `&DeviceBuffer` only reads the fields.

@@ -1,9 +1,9 @@
-//! Command slots: a command pool, one command buffer and a fence, reused copy after copy.
+//! Copy commands: a command pool, one command buffer and a fence, reused copy after copy.
 //!
 //! Several TCP streams commit ranges of the same staged region at once, each from its own thread. A
-//! command pool may be used by one thread at a time, so each slot has its own pool: recording in
-//! different slots runs in parallel, and only `vkQueueSubmit` takes the queue's lock. Slots are created
-//! on demand up to [`MAX_COPY_COMMANDS`] and go back to the free list only once their fence has signalled; a slot
+//! command pool may be used by one thread at a time, so each copy command has its own pool: recording in
+//! different copy commands runs in parallel, and only `vkQueueSubmit` takes the queue's lock. Copy commands are created
+//! on demand up to [`MAX_COPY_COMMANDS`] and go back to the free list only once their fence has signalled; a copy command
 //! whose copy never finished (a hung or lost device) is parked, with the buffers it copies between, so
 //! that neither its command buffer nor those buffers are ever freed under the GPU.
 
@@ -16,7 +16,7 @@ use ferry_core::{Error, Result};
 use crate::buffer::DeviceBuffer;
 use crate::error::vk_error;
 
-/// Most slots one context creates.
+/// Most copy commands one context creates.
 pub(crate) const MAX_COPY_COMMANDS: usize = 16;
 
 /// How long a copy may take before it is reported as [`Error::Timeout`].
@@ -34,11 +34,11 @@ pub(crate) struct CopyCommand {
 struct State {
     free: Vec<CopyCommand>,
     created: usize,
-    /// Slots whose fence never signalled, with the buffers their copy uses.
+    /// Copy commands whose fence never signalled, with the buffers their copy uses.
     parked: Vec<(CopyCommand, Vec<Arc<DeviceBuffer>>)>,
 }
 
-/// The slots of one context.
+/// The copy commands of one context.
 #[derive(Default)]
 pub(crate) struct CopyCommands {
     state: Mutex<State>,
@@ -55,7 +55,7 @@ impl CopyCommands {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// A free slot, a new one if fewer than [`MAX_COPY_COMMANDS`] exist, or `None`.
+    /// A free copy command, a new one if fewer than [`MAX_COPY_COMMANDS`] exist, or `None`.
     pub fn try_acquire(&self, device: &ash::Device, family: u32) -> Result<Option<CopyCommand>> {
         let mut st = self.lock();
         if let Some(s) = st.free.pop() {
@@ -75,7 +75,7 @@ impl CopyCommands {
         }
     }
 
-    /// A slot, waiting (at most [`COPY_TIMEOUT`]) for one to come back when all are in use.
+    /// A copy command, waiting (at most [`COPY_TIMEOUT`]) for one to come back when all are in use.
     pub fn acquire(&self, device: &ash::Device, family: u32) -> Result<CopyCommand> {
         if let Some(s) = self.try_acquire(device, family)? {
             return Ok(s);
@@ -88,34 +88,34 @@ impl CopyCommands {
         match st.free.pop() {
             Some(s) => Ok(s),
             None if waited.timed_out() => Err(Error::Timeout(format!(
-                "all {MAX_COPY_COMMANDS} Vulkan command slots stayed busy for {COPY_TIMEOUT:?}"
+                "all {MAX_COPY_COMMANDS} Vulkan copy commands stayed busy for {COPY_TIMEOUT:?}"
             ))),
-            None => Err(Error::Timeout("no Vulkan command slot came back".into())),
+            None => Err(Error::Timeout("no Vulkan copy command came back".into())),
         }
     }
 
-    /// Returns a slot whose fence has signalled (or that was never submitted).
-    pub fn release(&self, slot: CopyCommand) {
-        self.lock().free.push(slot);
+    /// Returns a copy command whose fence has signalled (or that was never submitted).
+    pub fn release(&self, command: CopyCommand) {
+        self.lock().free.push(command);
         self.returned.notify_one();
     }
 
-    /// Keeps a slot whose copy did not finish, and the buffers it uses, until the context goes.
-    pub fn park(&self, slot: CopyCommand, keep: Vec<Arc<DeviceBuffer>>) {
-        tracing::error!("a Vulkan copy did not finish; its command slot and buffers are kept alive");
-        self.lock().parked.push((slot, keep));
+    /// Keeps a copy command whose copy did not finish, and the buffers it uses, until the context goes.
+    pub fn park(&self, command: CopyCommand, keep: Vec<Arc<DeviceBuffer>>) {
+        tracing::error!("a Vulkan copy did not finish; its copy command and buffers are kept alive");
+        self.lock().parked.push((command, keep));
     }
 
-    /// Destroys every slot.
+    /// Destroys every copy command.
     ///
     /// # Safety
     ///
-    /// The device must be idle and no slot may be in use.
+    /// The device must be idle and no copy command may be in use.
     pub unsafe fn destroy(&self, device: &ash::Device) {
         let mut st = self.lock();
         let parked: Vec<CopyCommand> = st.parked.drain(..).map(|(s, _)| s).collect();
         for s in st.free.drain(..).chain(parked) {
-            // SAFETY: the caller promised the device is idle, so no slot's command buffer is pending;
+            // SAFETY: the caller promised the device is idle, so no copy command's command buffer is pending;
             // destroying the pool frees its command buffer.
             unsafe {
                 device.destroy_fence(s.fence, None);

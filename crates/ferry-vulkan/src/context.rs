@@ -53,7 +53,7 @@ pub struct VulkanContext {
     pub(crate) ext: ExtFns,
     queue: Mutex<vk::Queue>,
     queue_family: u32,
-    pub(crate) slots: CopyCommands,
+    pub(crate) commands: CopyCommands,
     /// Bytes this context allocated, per heap.
     heap_usage: Mutex<Vec<u64>>,
     live_buffers: AtomicUsize,
@@ -140,7 +140,7 @@ impl VulkanContext {
             ext,
             queue: Mutex::new(queue),
             queue_family,
-            slots: CopyCommands::new(),
+            commands: CopyCommands::new(),
             heap_usage: Mutex::new(vec![0; heaps]),
             live_buffers: AtomicUsize::new(0),
             live_memories: AtomicUsize::new(0),
@@ -305,13 +305,13 @@ impl VulkanContext {
             (0, 0)
         };
         let mut usage = self.usage();
-        let slot = usage
+        let reserved = usage
             .get_mut(heap as usize)
             .ok_or_else(|| Error::InvalidArgument(format!("{} has no memory heap {heap}", self.facts.name)))?;
         let (budget, used) = if self.enabled.memory_budget {
             (budget, used)
         } else {
-            (self.facts.layout.heaps[heap as usize].size, *slot)
+            (self.facts.layout.heaps[heap as usize].size, *reserved)
         };
         if !fits_budget(size, budget, used) {
             return Err(Error::ResourceExhausted(format!(
@@ -319,15 +319,15 @@ impl VulkanContext {
                 self.facts.name
             )));
         }
-        *slot += size;
+        *reserved += size;
         self.live_bytes.fetch_add(size, Ordering::AcqRel);
         Ok(())
     }
 
     /// Undoes a [`reserve`](Self::reserve).
     pub(crate) fn release(&self, heap: u32, size: u64) {
-        if let Some(slot) = self.usage().get_mut(heap as usize) {
-            *slot = slot.saturating_sub(size);
+        if let Some(reserved) = self.usage().get_mut(heap as usize) {
+            *reserved = reserved.saturating_sub(size);
         }
         self.live_bytes.fetch_sub(size, Ordering::AcqRel);
     }
@@ -460,7 +460,7 @@ impl Drop for VulkanContext {
         // wait makes sure the queue is idle before the command pools and the device go.
         unsafe {
             let _ = self.device.device_wait_idle();
-            self.slots.destroy(&self.device);
+            self.commands.destroy(&self.device);
             self.device.destroy_device(None);
         }
         tracing::debug!(device = %self.facts.name, "Vulkan device closed");

@@ -1,11 +1,11 @@
 //! Device copies, pipelined: the staging path of HIXL, and `VulkanContext::copy` for applications.
 //!
-//! A range is cut into chunks of [`CHUNK`] bytes; each chunk is recorded into its own command slot and
+//! A range is cut into chunks of [`CHUNK`] bytes; each chunk is recorded into its own copy command and
 //! submitted at once, with up to [`DEPTH`] chunks of one call in flight, so the GPU copies chunk *n*
 //! while the CPU records chunk *n + 1*. The ranges one request wrote or reads (a batch of scattered
 //! KV-cache blocks) are recorded together, many to a command buffer up to a chunk's bytes, so that
 //! each costs a copy region rather than a submission, a fence and a wait of its own. Calls from several threads (one per TCP stream) run side by side
-//! on their own slots, so the device copy of one stream's range overlaps the network receive of the
+//! on their own copy commands, so the device copy of one stream's range overlaps the network receive of the
 //! others. A call returns only when every one of its copies is complete on the device, which is what
 //! `commit_written` and `prepare_read` promise the engine.
 //!
@@ -19,7 +19,7 @@
 //! code; the call returns only once
 //! each [`PendingCopy`] completed, so the GPU copy lies inside that permit and deregistration, which
 //! waits for the permit, waits for the copy. A `PendingCopy` is only the GPU-side completion of one
-//! chunk: its command slot and the buffers it copies between, kept alive until its fence signals.
+//! chunk: its copy command and the buffers it copies between, kept alive until its fence signals.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -58,25 +58,25 @@ pub(crate) mod private {
     }
 }
 
-/// One submitted chunk of a copy made under the caller's permit: its slot and the buffers it copies
+/// One submitted chunk of a copy made under the caller's permit: its copy command and the buffers it copies
 /// between, kept alive until its fence signals (the GPU-side completion of that copy, not a guard).
 struct PendingCopy<'c> {
     ctx: &'c VulkanContext,
-    slot: Option<CopyCommand>,
+    command: Option<CopyCommand>,
     keep: [Arc<DeviceBuffer>; 2],
 }
 
 impl PendingCopy<'_> {
-    /// Waits for the copy; returns the slot for reuse.
+    /// Waits for the copy; returns the copy command for reuse.
     fn finish(mut self) -> Result<CopyCommand> {
-        let slot = self
-            .slot
+        let command = self
+            .command
             .take()
-            .ok_or_else(|| Error::Protocol("copy slot already finished".into()))?;
-        match wait(self.ctx, &slot) {
-            Ok(()) => Ok(slot),
+            .ok_or_else(|| Error::Internal("a staged copy was waited for twice".into()))?;
+        match wait(self.ctx, &command) {
+            Ok(()) => Ok(command),
             Err(e) => {
-                self.ctx.slots.park(slot, self.keep.to_vec());
+                self.ctx.commands.park(command, self.keep.to_vec());
                 Err(e)
             }
         }
@@ -85,20 +85,20 @@ impl PendingCopy<'_> {
 
 impl Drop for PendingCopy<'_> {
     fn drop(&mut self) {
-        if let Some(slot) = self.slot.take() {
-            match wait(self.ctx, &slot) {
-                Ok(()) => self.ctx.slots.release(slot),
-                Err(_) => self.ctx.slots.park(slot, self.keep.to_vec()),
+        if let Some(command) = self.command.take() {
+            match wait(self.ctx, &command) {
+                Ok(()) => self.ctx.commands.release(command),
+                Err(_) => self.ctx.commands.park(command, self.keep.to_vec()),
             }
         }
     }
 }
 
-fn wait(ctx: &VulkanContext, slot: &CopyCommand) -> Result<()> {
-    // SAFETY: the fence belongs to this device and was submitted with the slot's command buffer.
+fn wait(ctx: &VulkanContext, command: &CopyCommand) -> Result<()> {
+    // SAFETY: the fence belongs to this device and was submitted with the copy command's buffer.
     unsafe {
         ctx.device()
-            .wait_for_fences(&[slot.fence], true, COPY_TIMEOUT.as_nanos() as u64)
+            .wait_for_fences(&[command.fence], true, COPY_TIMEOUT.as_nanos() as u64)
     }
     .map_err(|e| vk_error("waiting for a Vulkan copy", e))
 }
@@ -208,7 +208,7 @@ impl VulkanContext {
 
     fn record_and_submit(
         &self,
-        slot: &CopyCommand,
+        command: &CopyCommand,
         src: &DeviceBuffer,
         dst: &DeviceBuffer,
         regions: &[vk::BufferCopy],
@@ -220,20 +220,20 @@ impl VulkanContext {
         let after = vk::MemoryBarrier::default()
             .src_access_mask(vk::AccessFlags::TRANSFER_WRITE)
             .dst_access_mask(vk::AccessFlags::HOST_READ);
-        // SAFETY: the slot is ours alone (taken from the pool, its previous submission complete), so its
+        // SAFETY: the copy command is ours alone (taken from the pool, its previous submission complete), so its
         // pool may be reset and its command buffer recorded on this thread; the buffers are live (the
         // caller holds `Arc`s, kept by the in-flight entry until the fence signals) and the region lies
         // inside both (checked by `copy_buffers` and `copy_ranges`); the fence is unsignalled after the reset.
         unsafe {
             device
-                .reset_command_pool(slot.pool, vk::CommandPoolResetFlags::empty())
+                .reset_command_pool(command.pool, vk::CommandPoolResetFlags::empty())
                 .map_err(|e| vk_error("vkResetCommandPool", e))?;
             let begin = vk::CommandBufferBeginInfo::default().flags(vk::CommandBufferUsageFlags::ONE_TIME_SUBMIT);
             device
-                .begin_command_buffer(slot.cmd, &begin)
+                .begin_command_buffer(command.cmd, &begin)
                 .map_err(|e| vk_error("vkBeginCommandBuffer", e))?;
             device.cmd_pipeline_barrier(
-                slot.cmd,
+                command.cmd,
                 vk::PipelineStageFlags::ALL_COMMANDS,
                 vk::PipelineStageFlags::TRANSFER,
                 vk::DependencyFlags::empty(),
@@ -241,9 +241,9 @@ impl VulkanContext {
                 &[],
                 &[],
             );
-            device.cmd_copy_buffer(slot.cmd, src.handle(), dst.handle(), regions);
+            device.cmd_copy_buffer(command.cmd, src.handle(), dst.handle(), regions);
             device.cmd_pipeline_barrier(
-                slot.cmd,
+                command.cmd,
                 vk::PipelineStageFlags::TRANSFER,
                 vk::PipelineStageFlags::HOST,
                 vk::DependencyFlags::empty(),
@@ -252,16 +252,16 @@ impl VulkanContext {
                 &[],
             );
             device
-                .end_command_buffer(slot.cmd)
+                .end_command_buffer(command.cmd)
                 .map_err(|e| vk_error("vkEndCommandBuffer", e))?;
             device
-                .reset_fences(&[slot.fence])
+                .reset_fences(&[command.fence])
                 .map_err(|e| vk_error("vkResetFences", e))?;
-            let cmds = [slot.cmd];
+            let cmds = [command.cmd];
             let submit = vk::SubmitInfo::default().command_buffers(&cmds);
             let queue = self.queue()?;
             device
-                .queue_submit(*queue, &[submit], slot.fence)
+                .queue_submit(*queue, &[submit], command.fence)
                 .map_err(|e| vk_error("vkQueueSubmit", e))
         }
     }
@@ -305,29 +305,29 @@ struct Pipeline<'c> {
 }
 
 impl Pipeline<'_> {
-    /// Records `regions` into a free slot and submits them.
+    /// Records `regions` into a free copy command and submits them.
     fn submit(&mut self, regions: &[vk::BufferCopy]) -> Result<()> {
         let ctx = self.ctx;
         let family = ctx.queue_family_index();
-        let slot = if self.inflight.len() >= DEPTH {
+        let command = if self.inflight.len() >= DEPTH {
             next_free(&mut self.inflight)?
         } else if self.inflight.is_empty() {
-            ctx.slots.acquire(ctx.device(), family)?
+            ctx.commands.acquire(ctx.device(), family)?
         } else {
-            // Holding slots already: never wait on the pool (two callers could wait on each other);
-            // reuse our own oldest slot instead.
-            match ctx.slots.try_acquire(ctx.device(), family)? {
+            // Holding copy commands already: never wait on the pool (two callers could wait on each other);
+            // reuse our own oldest one instead.
+            match ctx.commands.try_acquire(ctx.device(), family)? {
                 Some(s) => s,
                 None => next_free(&mut self.inflight)?,
             }
         };
-        if let Err(e) = ctx.record_and_submit(&slot, self.src, self.dst, regions) {
-            ctx.slots.release(slot);
+        if let Err(e) = ctx.record_and_submit(&command, self.src, self.dst, regions) {
+            ctx.commands.release(command);
             return Err(e);
         }
         self.inflight.push_back(PendingCopy {
             ctx,
-            slot: Some(slot),
+            command: Some(command),
             keep: [self.src.clone(), self.dst.clone()],
         });
         Ok(())
@@ -338,7 +338,7 @@ impl Pipeline<'_> {
         let mut result = Ok(());
         for f in self.inflight {
             match f.finish() {
-                Ok(slot) => self.ctx.slots.release(slot),
+                Ok(command) => self.ctx.commands.release(command),
                 Err(e) if result.is_ok() => result = Err(e),
                 Err(_) => {}
             }
@@ -347,11 +347,11 @@ impl Pipeline<'_> {
     }
 }
 
-/// Waits for the oldest in-flight chunk and hands back its slot.
+/// Waits for the oldest in-flight chunk and hands back its copy command.
 fn next_free(inflight: &mut VecDeque<PendingCopy<'_>>) -> Result<CopyCommand> {
     match inflight.pop_front() {
         Some(f) => f.finish(),
-        None => Err(Error::Protocol("no copy in flight to wait for".into())),
+        None => Err(Error::Internal("no staged copy in flight to wait for".into())),
     }
 }
 

@@ -364,7 +364,7 @@ fn flush_cache_lines(ptr: *mut u8, len: usize) {
 
 impl Drop for FileMapping {
     fn drop(&mut self) {
-        // The guard's slot is cleared first, so that the SIGBUS handler never remaps an address range
+        // The guard's table entry is cleared first, so that the SIGBUS handler never remaps an address range
         // that has gone back to the kernel.
         drop(self.guard.take());
         // SAFETY: the mapping made in `open`; the region's access guard guarantees no access is in progress.

@@ -15,11 +15,11 @@
 //! would hide a hardware error behind a wrong answer.
 //!
 //! The handler only reads atomics and calls `mmap`, a plain system call, which is what a signal
-//! handler may do. Each slot's `(start, len)` pair is published under a sequence counter (a seqlock
-//! with one writer, the slot's owner), so the handler never sees the start of one mapping with the
+//! handler may do. Each entry's `(start, len)` pair is published under a sequence counter (a seqlock
+//! with one writer, the entry's owner), so the handler never sees the start of one mapping with the
 //! length of another: a torn read would map zero pages over an unrelated range. A pair that is being
 //! written is not matched; nothing touches a mapping while its guard is being set up or dropped. A
-//! slot is cleared before its mapping is unmapped, and nothing accesses a mapping while it is being
+//! entry is cleared before its mapping is unmapped, and nothing accesses a mapping while it is being
 //! unmapped (the region's access guard has closed), so the handler never remaps an address range that has
 //! been handed to something else.
 
@@ -29,13 +29,13 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering, fence};
 use ferry_core::{Error, Result};
 
 /// How many mappings can be guarded at once (HIXL advises about 4K registrations in all).
-const SLOTS: usize = 4096;
+const ENTRIES: usize = 4096;
 
-/// How often the handler re-reads a pair that changed under it before passing the slot by.
+/// How often the handler re-reads a pair that changed under it before passing the entry by.
 const READ_RETRIES: usize = 4;
 
 struct GuardedMapping {
-    /// Whether a `Guard` owns the slot.
+    /// Whether a `Guard` owns the entry.
     claimed: AtomicBool,
     /// Odd while the owner rewrites `start`/`len`; bumped twice per rewrite.
     seq: AtomicUsize,
@@ -53,11 +53,11 @@ const EMPTY: GuardedMapping = GuardedMapping {
     lost: AtomicBool::new(false),
 };
 
-static TABLE: [GuardedMapping; SLOTS] = [EMPTY; SLOTS];
+static TABLE: [GuardedMapping; ENTRIES] = [EMPTY; ENTRIES];
 static PREVIOUS: OnceLock<libc::sigaction> = OnceLock::new();
 
 impl GuardedMapping {
-    /// Publishes `(start, len)`; only the slot's owner calls this.
+    /// Publishes `(start, len)`; only the entry's owner calls this.
     fn publish(&self, start: usize, len: usize) {
         self.seq.fetch_add(1, Ordering::Relaxed);
         fence(Ordering::Release);
@@ -66,7 +66,7 @@ impl GuardedMapping {
         self.seq.fetch_add(1, Ordering::Release);
     }
 
-    /// The published pair, read consistently; `None` for an empty slot or one being rewritten.
+    /// The published pair, read consistently; `None` for an empty entry or one being rewritten.
     fn mapping(&self) -> Option<(usize, usize)> {
         for _ in 0..READ_RETRIES {
             let before = self.seq.load(Ordering::Acquire);
@@ -84,58 +84,58 @@ impl GuardedMapping {
     }
 }
 
-/// A mapping under guard; the slot is released on drop (before the caller unmaps).
+/// A mapping under guard; the entry is released on drop (before the caller unmaps).
 #[derive(Debug)]
 pub(crate) struct Guard {
-    slot: usize,
+    entry: usize,
 }
 
 impl Guard {
     /// Guards `[start, start + len)`, installing the handler on first use.
     pub(crate) fn new(start: *mut u8, len: usize) -> Result<Guard> {
         install()?;
-        for (i, slot) in TABLE.iter().enumerate() {
-            if slot
+        for (i, entry) in TABLE.iter().enumerate() {
+            if entry
                 .claimed
                 .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
                 .is_ok()
             {
-                slot.lost.store(false, Ordering::Release);
-                slot.publish(start as usize, len);
-                return Ok(Guard { slot: i });
+                entry.lost.store(false, Ordering::Release);
+                entry.publish(start as usize, len);
+                return Ok(Guard { entry: i });
             }
         }
         Err(Error::ResourceExhausted(format!(
-            "{SLOTS} file regions are registered already; deregister one first"
+            "{ENTRIES} file regions are registered already; deregister one first"
         )))
     }
 
     /// Whether a fault replaced the mapping with zero pages (its file shrank under it).
     pub(crate) fn is_lost(&self) -> bool {
-        TABLE[self.slot].lost.load(Ordering::Acquire)
+        TABLE[self.entry].lost.load(Ordering::Acquire)
     }
 
     /// Replaces the mapping with zero pages now, before anything faults on it: for a file found
     /// shorter than the mapping by other means.
     pub(crate) fn abandon(&self) {
-        let slot = &TABLE[self.slot];
-        if let Some(mapping) = slot.mapping() {
-            replace_with_zero_pages(slot, mapping);
+        let entry = &TABLE[self.entry];
+        if let Some(mapping) = entry.mapping() {
+            replace_with_zero_pages(entry, mapping);
         }
     }
 }
 
 impl Drop for Guard {
     fn drop(&mut self) {
-        let slot = &TABLE[self.slot];
-        slot.publish(0, 0);
-        slot.claimed.store(false, Ordering::Release);
+        let entry = &TABLE[self.entry];
+        entry.publish(0, 0);
+        entry.claimed.store(false, Ordering::Release);
     }
 }
 
-fn replace_with_zero_pages(slot: &GuardedMapping, (start, len): (usize, usize)) -> bool {
-    // SAFETY: `[start, start + len)` is a live mapping owned by the slot's `FileMapping`, read as one
-    // consistent pair (slots are cleared before unmapping); MAP_FIXED swaps its pages for private zero
+fn replace_with_zero_pages(entry: &GuardedMapping, (start, len): (usize, usize)) -> bool {
+    // SAFETY: `[start, start + len)` is a live mapping owned by the entry's `FileMapping`, read as one
+    // consistent pair (entries are cleared before unmapping); MAP_FIXED swaps its pages for private zero
     // pages of the same size and protection, so every pointer into it stays valid.
     let p = unsafe {
         libc::mmap(
@@ -150,7 +150,7 @@ fn replace_with_zero_pages(slot: &GuardedMapping, (start, len): (usize, usize)) 
     if p == libc::MAP_FAILED {
         return false;
     }
-    slot.lost.store(true, Ordering::Release);
+    entry.lost.store(true, Ordering::Release);
     true
 }
 
@@ -159,8 +159,8 @@ fn repaired_truncation(code: libc::c_int, addr: usize) -> bool {
     if code != libc::BUS_ADRERR {
         return false;
     }
-    TABLE.iter().any(|slot| match slot.mapping() {
-        Some((start, len)) if addr >= start && addr - start < len => replace_with_zero_pages(slot, (start, len)),
+    TABLE.iter().any(|entry| match entry.mapping() {
+        Some((start, len)) if addr >= start && addr - start < len => replace_with_zero_pages(entry, (start, len)),
         _ => false,
     })
 }
@@ -317,7 +317,7 @@ mod tests {
         let base = map.cast::<u8>();
         // SAFETY: `base` points to `len` writable bytes that nothing else uses.
         unsafe { std::ptr::write_bytes(base, 0xAB, len) };
-        let guard = Guard::new(base, len).expect("a free slot");
+        let guard = Guard::new(base, len).expect("a free entry");
         // SAFETY: reads one byte of the live mapping.
         let byte = |offset: usize| unsafe { base.add(offset).read_volatile() };
 
@@ -352,22 +352,22 @@ mod tests {
     }
 
     #[test]
-    fn a_slot_pair_is_read_whole_or_not_at_all() {
-        let slot = GuardedMapping {
+    fn an_entry_pair_is_read_whole_or_not_at_all() {
+        let entry = GuardedMapping {
             claimed: AtomicBool::new(true),
             seq: AtomicUsize::new(0),
             start: AtomicUsize::new(0),
             len: AtomicUsize::new(0),
             lost: AtomicBool::new(false),
         };
-        assert_eq!(slot.mapping(), None);
-        slot.publish(0x1000, 0x2000);
-        assert_eq!(slot.mapping(), Some((0x1000, 0x2000)));
-        slot.seq.fetch_add(1, Ordering::Relaxed);
-        slot.start.store(0x9000, Ordering::Relaxed);
-        assert_eq!(slot.mapping(), None, "a pair being rewritten is not matched");
-        slot.len.store(0x10, Ordering::Relaxed);
-        slot.seq.fetch_add(1, Ordering::Release);
-        assert_eq!(slot.mapping(), Some((0x9000, 0x10)));
+        assert_eq!(entry.mapping(), None);
+        entry.publish(0x1000, 0x2000);
+        assert_eq!(entry.mapping(), Some((0x1000, 0x2000)));
+        entry.seq.fetch_add(1, Ordering::Relaxed);
+        entry.start.store(0x9000, Ordering::Relaxed);
+        assert_eq!(entry.mapping(), None, "a pair being rewritten is not matched");
+        entry.len.store(0x10, Ordering::Relaxed);
+        entry.seq.fetch_add(1, Ordering::Release);
+        assert_eq!(entry.mapping(), Some((0x9000, 0x10)));
     }
 }

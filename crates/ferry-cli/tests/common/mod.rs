@@ -221,15 +221,15 @@ pub mod stream {
             let descs: Vec<_> = chunk
                 .iter()
                 .enumerate()
-                .map(|(slot, &i)| Descriptor::at_offset(back.addr_at(slot as u64 * BLOCK), i * BLOCK, BLOCK))
+                .map(|(pos, &i)| Descriptor::at_offset(back.addr_at(pos as u64 * BLOCK), i * BLOCK, BLOCK))
                 .collect();
             tokio::time::timeout(hang, service.clone().oneshot(TransferRequest::read(target, descs)))
                 .await
                 .expect("read-back hung")
                 .expect("read-back");
             let mut got = vec![0u8; BLOCK as usize];
-            for (slot, &i) in chunk.iter().enumerate() {
-                back.read_at(slot as u64 * BLOCK, &mut got).unwrap();
+            for (pos, &i) in chunk.iter().enumerate() {
+                back.read_at(pos as u64 * BLOCK, &mut got).unwrap();
                 assert!(got == pattern(i), "acknowledged write {i} is not at the target");
             }
         }

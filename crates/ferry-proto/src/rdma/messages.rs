@@ -240,7 +240,7 @@ mod tests {
     }
 
     #[test]
-    fn the_largest_notification_fits_a_slot() {
+    fn the_largest_notification_fits_a_message_buffer() {
         let n = Notification::new("\u{10348}".repeat(1024), "\u{10348}".repeat(1024));
         let mut b = Vec::new();
         Message::Notify { id: 1, notification: n }.encode(&mut b).unwrap();
