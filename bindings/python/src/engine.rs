@@ -18,7 +18,7 @@ use crate::transfer::{self, PreparedTransfer, TransferHandle};
 /// A transfer engine (HIXL `Initialize`): it listens on `listen` ("host:port"; port 0 picks one)
 /// when given, registers memory, connects to peers and moves bytes between its memory and theirs.
 ///
-/// `buffer_pool` ("BUFFER_NUM:BUFFER_SIZE_MB", "0:0" for none) is the staging pool small
+/// `buffer_pool` ("BUFFER_NUM:BUFFER_SIZE_MB", "0:0" for none) is the coalescing pool small
 /// descriptors are coalesced through; `transports` ("tcp", "shm", "rdma") restricts the data paths
 /// offered to peers, best first; `streams` is the TCP streams per link. Close it with `close()` or
 /// use it as a context manager (plain or `async with`).

@@ -27,7 +27,7 @@ pub enum Error {
     /// `connect` was called for a peer that is already connected (HIXL `ALREADY_CONNECTED`).
     #[error("already connected: {0}")]
     AlreadyConnected(String),
-    /// A configured limit was reached: links, pending notifications, staging buffers, memory
+    /// A configured limit was reached: links, pending notifications, coalescing buffers, memory
     /// (HIXL `RESOURCE_EXHAUSTED`).
     #[error("resource exhausted: {0}")]
     ResourceExhausted(String),

@@ -2,7 +2,7 @@
 
 use crate::error::{Error, Result};
 
-/// The staging buffer pool, HIXL's `"BUFFER_NUM:BUFFER_SIZE_MB"`: `"4:8"` by default, `"0:0"` off.
+/// The coalescing pool (HIXL's buffer pool), `"BUFFER_NUM:BUFFER_SIZE_MB"`: `"4:8"` by default, `"0:0"` off.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BufferPool {
     /// Number of buffers.

@@ -363,9 +363,9 @@ pub const MAX_NOTIFY_FIELD_CHARS: usize = 1024;
 pub const DEFAULT_MAX_PENDING_NOTIFICATIONS: usize = 4096;
 /// HIXL: at most this many links per engine.
 pub const DEFAULT_MAX_LINKS: usize = 512;
-/// HIXL stages every descriptor smaller than this through its buffer pool. ferry stages only those for
-/// which it pays (see the TCP transport's batch planning): copying a 64 KiB descriptor through a
-/// staging buffer costs more than the frame it saves.
+/// HIXL copies every descriptor smaller than this through its buffer pool. ferry coalesces only those
+/// for which it pays (see the TCP transport's batch planning): copying a 64 KiB descriptor through a
+/// pool buffer costs more than the frame it saves.
 pub const SMALL_TRANSFER_THRESHOLD: u64 = 256 * 1024;
 
 #[cfg(test)]

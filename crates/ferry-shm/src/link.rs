@@ -14,7 +14,7 @@
 //! The target copies out of this process's memory for a WRITE, so a request holds a permit of each
 //! local region's access guard until its reply arrives (or the link ends), not merely while the
 //! caller's future lives: a caller that drops its transfer cannot deregister memory the target is
-//! still reading. For a READ the target writes into a staging buffer the request owns, and the caller's
+//! still reading. For a READ the target writes into a read buffer the request owns, and the caller's
 //! future copies it into place once the reply came: a READ that timed out or was dropped lands no byte
 //! in the caller's memory afterwards, whatever the target still does. That costs a copy per READ.
 //!

@@ -15,7 +15,7 @@ use ferry_vulkan::{AllocationPath, VulkanBlock, VulkanContext, VulkanRegistry};
 const LEN: usize = (9 << 20) + 4097;
 
 /// Descriptors of uneven sizes that cover `[0, LEN)`: a single byte, small ones coalesced through the
-/// engine's staging pool, and large ones split across streams.
+/// engine's coalescing pool, and large ones split across streams.
 fn descs(local: u64, remote: u64) -> Vec<TransferDesc> {
     let cuts = [0usize, 1, 4097, 70_000, 400_000, 5 << 20, LEN];
     cuts.windows(2)

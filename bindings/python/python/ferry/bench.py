@@ -124,7 +124,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--duration", type=float, default=3.0, help="seconds per case and round")
     parser.add_argument("--rounds", type=int, default=2, help="rounds per case; the best of each side counts")
     parser.add_argument("--rust", help="the `ferry` binary to compare with (default: `ferry` on PATH)")
-    parser.add_argument("--buffer-pool", default="4:8", help="staging pool, as `ferry bench --buffer-pool`")
+    parser.add_argument("--buffer-pool", default="4:8", help="coalescing pool, as `ferry bench --buffer-pool`")
     parser.add_argument("--json", action="store_true", help="one JSON object per case, instead of a table")
     parser.add_argument(
         "--case",
