@@ -190,8 +190,9 @@ impl tower::Service<TransferRequest> for TransferService {
             }
             Ok(Checkout::Wait(held, claim)) => {
                 // Waiting needs the attempt's end as an instant: the clock is read on this path only.
-                let deadline = attempt_deadline(&request, Instant::now());
-                if deadline.is_some_and(|at| at <= Instant::now()) {
+                let now = Instant::now();
+                let deadline = attempt_deadline(&request, now);
+                if deadline.is_some_and(|at| at <= now) {
                     return TransferFuture(State::Failed(Some(past_deadline(
                         request.peer(),
                         "before an attempt started",

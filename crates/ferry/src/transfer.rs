@@ -177,21 +177,19 @@ impl Transfer {
             true => (Work::Started(data.transfer_within(request, due)), Timer::Link, timeout),
             // With a deadline the timer ends at the instant both bounds make; without, it counts the
             // timeout from the first `Pending`.
-            false => match (deadline, due) {
-                (Some(_), Some(due)) => (
+            false => {
+                let until = deadline.and(due);
+                let timeout = until.map_or(timeout, |due| due.within());
+                (
                     Work::Unstarted(data.clone(), request),
-                    Timer::Unarmed(Some(due.at)),
-                    due.within(),
-                ),
-                _ => (Work::Unstarted(data.clone(), request), Timer::Unarmed(None), timeout),
-            },
+                    Timer::Unarmed(until.map(|due| due.at)),
+                    timeout,
+                )
+            }
         };
         Ok(Transfer {
             addr: peer.addr(),
-            metered: match (metered, now) {
-                (true, Some(now)) => Some((peer.clone(), now)),
-                _ => None,
-            },
+            metered: now.filter(|_| metered).map(|now| (peer.clone(), now)),
             work,
             timeout,
             timer,
