@@ -162,8 +162,7 @@ async fn a_served_region_survives_thousands_of_hostile_connections() {
     let before_gbps = throughput(&client, &peer, &src, region, 8).await;
     let rss_before = rss_kib(pid);
 
-    // 8 authenticated engines that will flood notifications. They connect first: while stalled
-    // handshakes hold every place awaiting admission, new connections are closed at once.
+    // 8 authenticated engines that will flood notifications.
     let mut floods = Vec::new();
     for _ in 0..8 {
         let e = Engine::builder()

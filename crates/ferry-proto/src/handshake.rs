@@ -14,12 +14,20 @@
 
 use std::collections::HashMap;
 
-use ferry_core::codec::{Hello, HelloAck};
+use ferry_core::codec::{Hello, HelloAck, Limits};
 use ferry_core::{Error, RegionAd, Result, TransportKind, WireError};
 
 use crate::auth::JoinKey;
 use crate::ids::{LinkToken, StreamIndex};
 use crate::limits::LinkLimits;
+
+/// What a target decodes before it admits a stream: one hello, whose body is under a hundred bytes
+/// (ids, counts, a short list of transports, a 32-byte join proof), and nothing with a payload. A
+/// stream that announces more is refused at its header, before the target holds its bytes.
+pub const BEFORE_ADMISSION: Limits = Limits {
+    max_body: 512,
+    max_payload: 0,
+};
 
 /// What an engine says about itself in a handshake.
 #[derive(Debug, Clone, PartialEq, Eq)]

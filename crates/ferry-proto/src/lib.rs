@@ -10,6 +10,7 @@
 //!
 //! | module | side | decides |
 //! |---|---|---|
+//! | [`admission`] | target | which connections may wait to be admitted: places, a share per source address, and whom a newcomer displaces |
 //! | [`handshake`] | both | what a hello says; which hellos open a link or join one, and how many streams a link may have |
 //! | [`auth`] | both | how a further stream proves it belongs to an authenticated link |
 //! | [`initiator`] | initiator | operation ids, which stream an operation takes, matching answers to operations, the limit on outstanding operations, the peer's region table |
@@ -23,6 +24,7 @@
 //! Everything here is deterministic, so the tests drive both sides in memory (`tests/pair.rs`), with
 //! random interleavings of the streams and broken streams, and check the outcome against a model.
 
+pub mod admission;
 pub mod adverts;
 pub mod auth;
 pub mod handshake;
@@ -35,6 +37,7 @@ pub mod shm;
 pub mod target;
 pub mod written;
 
+pub use admission::{AdmissionLimits, AdmissionTable, Arrival, Stage, Ticket};
 pub use adverts::AdvertQueue;
 pub use auth::JoinKey;
 pub use handshake::{Admission, Identity, LinkRegistry};

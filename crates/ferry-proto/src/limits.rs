@@ -10,6 +10,10 @@ pub struct LinkLimits {
     pub max_outstanding_per_stream: usize,
     /// Region updates queued for one link before they are replaced by one resend of the whole table.
     pub advert_queue: usize,
+    /// Most bytes of answers a target's stream holds for its peer before it sends them; past it the
+    /// stream waits until the peer takes them (a peer that sends requests and reads no answers stops
+    /// being served, and holds no more of the target's memory than this).
+    pub max_unsent_answers: usize,
 }
 
 impl Default for LinkLimits {
@@ -18,6 +22,7 @@ impl Default for LinkLimits {
             max_streams: 64,
             max_outstanding_per_stream: 1 << 16,
             advert_queue: 1024,
+            max_unsent_answers: 256 << 10,
         }
     }
 }

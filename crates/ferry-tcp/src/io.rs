@@ -145,6 +145,9 @@ const MAX_CHUNK: usize = 4 << 20;
 pub(crate) const DIRECT_THRESHOLD: usize = 64 << 10;
 /// How much the read buffer asks the socket for at once.
 const READ_AHEAD: usize = 256 << 10;
+/// How much the read buffer of a stream not yet admitted asks for at once: enough for a hello, so
+/// that what an unauthenticated peer makes the target hold stays small.
+const HANDSHAKE_READ_AHEAD: usize = 1 << 10;
 /// Most ranges one `sendmsg(2)`/`readv(2)` names (Linux's `IOV_MAX` is 1024; one is kept for the read
 /// buffer).
 const MAX_IOV: usize = 1023;
@@ -225,6 +228,8 @@ pub struct FrameReader {
     half: ReadHalf,
     buf: BytesMut,
     limits: Limits,
+    /// How much one read asks the socket for.
+    read_ahead: usize,
     peer: String,
 }
 
@@ -235,8 +240,28 @@ impl FrameReader {
             half,
             buf: BytesMut::with_capacity(READ_AHEAD),
             limits,
+            read_ahead: READ_AHEAD,
             peer,
         }
+    }
+
+    /// Wraps the read half of a stream that has yet to be admitted: frames are decoded with the
+    /// handshake's `limits` and the socket is read a little at a time, so that a peer holds at most
+    /// about a hello's worth of the target's memory until [`admitted`](Self::admitted).
+    pub fn before_admission(half: ReadHalf, limits: Limits, peer: String) -> Self {
+        FrameReader {
+            half,
+            buf: BytesMut::with_capacity(HANDSHAKE_READ_AHEAD),
+            limits,
+            read_ahead: HANDSHAKE_READ_AHEAD,
+            peer,
+        }
+    }
+
+    /// The stream was admitted: from now on frames are decoded with `limits`, and read ahead fully.
+    pub fn admitted(&mut self, limits: Limits) {
+        self.limits = limits;
+        self.read_ahead = READ_AHEAD;
     }
 
     /// The peer, for messages.
@@ -249,7 +274,7 @@ impl FrameReader {
     }
 
     async fn fill(&mut self) -> Result<()> {
-        self.buf.reserve(READ_AHEAD);
+        self.buf.reserve(self.read_ahead);
         let n = self.half.read_buf(&mut self.buf).await.map_err(|e| self.io_error(e))?;
         if n == 0 {
             return Err(self.closed());
@@ -279,7 +304,7 @@ impl FrameReader {
                 self.buf.advance(used);
                 return Ok(Some(decoded));
             }
-            self.buf.reserve(READ_AHEAD);
+            self.buf.reserve(self.read_ahead);
             let n = self.half.read_buf(&mut self.buf).await.map_err(|e| self.io_error(e))?;
             if n == 0 {
                 return if self.buf.is_empty() {
@@ -368,7 +393,7 @@ impl FrameReader {
             return Ok(self.copy_buffered(parts, at, caller));
         };
         let payload_left = at.remaining(parts);
-        self.buf.reserve(READ_AHEAD);
+        self.buf.reserve(self.read_ahead);
         let stream: &TcpStream = half.as_ref();
         let buf = &mut self.buf;
         let res = raw_io(stream, Interest::READABLE, || {

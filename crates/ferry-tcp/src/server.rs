@@ -23,14 +23,14 @@ use ferry_core::{
     AcceptedPath, Durability, EngineContext, Error, LinkSlot, Op, PeerIdentity, PeerView, RegionChange, RegionEntry,
     RegionKey, Resolved, Result,
 };
-use ferry_proto::handshake::refuse_anonymously;
+use ferry_proto::handshake::{BEFORE_ADMISSION, refuse_anonymously};
 use ferry_proto::target::{ack, setup_reply};
 use ferry_proto::{
-    Admission, AdvertQueue, Identity, LinkLimits, LinkRegistry, LinkToken, OpId, Request, StreamIndex, TargetStream,
-    WrittenRanges,
+    Admission, AdmissionLimits, AdmissionTable, AdvertQueue, Arrival, Identity, LinkLimits, LinkRegistry, LinkToken,
+    OpId, Request, Stage, StreamIndex, TargetStream, Ticket, WrittenRanges,
 };
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, watch};
+use tokio::sync::{Notify, oneshot, watch};
 use tokio::task::AbortHandle;
 use tokio::time::Instant;
 
@@ -48,10 +48,16 @@ pub struct ServerConfig {
     /// How long a new connection may take to authenticate (when TLS is on) and say hello; past it
     /// the connection is closed.
     pub handshake_timeout: Duration,
-    /// Most connections at once that have not yet been admitted (authenticating, or yet to say hello);
-    /// further ones are closed as they arrive, so that a flood of idle connections costs a bounded
-    /// amount and cannot hold the engine's link slots.
-    pub max_pending_handshakes: usize,
+    /// How long a new connection may stay silent before it sends its first byte (bounded by
+    /// `handshake_timeout` too); past it the connection is closed. A peer sends its first bytes as
+    /// soon as it connects, so this can be short.
+    pub first_bytes_timeout: Duration,
+    /// How many connections may wait to be admitted (authenticating, or yet to say hello), and how
+    /// many of them from one source address. A newcomer that finds no room displaces the waiting
+    /// connection that has shown least, oldest first, never one that has authenticated (see
+    /// [`ferry_proto::admission`]): a flood of idle connections costs a bounded amount, cannot hold the
+    /// engine's link slots, and cannot keep a peer that handshakes promptly out.
+    pub admission: AdmissionLimits,
     /// The protocol's limits per link.
     pub link_limits: LinkLimits,
     /// Mutual TLS: when set, only authenticated links are admitted (see [`TlsConfig`]).
@@ -66,7 +72,8 @@ impl Default for ServerConfig {
         ServerConfig {
             limits: Limits::default(),
             handshake_timeout: Duration::from_secs(10),
-            max_pending_handshakes: 256,
+            first_bytes_timeout: Duration::from_secs(2),
+            admission: AdmissionLimits::default(),
             link_limits: LinkLimits {
                 max_streams: MAX_STREAMS_PER_LINK,
                 ..LinkLimits::default()
@@ -138,8 +145,9 @@ struct Shared {
     config: ServerConfig,
     links: Mutex<LinkRegistry<Arc<AcceptedLink>>>,
     next_link: AtomicU64,
-    /// Connections not yet admitted (see [`ServerConfig::max_pending_handshakes`]).
-    pending: Arc<Semaphore>,
+    /// Connections not yet admitted (see [`ServerConfig::admission`]); each entry's sender closes
+    /// its connection when it is evicted.
+    admission: Mutex<AdmissionTable<oneshot::Sender<()>>>,
 }
 
 /// A listening TCP endpoint serving remote operations on the engine's regions.
@@ -173,7 +181,7 @@ impl TcpServer {
         let shared = Arc::new(Shared {
             ctx,
             links: Mutex::new(links),
-            pending: Arc::new(Semaphore::new(config.max_pending_handshakes.max(1))),
+            admission: Mutex::new(AdmissionTable::new(config.admission)),
             config,
             next_link: AtomicU64::new(1),
         });
@@ -272,14 +280,27 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
     loop {
         match listener.accept().await {
             Ok((stream, peer)) => {
-                let Ok(pending) = shared.pending.clone().try_acquire_owned() else {
-                    tracing::debug!(%peer, "too many connections awaiting admission; closing this one");
+                let (evict, evicted) = oneshot::channel();
+                let Some(place) = Place::take(&shared, peer, evict) else {
+                    tracing::debug!(%peer, "every connection awaiting admission has authenticated; closing this one");
                     continue;
                 };
                 let shared = shared.clone();
                 tokio::spawn(async move {
-                    if let Err(e) = serve_stream(stream, peer, shared, pending).await {
-                        tracing::debug!(%peer, error = %e, "stream ended");
+                    // Only an eviction sends; a place left normally drops the sender, which must
+                    // not end the (by then admitted) stream.
+                    let evicted = async {
+                        if evicted.await.is_err() {
+                            std::future::pending::<()>().await;
+                        }
+                    };
+                    tokio::select! {
+                        result = serve_stream(stream, peer, shared, place) => {
+                            if let Err(e) = result {
+                                tracing::debug!(%peer, error = %e, "stream ended");
+                            }
+                        }
+                        () = evicted => tracing::debug!(%peer, "closed unadmitted to make room for a newer connection"),
                     }
                 });
             }
@@ -317,21 +338,77 @@ fn identity(ctx: &EngineContext) -> Identity {
     }
 }
 
-/// Authenticates the connection when the engine requires it and the peer opens with TLS (a stream
-/// that opens with a plain hello stays plain and must prove itself by its join proof).
-async fn open_conn(stream: TcpStream, peer: SocketAddr, tls: Option<&TlsConfig>) -> Result<(Conn, Option<Session>)> {
-    let Some(tls) = tls else {
+/// A connection's place among those awaiting admission (see [`ServerConfig::admission`]), given
+/// up when it is dropped.
+struct Place {
+    shared: Arc<Shared>,
+    ticket: Ticket,
+}
+
+impl Place {
+    /// A place for the connection from `peer`, displacing another if need be (whose sender is told);
+    /// `None` if there is no room.
+    fn take(shared: &Arc<Shared>, peer: SocketAddr, evict: oneshot::Sender<()>) -> Option<Place> {
+        let mut table = shared.admission.lock().ok()?;
+        match table.arrive(peer.ip(), evict) {
+            Arrival::Placed { ticket, evicted } => {
+                if let Some(evicted) = evicted {
+                    let _ = evicted.send(());
+                }
+                Some(Place {
+                    shared: shared.clone(),
+                    ticket,
+                })
+            }
+            Arrival::Refused => None,
+        }
+    }
+
+    fn progress(&self, stage: Stage) {
+        if let Ok(mut table) = self.shared.admission.lock() {
+            table.progress(self.ticket, stage);
+        }
+    }
+
+    /// Gives the place up before admission; false if it had been taken away (the connection was
+    /// evicted, and is about to be closed).
+    fn leave(self) -> bool {
+        self.shared
+            .admission
+            .lock()
+            .is_ok_and(|mut table| table.leave(self.ticket))
+    }
+}
+
+impl Drop for Place {
+    fn drop(&mut self) {
+        if let Ok(mut table) = self.shared.admission.lock() {
+            table.leave(self.ticket);
+        }
+    }
+}
+
+/// Waits for the connection's first bytes by `first_deadline`, then authenticates it when the engine
+/// requires it and the peer opens with TLS (a stream that opens with a plain hello stays plain and
+/// must prove itself by its join proof). Tells `place` how far it came.
+async fn open_conn(
+    stream: TcpStream,
+    peer: SocketAddr,
+    tls: Option<&TlsConfig>,
+    place: &Place,
+    first_deadline: Instant,
+) -> Result<(Conn, Option<Session>)> {
+    let mut first = [0u8; 1];
+    let n = tokio::time::timeout_at(first_deadline, stream.peek(&mut first))
+        .await
+        .map_err(|_| Error::Timeout(format!("{peer} sent nothing in time")))?
+        .map_err(|e| Error::io(format_args!("reading from {peer}"), e))?;
+    place.progress(Stage::Handshaking);
+    let Some(tls) = tls.filter(|_| n > 0 && first[0] == TLS_HANDSHAKE_RECORD) else {
         return Ok((Conn::Plain(stream), None));
     };
-    let mut first = [0u8; 1];
-    let n = stream
-        .peek(&mut first)
-        .await
-        .map_err(|e| Error::io(format_args!("reading from {peer}"), e))?;
-    if n == 0 || first[0] != TLS_HANDSHAKE_RECORD {
-        return Ok((Conn::Plain(stream), None));
-    }
     let (tls, session) = tls.accept(stream, peer).await?;
+    place.progress(Stage::Authenticated);
     Ok((Conn::Tls(Box::new(tls)), Some(session)))
 }
 
@@ -404,27 +481,30 @@ fn admit(
     })
 }
 
-/// Serves one accepted connection: authentication and hello by the handshake deadline (holding
-/// `pending`, a place among the connections awaiting admission), then its requests.
-async fn serve_stream(
-    stream: TcpStream,
-    peer: SocketAddr,
-    shared: Arc<Shared>,
-    pending: OwnedSemaphorePermit,
-) -> Result<()> {
+/// Serves one accepted connection: its first bytes by the first-bytes deadline, authentication and
+/// hello by the handshake deadline (holding `place` among the connections awaiting admission), then
+/// its requests.
+async fn serve_stream(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>, place: Place) -> Result<()> {
     crate::io::configure(&stream, shared.config.send_timeout)?;
-    let deadline = Instant::now() + shared.config.handshake_timeout;
-    let (conn, session) = tokio::time::timeout_at(deadline, open_conn(stream, peer, shared.config.tls.as_ref()))
+    let now = Instant::now();
+    let deadline = now + shared.config.handshake_timeout;
+    let first_deadline = deadline.min(now + shared.config.first_bytes_timeout);
+    let opening = open_conn(stream, peer, shared.config.tls.as_ref(), &place, first_deadline);
+    let (conn, session) = tokio::time::timeout_at(deadline, opening)
         .await
         .map_err(|_| Error::Timeout(format!("{peer} did not authenticate in time")))??;
     let (r, w) = conn.split();
-    let mut reader = FrameReader::new(r, shared.config.limits, peer.to_string());
+    let mut reader = FrameReader::before_admission(r, BEFORE_ADMISSION, peer.to_string());
     let mut writer = FrameWriter::new(w, peer.to_string());
     let Some(hello) = read_hello(&mut reader, peer, deadline).await? else {
         return Ok(());
     };
+    // Leaving under the table's lock decides a race with an eviction: an evicted stream is not
+    // admitted, and one that left is no longer evicted.
+    if !place.leave() {
+        return Ok(());
+    }
     let admitted = admit(&shared, &hello, session.as_ref(), &mut writer)?;
-    drop(pending);
     let link = match admitted {
         Ok(link) => link,
         Err(e) => {
@@ -438,6 +518,7 @@ async fn serve_stream(
         }
     };
     writer.flush().await?;
+    reader.admitted(shared.config.limits);
     let index = StreamIndex(hello.stream_index);
     if index.is_control() {
         let identity = link.identity().map(|i| i.name.as_str()).unwrap_or("unauthenticated");
@@ -492,6 +573,7 @@ async fn serve_requests(
 ) -> Result<()> {
     let ctx = &shared.ctx;
     let control = stream.is_control();
+    let max_unsent = shared.config.link_limits.max_unsent_answers;
     // What this stream wrote into persistent regions and no commit has persisted yet.
     let mut written = WrittenRanges::default();
     loop {
@@ -558,6 +640,7 @@ async fn serve_requests(
                         send_read_data(&mut writer, id, &parts).await?;
                         ctx.served
                             .count(ferry_core::Op::Read, parts.iter().map(|p| p.len).sum());
+                        flush_past(&mut writer, max_unsent).await?;
                         continue;
                     }
                     Err(e) => ack(id, &Err(e)),
@@ -580,10 +663,17 @@ async fn serve_requests(
             }
         };
         writer.push(&answer, 0)?;
-        if writer.queued() >= 256 << 10 {
-            writer.flush().await?;
-        }
+        flush_past(&mut writer, max_unsent).await?;
     }
+}
+
+/// Sends the queued answers once they reach `max_unsent` bytes, waiting for the peer to take them:
+/// how a stream's answers stay bounded when its peer pipelines requests and reads nothing.
+async fn flush_past(writer: &mut FrameWriter, max_unsent: usize) -> Result<()> {
+    if writer.queued() >= max_unsent {
+        writer.flush().await?;
+    }
+    Ok(())
 }
 
 /// Lands a write's payload (operation `id` on `segments`, `payload_len` bytes, with `durability`) in

@@ -46,7 +46,8 @@ pub struct EngineBuilder {
     max_inflight_bytes: u64,
     limits: Limits,
     handshake_timeout: Duration,
-    max_pending_handshakes: usize,
+    first_bytes_timeout: Duration,
+    admission: ferry_tcp::AdmissionLimits,
     send_timeout: Duration,
     transport_options: TransportOptions,
     allowed: Option<Vec<TransportKind>>,
@@ -79,7 +80,8 @@ impl Default for EngineBuilder {
             max_inflight_bytes: DEFAULT_MAX_INFLIGHT_BYTES,
             limits: Limits::default(),
             handshake_timeout: Duration::from_secs(10),
-            max_pending_handshakes: 256,
+            first_bytes_timeout: Duration::from_secs(2),
+            admission: ferry_tcp::AdmissionLimits::default(),
             send_timeout: ferry_tcp::DEFAULT_SEND_TIMEOUT,
             transport_options: TransportOptions::default(),
             allowed: None,
@@ -174,11 +176,27 @@ impl EngineBuilder {
         self
     }
 
-    /// Most incoming connections at once that are not yet admitted (default 256): further ones are
-    /// closed as they arrive, so that connections that never authenticate cost a bounded amount and
-    /// never hold a link slot.
+    /// How long a new incoming connection may stay silent before its first byte (default 2 s, and
+    /// never past [`handshake_timeout`](Self::handshake_timeout)); past it the connection is closed.
+    pub fn first_bytes_timeout(mut self, t: Duration) -> Self {
+        self.first_bytes_timeout = t;
+        self
+    }
+
+    /// Most incoming connections at once that are not yet admitted (default 256). When they are all
+    /// taken, a newcomer displaces the one that has shown least (silent before handshaking), oldest
+    /// first, and never one that has authenticated; it is closed only when every waiting connection
+    /// has. So connections that never authenticate cost a bounded amount, never hold a link slot, and
+    /// cannot keep a peer that handshakes promptly out.
     pub fn max_pending_handshakes(mut self, n: usize) -> Self {
-        self.max_pending_handshakes = n;
+        self.admission.places = n;
+        self
+    }
+
+    /// Most of the connections awaiting admission that may come from one source address (default
+    /// 128): one host flooding the engine displaces only its own connections once it has this many.
+    pub fn max_pending_handshakes_per_source(mut self, n: usize) -> Self {
+        self.admission.per_source = n;
         self
     }
 
@@ -387,7 +405,8 @@ impl EngineBuilder {
                 let config = ServerConfig {
                     limits: self.limits,
                     handshake_timeout: self.handshake_timeout,
-                    max_pending_handshakes: self.max_pending_handshakes,
+                    first_bytes_timeout: self.first_bytes_timeout,
+                    admission: self.admission,
                     send_timeout: self.send_timeout,
                     tls: self.tls.clone(),
                     ..ServerConfig::default()

@@ -172,6 +172,18 @@ pub mod raw {
             }
         }
 
+        /// The stream's two halves, and whatever was read past the last frame returned.
+        pub fn into_split(
+            self,
+        ) -> (
+            tokio::net::tcp::OwnedReadHalf,
+            tokio::net::tcp::OwnedWriteHalf,
+            BytesMut,
+        ) {
+            let (r, w) = self.stream.into_split();
+            (r, w, self.buf)
+        }
+
         /// Reads `n` payload bytes following a frame.
         pub async fn recv_payload(&mut self, n: usize) -> Vec<u8> {
             while self.buf.len() < n {

@@ -325,12 +325,13 @@ async fn a_stream_joins_only_with_the_sessions_proof() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn connections_that_never_authenticate_are_bounded_and_timed_out() {
+async fn connections_that_never_authenticate_are_bounded_displaced_and_timed_out() {
     let ca = Ca::new("ferry test CA");
     let target = Engine::builder()
         .listen("127.0.0.1:0")
         .tls(ca.config("target"))
-        .handshake_timeout(Duration::from_millis(500))
+        .handshake_timeout(Duration::from_secs(5))
+        .first_bytes_timeout(Duration::from_millis(500))
         .max_pending_handshakes(4)
         .build()
         .await
@@ -342,26 +343,27 @@ async fn connections_that_never_authenticate_are_bounded_and_timed_out() {
         silent.push(tokio::net::TcpStream::connect(addr).await.unwrap());
     }
     tokio::time::sleep(Duration::from_millis(50)).await;
-    // ... so a fifth is closed at once, before any deadline.
-    let mut fifth = tokio::net::TcpStream::connect(addr).await.unwrap();
+    // ... so a fifth displaces the oldest of them, which is closed at once, before any deadline.
+    let fifth = tokio::net::TcpStream::connect(addr).await.unwrap();
     let mut byte = [0u8; 1];
-    let n = tokio::time::timeout(Duration::from_millis(400), fifth.read(&mut byte))
+    let n = tokio::time::timeout(Duration::from_millis(400), silent[0].read(&mut byte))
         .await
-        .expect("the fifth connection was not closed at once")
+        .expect("the oldest silent connection was not displaced")
         .unwrap_or(0);
     assert_eq!(n, 0);
-    // The silent ones are closed at the handshake deadline.
-    for mut s in silent {
-        let n = tokio::time::timeout(T, s.read(&mut byte))
-            .await
-            .expect("a silent connection outlived the handshake deadline")
-            .unwrap_or(0);
-        assert_eq!(n, 0);
-    }
-    // And an authenticated client then gets in.
+    // An authenticated client gets in while the silent ones still wait: it displaces one of them.
     let client = Engine::builder().tls(ca.config("client")).build().await.unwrap();
     client.connect(&addr.to_string(), T).await.unwrap();
     assert_eq!(target.link_count(), 1);
+    // The others are closed at the first-bytes deadline, long before the handshake deadline.
+    silent.push(fifth);
+    for mut s in silent.into_iter().skip(1) {
+        let n = tokio::time::timeout(Duration::from_secs(3), s.read(&mut byte))
+            .await
+            .expect("a silent connection outlived the first-bytes deadline")
+            .unwrap_or(0);
+        assert_eq!(n, 0);
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
