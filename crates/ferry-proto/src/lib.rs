@@ -18,6 +18,7 @@
 //! | [`written`] | target | which part of a `Commit` a stream may persist: what its earlier writes covered |
 //! | [`adverts`] | target | the bounded queue of region updates per link, and the full table resent when it overflowed |
 //! | [`keepalive`] | initiator | when to probe a silent peer, and when to give it up |
+//! | [`setup`] | target | how often a link may set up data paths, and how many it keeps |
 //! | [`rdma`] | both | the RDMA transport's bytes: queue pair addresses, remote keys, and its two-sided messages |
 //! | [`shm`] | both | the same-host transport's bytes: its setup offer and answer, its requests and replies, and whether two processes' facts allow it |
 //!
@@ -33,6 +34,7 @@ pub mod initiator;
 pub mod keepalive;
 pub mod limits;
 pub mod rdma;
+pub mod setup;
 pub mod shm;
 pub mod target;
 pub mod written;
@@ -45,5 +47,6 @@ pub use ids::{LinkToken, OpId, StreamIndex};
 pub use initiator::{Event, Initiator, RegionUpdate};
 pub use keepalive::Keepalive;
 pub use limits::LinkLimits;
+pub use setup::SetupBudget;
 pub use target::{Request, TargetStream};
 pub use written::WrittenRanges;

@@ -136,6 +136,11 @@ impl Served {
         }
     }
 
+    /// Whether the target closed the link.
+    fn is_shut(&self) -> bool {
+        self.shut_at.lock().map_or(true, |at| at.is_some())
+    }
+
     /// Whether the target closed the link more than [`LINGER_LIMIT`] ago.
     fn lingered_out(&self) -> bool {
         self.shut_at
@@ -322,7 +327,8 @@ pub(crate) fn spawn(listener: UnixListener, served: Arc<Served>) -> Result<()> {
 }
 
 fn accept(listener: &UnixListener, served: &Served) -> Result<UnixStream> {
-    // The listener waits at most CONNECT_LIMIT: a peer that never connects leaves no thread behind.
+    // The listener waits at most CONNECT_LIMIT, and not at all once the link's path was dropped (a
+    // setup replaced by another): a peer that never connects leaves no thread or socket behind.
     listener
         .set_nonblocking(true)
         .map_err(|e| Error::io("configuring the link's socket", e))?;
@@ -331,6 +337,11 @@ fn accept(listener: &UnixListener, served: &Served) -> Result<UnixStream> {
         match listener.accept() {
             Ok((s, _)) => break s,
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if served.is_shut() {
+                    return Err(Error::PeerClosed(
+                        "the link's path was closed before the initiator connected to it".into(),
+                    ));
+                }
                 if std::time::Instant::now() >= deadline {
                     return Err(Error::Timeout(
                         "the initiator never connected to the link's socket".into(),

@@ -24,10 +24,11 @@ use ferry_core::{
     RegionKey, Resolved, Result,
 };
 use ferry_proto::handshake::{BEFORE_ADMISSION, refuse_anonymously};
+use ferry_proto::setup::MAX_PATHS_PER_LINK;
 use ferry_proto::target::{ack, setup_reply};
 use ferry_proto::{
     Admission, AdmissionLimits, AdmissionTable, AdvertQueue, Arrival, Identity, LinkLimits, LinkRegistry, LinkToken,
-    OpId, Request, Stage, StreamIndex, TargetStream, Ticket, WrittenRanges,
+    OpId, Request, SetupBudget, Stage, StreamIndex, TargetStream, Ticket, WrittenRanges,
 };
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, oneshot, watch};
@@ -97,6 +98,8 @@ struct AcceptedLink {
     streams: Mutex<Vec<AbortHandle>>,
     /// Other data paths set up for this link (an RDMA queue pair), dropped with it.
     data_paths: Mutex<Vec<Box<dyn AcceptedPath>>>,
+    /// How many more data paths the link may set up now.
+    setups: Mutex<SetupBudget>,
     _slot: LinkSlot,
 }
 
@@ -454,6 +457,7 @@ fn admit(
                 adverts_sent: watch::Sender::new(0),
                 streams: Mutex::new(Vec::new()),
                 data_paths: Mutex::new(Vec::new()),
+                setups: Mutex::new(SetupBudget::new(std::time::Instant::now())),
                 _slot: slot,
             });
             // Under the registry's lock, so no update announced meanwhile is missed: it is either
@@ -755,6 +759,10 @@ fn serve_setup(
         .iter()
         .find(|t| t.kind() == kind)
         .ok_or_else(|| Error::Unsupported(format!("this engine has no usable {kind} transport")))?;
+    link.setups
+        .lock()
+        .map_err(|_| Error::Internal("setup budget lock poisoned".into()))?
+        .spend(std::time::Instant::now())?;
     let (blob, path) = transport.accept(ferry_core::AcceptSetup {
         link: link.id,
         blob,
@@ -768,17 +776,24 @@ fn serve_setup(
         .data_paths
         .lock()
         .map_err(|_| Error::Internal("data path table lock poisoned".into()))?;
-    keep_one_per_kind(&mut paths, path);
+    keep_one_per_kind(&mut paths, path)?;
     tracing::info!(%peer, transport = %kind, "data path set up");
     Ok(blob)
 }
 
 /// Adds a link's new data path, dropping (and so closing) an older one of the same kind and lane: an
 /// initiator sets a path up again when its old one failed, and however often a peer asks, a link
-/// holds at most one path per transport and lane.
-fn keep_one_per_kind(paths: &mut Vec<Box<dyn AcceptedPath>>, path: Box<dyn AcceptedPath>) {
+/// holds at most one path per transport and lane, and at most [`MAX_PATHS_PER_LINK`] in all (a path
+/// past that is dropped, and the setup refused).
+fn keep_one_per_kind(paths: &mut Vec<Box<dyn AcceptedPath>>, path: Box<dyn AcceptedPath>) -> Result<()> {
     paths.retain(|p| p.kind() != path.kind() || p.lane() != path.lane());
+    if paths.len() >= MAX_PATHS_PER_LINK {
+        return Err(Error::ResourceExhausted(format!(
+            "this link has {MAX_PATHS_PER_LINK} data paths already; a link keeps no more"
+        )));
+    }
     paths.push(path);
+    Ok(())
 }
 
 /// Answers a read: the header, then each part straight from its region, then the status byte that
@@ -870,17 +885,21 @@ mod tests {
 
     use super::*;
 
-    struct Path(TransportKind, Arc<AtomicUsize>);
+    struct Path(TransportKind, u8, Arc<AtomicUsize>);
 
     impl AcceptedPath for Path {
         fn kind(&self) -> TransportKind {
             self.0
         }
+
+        fn lane(&self) -> u8 {
+            self.1
+        }
     }
 
     impl Drop for Path {
         fn drop(&mut self) {
-            self.1.fetch_add(1, Ordering::SeqCst);
+            self.2.fetch_add(1, Ordering::SeqCst);
         }
     }
 
@@ -889,10 +908,29 @@ mod tests {
         let closed = Arc::new(AtomicUsize::new(0));
         let mut paths: Vec<Box<dyn AcceptedPath>> = Vec::new();
         for _ in 0..1000 {
-            keep_one_per_kind(&mut paths, Box::new(Path(TransportKind::Rdma, closed.clone())));
+            keep_one_per_kind(&mut paths, Box::new(Path(TransportKind::Rdma, 0, closed.clone()))).unwrap();
         }
-        keep_one_per_kind(&mut paths, Box::new(Path(TransportKind::Tcp, closed.clone())));
+        keep_one_per_kind(&mut paths, Box::new(Path(TransportKind::Tcp, 0, closed.clone()))).unwrap();
         assert_eq!(paths.len(), 2);
         assert_eq!(closed.load(Ordering::SeqCst), 999, "each replaced path was dropped");
+    }
+
+    #[test]
+    fn a_link_keeps_a_bounded_number_of_paths_whatever_lanes_it_names() {
+        let closed = Arc::new(AtomicUsize::new(0));
+        let mut paths: Vec<Box<dyn AcceptedPath>> = Vec::new();
+        let mut refused = 0;
+        for lane in 0..=255u8 {
+            let path = Box::new(Path(TransportKind::Rdma, lane, closed.clone()));
+            if let Err(e) = keep_one_per_kind(&mut paths, path) {
+                assert!(matches!(e, Error::ResourceExhausted(_)), "{e:?}");
+                refused += 1;
+            }
+        }
+        assert_eq!(paths.len(), MAX_PATHS_PER_LINK);
+        assert_eq!(refused, 256 - MAX_PATHS_PER_LINK);
+        assert_eq!(closed.load(Ordering::SeqCst), refused, "each refused path was dropped");
+        // Replacing a kept lane still works.
+        keep_one_per_kind(&mut paths, Box::new(Path(TransportKind::Rdma, 3, closed.clone()))).unwrap();
     }
 }

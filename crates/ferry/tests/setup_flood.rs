@@ -1,0 +1,98 @@
+//! Data-path setups a peer asks for cost the target more than the frames that ask: a link may make a
+//! burst of them and a few a second after that, and a setup that is replaced releases its thread and
+//! socket at once. In a file of its own, so that the threads and descriptors it counts are its own.
+#![cfg(feature = "shm")]
+
+mod common;
+
+use std::time::Duration;
+
+use common::raw::RawClient;
+use common::*;
+use ferry::codec::Frame;
+use ferry::{ErrorCode, TransportKind};
+use ferry_proto::shm::{Offer, PROBE_LEN};
+
+fn shm_threads() -> usize {
+    std::fs::read_dir("/proc/self/task")
+        .unwrap()
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .filter(|name| name.starts_with("ferry-shm"))
+        .count()
+}
+
+fn open_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd").unwrap().count()
+}
+
+/// 300 same-host setups on one link, as fast as the peer can send them: most are refused for the
+/// link's budget, and once the answers are in, the replaced ones have left no thread or descriptor.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_setups_is_refused_past_a_budget_and_replaced_setups_release_everything() {
+    let target = target().await;
+    let (mut c, ack) = RawClient::handshake(target.local_addr().unwrap()).await;
+    assert!(ack.refusal.is_none(), "{ack:?}");
+    let probe = Box::new([0x6b_u8; PROBE_LEN]);
+    let offer = Offer {
+        facts: ferry_shm::host::here().unwrap(),
+        probe_addr: probe.as_ptr() as u64,
+        probe: *probe,
+    };
+    let blob = offer.encode();
+    let (threads_before, fds_before) = (shm_threads(), open_fds());
+    let setups = 300u64;
+    for id in 0..setups {
+        let setup = Frame::TransportSetup {
+            id,
+            kind: TransportKind::Shm,
+            blob: blob.clone(),
+        };
+        c.send(&setup, &[]).await;
+    }
+    let (mut accepted, mut refused) = (0u32, 0u32);
+    for _ in 0..setups {
+        let answer = tokio::time::timeout(T, c.recv()).await.unwrap().expect("an answer");
+        match answer.frame {
+            Frame::TransportSetupReply { error: None, .. } => accepted += 1,
+            Frame::TransportSetupReply { error: Some(e), .. } => {
+                assert_eq!(e.code, ErrorCode::ResourceExhausted, "{e:?}");
+                refused += 1;
+            }
+            other => panic!("expected a setup reply, got {other:?}"),
+        }
+    }
+    println!("{setups} setups: {accepted} accepted, {refused} refused");
+    assert!(accepted >= 1, "the first setups are served");
+    assert!(
+        accepted <= ferry_proto::SetupBudget::BURST + 8,
+        "{accepted} setups were served at once"
+    );
+    // Every setup but the last was replaced: their threads and sockets go at once, not when the
+    // initiator's time to connect runs out.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(3);
+    let (mut threads, mut fds) = (shm_threads(), open_fds());
+    while (threads > threads_before + 1 || fds > fds_before + 2) && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        (threads, fds) = (shm_threads(), open_fds());
+    }
+    println!(
+        "after the flood: {} more shared-memory threads, {} more descriptors",
+        threads - threads_before,
+        fds.saturating_sub(fds_before)
+    );
+    assert!(
+        threads <= threads_before + 1,
+        "{} setup threads outlived their replacement",
+        threads - threads_before
+    );
+    assert!(
+        fds <= fds_before + 2,
+        "{} descriptors outlived their setups",
+        fds - fds_before
+    );
+    // The link is still served.
+    c.send(&Frame::Ping { nonce: 3 }, &[]).await;
+    let pong = tokio::time::timeout(T, c.recv()).await.unwrap().unwrap();
+    assert!(matches!(pong.frame, Frame::Pong { nonce: 3 }), "{:?}", pong.frame);
+    drop(probe);
+}
