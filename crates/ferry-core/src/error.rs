@@ -137,9 +137,18 @@ impl Error {
         }
     }
 
-    /// Rebuilds an error that a peer reported with `code` and `message`.
-    pub fn from_wire(code: ErrorCode, message: String) -> Self {
-        let message = format!("peer reported: {message}");
+    /// The same error with its message rewritten by `f`.
+    pub fn map_message(self, f: impl FnOnce(&str) -> String) -> Error {
+        match self {
+            Error::Io { kind, message } => Error::Io {
+                kind,
+                message: f(&message),
+            },
+            other => Error::from_code(other.code(), f(other.message())),
+        }
+    }
+
+    fn from_code(code: ErrorCode, message: String) -> Self {
         match code {
             ErrorCode::InvalidArgument => Error::InvalidArgument(message),
             ErrorCode::Timeout => Error::Timeout(message),
@@ -157,6 +166,11 @@ impl Error {
             },
             ErrorCode::Internal => Error::Internal(message),
         }
+    }
+
+    /// Rebuilds an error that a peer reported with `code` and `message`.
+    pub fn from_wire(code: ErrorCode, message: String) -> Self {
+        Error::from_code(code, format!("peer reported: {message}"))
     }
 }
 

@@ -441,11 +441,19 @@ impl Served {
 impl EngineContext {
     /// Resolves a remote operation of `peer` on the region it names `key` (see [`PeerView::real_key`])
     /// against the region table and the region's grants (see [`RegionTable::resolve_for`]).
+    /// A refusal names the region by `key`, the peer's name for it: from the real key a peer would
+    /// recover the mask its keys are derived with.
     pub fn resolve(&self, peer: &PeerView, key: RegionKey, offset: u64, len: u64, op: Op) -> Result<Resolved> {
-        self.regions
+        let real = peer.real_key(key);
+        let resolved = self
+            .regions
             .read()
             .map_err(|_| Error::Internal("region table lock poisoned".into()))?
-            .resolve_for(peer.identity(), peer.real_key(key), offset, len, op.required_access())
+            .resolve_for(peer.identity(), real, offset, len, op.required_access());
+        match real == key {
+            true => resolved,
+            false => resolved.map_err(|e| e.map_message(|m| m.replace(&format!("{real:?}"), &format!("{key:?}")))),
+        }
     }
 
     /// Resolves a remote write that promises `durability`: a persistent write needs a persistent

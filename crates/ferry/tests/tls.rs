@@ -244,6 +244,25 @@ async fn raw_link(ca: &Ca, name: &str, addr: SocketAddr) -> tokio_rustls::client
     raw
 }
 
+/// A refusal's message names regions only by the keys the peer sent: from a region's real key a
+/// peer would recover the mask its keys are derived with.
+fn assert_names_no_real_key(answer: &Frame, asked: &Frame, real: &[ferry::RegionKey]) {
+    let Frame::Ack { error: Some(e), .. } = answer else {
+        panic!("expected a refusal, got {answer:?}")
+    };
+    let sent = match asked {
+        Frame::Read { key, .. } | Frame::Write { key, .. } => *key,
+        other => panic!("not a one-region request: {other:?}"),
+    };
+    for key in real.iter().filter(|k| **k != sent) {
+        assert!(
+            !e.message.contains(&format!("{:016x}", key.0)),
+            "a refusal names the region's real key: {}",
+            e.message
+        );
+    }
+}
+
 /// Sends `frame` (and `payload`) on a raw TLS stream and returns the next frame that comes back (its
 /// payload, if any, read and dropped).
 async fn exchange(
@@ -413,7 +432,21 @@ async fn regions_are_private_until_granted_and_grants_are_per_peer() {
             matches!(&answer, Frame::Ack { error: Some(e), .. } if e.code == ErrorCode::PermissionDenied),
             "{frame:?} -> {answer:?}"
         );
+        assert_names_no_real_key(&answer, &frame, &[private.key(), shared.key()]);
     }
+    // Past the end of a granted region: refused, in the peer's own name for the region.
+    let past_end = Frame::Read {
+        id: 8,
+        key: shared.key_for("reader"),
+        offset: 4090,
+        len: 64,
+    };
+    let answer = exchange(&mut raw, &past_end, &[]).await;
+    assert!(
+        matches!(&answer, Frame::Ack { error: Some(e), .. } if e.code == ErrorCode::OutOfBounds),
+        "{answer:?}"
+    );
+    assert_names_no_real_key(&answer, &past_end, &[private.key(), shared.key()]);
     assert!(matches!(
         exchange(&mut raw, &read(shared.key_for("reader"), 4), &[]).await,
         Frame::ReadData { id: 4 }
