@@ -121,7 +121,8 @@ pub struct CertsArgs {
     /// An engine to issue a certificate for (its common name and first DNS name); repeat for more.
     #[arg(long = "name", required = true)]
     names: Vec<String>,
-    /// Further DNS names or IP addresses every certificate is valid for (127.0.0.1 always is).
+    /// Further DNS names or IP addresses every certificate is valid for (127.0.0.1 always is). Grants
+    /// name engines by `--name`: an address names nobody, and a grant to one is refused.
     #[arg(long = "san")]
     sans: Vec<String>,
 }

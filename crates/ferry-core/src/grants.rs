@@ -22,21 +22,48 @@ use crate::types::{Access, PeerIdentity};
 pub struct Grants {
     /// Granted to every authenticated peer.
     pub everyone: Access,
-    /// Granted to peers by name (a certificate's name or any of its alternative names).
+    /// Granted to peers by name (a certificate's name or any of its alternative names that is not
+    /// an IP address).
     pub named: BTreeMap<String, Access>,
 }
 
 impl Grants {
-    /// What `who` is granted (before the region's own access limits it).
+    /// What `who` is granted (before the region's own access limits it). An IP address in a
+    /// certificate says where an engine may be dialled, and many engines' certificates carry the
+    /// same one (127.0.0.1 in every certificate `ferry certs` makes), so it names nobody: grants never
+    /// match it (and [`Grants::check_name`] refuses to make such a grant).
     pub fn for_identity(&self, who: &PeerIdentity) -> Access {
         let mut access = self.everyone;
         for name in std::iter::once(&who.name).chain(&who.alt_names) {
+            if is_address(name) {
+                continue;
+            }
             if let Some(a) = self.named.get(name) {
                 access = access.union(*a);
             }
         }
         access
     }
+
+    /// Whether `name` may be granted to: an engine's name, not an empty string or an IP address.
+    pub fn check_name(name: &str) -> crate::Result<()> {
+        if name.is_empty() {
+            return Err(crate::Error::InvalidArgument(
+                "a grant names a peer: its certificate's name or one of its DNS names".into(),
+            ));
+        }
+        if is_address(name) {
+            return Err(crate::Error::InvalidArgument(format!(
+                "{name} is an IP address, which certificates share (every one `ferry certs` makes carries \
+                 127.0.0.1): grant to the peer's name (its certificate's common name or a DNS name) instead"
+            )));
+        }
+        Ok(())
+    }
+}
+
+fn is_address(name: &str) -> bool {
+    name.parse::<std::net::IpAddr>().is_ok()
 }
 
 /// Operations in progress, by the epoch they started in (see the module documentation).
@@ -152,6 +179,27 @@ mod tests {
         assert_eq!(g.for_identity(&who("a", &["b.example"])), Access::READ_WRITE);
         g.everyone = Access::WRITE;
         assert_eq!(g.for_identity(&who("c", &[])), Access::WRITE);
+    }
+
+    #[test]
+    fn an_address_in_a_certificate_names_nobody() {
+        let mut g = Grants::default();
+        // Made directly (a grant through the engine is refused before this): it still matches nobody.
+        g.named.insert("127.0.0.1".into(), Access::READ_WRITE);
+        g.named.insert("::1".into(), Access::READ_WRITE);
+        assert_eq!(g.for_identity(&who("a", &["127.0.0.1", "::1"])), Access::NONE);
+        assert_eq!(g.for_identity(&who("127.0.0.1", &[])), Access::NONE);
+        assert!(matches!(
+            Grants::check_name("127.0.0.1"),
+            Err(crate::Error::InvalidArgument(_))
+        ));
+        assert!(matches!(
+            Grants::check_name("::1"),
+            Err(crate::Error::InvalidArgument(_))
+        ));
+        assert!(matches!(Grants::check_name(""), Err(crate::Error::InvalidArgument(_))));
+        Grants::check_name("decode-1").unwrap();
+        Grants::check_name("decode-1.cluster.example").unwrap();
     }
 
     #[test]

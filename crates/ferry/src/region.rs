@@ -157,12 +157,14 @@ impl Region {
         self.entry.block().as_ptr()
     }
 
-    /// Lets the peer named `peer` (the name in its certificate, or one of its alternative names) reach
-    /// this region with `access` (within the region's own access), on an engine that authenticates its
-    /// links ([`EngineBuilder::tls`](crate::EngineBuilder::tls)); there regions are private until
-    /// granted. The peer's links are told at once. `InvalidArgument` on an open engine, where every
-    /// peer reaches every region.
+    /// Lets the peer named `peer` (the name in its certificate, or one of its DNS alternative names)
+    /// reach this region with `access` (within the region's own access), on an engine that
+    /// authenticates its links ([`EngineBuilder::tls`](crate::EngineBuilder::tls)); there regions are
+    /// private until granted. The peer's links are told at once. `InvalidArgument` on an open engine,
+    /// where every peer reaches every region, and for a name that is an IP address: certificates
+    /// share addresses (every one `ferry certs` makes carries 127.0.0.1), so an address names nobody.
     pub async fn grant(&self, peer: &str, access: Access) -> Result<()> {
+        ferry_core::Grants::check_name(peer)?;
         let engine = self.engine()?;
         let name = peer.to_string();
         engine

@@ -490,6 +490,34 @@ async fn regions_are_private_until_granted_and_grants_are_per_peer() {
     ));
 }
 
+/// Every certificate here carries 127.0.0.1 (as every one `ferry certs` makes does): a grant to it
+/// would reach every peer, so it is refused, and the peers are granted nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_address_names_nobody_and_cannot_be_granted_to() {
+    let ca = Ca::new("ferry test CA");
+    let (target, addr) = tls_target(&ca, "target").await;
+    let region = target.alloc_host(4096, Access::READ_WRITE).unwrap();
+    for address in ["127.0.0.1", "::1"] {
+        assert!(matches!(
+            region.grant(address, Access::READ).await,
+            Err(Error::InvalidArgument(m)) if m.contains("IP address")
+        ));
+    }
+    let client = Engine::builder().tls(ca.config("client")).build().await.unwrap();
+    let peer = client.connect(&addr.to_string(), T).await.unwrap();
+    assert!(peer.regions().is_empty(), "a refused grant reached a peer");
+    region.grant("client", Access::READ).await.unwrap();
+    wait_until_told(&peer).await;
+}
+
+async fn wait_until_told(peer: &ferry::Peer) {
+    let deadline = tokio::time::Instant::now() + T;
+    while peer.regions().is_empty() {
+        assert!(tokio::time::Instant::now() < deadline, "the grant was never announced");
+        peer.regions_changed(Duration::from_millis(50)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_revoke_stops_a_peer_mid_stream() {
     use std::sync::atomic::{AtomicBool, Ordering};
