@@ -4,7 +4,7 @@
 #![no_main]
 
 use ferry_core::codec::{self, Frame, Limits};
-use ferry_proto::{Admission, JoinKey, LinkLimits, LinkRegistry, LinkToken};
+use ferry_proto::{Admission, JoinKey, LinkLimits, LinkRegistry, LinkToken, Proven};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
@@ -20,7 +20,10 @@ fuzz_target!(|data: &[u8]| {
         true => LinkRegistry::authenticating(limits),
         false => LinkRegistry::new(limits),
     };
-    let key = JoinKey::from_exported(&[mode; 32]);
+    let proven = Proven {
+        join_key: JoinKey::from_exported(&[mode; 32]),
+        identity: format!("peer-{}", mode >> 1),
+    };
     let mut opened = Vec::new();
     let mut n = 0u32;
     while let Ok(Some((decoded, used))) = codec::decode(rest, &Limits::default()) {
@@ -28,11 +31,11 @@ fuzz_target!(|data: &[u8]| {
         n += 1;
         let Frame::Hello(hello) = decoded.frame else { continue };
         // Every third control stream comes with a TLS session.
-        let session = (n % 3 == 0).then_some(&key);
+        let session = (n % 3 == 0).then_some(&proven);
         match reg.admit(&hello, session) {
             Ok(Admission::Open) => {
                 assert!(!authenticating || session.is_some(), "opened without a session");
-                if reg.open(&hello, n, session.cloned()).is_ok() {
+                if reg.open(&hello, n, session).is_ok() {
                     opened.push((LinkToken(hello.link_token), hello.stream_count));
                 }
             }

@@ -105,6 +105,15 @@ pub fn check_ack(ack: HelloAck, index: StreamIndex, peer: &str) -> Result<HelloA
     Ok(ack)
 }
 
+/// What a stream's own TLS session proved.
+#[derive(Debug, Clone)]
+pub struct Proven {
+    /// The session's key for the join proofs of the link's further streams.
+    pub join_key: JoinKey,
+    /// The peer identity's name (its certificate's), which the identity's quotas are counted by.
+    pub identity: String,
+}
+
 /// The target's decision on a hello.
 #[derive(Debug)]
 pub enum Admission<L> {
@@ -120,7 +129,16 @@ struct Entry<L> {
     joined: Vec<bool>,
     /// The key join proofs are checked with, on an authenticated link.
     join_key: Option<JoinKey>,
+    /// Who opened it, on an authenticated link.
+    identity: Option<String>,
     link: L,
+}
+
+/// What one peer identity holds: links, and the streams they declared.
+#[derive(Debug, Default, Clone, Copy)]
+struct Held {
+    links: usize,
+    streams: usize,
 }
 
 /// The target's table of open links, by token, and of the streams each has.
@@ -128,6 +146,8 @@ pub struct LinkRegistry<L> {
     limits: LinkLimits,
     authenticating: bool,
     links: HashMap<LinkToken, Entry<L>>,
+    /// Per authenticated identity: what its open links hold (see [`LinkLimits::max_links_per_identity`]).
+    held: HashMap<String, Held>,
 }
 
 impl<L: Clone> LinkRegistry<L> {
@@ -137,6 +157,7 @@ impl<L: Clone> LinkRegistry<L> {
             limits,
             authenticating: false,
             links: HashMap::new(),
+            held: HashMap::new(),
         }
     }
 
@@ -153,9 +174,11 @@ impl<L: Clone> LinkRegistry<L> {
         self.authenticating
     }
 
-    /// Decides on `hello`: open a link, join one, or refuse (the error to send back). `session` is the
-    /// join key of the stream's own TLS session, when it has one.
-    pub fn admit(&mut self, hello: &Hello, session: Option<&JoinKey>) -> Result<Admission<L>> {
+    /// Decides on `hello`: open a link, join one, or refuse (the error to send back). `session` is
+    /// what the stream's own TLS session proved, when it has one: a control stream opens a link only
+    /// within that identity's quotas ([`LinkLimits::max_links_per_identity`],
+    /// [`LinkLimits::max_streams_per_identity`]).
+    pub fn admit(&mut self, hello: &Hello, session: Option<&Proven>) -> Result<Admission<L>> {
         let token = LinkToken(hello.link_token);
         let index = StreamIndex(hello.stream_index);
         if index.is_control() {
@@ -173,6 +196,9 @@ impl<L: Clone> LinkRegistry<L> {
             }
             if self.links.contains_key(&token) {
                 return Err(Error::Protocol("link token reused".into()));
+            }
+            if let Some(proven) = session {
+                self.check_quota(&proven.identity, hello.stream_count)?;
             }
             return Ok(Admission::Open);
         }
@@ -202,12 +228,37 @@ impl<L: Clone> LinkRegistry<L> {
         Ok(Admission::Join(entry.link.clone()))
     }
 
-    /// Records the link that `hello` (admitted with [`Admission::Open`]) opened; `join_key` is its
-    /// session's, on an authenticated link.
-    pub fn open(&mut self, hello: &Hello, link: L, join_key: Option<JoinKey>) -> Result<()> {
+    /// Whether `who` may open one more link of `streams` streams.
+    fn check_quota(&self, who: &str, streams: u16) -> Result<()> {
+        let held = self.held.get(who).copied().unwrap_or_default();
+        if held.links >= self.limits.max_links_per_identity {
+            return Err(Error::ResourceExhausted(format!(
+                "{who} holds {} links to this engine, the most one peer may; close one first",
+                held.links
+            )));
+        }
+        if held.streams + usize::from(streams) > self.limits.max_streams_per_identity {
+            return Err(Error::ResourceExhausted(format!(
+                "{who} holds {} streams to this engine and asks for {streams} more; one peer may hold {}",
+                held.streams, self.limits.max_streams_per_identity
+            )));
+        }
+        Ok(())
+    }
+
+    /// Records the link that `hello` (admitted with [`Admission::Open`]) opened; `session` is what
+    /// its control stream's TLS session proved, on an authenticated link: its join key checks the
+    /// link's further streams, and the link counts against its identity's quotas until it closes.
+    pub fn open(&mut self, hello: &Hello, link: L, session: Option<&Proven>) -> Result<()> {
         let token = LinkToken(hello.link_token);
         if self.links.contains_key(&token) {
             return Err(Error::Protocol("link token reused".into()));
+        }
+        if let Some(proven) = session {
+            self.check_quota(&proven.identity, hello.stream_count)?;
+            let held = self.held.entry(proven.identity.clone()).or_default();
+            held.links += 1;
+            held.streams += usize::from(hello.stream_count);
         }
         let mut joined = vec![false; hello.stream_count as usize];
         if let Some(first) = joined.first_mut() {
@@ -219,7 +270,8 @@ impl<L: Clone> LinkRegistry<L> {
                 peer_engine: hello.engine_id,
                 stream_count: hello.stream_count,
                 joined,
-                join_key,
+                join_key: session.map(|p| p.join_key.clone()),
+                identity: session.map(|p| p.identity.clone()),
                 link,
             },
         );
@@ -228,7 +280,20 @@ impl<L: Clone> LinkRegistry<L> {
 
     /// Forgets a link (its control stream ended); its token cannot be joined any more.
     pub fn close(&mut self, token: LinkToken) -> Option<L> {
-        self.links.remove(&token).map(|e| e.link)
+        let entry = self.links.remove(&token)?;
+        self.release(&entry);
+        Some(entry.link)
+    }
+
+    fn release(&mut self, entry: &Entry<L>) {
+        let Some(who) = &entry.identity else { return };
+        if let Some(held) = self.held.get_mut(who) {
+            held.links -= 1;
+            held.streams -= usize::from(entry.stream_count);
+            if held.links == 0 {
+                self.held.remove(who);
+            }
+        }
     }
 
     /// Every open link.
@@ -238,6 +303,7 @@ impl<L: Clone> LinkRegistry<L> {
 
     /// Removes and returns every link.
     pub fn drain(&mut self) -> Vec<L> {
+        self.held.clear();
         self.links.drain().map(|(_, e)| e.link).collect()
     }
 
@@ -308,12 +374,16 @@ mod tests {
         };
         let key = JoinKey::from_exported(&[5; 32]);
         let stolen = JoinKey::from_exported(&[6; 32]);
+        let proven = Proven {
+            join_key: key.clone(),
+            identity: "p".into(),
+        };
         let mut reg = LinkRegistry::authenticating(LinkLimits::default());
         let h0 = me.hello(LinkToken(9), StreamIndex(0), 3, Some(&key));
         // A control stream without a TLS session opens nothing.
         assert!(matches!(reg.admit(&h0, None), Err(Error::PermissionDenied(_))));
-        assert!(matches!(reg.admit(&h0, Some(&key)), Ok(Admission::Open)));
-        reg.open(&h0, "link", Some(key.clone())).unwrap();
+        assert!(matches!(reg.admit(&h0, Some(&proven)), Ok(Admission::Open)));
+        reg.open(&h0, "link", Some(&proven)).unwrap();
         // A join with the token but no proof, or another session's proof, is refused and uses no index.
         let bare = me.hello(LinkToken(9), StreamIndex(1), 3, None);
         assert!(matches!(reg.admit(&bare, None), Err(Error::PermissionDenied(_))));
@@ -328,6 +398,40 @@ mod tests {
         // Replayed after it joined: refused.
         assert!(matches!(reg.admit(&good, None), Err(Error::Protocol(_))));
         assert_eq!(reg.streams(LinkToken(9)), 2);
+    }
+
+    #[test]
+    fn one_identity_holds_at_most_its_quota_of_links_and_streams() {
+        let limits = LinkLimits {
+            max_links_per_identity: 2,
+            max_streams_per_identity: 10,
+            ..LinkLimits::default()
+        };
+        let mut reg = LinkRegistry::authenticating(limits);
+        let open = |reg: &mut LinkRegistry<u64>, token: u64, count: u16, who: &str| {
+            let h = hello(token, token, 0, count);
+            let proven = Proven {
+                join_key: JoinKey::from_exported(&[1; 32]),
+                identity: who.into(),
+            };
+            reg.admit(&h, Some(&proven))?;
+            reg.open(&h, token, Some(&proven))
+        };
+        open(&mut reg, 1, 4, "flood").unwrap();
+        open(&mut reg, 2, 4, "flood").unwrap();
+        // A third link, and more streams than are left: refused, named.
+        assert!(matches!(open(&mut reg, 3, 1, "flood"), Err(Error::ResourceExhausted(m)) if m.contains("flood")));
+        reg.close(LinkToken(2));
+        assert!(matches!(open(&mut reg, 4, 7, "flood"), Err(Error::ResourceExhausted(m)) if m.contains("streams")));
+        open(&mut reg, 5, 6, "flood").unwrap();
+        // Another identity is not held back by the first.
+        open(&mut reg, 6, 10, "decode-1").unwrap();
+        // Closing everything gives the quota back.
+        for t in [1, 5, 6] {
+            reg.close(LinkToken(t));
+        }
+        open(&mut reg, 7, 4, "flood").unwrap();
+        open(&mut reg, 8, 6, "flood").unwrap();
     }
 
     #[test]

@@ -42,7 +42,7 @@ pub mod written;
 pub use admission::{AdmissionLimits, AdmissionTable, Arrival, Stage, Ticket};
 pub use adverts::AdvertQueue;
 pub use auth::JoinKey;
-pub use handshake::{Admission, Identity, LinkRegistry};
+pub use handshake::{Admission, Identity, LinkRegistry, Proven};
 pub use ids::{LinkToken, OpId, StreamIndex};
 pub use initiator::{Event, Initiator, RegionUpdate};
 pub use keepalive::Keepalive;

@@ -14,6 +14,12 @@ pub struct LinkLimits {
     /// stream waits until the peer takes them (a peer that sends requests and reads no answers stops
     /// being served, and holds no more of the target's memory than this).
     pub max_unsent_answers: usize,
+    /// On an authenticating target, most links one peer identity may hold at once: one identity
+    /// cannot take every link slot.
+    pub max_links_per_identity: usize,
+    /// On an authenticating target, most streams (as links declare them) one peer identity may hold
+    /// at once, over all its links.
+    pub max_streams_per_identity: usize,
 }
 
 impl Default for LinkLimits {
@@ -23,6 +29,8 @@ impl Default for LinkLimits {
             max_outstanding_per_stream: 1 << 16,
             advert_queue: 1024,
             max_unsent_answers: 256 << 10,
+            max_links_per_identity: 64,
+            max_streams_per_identity: 1024,
         }
     }
 }

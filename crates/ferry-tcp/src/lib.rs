@@ -21,7 +21,7 @@ mod server;
 mod tls;
 
 pub use coalesce::{CoalesceBuf, CoalescePool};
-pub use ferry_proto::AdmissionLimits;
+pub use ferry_proto::{AdmissionLimits, LinkLimits};
 pub use io::DEFAULT_SEND_TIMEOUT;
 pub use link::{LinkConfig, LocalIdentity, TcpLink};
 pub use server::{AdvertsSent, MAX_STREAMS_PER_LINK, ServerConfig, TcpServer};

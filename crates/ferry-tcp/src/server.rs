@@ -28,7 +28,7 @@ use ferry_proto::setup::MAX_PATHS_PER_LINK;
 use ferry_proto::target::{ack, setup_reply};
 use ferry_proto::{
     Admission, AdmissionLimits, AdmissionTable, AdvertQueue, Arrival, Identity, LinkLimits, LinkRegistry, LinkToken,
-    OpId, Request, SetupBudget, Stage, StreamIndex, TargetStream, Ticket, WrittenRanges,
+    OpId, Proven, Request, SetupBudget, Stage, StreamIndex, TargetStream, Ticket, WrittenRanges,
 };
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, oneshot, watch};
@@ -444,7 +444,11 @@ fn admit(
         .links
         .lock()
         .map_err(|_| Error::Internal("link table lock poisoned".into()))?;
-    let admitted = match links.admit(hello, session.map(|s| &s.join_key)) {
+    let proven = session.map(|s| Proven {
+        join_key: s.join_key.clone(),
+        identity: s.identity.name.clone(),
+    });
+    let admitted = match links.admit(hello, proven.as_ref()) {
         Ok(Admission::Join(link)) => Ok((link, Vec::new())),
         Ok(Admission::Open) => ctx.incoming.acquire().and_then(|slot| {
             let id = shared.next_link.fetch_add(1, Ordering::Relaxed);
@@ -463,7 +467,7 @@ fn admit(
             // Under the registry's lock, so no update announced meanwhile is missed: it is either
             // in this table or queued for the link.
             let regions = ctx.regions.read().map(|t| link.view.adverts(&t)).unwrap_or_default();
-            links.open(hello, link.clone(), session.map(|s| s.join_key.clone()))?;
+            links.open(hello, link.clone(), proven.as_ref())?;
             Ok((link, regions))
         }),
         Err(e) => Err(e),

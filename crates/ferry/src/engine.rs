@@ -32,6 +32,9 @@ pub const DEFAULT_MAX_INFLIGHT_BYTES: u64 = 64 << 20;
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_millis(1000);
 /// Default bound on the bytes of undrained notifications ([`EngineBuilder::max_notification_bytes`]).
 pub const DEFAULT_MAX_NOTIFICATION_BYTES: usize = 64 << 20;
+/// Default share of them one authenticated peer may hold
+/// ([`EngineBuilder::max_notification_bytes_per_peer`]).
+pub const DEFAULT_MAX_NOTIFICATION_BYTES_PER_PEER: usize = 16 << 20;
 
 /// Configures and starts an [`Engine`] (HIXL `Initialize`).
 #[derive(Debug, Clone)]
@@ -42,12 +45,14 @@ pub struct EngineBuilder {
     max_links: usize,
     max_pending_notifications: usize,
     max_notification_bytes: usize,
+    max_notification_bytes_per_peer: usize,
     streams: usize,
     max_inflight_bytes: u64,
     limits: Limits,
     handshake_timeout: Duration,
     first_bytes_timeout: Duration,
     admission: ferry_tcp::AdmissionLimits,
+    link_limits: ferry_tcp::LinkLimits,
     send_timeout: Duration,
     transport_options: TransportOptions,
     allowed: Option<Vec<TransportKind>>,
@@ -76,12 +81,14 @@ impl Default for EngineBuilder {
             max_links: ferry_core::DEFAULT_MAX_LINKS,
             max_pending_notifications: ferry_core::DEFAULT_MAX_PENDING_NOTIFICATIONS,
             max_notification_bytes: DEFAULT_MAX_NOTIFICATION_BYTES,
+            max_notification_bytes_per_peer: DEFAULT_MAX_NOTIFICATION_BYTES_PER_PEER,
             streams: DEFAULT_STREAMS,
             max_inflight_bytes: DEFAULT_MAX_INFLIGHT_BYTES,
             limits: Limits::default(),
             handshake_timeout: Duration::from_secs(10),
             first_bytes_timeout: Duration::from_secs(2),
             admission: ferry_tcp::AdmissionLimits::default(),
+            link_limits: ServerConfig::default().link_limits,
             send_timeout: ferry_tcp::DEFAULT_SEND_TIMEOUT,
             transport_options: TransportOptions::default(),
             allowed: None,
@@ -131,6 +138,29 @@ impl EngineBuilder {
     /// application takes some.
     pub fn max_notification_bytes(mut self, n: usize) -> Self {
         self.max_notification_bytes = n;
+        self
+    }
+
+    /// On an engine that authenticates its links, most bytes the undrained notifications of one peer
+    /// identity may hold, over all its links (default 16 MiB): past it that peer's `notify` is refused
+    /// with `ResourceExhausted`, and the others' still land. (An open engine cannot tell peers apart.)
+    pub fn max_notification_bytes_per_peer(mut self, n: usize) -> Self {
+        self.max_notification_bytes_per_peer = n;
+        self
+    }
+
+    /// On an engine that authenticates its links, most incoming links one peer identity may hold at
+    /// once (default 64): past it, its next link is refused with `ResourceExhausted` and other peers
+    /// still get in.
+    pub fn max_links_per_peer(mut self, n: usize) -> Self {
+        self.link_limits.max_links_per_identity = n;
+        self
+    }
+
+    /// On an engine that authenticates its links, most streams one peer identity's incoming links may
+    /// declare together (default 1024).
+    pub fn max_streams_per_peer(mut self, n: usize) -> Self {
+        self.link_limits.max_streams_per_identity = n;
         self
     }
 
@@ -385,7 +415,11 @@ impl EngineBuilder {
                 self.allowed
             )));
         }
-        let notifications = NotificationQueue::new(self.max_pending_notifications, self.max_notification_bytes);
+        let notifications = NotificationQueue::new(
+            self.max_pending_notifications,
+            self.max_notification_bytes,
+            self.max_notification_bytes_per_peer,
+        );
         let ctx = Arc::new(EngineContext {
             engine_id: random_u64()?,
             host_id: host_id(),
@@ -407,9 +441,9 @@ impl EngineBuilder {
                     handshake_timeout: self.handshake_timeout,
                     first_bytes_timeout: self.first_bytes_timeout,
                     admission: self.admission,
+                    link_limits: self.link_limits,
                     send_timeout: self.send_timeout,
                     tls: self.tls.clone(),
-                    ..ServerConfig::default()
                 };
                 Some(TcpServer::bind(addr, ctx.clone(), config).await?)
             }

@@ -4,7 +4,8 @@
 //! `ResourceExhausted`, which the sender receives as the result of its `notify`. A per-link count alone
 //! does not bound memory (a peer connects, fills its link's share, disconnects and starts again), so
 //! the queue also holds at most a number of bytes in all, and a closed link's notifications count
-//! against it until they are taken.
+//! against it until they are taken. On an authenticated engine each peer identity may hold only a share
+//! of those bytes, so that one peer filling the queue does not refuse everyone else's notifications.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -19,6 +20,24 @@ struct State {
     per_link: HashMap<u64, usize>,
     /// What the queued notifications weigh in all (see [`weight`]).
     bytes: usize,
+    /// What those of each authenticated peer identity weigh.
+    per_identity: HashMap<String, usize>,
+}
+
+impl State {
+    /// Takes `n`'s weight off the totals.
+    fn forget(&mut self, n: &ReceivedNotification) {
+        let w = weight(n);
+        self.bytes -= w;
+        if let Some(who) = &n.from_identity
+            && let Some(held) = self.per_identity.get_mut(&who.name)
+        {
+            *held -= w;
+            if *held == 0 {
+                self.per_identity.remove(&who.name);
+            }
+        }
+    }
 }
 
 /// Notifications received and not yet taken.
@@ -29,6 +48,7 @@ pub(crate) struct NotificationQueue {
     wake: tokio::sync::Notify,
     max_per_link: usize,
     max_bytes: usize,
+    max_bytes_per_identity: usize,
 }
 
 /// What a queued notification costs: its text and the sender's names, and the queue entry around
@@ -45,13 +65,14 @@ fn weight(n: &ReceivedNotification) -> usize {
 }
 
 impl NotificationQueue {
-    pub(crate) fn new(max_per_link: usize, max_bytes: usize) -> Arc<Self> {
+    pub(crate) fn new(max_per_link: usize, max_bytes: usize, max_bytes_per_identity: usize) -> Arc<Self> {
         Arc::new(NotificationQueue {
             state: Mutex::default(),
             received: Default::default(),
             wake: tokio::sync::Notify::new(),
             max_per_link,
             max_bytes,
+            max_bytes_per_identity,
         })
     }
 
@@ -61,7 +82,7 @@ impl NotificationQueue {
         if let Some(c) = s.per_link.get_mut(&link) {
             *c -= 1;
         }
-        s.bytes -= weight(&n);
+        s.forget(&n);
         Some(n)
     }
 
@@ -80,6 +101,7 @@ impl NotificationQueue {
             Ok(mut s) => {
                 s.per_link.values_mut().for_each(|c| *c = 0);
                 s.bytes = 0;
+                s.per_identity.clear();
                 s.items.drain(..).map(|(_, n)| n).collect()
             }
             Err(_) => Vec::new(),
@@ -134,6 +156,16 @@ impl Notifier for NotificationQueue {
                 s.bytes
             )));
         }
+        let sender = received.from_identity.as_ref().map(|who| who.name.as_str());
+        let held = sender.map_or(0, |who| s.per_identity.get(who).copied().unwrap_or(0));
+        if let Some(who) = sender
+            && held + weight > self.max_bytes_per_identity
+        {
+            return Err(Error::ResourceExhausted(format!(
+                "notifications from {who} waiting undrained hold {held} bytes, the most one peer may \
+                 (EngineBuilder::max_notification_bytes_per_peer); the receiver must take them first"
+            )));
+        }
         let pending = s.per_link.entry(link).or_default();
         if *pending >= self.max_per_link {
             return Err(Error::ResourceExhausted(format!(
@@ -143,6 +175,9 @@ impl Notifier for NotificationQueue {
         }
         *pending += 1;
         s.bytes += weight;
+        if let Some(who) = sender {
+            *s.per_identity.entry(who.to_string()).or_default() += weight;
+        }
         s.items.push_back((link, received));
         drop(s);
         self.received.fetch_add(1, std::sync::atomic::Ordering::Relaxed);

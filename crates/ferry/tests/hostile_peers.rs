@@ -266,3 +266,101 @@ async fn silent_and_reopened_connections_cannot_lock_authenticated_peers_out() {
     );
     drop(silent);
 }
+
+/// One peer identity fills its share of the notification budget: its next `notify` is refused, named,
+/// and another peer's notifications still land.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_peer_cannot_fill_the_notification_budget_for_everyone() {
+    let target = Engine::builder()
+        .listen("127.0.0.1:0")
+        .tls(TlsConfig::from_psk(&PSK, "target").unwrap())
+        .max_notification_bytes(1 << 20)
+        .max_notification_bytes_per_peer(256 << 10)
+        .build()
+        .await
+        .unwrap();
+    let addr = target.local_addr().unwrap().to_string();
+    let flood = psk_engine("flood", false).await;
+    let to_target = flood.connect(&addr, T).await.unwrap();
+    let mut sent = 0usize;
+    let refusal = loop {
+        match flood
+            .notify(&to_target, ferry::Notification::new("flood", "x".repeat(1000)), T)
+            .await
+        {
+            Ok(()) => sent += 1,
+            Err(e) => break e,
+        }
+        assert!(sent < 2000, "the flood was never refused");
+    };
+    assert!(
+        matches!(&refusal, ferry::Error::ResourceExhausted(m) if m.contains("flood")),
+        "{refusal:?}"
+    );
+    let other = psk_engine("decode-1", false).await;
+    let peer = other.connect(&addr, T).await.unwrap();
+    other
+        .notify(&peer, ferry::Notification::new("kv", "ready"), T)
+        .await
+        .expect("another peer's notification was refused because of the flood");
+    let taken = target.take_notifications();
+    assert_eq!(taken.len(), sent + 1);
+    // Taken, the flood's share is free again.
+    flood
+        .notify(&to_target, ferry::Notification::new("flood", "again"), T)
+        .await
+        .unwrap();
+}
+
+/// One peer identity holds at most its quota of links and streams; past it its next link is refused,
+/// named, and another peer still gets in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_peer_holds_at_most_its_links_and_streams() {
+    let target = Engine::builder()
+        .listen("127.0.0.1:0")
+        .tls(TlsConfig::from_psk(&PSK, "target").unwrap())
+        .max_links_per_peer(2)
+        .max_streams_per_peer(6)
+        .build()
+        .await
+        .unwrap();
+    let addr = target.local_addr().unwrap().to_string();
+    let engine = |name: &'static str, streams: usize| async move {
+        Engine::builder()
+            .tls(TlsConfig::from_psk(&PSK, name).unwrap())
+            .streams(streams)
+            .build()
+            .await
+            .unwrap()
+    };
+    let (a, b, c) = (
+        engine("flood", 2).await,
+        engine("flood", 2).await,
+        engine("flood", 1).await,
+    );
+    let _la = a.connect(&addr, T).await.unwrap();
+    let lb = b.connect(&addr, T).await.unwrap();
+    let err = c.connect(&addr, T).await.unwrap_err();
+    assert!(
+        matches!(&err, ferry::Error::ResourceExhausted(m) if m.contains("flood") && m.contains("links")),
+        "{err:?}"
+    );
+    // Streams: two streams are left for `flood`, and a link of three does not fit.
+    b.disconnect(&lb, T).await.unwrap();
+    let wide = engine("flood", 3).await;
+    let deadline = tokio::time::Instant::now() + T;
+    let err = loop {
+        // The closed link's quota comes back once the target has seen it close.
+        match wide.connect(&addr, T).await {
+            Err(e @ ferry::Error::ResourceExhausted(_)) if e.to_string().contains("streams") => break e,
+            Err(ferry::Error::ResourceExhausted(_)) if tokio::time::Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            other => panic!("expected a refusal for streams, got {other:?}"),
+        }
+    };
+    assert!(err.to_string().contains("flood"), "{err:?}");
+    // Another identity is not held back.
+    let other = engine("decode-1", 4).await;
+    other.connect(&addr, T).await.unwrap();
+}
