@@ -6,8 +6,11 @@
 //! region's deregistration meanwhile). Commits of several transfers may interleave on a stream, so a
 //! commit takes out only the ranges it persisted.
 //!
-//! Bounded: at most [`MAX_RANGES`] ranges in all; past it, a region's ranges merge into the one range
-//! that spans them (a commit may then persist gaps between writes, never beyond them).
+//! Bounded: at most [`MAX_RANGES`] ranges in all. A write that would keep more spills them: every
+//! range kept is handed back to be persisted at once, and forgotten. Persisting early only makes a
+//! later commit's promise true sooner; merging ranges instead would make a commit persist the gaps
+//! between writes (a peer's 4,097 one-byte writes, spread out, would write back a whole file).
+//! So whatever is persisted, early or at a commit, is what the stream wrote, and nothing else.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -26,10 +29,13 @@ pub struct WrittenRanges {
 }
 
 impl WrittenRanges {
-    /// Notes that `len` bytes at `offset` of region `key` were written.
-    pub fn record(&mut self, key: RegionKey, offset: u64, len: u64) {
+    /// Notes that `len` bytes at `offset` of region `key` were written. Returns what the caller must
+    /// persist now: nothing, or, when the table would hold more than [`MAX_RANGES`] ranges, every
+    /// range it held (which it then forgets).
+    #[must_use = "spilled ranges must be persisted now: no commit will find them"]
+    pub fn record(&mut self, key: RegionKey, offset: u64, len: u64) -> Vec<Segment> {
         let Some(end) = offset.checked_add(len).filter(|_| len > 0) else {
-            return;
+            return Vec::new();
         };
         let ranges = self.by_key.entry(key).or_default();
         let before = ranges.len();
@@ -49,16 +55,20 @@ impl WrittenRanges {
         }
         ranges.insert(start, end);
         self.count = self.count + ranges.len() - before;
-        if self.count > MAX_RANGES {
-            let n = ranges.len();
-            let span = (
-                *ranges.keys().next().unwrap_or(&start),
-                ranges.values().copied().max().unwrap_or(end),
-            );
-            ranges.clear();
-            ranges.insert(span.0, span.1);
-            self.count -= n - 1;
+        if self.count <= MAX_RANGES {
+            return Vec::new();
         }
+        self.count = 0;
+        self.by_key
+            .drain()
+            .flat_map(|(key, ranges)| {
+                ranges.into_iter().map(move |(offset, end)| Segment {
+                    key,
+                    offset,
+                    len: end - offset,
+                })
+            })
+            .collect()
     }
 
     /// The parts of `segments` this stream wrote, which a commit of them may persist; they are no
@@ -129,9 +139,9 @@ mod tests {
     #[test]
     fn a_commit_persists_only_what_was_written() {
         let mut w = WrittenRanges::default();
-        w.record(K, 100, 50);
-        w.record(K, 150, 50); // touches: one range [100, 200)
-        w.record(K, 1000, 10);
+        assert!(w.record(K, 100, 50).is_empty());
+        assert!(w.record(K, 150, 50).is_empty()); // touches: one range [100, 200)
+        assert!(w.record(K, 1000, 10).is_empty());
         assert_eq!(w.len(), 2);
         // A commit naming the whole file persists what was written, and only that.
         assert_eq!(w.commit(&[seg(0, 1 << 40)]), vec![seg(100, 100), seg(1000, 10)]);
@@ -142,24 +152,29 @@ mod tests {
     #[test]
     fn interleaved_commits_each_find_their_writes() {
         let mut w = WrittenRanges::default();
-        w.record(K, 0, 10); // transfer A
-        w.record(K, 100, 10); // transfer B
+        let _ = w.record(K, 0, 10); // transfer A
+        let _ = w.record(K, 100, 10); // transfer B
         assert_eq!(w.commit(&[seg(0, 10)]), vec![seg(0, 10)]); // A's commit
         assert_eq!(w.commit(&[seg(100, 10)]), vec![seg(100, 10)]); // B's
         assert!(w.is_empty());
     }
 
     #[test]
-    fn the_ranges_stay_bounded() {
+    fn the_ranges_stay_bounded_and_spill_only_what_was_written() {
         let mut w = WrittenRanges::default();
-        for i in 0..(MAX_RANGES as u64 * 3) {
-            w.record(K, i * 10, 1);
+        let mut spilled = Vec::new();
+        let writes = MAX_RANGES as u64 * 3;
+        for i in 0..writes {
+            spilled.extend(w.record(K, i * 10, 1));
+            assert!(w.len() <= MAX_RANGES, "{}", w.len());
         }
-        assert!(w.len() <= MAX_RANGES, "{}", w.len());
-        // Merged into the span of the writes: a commit persists no byte beyond them.
-        let covered = w.commit(&[seg(0, u64::MAX)]);
-        let end = covered.iter().map(|s| s.offset + s.len).max().unwrap();
-        assert!(end <= (MAX_RANGES as u64 * 3 - 1) * 10 + 1);
+        // Spilled and committed together: exactly the written bytes, each once, and no gap between.
+        spilled.extend(w.commit(&[seg(0, u64::MAX)]));
+        spilled.sort_by_key(|s| s.offset);
+        assert_eq!(spilled.len() as u64, writes);
+        for (i, s) in spilled.iter().enumerate() {
+            assert_eq!(*s, seg(i as u64 * 10, 1));
+        }
     }
 
     proptest! {
@@ -170,7 +185,7 @@ mod tests {
             let mut model = vec![false; 600];
             for (is_write, offset, len) in ops {
                 if is_write {
-                    w.record(K, offset, len);
+                    prop_assert!(w.record(K, offset, len).is_empty(), "a spill under the bound");
                     for b in &mut model[offset as usize..(offset + len) as usize] {
                         *b = true;
                     }

@@ -702,14 +702,18 @@ async fn serve_write(
     let result = match resolved {
         Ok(parts) => match land(reader, &parts).await? {
             Ok(()) => {
+                let mut spilled = Vec::new();
                 if durability == Durability::Completed {
                     for (s, p) in segments.iter().zip(&parts) {
                         if p.region.block().persistent() {
-                            written.record(s.key, s.offset, s.len);
+                            spilled.extend(written.record(s.key, s.offset, s.len));
                         }
                     }
                 }
-                persist(&parts, durability).await
+                match spilled.is_empty() {
+                    true => persist(&parts, durability).await,
+                    false => persist_spilled(ctx, who, &spilled).await,
+                }
             }
             Err(e) => Err(e),
         },
@@ -722,6 +726,20 @@ async fn serve_write(
         ctx.served.count(ferry_core::Op::Write, payload_len);
     }
     Ok(ack(id, &result))
+}
+
+/// Persists what a stream wrote and can no longer keep track of (see [`WrittenRanges::record`]):
+/// exactly those ranges, now, so that a later commit of them is already true. A range whose region
+/// the peer can no longer reach is left alone: no commit of it could succeed either.
+async fn persist_spilled(ctx: &EngineContext, who: &PeerView, spilled: &[Segment]) -> Result<()> {
+    let parts: Vec<Resolved> = spilled
+        .iter()
+        .filter_map(|s| {
+            ctx.resolve_write(who, s.key, s.offset, s.len, Durability::Persistent)
+                .ok()
+        })
+        .collect();
+    persist(&parts, Durability::Persistent).await
 }
 
 /// A commit of `segments`: checks every one (grants, bounds, a persistent region), then persists, if

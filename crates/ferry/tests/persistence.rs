@@ -239,6 +239,65 @@ async fn commits_persist_what_the_stream_wrote_and_check_every_range() {
     let _ = std::fs::remove_file(&path);
 }
 
+/// 4,097 one-byte completed writes, 16 KiB apart across a 64 MiB file, then one commit of the whole
+/// file: what the target persists is the 4,097 written bytes (their pages), not the span between
+/// them, although the stream can keep only 4,096 ranges apart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_after_thousands_of_scattered_writes_persists_only_what_was_written() {
+    let target = target().await;
+    let writes = ferry_proto::written::MAX_RANGES as u64 + 1;
+    let stride = 16u64 << 10;
+    let len = (writes * stride) as usize;
+    let (path, _f) = temp_file(len);
+    let file = target.register_file(&path, 0, len, rw()).unwrap();
+    let (mut c, _ack) = RawClient::handshake(target.local_addr().unwrap()).await;
+    for i in 0..writes {
+        let write = Frame::WriteBatch {
+            id: i,
+            durability: Durability::Completed,
+            segments: vec![Segment {
+                key: file.key(),
+                offset: i * stride,
+                len: 1,
+            }],
+        };
+        c.send(&write, &[0x5a]).await;
+    }
+    let commit = Frame::Commit {
+        id: writes,
+        durability: Durability::Persistent,
+        segments: vec![Segment {
+            key: file.key(),
+            offset: 0,
+            len: len as u64,
+        }],
+    };
+    c.send(&commit, &[]).await;
+    let mut acked = 0;
+    while acked <= writes {
+        match tokio::time::timeout(T, c.recv())
+            .await
+            .unwrap()
+            .expect("an answer")
+            .frame
+        {
+            Frame::Ack { error: None, .. } => acked += 1,
+            Frame::Ack { id, error: Some(e) } => panic!("request {id} refused: {e:?}"),
+            Frame::RegionAdded(_) | Frame::RegionRemoved { .. } | Frame::RegionTable { .. } => {}
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    let stats = file.persist_stats().unwrap();
+    println!("{writes} scattered one-byte writes and a commit: {stats:?}");
+    assert_eq!(stats.bytes, writes, "persisted beyond the written bytes: {stats:?}");
+    let on_disk = std::fs::read(&path).unwrap();
+    for i in 0..writes {
+        assert_eq!(on_disk[(i * stride) as usize], 0x5a, "write {i}");
+    }
+    drop(file);
+    let _ = std::fs::remove_file(&path);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_truncated_file_gives_an_error_not_a_sigbus() {
     let (target, initiator, peer) = pair().await;
