@@ -326,16 +326,34 @@ pub(crate) fn spawn(listener: UnixListener, served: Arc<Served>) -> Result<()> {
         .map_err(|e| Error::io("starting the shared-memory link's thread", e))
 }
 
+/// Waits for the initiator's connection to the link's socket, by [`CONNECT_LIMIT`]. Anyone on the
+/// host can connect to an abstract socket, so a connection from another process, or with a wrong
+/// token, is closed and the wait goes on: a squatter neither gets in nor keeps the initiator out.
 fn accept(listener: &UnixListener, served: &Served) -> Result<UnixStream> {
-    // The listener waits at most CONNECT_LIMIT, and not at all once the link's path was dropped (a
-    // setup replaced by another): a peer that never connects leaves no thread or socket behind.
     listener
         .set_nonblocking(true)
         .map_err(|e| Error::io("configuring the link's socket", e))?;
     let deadline = std::time::Instant::now() + CONNECT_LIMIT;
-    let mut stream = loop {
+    loop {
+        let stream = next_connection(listener, served, deadline)?;
+        match admit(stream, served, deadline) {
+            Ok(stream) => return Ok(stream),
+            Err(e) => tracing::warn!(
+                link = served.link,
+                error = %e,
+                "closed a connection to the shared-memory link's socket; still waiting for the initiator"
+            ),
+        }
+    }
+}
+
+/// The next connection to the link's socket. The wait ends at `deadline`, and at once when the link's
+/// path was dropped (a setup replaced by another): a peer that never connects leaves no thread or
+/// socket behind.
+fn next_connection(listener: &UnixListener, served: &Served, deadline: std::time::Instant) -> Result<UnixStream> {
+    loop {
         match listener.accept() {
-            Ok((s, _)) => break s,
+            Ok((s, _)) => return Ok(s),
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 if served.is_shut() {
                     return Err(Error::PeerClosed(
@@ -351,11 +369,14 @@ fn accept(listener: &UnixListener, served: &Served) -> Result<UnixStream> {
             }
             Err(e) => return Err(Error::io("accepting the link's socket", e)),
         }
-    };
+    }
+}
+
+/// Checks a connection to the link's socket: the process the setup probed (as the kernel says, read
+/// before anything is), then the link's token, by `deadline`.
+fn admit(stream: UnixStream, served: &Served, deadline: std::time::Instant) -> Result<UnixStream> {
     let configure = |e| Error::io("configuring the link's socket", e);
     stream.set_nonblocking(false).map_err(configure)?;
-    stream.set_read_timeout(Some(CONNECT_LIMIT)).map_err(configure)?;
-    stream.set_write_timeout(Some(WRITE_LIMIT)).map_err(configure)?;
     let pid = peer_pid(&stream)?;
     if pid != served.pid {
         return Err(Error::PermissionDenied(format!(
@@ -363,8 +384,13 @@ fn accept(listener: &UnixListener, served: &Served) -> Result<UnixStream> {
             served.pid
         )));
     }
+    let left = deadline
+        .saturating_duration_since(std::time::Instant::now())
+        .max(Duration::from_millis(1));
+    stream.set_read_timeout(Some(left)).map_err(configure)?;
+    stream.set_write_timeout(Some(WRITE_LIMIT)).map_err(configure)?;
     let mut token = [0u8; wire::TOKEN_LEN];
-    stream
+    (&stream)
         .read_exact(&mut token)
         .map_err(|e| Error::io("reading the link's token", e))?;
     if token != served.token {

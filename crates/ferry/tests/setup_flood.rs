@@ -1,6 +1,8 @@
-//! Data-path setups a peer asks for cost the target more than the frames that ask: a link may make a
-//! burst of them and a few a second after that, and a setup that is replaced releases its thread and
-//! socket at once. In a file of its own, so that the threads and descriptors it counts are its own.
+//! Same-host data-path setups under abuse. A setup costs the target more than the frame that asks for
+//! it: a link may make a burst of them and a few a second after that, and a setup that is replaced
+//! releases its thread and socket at once. And the socket a setup opens is reachable by anyone on the
+//! host: a squatter neither gets in nor keeps the initiator out. In a file of its own, so that the
+//! threads and descriptors it counts are its own.
 #![cfg(feature = "shm")]
 
 mod common;
@@ -11,7 +13,10 @@ use common::raw::RawClient;
 use common::*;
 use ferry::codec::Frame;
 use ferry::{ErrorCode, TransportKind};
-use ferry_proto::shm::{Offer, PROBE_LEN};
+use ferry_proto::shm::{Answer, Offer, PROBE_LEN};
+use std::io::{Read, Write};
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr, UnixStream};
 
 fn shm_threads() -> usize {
     std::fs::read_dir("/proc/self/task")
@@ -95,5 +100,56 @@ async fn a_flood_of_setups_is_refused_past_a_budget_and_replaced_setups_release_
     c.send(&Frame::Ping { nonce: 3 }, &[]).await;
     let pong = tokio::time::timeout(T, c.recv()).await.unwrap().unwrap();
     assert!(matches!(pong.frame, Frame::Pong { nonce: 3 }), "{:?}", pong.frame);
+    drop(probe);
+}
+
+/// Someone on the host connects to the link's socket before the initiator does and sends a wrong
+/// token: the target closes that connection and keeps waiting, and the initiator's own connection,
+/// with the right token, is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_squatter_on_the_link_socket_neither_gets_in_nor_keeps_the_initiator_out() {
+    let target = ferry::Engine::builder().listen("127.0.0.1:0").build().await.unwrap();
+    let (mut c, _) = RawClient::handshake(target.local_addr().unwrap()).await;
+    let probe = Box::new([0x6b_u8; PROBE_LEN]);
+    let offer = Offer {
+        facts: ferry_shm::host::here().unwrap(),
+        probe_addr: probe.as_ptr() as u64,
+        probe: *probe,
+    };
+    let setup = Frame::TransportSetup {
+        id: 1,
+        kind: TransportKind::Shm,
+        blob: offer.encode(),
+    };
+    c.send(&setup, &[]).await;
+    let answer = match tokio::time::timeout(T, c.recv()).await.unwrap().unwrap().frame {
+        Frame::TransportSetupReply { error: None, blob, .. } => Answer::decode(&blob).unwrap(),
+        other => panic!("expected a setup answer, got {other:?}"),
+    };
+    let name = format!("ferry-shm-{}", String::from_utf8_lossy(&answer.socket));
+    let addr = SocketAddr::from_abstract_name(name).unwrap();
+    let token = answer.token;
+    let outcome = tokio::task::spawn_blocking(move || {
+        // The squatter: first to connect, with a wrong token; the target closes it.
+        let mut squatter = UnixStream::connect_addr(&addr).unwrap();
+        let mut wrong = token;
+        wrong[0] ^= 0xff;
+        squatter.write_all(&wrong).unwrap();
+        squatter.set_read_timeout(Some(T)).unwrap();
+        let mut byte = [0u8; 1];
+        let squatter_closed = matches!(squatter.read(&mut byte), Ok(0) | Err(_));
+        // The initiator connects after it, with its token, and stays connected.
+        let mut initiator = UnixStream::connect_addr(&addr).expect("the initiator was kept out");
+        initiator.write_all(&token).unwrap();
+        initiator.set_read_timeout(Some(Duration::from_millis(300))).unwrap();
+        let served = match initiator.read(&mut byte) {
+            Err(e) => matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut),
+            Ok(_) => false,
+        };
+        (squatter_closed, served)
+    })
+    .await
+    .unwrap();
+    assert_eq!(outcome, (true, true), "(squatter closed, initiator served)");
     drop(probe);
 }
