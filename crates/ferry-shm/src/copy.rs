@@ -124,6 +124,14 @@ pub(crate) struct Piece {
     pub len: usize,
 }
 
+// SAFETY: a piece only describes two ranges; nothing reads or writes through its pointers but
+// `copy_all`, whose contract makes its caller vouch that they are valid where and while it runs. So
+// a piece may be moved to, and shared with, another thread (a transfer's future that copies in chunks
+// across yields) like any other pair of addresses.
+unsafe impl Send for Piece {}
+// SAFETY: as above; a shared piece gives access to no memory.
+unsafe impl Sync for Piece {}
+
 struct Job {
     pieces: Vec<Piece>,
     done: SyncSender<()>,

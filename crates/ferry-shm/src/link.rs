@@ -402,7 +402,8 @@ impl Inner {
             return Some(Err(self.down()));
         }
         let [item] = &request.items[..] else { return None };
-        if !Inner::lendable(item, request.durability) || stages_locally(item) {
+        // A large copy goes in chunks, in the transfer's future (see `COPY_CHUNK`).
+        if !Inner::lendable(item, request.durability) || stages_locally(item) || item.len() > COPY_CHUNK as u64 {
             return None;
         }
         let mapping = self.mapping_of(item.remote_key)?;
@@ -687,10 +688,20 @@ fn copy_one(op: Op, item: &TransferItem, mapping: &Mapping) -> Option<Result<()>
     Some(Ok(()))
 }
 
-/// Copies the items whose regions are mapped, as one batch of copies (split over two threads when
-/// large); returns those whose mapping was being given back, to go elsewhere. Every range is checked
-/// before the first byte moves, and each region's and mapping's permit is taken once per batch.
-fn copy_mapped(op: Op, items: Vec<(TransferItem, usize)>, mappings: &[Arc<Mapping>]) -> Result<Vec<TransferItem>> {
+/// Most bytes copied into or out of mappings between two yields to the runtime: a transfer's future
+/// copies at most this much in one poll, so that other tasks run, and a transfer whose caller stopped
+/// waiting for it (its timeout passed, or it was dropped) copies no further chunk.
+const COPY_CHUNK: usize = 8 << 20;
+
+/// Copies the items whose regions are mapped, [`COPY_CHUNK`] bytes at a time (each chunk split over
+/// two threads when large); returns those whose mapping was being given back, to go elsewhere. Every
+/// range is checked before the first byte moves, and each region's and mapping's permit is taken once
+/// and held until the last chunk is copied or the future is dropped.
+async fn copy_mapped(
+    op: Op,
+    items: Vec<(TransferItem, usize)>,
+    mappings: &[Arc<Mapping>],
+) -> Result<Vec<TransferItem>> {
     if items.is_empty() {
         return Ok(Vec::new());
     }
@@ -698,7 +709,8 @@ fn copy_mapped(op: Op, items: Vec<(TransferItem, usize)>, mappings: &[Arc<Mappin
         check_mapped(op, item, &mappings[*m])?;
     }
     let remote: Vec<_> = mappings.iter().map(|m| m.enter()).collect();
-    let mut local: Vec<(*const ferry_core::RegionEntry, ferry_core::Permit<'_>)> = Vec::new();
+    // Each local region's permit, by the region's address.
+    let mut local: Vec<(usize, ferry_core::Permit<'_>)> = Vec::new();
     let mut pieces = Vec::with_capacity(items.len());
     let mut given_back = Vec::new();
     for (n, (item, m)) in items.iter().enumerate() {
@@ -707,18 +719,23 @@ fn copy_mapped(op: Op, items: Vec<(TransferItem, usize)>, mappings: &[Arc<Mappin
             continue;
         }
         let region = &item.local.region;
-        if !local.iter().any(|(r, _)| std::ptr::eq(*r, Arc::as_ptr(region))) {
-            local.push((
-                Arc::as_ptr(region),
-                region.guard().enter().ok_or_else(|| region.gone())?,
-            ));
+        let at = Arc::as_ptr(region) as usize;
+        if !local.iter().any(|(r, _)| *r == at) {
+            local.push((at, region.guard().enter().ok_or_else(|| region.gone())?));
         }
         pieces.push(piece(op, item, &mappings[*m]));
     }
-    // SAFETY: every range was checked against its mapping and region above, and a permit of each
-    // region and mapping is held until the copies end, so all stay mapped; regions are never handed
-    // out as Rust references, so the copies conflict with no borrow.
-    unsafe { copy_all(&pieces) };
+    let chunks = chunked(&pieces, COPY_CHUNK);
+    for (i, chunk) in chunks.iter().enumerate() {
+        if i > 0 {
+            tokio::task::yield_now().await;
+        }
+        // SAFETY: every range was checked against its mapping and region above, and a permit of each
+        // region and mapping is held until the last chunk is copied (or this future is dropped, after
+        // which no chunk is), so all stay mapped; a chunk's pieces lie inside those ranges; regions
+        // are never handed out as Rust references, so the copies conflict with no borrow.
+        unsafe { copy_all(chunk) };
+    }
     drop((local, remote));
     Ok(items
         .into_iter()
@@ -726,6 +743,33 @@ fn copy_mapped(op: Op, items: Vec<(TransferItem, usize)>, mappings: &[Arc<Mappin
         .filter(|(n, _)| given_back.binary_search(n).is_ok())
         .map(|(_, (item, _))| item)
         .collect())
+}
+
+/// `pieces` in order, cut into chunks of at most `most` bytes (a piece larger than what is left of a
+/// chunk is split across chunks).
+fn chunked(pieces: &[Piece], most: usize) -> Vec<Vec<Piece>> {
+    let mut chunks = vec![Vec::new()];
+    let mut room = most;
+    for p in pieces {
+        let mut done = 0;
+        while done < p.len {
+            if room == 0 {
+                chunks.push(Vec::new());
+                room = most;
+            }
+            let n = (p.len - done).min(room);
+            if let Some(chunk) = chunks.last_mut() {
+                chunk.push(Piece {
+                    src: p.src.wrapping_add(done),
+                    dst: p.dst.wrapping_add(done),
+                    len: n,
+                });
+            }
+            done += n;
+            room -= n;
+        }
+    }
+    chunks
 }
 
 impl ShmLink {
@@ -800,7 +844,7 @@ impl DataLink for ShmLink {
                 }
             };
             let here = async {
-                let elsewhere = copy_mapped(op, mapped, &mappings)?;
+                let elsewhere = copy_mapped(op, mapped, &mappings).await?;
                 // Bytes copied into the mapping of a target whose end of the link is already seen
                 // closed reach nobody: that is no completed write.
                 if inner.closed.load(Ordering::Acquire) {
@@ -860,6 +904,39 @@ mod tests {
     use ferry_core::{Access, MemoryBlock, OwnedBuffer, RegionEntry, RegionKey, Resolved};
 
     use super::*;
+
+    #[test]
+    fn chunks_cover_the_pieces_in_order_and_none_is_larger_than_asked() {
+        let base = 0x1000usize;
+        let lens = [5usize, 17, 1, 40, 3, 64, 9];
+        let mut at = 0;
+        let pieces: Vec<Piece> = lens
+            .iter()
+            .map(|&len| {
+                let p = Piece {
+                    src: (base + at) as *const u8,
+                    dst: (base * 16 + at) as *mut u8,
+                    len,
+                };
+                at += len;
+                p
+            })
+            .collect();
+        for most in [1, 7, 16, 64, 1000] {
+            let chunks = chunked(&pieces, most);
+            let mut next = 0;
+            for chunk in &chunks {
+                assert!(chunk.iter().map(|p| p.len).sum::<usize>() <= most);
+                for p in chunk {
+                    assert_eq!(p.src as usize, base + next, "chunks of {most}");
+                    assert_eq!(p.dst as usize, base * 16 + next);
+                    assert!(p.len > 0);
+                    next += p.len;
+                }
+            }
+            assert_eq!(next, at, "chunks of {most} cover every byte");
+        }
+    }
 
     #[test]
     fn a_large_read_is_cut_into_pieces_that_cover_it_in_order() {

@@ -109,6 +109,47 @@ async fn deregistration_takes_a_lent_region_back_before_it_returns() {
     assert!(ok > 0 && refused > 0, "{ok} writes before, {refused} refused after");
 }
 
+/// A 256 MiB write into a region the target lent, and a 256 MiB read out of it, each with a 2 ms
+/// timeout: the copy takes far longer, so each ends with `Timeout`, and once it has returned no byte
+/// of it lands, at the target or in the caller's memory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_timeout_holds_on_a_lent_region_and_no_late_byte_lands() {
+    const LEN: usize = 256 << 20;
+    let (target, initiator, peer) = shm_pair().await;
+    let dst = target.alloc_host(LEN, rw()).unwrap();
+    wait_for_region(&peer, &dst).await;
+    let src = initiator.alloc_host(LEN, rw()).unwrap();
+    src.write_at(0, &vec![0x11; LEN]).unwrap();
+    // The first write maps the region (a round trip to the target); the rest copy into the mapping.
+    let small = [TransferDesc::new(src.addr(), dst.addr(), 4096)];
+    initiator.transfer(&peer, Op::Write, &small, T).await.unwrap();
+    let whole = [TransferDesc::new(src.addr(), dst.addr(), LEN as u64)];
+    let quickly = Duration::from_millis(2);
+
+    let err = initiator.transfer(&peer, Op::Write, &whole, quickly).await.unwrap_err();
+    assert!(matches!(err, Error::Timeout(_)), "{err:?}");
+    let landed = dst.to_vec().unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(
+        dst.to_vec().unwrap() == landed,
+        "a byte of the write landed after it returned"
+    );
+
+    dst.write_at(0, &vec![0x22; LEN]).unwrap();
+    let err = initiator.transfer(&peer, Op::Read, &whole, quickly).await.unwrap_err();
+    assert!(matches!(err, Error::Timeout(_)), "{err:?}");
+    let landed = src.to_vec().unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(
+        src.to_vec().unwrap() == landed,
+        "a byte of the read landed after it returned"
+    );
+    // The link is fine: the same transfers with time to run complete.
+    initiator.transfer(&peer, Op::Read, &whole, T).await.unwrap();
+    assert!(src.to_vec().unwrap().iter().all(|&b| b == 0x22));
+    assert_eq!(peer.transport(), TransportKind::Shm);
+}
+
 /// A batch with one range past the end of the target's region: refused whole, and none of its other
 /// ranges was copied.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
