@@ -33,6 +33,7 @@ mod fdpass;
 pub mod host;
 mod link;
 pub mod mapping;
+pub mod pidfd;
 mod target;
 
 use std::sync::{Arc, Mutex, Weak};
@@ -192,21 +193,19 @@ impl Transport for ShmTransport {
         if let Some(why) = here.why_not(&offer.facts) {
             return Err(Error::Unsupported(format!("shared memory: {why}")));
         }
+        // Held from before the probe: a probe that ends with the process alive reached it (see
+        // `pidfd`), and so will every copy checked the same way.
+        let process = pidfd::PidFd::open(offer.facts.pid)?;
         // Without cross-memory attach the link still carries the regions the target lends.
         let copies_denied = match cma::probe(offer.facts.pid, offer.probe_addr, &offer.probe) {
             Ok(()) => None,
             Err(Error::PermissionDenied(m) | Error::Unsupported(m)) => Some(m),
             Err(other) => return Err(other),
         };
+        process.check("while the target probed it")?;
         let (socket, listener) = target::listen()?;
         let token = random("a link token")?;
-        let served = target::Served::new(
-            setup.context.clone(),
-            setup.peer.clone(),
-            offer.facts.pid,
-            token,
-            setup.link,
-        );
+        let served = target::Served::new(setup.context.clone(), setup.peer.clone(), process, token, setup.link);
         target::spawn(listener, served.clone())?;
         if let Ok(mut links) = self.served.lock() {
             links.retain(|l| l.strong_count() > 0);

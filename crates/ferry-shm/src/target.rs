@@ -36,6 +36,7 @@ use ferry_core::{
 
 use crate::cma::{self, Direction, Range};
 use crate::fdpass;
+use crate::pidfd::PidFd;
 use ferry_proto::shm::{self as wire, Item, REQUEST_HEAD, RequestKind};
 
 /// `(offset, len)` ranges of one region.
@@ -64,6 +65,8 @@ pub(crate) struct Served {
     pub peer: Arc<PeerView>,
     /// The initiator's process, as probed at setup.
     pub pid: u32,
+    /// The same process, held: checked around every copy (see [`crate::pidfd`]).
+    process: PidFd,
     pub token: [u8; wire::TOKEN_LEN],
     pub link: u64,
     /// The link's socket, for replies and the target's own messages; `None` until the initiator
@@ -82,14 +85,15 @@ impl Served {
     pub fn new(
         ctx: Weak<EngineContext>,
         peer: Arc<PeerView>,
-        pid: u32,
+        process: PidFd,
         token: [u8; wire::TOKEN_LEN],
         link: u64,
     ) -> Arc<Self> {
         Arc::new(Served {
             ctx,
             peer,
-            pid,
+            pid: process.pid(),
+            process,
             token,
             link,
             writer: Mutex::new(None),
@@ -384,6 +388,8 @@ fn admit(stream: UnixStream, served: &Served, deadline: std::time::Instant) -> R
             served.pid
         )));
     }
+    // The id the kernel gave is the probed process's only while that process lives.
+    served.process.check("before it connected")?;
     let left = deadline
         .saturating_duration_since(std::time::Instant::now())
         .max(Duration::from_millis(1));
@@ -511,10 +517,13 @@ fn apply(ctx: &EngineContext, served: &Served, op: Op, durability: Durability, i
         Op::Write => Direction::In,
         Op::Read => Direction::Out,
     };
+    served.process.check("before a copy")?;
     // SAFETY: every local range lies in its region (resolved above) and a permit of the region's guard
     // is held until the copy ends, so the memory stays mapped; regions are never handed out as Rust
     // references, so the kernel's writes conflict with no borrow.
     unsafe { cma::copy(served.pid, direction, &ranges)? };
+    // Alive after the copy as before it: the id named this process throughout.
+    served.process.check("during a copy")?;
     if op == Op::Write {
         for (r, _) in &parts {
             r.region.block().check_backing()?;
