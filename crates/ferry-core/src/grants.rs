@@ -34,10 +34,7 @@ impl Grants {
     /// match it (and [`Grants::check_name`] refuses to make such a grant).
     pub fn for_identity(&self, who: &PeerIdentity) -> Access {
         let mut access = self.everyone;
-        for name in std::iter::once(&who.name).chain(&who.alt_names) {
-            if is_address(name) {
-                continue;
-            }
+        for name in who.names() {
             if let Some(a) = self.named.get(name) {
                 access = access.union(*a);
             }
@@ -52,7 +49,7 @@ impl Grants {
                 "a grant names a peer: its certificate's name or one of its DNS names".into(),
             ));
         }
-        if is_address(name) {
+        if crate::types::is_address(name) {
             return Err(crate::Error::InvalidArgument(format!(
                 "{name} is an IP address, which certificates share (every one `ferry certs` makes carries \
                  127.0.0.1): grant to the peer's name (its certificate's common name or a DNS name) instead"
@@ -60,10 +57,6 @@ impl Grants {
         }
         Ok(())
     }
-}
-
-fn is_address(name: &str) -> bool {
-    name.parse::<std::net::IpAddr>().is_ok()
 }
 
 /// Operations in progress, by the epoch they started in (see the module documentation).

@@ -351,6 +351,23 @@ pub struct PeerIdentity {
     pub alt_names: Vec<String>,
 }
 
+impl PeerIdentity {
+    /// The names it proved that name it: its name and its alternative names, except IP addresses (an
+    /// address says where an engine may be dialled, and certificates share them: every one
+    /// `ferry certs` makes carries 127.0.0.1). Grants and `connect_by_name` match these.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        std::iter::once(&self.name)
+            .chain(&self.alt_names)
+            .map(String::as_str)
+            .filter(|n| !is_address(n))
+    }
+}
+
+/// Whether `name` is an IP address.
+pub(crate) fn is_address(name: &str) -> bool {
+    name.parse::<std::net::IpAddr>().is_ok()
+}
+
 impl std::fmt::Display for PeerIdentity {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(&self.name)

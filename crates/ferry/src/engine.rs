@@ -1088,6 +1088,12 @@ impl Engine {
     /// Looks `name` up in the engine's directory and connects to the first of its addresses that
     /// answers, all within `timeout`. `NotConnected` when no engine of that name is published;
     /// `Timeout` when the directory or the engine does not answer in time.
+    ///
+    /// On an engine that authenticates its links, the engine reached must prove the name: its
+    /// certificate's name or one of its DNS names is `name` (a directory record is only a claim, and
+    /// anyone who can write the directory could point it at another engine of the same CA). One that
+    /// proves another name is disconnected, and the next address tried; if none proves it, the
+    /// answer is `PermissionDenied`.
     pub async fn connect_by_name(&self, name: &str, timeout: Duration) -> Result<Peer> {
         let deadline = tokio::time::Instant::now() + timeout;
         let record = tokio::time::timeout_at(deadline, self.directory()?.lookup(name))
@@ -1097,7 +1103,19 @@ impl Engine {
         for addr in &record.addrs {
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
             match self.connect(addr, left).await {
-                Ok(peer) => return Ok(peer),
+                Ok(peer) => match peer.identity().filter(|who| !who.names().any(|n| n == name)) {
+                    None => return Ok(peer),
+                    Some(who) => {
+                        last = Error::PermissionDenied(format!(
+                            "the engine at {addr}, published as {name}, proved to be {who}: the directory \
+                             record may be forged or stale"
+                        ));
+                        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+                        if let Err(e) = self.disconnect(&peer, left).await {
+                            tracing::debug!(%addr, error = %e, "disconnecting from an engine that is not {name}");
+                        }
+                    }
+                },
                 Err(e) => last = prefix(e, &format!("connecting to {name} at {addr}")),
             }
         }

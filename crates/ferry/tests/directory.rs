@@ -136,3 +136,44 @@ async fn names_and_directories_come_together_on_a_listening_engine() {
     assert!(matches!(none, Error::InvalidArgument(_)), "{none}");
     assert!(directory.records.lock().unwrap().is_empty());
 }
+
+/// On authenticated engines `connect_by_name` binds the name to the identity the engine proves: a
+/// forged record that publishes "prefill-0" at the address of the engine that proves "decode-7" is
+/// refused, no link to it stays, and the true name still connects.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forged_record_does_not_send_an_authenticated_engine_elsewhere() {
+    let key = [9u8; 32];
+    let directory = Memory::default();
+    let target = Engine::builder()
+        .listen("127.0.0.1:0")
+        .name("decode-7")
+        .directory(directory.handle())
+        .tls(ferry::TlsConfig::from_psk(&key, "decode-7").unwrap())
+        .build()
+        .await
+        .unwrap();
+    // Someone who can write the directory publishes another name at the same address.
+    let mut forged = target.record();
+    forged.name = "prefill-0".into();
+    directory.records.lock().unwrap().insert("prefill-0".into(), forged);
+    let client = Engine::builder()
+        .listen("127.0.0.1:0")
+        .name("client")
+        .directory(directory.handle())
+        .tls(ferry::TlsConfig::from_psk(&key, "client").unwrap())
+        .build()
+        .await
+        .unwrap();
+    let err = client.connect_by_name("prefill-0", T).await.unwrap_err();
+    assert!(
+        matches!(&err, Error::PermissionDenied(m) if m.contains("decode-7")),
+        "{err}"
+    );
+    let deadline = tokio::time::Instant::now() + T;
+    while target.link_count() > 0 {
+        assert!(tokio::time::Instant::now() < deadline, "the refused link stayed open");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let peer = client.connect_by_name("decode-7", T).await.unwrap();
+    assert_eq!(peer.identity().map(|i| i.name.as_str()), Some("decode-7"));
+}
