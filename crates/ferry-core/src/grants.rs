@@ -42,6 +42,25 @@ impl Grants {
         access
     }
 
+    /// Whether going from these grants to `after` takes something away from someone (a peer named
+    /// here, or every peer): such a change must wait out what runs under the old grants, as a revoke
+    /// does.
+    pub fn narrowed_by(&self, after: &Grants) -> bool {
+        if !after.everyone.contains(self.everyone) {
+            return true;
+        }
+        self.named.iter().any(|(name, granted)| {
+            let before = granted.union(self.everyone);
+            let now = after
+                .named
+                .get(name)
+                .copied()
+                .unwrap_or(Access::NONE)
+                .union(after.everyone);
+            !now.contains(before)
+        })
+    }
+
     /// Whether `name` may be granted to: an engine's name, not an empty string or an IP address.
     pub fn check_name(name: &str) -> crate::Result<()> {
         if name.is_empty() {
@@ -172,6 +191,28 @@ mod tests {
         assert_eq!(g.for_identity(&who("a", &["b.example"])), Access::READ_WRITE);
         g.everyone = Access::WRITE;
         assert_eq!(g.for_identity(&who("c", &[])), Access::WRITE);
+    }
+
+    #[test]
+    fn narrowing_is_told_from_widening() {
+        let mut before = Grants::default();
+        before.named.insert("a".into(), Access::READ_WRITE);
+        let mut after = before.clone();
+        assert!(!before.narrowed_by(&after), "no change");
+        after.named.insert("b".into(), Access::READ);
+        assert!(!before.narrowed_by(&after), "a grant to someone else");
+        after.named.insert("a".into(), Access::READ);
+        assert!(before.narrowed_by(&after), "read-write to read");
+        after.everyone = Access::READ_WRITE;
+        assert!(!before.narrowed_by(&after), "what everyone has covers it");
+        let wide = Grants {
+            everyone: Access::READ,
+            ..Grants::default()
+        };
+        assert!(wide.narrowed_by(&Grants::default()), "taken from everyone");
+        let mut removed = before.clone();
+        removed.named.remove("a");
+        assert!(before.narrowed_by(&removed), "a revoke");
     }
 
     #[test]

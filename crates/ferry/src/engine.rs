@@ -1214,15 +1214,20 @@ impl Inner {
                     .into(),
             ));
         }
-        if !waits {
-            entry.update_grants(change)?;
+        // Changes are made one at a time, so that whether one narrows is judged against the last.
+        let _one_at_a_time = self.revoking.lock().await;
+        let mut narrows = false;
+        entry.update_grants(|grants| {
+            let before = grants.clone();
+            change(grants);
+            narrows = before.narrowed_by(grants);
+        })?;
+        if !waits && !narrows {
             if let Some(server) = &self.server {
                 server.regranted(entry.key());
             }
             return Ok(());
         }
-        let _one_at_a_time = self.revoking.lock().await;
-        entry.update_grants(change)?;
         let epoch = self
             .ctx
             .accesses

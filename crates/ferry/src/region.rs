@@ -160,9 +160,13 @@ impl Region {
     /// Lets the peer named `peer` (the name in its certificate, or one of its DNS alternative names)
     /// reach this region with `access` (within the region's own access), on an engine that
     /// authenticates its links ([`EngineBuilder::tls`](crate::EngineBuilder::tls)); there regions are
-    /// private until granted. The peer's links are told at once. `InvalidArgument` on an open engine,
-    /// where every peer reaches every region, and for a name that is an IP address: certificates
-    /// share addresses (every one `ferry certs` makes carries 127.0.0.1), so an address names nobody.
+    /// private until granted. The peer's links are told at once. A grant that widens returns then; one
+    /// that narrows what the peer had (read-write to read) returns as [`revoke`](Self::revoke) does:
+    /// once the peer can no longer do what was taken away (its same-host mapping given back, the
+    /// operations begun under the old grant ended), within [`REVOKE_LIMIT`](crate::REVOKE_LIMIT).
+    /// `InvalidArgument` on an open engine, where every peer reaches every region, and for a name
+    /// that is an IP address: certificates share addresses (every one `ferry certs` makes carries
+    /// 127.0.0.1), so an address names nobody.
     pub async fn grant(&self, peer: &str, access: Access) -> Result<()> {
         ferry_core::Grants::check_name(peer)?;
         let engine = self.engine()?;

@@ -150,6 +150,54 @@ async fn a_timeout_holds_on_a_lent_region_and_no_late_byte_lands() {
     assert_eq!(peer.transport(), TransportKind::Shm);
 }
 
+/// A same-host peer granted read-write maps the region writable; narrowing its grant to read takes
+/// the mapping back before `grant` returns, as a revoke does, and its writes are refused from then on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn narrowing_a_grant_to_read_takes_the_writable_mapping_back() {
+    // A size no other test here maps, so that the count of mappings is this test's own.
+    const LEN: usize = (5 << 20) + 4096;
+    let key = [7u8; 32];
+    let psk = |name| ferry::TlsConfig::from_psk(&key, name).unwrap();
+    let target = Engine::builder()
+        .listen("127.0.0.1:0")
+        .tls(psk("target"))
+        .build()
+        .await
+        .unwrap();
+    let initiator = Engine::builder().tls(psk("peer")).build().await.unwrap();
+    let dst = target.alloc_host(LEN, rw()).unwrap();
+    dst.grant("peer", ferry::Access::READ_WRITE).await.unwrap();
+    let peer = initiator
+        .connect(&target.local_addr().unwrap().to_string(), T)
+        .await
+        .unwrap();
+    assert_eq!(peer.transport(), TransportKind::Shm, "{:?}", peer.passed_over());
+    let remote = peer.regions().iter().next().expect("the granted region").addr;
+    let src = initiator.register(pattern(LEN, 1), rw()).unwrap();
+    let write = [TransferDesc::new(src.addr(), remote, 4096)];
+    // The first write maps the region; the next ones copy into the mapping.
+    initiator.transfer(&peer, Op::Write, &write, T).await.unwrap();
+    initiator.transfer(&peer, Op::Write, &write, T).await.unwrap();
+    assert_eq!(memfd_mappings(LEN), 2, "the target's own mapping and the one it lent");
+
+    dst.grant("peer", ferry::Access::READ).await.unwrap();
+    assert_eq!(
+        memfd_mappings(LEN),
+        1,
+        "the writable mapping stayed after the grant narrowed to read"
+    );
+    dst.write_at(0, &[0xEE; 4096]).unwrap();
+    let err = initiator.transfer(&peer, Op::Write, &write, T).await.unwrap_err();
+    assert!(matches!(err, Error::PermissionDenied(_)), "{err:?}");
+    assert_eq!(
+        dst.to_vec().unwrap()[..4096],
+        [0xEE; 4096],
+        "a write landed after the narrowing"
+    );
+    let read = [TransferDesc::new(src.addr(), remote, 4096)];
+    initiator.transfer(&peer, Op::Read, &read, T).await.unwrap();
+}
+
 /// A batch with one range past the end of the target's region: refused whole, and none of its other
 /// ranges was copied.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
