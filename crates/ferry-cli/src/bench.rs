@@ -16,7 +16,7 @@ use ferry::{Access, Durability, Engine, Op, Peer, Region, TlsConfig, TransferDes
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
-use crate::tls::{Authority, TlsArgs};
+use crate::tls::TlsArgs;
 use crate::units::{format_size, parse_duration, parse_size};
 
 const TIMEOUT: Duration = Duration::from_secs(30);
@@ -209,10 +209,10 @@ struct Setup {
 /// The TLS configurations of the initiator and the in-process target, if the run authenticates.
 fn tls_configs(args: &Args) -> anyhow::Result<(Option<TlsConfig>, Option<TlsConfig>)> {
     if args.tls {
-        let ca = Authority::new("ferry bench CA")?;
+        let ca = ferry::DevelopmentCa::new("ferry bench CA")?;
         return Ok((
-            Some(ca.config("bench-initiator", args.encrypt_data)?),
-            Some(ca.config("bench-target", false)?),
+            Some(ca.config("bench-initiator")?.encrypt_data(args.encrypt_data)),
+            Some(ca.config("bench-target")?),
         ));
     }
     let files = args.tls_files.config()?;

@@ -4,8 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};
-use ferry::TlsConfig;
-use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair};
+use ferry::{DevelopmentCa, TlsConfig};
 
 /// Mutual TLS from PEM files: all three, or none (an engine open to anyone who reaches it).
 #[derive(clap::Args, Debug, Clone, Default)]
@@ -56,62 +55,6 @@ impl TlsArgs {
     }
 }
 
-/// A certificate authority made in memory.
-pub struct Authority {
-    issuer: CertifiedIssuer<'static, KeyPair>,
-}
-
-/// A certificate and its key, PEM.
-pub struct Issued {
-    pub cert: String,
-    pub key: String,
-}
-
-impl Authority {
-    pub fn new(name: &str) -> anyhow::Result<Authority> {
-        let mut params = CertificateParams::new(Vec::<String>::new())?;
-        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        params.distinguished_name.push(DnType::CommonName, name);
-        let key = KeyPair::generate().context("generating the CA key")?;
-        Ok(Authority {
-            issuer: CertifiedIssuer::self_signed(params, key).context("signing the CA certificate")?,
-        })
-    }
-
-    /// A certificate for `name`, valid for `names` (DNS names and IP addresses) and 127.0.0.1.
-    pub fn issue(&self, name: &str, names: &[String]) -> anyhow::Result<Issued> {
-        let mut sans = vec![name.to_string()];
-        sans.extend(names.iter().cloned());
-        sans.push("127.0.0.1".into());
-        sans.dedup();
-        let mut params = CertificateParams::new(sans)?;
-        params.distinguished_name.push(DnType::CommonName, name);
-        let key = KeyPair::generate().context("generating a key")?;
-        let cert = params
-            .signed_by(&key, &self.issuer)
-            .with_context(|| format!("signing the certificate of {name}"))?;
-        Ok(Issued {
-            cert: cert.pem(),
-            key: key.serialize_pem(),
-        })
-    }
-
-    pub fn cert_pem(&self) -> String {
-        self.issuer.pem()
-    }
-
-    /// An engine configuration for `name` under this authority.
-    pub fn config(&self, name: &str, encrypt: bool) -> anyhow::Result<TlsConfig> {
-        let issued = self.issue(name, &[])?;
-        let config = TlsConfig::from_pem(
-            issued.cert.as_bytes(),
-            issued.key.as_bytes(),
-            self.cert_pem().as_bytes(),
-        )?;
-        Ok(config.encrypt_data(encrypt))
-    }
-}
-
 /// `ferry certs`: writes a new CA and one certificate per engine name.
 #[derive(clap::Args)]
 pub struct CertsArgs {
@@ -129,7 +72,7 @@ pub struct CertsArgs {
 
 pub async fn certs(args: CertsArgs) -> anyhow::Result<()> {
     std::fs::create_dir_all(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
-    let ca = Authority::new("ferry cluster CA")?;
+    let ca = DevelopmentCa::new("ferry cluster CA")?;
     write(&args.out.join("ca.pem"), &ca.cert_pem(), false)?;
     for name in &args.names {
         if name.is_empty() || name.contains(['/', '\\']) || name.starts_with('.') {

@@ -57,6 +57,93 @@ impl std::fmt::Debug for TlsConfig {
     }
 }
 
+/// A certificate authority made in memory, for development, tests and small clusters without a PKI:
+/// it issues each engine a certificate for its name (and 127.0.0.1, for loopback), and
+/// [`DevelopmentCa::config`] turns one into the engine's [`TlsConfig`]. Its key lives only in this
+/// value: certificates for more engines later need the same value (or a new CA, trusted anew). `ferry
+/// certs` writes such a CA's certificates to files.
+///
+/// ```
+/// # fn main() -> ferry_core::Result<()> {
+/// let ca = ferry_tcp::DevelopmentCa::new("my cluster CA")?;
+/// let target = ca.config("decode-0")?; // EngineBuilder::tls(target) on one engine,
+/// let initiator = ca.config("prefill-0")?; // EngineBuilder::tls(initiator) on the other
+/// # Ok(()) }
+/// ```
+pub struct DevelopmentCa {
+    issuer: rcgen::CertifiedIssuer<'static, rcgen::KeyPair>,
+}
+
+impl std::fmt::Debug for DevelopmentCa {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DevelopmentCa").finish_non_exhaustive()
+    }
+}
+
+/// A certificate and its private key, PEM.
+#[derive(Clone)]
+pub struct IssuedPem {
+    /// The certificate.
+    pub cert: String,
+    /// Its private key (PKCS#8).
+    pub key: String,
+}
+
+impl std::fmt::Debug for IssuedPem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IssuedPem")
+            .field("cert", &self.cert)
+            .finish_non_exhaustive()
+    }
+}
+
+impl DevelopmentCa {
+    /// A new CA, its common name `name`, with a fresh key.
+    pub fn new(name: &str) -> Result<DevelopmentCa> {
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).map_err(rcgen_error)?;
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        params.distinguished_name.push(rcgen::DnType::CommonName, name);
+        let key = rcgen::KeyPair::generate().map_err(rcgen_error)?;
+        Ok(DevelopmentCa {
+            issuer: rcgen::CertifiedIssuer::self_signed(params, key).map_err(rcgen_error)?,
+        })
+    }
+
+    /// A certificate for the engine `name` (its common name and first DNS name, what peers grant to),
+    /// also valid for `alt_names` (DNS names or IP addresses it is dialled by) and 127.0.0.1.
+    pub fn issue(&self, name: &str, alt_names: &[String]) -> Result<IssuedPem> {
+        let mut sans = vec![name.to_string()];
+        sans.extend(alt_names.iter().cloned());
+        sans.push("127.0.0.1".into());
+        sans.dedup();
+        let mut params = rcgen::CertificateParams::new(sans)
+            .map_err(|e| invalid(format!("{name:?} cannot name an engine in a certificate: {e}")))?;
+        params.distinguished_name.push(rcgen::DnType::CommonName, name);
+        let key = rcgen::KeyPair::generate().map_err(rcgen_error)?;
+        let cert = params.signed_by(&key, &self.issuer).map_err(rcgen_error)?;
+        Ok(IssuedPem {
+            cert: cert.pem(),
+            key: key.serialize_pem(),
+        })
+    }
+
+    /// The CA's certificate, PEM: what every engine trusts.
+    pub fn cert_pem(&self) -> String {
+        self.issuer.pem()
+    }
+
+    /// An engine's configuration under this CA: a new certificate for `name`, and this CA as the
+    /// only root its peers' certificates must chain to.
+    pub fn config(&self, name: &str) -> Result<TlsConfig> {
+        let issued = self.issue(name, &[])?;
+        TlsConfig::from_pem(
+            issued.cert.as_bytes(),
+            issued.key.as_bytes(),
+            self.cert_pem().as_bytes(),
+        )
+    }
+}
+
 /// What authenticating a stream established.
 #[derive(Debug, Clone)]
 pub(crate) struct Session {

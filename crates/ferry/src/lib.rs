@@ -51,7 +51,7 @@ pub use ferry_core::{
     PciAddress, PeerIdentity, PersistMethod, PersistStats, RailStats, ReceivedNotification, RegionAd, RegionKey,
     RemoteRegions, Result, TransferDesc, TransportKind,
 };
-pub use ferry_tcp::TlsConfig;
+pub use ferry_tcp::{DevelopmentCa, IssuedPem, TlsConfig};
 pub use file::{FileMapping, FlushMethod};
 pub use host::HostAllocation;
 pub use peer::Peer;
