@@ -123,6 +123,8 @@ impl Engine {
     #[pyo3(signature = (
         listen = None, *, buffer_pool = None, transports = None, streams = None, max_links = None,
         max_inflight_bytes = None, max_pending_notifications = None, name = None,
+        tls_cert = None, tls_key = None, tls_ca = None, tls_psk = None, tls_name = None,
+        tls_server_name = None, encrypt = false,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -135,10 +137,37 @@ impl Engine {
         max_inflight_bytes: Option<u64>,
         max_pending_notifications: Option<usize>,
         name: Option<String>,
+        tls_cert: Option<std::path::PathBuf>,
+        tls_key: Option<std::path::PathBuf>,
+        tls_ca: Option<std::path::PathBuf>,
+        tls_psk: Option<Vec<u8>>,
+        tls_name: Option<String>,
+        tls_server_name: Option<String>,
+        encrypt: bool,
     ) -> PyResult<Self> {
         let mut builder = ferry::Engine::builder();
-        if let Some(addr) = listen {
-            builder = builder.listen(addr);
+        let tls = tls_config(
+            py,
+            (tls_cert, tls_key, tls_ca),
+            (tls_psk, tls_name),
+            tls_server_name,
+            encrypt,
+        )?;
+        if let Some(addr) = &listen {
+            if tls.is_none() {
+                let warning = py.get_type::<pyo3::exceptions::PyUserWarning>();
+                let message = std::ffi::CString::new(format!(
+                    "ferry.Engine listening on {addr} without TLS is open: anyone who reaches the port \
+                     learns its regions, reads and writes all of them, and sends notifications under any \
+                     name; give tls_cert/tls_key/tls_ca or tls_psk/tls_name on a network not wholly trusted"
+                ))
+                .map_err(|e| errors::invalid(py, e.to_string()))?;
+                PyErr::warn(py, &warning, &message, 1)?;
+            }
+            builder = builder.listen(addr.clone());
+        }
+        if let Some(config) = tls {
+            builder = builder.tls(config);
         }
         if let Some(spec) = buffer_pool {
             builder = builder.buffer_pool(&spec);
@@ -253,6 +282,9 @@ impl Engine {
         }
         let len = usize::try_from(length)
             .map_err(|_| errors::invalid(py, format!("{length} bytes do not fit this machine")))?;
+        // Any integer can be passed here: a range this process does not own (or a GPU pointer) would
+        // crash it at a peer's first READ.
+        ferry::mapped::check_mapped(addr, length, access).py(py)?;
         let _rt = runtime().enter();
         // SAFETY: the caller promises, as `register_ptr`'s documentation asks, that the memory stays
         // valid until the region is deregistered.
@@ -611,4 +643,54 @@ impl BufferExport {
             len,
         })
     }
+}
+
+/// The engine's TLS configuration from the constructor's options: certificate files (all three), or
+/// a pre-shared key and a name, or none.
+fn tls_config(
+    py: Python<'_>,
+    (cert, key, ca): (
+        Option<std::path::PathBuf>,
+        Option<std::path::PathBuf>,
+        Option<std::path::PathBuf>,
+    ),
+    (psk, name): (Option<Vec<u8>>, Option<String>),
+    server_name: Option<String>,
+    encrypt: bool,
+) -> PyResult<Option<ferry::TlsConfig>> {
+    let config = match ((cert, key, ca), (psk, name)) {
+        ((None, None, None), (None, None)) => {
+            if encrypt || server_name.is_some() {
+                return Err(errors::invalid(
+                    py,
+                    "encrypt and tls_server_name need TLS: give tls_cert, tls_key and tls_ca, or tls_psk and tls_name"
+                        .into(),
+                ));
+            }
+            return Ok(None);
+        }
+        ((Some(cert), Some(key), Some(ca)), (None, None)) => {
+            let config = ferry::TlsConfig::from_pem_files(&cert, &key, &ca).py(py)?;
+            match server_name {
+                Some(name) => config.with_server_name(&name).py(py)?,
+                None => config,
+            }
+        }
+        ((None, None, None), (Some(psk), Some(name))) => {
+            if server_name.is_some() {
+                return Err(errors::invalid(
+                    py,
+                    "tls_server_name is for certificates, not tls_psk".into(),
+                ));
+            }
+            ferry::TlsConfig::from_psk(&psk, &name).py(py)?
+        }
+        _ => {
+            return Err(errors::invalid(
+                py,
+                "TLS needs tls_cert, tls_key and tls_ca together, or tls_psk and tls_name together, not a mix".into(),
+            ));
+        }
+    };
+    Ok(Some(config.encrypt_data(encrypt)))
 }

@@ -58,6 +58,10 @@ impl Region {
         }
     }
 
+    fn grant_handle(&self, py: Python<'_>) -> PyResult<ferry::GrantHandle> {
+        self.engine.get().with_region(py, self.addr, |r| Ok(r.grant_handle()))
+    }
+
     fn check_range(&self, py: Python<'_>, offset: u64, len: u64) -> PyResult<()> {
         if offset.checked_add(len).is_none_or(|end| end > self.length) {
             return Err(errors::to_py(
@@ -135,6 +139,38 @@ impl Region {
         self.engine
             .get()
             .with_region(py, self.addr, |r| r.persist(offset, length).py(py))
+    }
+
+    /// Lets the peer named `peer` (its certificate's name) reach the region with `access`, on an
+    /// engine made with TLS options (regions are private there until granted); a coroutine. A grant
+    /// that narrows what the peer had returns, as `revoke` does, once the peer can no longer do it.
+    /// `InvalidArgument` on an engine without TLS, where every peer reaches every region.
+    #[pyo3(signature = (peer, access = 3))]
+    fn grant<'py>(&self, py: Python<'py>, peer: String, access: u8) -> PyResult<Bound<'py, PyAny>> {
+        let access = crate::runtime::access(py, access)?;
+        let handle = self.grant_handle(py)?;
+        crate::bridge::spawn(py, async move { handle.grant(&peer, access).await.into() })
+    }
+
+    /// Lets every authenticated peer reach the region with `access`; a coroutine.
+    #[pyo3(signature = (access = 3))]
+    fn grant_all<'py>(&self, py: Python<'py>, access: u8) -> PyResult<Bound<'py, PyAny>> {
+        let access = crate::runtime::access(py, access)?;
+        let handle = self.grant_handle(py)?;
+        crate::bridge::spawn(py, async move { handle.grant_all(access).await.into() })
+    }
+
+    /// Takes back what `grant` gave `peer`; a coroutine that returns once the peer can no longer
+    /// reach the region (at most 5 s, else `TimeoutError` with the revoke in force for new operations).
+    fn revoke<'py>(&self, py: Python<'py>, peer: String) -> PyResult<Bound<'py, PyAny>> {
+        let handle = self.grant_handle(py)?;
+        crate::bridge::spawn(py, async move { handle.revoke(&peer).await.into() })
+    }
+
+    /// Takes back a `grant_all`, as `revoke` does for one peer; a coroutine.
+    fn revoke_all<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let handle = self.grant_handle(py)?;
+        crate::bridge::spawn(py, async move { handle.revoke_all().await.into() })
     }
 
     /// Deregisters the region (HIXL `DeregisterMem`): once this returns no peer touches its memory

@@ -471,3 +471,63 @@ def test_connect_errors_and_closed_engine(pair):
     initiator.close()
     with pytest.raises(ferry.InvalidArgument):
         initiator.register(bytearray(16))
+
+
+def test_register_ptr_refuses_memory_this_process_does_not_own(pair):
+    target, _ = pair
+    # A page mapped and unmapped again: its address names nothing now.
+    page = mmap.mmap(-1, mmap.PAGESIZE)
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(page))
+    del page
+    gc.collect()
+    with pytest.raises(ferry.InvalidArgument, match="not mapped"):
+        target.register_ptr(addr, 4096)
+    # An address no process maps, as a GPU pointer would look to the host.
+    with pytest.raises(ferry.InvalidArgument):
+        target.register_ptr(0x10, 4096)
+    assert target.region_count == 0
+
+
+def test_a_listening_engine_without_tls_says_it_is_open():
+    with pytest.warns(UserWarning, match="without TLS is open"):
+        engine = ferry.Engine("127.0.0.1:0")
+    engine.close()
+
+
+def test_tls_options_authenticate_and_grants_decide_who_reaches_what():
+    key = bytes(range(32))
+    with pytest.raises(ferry.InvalidArgument):
+        ferry.Engine(tls_psk=key)  # a key without a name
+    with pytest.raises(ferry.InvalidArgument):
+        ferry.Engine(tls_psk=key[:16], tls_name="short")
+    target = ferry.Engine("127.0.0.1:0", tls_psk=key, tls_name="target")
+    allowed = ferry.Engine(tls_psk=key, tls_name="decode-1")
+    other = ferry.Engine(tls_psk=key, tls_name="decode-2")
+    outsider = ferry.Engine(tls_psk=bytes(32), tls_name="decode-1")
+    dst = target.alloc_host(64 * KIB)
+
+    async def run():
+        await dst.grant("decode-1", ferry.Access.READ | ferry.Access.WRITE)
+        peer = await allowed.connect(target.local_addr, timeout=5.0)
+        (remote,) = peer.regions()
+        assert remote.addr == dst.addr_for("decode-1")
+        src = allowed.alloc_host(64 * KIB)
+        src.write(0, b"\x5a" * (64 * KIB))
+        await allowed.transfer(peer, "write", [(src.addr, remote.addr, 64 * KIB)], timeout=5.0)
+        assert dst.read() == b"\x5a" * (64 * KIB)
+        # Another authenticated peer is told of nothing; a peer with another key gets no link.
+        assert (await other.connect(target.local_addr, timeout=5.0)).regions() == []
+        with pytest.raises(ferry.PermissionDenied):
+            await outsider.connect(target.local_addr, timeout=5.0)
+        # Revoked: the peer's next write is refused and writes nothing.
+        await dst.revoke("decode-1")
+        dst.write(0, b"\x00" * (64 * KIB))
+        with pytest.raises((ferry.PermissionDenied, ferry.OutOfBounds)):
+            await allowed.transfer(peer, "write", [(src.addr, remote.addr, 64 * KIB)], timeout=5.0)
+        assert dst.read() == b"\x00" * (64 * KIB)
+
+    try:
+        asyncio.run(run())
+    finally:
+        for e in (target, allowed, other, outsider):
+            e.close()

@@ -27,6 +27,7 @@ mod engine;
 mod file;
 mod host;
 mod interfaces;
+pub mod mapped;
 pub mod metrics;
 mod notify;
 /// The text forms of the RDMA overrides (`FERRY_RDMA_NUMA`, `FERRY_RDMA_DEVICE_RAILS`), parsed, for
@@ -58,7 +59,7 @@ pub use peer::Peer;
 /// The metrics library [`EngineBuilder::metrics`] registers into, re-exported so that an application
 /// uses the same version.
 pub use prometheus_client;
-pub use region::Region;
+pub use region::{GrantHandle, Region};
 pub use transfer::{Transfer, TransferHandle, TransferStatus};
 
 /// The wire protocol, for tools and tests that speak it directly.

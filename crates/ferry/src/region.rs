@@ -168,26 +168,13 @@ impl Region {
     /// that is an IP address: certificates share addresses (every one `ferry certs` makes carries
     /// 127.0.0.1), so an address names nobody.
     pub async fn grant(&self, peer: &str, access: Access) -> Result<()> {
-        ferry_core::Grants::check_name(peer)?;
-        let engine = self.engine()?;
-        let name = peer.to_string();
-        engine
-            .regrant(
-                &self.entry,
-                |g| {
-                    g.named.insert(name, access);
-                },
-                false,
-            )
-            .await
+        self.grant_handle().grant(peer, access).await
     }
 
     /// Lets every authenticated peer reach this region with `access`, as [`grant`](Self::grant) does
     /// for one.
     pub async fn grant_all(&self, access: Access) -> Result<()> {
-        self.engine()?
-            .regrant(&self.entry, |g| g.everyone = access, false)
-            .await
+        self.grant_handle().grant_all(access).await
     }
 
     /// Takes back what [`grant`](Self::grant) gave `peer`. When this returns `Ok`, every link of that
@@ -196,33 +183,26 @@ impl Region {
     /// before has a byte left to move. The wait is bounded by [`REVOKE_LIMIT`](crate::REVOKE_LIMIT):
     /// past it this fails with `Timeout`, the revoke in force for new operations.
     pub async fn revoke(&self, peer: &str) -> Result<()> {
-        self.engine()?
-            .regrant(
-                &self.entry,
-                |g| {
-                    g.named.remove(peer);
-                },
-                true,
-            )
-            .await
+        self.grant_handle().revoke(peer).await
     }
 
     /// Takes back a [`grant_all`](Self::grant_all), as [`revoke`](Self::revoke) does for one peer.
     pub async fn revoke_all(&self) -> Result<()> {
-        self.engine()?
-            .regrant(&self.entry, |g| g.everyone = Access::NONE, true)
-            .await
+        self.grant_handle().revoke_all().await
+    }
+
+    /// A handle that changes this region's grants apart from the `Region` (in a spawned task, or from
+    /// another language's binding): see [`GrantHandle`].
+    pub fn grant_handle(&self) -> GrantHandle {
+        GrantHandle {
+            entry: self.entry.clone(),
+            engine: self.engine.clone(),
+        }
     }
 
     /// What this region grants, by peer.
     pub fn grants(&self) -> ferry_core::Grants {
         self.entry.grants()
-    }
-
-    fn engine(&self) -> Result<Arc<Inner>> {
-        self.engine
-            .upgrade()
-            .ok_or_else(|| Error::InvalidArgument("the engine of this region is gone".into()))
     }
 
     /// Deregisters the region without blocking the runtime's threads: takes it out of the region
@@ -365,6 +345,67 @@ impl Drop for FreedOnlyDrained {
              {STUCK_DROP_HINT}"
         );
         std::mem::forget(self.0.clone());
+    }
+}
+
+/// Changes one region's grants, as [`Region::grant`], [`Region::grant_all`], [`Region::revoke`] and
+/// [`Region::revoke_all`] do (which see), for code that cannot borrow the `Region` across an await.
+/// Cheap to clone; holding one keeps neither the region registered nor its engine alive (both fail
+/// with `InvalidArgument` once gone).
+#[derive(Clone, Debug)]
+pub struct GrantHandle {
+    entry: Arc<RegionEntry>,
+    engine: Weak<Inner>,
+}
+
+impl GrantHandle {
+    fn engine(&self) -> Result<Arc<Inner>> {
+        self.engine
+            .upgrade()
+            .ok_or_else(|| Error::InvalidArgument("the engine of this region is gone".into()))
+    }
+
+    /// See [`Region::grant`].
+    pub async fn grant(&self, peer: &str, access: Access) -> Result<()> {
+        ferry_core::Grants::check_name(peer)?;
+        let engine = self.engine()?;
+        let name = peer.to_string();
+        engine
+            .regrant(
+                &self.entry,
+                |g| {
+                    g.named.insert(name, access);
+                },
+                false,
+            )
+            .await
+    }
+
+    /// See [`Region::grant_all`].
+    pub async fn grant_all(&self, access: Access) -> Result<()> {
+        self.engine()?
+            .regrant(&self.entry, |g| g.everyone = access, false)
+            .await
+    }
+
+    /// See [`Region::revoke`].
+    pub async fn revoke(&self, peer: &str) -> Result<()> {
+        self.engine()?
+            .regrant(
+                &self.entry,
+                |g| {
+                    g.named.remove(peer);
+                },
+                true,
+            )
+            .await
+    }
+
+    /// See [`Region::revoke_all`].
+    pub async fn revoke_all(&self) -> Result<()> {
+        self.engine()?
+            .regrant(&self.entry, |g| g.everyone = Access::NONE, true)
+            .await
     }
 }
 
