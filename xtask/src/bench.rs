@@ -852,7 +852,7 @@ fn target_dir() -> Result<PathBuf> {
 }
 
 /// Builds `ferry-cli` in release mode and returns the path of its `ferry` binary.
-fn build_ferry() -> Result<PathBuf> {
+pub(crate) fn build_ferry() -> Result<PathBuf> {
     run_step(
         cargo().args(["build", "--release", "-p", "ferry-cli", "--features", "vulkan"]),
         Duration::from_secs(45 * 60),

@@ -12,6 +12,7 @@
 
 mod bench;
 mod fuzz;
+mod hostile;
 mod peers;
 mod python;
 mod rig;
@@ -39,6 +40,9 @@ enum Command {
     Rig(rig::Args),
     /// Coverage-guided fuzzing of the frame decoder, the handshake and the protocol state machines.
     Fuzz(fuzz::Args),
+    /// An authenticated `ferry serve` under thousands of silent, garbage and reopened connections: an
+    /// authenticated peer's connect time, its throughput against a run before, the target's memory.
+    Hostile(hostile::Args),
 }
 
 fn main() -> ExitCode {
@@ -56,6 +60,13 @@ fn main() -> ExitCode {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("xtask fuzz: error: {e:#}");
+                ExitCode::FAILURE
+            }
+        },
+        Command::Hostile(args) => match hostile::run(&args) {
+            Ok(code) => code,
+            Err(e) => {
+                eprintln!("xtask hostile: error: {e:#}");
                 ExitCode::FAILURE
             }
         },

@@ -133,6 +133,8 @@ struct CaseResult {
     p99_us: f64,
     transfers: u64,
     peak_rss_bytes: u64,
+    /// How long connecting to the peer took, before the first case (ms).
+    connect_ms: f64,
     registered_bytes: u64,
 }
 
@@ -204,6 +206,8 @@ struct Setup {
     temp_file: Option<std::path::PathBuf>,
     remote_addr: u64,
     remote_len: u64,
+    /// How long `connect` took (the TCP, TLS and ferry handshakes, and data-path setup).
+    connect_ms: f64,
 }
 
 /// The TLS configurations of the initiator and the in-process target, if the run authenticates.
@@ -263,10 +267,12 @@ async fn setup(args: &Args, max_bytes: u64) -> anyhow::Result<Setup> {
             (Some((target, region)), addr)
         }
     };
+    let connecting = std::time::Instant::now();
     let peer = initiator
         .connect(&addr, Duration::from_secs(5))
         .await
         .with_context(|| format!("connecting to {addr}"))?;
+    let connect_ms = connecting.elapsed().as_secs_f64() * 1e3;
     if peer.transport() != want {
         bail!("asked for {want} but the link to {addr} uses {}", peer.transport());
     }
@@ -296,6 +302,7 @@ async fn setup(args: &Args, max_bytes: u64) -> anyhow::Result<Setup> {
         temp_file,
         remote_addr: remote.addr,
         remote_len: remote.len,
+        connect_ms,
     })
 }
 
@@ -568,6 +575,7 @@ async fn run_case(
         p99_us: pct(0.99),
         transfers,
         peak_rss_bytes: peak_rss(),
+        connect_ms: s.connect_ms,
         registered_bytes: registered,
     })
 }
