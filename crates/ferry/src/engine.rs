@@ -633,10 +633,11 @@ impl Engine {
         })
     }
 
-    /// Deregisters a region (HIXL `DeregisterMem`); the same as dropping it, on the calling thread (see
-    /// [`Region`]'s `Drop`). Once this returns, no byte of the region is touched again. Async code
-    /// awaits [`Region::deregister`] instead, which never blocks the runtime.
-    pub fn deregister(&self, region: Region) {
+    /// Deregisters a region (HIXL `DeregisterMem`), blocking the calling thread until no access to it
+    /// is left (at most [`DEREGISTER_LIMIT`]): the same as dropping it (see [`Region`]'s `Drop`). Once
+    /// this returns, no byte of the region is touched again. Async code awaits
+    /// [`Region::deregister`] instead, which never blocks the runtime.
+    pub fn deregister_blocking(&self, region: Region) {
         drop(region);
     }
 

@@ -7,10 +7,10 @@ use ferry_core::{Access, Durability, Error, RegionEntry, RegionKey, Result};
 use crate::engine::{DEREGISTER_LIMIT, Inner, off_the_workers};
 
 /// Memory registered with an engine. [`deregister`](Region::deregister)`.await` removes it without
-/// blocking the runtime; dropping it (or [`Engine::deregister`](crate::Engine::deregister)) removes it
-/// on the dropping thread. Either way peers are told, the region's access guard closes, and once that
-/// returns no byte of it is touched again (within [`DEREGISTER_LIMIT`]; see
-/// there).
+/// blocking the runtime; dropping it (or
+/// [`Engine::deregister_blocking`](crate::Engine::deregister_blocking)) removes it on the dropping
+/// thread, which it blocks. Either way peers are told, the region's access guard closes, and once
+/// that returns no byte of it is touched again (within [`DEREGISTER_LIMIT`]; see there).
 ///
 /// A drop that must wait (for accesses in progress, or for a peer on this host to give back its
 /// mapping of the region) waits on a worker of a multi-threaded tokio runtime under

@@ -420,7 +420,7 @@ async fn deregistering_a_persistent_region_under_writes() {
         .collect();
     let writer = keep_writing(&initiator, &peer, descs, Durability::Persistent, stop.clone());
     tokio::time::sleep(Duration::from_millis(150)).await;
-    target.deregister(region);
+    target.deregister_blocking(region);
     let snapshot = std::fs::read(&path).unwrap();
     // New patterns in the source, so that a write landing after deregister would show in the file.
     for seed in 1..=20u8 {

@@ -29,7 +29,7 @@ async fn regions_registered_after_connect_reach_the_peer() {
 
     // Deregistration reaches the peer too, and the address is refused from then on.
     let addr = late.addr();
-    target.deregister(late);
+    target.deregister_blocking(late);
     let deadline = tokio::time::Instant::now() + T;
     while peer.regions().iter().any(|r| r.addr == addr) {
         assert!(tokio::time::Instant::now() < deadline);
@@ -60,7 +60,7 @@ async fn no_byte_is_touched_after_deregister_returns() {
         .collect();
     let writer = keep_writing(&initiator, &peer, descs, Durability::Completed, stop.clone());
     tokio::time::sleep(Duration::from_millis(100)).await;
-    target.deregister(region);
+    target.deregister_blocking(region);
     let snapshot = backing.clone();
     // Writes keep coming for a while; none may land.
     tokio::time::sleep(Duration::from_millis(300)).await;
