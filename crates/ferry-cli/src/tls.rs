@@ -28,7 +28,8 @@ pub struct TlsArgs {
     /// With --tls-psk-file: the name this engine goes by (what peers grant to).
     #[arg(long, requires = "tls_psk_file")]
     pub tls_name: Option<String>,
-    /// Encrypt every stream of the links this engine dials, not only the control stream (with TLS).
+    /// Encrypt every stream of the links this engine dials, not only the control stream (with TLS);
+    /// a listening engine then also refuses links whose data streams are plain.
     #[arg(long)]
     pub encrypt: bool,
 }

@@ -145,6 +145,8 @@ struct Held {
 pub struct LinkRegistry<L> {
     limits: LinkLimits,
     authenticating: bool,
+    /// Every stream must run its own TLS session, not only the control stream.
+    encrypted_only: bool,
     links: HashMap<LinkToken, Entry<L>>,
     /// Per authenticated identity: what its open links hold (see [`LinkLimits::max_links_per_identity`]).
     held: HashMap<String, Held>,
@@ -156,6 +158,7 @@ impl<L: Clone> LinkRegistry<L> {
         LinkRegistry {
             limits,
             authenticating: false,
+            encrypted_only: false,
             links: HashMap::new(),
             held: HashMap::new(),
         }
@@ -167,6 +170,13 @@ impl<L: Clone> LinkRegistry<L> {
             authenticating: true,
             ..LinkRegistry::new(limits)
         }
+    }
+
+    /// This registry (of an authenticating engine) admits a further stream only if it runs TLS of its
+    /// own: plain data streams, however well they prove their link, are refused.
+    pub fn requiring_encryption(mut self) -> Self {
+        self.encrypted_only = true;
+        self
     }
 
     /// Whether only authenticated links are admitted.
@@ -212,6 +222,12 @@ impl<L: Clone> LinkRegistry<L> {
         if !proven {
             return Err(Error::PermissionDenied(format!(
                 "{index} did not prove it belongs to the authenticated link it names"
+            )));
+        }
+        if self.encrypted_only && session.is_none() {
+            return Err(Error::PermissionDenied(format!(
+                "{index} is not encrypted, and this engine requires every stream to be: dial it with \
+                 TlsConfig::encrypt_data (--encrypt)"
             )));
         }
         if hello.stream_index >= entry.stream_count {
@@ -432,6 +448,36 @@ mod tests {
         }
         open(&mut reg, 7, 4, "flood").unwrap();
         open(&mut reg, 8, 6, "flood").unwrap();
+    }
+
+    #[test]
+    fn an_engine_that_requires_encryption_refuses_plain_streams() {
+        let me = Identity {
+            engine_id: 1,
+            host_id: 1,
+            transports: vec![TransportKind::Tcp],
+        };
+        let key = JoinKey::from_exported(&[5; 32]);
+        let proven = Proven {
+            join_key: key.clone(),
+            identity: "p".into(),
+        };
+        let mut reg = LinkRegistry::authenticating(LinkLimits::default()).requiring_encryption();
+        let h0 = me.hello(LinkToken(3), StreamIndex(0), 3, Some(&key));
+        assert!(matches!(reg.admit(&h0, Some(&proven)), Ok(Admission::Open)));
+        reg.open(&h0, "link", Some(&proven)).unwrap();
+        // A plain stream with a good proof: refused, and its index stays free.
+        let plain = me.hello(LinkToken(3), StreamIndex(1), 3, Some(&key));
+        assert!(matches!(reg.admit(&plain, None), Err(Error::PermissionDenied(m)) if m.contains("encrypt")));
+        // The same join over TLS of its own: admitted.
+        let stream_session = Proven {
+            join_key: JoinKey::from_exported(&[8; 32]),
+            identity: "p".into(),
+        };
+        assert!(matches!(
+            reg.admit(&plain, Some(&stream_session)),
+            Ok(Admission::Join("link"))
+        ));
     }
 
     #[test]

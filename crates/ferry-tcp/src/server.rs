@@ -177,7 +177,8 @@ impl TcpServer {
         let local_addr = listener
             .local_addr()
             .map_err(|e| Error::io("reading the bound address", e))?;
-        let links = match config.tls {
+        let links = match &config.tls {
+            Some(tls) if tls.encrypts_data() => LinkRegistry::authenticating(config.link_limits).requiring_encryption(),
             Some(_) => LinkRegistry::authenticating(config.link_limits),
             None => LinkRegistry::new(config.link_limits),
         };

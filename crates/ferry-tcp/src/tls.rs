@@ -271,7 +271,8 @@ impl TlsConfig {
 
     /// Encrypts every stream of the links this engine dials, not only the control stream (bulk data
     /// then pays for AES-GCM, and moves through a buffer instead of straight between socket and
-    /// region).
+    /// region); and, on a listening engine, requires it of the links it accepts: a plain data stream
+    /// is refused, however well it proves its link.
     pub fn encrypt_data(mut self, on: bool) -> TlsConfig {
         self.encrypt_data = on;
         self

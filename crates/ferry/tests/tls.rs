@@ -490,6 +490,52 @@ async fn regions_are_private_until_granted_and_grants_are_per_peer() {
     ));
 }
 
+/// A target configured to encrypt (`TlsConfig::encrypt_data`) requires it of the links it accepts: an
+/// initiator whose data streams are plain is refused, whatever they prove, and one that encrypts gets
+/// in and moves bytes. Over TCP only: a same-host path would carry no TCP data stream to refuse.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_target_that_requires_encryption_refuses_plain_data_streams() {
+    let ca = Ca::new("ferry test CA");
+    let tcp = [ferry::TransportKind::Tcp];
+    let target = Engine::builder()
+        .listen("127.0.0.1:0")
+        .transports(tcp)
+        .tls(ca.config("target").encrypt_data(true))
+        .build()
+        .await
+        .unwrap();
+    let addr = target.local_addr().unwrap().to_string();
+    let dst = target.alloc_host(64 << 10, Access::READ_WRITE).unwrap();
+    dst.grant_all(Access::READ_WRITE).await.unwrap();
+    let plain = Engine::builder()
+        .transports(tcp)
+        .streams(2)
+        .tls(ca.config("plain"))
+        .build()
+        .await
+        .unwrap();
+    let err = plain.connect(&addr, T).await.unwrap_err();
+    assert!(
+        matches!(&err, Error::PermissionDenied(m) if m.contains("encrypt")),
+        "{err:?}"
+    );
+    let encrypting = Engine::builder()
+        .transports(tcp)
+        .streams(2)
+        .tls(ca.config("sealed").encrypt_data(true))
+        .build()
+        .await
+        .unwrap();
+    let peer = encrypting.connect(&addr, T).await.unwrap();
+    let src = encrypting.register(pattern(64 << 10, 4), Access::READ_WRITE).unwrap();
+    let remote = dst.addr_for("sealed");
+    encrypting
+        .transfer(&peer, Op::Write, &[TransferDesc::new(src.addr(), remote, 64 << 10)], T)
+        .await
+        .unwrap();
+    assert_eq!(dst.to_vec().unwrap(), pattern(64 << 10, 4));
+}
+
 /// Every certificate here carries 127.0.0.1 (as every one `ferry certs` makes does): a grant to it
 /// would reach every peer, so it is refused, and the peers are granted nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
