@@ -387,12 +387,6 @@ async fn local_descriptor_outside_any_region() {
     assert_eq!(dst.to_vec().unwrap(), vec![0u8; 4096]);
 }
 
-fn rss_kib() -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
-    line.split_whitespace().nth(1).unwrap().parse().unwrap()
-}
-
 /// A 1 MiB `ReadBatch` naming one 16 KiB range 43,690 times asks for 683 MiB of reply: the target
 /// streams it from the region (the process grows by far less than the reply), and the link serves
 /// the next request after it.

@@ -98,6 +98,28 @@ pub fn rw() -> Access {
     Access::READ_WRITE
 }
 
+/// This process's resident memory, KiB.
+pub fn rss_kib() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
+    line.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+/// Raises this process's limit of open descriptors to `want` (or as far as the hard limit allows).
+pub fn raise_fd_limit(want: u64) {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit read and write the plain struct passed by pointer.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 && lim.rlim_cur < want {
+            lim.rlim_cur = want.min(lim.rlim_max);
+            libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+        }
+    }
+}
+
 /// A hand-driven protocol client, for sending what a well-behaved engine never would.
 pub mod raw {
     use bytes::BytesMut;

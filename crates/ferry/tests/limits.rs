@@ -277,20 +277,6 @@ async fn invalid_options_are_refused() {
     ));
 }
 
-fn raise_fd_limit(want: u64) {
-    // SAFETY: getrlimit/setrlimit on a valid, stack-owned struct.
-    unsafe {
-        let mut lim = libc::rlimit {
-            rlim_cur: 0,
-            rlim_max: 0,
-        };
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 && lim.rlim_cur < want {
-            lim.rlim_cur = want.min(lim.rlim_max);
-            libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
-        }
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restricting_to_an_unavailable_transport_is_unsupported() {
     // This test binary is built without the `rdma` feature (or runs on a host without a device).
