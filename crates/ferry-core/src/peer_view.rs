@@ -29,6 +29,7 @@ use std::sync::Arc;
 use ring::hmac;
 
 use crate::error::{Error, Result};
+use crate::grants::AccessEpochs;
 use crate::region::{RegionEntry, RegionTable};
 use crate::types::{Access, PeerIdentity, RegionAd, RegionKey, TransportKind};
 
@@ -109,6 +110,9 @@ pub struct PeerView {
     identity: Option<PeerIdentity>,
     names: Option<(Arc<PeerNames>, u64)>,
     scopes: Vec<Arc<dyn PeerScope>>,
+    /// This link's remote operations in progress, for a revoke that concerns its peer to wait out
+    /// (see [`crate::grants`]): only those, not every peer's.
+    accesses: Arc<AccessEpochs>,
 }
 
 impl std::fmt::Debug for PeerView {
@@ -129,6 +133,7 @@ impl PeerView {
             identity: None,
             names: None,
             scopes: Vec::new(),
+            accesses: Arc::default(),
         }
     }
 
@@ -140,7 +145,14 @@ impl PeerView {
             identity: Some(identity),
             names: Some((names, mask)),
             scopes,
+            accesses: Arc::default(),
         }
+    }
+
+    /// The link's remote operations in progress: each one counts itself from before its grant check
+    /// until it is answered (`accesses().begin()`), and a revoke that concerns this peer waits them out.
+    pub fn accesses(&self) -> &Arc<AccessEpochs> {
+        &self.accesses
     }
 
     /// Who the peer proved to be; `None` on an open engine.

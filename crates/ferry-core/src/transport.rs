@@ -18,7 +18,6 @@ use crate::sync::shim::{AtomicUsize, Ordering};
 use futures::future::BoxFuture;
 
 use crate::error::{Error, Result};
-use crate::grants::AccessEpochs;
 use crate::peer_view::{PeerNames, PeerScope, PeerView};
 use crate::region::{RegionEntry, RegionTable, Resolved};
 use crate::types::{Access, Durability, Notification, Op, PeerIdentity, PersistMethod, RegionKey, TransportKind};
@@ -402,8 +401,6 @@ pub struct EngineContext {
     pub transports: Vec<TransportKind>,
     /// The transports themselves, for answering a peer's setup of a data link.
     pub acceptors: Vec<Arc<dyn Transport>>,
-    /// Remote operations in progress, for revokes to wait out (see [`crate::grants`]).
-    pub accesses: Arc<AccessEpochs>,
     /// The secret authenticated peers' names for regions are derived from (see [`crate::peer_view`]).
     pub peer_names: Arc<PeerNames>,
     /// What this engine served to peers over the control link's streams (see [`Served`]).

@@ -188,6 +188,8 @@ impl Responder {
     /// access, a persistent region for a persistent commit), copied in from the bounce buffer where
     /// the NIC reaches a region through one, then persisted if asked.
     fn commit(&self, segments: &[Segment], durability: Durability) -> ferry_core::Result<()> {
+        // Counted from before the grant checks until the work ends, for revokes to wait out.
+        let _in_progress = self.peer.accesses().begin();
         let gone = || ferry_core::Error::PeerClosed("the engine is shutting down".into());
         let context = self.context.upgrade().ok_or_else(gone)?;
         let shared = self.shared.upgrade().ok_or_else(gone)?;
@@ -213,6 +215,8 @@ impl Responder {
     /// Prepares ranges that READs after the request will read (device memory behind a staging buffer
     /// copies them in from the device).
     fn prepare(&self, segments: &[Segment]) -> ferry_core::Result<()> {
+        // Counted from before the grant checks until the work ends, for revokes to wait out.
+        let _in_progress = self.peer.accesses().begin();
         let context = self
             .context
             .upgrade()

@@ -203,7 +203,6 @@ async fn the_nic_refuses_what_a_peer_was_not_granted() {
         outgoing: Arc::new(LinkSlots::new(8)),
         transports: vec![TransportKind::Rdma],
         acceptors: vec![target.clone() as Arc<dyn Transport>],
-        accesses: Default::default(),
         peer_names: Arc::new(PeerNames::random().unwrap()),
         served: Default::default(),
     });

@@ -487,7 +487,7 @@ fn serve(mut stream: UnixStream, served: &Served) -> Result<()> {
 /// request with a range that does not resolve.
 fn apply(ctx: &EngineContext, served: &Served, op: Op, durability: Durability, items: &[Item]) -> Result<()> {
     // Counted from before the grant checks until the copies end, for revokes to wait out.
-    let _in_progress = ctx.accesses.begin();
+    let _in_progress = served.peer.accesses().begin();
     let mut parts: Vec<(Resolved, OwnedPermit)> = Vec::with_capacity(items.len());
     for i in items {
         let r = match op {

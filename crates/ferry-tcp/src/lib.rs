@@ -24,7 +24,7 @@ pub use coalesce::{CoalesceBuf, CoalescePool};
 pub use ferry_proto::{AdmissionLimits, LinkLimits};
 pub use io::DEFAULT_SEND_TIMEOUT;
 pub use link::{LinkConfig, LocalIdentity, TcpLink};
-pub use server::{AdvertsSent, MAX_STREAMS_PER_LINK, ServerConfig, TcpServer};
+pub use server::{AdvertsSent, MAX_STREAMS_PER_LINK, NarrowedLink, ServerConfig, TcpServer};
 pub use tls::{DevelopmentCa, IssuedPem, PSK_SERVER_NAME, TlsConfig};
 
 use ferry_core::{Availability, Transport, TransportKind};

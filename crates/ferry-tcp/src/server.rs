@@ -131,6 +131,30 @@ impl AcceptedLink {
     }
 }
 
+/// An accepted link whose peer lost some access to a region (see [`TcpServer::narrowed_links`]).
+pub struct NarrowedLink {
+    link: Arc<AcceptedLink>,
+    shared: Arc<Shared>,
+}
+
+impl NarrowedLink {
+    /// The link's remote operations in progress.
+    pub fn accesses(&self) -> &Arc<ferry_core::AccessEpochs> {
+        self.link.view.accesses()
+    }
+
+    /// Closes the link: its streams' tasks are aborted (an operation in the middle of its payload
+    /// moves no further byte) and its other data paths dropped.
+    pub fn close(&self) {
+        tracing::warn!(
+            link = self.link.id,
+            peer = self.link.identity().map_or("", |i| i.name.as_str()),
+            "closing a link whose operations under a revoked grant did not end in time"
+        );
+        close_link(&self.shared, &self.link);
+    }
+}
+
 /// Region updates queued on some links, until their control streams have sent them.
 pub struct AdvertsSent(Vec<(watch::Receiver<u64>, u64)>);
 
@@ -223,16 +247,17 @@ impl TcpServer {
         }
     }
 
-    /// Tells the links of the peers whose grants on `key` may have changed what they may now do there
-    /// (the region, with their access; or its removal). Returns a wait that ends once every one of
-    /// them has sent it.
-    pub fn regranted(&self, key: RegionKey) -> AdvertsSent {
+    /// Tells the links of the peers whose access to `key` changed from what `before` (the region's
+    /// grants before the change) gave them what they may now do there (the region, with their access;
+    /// or its removal). Returns a wait that ends once every one of them has sent it (or closed).
+    pub fn regranted(&self, key: RegionKey, before: &ferry_core::Grants) -> AdvertsSent {
         let Some(entry) = self.shared.ctx.regions.read().ok().and_then(|t| t.get(key).cloned()) else {
             return AdvertsSent(Vec::new());
         };
         let mut waits = Vec::new();
         for link in self.links() {
-            if link.identity().is_none() {
+            let Some(who) = link.identity() else { continue };
+            if entry.access().intersection(before.for_identity(who)) == entry.access_for(Some(who)) {
                 continue;
             }
             let change = link.change_for(&entry);
@@ -240,6 +265,25 @@ impl TcpServer {
             waits.push((link.adverts_sent.subscribe(), pushed));
         }
         AdvertsSent(waits)
+    }
+
+    /// The accepted links whose peer may now do less in `region` than `before` (its grants before a
+    /// change) let it: what a revoke waits for, and closes if what runs under the old grant does not
+    /// end by itself.
+    pub fn narrowed_links(&self, region: &RegionEntry, before: &ferry_core::Grants) -> Vec<NarrowedLink> {
+        self.links()
+            .into_iter()
+            .filter(|link| {
+                link.identity().is_some_and(|who| {
+                    let was = region.access().intersection(before.for_identity(who));
+                    !region.access_for(Some(who)).contains(was)
+                })
+            })
+            .map(|link| NarrowedLink {
+                link,
+                shared: self.shared.clone(),
+            })
+            .collect()
     }
 
     fn links(&self) -> Vec<Arc<AcceptedLink>> {
@@ -272,6 +316,8 @@ fn close_link(shared: &Shared, link: &AcceptedLink) {
             s.abort();
         }
     }
+    // Region updates still queued go nowhere now: whoever waits for them to be sent stops waiting.
+    link.adverts_sent.send_replace(u64::MAX);
     if let Ok(mut paths) = link.data_paths.lock() {
         for p in paths.drain(..) {
             tracing::debug!(link = link.id, transport = %p.kind(), "data path closed with its link");
@@ -605,7 +651,7 @@ async fn serve_requests(
         };
         let Some(decoded) = next else { return Ok(()) };
         // Counted from before its grant check until it is answered, for revokes to wait out.
-        let _in_progress = ctx.accesses.begin();
+        let _in_progress = link.view.accesses().begin();
         let who = &*link.view;
         let answer = match stream.request(decoded)? {
             Request::Write {

@@ -429,7 +429,6 @@ impl EngineBuilder {
             outgoing: Arc::new(LinkSlots::new(self.max_links)),
             transports: transports.iter().map(|t| t.kind()).collect(),
             acceptors: transports.clone(),
-            accesses: Default::default(),
             peer_names: Arc::new(PeerNames::random()?),
             served: Default::default(),
         });
@@ -1163,6 +1162,11 @@ pub(crate) fn off_the_workers<R>(wait: impl FnOnce() -> R) -> R {
 /// removal and for the operations that passed the old grant to end.
 pub const REVOKE_LIMIT: Duration = Duration::from_secs(5);
 
+/// How long a revoke lets an operation that passed the old grant end by itself before it closes the
+/// link that carries it (a peer that sends a write's payload slowly would otherwise keep landing
+/// bytes after the revoke).
+pub const REVOKE_GRACE: Duration = Duration::from_secs(1);
+
 impl Inner {
     /// The engine's state, for a metrics scrape.
     pub(crate) fn state(&self) -> crate::metrics::EngineState {
@@ -1199,9 +1203,12 @@ impl Inner {
         self.options.tls.is_some()
     }
 
-    /// Changes `entry`'s grants and tells the peers whose view of it changed; a revoke (`waits`)
-    /// then waits, at most [`REVOKE_LIMIT`], until their links sent the change and every remote
-    /// operation that started before it ended.
+    /// Changes `entry`'s grants and tells the peers whose view of it changed. A revoke (`waits`), or a
+    /// grant that narrows, then waits, at most [`REVOKE_LIMIT`], until those peers' links sent the
+    /// change, the operations they began before it ended, and same-host peers gave back their
+    /// mappings. Only the links whose peer lost access count: a revoke waits for nobody else's
+    /// operations. An operation under the old grant that has not ended after [`REVOKE_GRACE`] has its
+    /// link closed, so that no byte of it lands after the revoke returns.
     pub(crate) async fn regrant(
         &self,
         entry: &RegionEntry,
@@ -1217,39 +1224,60 @@ impl Inner {
         }
         // Changes are made one at a time, so that whether one narrows is judged against the last.
         let _one_at_a_time = self.revoking.lock().await;
+        let mut before = ferry_core::Grants::default();
         let mut narrows = false;
         entry.update_grants(|grants| {
-            let before = grants.clone();
+            before = grants.clone();
             change(grants);
             narrows = before.narrowed_by(grants);
         })?;
         if !waits && !narrows {
             if let Some(server) = &self.server {
-                server.regranted(entry.key());
+                server.regranted(entry.key(), &before);
             }
             return Ok(());
         }
-        let epoch = self
-            .ctx
-            .accesses
-            .advance()
-            .ok_or_else(|| Error::Internal("two revokes advanced the access epoch at once".into()))?;
-        let sent = self.server.as_ref().map(|s| s.regranted(entry.key()));
+        let narrowed = self
+            .server
+            .as_ref()
+            .map(|s| s.narrowed_links(entry, &before))
+            .unwrap_or_default();
+        let epochs = narrowed
+            .iter()
+            .map(|link| {
+                link.accesses()
+                    .advance()
+                    .ok_or_else(|| Error::Internal("two revokes advanced a link's access epoch at once".into()))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let sent = self.server.as_ref().map(|s| s.regranted(entry.key(), &before));
         let lent_back = futures::future::join_all(self.transports.iter().map(|t| t.access_changed(entry.key())));
         let settled = async {
+            // First what runs under the old grant (a link busy with it could not send the change
+            // before it ends), then the change sent, then mappings given back.
+            let grace = tokio::time::Instant::now() + REVOKE_GRACE;
+            let mut closed = vec![false; narrowed.len()];
+            while !epochs.iter().all(|e| e.settled()) {
+                if tokio::time::Instant::now() >= grace {
+                    for (i, link) in narrowed.iter().enumerate() {
+                        if !closed[i] && !epochs[i].settled() {
+                            link.close();
+                            closed[i] = true;
+                        }
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
             if let Some(sent) = sent {
                 sent.wait().await;
-            }
-            while !epoch.settled() {
-                tokio::time::sleep(Duration::from_millis(1)).await;
             }
             lent_back.await;
         };
         tokio::time::timeout(REVOKE_LIMIT, settled).await.map_err(|_| {
             Error::Timeout(format!(
                 "region {:?}: the revoke holds for every new operation, but after {REVOKE_LIMIT:?} a peer's link \
-                 had not yet sent the change, an operation begun before it had not ended, or a peer of this \
-                 host had not given back its mapping of the region",
+                 had not yet sent the change, an operation begun before it had not ended though its link was \
+                 closed, or a peer of this host had not given back its mapping of the region",
                 entry.key()
             ))
         })

@@ -45,7 +45,7 @@ pub use capabilities::{Capabilities, RdmaRail, TransportInfo, TransportOptions, 
 pub use directory::{Directory, EngineRecord, MemberEvent};
 pub use engine::{
     DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_INFLIGHT_BYTES, DEFAULT_MAX_NOTIFICATION_BYTES, DEFAULT_STREAMS,
-    DEREGISTER_LIMIT, Engine, EngineBuilder, PreparedTransfer, REVOKE_LIMIT,
+    DEREGISTER_LIMIT, Engine, EngineBuilder, PreparedTransfer, REVOKE_GRACE, REVOKE_LIMIT,
 };
 pub use ferry_core::{
     Access, BufferPool, DmaView, Durability, Error, ErrorCode, Grants, MemoryBlock, MemoryRegistry, Notification, Op,

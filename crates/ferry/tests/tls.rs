@@ -664,6 +664,85 @@ async fn a_revoke_waits_for_a_write_already_under_way() {
     assert!(dst.to_vec().unwrap().iter().all(|b| *b == 0));
 }
 
+/// A write that passed its grant check and then stalls mid-payload does not hold a revoke past its
+/// grace: the revoke closes the writer's link and returns `Ok`, and the rest of the payload, sent
+/// afterwards, lands nowhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revoke_closes_the_link_of_a_write_that_does_not_end() {
+    let ca = Ca::new("ferry test CA");
+    let (target, addr) = tls_target(&ca, "target").await;
+    let dst = Arc::new(target.alloc_host(64 << 10, Access::READ_WRITE).unwrap());
+    dst.grant("writer", Access::READ_WRITE).await.unwrap();
+    let mut raw = raw_link(&ca, "writer", addr).await;
+    let mut out = bytes::BytesMut::new();
+    let write = Frame::Write {
+        id: 1,
+        key: dst.key_for("writer"),
+        offset: 0,
+        durability: ferry::Durability::Completed,
+    };
+    ferry::codec::encode(&write, 64 << 10, &mut out).unwrap();
+    out.extend_from_slice(&[0xaa; 32 << 10]);
+    raw.write_all(&out).await.unwrap();
+    raw.flush().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+
+    tokio::time::timeout(T, dst.revoke("writer"))
+        .await
+        .expect("the revoke hung")
+        .expect("the revoke failed though the writer's link could be closed");
+    let after = dst.to_vec().unwrap();
+    // The rest of the payload, sent after the revoke returned: the link is gone, nothing lands.
+    let _ = raw.write_all(&[0xbb; 32 << 10]).await;
+    let _ = raw.flush().await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        dst.to_vec().unwrap() == after,
+        "a byte landed after the revoke returned"
+    );
+    assert!(after[32 << 10..].iter().all(|b| *b == 0), "the second half landed");
+    assert_eq!(target.link_count(), 0, "the writer's link was closed");
+}
+
+/// A revoke waits only for the peers it concerns: with another peer's write stalled mid-payload, a
+/// revoke for an identity that has no link returns at once, and the stalled writer keeps its link.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revoke_waits_for_nobody_but_the_peer_it_concerns() {
+    let ca = Ca::new("ferry test CA");
+    let (target, addr) = tls_target(&ca, "target").await;
+    let busy = target.alloc_host(64 << 10, Access::READ_WRITE).unwrap();
+    busy.grant("writer", Access::READ_WRITE).await.unwrap();
+    let other = target.alloc_host(4096, Access::READ_WRITE).unwrap();
+    other.grant("nobody", Access::READ_WRITE).await.unwrap();
+    let mut raw = raw_link(&ca, "writer", addr).await;
+    let mut out = bytes::BytesMut::new();
+    let write = Frame::Write {
+        id: 1,
+        key: busy.key_for("writer"),
+        offset: 0,
+        durability: ferry::Durability::Completed,
+    };
+    ferry::codec::encode(&write, 64 << 10, &mut out).unwrap();
+    out.extend_from_slice(&[0xaa; 32 << 10]);
+    raw.write_all(&out).await.unwrap();
+    raw.flush().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+
+    // Well within the grace a concerned link would get: nothing is waited for.
+    tokio::time::timeout(Duration::from_millis(500), other.revoke("nobody"))
+        .await
+        .expect("a revoke for a peer without a link waited for another peer's write")
+        .unwrap();
+    assert_eq!(target.link_count(), 1, "the writer's link was left alone");
+    // The stalled write still completes.
+    raw.write_all(&[0xbb; 32 << 10]).await.unwrap();
+    raw.flush().await.unwrap();
+    let answer = exchange(&mut raw, &Frame::Ping { nonce: 5 }, &[]).await;
+    assert!(matches!(answer, Frame::Ack { id: 1, error: None }), "{answer:?}");
+    let got = busy.to_vec().unwrap();
+    assert!(got[..32 << 10].iter().all(|b| *b == 0xaa) && got[32 << 10..].iter().all(|b| *b == 0xbb));
+}
+
 /// Pre-shared-key mode: engines with the same key admit each other (and know each other's names);
 /// an engine with another key, or none, gets nothing; a short key is refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
