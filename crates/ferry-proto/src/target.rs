@@ -138,7 +138,10 @@ impl TargetStream {
                 segments: vec![Segment { key, offset, len }],
             },
             Frame::ReadBatch { id, segments } => Request::Read { id: OpId(id), segments },
-            Frame::Notify { id, name, msg } => Request::Notify {
+            // Notifications are the control stream's alone (initiators send them nowhere else): on an
+            // authenticated link the data streams are not integrity-protected, and a notification is
+            // reported as sent by the link's proven identity.
+            Frame::Notify { id, name, msg } if self.is_control() => Request::Notify {
                 id: OpId(id),
                 notification: Notification { name, msg },
             },
@@ -188,7 +191,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn setups_only_on_the_control_stream_and_no_answers_accepted() {
+    fn setups_and_notifications_only_on_the_control_stream_and_no_answers_accepted() {
         let setup = || Decoded {
             frame: Frame::TransportSetup {
                 id: 1,
@@ -201,6 +204,16 @@ mod tests {
         let other = TargetStream::new(StreamIndex(1), "p".into());
         assert!(matches!(control.request(setup()), Ok(Request::Setup { .. })));
         assert!(matches!(other.request(setup()), Err(Error::Protocol(_))));
+        let notify = || Decoded {
+            frame: Frame::Notify {
+                id: 2,
+                name: "kv".into(),
+                msg: "ready".into(),
+            },
+            payload_len: 0,
+        };
+        assert!(matches!(control.request(notify()), Ok(Request::Notify { .. })));
+        assert!(matches!(other.request(notify()), Err(Error::Protocol(_))));
         for frame in [
             Frame::Ack { id: 1, error: None },
             Frame::ReadData { id: 1 },

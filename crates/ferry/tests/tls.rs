@@ -295,7 +295,7 @@ async fn exchange(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_joins_only_with_the_sessions_proof() {
     let ca = Ca::new("ferry test CA");
-    let (_target, addr) = tls_target(&ca, "target").await;
+    let (target, addr) = tls_target(&ca, "target").await;
     let (mut tls, key) = raw_tls(&ca, "raw-client", addr).await;
     let token = 0x5eed_0000_0000_0001u64;
     let hello = |index: u16, join_proof: [u8; 32]| {
@@ -341,6 +341,32 @@ async fn a_stream_joins_only_with_the_sessions_proof() {
     // The same proof again: that index joined already.
     let replayed = join(hello(1, key.proof(LinkToken(token), StreamIndex(1)))).await;
     assert!(replayed.refusal.is_some());
+
+    // A joined data stream is plain TCP: a notification on it, which would be reported as sent by
+    // the link's proven identity, ends that stream and is not delivered. On the control stream, it is.
+    let mut data = RawClient::connect(addr).await;
+    data.send(&hello(2, key.proof(LinkToken(token), StreamIndex(2))), &[])
+        .await;
+    assert!(matches!(data.recv().await.map(|d| d.frame), Some(Frame::HelloAck(a)) if a.refusal.is_none()));
+    let notify = |id| Frame::Notify {
+        id,
+        name: "kv".into(),
+        msg: "forged".into(),
+    };
+    data.send(&notify(1), &[]).await;
+    assert!(data.recv().await.is_none(), "the data stream was not closed");
+    assert!(
+        target.take_notifications().is_empty(),
+        "a data stream's notification was delivered"
+    );
+    let answer = exchange(&mut tls, &notify(2), &[]).await;
+    assert!(matches!(answer, Frame::Ack { id: 2, error: None }), "{answer:?}");
+    let taken = target.take_notifications();
+    assert_eq!(taken.len(), 1);
+    assert_eq!(
+        taken[0].from_identity.as_ref().map(|i| i.name.as_str()),
+        Some("raw-client")
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
