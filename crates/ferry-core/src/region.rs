@@ -59,6 +59,12 @@ impl RegionEntry {
         })
     }
 
+    /// What the authenticated peer `who` could do here under `grants` (the region's grants at some
+    /// other time, such as before a change): its access then, to compare with [`access_for`](Self::access_for).
+    pub fn access_under(&self, grants: &Grants, who: &PeerIdentity) -> Access {
+        self.access.intersection(grants.for_identity(who))
+    }
+
     /// What a peer may do here: `who` is its identity on an authenticated link, `None` on an engine
     /// open to anyone (which grants every peer the region's access).
     pub fn access_for(&self, who: Option<&PeerIdentity>) -> Access {

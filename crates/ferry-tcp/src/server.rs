@@ -257,7 +257,7 @@ impl TcpServer {
         let mut waits = Vec::new();
         for link in self.links() {
             let Some(who) = link.identity() else { continue };
-            if entry.access().intersection(before.for_identity(who)) == entry.access_for(Some(who)) {
+            if entry.access_under(before, who) == entry.access_for(Some(who)) {
                 continue;
             }
             let change = link.change_for(&entry);
@@ -274,10 +274,8 @@ impl TcpServer {
         self.links()
             .into_iter()
             .filter(|link| {
-                link.identity().is_some_and(|who| {
-                    let was = region.access().intersection(before.for_identity(who));
-                    !region.access_for(Some(who)).contains(was)
-                })
+                link.identity()
+                    .is_some_and(|who| !region.access_for(Some(who)).contains(region.access_under(before, who)))
             })
             .map(|link| NarrowedLink {
                 link,
@@ -392,7 +390,8 @@ fn identity(ctx: &EngineContext) -> Identity {
 /// up when it is dropped.
 struct Place {
     shared: Arc<Shared>,
-    ticket: Ticket,
+    /// `None` once given up.
+    ticket: Option<Ticket>,
 }
 
 impl Place {
@@ -407,7 +406,7 @@ impl Place {
                 }
                 Some(Place {
                     shared: shared.clone(),
-                    ticket,
+                    ticket: Some(ticket),
                 })
             }
             Arrival::Refused => None,
@@ -415,26 +414,26 @@ impl Place {
     }
 
     fn progress(&self, stage: Stage) {
-        if let Ok(mut table) = self.shared.admission.lock() {
-            table.progress(self.ticket, stage);
+        if let (Some(ticket), Ok(mut table)) = (self.ticket, self.shared.admission.lock()) {
+            table.progress(ticket, stage);
         }
     }
 
     /// Gives the place up before admission; false if it had been taken away (the connection was
     /// evicted, and is about to be closed).
-    fn leave(self) -> bool {
-        self.shared
-            .admission
-            .lock()
-            .is_ok_and(|mut table| table.leave(self.ticket))
+    fn leave(mut self) -> bool {
+        self.give_up()
+    }
+
+    fn give_up(&mut self) -> bool {
+        let Some(ticket) = self.ticket.take() else { return false };
+        self.shared.admission.lock().is_ok_and(|mut table| table.leave(ticket))
     }
 }
 
 impl Drop for Place {
     fn drop(&mut self) {
-        if let Ok(mut table) = self.shared.admission.lock() {
-            table.leave(self.ticket);
-        }
+        self.give_up();
     }
 }
 

@@ -9,44 +9,32 @@ use std::time::Duration;
 
 use common::{T, pattern, raw::RawClient};
 use ferry::codec::{Frame, Hello};
-use ferry::{Access, Engine, Error, ErrorCode, Notification, Op, TlsConfig, TransferDesc};
+use ferry::{Access, DevelopmentCa, Engine, Error, ErrorCode, Notification, Op, TlsConfig, TransferDesc};
 use ferry_proto::auth::JOIN_EXPORTER_LABEL;
 use ferry_proto::{JoinKey, LinkToken, StreamIndex};
-use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-/// A certificate authority for one test.
-struct Ca {
-    issuer: CertifiedIssuer<'static, KeyPair>,
-}
+/// A certificate authority for one test: the library's development CA, with the tests' unwraps.
+struct Ca(DevelopmentCa);
 
 impl Ca {
     fn new(name: &str) -> Ca {
-        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
-        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        params.distinguished_name.push(DnType::CommonName, name);
-        Ca {
-            issuer: CertifiedIssuer::self_signed(params, KeyPair::generate().unwrap()).unwrap(),
-        }
+        Ca(DevelopmentCa::new(name).unwrap())
     }
 
-    /// PEM certificate and key for `name`, valid for that DNS name and 127.0.0.1.
+    /// PEM certificate and key for `name`, valid for that name and 127.0.0.1.
     fn issue(&self, name: &str) -> (String, String) {
-        let mut params = CertificateParams::new(vec![name.to_string(), "127.0.0.1".to_string()]).unwrap();
-        params.distinguished_name.push(DnType::CommonName, name);
-        let key = KeyPair::generate().unwrap();
-        let cert = params.signed_by(&key, &self.issuer).unwrap();
-        (cert.pem(), key.serialize_pem())
+        let issued = self.0.issue(name, &[]).unwrap();
+        (issued.cert, issued.key)
     }
 
     fn pem(&self) -> String {
-        self.issuer.pem()
+        self.0.cert_pem()
     }
 
     /// A TLS configuration for an engine named `name`, trusting this CA.
     fn config(&self, name: &str) -> TlsConfig {
-        let (cert, key) = self.issue(name);
-        TlsConfig::from_pem(cert.as_bytes(), key.as_bytes(), self.pem().as_bytes()).unwrap()
+        self.0.config(name).unwrap()
     }
 }
 
@@ -261,6 +249,23 @@ fn assert_names_no_real_key(answer: &Frame, asked: &Frame, real: &[ferry::Region
             e.message
         );
     }
+}
+
+/// Starts a 64 KiB write (operation 1) at the start of the region the raw link knows as `key`: its
+/// header and the first half of its payload (bytes 0xaa), the rest left for later.
+async fn start_half_write(raw: &mut tokio_rustls::client::TlsStream<tokio::net::TcpStream>, key: ferry::RegionKey) {
+    let mut out = bytes::BytesMut::new();
+    let write = Frame::Write {
+        id: 1,
+        key,
+        offset: 0,
+        durability: ferry::Durability::Completed,
+    };
+    ferry::codec::encode(&write, 64 << 10, &mut out).unwrap();
+    out.extend_from_slice(&[0xaa; 32 << 10]);
+    raw.write_all(&out).await.unwrap();
+    raw.flush().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
 }
 
 /// Sends `frame` (and `payload`) on a raw TLS stream and returns the next frame that comes back (its
@@ -633,19 +638,7 @@ async fn a_revoke_waits_for_a_write_already_under_way() {
     let dst = Arc::new(target.alloc_host(64 << 10, Access::READ_WRITE).unwrap());
     dst.grant("writer", Access::READ_WRITE).await.unwrap();
     let mut raw = raw_link(&ca, "writer", addr).await;
-    // The write's header and the first half of its payload; the rest comes later.
-    let mut out = bytes::BytesMut::new();
-    let write = Frame::Write {
-        id: 1,
-        key: dst.key_for("writer"),
-        offset: 0,
-        durability: ferry::Durability::Completed,
-    };
-    ferry::codec::encode(&write, 64 << 10, &mut out).unwrap();
-    out.extend_from_slice(&[0xaa; 32 << 10]);
-    raw.write_all(&out).await.unwrap();
-    raw.flush().await.unwrap();
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    start_half_write(&mut raw, dst.key_for("writer")).await;
 
     let revoking = {
         let dst = dst.clone();
@@ -700,18 +693,7 @@ async fn a_revoke_closes_the_link_of_a_write_that_does_not_end() {
     let dst = Arc::new(target.alloc_host(64 << 10, Access::READ_WRITE).unwrap());
     dst.grant("writer", Access::READ_WRITE).await.unwrap();
     let mut raw = raw_link(&ca, "writer", addr).await;
-    let mut out = bytes::BytesMut::new();
-    let write = Frame::Write {
-        id: 1,
-        key: dst.key_for("writer"),
-        offset: 0,
-        durability: ferry::Durability::Completed,
-    };
-    ferry::codec::encode(&write, 64 << 10, &mut out).unwrap();
-    out.extend_from_slice(&[0xaa; 32 << 10]);
-    raw.write_all(&out).await.unwrap();
-    raw.flush().await.unwrap();
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    start_half_write(&mut raw, dst.key_for("writer")).await;
 
     tokio::time::timeout(T, dst.revoke("writer"))
         .await
@@ -741,18 +723,7 @@ async fn a_revoke_waits_for_nobody_but_the_peer_it_concerns() {
     let other = target.alloc_host(4096, Access::READ_WRITE).unwrap();
     other.grant("nobody", Access::READ_WRITE).await.unwrap();
     let mut raw = raw_link(&ca, "writer", addr).await;
-    let mut out = bytes::BytesMut::new();
-    let write = Frame::Write {
-        id: 1,
-        key: busy.key_for("writer"),
-        offset: 0,
-        durability: ferry::Durability::Completed,
-    };
-    ferry::codec::encode(&write, 64 << 10, &mut out).unwrap();
-    out.extend_from_slice(&[0xaa; 32 << 10]);
-    raw.write_all(&out).await.unwrap();
-    raw.flush().await.unwrap();
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    start_half_write(&mut raw, busy.key_for("writer")).await;
 
     // Well within the grace a concerned link would get: nothing is waited for.
     tokio::time::timeout(Duration::from_millis(500), other.revoke("nobody"))
