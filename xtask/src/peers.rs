@@ -41,7 +41,7 @@ pub struct FerryCase {
     pub scatter: bool,
     /// `--prepared`: the batch resolved once and posted again and again.
     pub prepared: bool,
-    /// `--tls` (mutual TLS on the control stream), or with `--encrypt-data` on every stream.
+    /// `--tls` (mutual TLS on the control stream) and what protects the data streams.
     pub tls: Tls,
     /// `--transport` ("tcp", ferry bench's default, when `None`).
     pub transport: Option<&'static str>,
@@ -49,12 +49,12 @@ pub struct FerryCase {
     pub metrics: bool,
 }
 
-/// How a bench case authenticates its link.
+/// How a bench case authenticates its link: not at all, or mutual TLS with its data streams
+/// protected as `--data-protection` says ("plain", "integrity" or "encrypted").
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum Tls {
     Off,
-    ControlStream,
-    EveryStream,
+    On(&'static str),
 }
 
 impl FerryCase {
@@ -89,8 +89,7 @@ impl FerryCase {
         }
         match self.tls {
             Tls::Off => {}
-            Tls::ControlStream => args.push("--tls".into()),
-            Tls::EveryStream => args.extend(["--tls".into(), "--encrypt-data".into()]),
+            Tls::On(protection) => args.extend(["--tls".into(), "--data-protection".into(), protection.into()]),
         }
         args.extend(["--duration".into(), duration.into(), "--json".into()]);
         args
@@ -369,6 +368,44 @@ pub fn memcpy_gb_per_s(size: usize, duration: Duration) -> f64 {
     copies as f64 * size as f64 / started.elapsed().as_secs_f64() / 1e9
 }
 
+/// `openssl speed -evp aes-128-gcm` on 16 KiB blocks, one process: what one core of this CPU
+/// seals with AES-128-GCM, in GB/s. The limit protected data streams pay on each side.
+pub fn openssl_aes_gcm(duration: Duration) -> Result<f64> {
+    let mut cmd = Command::new("openssl");
+    cmd.args(["speed", "-evp", "aes-128-gcm", "-bytes", "16384", "-seconds"])
+        .arg(whole_seconds(duration).to_string());
+    let what = describe(&cmd);
+    let out = run_captured(&mut cmd, duration * 4 + SLACK)?;
+    if !out.status.success() {
+        bail!("`{what}` failed ({}): {}", out.status, tail(&out.combined()));
+    }
+    parse_openssl_speed(&out.stdout).with_context(|| format!("reading the output of `{what}`"))
+}
+
+pub fn openssl_describe(duration: Duration) -> String {
+    format!(
+        "openssl speed -evp aes-128-gcm -bytes 16384 -seconds {}",
+        whole_seconds(duration)
+    )
+}
+
+/// The last figure of openssl speed's table row (`AES-128-GCM  4301144.06k`: thousands of bytes per
+/// second) in GB/s.
+fn parse_openssl_speed(stdout: &str) -> Result<f64> {
+    let row = stdout
+        .lines()
+        .rev()
+        .find(|l| l.trim_start().to_ascii_uppercase().starts_with("AES-128-GCM"))
+        .ok_or_else(|| anyhow!("no AES-128-GCM row in: {}", tail(stdout)))?;
+    let figure = row
+        .split_whitespace()
+        .last()
+        .and_then(|f| f.strip_suffix('k'))
+        .ok_or_else(|| anyhow!("no figure in {row:?}"))?;
+    let kbytes: f64 = figure.parse().with_context(|| format!("{figure:?} in {row:?}"))?;
+    Ok(kbytes * 1e3 / 1e9)
+}
+
 pub fn sockperf_describe(duration: Duration) -> String {
     format!(
         "sockperf ping-pong --tcp -i 127.0.0.1 -p PORT -m 64 -t {} (server: sockperf server --tcp -i 127.0.0.1 -p PORT)",
@@ -415,6 +452,16 @@ fn tail(text: &str) -> String {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn openssl_speed_rows_read_as_gb_per_s() {
+        let out = "version: 3.0.17\nbuilt on: ...\nThe 'numbers' are in 1000s of bytes per second processed.\n\
+                   type          16384 bytes\nAES-128-GCM    4301144.06k\n";
+        let gb = parse_openssl_speed(out).unwrap();
+        assert!((gb - 4.30114406).abs() < 1e-6, "{gb}");
+        assert!(parse_openssl_speed("type 16384 bytes\n").is_err());
+    }
+
     use super::*;
 
     #[test]

@@ -124,7 +124,7 @@ impl Engine {
         listen = None, *, buffer_pool = None, transports = None, streams = None, max_links = None,
         max_inflight_bytes = None, max_pending_notifications = None, name = None,
         tls_cert = None, tls_key = None, tls_ca = None, tls_psk = None, tls_name = None,
-        tls_server_name = None, encrypt = false,
+        tls_server_name = None, encrypt = false, data_protection = None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -144,14 +144,26 @@ impl Engine {
         tls_name: Option<String>,
         tls_server_name: Option<String>,
         encrypt: bool,
+        data_protection: Option<String>,
     ) -> PyResult<Self> {
         let mut builder = ferry::Engine::builder();
+        let protection = match (data_protection, encrypt) {
+            (Some(_), true) => {
+                return Err(errors::invalid(
+                    py,
+                    "give encrypt=True or data_protection, not both".into(),
+                ));
+            }
+            (Some(p), false) => Some(p.parse::<ferry::DataProtection>().map_err(|e| errors::invalid(py, e))?),
+            (None, true) => Some(ferry::DataProtection::Encrypted),
+            (None, false) => None,
+        };
         let tls = tls_config(
             py,
             (tls_cert, tls_key, tls_ca),
             (tls_psk, tls_name),
             tls_server_name,
-            encrypt,
+            protection,
         )?;
         if let Some(addr) = &listen {
             if tls.is_none() {
@@ -656,14 +668,15 @@ fn tls_config(
     ),
     (psk, name): (Option<Vec<u8>>, Option<String>),
     server_name: Option<String>,
-    encrypt: bool,
+    protection: Option<ferry::DataProtection>,
 ) -> PyResult<Option<ferry::TlsConfig>> {
     let config = match ((cert, key, ca), (psk, name)) {
         ((None, None, None), (None, None)) => {
-            if encrypt || server_name.is_some() {
+            if protection.is_some() || server_name.is_some() {
                 return Err(errors::invalid(
                     py,
-                    "encrypt and tls_server_name need TLS: give tls_cert, tls_key and tls_ca, or tls_psk and tls_name"
+                    "encrypt, data_protection and tls_server_name need TLS: give tls_cert, tls_key and tls_ca, \
+                     or tls_psk and tls_name"
                         .into(),
                 ));
             }
@@ -692,5 +705,8 @@ fn tls_config(
             ));
         }
     };
-    Ok(Some(config.encrypt_data(encrypt)))
+    Ok(Some(match protection {
+        Some(p) => config.data_protection(p),
+        None => config,
+    }))
 }

@@ -531,3 +531,35 @@ def test_tls_options_authenticate_and_grants_decide_who_reaches_what():
     finally:
         for e in (target, allowed, other, outsider):
             e.close()
+
+
+def test_data_protection_is_chosen_and_held_to():
+    key = bytes(range(32))
+    with pytest.raises(ferry.InvalidArgument):
+        ferry.Engine(tls_psk=key, tls_name="x", data_protection="secret")
+    with pytest.raises(ferry.InvalidArgument):
+        ferry.Engine(tls_psk=key, tls_name="x", data_protection="plain", encrypt=True)
+    with pytest.raises(ferry.InvalidArgument):
+        ferry.Engine(data_protection="integrity")  # nothing to key it from without TLS
+    target = ferry.Engine("127.0.0.1:0", tls_psk=key, tls_name="target", transports=["tcp"])
+    plain = ferry.Engine(tls_psk=key, tls_name="plain", transports=["tcp"], data_protection="plain")
+    sealed = ferry.Engine(tls_psk=key, tls_name="sealed", transports=["tcp"], encrypt=True)
+    dst = target.alloc_host(64 * KIB)
+
+    async def run():
+        await dst.grant_all(ferry.Access.READ | ferry.Access.WRITE)
+        # The target wants integrity at least (the default): a plain data stream is refused.
+        with pytest.raises(ferry.PermissionDenied):
+            await plain.connect(target.local_addr, timeout=5.0)
+        peer = await sealed.connect(target.local_addr, timeout=5.0)
+        (remote,) = peer.regions()
+        src = sealed.alloc_host(64 * KIB)
+        src.write(0, b"\x3c" * (64 * KIB))
+        await sealed.transfer(peer, "write", [(src.addr, remote.addr, 64 * KIB)], timeout=5.0)
+        assert dst.read() == b"\x3c" * (64 * KIB)
+
+    try:
+        asyncio.run(run())
+    finally:
+        for e in (target, plain, sealed):
+            e.close()

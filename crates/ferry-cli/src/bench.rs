@@ -85,9 +85,6 @@ pub struct Args {
     /// made in memory for the run (against a --peer, give --tls-cert, --tls-key and --tls-ca instead).
     #[arg(long, conflicts_with_all = ["tls_cert", "tls_psk_file"])]
     tls: bool,
-    /// With --tls: encrypt the data streams too, not only the control stream.
-    #[arg(long = "encrypt-data", requires = "tls")]
-    encrypt_data: bool,
     #[command(flatten)]
     tls_files: TlsArgs,
     #[command(flatten)]
@@ -213,10 +210,12 @@ struct Setup {
 /// The TLS configurations of the initiator and the in-process target, if the run authenticates.
 fn tls_configs(args: &Args) -> anyhow::Result<(Option<TlsConfig>, Option<TlsConfig>)> {
     if args.tls {
+        // Both ends protect the data streams as --data-protection (or --encrypt) says.
         let ca = ferry::DevelopmentCa::new("ferry bench CA")?;
+        let protection = args.tls_files.protection();
         return Ok((
-            Some(ca.config("bench-initiator")?.encrypt_data(args.encrypt_data)),
-            Some(ca.config("bench-target")?),
+            Some(ca.config("bench-initiator")?.data_protection(protection)),
+            Some(ca.config("bench-target")?.data_protection(protection)),
         ));
     }
     let files = args.tls_files.config()?;

@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};
-use ferry::{DevelopmentCa, TlsConfig};
+use ferry::{DataProtection, DevelopmentCa, TlsConfig};
 
 /// Mutual TLS from PEM files: all three, or none (an engine open to anyone who reaches it).
 #[derive(clap::Args, Debug, Clone, Default)]
@@ -28,23 +28,41 @@ pub struct TlsArgs {
     /// With --tls-psk-file: the name this engine goes by (what peers grant to).
     #[arg(long, requires = "tls_psk_file")]
     pub tls_name: Option<String>,
-    /// Encrypt every stream of the links this engine dials, not only the control stream (with TLS);
-    /// a listening engine then also refuses links whose data streams are plain.
-    #[arg(long)]
+    /// Encrypt the data streams of the links this engine dials (with TLS), and refuse links whose
+    /// data streams are not encrypted: the same as --data-protection encrypted.
+    #[arg(long, conflicts_with = "data_protection")]
     pub encrypt: bool,
+    /// What protects the data streams under TLS, and the least this engine accepts: `integrity`
+    /// (the default: every record carries an AES-GCM tag, so nobody on the path can change or inject
+    /// a byte), `encrypted`, or `plain` (no protection; only where nobody else can reach the network,
+    /// and both ends must say so).
+    #[arg(long, value_name = "plain|integrity|encrypted")]
+    pub data_protection: Option<DataProtection>,
 }
 
 impl TlsArgs {
+    /// What protects the data streams, as the options say.
+    pub fn protection(&self) -> DataProtection {
+        match (self.data_protection, self.encrypt) {
+            (Some(p), _) => p,
+            (None, true) => DataProtection::Encrypted,
+            (None, false) => DataProtection::Integrity,
+        }
+    }
+
     /// The configuration the options name, if any.
     pub fn config(&self) -> anyhow::Result<Option<TlsConfig>> {
         if let (Some(file), Some(name)) = (&self.tls_psk_file, &self.tls_name) {
             let key = std::fs::read(file).with_context(|| format!("reading the pre-shared key {}", file.display()))?;
             let config = TlsConfig::from_psk(&key, name).context("setting up pre-shared-key mode")?;
-            return Ok(Some(config.encrypt_data(self.encrypt)));
+            return Ok(Some(config.data_protection(self.protection())));
         }
         let (Some(cert), Some(key), Some(ca)) = (&self.tls_cert, &self.tls_key, &self.tls_ca) else {
-            if self.encrypt {
-                bail!("--encrypt needs TLS: give --tls-cert, --tls-key and --tls-ca, or --tls-psk-file");
+            if self.encrypt || self.data_protection.is_some() {
+                bail!(
+                    "--encrypt and --data-protection need TLS (data is protected under keys of the TLS session): \
+                     give --tls-cert, --tls-key and --tls-ca, or --tls-psk-file"
+                );
             }
             return Ok(None);
         };
@@ -52,7 +70,7 @@ impl TlsArgs {
         if let Some(name) = &self.tls_server_name {
             config = config.with_server_name(name)?;
         }
-        Ok(Some(config.encrypt_data(self.encrypt)))
+        Ok(Some(config.data_protection(self.protection())))
     }
 }
 

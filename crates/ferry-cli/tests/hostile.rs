@@ -73,6 +73,7 @@ fn hello(token: u64, index: u16) -> Vec<u8> {
         transports: vec![ferry::TransportKind::Tcp],
         host_id: 0,
         join_proof: [0; 32],
+        protection: ferry::DataProtection::Plain,
     });
     ferry::codec::encode(&frame, 0, &mut out).unwrap();
     out.to_vec()

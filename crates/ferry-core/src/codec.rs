@@ -17,14 +17,15 @@
 use bytes::{BufMut, BytesMut};
 
 use crate::error::{Error, ErrorCode, Result, WireError, io_kind_from_wire, io_kind_to_wire};
-use crate::types::{Access, Durability, RegionAd, RegionKey, TransportKind};
+use crate::types::{Access, DataProtection, Durability, RegionAd, RegionKey, TransportKind};
 
 /// First two bytes of every frame.
 pub const MAGIC: u16 = 0xF5E7;
 /// The protocol version this build speaks (2: durability on writes and the `Commit` frame; 3: a
 /// status byte ends every read's data, and errors carry their I/O kind; 4: `RegionTable`, the whole
-/// table resent when a link's queue of region updates overflowed; 5: the join proof in `Hello`).
-pub const VERSION: u8 = 5;
+/// table resent when a link's queue of region updates overflowed; 5: the join proof in `Hello`; 6:
+/// the stream's data protection in `Hello`).
+pub const VERSION: u8 = 6;
 /// Size of the fixed header.
 pub const HEADER_LEN: usize = 16;
 
@@ -106,6 +107,9 @@ pub struct Hello {
     /// session secret (a MAC over the token and index with a key derived from the control stream's
     /// TLS session); zeros otherwise.
     pub join_proof: [u8; 32],
+    /// What protects this stream's bytes after the handshake; covered by the join proof, so that
+    /// nobody on the way can lower it.
+    pub protection: DataProtection,
 }
 
 /// The target's answer to [`Hello`].
@@ -355,6 +359,7 @@ pub fn encode(frame: &Frame, payload_len: u64, out: &mut BytesMut) -> Result<()>
             out.put_u64_le(h.host_id);
             put_transports(out, &h.transports)?;
             out.put_slice(&h.join_proof);
+            out.put_u8(h.protection.to_wire());
         }
         Frame::HelloAck(a) => {
             out.put_u64_le(a.engine_id);
@@ -514,6 +519,11 @@ pub fn decode(buf: &[u8], limits: &Limits) -> Result<Option<(Decoded, usize)>> {
             host_id: r.u64()?,
             transports: r.transports()?,
             join_proof: r.array()?,
+            protection: {
+                let b = r.u8()?;
+                DataProtection::from_wire(b)
+                    .ok_or_else(|| Error::Protocol(format!("unknown data protection {b} in a hello")))?
+            },
         }),
         kind::HELLO_ACK => {
             let engine_id = r.u64()?;
@@ -932,10 +942,11 @@ mod tests {
                 any::<u16>(),
                 arb_transports(),
                 any::<u64>(),
-                any::<[u8; 32]>()
+                any::<[u8; 32]>(),
+                0u8..3,
             )
                 .prop_map(
-                    |(engine_id, link_token, stream_index, stream_count, transports, host_id, join_proof)| (
+                    |(engine_id, link_token, stream_index, stream_count, transports, host_id, join_proof, p)| (
                         Frame::Hello(Hello {
                             engine_id,
                             link_token,
@@ -943,7 +954,8 @@ mod tests {
                             stream_count,
                             transports,
                             host_id,
-                            join_proof
+                            join_proof,
+                            protection: DataProtection::from_wire(p).unwrap_or_default(),
                         }),
                         0
                     )

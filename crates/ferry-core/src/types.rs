@@ -95,6 +95,71 @@ impl fmt::Display for Op {
     }
 }
 
+/// What protects the bytes of a link's data streams on the wire (its control stream runs TLS
+/// whenever the engine authenticates).
+///
+/// Ordered from least to most: a target that requires one level admits that level and those above.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub enum DataProtection {
+    /// Nothing: bytes as they are. The only choice on a link that does not authenticate (there is no
+    /// session to key anything from), and on an authenticated one only when both ends opt out.
+    #[default]
+    Plain,
+    /// Every record carries an AES-128-GCM tag under a key only the link's two ends hold, with a
+    /// sequence number in its nonce: bytes changed, injected, replayed or reordered on the way are
+    /// found before anything acts on them. The bytes themselves travel in the clear.
+    Integrity,
+    /// As [`Integrity`](Self::Integrity), and the records are encrypted (AES-128-GCM).
+    Encrypted,
+}
+
+impl DataProtection {
+    /// The stable lower-case name used by logs, flags and JSON.
+    pub fn name(self) -> &'static str {
+        match self {
+            DataProtection::Plain => "plain",
+            DataProtection::Integrity => "integrity",
+            DataProtection::Encrypted => "encrypted",
+        }
+    }
+
+    /// Its byte on the wire.
+    pub fn to_wire(self) -> u8 {
+        self as u8
+    }
+
+    /// Parses its byte on the wire; `None` for a value this build does not know.
+    pub fn from_wire(b: u8) -> Option<Self> {
+        match b {
+            0 => Some(DataProtection::Plain),
+            1 => Some(DataProtection::Integrity),
+            2 => Some(DataProtection::Encrypted),
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Display for DataProtection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for DataProtection {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "plain" => Ok(DataProtection::Plain),
+            "integrity" => Ok(DataProtection::Integrity),
+            "encrypted" => Ok(DataProtection::Encrypted),
+            other => Err(format!(
+                "unknown data protection {other:?}: say plain, integrity or encrypted"
+            )),
+        }
+    }
+}
+
 /// What a completed WRITE promises about the bytes at the target: visible to its CPU, or also in its
 /// persistence domain (they survive a power cut).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]

@@ -15,11 +15,12 @@
 use std::collections::HashMap;
 
 use ferry_core::codec::{Hello, HelloAck, Limits};
-use ferry_core::{Error, RegionAd, Result, TransportKind, WireError};
+use ferry_core::{DataProtection, Error, RegionAd, Result, TransportKind, WireError};
 
 use crate::auth::JoinKey;
 use crate::ids::{LinkToken, StreamIndex};
 use crate::limits::LinkLimits;
+use crate::seal::{Opener, Sealer};
 
 /// What a target decodes before it admits a stream: one hello, whose body is under a hundred bytes
 /// (ids, counts, a short list of transports, a 32-byte join proof), and nothing with a payload. A
@@ -41,11 +42,19 @@ pub struct Identity {
 }
 
 impl Identity {
-    /// The hello for stream `index` of a link of `count` streams named `token`; a further stream of
-    /// an authenticated link carries the join proof made with the link's `key`.
-    pub fn hello(&self, token: LinkToken, index: StreamIndex, count: u16, key: Option<&JoinKey>) -> Hello {
+    /// The hello for stream `index` of a link of `count` streams named `token`, asking for
+    /// `protection` of its bytes; a further stream of an authenticated link carries the join proof
+    /// made with the link's `key`.
+    pub fn hello(
+        &self,
+        token: LinkToken,
+        index: StreamIndex,
+        count: u16,
+        key: Option<&JoinKey>,
+        protection: DataProtection,
+    ) -> Hello {
         let join_proof = match key {
-            Some(key) if !index.is_control() => key.proof(token, index),
+            Some(key) if !index.is_control() => key.proof(token, index, protection),
             _ => [0; 32],
         };
         Hello {
@@ -56,6 +65,7 @@ impl Identity {
             transports: self.transports.clone(),
             host_id: self.host_id,
             join_proof,
+            protection,
         }
     }
 
@@ -119,8 +129,9 @@ pub struct Proven {
 pub enum Admission<L> {
     /// A control stream whose link may open: acquire a link slot, then call [`LinkRegistry::open`].
     Open,
-    /// A further stream of a known link.
-    Join(L),
+    /// A further stream of a known link, with the target's ends of its record layer when its bytes
+    /// are protected ([`crate::seal`]): everything after the hello's answer goes through them.
+    Join(L, Option<Box<(Sealer, Opener)>>),
 }
 
 struct Entry<L> {
@@ -145,8 +156,8 @@ struct Held {
 pub struct LinkRegistry<L> {
     limits: LinkLimits,
     authenticating: bool,
-    /// Every stream must run its own TLS session, not only the control stream.
-    encrypted_only: bool,
+    /// The least protection a further stream must ask for.
+    required: DataProtection,
     links: HashMap<LinkToken, Entry<L>>,
     /// Per authenticated identity: what its open links hold (see [`LinkLimits::max_links_per_identity`]).
     held: HashMap<String, Held>,
@@ -158,24 +169,27 @@ impl<L: Clone> LinkRegistry<L> {
         LinkRegistry {
             limits,
             authenticating: false,
-            encrypted_only: false,
+            required: DataProtection::Plain,
             links: HashMap::new(),
             held: HashMap::new(),
         }
     }
 
-    /// An empty table of an engine that admits authenticated links only.
+    /// An empty table of an engine that admits authenticated links only. Their further streams must
+    /// be integrity-protected at least (see [`requiring`](Self::requiring)).
     pub fn authenticating(limits: LinkLimits) -> Self {
         LinkRegistry {
             authenticating: true,
+            required: DataProtection::Integrity,
             ..LinkRegistry::new(limits)
         }
     }
 
-    /// This registry (of an authenticating engine) admits a further stream only if it runs TLS of its
-    /// own: plain data streams, however well they prove their link, are refused.
-    pub fn requiring_encryption(mut self) -> Self {
-        self.encrypted_only = true;
+    /// This registry (of an authenticating engine) admits a further stream only if it asks for
+    /// `protection` or more: with [`DataProtection::Encrypted`], streams that are integrity-protected
+    /// only are refused; with [`DataProtection::Plain`], streams may go unprotected.
+    pub fn requiring(mut self, protection: DataProtection) -> Self {
+        self.required = protection;
         self
     }
 
@@ -216,7 +230,7 @@ impl<L: Clone> LinkRegistry<L> {
             return Err(Error::Protocol("unknown link token".into()));
         };
         let proven = match &entry.join_key {
-            Some(key) => key.verify(token, index, &hello.join_proof),
+            Some(key) => key.verify(token, index, hello.protection, &hello.join_proof),
             None => !self.authenticating,
         };
         if !proven {
@@ -224,12 +238,28 @@ impl<L: Clone> LinkRegistry<L> {
                 "{index} did not prove it belongs to the authenticated link it names"
             )));
         }
-        if self.encrypted_only && session.is_none() {
+        // A stream that ran TLS of its own is encrypted by it, and needs no records on top.
+        let protection = match session {
+            Some(_) => DataProtection::Encrypted,
+            None => hello.protection,
+        };
+        if protection < self.required {
             return Err(Error::PermissionDenied(format!(
-                "{index} is not encrypted, and this engine requires every stream to be: dial it with \
-                 TlsConfig::encrypt_data (--encrypt)"
+                "{index} asked for {protection} data, and this engine requires {} at least: dial it with \
+                 data protection {} or more (--data-protection)",
+                self.required, self.required
             )));
         }
+        let sealing = match (session, hello.protection, &entry.join_key) {
+            (Some(_), _, _) | (None, DataProtection::Plain, _) => None,
+            (None, protection, Some(key)) => Some(Box::new(key.stream_keys(token, index)?.target(protection))),
+            (None, protection, None) => {
+                return Err(Error::Unsupported(format!(
+                    "{index} asked for {protection} data on a link that did not authenticate: there is no \
+                     session to key it from; dial this engine without data protection, or configure TLS on both"
+                )));
+            }
+        };
         if hello.stream_index >= entry.stream_count {
             return Err(Error::InvalidArgument(format!(
                 "{index} asked to join a link of {} streams",
@@ -241,7 +271,7 @@ impl<L: Clone> LinkRegistry<L> {
             return Err(Error::Protocol(format!("{index} of this link joined already")));
         }
         *joined = true;
-        Ok(Admission::Join(entry.link.clone()))
+        Ok(Admission::Join(entry.link.clone(), sealing))
     }
 
     /// Whether `who` may open one more link of `streams` streams.
@@ -351,7 +381,7 @@ mod tests {
             host_id: 1,
             transports: vec![TransportKind::Tcp],
         }
-        .hello(LinkToken(token), StreamIndex(index), count, None)
+        .hello(LinkToken(token), StreamIndex(index), count, None, DataProtection::Plain)
     }
 
     #[test]
@@ -362,11 +392,11 @@ mod tests {
         reg.open(&h0, "link", None).unwrap();
         assert!(matches!(
             reg.admit(&hello(7, 1, 1, 3), None),
-            Ok(Admission::Join("link"))
+            Ok(Admission::Join("link", None))
         ));
         assert!(matches!(
             reg.admit(&hello(7, 1, 2, 3), None),
-            Ok(Admission::Join("link"))
+            Ok(Admission::Join("link", None))
         ));
         // The same index twice, an index past the count, the control index again, another engine.
         assert!(matches!(reg.admit(&hello(7, 1, 1, 3), None), Err(Error::Protocol(_))));
@@ -395,22 +425,28 @@ mod tests {
             identity: "p".into(),
         };
         let mut reg = LinkRegistry::authenticating(LinkLimits::default());
-        let h0 = me.hello(LinkToken(9), StreamIndex(0), 3, Some(&key));
+        let h0 = me.hello(LinkToken(9), StreamIndex(0), 3, Some(&key), DataProtection::Integrity);
         // A control stream without a TLS session opens nothing.
         assert!(matches!(reg.admit(&h0, None), Err(Error::PermissionDenied(_))));
         assert!(matches!(reg.admit(&h0, Some(&proven)), Ok(Admission::Open)));
         reg.open(&h0, "link", Some(&proven)).unwrap();
         // A join with the token but no proof, or another session's proof, is refused and uses no index.
-        let bare = me.hello(LinkToken(9), StreamIndex(1), 3, None);
+        let bare = me.hello(LinkToken(9), StreamIndex(1), 3, None, DataProtection::Integrity);
         assert!(matches!(reg.admit(&bare, None), Err(Error::PermissionDenied(_))));
-        let forged = me.hello(LinkToken(9), StreamIndex(1), 3, Some(&stolen));
+        let forged = me.hello(
+            LinkToken(9),
+            StreamIndex(1),
+            3,
+            Some(&stolen),
+            DataProtection::Integrity,
+        );
         assert!(matches!(reg.admit(&forged, None), Err(Error::PermissionDenied(_))));
         // A proof for one index does not open another.
-        let mut moved = me.hello(LinkToken(9), StreamIndex(2), 3, None);
-        moved.join_proof = key.proof(LinkToken(9), StreamIndex(1));
+        let mut moved = me.hello(LinkToken(9), StreamIndex(2), 3, None, DataProtection::Integrity);
+        moved.join_proof = key.proof(LinkToken(9), StreamIndex(1), DataProtection::Integrity);
         assert!(matches!(reg.admit(&moved, None), Err(Error::PermissionDenied(_))));
-        let good = me.hello(LinkToken(9), StreamIndex(1), 3, Some(&key));
-        assert!(matches!(reg.admit(&good, None), Ok(Admission::Join("link"))));
+        let good = me.hello(LinkToken(9), StreamIndex(1), 3, Some(&key), DataProtection::Integrity);
+        assert!(matches!(reg.admit(&good, None), Ok(Admission::Join("link", Some(_)))));
         // Replayed after it joined: refused.
         assert!(matches!(reg.admit(&good, None), Err(Error::Protocol(_))));
         assert_eq!(reg.streams(LinkToken(9)), 2);
@@ -451,7 +487,7 @@ mod tests {
     }
 
     #[test]
-    fn an_engine_that_requires_encryption_refuses_plain_streams() {
+    fn further_streams_are_held_to_the_engines_least_protection() {
         let me = Identity {
             engine_id: 1,
             host_id: 1,
@@ -462,22 +498,69 @@ mod tests {
             join_key: key.clone(),
             identity: "p".into(),
         };
-        let mut reg = LinkRegistry::authenticating(LinkLimits::default()).requiring_encryption();
-        let h0 = me.hello(LinkToken(3), StreamIndex(0), 3, Some(&key));
+        let join = |reg: &mut LinkRegistry<&'static str>, index: u16, protection| {
+            reg.admit(
+                &me.hello(LinkToken(3), StreamIndex(index), 4, Some(&key), protection),
+                None,
+            )
+        };
+        let h0 = me.hello(LinkToken(3), StreamIndex(0), 4, Some(&key), DataProtection::Encrypted);
+        // By default an authenticated engine wants integrity at least: a plain stream, however well
+        // it proves its link, is refused, and its index stays free.
+        let mut reg = LinkRegistry::authenticating(LinkLimits::default());
         assert!(matches!(reg.admit(&h0, Some(&proven)), Ok(Admission::Open)));
         reg.open(&h0, "link", Some(&proven)).unwrap();
-        // A plain stream with a good proof: refused, and its index stays free.
-        let plain = me.hello(LinkToken(3), StreamIndex(1), 3, Some(&key));
-        assert!(matches!(reg.admit(&plain, None), Err(Error::PermissionDenied(m)) if m.contains("encrypt")));
-        // The same join over TLS of its own: admitted.
+        assert!(
+            matches!(join(&mut reg, 1, DataProtection::Plain), Err(Error::PermissionDenied(m)) if m.contains("integrity"))
+        );
+        let Ok(Admission::Join("link", Some(sealing))) = join(&mut reg, 1, DataProtection::Integrity) else {
+            panic!("an integrity-protected stream joins, with its record layer");
+        };
+        assert_eq!(sealing.0.protection(), DataProtection::Integrity);
+        // A hello whose protection was lowered on the way no longer matches its proof.
+        let mut lowered = me.hello(LinkToken(3), StreamIndex(2), 4, Some(&key), DataProtection::Integrity);
+        lowered.protection = DataProtection::Plain;
+        let mut lax = LinkRegistry::authenticating(LinkLimits::default()).requiring(DataProtection::Plain);
+        lax.admit(&h0, Some(&proven)).unwrap();
+        lax.open(&h0, "link", Some(&proven)).unwrap();
+        assert!(matches!(lax.admit(&lowered, None), Err(Error::PermissionDenied(_))));
+        // An engine that opted out admits a plain stream, with no record layer.
+        assert!(matches!(
+            join(&mut lax, 2, DataProtection::Plain),
+            Ok(Admission::Join("link", None))
+        ));
+
+        // One that requires encryption refuses integrity only; a stream with TLS of its own passes.
+        let mut strict = LinkRegistry::authenticating(LinkLimits::default()).requiring(DataProtection::Encrypted);
+        strict.admit(&h0, Some(&proven)).unwrap();
+        strict.open(&h0, "link", Some(&proven)).unwrap();
+        assert!(
+            matches!(join(&mut strict, 1, DataProtection::Integrity), Err(Error::PermissionDenied(m)) if m.contains("encrypted"))
+        );
+        assert!(matches!(
+            join(&mut strict, 1, DataProtection::Encrypted),
+            Ok(Admission::Join("link", Some(_)))
+        ));
         let stream_session = Proven {
             join_key: JoinKey::from_exported(&[8; 32]),
             identity: "p".into(),
         };
+        let tls_join = me.hello(LinkToken(3), StreamIndex(2), 4, Some(&key), DataProtection::Plain);
         assert!(matches!(
-            reg.admit(&plain, Some(&stream_session)),
-            Ok(Admission::Join("link"))
+            strict.admit(&tls_join, Some(&stream_session)),
+            Ok(Admission::Join("link", None))
         ));
+    }
+
+    #[test]
+    fn an_unauthenticated_link_cannot_protect_its_streams() {
+        let mut reg = LinkRegistry::new(LinkLimits::default());
+        let h0 = hello(4, 1, 0, 2);
+        reg.admit(&h0, None).unwrap();
+        reg.open(&h0, "link", None).unwrap();
+        let mut asks = hello(4, 1, 1, 2);
+        asks.protection = DataProtection::Integrity;
+        assert!(matches!(reg.admit(&asks, None), Err(Error::Unsupported(_))));
     }
 
     #[test]

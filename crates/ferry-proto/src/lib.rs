@@ -12,7 +12,8 @@
 //! |---|---|---|
 //! | [`admission`] | target | which connections may wait to be admitted: places, a share per source address, and whom a newcomer displaces |
 //! | [`handshake`] | both | what a hello says; which hellos open a link or join one, and how many streams a link may have |
-//! | [`auth`] | both | how a further stream proves it belongs to an authenticated link |
+//! | [`auth`] | both | how a further stream proves it belongs to an authenticated link, and its record keys |
+//! | [`seal`] | both | the records a protected data stream's bytes travel in: tags, sequence numbers, encryption |
 //! | [`initiator`] | initiator | operation ids, which stream an operation takes, matching answers to operations, the limit on outstanding operations, the peer's region table |
 //! | [`target`] | target | which frames a target accepts on which stream, and the answers it owes |
 //! | [`written`] | target | which part of a `Commit` a stream may persist: what its earlier writes covered |
@@ -34,6 +35,7 @@ pub mod initiator;
 pub mod keepalive;
 pub mod limits;
 pub mod rdma;
+pub mod seal;
 pub mod setup;
 pub mod shm;
 pub mod target;
@@ -41,12 +43,13 @@ pub mod written;
 
 pub use admission::{AdmissionLimits, AdmissionTable, Arrival, Stage, Ticket};
 pub use adverts::AdvertQueue;
-pub use auth::JoinKey;
+pub use auth::{JoinKey, StreamKeys};
 pub use handshake::{Admission, Identity, LinkRegistry, Proven};
 pub use ids::{LinkToken, OpId, StreamIndex};
 pub use initiator::{Event, Initiator, RegionUpdate};
 pub use keepalive::Keepalive;
 pub use limits::LinkLimits;
+pub use seal::{Opener, Sealer};
 pub use setup::SetupBudget;
 pub use target::{Request, TargetStream};
 pub use written::WrittenRanges;

@@ -9,9 +9,9 @@
 //! Small payloads are the exception: many small segments are read into the buffer in one call and
 //! copied out, which beats one system call per segment.
 //!
-//! A stream under TLS (a control stream, or every stream with data encryption on) cannot hand region
-//! memory to the kernel: its payloads go through the buffer, copied in and out under the same
-//! permits.
+//! A stream under TLS (a control stream) or under the record layer of a protected data stream
+//! ([`crate::sealed`]) cannot hand region memory to the kernel: its payloads go through the buffer,
+//! copied in and out under the same permits.
 
 use std::os::fd::AsRawFd;
 use std::pin::Pin;
@@ -24,6 +24,10 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, Interest, Re
 use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio_rustls::TlsStream;
+
+use crate::sealed::{SealedRead, SealedWrite};
+use ferry_proto::seal::MAX_BODY;
+use ferry_proto::{Opener, Sealer};
 
 /// How long sent data may stay unacknowledged (a dead peer, or one whose receive window stays shut
 /// because it stopped reading) before the kernel gives the connection up, by default.
@@ -97,6 +101,8 @@ pub enum ReadHalf {
     Plain(OwnedReadHalf),
     /// TLS over TCP.
     Tls(tokio::io::ReadHalf<TlsStream<TcpStream>>),
+    /// Protected records over TCP.
+    Sealed(Box<SealedRead>),
 }
 
 /// The write half of a [`Conn`]. Only a plain one lets the kernel read payloads from regions.
@@ -105,6 +111,8 @@ pub enum WriteHalf {
     Plain(OwnedWriteHalf),
     /// TLS over TCP.
     Tls(tokio::io::WriteHalf<TlsStream<TcpStream>>),
+    /// Protected records over TCP.
+    Sealed(Box<SealedWrite>),
 }
 
 impl AsyncRead for ReadHalf {
@@ -112,6 +120,7 @@ impl AsyncRead for ReadHalf {
         match self.get_mut() {
             ReadHalf::Plain(h) => Pin::new(h).poll_read(cx, buf),
             ReadHalf::Tls(h) => Pin::new(h).poll_read(cx, buf),
+            ReadHalf::Sealed(h) => Pin::new(&mut **h).poll_read(cx, buf),
         }
     }
 }
@@ -121,6 +130,7 @@ impl AsyncWrite for WriteHalf {
         match self.get_mut() {
             WriteHalf::Plain(h) => Pin::new(h).poll_write(cx, buf),
             WriteHalf::Tls(h) => Pin::new(h).poll_write(cx, buf),
+            WriteHalf::Sealed(h) => Pin::new(&mut **h).poll_write(cx, buf),
         }
     }
 
@@ -128,6 +138,7 @@ impl AsyncWrite for WriteHalf {
         match self.get_mut() {
             WriteHalf::Plain(h) => Pin::new(h).poll_flush(cx),
             WriteHalf::Tls(h) => Pin::new(h).poll_flush(cx),
+            WriteHalf::Sealed(h) => Pin::new(&mut **h).poll_flush(cx),
         }
     }
 
@@ -135,6 +146,7 @@ impl AsyncWrite for WriteHalf {
         match self.get_mut() {
             WriteHalf::Plain(h) => Pin::new(h).poll_shutdown(cx),
             WriteHalf::Tls(h) => Pin::new(h).poll_shutdown(cx),
+            WriteHalf::Sealed(h) => Pin::new(&mut **h).poll_shutdown(cx),
         }
     }
 }
@@ -264,6 +276,19 @@ impl FrameReader {
         self.read_ahead = READ_AHEAD;
     }
 
+    /// From here on the stream's bytes come in records that `opener` opens (what was read past the
+    /// handshake already is the start of them). Only a plain stream turns protected.
+    pub fn sealed(self, opener: Opener) -> Result<FrameReader> {
+        let ReadHalf::Plain(half) = self.half else {
+            return Err(Error::Internal("only a plain stream can turn protected".into()));
+        };
+        Ok(FrameReader {
+            half: ReadHalf::Sealed(Box::new(SealedRead::new(half, opener, &self.buf))),
+            buf: BytesMut::with_capacity(self.read_ahead),
+            ..self
+        })
+    }
+
     /// The peer, for messages.
     pub fn peer(&self) -> &str {
         &self.peer
@@ -387,10 +412,14 @@ impl FrameReader {
         at: Cursor,
         caller: Option<&AccessGuard>,
     ) -> Result<std::result::Result<u64, Landed>> {
-        let ReadHalf::Plain(half) = &self.half else {
-            // Decrypted bytes exist only in user space: through the buffer.
-            self.fill().await?;
-            return Ok(self.copy_buffered(parts, at, caller));
+        let half = match &mut self.half {
+            ReadHalf::Plain(half) => half,
+            ReadHalf::Sealed(_) => return self.copy_opened(parts, at, caller).await,
+            ReadHalf::Tls(_) => {
+                // Decrypted bytes exist only in user space: through the buffer.
+                self.fill().await?;
+                return Ok(self.copy_buffered(parts, at, caller));
+            }
         };
         let payload_left = at.remaining(parts);
         self.buf.reserve(self.read_ahead);
@@ -439,6 +468,38 @@ impl FrameReader {
         Ok(Ok(into_regions))
     }
 
+    /// Copies the opened plaintext of a sealed stream into the range at `at`, straight from the
+    /// record it came in: how many bytes, or why none may.
+    async fn copy_opened(
+        &mut self,
+        parts: &[Resolved],
+        at: Cursor,
+        caller: Option<&AccessGuard>,
+    ) -> Result<std::result::Result<u64, Landed>> {
+        let ReadHalf::Sealed(sealed) = &mut self.half else {
+            return Err(Error::Internal("copy_opened on a stream that is not sealed".into()));
+        };
+        let more = std::future::poll_fn(|cx| sealed.poll_fill(cx)).await;
+        if !more.map_err(|e| self.io_error(e))? {
+            return Err(self.closed());
+        }
+        let ReadHalf::Sealed(sealed) = &mut self.half else {
+            return Err(Error::Internal("copy_opened on a stream that is not sealed".into()));
+        };
+        let p = &parts[at.index];
+        let plain = sealed.plain();
+        let n = plain.len().min((p.len - at.skip) as usize);
+        let _held = match caller.map(AccessGuard::enter) {
+            Some(None) => return Ok(Err(Landed::Abandoned)),
+            held => held,
+        };
+        if p.region.copy_in(p.offset + at.skip, &plain[..n]).is_err() {
+            return Ok(Err(Landed::RegionGone));
+        }
+        sealed.consume(n);
+        Ok(Ok(n as u64))
+    }
+
     /// Reads and drops `len` payload bytes: the payload of a refused operation.
     pub async fn discard(&mut self, mut len: u64) -> Result<()> {
         while len > 0 {
@@ -471,12 +532,21 @@ impl FrameWriter {
     }
 
     fn io_error(&self, e: std::io::Error) -> Error {
-        match e.kind() {
-            std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe => {
-                Error::PeerClosed(format!("{}: {e}", self.peer))
-            }
-            _ => Error::io(format_args!("writing to {}", self.peer), e),
-        }
+        write_error(&self.peer, e)
+    }
+
+    /// From here on everything sent goes in records that `sealer` seals. Only a plain stream with
+    /// nothing queued turns protected.
+    pub fn sealed(self, sealer: Sealer) -> Result<FrameWriter> {
+        let (WriteHalf::Plain(half), true) = (self.half, self.buf.is_empty()) else {
+            return Err(Error::Internal(
+                "only a plain stream with nothing queued can turn protected".into(),
+            ));
+        };
+        Ok(FrameWriter {
+            half: WriteHalf::Sealed(Box::new(SealedWrite::new(half, sealer))),
+            ..self
+        })
     }
 
     /// Queues a frame header and body.
@@ -512,10 +582,10 @@ impl FrameWriter {
             let r = self.half.write_all(&self.buf).await;
             self.buf.clear();
             r.map_err(|e| self.io_error(e))?;
-            if let WriteHalf::Tls(_) = self.half {
-                // TLS keeps records it could not send yet; plain TCP keeps nothing.
-                self.half.flush().await.map_err(|e| self.io_error(e))?;
-            }
+        }
+        if !matches!(self.half, WriteHalf::Plain(_)) {
+            // TLS and sealed streams keep records they could not send yet; plain TCP keeps nothing.
+            self.half.flush().await.map_err(|e| self.io_error(e))?;
         }
         Ok(())
     }
@@ -551,8 +621,25 @@ impl FrameWriter {
     /// false is returned.
     pub async fn write_parts(&mut self, parts: &[Resolved]) -> Result<bool> {
         self.flush().await?;
-        let WriteHalf::Plain(half) = &self.half else {
-            return self.write_parts_copied(parts).await;
+        let half = match &mut self.half {
+            WriteHalf::Plain(half) => half,
+            WriteHalf::Sealed(sealed) => {
+                let mut intact = true;
+                for p in parts {
+                    let mut done = 0u64;
+                    while done < p.len {
+                        let n = (p.len - done).min(MAX_BODY as u64) as usize;
+                        intact &= sealed
+                            .send_region(&p.region, p.offset + done, n)
+                            .await
+                            .map_err(|e| write_error(&self.peer, e))?;
+                        done += n as u64;
+                    }
+                }
+                self.flush().await?;
+                return Ok(intact);
+            }
+            WriteHalf::Tls(_) => return self.write_parts_copied(parts).await,
         };
         let stream: &TcpStream = half.as_ref();
         let mut at = Cursor::default();
@@ -612,6 +699,16 @@ impl FrameWriter {
             len -= n as u64;
         }
         self.half.flush().await.map_err(|e| self.io_error(e))
+    }
+}
+
+/// The error of a failed write to `peer`.
+fn write_error(peer: &str, e: std::io::Error) -> Error {
+    match e.kind() {
+        std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe => {
+            Error::PeerClosed(format!("{peer}: {e}"))
+        }
+        _ => Error::io(format_args!("writing to {peer}"), e),
     }
 }
 

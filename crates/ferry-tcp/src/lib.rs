@@ -17,6 +17,7 @@ mod blocking;
 mod coalesce;
 mod io;
 mod link;
+mod sealed;
 mod server;
 mod tls;
 

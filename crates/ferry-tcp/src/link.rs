@@ -25,8 +25,8 @@ use std::time::{Duration, Instant};
 use ferry_core::codec::{Frame, Hello, HelloAck, Limits, ReadStatus, Segment};
 use ferry_core::sync::ShardedLock;
 use ferry_core::{
-    AccessGuard, DataLink, Due, Durability, Error, Notification, Op, PeerIdentity, PersistMethod, RegionEntry,
-    RemoteRegions, Resolved, Result, TransferItem, TransferRequest, TransportKind,
+    AccessGuard, DataLink, DataProtection, Due, Durability, Error, Notification, Op, PeerIdentity, PersistMethod,
+    RegionEntry, RemoteRegions, Resolved, Result, TransferItem, TransferRequest, TransportKind,
 };
 use ferry_proto::handshake::check_ack;
 use ferry_proto::initiator::OpKind;
@@ -282,7 +282,8 @@ fn tls_refused(peer: &str, why: &str) -> Error {
 
 /// Opens a link's `streams` streams to `addr`: the control stream, whose answer brings the target's
 /// identity, transports and regions, then the others at once, joined to it by a fresh link token
-/// (and, under TLS, by the session's join key).
+/// (and, under TLS, by the session's join key, and protected under its record keys from their
+/// answer on).
 async fn open_streams(
     addr: SocketAddr,
     me: &LocalIdentity,
@@ -296,24 +297,32 @@ async fn open_streams(
         message: format!("drawing a link token: {e}"),
     })?;
     let token = LinkToken(u64::from_le_bytes(token));
+    let protection = tls.map_or(DataProtection::Plain, TlsConfig::protection);
     let (r0, w0, ack, session) = open_stream(
         addr,
-        me.hello(token, StreamIndex(0), streams as u16, None),
+        me.hello(token, StreamIndex(0), streams as u16, None, protection),
         config.limits,
         tls,
         config.send_timeout,
     )
     .await?;
     let key = session.as_ref().map(|s| &s.join_key);
-    let data_tls = tls.filter(|t| t.encrypts_data());
-    let rest = futures::future::try_join_all((1..streams).map(|i| {
-        let hello = me.hello(token, StreamIndex(i as u16), streams as u16, key);
-        open_stream(addr, hello, config.limits, data_tls, config.send_timeout)
+    let rest = futures::future::try_join_all((1..streams).map(|i| async move {
+        let index = StreamIndex(i as u16);
+        let hello = me.hello(token, index, streams as u16, key, protection);
+        let (r, w, _, _) = open_stream(addr, hello, config.limits, None, config.send_timeout).await?;
+        match (key, protection) {
+            (Some(key), DataProtection::Integrity | DataProtection::Encrypted) => {
+                let (sealer, opener) = key.stream_keys(token, index)?.initiator(protection);
+                Ok((r.sealed(opener)?, w.sealed(sealer)?))
+            }
+            _ => Ok((r, w)),
+        }
     }))
     .await?;
     let mut halves = Vec::with_capacity(streams);
     halves.push((r0, w0));
-    halves.extend(rest.into_iter().map(|(r, w, _, _)| (r, w)));
+    halves.extend(rest);
     Ok((halves, ack, session))
 }
 
@@ -336,9 +345,9 @@ impl TcpLink {
     /// The caller bounds the whole call with its connect timeout.
     pub async fn dial(addr: SocketAddr, me: &LocalIdentity, config: &LinkConfig) -> Result<TcpLink> {
         let tls = config.tls.as_ref();
-        // Under TLS the control stream carries no data (unless every stream is encrypted anyway), so
-        // it comes on top of the configured streams, which all carry data.
-        let control_apart = tls.is_some_and(|t| !t.encrypts_data());
+        // Under TLS the control stream carries no data, so it comes on top of the configured streams,
+        // which all carry data.
+        let control_apart = tls.is_some();
         let streams = match control_apart {
             true => config.streams.clamp(1, 63) + 1,
             false => config.streams.clamp(1, 64),

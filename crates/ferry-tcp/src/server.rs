@@ -28,7 +28,7 @@ use ferry_proto::setup::MAX_PATHS_PER_LINK;
 use ferry_proto::target::{ack, setup_reply};
 use ferry_proto::{
     Admission, AdmissionLimits, AdmissionTable, AdvertQueue, Arrival, Identity, LinkLimits, LinkRegistry, LinkToken,
-    OpId, Proven, Request, SetupBudget, Stage, StreamIndex, TargetStream, Ticket, WrittenRanges,
+    OpId, Opener, Proven, Request, Sealer, SetupBudget, Stage, StreamIndex, TargetStream, Ticket, WrittenRanges,
 };
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, oneshot, watch};
@@ -202,8 +202,7 @@ impl TcpServer {
             .local_addr()
             .map_err(|e| Error::io("reading the bound address", e))?;
         let links = match &config.tls {
-            Some(tls) if tls.encrypts_data() => LinkRegistry::authenticating(config.link_limits).requiring_encryption(),
-            Some(_) => LinkRegistry::authenticating(config.link_limits),
+            Some(tls) => LinkRegistry::authenticating(config.link_limits).requiring(tls.protection()),
             None => LinkRegistry::new(config.link_limits),
         };
         let shared = Arc::new(Shared {
@@ -476,6 +475,9 @@ async fn read_hello(reader: &mut FrameReader, peer: SocketAddr, deadline: Instan
     }
 }
 
+/// A stream's link, and the target's ends of its record layer when its bytes are protected.
+type Admitted = (Arc<AcceptedLink>, Option<Box<(Sealer, Opener)>>);
+
 /// Decides on `hello` and answers it: the link the stream belongs to, or the refusal that was sent.
 /// `session` is what the stream's own TLS handshake established, if it had one.
 fn admit(
@@ -483,7 +485,7 @@ fn admit(
     hello: &Hello,
     session: Option<&Session>,
     writer: &mut FrameWriter,
-) -> Result<std::result::Result<Arc<AcceptedLink>, Error>> {
+) -> Result<std::result::Result<Admitted, Error>> {
     let ctx = &shared.ctx;
     let me = identity(ctx);
     let mut links = shared
@@ -495,7 +497,7 @@ fn admit(
         identity: s.identity.name.clone(),
     });
     let admitted = match links.admit(hello, proven.as_ref()) {
-        Ok(Admission::Join(link)) => Ok((link, Vec::new())),
+        Ok(Admission::Join(link, sealing)) => Ok((link, Vec::new(), sealing)),
         Ok(Admission::Open) => ctx.incoming.acquire().and_then(|slot| {
             let id = shared.next_link.fetch_add(1, Ordering::Relaxed);
             let link = Arc::new(AcceptedLink {
@@ -514,14 +516,14 @@ fn admit(
             // in this table or queued for the link.
             let regions = ctx.regions.read().map(|t| link.view.adverts(&t)).unwrap_or_default();
             links.open(hello, link.clone(), proven.as_ref())?;
-            Ok((link, regions))
+            Ok((link, regions, None))
         }),
         Err(e) => Err(e),
     };
     Ok(match admitted {
-        Ok((link, regions)) => {
+        Ok((link, regions, sealing)) => {
             writer.push(&Frame::HelloAck(me.accept(regions)), 0)?;
-            Ok(link)
+            Ok((link, sealing))
         }
         Err(e) => {
             // On an engine that authenticates, a refused stream learns nothing about it.
@@ -559,8 +561,8 @@ async fn serve_stream(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>, 
         return Ok(());
     }
     let admitted = admit(&shared, &hello, session.as_ref(), &mut writer)?;
-    let link = match admitted {
-        Ok(link) => link,
+    let (link, sealing) = match admitted {
+        Ok(admitted) => admitted,
         Err(e) => {
             // Anyone can make an engine refuse an unauthenticated stream: at a rate worth no warning.
             match session {
@@ -573,6 +575,14 @@ async fn serve_stream(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>, 
     };
     writer.flush().await?;
     reader.admitted(shared.config.limits);
+    // Everything after the answer to the hello goes in records, when the stream is protected.
+    let (reader, writer) = match sealing {
+        Some(sealing) => {
+            let (sealer, opener) = *sealing;
+            (reader.sealed(opener)?, writer.sealed(sealer)?)
+        }
+        None => (reader, writer),
+    };
     let index = StreamIndex(hello.stream_index);
     if index.is_control() {
         let identity = link.identity().map(|i| i.name.as_str()).unwrap_or("unauthenticated");

@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::Arc;
 
-use ferry_core::{Error, PeerIdentity, Result};
+use ferry_core::{DataProtection, Error, PeerIdentity, Result};
 use ferry_proto::JoinKey;
 use ferry_proto::auth::JOIN_EXPORTER_LABEL;
 use rustls::pki_types::pem::PemObject;
@@ -26,14 +26,16 @@ pub(crate) const TLS_HANDSHAKE_RECORD: u8 = 0x16;
 /// How an engine authenticates its links: its certificate and key, and the CA roots its peers'
 /// certificates must chain to.
 ///
-/// Mutual TLS 1.3 on a link's control stream (and, with [`TlsConfig::encrypt_data`], on every stream).
+/// Mutual TLS 1.3 on a link's control stream, and the data streams protected under keys derived
+/// from that session ([`TlsConfig::data_protection`]).
 ///
-/// Why only the control stream by default: it carries everything a peer must not learn or forge
-/// without authenticating (the region table with keys and addresses, engine ids, notifications, the
-/// RDMA queue-pair parameters and rkeys), while bulk data on a private fabric needs no secrecy from
-/// the network, only from peers that were never let in. The other streams join with a proof derived
-/// from this session (see `ferry_proto::auth`), so nobody joins a link without having held its
-/// session.
+/// The control stream carries everything a peer must not learn or forge without authenticating (the
+/// region table with keys and addresses, engine ids, notifications, the RDMA queue-pair parameters
+/// and rkeys). The data streams join with a proof derived from its session (see `ferry_proto::auth`),
+/// so nobody joins a link without having held it, and by default every record on them carries an
+/// AES-GCM tag under a key of that session ([`DataProtection::Integrity`]): nobody on the path can
+/// change, inject or replay a byte unnoticed. Bulk data on a private fabric needs no secrecy from the
+/// network, so it is not encrypted unless asked ([`DataProtection::Encrypted`], `--encrypt`).
 ///
 /// Both sides present certificates, and each checks the other's against its own CA roots (rustls'
 /// WebPKI verifiers). The initiator checks the target's certificate against the name it dials (the
@@ -45,14 +47,14 @@ pub struct TlsConfig {
     server: Arc<ServerConfig>,
     client: Arc<ClientConfig>,
     server_name: Option<ServerName<'static>>,
-    encrypt_data: bool,
+    data_protection: DataProtection,
 }
 
 impl std::fmt::Debug for TlsConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TlsConfig")
             .field("server_name", &self.server_name)
-            .field("encrypt_data", &self.encrypt_data)
+            .field("data_protection", &self.data_protection)
             .finish_non_exhaustive()
     }
 }
@@ -256,7 +258,7 @@ impl TlsConfig {
             server,
             client,
             server_name: None,
-            encrypt_data: false,
+            data_protection: DataProtection::Integrity,
         }
     }
 
@@ -269,18 +271,34 @@ impl TlsConfig {
         Ok(self)
     }
 
-    /// Encrypts every stream of the links this engine dials, not only the control stream (bulk data
-    /// then pays for AES-GCM, and moves through a buffer instead of straight between socket and
-    /// region); and, on a listening engine, requires it of the links it accepts: a plain data stream
-    /// is refused, however well it proves its link.
-    pub fn encrypt_data(mut self, on: bool) -> TlsConfig {
-        self.encrypt_data = on;
+    /// What protects the data streams of the links this engine dials, and the least a listening
+    /// engine accepts on the links it admits (a stream that asks for less is refused, however well it
+    /// proves its link). [`DataProtection::Integrity`] by default; [`DataProtection::Plain`] only
+    /// where nobody can reach the network between the engines (and both ends must say so), and
+    /// [`DataProtection::Encrypted`] where the bytes are secret. Protected bytes pay for AES-GCM and
+    /// a copy on each side, and move through a buffer instead of straight between socket and region.
+    pub fn data_protection(mut self, protection: DataProtection) -> TlsConfig {
+        self.data_protection = protection;
         self
     }
 
-    /// Whether every stream is encrypted.
+    /// Encrypts the data streams too ([`DataProtection::Encrypted`]); `false` goes back to the
+    /// default, [`DataProtection::Integrity`].
+    pub fn encrypt_data(self, on: bool) -> TlsConfig {
+        self.data_protection(match on {
+            true => DataProtection::Encrypted,
+            false => DataProtection::Integrity,
+        })
+    }
+
+    /// What protects the data streams (see [`data_protection`](Self::data_protection)).
+    pub fn protection(&self) -> DataProtection {
+        self.data_protection
+    }
+
+    /// Whether the data streams are encrypted.
     pub fn encrypts_data(&self) -> bool {
-        self.encrypt_data
+        self.data_protection == DataProtection::Encrypted
     }
 
     /// Runs the target's side of the handshake on `tcp` (whose first byte is a TLS record).

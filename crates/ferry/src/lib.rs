@@ -48,9 +48,9 @@ pub use engine::{
     DEREGISTER_LIMIT, Engine, EngineBuilder, PreparedTransfer, REVOKE_GRACE, REVOKE_LIMIT,
 };
 pub use ferry_core::{
-    Access, BufferPool, DmaView, Durability, Error, ErrorCode, Grants, MemoryBlock, MemoryRegistry, Notification, Op,
-    PciAddress, PeerIdentity, PersistMethod, PersistStats, RailStats, ReceivedNotification, RegionAd, RegionKey,
-    RemoteRegions, Result, TransferDesc, TransportKind,
+    Access, BufferPool, DataProtection, DmaView, Durability, Error, ErrorCode, Grants, MemoryBlock, MemoryRegistry,
+    Notification, Op, PciAddress, PeerIdentity, PersistMethod, PersistStats, RailStats, ReceivedNotification, RegionAd,
+    RegionKey, RemoteRegions, Result, TransferDesc, TransportKind,
 };
 pub use ferry_tcp::{DevelopmentCa, IssuedPem, TlsConfig};
 pub use file::{FileMapping, FlushMethod};

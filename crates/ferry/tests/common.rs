@@ -159,6 +159,7 @@ pub mod raw {
                     transports: vec![ferry::TransportKind::Tcp],
                     host_id: 0,
                     join_proof: [0; 32],
+                    protection: ferry::DataProtection::Plain,
                 }),
                 &[],
             )

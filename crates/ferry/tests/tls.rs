@@ -12,6 +12,8 @@ use ferry::codec::{Frame, Hello};
 use ferry::{Access, DevelopmentCa, Engine, Error, ErrorCode, Notification, Op, TlsConfig, TransferDesc};
 use ferry_proto::auth::JOIN_EXPORTER_LABEL;
 use ferry_proto::{JoinKey, LinkToken, StreamIndex};
+
+const INTEGRITY: ferry::DataProtection = ferry::DataProtection::Integrity;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// A certificate authority for one test: the library's development CA, with the tests' unwraps.
@@ -227,6 +229,7 @@ async fn raw_link(ca: &Ca, name: &str, addr: SocketAddr) -> tokio_rustls::client
         transports: vec![ferry::TransportKind::Tcp],
         host_id: 0,
         join_proof: [0; 32],
+        protection: ferry::DataProtection::Plain,
     });
     assert!(matches!(exchange(&mut raw, &hello, &[]).await, Frame::HelloAck(a) if a.refusal.is_none()));
     raw
@@ -308,12 +311,14 @@ async fn a_stream_joins_only_with_the_sessions_proof() {
             engine_id: 42,
             link_token: token,
             stream_index: index,
-            stream_count: 3,
+            stream_count: 4,
             transports: vec![ferry::TransportKind::Tcp],
             host_id: 0,
             join_proof,
+            protection: INTEGRITY,
         })
     };
+    let proof = |index: u16| key.proof(LinkToken(token), StreamIndex(index), INTEGRITY);
     let mut out = bytes::BytesMut::new();
     ferry::codec::encode(&hello(0, [0; 32]), 0, &mut out).unwrap();
     tls.write_all(&out).await.unwrap();
@@ -338,28 +343,50 @@ async fn a_stream_joins_only_with_the_sessions_proof() {
     let no_proof = join(hello(1, [0; 32])).await;
     assert_eq!(no_proof.refusal.map(|r| r.code), Some(ErrorCode::PermissionDenied));
     assert_eq!(no_proof.engine_id, 0, "a refused join learns nothing");
-    let other_session = JoinKey::from_exported(&[9; 32]).proof(LinkToken(token), StreamIndex(1));
+    let other_session = JoinKey::from_exported(&[9; 32]).proof(LinkToken(token), StreamIndex(1), INTEGRITY);
     let forged = join(hello(1, other_session)).await;
     assert_eq!(forged.refusal.map(|r| r.code), Some(ErrorCode::PermissionDenied));
-    let proven = join(hello(1, key.proof(LinkToken(token), StreamIndex(1)))).await;
+    let proven = join(hello(1, proof(1))).await;
     assert!(proven.refusal.is_none(), "{proven:?}");
     // The same proof again: that index joined already.
-    let replayed = join(hello(1, key.proof(LinkToken(token), StreamIndex(1)))).await;
+    let replayed = join(hello(1, proof(1))).await;
     assert!(replayed.refusal.is_some());
 
-    // A joined data stream is plain TCP: a notification on it, which would be reported as sent by
-    // the link's proven identity, ends that stream and is not delivered. On the control stream, it is.
-    let mut data = RawClient::connect(addr).await;
-    data.send(&hello(2, key.proof(LinkToken(token), StreamIndex(2))), &[])
-        .await;
-    assert!(matches!(data.recv().await.map(|d| d.frame), Some(Frame::HelloAck(a)) if a.refusal.is_none()));
     let notify = |id| Frame::Notify {
         id,
         name: "kv".into(),
         msg: "forged".into(),
     };
+    // After its answer a data stream speaks in sealed records: a frame that is not in one (what
+    // someone on the path would inject) ends the stream and is not acted on.
+    let mut data = RawClient::connect(addr).await;
+    data.send(&hello(2, proof(2)), &[]).await;
+    assert!(matches!(data.recv().await.map(|d| d.frame), Some(Frame::HelloAck(a)) if a.refusal.is_none()));
     data.send(&notify(1), &[]).await;
-    assert!(data.recv().await.is_none(), "the data stream was not closed");
+    assert!(
+        data.recv().await.is_none(),
+        "an unsealed frame did not close the data stream"
+    );
+    // A notification properly sealed on a data stream, which would be reported as sent by the
+    // link's proven identity, ends that stream too and is not delivered: notifications take the
+    // control stream only. On the control stream, it is delivered.
+    let mut data = RawClient::connect(addr).await;
+    data.send(&hello(3, proof(3)), &[]).await;
+    assert!(matches!(data.recv().await.map(|d| d.frame), Some(Frame::HelloAck(a)) if a.refusal.is_none()));
+    let (mut sealer, _) = key
+        .stream_keys(LinkToken(token), StreamIndex(3))
+        .unwrap()
+        .initiator(INTEGRITY);
+    let mut record = Vec::new();
+    ferry_proto::Sealer::begin(&mut record);
+    let mut frame = bytes::BytesMut::new();
+    ferry::codec::encode(&notify(1), 0, &mut frame).unwrap();
+    record.extend_from_slice(&frame);
+    sealer.finish(&mut record).unwrap();
+    data.stream.write_all(&record).await.unwrap();
+    let mut rest = Vec::new();
+    let ended = tokio::time::timeout(T, data.stream.read_to_end(&mut rest)).await;
+    assert!(ended.is_ok(), "a sealed notification did not close the data stream");
     assert!(
         target.take_notifications().is_empty(),
         "a data stream's notification was delivered"

@@ -1,7 +1,7 @@
 """Type stubs of the extension module; the package re-exports everything here."""
 
 import os
-from typing import Any, AsyncIterator, Awaitable, Dict, Generator, List, Optional, Sequence, Tuple, Union, final
+from typing import Any, AsyncIterator, Awaitable, Dict, Generator, List, Literal, Optional, Sequence, Tuple, Union, final
 
 __all__ = [
     "Engine",
@@ -131,6 +131,7 @@ class Engine:
         tls_name: Optional[str] = None,
         tls_server_name: Optional[str] = None,
         encrypt: bool = False,
+        data_protection: Optional[Literal["plain", "integrity", "encrypted"]] = None,
     ) -> "Engine": ...
     @property
     def id(self) -> int: ...
