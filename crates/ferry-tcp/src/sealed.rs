@@ -31,7 +31,8 @@ fn io_error(e: ferry_core::Error) -> std::io::Error {
 pub struct SealedWrite {
     inner: OwnedWriteHalf,
     sealer: Sealer,
-    /// The sealed record being sent, and how much of it went.
+    /// The sealed record being sent, and how much of it went (all of it once sent: the buffer keeps
+    /// its length, to be overwritten by the next record).
     record: Vec<u8>,
     sent: usize,
 }
@@ -55,8 +56,6 @@ impl SealedWrite {
             }
             self.sent += n;
         }
-        self.record.clear();
-        self.sent = 0;
         Poll::Ready(Ok(()))
     }
 }
@@ -68,13 +67,19 @@ impl SealedWrite {
     pub(crate) async fn send_region(&mut self, region: &RegionEntry, offset: u64, len: usize) -> std::io::Result<bool> {
         std::future::poll_fn(|cx| self.poll_drain(cx)).await?;
         let len = len.min(MAX_BODY);
-        Sealer::begin(&mut self.record);
-        self.record.resize(HEADER_LEN + len, 0);
+        // The header's room and the body, without zeroing what the copy overwrites anyway (the
+        // buffer keeps its length between records; only growing it fills).
+        let want = HEADER_LEN + len;
+        match self.record.len() < want {
+            true => self.record.resize(want, 0),
+            false => self.record.truncate(want),
+        }
         let intact = region.copy_out(offset, &mut self.record[HEADER_LEN..]).is_ok();
         if !intact {
             self.record[HEADER_LEN..].fill(0);
         }
         self.sealer.finish(&mut self.record).map_err(io_error)?;
+        self.sent = 0;
         Ok(intact)
     }
 }
@@ -90,6 +95,7 @@ impl AsyncWrite for SealedWrite {
         Sealer::begin(&mut this.record);
         this.record.extend_from_slice(&buf[..n]);
         this.sealer.finish(&mut this.record).map_err(io_error)?;
+        this.sent = 0;
         // The record is taken: start sending it now, and finish on the next write or flush.
         if let Poll::Ready(Err(e)) = this.poll_drain(cx) {
             return Poll::Ready(Err(e));
