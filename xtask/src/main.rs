@@ -11,6 +11,7 @@
 //! servers on every exit path, parsing the peers' output) are ordinary code with unit tests.
 
 mod bench;
+mod capi;
 mod fuzz;
 mod hostile;
 mod peers;

@@ -216,6 +216,12 @@ const STEPS: &[Step] = &[
         lint: false,
         run: |_| run_step(cargo().args(["xtask", "rig", "powercut"]), 30 * MINUTE),
     },
+    // libferry and its header as C and C++ programs use them: shared, static, and under ASan/UBSan.
+    Step {
+        name: "C and C++ examples (libferry: shared, static, ASan)",
+        lint: false,
+        run: |_| crate::capi::examples(),
+    },
     Step {
         name: "example kv_cache_handoff",
         lint: false,
