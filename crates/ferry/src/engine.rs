@@ -397,6 +397,16 @@ impl EngineBuilder {
     pub async fn build(self) -> Result<Engine> {
         self.validate()?;
         self.validate_directory()?;
+        if self
+            .tls
+            .as_ref()
+            .is_some_and(|t| t.protection() == ferry_core::DataProtection::Plain)
+        {
+            tracing::warn!(
+                "data protection is off: whoever can write to the network between engines can change or inject \
+                 the bytes of this engine's TCP data streams; use it only where nobody else can reach that network"
+            );
+        }
         let transports: Vec<Arc<dyn Transport>> =
             crate::capabilities::compiled_transports(&self.transport_options, self.tls.is_some())
                 .into_iter()
