@@ -176,6 +176,23 @@ const MEASURES: &[Measure] = &[
             metric: Metric::GbPerS,
         },
     },
+    Measure {
+        key: "ferry.nixl write 1MiB",
+        probe: Probe::Python {
+            case: "nixl-write-1mib",
+            blocking: false,
+            metric: Metric::GbPerS,
+        },
+    },
+    ferry("ferry KV 64KiB x256", write("64KiB", 256, None, None), Metric::GbPerS),
+    Measure {
+        key: "ferry.nixl KV 64KiB x256 prepared",
+        probe: Probe::Python {
+            case: "nixl-kv-64kib-x256",
+            blocking: false,
+            metric: Metric::GbPerS,
+        },
+    },
     ferry(
         "ferry write 1MiB, mutual TLS, plain data",
         FerryCase {
@@ -534,6 +551,26 @@ const COMPARISONS: &[Comparison] = &[
         peer_scale: 1.0,
         unit: Unit::GbPerS,
         target: Target::RatioAtLeast(0.7),
+    },
+    // NIXL's agent API (ferry.nixl) is a layer over the Python binding: it should cost nothing
+    // that matters beside it, and the KV shape (prepared block lists) is reported beside Rust's.
+    Comparison {
+        id: "pn",
+        name: "write 1MiB: ferry.nixl (NIXL agent API) / Python native",
+        ferry: "ferry.nixl write 1MiB",
+        peer: Some("python write 1MiB"),
+        peer_scale: 1.0,
+        unit: Unit::GbPerS,
+        target: Target::RatioAtLeast(0.9),
+    },
+    Comparison {
+        id: "pn2",
+        name: "KV 64KiB x256: ferry.nixl prepared block lists / Rust",
+        ferry: "ferry.nixl KV 64KiB x256 prepared",
+        peer: Some("ferry KV 64KiB x256"),
+        peer_scale: 1.0,
+        unit: Unit::GbPerS,
+        target: Target::Info,
     },
     Comparison {
         id: "pc",

@@ -8,7 +8,11 @@ right before each Python round and prints Python/Rust ratios.
 
 The cases are the ones the binding promises figures for: 1 MiB writes (bulk), batches of 256 × 4 KiB
 writes (KV-cache blocks), and the round trip of one 64-byte write, awaited (``await
-engine.transfer``) and from a plain thread (``engine.transfer_blocking``).
+engine.transfer``) and from a plain thread (``engine.transfer_blocking``). The ``nixl-`` cases run
+the same kind of load through ``ferry.nixl``, NIXL's synchronous API, as a program written for NIXL
+drives it: ``depth`` transfer handles posted with ``transfer`` and polled with ``check_xfer_state``
+(1 MiB writes made by ``initialize_xfer``; 256 × 64 KiB blocks picked by index from lists prepared
+once, ``make_prepped_xfer``).
 """
 
 import argparse
@@ -31,6 +35,12 @@ CASES = {
     "write-1mib": (1 << 20, 1, 8, 2),
     "write-4kib-x256": (4 << 10, 256, 8, 2),
     "write-64b-p50": (64, 1, 1, 1),
+}
+
+# The same shape, through ferry.nixl; name: (size, batch, depth, TCP streams).
+NIXL_CASES = {
+    "nixl-write-1mib": (1 << 20, 1, 8, 2),
+    "nixl-kv-64kib-x256": (64 << 10, 256, 8, 2),
 }
 
 
@@ -95,6 +105,82 @@ def _blocking_case(size: int, streams: int, duration: float, buffer_pool: str) -
     return _result(size, 1, 1, latencies, elapsed)
 
 
+_POLL_PAUSE = 50e-6
+"""How long the nixl cases' polling loop sleeps after a pass found nothing done, as a program with
+other work between polls would: a loop that never sleeps competes for a core with the engine's
+threads, which on a small machine measures the polling rather than the transfers."""
+
+
+def _nixl_case(size: int, batch: int, depth: int, streams: int, duration: float, buffer_pool: str) -> Dict:
+    from ferry.nixl import nixl_agent, nixl_agent_config
+
+    def config() -> "nixl_agent_config":
+        return nixl_agent_config(
+            backends=["UCX"], transports=["tcp"], engine_options={"buffer_pool": buffer_pool, "streams": streams}
+        )
+
+    target = nixl_agent("bench-target", config())
+    initiator = nixl_agent("bench-initiator", config())
+    try:
+        src = np.random.default_rng(1).integers(0, 255, size * batch, dtype=np.uint8)
+        dst = np.zeros(size * batch, dtype=np.uint8)
+        initiator.register_memory([(src.ctypes.data, src.nbytes, 0, "")], "DRAM")
+        target.register_memory([(dst.ctypes.data, dst.nbytes, 0, "")], "DRAM")
+        name = initiator.add_remote_agent(target.get_agent_metadata())
+        blocks = np.empty((batch, 3), dtype=np.uint64)
+        blocks[:, 1] = size
+        blocks[:, 2] = 0
+        offsets = np.arange(batch, dtype=np.uint64) * np.uint64(size)
+        blocks[:, 0] = np.uint64(src.ctypes.data) + offsets
+        local_blocks = blocks.copy()
+        blocks[:, 0] = np.uint64(dst.ctypes.data) + offsets
+        remote_blocks = blocks.copy()
+        if batch == 1:
+            local = initiator.get_xfer_descs(local_blocks, "DRAM")
+            remote = initiator.get_xfer_descs(remote_blocks, "DRAM")
+            assert local is not None and remote is not None
+            handles = [initiator.initialize_xfer("WRITE", local, remote, name) for _ in range(depth)]
+        else:
+            local_side = initiator.prep_xfer_dlist("NIXL_INIT_AGENT", local_blocks, "DRAM")
+            remote_side = initiator.prep_xfer_dlist(name, remote_blocks, "DRAM")
+            ids = np.arange(batch, dtype=np.int32)
+            handles = [
+                initiator.make_prepped_xfer("WRITE", local_side, ids, remote_side, ids) for _ in range(depth)
+            ]
+        latencies: List[float] = []
+        begin = time.perf_counter()
+        measure_from = begin + duration / 10
+        end = measure_from + duration
+        started = [0.0] * depth
+        running = list(range(depth))
+        for i in running:
+            started[i] = time.perf_counter()
+            initiator.transfer(handles[i])
+        while running:
+            still = []
+            for i in running:
+                if initiator.check_xfer_state(handles[i]) != "DONE":
+                    still.append(i)
+                    continue
+                now = time.perf_counter()
+                if started[i] >= measure_from:
+                    latencies.append(now - started[i])
+                if now < end:
+                    started[i] = now
+                    initiator.transfer(handles[i])
+                    still.append(i)
+            if len(still) == len(running) and still:
+                time.sleep(_POLL_PAUSE)
+            running = still
+        elapsed = time.perf_counter() - measure_from
+        for h in handles:
+            initiator.release_xfer_handle(h)
+    finally:
+        initiator.close()
+        target.close()
+    return _result(size, batch, depth, latencies, elapsed)
+
+
 def _result(size: int, batch: int, depth: int, latencies: List[float], elapsed: float) -> Dict:
     n = len(latencies)
     return {
@@ -128,12 +214,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--json", action="store_true", help="one JSON object per case, instead of a table")
     parser.add_argument(
         "--case",
-        choices=sorted(CASES),
+        choices=sorted(CASES) + sorted(NIXL_CASES),
         help="run only this case, once, from Python only, and print its JSON (what `cargo xtask bench` runs)",
     )
     parser.add_argument("--blocking", action="store_true", help="with --case: use transfer_blocking, not await")
     args = parser.parse_args(argv)
 
+    if args.case in NIXL_CASES:
+        if args.blocking:
+            parser.error("--blocking applies to the asyncio cases; ferry.nixl is synchronous already")
+        size, batch, depth, streams = NIXL_CASES[args.case]
+        print(json.dumps(_nixl_case(size, batch, depth, streams, args.duration, args.buffer_pool)), flush=True)
+        return 0
     if args.case:
         size, batch, depth, streams = CASES[args.case]
         if args.blocking:
@@ -146,7 +238,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
 
     ferry_bin = args.rust or shutil.which("ferry")
-    for name, (size, batch, depth, streams) in CASES.items():
+    for name, (size, batch, depth, streams) in [*CASES.items(), *NIXL_CASES.items()]:
+        through_nixl = name in NIXL_CASES
         py_best: Optional[Dict] = None
         rust_best: Optional[Dict] = None
         blocking_best: Optional[Dict] = None
@@ -155,7 +248,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             if ferry_bin:
                 r = _rust_case(ferry_bin, size, batch, depth, streams, args.duration, args.buffer_pool)
                 rust_best = _better(rust_best, r, latency_case)
-            p = asyncio.run(_python_case(size, batch, depth, streams, args.duration, args.buffer_pool))
+            if through_nixl:
+                p = _nixl_case(size, batch, depth, streams, args.duration, args.buffer_pool)
+            else:
+                p = asyncio.run(_python_case(size, batch, depth, streams, args.duration, args.buffer_pool))
             py_best = _better(py_best, p, latency_case)
             if latency_case:
                 b = _blocking_case(size, streams, args.duration, args.buffer_pool)
@@ -187,7 +283,7 @@ def _better(best: Optional[Dict], new: Dict, by_latency: bool) -> Dict:
 
 def _print_row(row: Dict) -> None:
     py, rust = row["python"], row.get("rust")
-    line = f"{row['case']:<16} python {py['gb_per_s']:7.3f} GB/s p50 {py['p50_us']:9.1f} us"
+    line = f"{row['case']:<18} python {py['gb_per_s']:7.3f} GB/s p50 {py['p50_us']:9.1f} us"
     if rust:
         line += f" | rust {rust['gb_per_s']:7.3f} GB/s p50 {rust['p50_us']:9.1f} us"
     if "python_over_rust_gbps" in row:

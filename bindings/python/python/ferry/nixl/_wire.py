@@ -1,0 +1,285 @@
+"""What ``ferry.nixl`` sends to other processes, in formats of its own, checked field by field on
+the way in, because they come from another process and possibly another host: agent metadata,
+serialized descriptor lists, and NIXL notifications (arbitrary bytes) carried by ferry
+notifications (two strings of at most 1024 characters each).
+
+NIXL itself pickles descriptor lists; unpickling runs code chosen by the sender, so nothing here
+is pickled. Each blob starts with an 8-byte magic and a 16-bit version; a version this code does
+not know, a length that does not add up, a field of the wrong type or out of its range is refused
+with ``nixlInvalidParamError`` before anything is used.
+"""
+
+import json
+import re
+import struct
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from ._bindings import nixlInvalidParamError, nixl_mem_t
+
+METADATA_MAGIC = b"FRYNXLMD"
+DESCS_MAGIC = b"FRYNXLDL"
+VERSION = 1
+
+MAX_METADATA_BYTES = 16 << 20
+MAX_REGIONS = 1 << 20
+MAX_AGENT_NAME_CHARS = 256
+MAX_ADDR_CHARS = 256
+MAX_DESCS = 1 << 24
+MAX_DESC_META_BYTES = 1 << 16
+MAX_SERIALIZED_DESCS_BYTES = 1 << 30
+
+MAX_NOTIF_BYTES = 64 << 10
+"""The largest NIXL notification ``ferry.nixl`` sends or reassembles: 64 ferry notifications."""
+
+NOTIF_CHUNK = 1024
+"""Bytes of a NIXL notification per ferry notification: one character each (latin-1)."""
+
+_HEADER = struct.Struct("<8sHI")
+_DESCS_HEADER = struct.Struct("<8sHBBQ")
+_KIND_XFER = 1
+_KIND_REG = 2
+_U64 = (1 << 64) - 1
+_ADDR = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]+):([0-9]{1,5})$")
+
+
+def _bad(what: str) -> nixlInvalidParamError:
+    return nixlInvalidParamError(f"NIXL_ERR_INVALID_PARAM: {what}")
+
+
+def check_agent_name(name: Any) -> str:
+    """An agent name as this package accepts it: a non-empty string, at most 256 characters,
+    without control characters (it travels in every notification's header)."""
+    if isinstance(name, bytes):
+        try:
+            name = name.decode()
+        except UnicodeDecodeError:
+            raise ValueError("agent name is not UTF-8") from None
+    if not isinstance(name, str) or not name:
+        raise ValueError("agent name must be a non-empty string")
+    if len(name) > MAX_AGENT_NAME_CHARS:
+        raise ValueError(f"agent name has {len(name)} characters; the limit is {MAX_AGENT_NAME_CHARS}")
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in name):
+        raise ValueError("agent name must not contain control characters")
+    return name
+
+
+@dataclass(frozen=True)
+class AgentMetadata:
+    """An agent as another process sees it: its name, the ferry engine it runs (address and id),
+    and the memory it registered, as ``(addr, len)`` pairs."""
+
+    name: str
+    addr: str
+    engine_id: int
+    regions: Tuple[Tuple[int, int], ...]
+
+
+def encode_metadata(md: AgentMetadata) -> bytes:
+    body = json.dumps(
+        {
+            "name": md.name,
+            "addr": md.addr,
+            "engine_id": md.engine_id,
+            "regions": [[a, n] for a, n in md.regions],
+        },
+        separators=(",", ":"),
+    ).encode()
+    return _HEADER.pack(METADATA_MAGIC, VERSION, len(body)) + body
+
+
+def _u64(value: Any, what: str) -> int:
+    if type(value) is not int or not 0 <= value <= _U64:
+        raise _bad(f"{what} must be an integer in [0, 2^64)")
+    return value
+
+
+def decode_metadata(blob: Any) -> AgentMetadata:
+    if not isinstance(blob, (bytes, bytearray, memoryview)):
+        raise _bad(f"agent metadata must be bytes, not {type(blob).__name__}")
+    data = bytes(blob)
+    if len(data) > MAX_METADATA_BYTES:
+        raise _bad(f"agent metadata of {len(data)} bytes exceeds the limit of {MAX_METADATA_BYTES}")
+    if len(data) < _HEADER.size:
+        raise _bad("agent metadata is truncated")
+    magic, version, length = _HEADER.unpack_from(data)
+    if magic != METADATA_MAGIC:
+        raise _bad("not ferry.nixl agent metadata (metadata from NIXL itself is not understood)")
+    if version != VERSION:
+        raise _bad(f"agent metadata version {version}; this ferry.nixl reads version {VERSION}")
+    if length != len(data) - _HEADER.size:
+        raise _bad(f"agent metadata says {length} bytes of body but carries {len(data) - _HEADER.size}")
+    try:
+        doc = json.loads(data[_HEADER.size :].decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise _bad(f"agent metadata body is not valid JSON: {e}") from None
+    if not isinstance(doc, dict) or set(doc) != {"name", "addr", "engine_id", "regions"}:
+        raise _bad("agent metadata must hold exactly name, addr, engine_id and regions")
+    try:
+        name = check_agent_name(doc["name"])
+    except ValueError as e:
+        raise _bad(f"agent metadata: {e}") from None
+    addr = doc["addr"]
+    if not isinstance(addr, str) or len(addr) > MAX_ADDR_CHARS or not _ADDR.match(addr):
+        raise _bad("agent metadata: addr must be host:port")
+    if not 0 < int(_ADDR.match(addr).group(2)) < 65536:  # type: ignore[union-attr]
+        raise _bad("agent metadata: port out of range")
+    engine_id = _u64(doc["engine_id"], "engine_id")
+    raw = doc["regions"]
+    if not isinstance(raw, list) or len(raw) > MAX_REGIONS:
+        raise _bad(f"agent metadata: regions must be a list of at most {MAX_REGIONS}")
+    regions = []
+    for r in raw:
+        if not isinstance(r, list) or len(r) != 2:
+            raise _bad("agent metadata: each region must be [addr, len]")
+        a, n = _u64(r[0], "region addr"), _u64(r[1], "region len")
+        if n == 0 or a + n > _U64 + 1:
+            raise _bad("agent metadata: a region is empty or wraps around the address space")
+        regions.append((a, n))
+    return AgentMetadata(name, addr, engine_id, tuple(regions))
+
+
+def encode_descs(kind_reg: bool, mem: nixl_mem_t, rows: np.ndarray, metas: Optional[List[bytes]]) -> bytes:
+    n = int(rows.shape[0])
+    parts = [
+        _DESCS_HEADER.pack(DESCS_MAGIC, VERSION, _KIND_REG if kind_reg else _KIND_XFER, int(mem), n),
+        np.ascontiguousarray(rows, dtype="<u8").tobytes(),
+    ]
+    if kind_reg:
+        assert metas is not None
+        for m in metas:
+            parts.append(struct.pack("<I", len(m)))
+            parts.append(m)
+    return b"".join(parts)
+
+
+def decode_descs(blob: Any) -> Tuple[bool, nixl_mem_t, np.ndarray, Optional[List[bytes]]]:
+    """``(is_registration_list, mem_type, N×3 rows, metas or None)``."""
+    if not isinstance(blob, (bytes, bytearray, memoryview)):
+        raise _bad(f"serialized descriptors must be bytes, not {type(blob).__name__}")
+    data = bytes(blob)
+    if len(data) > MAX_SERIALIZED_DESCS_BYTES:
+        raise _bad(f"serialized descriptors of {len(data)} bytes exceed the limit of {MAX_SERIALIZED_DESCS_BYTES}")
+    if len(data) < _DESCS_HEADER.size:
+        raise _bad("serialized descriptors are truncated")
+    magic, version, kind, mem, n = _DESCS_HEADER.unpack_from(data)
+    if magic != DESCS_MAGIC:
+        raise _bad("not a ferry.nixl descriptor list (NIXL's pickles are not read)")
+    if version != VERSION:
+        raise _bad(f"descriptor list version {version}; this ferry.nixl reads version {VERSION}")
+    if kind not in (_KIND_XFER, _KIND_REG):
+        raise _bad(f"unknown descriptor list kind {kind}")
+    try:
+        mem_type = nixl_mem_t(mem)
+    except ValueError:
+        raise _bad(f"unknown memory type {mem}") from None
+    if n > MAX_DESCS:
+        raise _bad(f"{n} descriptors exceed the limit of {MAX_DESCS}")
+    end = _DESCS_HEADER.size + 24 * n
+    if len(data) < end:
+        raise _bad("serialized descriptors are truncated")
+    rows = np.frombuffer(data, dtype="<u8", count=3 * n, offset=_DESCS_HEADER.size).reshape(n, 3)
+    rows = rows.astype(np.uint64, copy=True)
+    metas: Optional[List[bytes]] = None
+    if kind == _KIND_REG:
+        metas = []
+        pos = end
+        for _ in range(n):
+            if len(data) < pos + 4:
+                raise _bad("serialized descriptors are truncated")
+            (m,) = struct.unpack_from("<I", data, pos)
+            pos += 4
+            if m > MAX_DESC_META_BYTES or len(data) < pos + m:
+                raise _bad("descriptor metadata is oversized or truncated")
+            metas.append(data[pos : pos + m])
+            pos += m
+        end = pos
+    if end != len(data):
+        raise _bad(f"{len(data) - end} bytes follow the serialized descriptors")
+    if n and bool(((rows[:, 0] + rows[:, 1]) < rows[:, 0]).any()):
+        raise _bad("a descriptor wraps around the address space")
+    return kind == _KIND_REG, mem_type, rows, metas
+
+
+NOTIF_PREFIX = "nixl1"
+_NOTIF_NAME = re.compile(r"^nixl1 ([0-9a-f]{1,16}) ([0-9a-f]{1,4}) ([0-9a-f]{1,4}) (.+)$", re.DOTALL)
+
+
+def notif_frames(sender: str, msg_id: int, msg: bytes) -> List[Tuple[str, str]]:
+    """The ferry notifications ``(name, msg)`` that carry ``msg`` from agent ``sender``: the name
+    says which message, which part and how many parts, and who sent it; each body holds up to
+    1024 bytes, one character per byte."""
+    if len(msg) > MAX_NOTIF_BYTES:
+        raise _bad(f"a notification of {len(msg)} bytes exceeds the limit of {MAX_NOTIF_BYTES}")
+    parts = max(1, -(-len(msg) // NOTIF_CHUNK))
+    return [
+        (
+            f"{NOTIF_PREFIX} {msg_id:x} {i:x} {parts:x} {sender}",
+            msg[i * NOTIF_CHUNK : (i + 1) * NOTIF_CHUNK].decode("latin-1"),
+        )
+        for i in range(parts)
+    ]
+
+
+def parse_notif(name: str, body: str) -> Optional[Tuple[str, int, int, int, bytes]]:
+    """``(sender, msg_id, part, parts, bytes)`` of one frame, or None for a notification that is
+    not one (sent by something other than ``ferry.nixl``, or malformed)."""
+    m = _NOTIF_NAME.match(name)
+    if m is None:
+        return None
+    msg_id, part, parts = int(m.group(1), 16), int(m.group(2), 16), int(m.group(3), 16)
+    sender = m.group(4)
+    if not 0 <= part < parts or parts * NOTIF_CHUNK > MAX_NOTIF_BYTES + NOTIF_CHUNK - 1:
+        return None
+    if len(body) > NOTIF_CHUNK or (part + 1 < parts and len(body) != NOTIF_CHUNK):
+        return None
+    try:
+        payload = body.encode("latin-1")
+    except UnicodeEncodeError:
+        return None
+    try:
+        check_agent_name(sender)
+    except ValueError:
+        return None
+    return sender, msg_id, part, parts, payload
+
+
+class NotifAssembler:
+    """Puts multi-part NIXL notifications back together, per sending engine and message id, and
+    bounds what waits: at most ``max_partial`` incomplete messages per sender (the oldest is
+    dropped beyond that, as a sender that died mid-message leaves one behind), and ``max_total``
+    in all, whatever names the senders claim."""
+
+    def __init__(self, max_partial: int = 64, max_total: int = 1024) -> None:
+        self._partial: Dict[Tuple[int, str, str, int], List[bytes]] = {}
+        self._max_partial = max_partial
+        self._max_total = max_total
+
+    def feed(self, from_engine: int, from_addr: str, name: str, body: str) -> Optional[Tuple[str, bytes]]:
+        frame = parse_notif(name, body)
+        if frame is None:
+            return None
+        sender, msg_id, part, parts, payload = frame
+        if parts == 1:
+            return sender, payload
+        key = (from_engine, from_addr, sender, msg_id)
+        got = self._partial.get(key)
+        if got is None:
+            if part != 0:
+                return None
+            same_sender = [k for k in self._partial if k[:3] == key[:3]]
+            if len(same_sender) >= self._max_partial:
+                del self._partial[same_sender[0]]
+            if len(self._partial) >= self._max_total:
+                del self._partial[next(iter(self._partial))]
+            got = self._partial[key] = []
+        if part != len(got):
+            del self._partial[key]
+            return None
+        got.append(payload)
+        if len(got) < parts:
+            return None
+        del self._partial[key]
+        return sender, b"".join(got)

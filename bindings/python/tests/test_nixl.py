@@ -1,0 +1,568 @@
+"""ferry.nixl: NIXL's agent API on ferry. The connector pattern across two processes with every
+byte checked, NIXL's exception types for what NIXL refuses, the formats that cross processes
+refusing what they did not write, and an unmodified NIXL program run by `python -m ferry.nixl`."""
+
+import base64
+import hashlib
+import importlib.util
+import json
+import os
+import struct
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ferry.nixl import _bindings as nb
+from ferry.nixl import _wire, nixl_agent, nixl_agent_config
+
+HERE = Path(__file__).parent
+TRANSPORTS = [None, ["tcp"]]
+
+
+def pattern(length: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, length, dtype=np.uint8)
+
+
+def wait_done(agent, handle, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        state = agent.check_xfer_state(handle)
+        if state == "DONE":
+            return
+        assert state == "PROC"
+        assert time.monotonic() < deadline, "the transfer did not complete"
+        time.sleep(0.0005)
+
+
+def wait_notifs(agent, sender, count=1, timeout=10.0):
+    got = []
+    deadline = time.monotonic() + timeout
+    while len(got) < count:
+        got.extend(agent.get_new_notifs().get(sender, []))
+        assert time.monotonic() < deadline, f"got {len(got)} of {count} notifications"
+        time.sleep(0.001)
+    return got
+
+
+class Prefill:
+    """`nixl_peer.py` in a process of its own."""
+
+    def __init__(self, transports=None):
+        env = dict(os.environ)
+        if transports:
+            env["NIXL_PEER_TRANSPORTS"] = ",".join(transports)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(HERE / "nixl_peer.py")], stdout=subprocess.PIPE, env=env, text=True
+        )
+        hello = self.read_line()
+        self.metadata = base64.b64decode(hello["metadata"])
+        self.blocks = hello["blocks"]
+        self.block_size = hello["block_size"]
+
+    def read_line(self):
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the prefill process exited (code {self.proc.poll()})")
+        return json.loads(line)
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=10)
+        self.proc.stdout.close()
+
+
+@pytest.fixture
+def prefill():
+    procs = []
+
+    def start(transports=None):
+        p = Prefill(transports)
+        procs.append(p)
+        return p
+
+    yield start
+    for p in procs:
+        p.close()
+
+
+@pytest.fixture
+def agents():
+    """Two agents in this process; `decode` has loaded `prefill`'s metadata once each registered
+    64 blocks of 4 KiB (prefill's filled with a pattern)."""
+    made = []
+
+    def make(name, **kw):
+        a = nixl_agent(name, nixl_agent_config(backends=["UCX"], **kw))
+        made.append(a)
+        return a
+
+    prefill, decode = make("prefill"), make("decode")
+    src = pattern(64 * 4096, seed=3)
+    dst = np.zeros(64 * 4096, dtype=np.uint8)
+    prefill.register_memory([(src.ctypes.data, src.nbytes, 0, "")], "DRAM")
+    decode.register_memory([(dst.ctypes.data, dst.nbytes, 0, "")], "DRAM")
+    assert decode.add_remote_agent(prefill.get_agent_metadata()) == b"prefill"
+    yield prefill, decode, src, dst
+    for a in made:
+        a.close()
+
+
+def block_list(base, count, size=4096):
+    return [(base + i * size, size, 0) for i in range(count)]
+
+
+@pytest.mark.parametrize("transports", TRANSPORTS, ids=["default", "tcp"])
+def test_connector_pattern_across_processes(prefill, transports):
+    """vLLM's NixlConnector, decode side: load the prefill agent, prepare both block lists once,
+    READ chosen blocks with a notification, poll until DONE; then a WRITE (initialize_xfer) whose
+    notification the prefill side must see only once the bytes are in its memory."""
+    remote = prefill(transports)
+    size, count = remote.block_size, len(remote.blocks)
+    expected = pattern(size * count, seed=7).reshape(count, size)
+
+    agent = nixl_agent("decode", nixl_agent_config(backends=["UCX"], transports=transports))
+    try:
+        kv = np.zeros((count, size), dtype=np.uint8)
+        reg = agent.register_memory(agent.get_reg_descs([(kv.ctypes.data, kv.nbytes, 0, "")], "DRAM"))
+        name = agent.add_remote_agent(remote.metadata)
+        assert name == b"prefill"
+        assert agent.check_remote_metadata("prefill")
+
+        local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", block_list(kv.ctypes.data, count, size), "DRAM")
+        far = agent.prep_xfer_dlist(name, [(a, size, 0) for a in remote.blocks], "DRAM")
+
+        remote_ids = np.array([3, 17, 42, 63, 0, 8], dtype=np.int32)
+        local_ids = np.array([0, 1, 2, 3, 4, 5], dtype=np.int32)
+        tag = b"req-7:read\x00\xff" + bytes(range(256))
+        handle = agent.make_prepped_xfer("READ", local, local_ids, far, remote_ids, tag)
+        assert agent.transfer(handle) in ("PROC", "DONE")
+        wait_done(agent, handle)
+        for lo, ro in zip(local_ids, remote_ids):
+            assert np.array_equal(kv[lo], expected[ro]), f"block {ro} read into {lo} differs"
+        assert not kv[6:].any(), "bytes landed outside the blocks read"
+        seen = remote.read_line()
+        assert seen["from"] == "decode" and bytes.fromhex(seen["msg"]) == tag
+        agent.release_xfer_handle(handle)
+
+        # A second read of other blocks through the same prepared lists, posted twice.
+        handle = agent.make_prepped_xfer("READ", local, [10, 11], far, [20, 21], b"again")
+        for _ in range(2):
+            kv[10:12] = 0
+            agent.transfer(handle)
+            wait_done(agent, handle)
+            assert np.array_equal(kv[10:12], expected[20:22])
+            assert bytes.fromhex(remote.read_line()["msg"]) == b"again"
+        agent.release_dlist_handle(local)
+        agent.release_dlist_handle(far)
+
+        # WRITE fresh bytes over remote blocks 5 and 6; the notification must find them there.
+        fresh = pattern(2 * size, seed=11).reshape(2, size)
+        src = agent.register_memory([fresh])
+        local_descs = agent.get_xfer_descs(block_list(fresh.ctypes.data, 2, size), "DRAM")
+        remote_descs = agent.get_xfer_descs([(remote.blocks[5], size, 0), (remote.blocks[6], size, 0)], "DRAM")
+        handle = agent.initialize_xfer("WRITE", local_descs, remote_descs, "prefill", b"wrote 5,6")
+        agent.transfer(handle)
+        wait_done(agent, handle)
+        after = expected.copy()
+        after[5:7] = fresh
+        seen = remote.read_line()
+        assert bytes.fromhex(seen["msg"]) == b"wrote 5,6"
+        assert seen["sha256"] == hashlib.sha256(after.tobytes()).hexdigest()
+
+        agent.send_notif("prefill", b"exit")
+        assert remote.proc.wait(timeout=10) == 0
+        agent.deregister_memory(src)
+        agent.deregister_memory(reg)
+    finally:
+        agent.close()
+
+
+def test_write_with_initialize_xfer_and_notification(agents):
+    prefill, decode, src, dst = agents
+    decode_src = pattern(8 * 4096, seed=5)
+    decode.register_memory([decode_src])
+    decode.add_remote_agent(prefill.get_agent_metadata())
+    local = decode.get_xfer_descs(block_list(decode_src.ctypes.data, 8), "DRAM")
+    far = decode.get_xfer_descs(np.array(block_list(src.ctypes.data + 8 * 4096, 8), dtype=np.uint64), "DRAM")
+    handle = decode.initialize_xfer("WRITE", local, far, "prefill", b"blocks 8..15")
+    decode.transfer(handle)
+    wait_done(decode, handle)
+    assert np.array_equal(src[8 * 4096 : 16 * 4096], decode_src)
+    assert wait_notifs(prefill, "decode") == [b"blocks 8..15"]
+    assert prefill.check_remote_xfer_done("decode", b"") is False
+
+    # Reposting with a new message replaces the handle's.
+    decode_src[:] = 0x5A
+    decode.transfer(handle, b"again")
+    wait_done(decode, handle)
+    assert (src[8 * 4096 : 16 * 4096] == 0x5A).all()
+    deadline = time.monotonic() + 10
+    while not prefill.check_remote_xfer_done("decode", b"aga"):
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+
+
+def test_loopback_read_with_the_agents_own_name(agents):
+    prefill, _, src, _ = agents
+    out = np.zeros(4096 * 2, dtype=np.uint8)
+    prefill.register_memory([out])
+    local = prefill.prep_xfer_dlist("", block_list(out.ctypes.data, 2), "DRAM")
+    same = prefill.prep_xfer_dlist("prefill", block_list(src.ctypes.data, 64), "DRAM")
+    handle = prefill.make_prepped_xfer("READ", local, [0, 1], same, [63, 1])
+    prefill.transfer(handle)
+    wait_done(prefill, handle)
+    assert np.array_equal(out[:4096], src[63 * 4096 :]) and np.array_equal(out[4096:], src[4096:8192])
+
+
+def test_unknown_agent_raises_not_found(agents):
+    _, decode, src, dst = agents
+    descs = block_list(src.ctypes.data, 1)
+    with pytest.raises(nb.nixlNotFoundError):
+        decode.prep_xfer_dlist("nobody", descs, "DRAM")
+    with pytest.raises(nb.nixlNotFoundError):
+        decode.initialize_xfer(
+            "READ",
+            decode.get_xfer_descs(block_list(dst.ctypes.data, 1), "DRAM"),
+            decode.get_xfer_descs(descs, "DRAM"),
+            "nobody",
+        )
+    with pytest.raises(nb.nixlNotFoundError):
+        decode.send_notif("nobody", b"hi")
+    with pytest.raises(nb.nixlNotFoundError):
+        decode.make_connection("nobody")
+    assert decode.check_remote_metadata("nobody") is False
+    decode.remove_remote_agent("nobody")
+
+
+def test_memory_not_registered_raises_not_found(agents):
+    _, decode, src, dst = agents
+    with pytest.raises(nb.nixlNotFoundError):
+        decode.prep_xfer_dlist("NIXL_INIT_AGENT", [(dst.ctypes.data + 63 * 4096, 8192, 0)], "DRAM")
+    with pytest.raises(nb.nixlNotFoundError):
+        decode.prep_xfer_dlist("prefill", [(src.ctypes.data - 4096, 4096, 0)], "DRAM")
+    with pytest.raises(nb.nixlNotFoundError):
+        decode.deregister_memory(decode.get_reg_descs([(dst.ctypes.data, 4096, 0, "")], "DRAM"))
+
+
+def test_bad_indices_raise_invalid_param(agents):
+    _, decode, src, dst = agents
+    local = decode.prep_xfer_dlist("NIXL_INIT_AGENT", block_list(dst.ctypes.data, 64), "DRAM")
+    far = decode.prep_xfer_dlist("prefill", block_list(src.ctypes.data, 64), "DRAM")
+    for li, ri in [([64], [0]), ([0], [64]), ([-1], [0]), ([0, 1], [0]), ([], [])]:
+        with pytest.raises(nb.nixlInvalidParamError):
+            decode.make_prepped_xfer("READ", local, li, far, ri)
+    half = decode.prep_xfer_dlist("prefill", [(src.ctypes.data, 2048, 0)], "DRAM")
+    with pytest.raises(nb.nixlInvalidParamError, match="length mismatch"):
+        decode.make_prepped_xfer("READ", local, [0], half, [0])
+    with pytest.raises(nb.nixlInvalidParamError):
+        decode.make_prepped_xfer("READ", far, [0], local, [0])
+    with pytest.raises(KeyError):
+        decode.make_prepped_xfer("RD", local, [0], far, [0])
+
+
+def test_released_handles_raise_invalid_param(agents):
+    _, decode, src, dst = agents
+    local = decode.prep_xfer_dlist("NIXL_INIT_AGENT", block_list(dst.ctypes.data, 4), "DRAM")
+    far = decode.prep_xfer_dlist("prefill", block_list(src.ctypes.data, 4), "DRAM")
+    handle = decode.make_prepped_xfer("READ", local, [0], far, [0])
+    with pytest.raises(nb.nixlNotPostedError):
+        decode.check_xfer_state(handle)
+    decode.transfer(handle)
+    wait_done(decode, handle)
+    decode.release_xfer_handle(handle)
+    decode.release_xfer_handle(handle)
+    with pytest.raises(nb.nixlInvalidParamError):
+        decode.transfer(handle)
+    with pytest.raises(nb.nixlInvalidParamError):
+        decode.check_xfer_state(handle)
+    decode.release_dlist_handle(far)
+    with pytest.raises(nb.nixlInvalidParamError):
+        decode.make_prepped_xfer("READ", local, [0], far, [0])
+
+
+def test_removed_agent_fails_its_handles_with_not_found(agents):
+    prefill, decode, src, dst = agents
+    local = decode.prep_xfer_dlist("NIXL_INIT_AGENT", block_list(dst.ctypes.data, 1), "DRAM")
+    far = decode.prep_xfer_dlist("prefill", block_list(src.ctypes.data, 1), "DRAM")
+    handle = decode.make_prepped_xfer("READ", local, [0], far, [0])
+    decode.remove_remote_agent(b"prefill")
+    assert not decode.check_remote_metadata("prefill")
+    with pytest.raises(nb.nixlNotFoundError):
+        decode.transfer(handle)
+    decode.add_remote_agent(prefill.get_agent_metadata())
+    with pytest.raises(nb.nixlNotFoundError):
+        decode.make_prepped_xfer("READ", local, [0], far, [0])
+
+
+def test_gpu_memory_is_refused_as_not_supported(agents):
+    _, decode, _, dst = agents
+    for mem in ("VRAM", "cuda"):
+        with pytest.raises(nb.nixlNotSupportedError, match="no CUDA memory"):
+            decode.get_reg_descs([(dst.ctypes.data, 4096, 0, "")], mem)
+        with pytest.raises(nb.nixlNotSupportedError, match="no CUDA memory"):
+            decode.get_xfer_descs([(dst.ctypes.data, 4096, 0)], mem)
+    with pytest.raises(KeyError):
+        decode.get_xfer_descs([(dst.ctypes.data, 4096, 0)], "V-RAM")
+
+
+def test_descriptor_lists_as_nixl_builds_them(agents):
+    _, decode, _, dst = agents
+    assert decode.get_xfer_descs([(1, 2, 3, 4)], "DRAM") is None
+    assert decode.get_xfer_descs([(1, 2, 3)]) is None
+    assert decode.get_reg_descs([(1, 2, 3)], "DRAM") is None
+    assert decode.get_reg_descs([(1, 2, 3, "m")]) is None
+    assert decode.get_xfer_descs(np.zeros((2, 4), dtype=np.uint64), "DRAM") is None
+    assert decode.get_xfer_descs(decode.get_reg_descs([(1, 2, 0, "")], "DRAM")) is None
+
+    reg = decode.get_reg_descs([(10, 20, 0, b"a"), (30, 40, 1, "b")], "cpu")
+    assert len(reg) == reg.descCount() == 2 and reg.getType() == nb.DRAM_SEG
+    assert reg[1] == (30, 40, 1, b"b") and reg[-1] == reg[1]
+    with pytest.raises(IndexError):
+        reg[2]
+    xfer = reg.trim()
+    assert isinstance(xfer, nb.nixlXferDList) and list(xfer) == [(10, 20, 0), (30, 40, 1)]
+    assert decode.get_xfer_descs(np.array([[10, 20, 0], [30, 40, 1]], dtype=np.uint64), "DRAM") == xfer
+    view = decode.get_xfer_descs(dst)
+    assert view is None, "a numpy array is an N×3 descriptor array, as in NIXL"
+    obj = decode.get_xfer_descs(bytearray(100))
+    assert len(obj) == 1 and obj[0][1] == 100
+
+
+def test_serialized_descs_round_trip_and_refuse_what_they_did_not_write(agents):
+    _, decode, _, _ = agents
+    xfer = decode.get_xfer_descs([(0x1000, 4096, 0), (2**64 - 2, 1, 7)], "DRAM")
+    reg = decode.get_reg_descs([(0x1000, 4096, 0, b"\x00meta\xff"), (0x9000, 1, 0, "")], "DRAM")
+    for dl in (xfer, reg):
+        blob = decode.get_serialized_descs(dl)
+        assert isinstance(blob, bytes)
+        back = decode.deserialize_descs(blob)
+        assert type(back) is type(dl) and back == dl
+    blob = decode.get_serialized_descs(reg)
+    bad = [
+        b"",
+        blob[:10],
+        blob[:-1],
+        blob + b"\x00",
+        b"X" + blob[1:],
+        blob[:8] + struct.pack("<H", 2) + blob[10:],
+        blob[:12] + struct.pack("<Q", 2**40) + blob[20:],
+        __import__("pickle").dumps([(1, 2, 3)]),
+    ]
+    for b in bad:
+        with pytest.raises(nb.nixlInvalidParamError):
+            decode.deserialize_descs(b)
+    with pytest.raises(nb.nixlInvalidParamError):
+        decode.deserialize_descs(b"x" * (_wire.MAX_SERIALIZED_DESCS_BYTES + 1))
+
+
+def test_corrupted_or_oversized_metadata_is_refused(agents):
+    prefill, decode, _, _ = agents
+    md = prefill.get_agent_metadata()
+    body = json.loads(md[14:])
+
+    def blob(doc):
+        raw = json.dumps(doc).encode()
+        return _wire.METADATA_MAGIC + struct.pack("<HI", 1, len(raw)) + raw
+
+    bad = [
+        b"",
+        md[:13],
+        md[:-1],
+        md + b" ",
+        b"FRYNXLMX" + md[8:],
+        md[:8] + struct.pack("<H", 9) + md[10:],
+        blob({**body, "extra": 1}),
+        blob({k: v for k, v in body.items() if k != "regions"}),
+        blob({**body, "engine_id": True}),
+        blob({**body, "engine_id": -1}),
+        blob({**body, "name": ""}),
+        blob({**body, "name": "x" * 300}),
+        blob({**body, "addr": "no-port"}),
+        blob({**body, "regions": [[2**64 - 1, 2]]}),
+        blob({**body, "regions": [[1, 0]]}),
+        blob({**body, "regions": [["1", 2]]}),
+        _wire.METADATA_MAGIC + struct.pack("<HI", 1, 3) + b"{{{",
+        b"\x80\x04pickle",
+        "not bytes",
+    ]
+    for b in bad:
+        with pytest.raises(nb.nixlInvalidParamError):
+            decode.add_remote_agent(b)
+    with pytest.raises(nb.nixlInvalidParamError, match="exceeds"):
+        decode.add_remote_agent(md + b" " * _wire.MAX_METADATA_BYTES)
+    with pytest.raises(nb.nixlInvalidParamError):
+        decode.add_remote_agent(decode.get_agent_metadata())
+
+
+def test_metadata_of_another_engine_under_a_known_name_is_not_allowed(agents):
+    _, decode, _, _ = agents
+    impostor = nixl_agent("prefill")
+    try:
+        with pytest.raises(nb.nixlNotAllowedError):
+            decode.add_remote_agent(impostor.get_agent_metadata())
+    finally:
+        impostor.close()
+
+
+def test_notifications_keep_every_byte_and_are_bounded(agents):
+    prefill, decode, _, _ = agents
+    prefill.add_remote_agent(decode.get_agent_metadata())
+    msgs = [b"", bytes(range(256)), os.urandom(5000), "héllo", b"\x00" * _wire.MAX_NOTIF_BYTES]
+    for m in msgs:
+        decode.send_notif("prefill", m)
+    got = wait_notifs(prefill, "decode", len(msgs))
+    assert got == [m.encode() if isinstance(m, str) else m for m in msgs]
+    with pytest.raises(nb.nixlInvalidParamError):
+        decode.send_notif("prefill", b"x" * (_wire.MAX_NOTIF_BYTES + 1))
+    decode.send_notif(b"prefill", b"tag:42:done")
+    deadline = time.monotonic() + 10
+    while not prefill.check_remote_xfer_done("decode", b"42", tag_is_prefix=False):
+        assert time.monotonic() < deadline
+    assert prefill.check_remote_xfer_done("decode", b"tag") is False
+
+
+def test_a_frame_out_of_order_is_dropped_not_misassembled():
+    asm = _wire.NotifAssembler()
+    frames = _wire.notif_frames("a", 1, b"x" * 3000)
+    assert len(frames) == 3
+    assert asm.feed(1, "h", *frames[0]) is None
+    assert asm.feed(1, "h", *frames[2]) is None
+    assert asm.feed(1, "h", *frames[1]) is None
+    for f in frames[:2]:
+        assert asm.feed(1, "h", *f) is None
+    assert asm.feed(1, "h", *frames[2]) == ("a", b"x" * 3000)
+    assert asm.feed(1, "h", "not ours", "x") is None
+
+
+def test_introspection_answers_about_ferry(agents):
+    _, decode, _, _ = agents
+    assert decode.get_plugin_list() == ["FERRY"]
+    assert decode.get_plugin_mem_types("FERRY") == ["DRAM_SEG"]
+    assert decode.get_plugin_mem_types("UVX") == [] and decode.get_plugin_params("UVX") == {}
+    assert decode.get_backend_mem_types("UCX") == ["DRAM_SEG"]
+    params = decode.get_backend_params("UCX")
+    assert params["engine"] == "ferry" and params["transports"]
+    assert decode.get_backend_mem_types("LIBFABRIC") == []
+    with pytest.raises(nb.nixlNotFoundError):
+        decode.create_backend("UVX")
+    with pytest.raises(KeyError):
+        decode.register_memory([bytearray(16)], backends=["LIBFABRIC"])
+    with pytest.raises(nb.nixlNotSupportedError):
+        decode.fetch_remote_metadata("prefill", "127.0.0.1", 5555)
+    with pytest.raises(ValueError):
+        nixl_agent("")
+    with pytest.raises(TypeError):
+        nixl_agent_config(sync_mode=1)
+
+
+def test_telemetry(agents):
+    prefill, decode, src, dst = agents
+    local = decode.get_xfer_descs(block_list(dst.ctypes.data, 2), "DRAM")
+    far = decode.get_xfer_descs(block_list(src.ctypes.data, 2), "DRAM")
+    handle = decode.initialize_xfer("READ", local, far, "prefill")
+    decode.transfer(handle)
+    wait_done(decode, handle)
+    with pytest.raises(nb.nixlNoTelemetryError):
+        decode.get_xfer_telemetry(handle)
+    timed = nixl_agent("timed", nixl_agent_config(capture_telemetry=True))
+    try:
+        buf = bytearray(8192)
+        timed.register_memory([buf])
+        timed.add_remote_agent(prefill.get_agent_metadata())
+        whole = timed.get_xfer_descs([(src.ctypes.data, 8192, 0)], "DRAM")
+        h = timed.initialize_xfer("READ", timed.get_xfer_descs([buf]), whole, "prefill")
+        timed.transfer(h)
+        wait_done(timed, h)
+        t = timed.get_xfer_telemetry(h)
+        assert (t.totalBytes, t.descCount) == (8192, 1) and t.xferDuration >= t.postDuration >= 0
+        assert bytes(buf) == src[:8192].tobytes()
+    finally:
+        timed.close()
+
+
+NIXL_PROGRAM = '''
+"""Written for NIXL: nothing here knows about ferry."""
+import subprocess
+import sys
+
+import numpy as np
+
+import nixl._utils as nixl_utils
+from nixl._api import nixl_agent, nixl_agent_config
+from nixl._bindings import nixlNotFoundError
+from nixl.logging import get_logger
+
+logger = get_logger(__name__)
+
+target = nixl_agent("target", nixl_agent_config(backends=["UCX"]))
+initiator = nixl_agent("initiator", nixl_agent_config(backends=["UCX"]))
+size = 1 << 16
+t_addr = nixl_utils.malloc_passthru(size)
+i_addr = nixl_utils.malloc_passthru(size)
+nixl_utils.ba_buf(i_addr, size)
+t_reg = target.register_memory(target.get_reg_descs([(t_addr, size, 0, "t")], "DRAM"))
+i_reg = initiator.register_memory(initiator.get_reg_descs([(i_addr, size, 0, "i")], "DRAM"))
+name = initiator.add_remote_agent(target.get_agent_metadata())
+target_descs = target.deserialize_descs(target.get_serialized_descs(t_reg.trim()))
+handle = initiator.initialize_xfer("WRITE", i_reg.trim(), target_descs, name, b"UUID1")
+state = initiator.transfer(handle)
+assert state != "ERR"
+while initiator.check_xfer_state(handle) != "DONE":
+    pass
+while not target.check_remote_xfer_done("initiator", b"UUID"):
+    pass
+nixl_utils.verify_transfer(t_addr, i_addr, size)
+try:
+    initiator.prep_xfer_dlist("ghost", [(t_addr, size, 0)], "DRAM")
+    raise SystemExit("no error for an unknown agent")
+except nixlNotFoundError:
+    pass
+initiator.release_xfer_handle(handle)
+initiator.remove_remote_agent("target")
+child = subprocess.run(
+    [sys.executable, "-c", "import nixl, nixl._api; print(nixl.__name__, nixl._api.nixl_agent.__module__)"],
+    capture_output=True, text=True, check=True,
+)
+print("child", child.stdout.strip())
+print("args", sys.argv[1:])
+print("OK", bytes(np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * 4).from_address(t_addr))).hex())
+'''
+
+
+def test_runner_runs_an_unmodified_nixl_program(tmp_path):
+    script = tmp_path / "nixl_program.py"
+    script.write_text(textwrap.dedent(NIXL_PROGRAM))
+    run = subprocess.run(
+        [sys.executable, "-W", "ignore", "-m", "ferry.nixl", str(script), "--flag", "x"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert "child ferry.nixl ferry.nixl._agent" in lines
+    assert "args ['--flag', 'x']" in lines
+    assert "OK babababa" in lines
+
+    (tmp_path / "nixl_module.py").write_text(textwrap.dedent(NIXL_PROGRAM))
+    run = subprocess.run(
+        [sys.executable, "-W", "ignore", "-m", "ferry.nixl", "-m", "nixl_module", "y"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "args ['y']" in run.stdout.splitlines()
+
+
+def test_without_the_runner_nixl_is_not_ferry(tmp_path):
+    """ferry installs nothing under the name `nixl`: a real NIXL stays what `import nixl` finds."""
+    probe = "import importlib.util as u; s = u.find_spec('nixl'); print(s.origin if s else None)"
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path, check=True)
+    origin = run.stdout.strip()
+    assert origin == "None" or "ferry" not in origin
+    assert importlib.util.find_spec("nixl") is None or "ferry" not in str(importlib.util.find_spec("nixl").origin)
+    run = subprocess.run([sys.executable, "-m", "ferry.nixl"], capture_output=True, text=True)
+    assert run.returncode == 2 and "usage" in run.stderr
