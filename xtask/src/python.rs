@@ -69,6 +69,8 @@ pub fn environment() -> Result<PathBuf> {
     )
     .context("installing the Python test requirements")?;
     // --force-reinstall: pip would keep an installed ferry of the same version, built from older code.
+    // With RDMA built in, as a user on an RDMA cluster builds it (the prerequisites step installed
+    // cmake and libclang); the wheel loads libibverbs at run time.
     run_step(
         Command::new(&python)
             .args([
@@ -79,10 +81,21 @@ pub fn environment() -> Result<PathBuf> {
                 "--force-reinstall",
                 "--no-deps",
             ])
-            .arg(binding_dir()),
+            .arg(binding_dir())
+            .env("MATURIN_PEP517_ARGS", "--features rdma"),
         45 * MINUTE,
     )
     .context("building and installing the binding with `pip install ./bindings/python`")?;
+    // A NIXL user on an RDMA cluster must not silently get TCP: the package says RDMA is compiled in.
+    run_step(
+        Command::new(&python).args([
+            "-c",
+            "import ferry, sys; t = [t for t in ferry.capabilities()['transports'] if t['name'] == 'rdma']; \
+             sys.exit(0 if t and t[0]['compiled'] else 'the installed ferry package has no RDMA compiled in: ' + repr(t))",
+        ]),
+        MINUTE,
+    )
+    .context("checking that the installed package has RDMA compiled in")?;
     Ok(python)
 }
 
