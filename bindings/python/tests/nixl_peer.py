@@ -4,6 +4,12 @@ publishes its metadata and block addresses on stdout (one JSON line), then repor
 notification it gets, with the digest of its blocks at that moment.
 
 Each notification prints {"from", "msg" (hex), "sha256"}; the notification b"exit" ends it.
+
+With NIXL_PEER_LISTEN_PORT the agent listens for NIXL's metadata exchange on that port
+(``enable_listen_thread``), so that another agent can ``fetch_remote_metadata`` it. With
+NIXL_PEER_SEND_TO=ip:port it pushes its metadata there (``send_local_metadata``) once its memory
+is registered, and the notification b"invalidate" makes it ``invalidate_local_metadata`` there
+(printing {"invalidated": true}).
 """
 
 import base64
@@ -27,9 +33,16 @@ def pattern(length: int, seed: int) -> np.ndarray:
 
 def main() -> None:
     transports = os.environ.get("NIXL_PEER_TRANSPORTS")
+    listen_port = os.environ.get("NIXL_PEER_LISTEN_PORT")
+    send_to = os.environ.get("NIXL_PEER_SEND_TO")
     agent = nixl_agent(
         "prefill",
-        nixl_agent_config(backends=["UCX"], transports=transports.split(",") if transports else None),
+        nixl_agent_config(
+            backends=["UCX"],
+            transports=transports.split(",") if transports else None,
+            enable_listen_thread=listen_port is not None,
+            listen_port=int(listen_port or 0),
+        ),
     )
     kv = pattern(BLOCK * BLOCKS, seed=7)
     base = kv.ctypes.data
@@ -41,12 +54,20 @@ def main() -> None:
         "block_size": BLOCK,
     }
     print(json.dumps(hello), flush=True)
+    if send_to:
+        ip, _, port = send_to.rpartition(":")
+        agent.send_local_metadata(ip, int(port))
     while True:
         for sender, msgs in agent.get_new_notifs().items():
             for msg in msgs:
                 if msg == b"exit":
                     agent.deregister_memory(descs)
                     return
+                if msg == b"invalidate" and send_to:
+                    ip, _, port = send_to.rpartition(":")
+                    agent.invalidate_local_metadata(ip, int(port))
+                    print(json.dumps({"invalidated": True}), flush=True)
+                    continue
                 digest = hashlib.sha256(kv.tobytes()).hexdigest()
                 print(json.dumps({"from": sender, "msg": msg.hex(), "sha256": digest}), flush=True)
         time.sleep(0.001)

@@ -7,6 +7,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import socket
 import struct
 import subprocess
 import sys
@@ -52,10 +53,11 @@ def wait_notifs(agent, sender, count=1, timeout=10.0):
 class Prefill:
     """`nixl_peer.py` in a process of its own."""
 
-    def __init__(self, transports=None):
+    def __init__(self, transports=None, env_extra=None):
         env = dict(os.environ)
         if transports:
             env["NIXL_PEER_TRANSPORTS"] = ",".join(transports)
+        env.update(env_extra or {})
         self.proc = subprocess.Popen(
             [sys.executable, str(HERE / "nixl_peer.py")], stdout=subprocess.PIPE, env=env, text=True
         )
@@ -81,8 +83,8 @@ class Prefill:
 def prefill():
     procs = []
 
-    def start(transports=None):
-        p = Prefill(transports)
+    def start(transports=None, **env_extra):
+        p = Prefill(transports, env_extra)
         procs.append(p)
         return p
 
@@ -440,6 +442,150 @@ def test_a_frame_out_of_order_is_dropped_not_misassembled():
     assert asm.feed(1, "h", "not ours", "x") is None
 
 
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(predicate, what, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
+def read_all_blocks(agent, remote, expected):
+    """READs every block of the remote process into fresh memory and checks every byte."""
+    size, count = remote.block_size, len(remote.blocks)
+    kv = np.zeros((count, size), dtype=np.uint8)
+    reg = agent.register_memory(agent.get_reg_descs([(kv.ctypes.data, kv.nbytes, 0, "")], "DRAM"))
+    local = agent.get_xfer_descs(block_list(kv.ctypes.data, count, size), "DRAM")
+    far = agent.get_xfer_descs([(a, size, 0) for a in remote.blocks], "DRAM")
+    assert agent.check_remote_metadata("prefill", far)
+    handle = agent.initialize_xfer("READ", local, far, "prefill")
+    agent.transfer(handle)
+    wait_done(agent, handle, timeout=30.0)
+    assert np.array_equal(kv, expected), "a byte read differs from the remote pattern"
+    agent.release_xfer_handle(handle)
+    agent.deregister_memory(reg)
+
+
+def test_send_local_metadata_across_processes_then_invalidate(prefill):
+    """The prefill process pushes its metadata to this agent's listener (NIXL's
+    send_local_metadata to ip:port); check_remote_metadata turns True, every block reads back
+    exactly; then prefill invalidates its metadata here and check_remote_metadata turns False."""
+    port = free_port()
+    agent = nixl_agent("decode", nixl_agent_config(backends=["UCX"], enable_listen_thread=True, listen_port=port))
+    try:
+        assert agent.get_backend_params("UCX")["listen_addr"].endswith(f":{port}")
+        assert not agent.check_remote_metadata("prefill")
+        remote = prefill(NIXL_PEER_SEND_TO=f"127.0.0.1:{port}")
+        expected = pattern(remote.block_size * len(remote.blocks), seed=7).reshape(len(remote.blocks), -1)
+        wait_for(lambda: agent.check_remote_metadata("prefill"), "prefill's metadata to arrive")
+        read_all_blocks(agent, remote, expected)
+
+        agent.send_notif("prefill", b"invalidate")
+        assert remote.read_line() == {"invalidated": True}
+        wait_for(lambda: not agent.check_remote_metadata("prefill"), "prefill's metadata to be invalidated")
+        with pytest.raises(nb.nixlNotFoundError):
+            agent.send_notif("prefill", b"exit")
+    finally:
+        agent.close()
+
+
+def test_fetch_remote_metadata_across_processes(prefill):
+    """This agent asks the prefill process's listener for its metadata (NIXL's
+    fetch_remote_metadata); it loads asynchronously, every block reads back exactly, and
+    notifications still reach the listening process."""
+    port = free_port()
+    remote = prefill(NIXL_PEER_LISTEN_PORT=str(port))
+    expected = pattern(remote.block_size * len(remote.blocks), seed=7).reshape(len(remote.blocks), -1)
+    agent = nixl_agent("decode", nixl_agent_config(backends=["UCX"]))
+    try:
+        assert agent.fetch_remote_metadata("prefill", "127.0.0.1", port) is None
+        wait_for(lambda: agent.check_remote_metadata("prefill"), "prefill's metadata to be fetched")
+        read_all_blocks(agent, remote, expected)
+        agent.send_notif("prefill", b"fetched")
+        seen = remote.read_line()
+        assert seen["from"] == "decode" and bytes.fromhex(seen["msg"]) == b"fetched"
+        agent.send_notif("prefill", b"exit")
+        assert remote.proc.wait(timeout=30) == 0
+    finally:
+        agent.close()
+
+
+def test_metadata_exchange_in_one_process_and_what_it_refuses():
+    """send, fetch and invalidate between two listening agents of this process; a fetch of a
+    name the listener does not have loads nothing; what NIXL's callers get wrong raises."""
+    a = nixl_agent("a", nixl_agent_config(enable_listen_thread=True, listen_port=0))
+    b = nixl_agent("b", nixl_agent_config(enable_listen_thread=True, listen_port=0))
+    try:
+        buf = pattern(8192, seed=5)
+        a.register_memory([buf])
+        a_port = int(a.get_backend_params("UCX")["listen_addr"].rpartition(":")[2])
+        b_port = int(b.get_backend_params("UCX")["listen_addr"].rpartition(":")[2])
+        descs = b.get_xfer_descs([(buf.ctypes.data, 8192, 0)], "DRAM")
+        too_far = b.get_xfer_descs([(buf.ctypes.data, 8193, 0)], "DRAM")
+
+        b.fetch_remote_metadata("nobody", "127.0.0.1", a_port)
+        b.fetch_remote_metadata("a", "127.0.0.1", a_port)
+        wait_for(lambda: b.check_remote_metadata("a"), "a's metadata to be fetched")
+        assert b.check_remote_metadata("a", descs) and not b.check_remote_metadata("a", too_far)
+        assert not b.check_remote_metadata("nobody")
+        got = np.zeros(8192, dtype=np.uint8)
+        b.register_memory([got])
+        h = b.initialize_xfer("READ", b.get_xfer_descs([got]), descs, "a")
+        b.transfer(h)
+        wait_done(b, h, timeout=30.0)
+        assert np.array_equal(got, buf)
+        b.release_xfer_handle(h)
+
+        b.send_local_metadata("127.0.0.1", a_port)
+        wait_for(lambda: a.check_remote_metadata("b"), "b's metadata to arrive at a")
+        b.send_notif("a", b"hello")
+        assert wait_notifs(a, "b", timeout=30.0) == [b"hello"]
+
+        a.invalidate_local_metadata("127.0.0.1", b_port)
+        wait_for(lambda: not b.check_remote_metadata("a"), "a's invalidation to reach b")
+        assert a.check_remote_metadata("b")
+
+        with pytest.raises(nb.nixlNotSupportedError, match="etcd"):
+            a.send_local_metadata()
+        with pytest.raises(nb.nixlNotSupportedError):
+            a.invalidate_local_metadata()
+        with pytest.raises(nb.nixlInvalidParamError):
+            a.send_local_metadata("127.0.0.1", 0)
+        with pytest.raises(nb.nixlInvalidParamError):
+            a.fetch_remote_metadata("a", "127.0.0.1", b_port)
+        with pytest.raises(nb.nixlNotSupportedError, match="partial"):
+            a.get_partial_agent_metadata(a.get_reg_descs([buf]))
+    finally:
+        a.close()
+        b.close()
+
+
+def test_exchange_messages_are_bounded_and_checked():
+    with pytest.raises(nb.nixlInvalidParamError, match="exceeds the limit"):
+        _wire.notif_frames("a", 1, b"x" * (_wire.MAX_EXCHANGE_BYTES + 1), _wire.EXCHANGE_PREFIX)
+    frames = _wire.notif_frames("a", 1, b"x" * 3000, _wire.EXCHANGE_PREFIX)
+    assert _wire.parse_notif(*frames[0]) is None, "an exchange frame must not pass for a notification"
+    asm = _wire.NotifAssembler(prefix=_wire.EXCHANGE_PREFIX)
+    got = [asm.feed(1, "h", *f) for f in frames]
+    assert got[-1] == ("a", b"x" * 3000)
+    md = _wire.AgentMetadata("a", "127.0.0.1:5", 9, ((4096, 10),))
+    for kind in (_wire.EX_SEND, _wire.EX_ANSWER):
+        assert _wire.decode_exchange(_wire.encode_exchange(kind, _wire.encode_metadata(md))) == (kind, md)
+    assert _wire.decode_exchange(_wire.encode_fetch("b", md)) == (_wire.EX_FETCH, ("b", md))
+    assert _wire.decode_exchange(_wire.encode_exchange(_wire.EX_INVALIDATE)) == (_wire.EX_INVALIDATE, None)
+    good = _wire.encode_fetch("b", md)
+    for bad in (b"", b"FRYNXLEX", b"XXXXXXXX" + good[8:], good[:8] + b"\x02\x00" + good[10:], good[:-1],
+                good[:10] + b"\x09", _wire.encode_exchange(_wire.EX_INVALIDATE) + b"x",
+                _wire.encode_exchange(_wire.EX_SEND, b"pickle")):
+        with pytest.raises(nb.nixlInvalidParamError):
+            _wire.decode_exchange(bad)
+
+
 def test_introspection_answers_about_ferry(agents):
     _, decode, _, _ = agents
     assert decode.get_plugin_list() == ["FERRY"]
@@ -454,7 +600,7 @@ def test_introspection_answers_about_ferry(agents):
     with pytest.raises(KeyError):
         decode.register_memory([bytearray(16)], backends=["LIBFABRIC"])
     with pytest.raises(nb.nixlNotSupportedError):
-        decode.fetch_remote_metadata("prefill", "127.0.0.1", 5555)
+        decode.fetch_remote_metadata("prefill")  # no address: NIXL's etcd
     with pytest.raises(ValueError):
         nixl_agent("")
     with pytest.raises(TypeError):

@@ -72,9 +72,12 @@ class nixl_agent_config:
     """NIXL's agent configuration; ``ferry.nixl`` adds keyword-only options of its own.
 
     Args:
-        enable_prog_thread, enable_listen_thread, listen_port, num_threads: accepted as NIXL takes
-            them; ferry runs its own threads, and metadata travels only by
-            ``get_agent_metadata``/``add_remote_agent``, so they change nothing.
+        enable_prog_thread, num_threads: accepted as NIXL takes them; ferry runs its own threads.
+        enable_listen_thread: answer other agents' ``send_local_metadata``,
+            ``fetch_remote_metadata`` and ``invalidate_local_metadata``; the agent's ferry engine
+            then listens on ``listen_port`` (unless ``listen_addr`` names a port), and the
+            exchange travels over ferry notifications, in a format of ferry.nixl's own.
+        listen_port: the port of the listener above (NIXL's default 8888; 0 for any).
         capture_telemetry: keep per-transfer telemetry for ``get_xfer_telemetry``.
         backends: plugin names to start: ``"FERRY"`` or a network plugin of NIXL's that ferry
             serves (``SERVED_PLUGINS``); others are skipped with a warning, as NIXL skips a missing
@@ -121,10 +124,69 @@ class nixl_agent_config:
 
 
 def _listen_addr(conf: nixl_agent_config) -> str:
+    """``listen_addr`` (or ``$FERRY_NIXL_LISTEN``, or ``127.0.0.1``) with its port, else
+    ``listen_port`` when the listener is enabled, else any port."""
     addr = conf.listen_addr or os.environ.get("FERRY_NIXL_LISTEN") or "127.0.0.1"
+    port = int(conf.port) if conf.enable_listen else 0
+    if not 0 <= port < 65536:
+        raise ValueError(f"listen_port {port} is out of range")
     if addr.startswith("["):
-        return addr if "]:" in addr else f"{addr}:0"
-    return addr if ":" in addr else f"{addr}:0"
+        return addr if "]:" in addr else f"{addr}:{port}"
+    return addr if ":" in addr else f"{addr}:{port}"
+
+
+def _peer_addr(ip_addr: Any, port: Any) -> str:
+    """``ip:port`` of another agent's listener for the metadata exchange; no address means NIXL's
+    metadata server (etcd), which ferry.nixl does not speak."""
+    if not ip_addr:
+        raise nixlNotSupportedError(
+            "NIXL_ERR_NOT_SUPPORTED: ferry.nixl has no metadata server (etcd): give the peer's ip_addr "
+            "and port (its listen_port), or exchange get_agent_metadata() out of band"
+        )
+    if not isinstance(ip_addr, str) or len(ip_addr) > _wire.MAX_ADDR_CHARS:
+        raise nixlInvalidParamError("NIXL_ERR_INVALID_PARAM: ip_addr must be a host name or address")
+    if type(port) is not int or not 0 < port < 65536:
+        raise nixlInvalidParamError(f"NIXL_ERR_INVALID_PARAM: port {port!r} is out of range")
+    if ":" in ip_addr and not ip_addr.startswith("["):
+        ip_addr = f"[{ip_addr}]"
+    return f"{ip_addr}:{port}"
+
+
+_MAX_INBOX = 1 << 16
+"""NIXL notification frames the listener keeps for ``get_new_notifs``. When that many wait unread,
+the listener stops taking notifications off the engine until some are read, so that the engine's
+own bound on pending notifications holds senders back again: none is ever dropped."""
+
+
+async def _pump(engine: ferry.Engine, ref: "weakref.ReferenceType[nixl_agent]") -> None:
+    """The agent's listener: takes every ferry notification as it arrives, hands metadata-exchange
+    frames to the agent and keeps NIXL notifications for ``get_new_notifs``. Holds the agent only
+    weakly, so that an agent nobody holds is still collected."""
+    stream = engine.notifications()
+    while True:
+        agent = ref()
+        if agent is None:
+            return
+        full = agent._inbox_full()
+        del agent
+        if full:
+            await asyncio.sleep(0.01)
+            continue
+        try:
+            n = await stream.__anext__()
+        except StopAsyncIteration:
+            return
+        except ferry.Error as e:
+            logger.debug("the metadata listener stops: %s", e)
+            return
+        agent = ref()
+        if agent is None:
+            return
+        try:
+            agent._on_notification(n)
+        except Exception:  # noqa: BLE001 - one bad frame must not stop the listener
+            logger.exception("the metadata listener dropped a notification")
+        del agent
 
 
 def _advertised(local_addr: str) -> str:
@@ -164,6 +226,15 @@ def _as_nixl_error(e: BaseException, what: str) -> Exception:
     if isinstance(e, ferry.InvalidArgument):
         return nixlInvalidParamError(f"NIXL_ERR_INVALID_PARAM: {what}: {e}")
     return nixlBackendError(f"NIXL_ERR_BACKEND: {what}: {e}")
+
+
+def _linked(engine: ferry.Engine, engine_id: int) -> Optional[ferry.Peer]:
+    """The open link of ``engine`` to the engine ``engine_id``, if it has one (a link made for the
+    metadata exchange serves transfers too)."""
+    for p in engine.peers():
+        if p.engine_id == engine_id and not p.closed:
+            return p
+    return None
 
 
 class _Coverage:
@@ -227,7 +298,32 @@ class _LoopThread:
             self.loop.close()
 
 
-def _shutdown(loop: _LoopThread, engine: ferry.Engine, inflight: "weakref.WeakSet[nixl_xfer_handle]") -> None:
+def _shutdown(
+    loop: _LoopThread,
+    engine: ferry.Engine,
+    inflight: "weakref.WeakSet[nixl_xfer_handle]",
+    pump: "List[asyncio.Task[None]]",
+    pool: concurrent.futures.ThreadPoolExecutor,
+    closing: threading.Event,
+) -> None:
+    closing.set()
+    for task in pump:
+
+        async def cancel(t: "asyncio.Task[None]" = task) -> None:
+            t.cancel()
+            await asyncio.gather(t, return_exceptions=True)
+
+        try:
+            loop.submit(cancel()).result(timeout=5.0)
+        except Exception:
+            pass
+    # The exchange thread runs coroutines on the loop: let what it is doing end first (bounded).
+    try:
+        drained = pool.submit(lambda: None)
+        pool.shutdown(wait=False)
+        drained.result(timeout=15.0)
+    except Exception:
+        pass
     for x in list(inflight):
         state = x._state
         if isinstance(state, concurrent.futures.Future):
@@ -361,7 +457,13 @@ class nixl_agent:
         self._engine = ferry.Engine(_listen_addr(conf), transports=transports, **conf.engine_options)
         self._loop = _LoopThread(self.name)
         self._inflight: "weakref.WeakSet[nixl_xfer_handle]" = weakref.WeakSet()
-        self._finalizer = weakref.finalize(self, _shutdown, self._loop, self._engine, self._inflight)
+        self._pump_task: "List[asyncio.Task[None]]" = []
+        self._exchange_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"ferry.nixl md {self.name}")
+        self._closing = threading.Event()
+        self._finalizer = weakref.finalize(
+            self, _shutdown, self._loop, self._engine, self._inflight, self._pump_task, self._exchange_pool,
+            self._closing,
+        )
 
         self._lock = threading.RLock()
         self._connect_lock = threading.Lock()
@@ -374,6 +476,11 @@ class nixl_agent:
         self._remotes: Dict[str, _Remote] = {}
         self._self_peer: Optional[ferry.Peer] = None
         self._assembler = _wire.NotifAssembler()
+        self._listening = bool(conf.enable_listen)
+        self._pumping = False
+        self._inbox: List[Any] = []
+        self._exchange_assembler = _wire.NotifAssembler(prefix=_wire.EXCHANGE_PREFIX)
+        self._fetching: Dict[str, int] = {}
 
         self.notifs: Dict[str, List[bytes]] = {}
         self.backends: Dict[str, int] = {}
@@ -398,6 +505,8 @@ class nixl_agent:
                 self.create_backend(backend)
             else:
                 logger.warning("Skipping backend registration %s due to the missing plugin.", backend)
+        if self._listening:
+            self._start_listener()
         logger.info("Initialized NIXL agent %s on ferry engine %s", self.name, self._engine.local_addr)
 
     # ---- lifetime -----------------------------------------------------------------------------
@@ -717,7 +826,9 @@ class nixl_agent:
         as NIXL's binding does. Loading newer metadata of a known agent (more memory registered)
         updates it; metadata naming another engine under a known name raises
         ``nixlNotAllowedError`` (``remove_remote_agent`` it first)."""
-        md = _wire.decode_metadata(metadata)
+        return self._add_remote(_wire.decode_metadata(metadata))
+
+    def _add_remote(self, md: _wire.AgentMetadata) -> bytes:
         if md.name == self.name:
             raise nixlInvalidParamError(
                 "NIXL_ERR_INVALID_PARAM: that is this agent's own metadata (loopback needs none: "
@@ -746,7 +857,16 @@ class nixl_agent:
         timeout = min(self._timeout, 10.0)
 
         async def connect() -> ferry.Peer:
-            return await engine.connect(md.addr, timeout=timeout)
+            linked = _linked(engine, md.engine_id)
+            if linked is not None:
+                return linked
+            try:
+                return await engine.connect(md.addr, timeout=timeout)
+            except ferry.AlreadyConnected:
+                linked = _linked(engine, md.engine_id)
+                if linked is None:
+                    raise
+                return linked
 
         try:
             peer: ferry.Peer = self._run(connect(), timeout)
@@ -812,19 +932,176 @@ class nixl_agent:
         self._check_backends(backends)
         self._remote(_name(remote_agent))
 
-    def _unsupported_md(self, *args: Any, **kwargs: Any) -> Any:
+    # ---- metadata exchange over ferry (NIXL's listener) ----------------------------------------
+
+    def _start_listener(self) -> None:
+        """Starts taking notifications as they arrive (see ``_pump``); from then on
+        ``get_new_notifs`` reads what the listener kept."""
+        with self._notif_lock:
+            if self._pump_task:
+                return
+            self._pumping = True
+            engine, ref = self._engine, weakref.ref(self)
+
+            async def start() -> "asyncio.Task[None]":
+                return asyncio.ensure_future(_pump(engine, ref))
+
+            self._pump_task.append(self._loop.submit(start()).result(timeout=10.0))
+
+    def _on_notification(self, n: Any) -> None:
+        """On the event-loop thread: one notification the listener took."""
+        if _wire.frame_prefix(n.name) == _wire.EXCHANGE_PREFIX:
+            got = self._exchange_assembler.feed(n.from_engine, n.from_addr, n.name, n.msg)
+            if got is not None:
+                self._exchange_pool.submit(self._on_exchange, n.from_engine, got[0], got[1])
+            return
+        with self._notif_lock:
+            self._inbox.append(n)
+
+    def _inbox_full(self) -> bool:
+        """Whether the listener should stop taking notifications until ``get_new_notifs`` reads.
+        Read without the lock (a list's length is one read under the GIL): the listener runs on the
+        event-loop thread, which must never wait for a lock that a thread waiting on the loop holds."""
+        return len(self._inbox) >= _MAX_INBOX
+
+    def _on_exchange(self, from_engine: int, sender: str, data: bytes) -> None:
+        """On the exchange thread: one metadata-exchange message from agent ``sender`` (so its
+        frames said) on the engine ``from_engine`` (so ferry's link said)."""
+        if self._closing.is_set():
+            return
+        try:
+            kind, value = _wire.decode_exchange(data)
+        except nixlInvalidParamError as e:
+            logger.warning("refusing a metadata-exchange message from %r: %s", sender, e)
+            return
+        if kind in (_wire.EX_SEND, _wire.EX_FETCH, _wire.EX_INVALIDATE) and not self._listening:
+            logger.warning(
+                "ignoring a metadata-exchange request from %r: the agent was made without enable_listen_thread",
+                sender,
+            )
+            return
+        try:
+            if kind in (_wire.EX_SEND, _wire.EX_ANSWER):
+                md = value
+                if md.name != sender or md.engine_id != from_engine:
+                    logger.warning("refusing metadata of %r sent by agent %r of another engine", md.name, sender)
+                    return
+                if kind == _wire.EX_ANSWER:
+                    with self._lock:
+                        if md.name not in self._fetching:
+                            logger.warning("ignoring metadata of %r: this agent did not fetch it", md.name)
+                            return
+                try:
+                    self._add_remote(md)
+                    logger.info("loaded metadata of agent %r from its %s", md.name,
+                                "answer" if kind == _wire.EX_ANSWER else "send_local_metadata")
+                finally:
+                    if kind == _wire.EX_ANSWER:
+                        with self._lock:
+                            self._fetching.pop(md.name, None)
+            elif kind == _wire.EX_FETCH:
+                wanted, asker = value
+                if asker.name != sender or asker.engine_id != from_engine:
+                    logger.warning("refusing a fetch from agent %r of another engine", sender)
+                    return
+                if wanted == self.name:
+                    reply = _wire.encode_exchange(_wire.EX_ANSWER, self.get_agent_metadata())
+                else:
+                    logger.warning("agent %r fetched metadata of %r, which is not this agent", sender, wanted)
+                    reply = _wire.encode_exchange(_wire.EX_NOT_FOUND, wanted.encode())
+                frames = _wire.notif_frames(self.name, next(self._msg_ids), reply, _wire.EXCHANGE_PREFIX)
+                peer = self._connect(asker)
+                engine, timeout = self._engine, self._timeout
+
+                async def answer() -> None:
+                    for name, body in frames:
+                        await engine.notify(peer, name, body, timeout=timeout)
+
+                self._run(answer(), timeout)
+            elif kind == _wire.EX_NOT_FOUND:
+                with self._lock:
+                    self._fetching.pop(value, None)
+                logger.warning("agent %r has no metadata of %r to answer a fetch with", sender, value)
+            elif kind == _wire.EX_INVALIDATE:
+                with self._lock:
+                    remote = self._remotes.get(sender)
+                if remote is not None and remote.md.engine_id == from_engine:
+                    self.remove_remote_agent(sender)
+                    logger.info("agent %r invalidated its metadata", sender)
+                else:
+                    logger.info("ignoring an invalidation from %r: not loaded from that engine", sender)
+        except Exception as e:  # noqa: BLE001 - NIXL's listener logs what it cannot do
+            logger.error("metadata exchange with agent %r failed: %s", sender, e)
+
+    def _send_exchange(self, ip_addr: str, port: int, message: bytes, what: str) -> None:
+        """Connects (or reuses the link) to the engine at ``ip_addr:port`` and sends ``message``
+        in the background: returns at once, as NIXL's calls do; failures are logged."""
+        addr = _peer_addr(ip_addr, port)
+        frames = _wire.notif_frames(self.name, next(self._msg_ids), message, _wire.EXCHANGE_PREFIX)
+        self._start_listener()
+        engine, timeout = self._engine, self._timeout
+
+        async def send() -> None:
+            try:
+                try:
+                    peer = await engine.connect(addr, timeout=min(timeout, 10.0))
+                except ferry.AlreadyConnected:
+                    found = [p for p in engine.peers() if not p.closed and addr in (p.name, p.addr)]
+                    if not found:
+                        raise
+                    peer = found[0]
+                for name, body in frames:
+                    await engine.notify(peer, name, body, timeout=timeout)
+            except Exception as e:  # noqa: BLE001
+                logger.error("%s to %s failed: %s", what, addr, e)
+
+        self._loop.submit(send())
+
+    def send_local_metadata(self, ip_addr: str = "", port: int = DEFAULT_COMM_PORT) -> None:
+        """Sends this agent's metadata to the agent listening at ``ip_addr:port`` (made with
+        ``enable_listen_thread=True, listen_port=port``), which loads it as ``add_remote_agent``
+        would; returns at once (the peer's ``check_remote_metadata`` says when it is loaded).
+        No ``ip_addr`` (NIXL's etcd) raises ``nixlNotSupportedError``; metadata over 1 MiB
+        raises ``nixlInvalidParamError``."""
+        addr = _peer_addr(ip_addr, port)
+        self._send_exchange(ip_addr, port, _wire.encode_exchange(_wire.EX_SEND, self.get_agent_metadata()),
+                            f"send_local_metadata of {self.name!r} to {addr}")
+
+    def fetch_remote_metadata(
+        self, remote_agent: str, ip_addr: str = "", port: int = DEFAULT_COMM_PORT, label: str = ""
+    ) -> None:
+        """Asks the agent listening at ``ip_addr:port`` for its metadata, loaded when it answers:
+        returns at once; poll ``check_remote_metadata(remote_agent)``. ``label`` names a partial
+        metadata entry on NIXL's metadata server; between peers it is ignored, as in NIXL."""
+        name = _wire.check_agent_name(_name(remote_agent))
+        if name == self.name:
+            raise nixlInvalidParamError("NIXL_ERR_INVALID_PARAM: an agent cannot fetch its own metadata")
+        addr = _peer_addr(ip_addr, port)
+        local = self._engine.local_addr
+        if local is None:
+            raise nixlBackendError("NIXL_ERR_BACKEND: the agent's engine does not listen")
+        me = _wire.AgentMetadata(self.name, _advertised(local), self._engine.id, ())
+        with self._lock:
+            self._fetching[name] = self._fetching.get(name, 0) + 1
+        self._send_exchange(ip_addr, port, _wire.encode_fetch(name, me), f"fetch_remote_metadata of {name!r} from {addr}")
+
+    def invalidate_local_metadata(self, ip_addr: str = "", port: int = DEFAULT_COMM_PORT) -> None:
+        """Tells the agent listening at ``ip_addr:port`` to forget this agent (as
+        ``remove_remote_agent``); returns at once."""
+        addr = _peer_addr(ip_addr, port)
+        self._send_exchange(ip_addr, port, _wire.encode_exchange(_wire.EX_INVALIDATE),
+                            f"invalidate_local_metadata of {self.name!r} at {addr}")
+
+    def _unsupported_partial(self) -> Any:
         raise nixlNotSupportedError(
-            "NIXL_ERR_NOT_SUPPORTED: ferry.nixl has no metadata listener or server (etcd); exchange "
-            "get_agent_metadata() out of band and pass it to add_remote_agent()"
+            "NIXL_ERR_NOT_SUPPORTED: ferry.nixl has no partial metadata: send or fetch the whole "
+            "agent metadata (send_local_metadata, fetch_remote_metadata, get_agent_metadata)"
         )
 
     def get_partial_agent_metadata(
         self, descs: nixlRegDList, inc_conn_info: bool = False, backends: Optional[List[str]] = None
     ) -> bytes:
-        return self._unsupported_md()  # type: ignore[no-any-return]
-
-    def send_local_metadata(self, ip_addr: str = "", port: int = DEFAULT_COMM_PORT) -> None:
-        self._unsupported_md()
+        return self._unsupported_partial()  # type: ignore[no-any-return]
 
     def send_partial_agent_metadata(
         self,
@@ -835,15 +1112,7 @@ class nixl_agent:
         port: int = DEFAULT_COMM_PORT,
         label: str = "",
     ) -> None:
-        self._unsupported_md()
-
-    def fetch_remote_metadata(
-        self, remote_agent: str, ip_addr: str = "", port: int = DEFAULT_COMM_PORT, label: str = ""
-    ) -> None:
-        self._unsupported_md()
-
-    def invalidate_local_metadata(self, ip_addr: str = "", port: int = DEFAULT_COMM_PORT) -> None:
-        self._unsupported_md()
+        self._unsupported_partial()
 
     def _remote(self, name: str) -> _Remote:
         """The remote agent ``name``, or this agent itself for loopback (linked to its own engine
@@ -1185,10 +1454,16 @@ class nixl_agent:
     def _take_notifs(self) -> Dict[str, List[bytes]]:
         new: Dict[str, List[bytes]] = {}
         with self._notif_lock:
-            for n in self._engine.take_notifications():
+            if self._pumping:
+                taken, self._inbox = self._inbox, []
+            else:
+                taken = self._engine.take_notifications()
+            for n in taken:
                 got = self._assembler.feed(n.from_engine, n.from_addr, n.name, n.msg)
                 if got is None:
-                    if not n.name.startswith(_wire.NOTIF_PREFIX):
+                    if _wire.frame_prefix(n.name) == _wire.EXCHANGE_PREFIX:
+                        logger.debug("ignoring a metadata-exchange frame: the agent does not listen")
+                    elif not n.name.startswith(_wire.NOTIF_PREFIX):
                         logger.debug("ignoring a ferry notification %r not sent by ferry.nixl", n.name)
                     continue
                 new.setdefault(got[0], []).append(got[1])

@@ -204,34 +204,56 @@ def decode_descs(blob: Any) -> Tuple[bool, nixl_mem_t, np.ndarray, Optional[List
 
 
 NOTIF_PREFIX = "nixl1"
-_NOTIF_NAME = re.compile(r"^nixl1 ([0-9a-f]{1,16}) ([0-9a-f]{1,4}) ([0-9a-f]{1,4}) (.+)$", re.DOTALL)
+EXCHANGE_PREFIX = "nixlx1"
+"""Frames of the metadata exchange (``send_local_metadata``, ``fetch_remote_metadata``...), kept
+apart from NIXL notifications: the agent's listener answers them, ``get_new_notifs`` never sees
+them."""
+
+MAX_EXCHANGE_BYTES = 1 << 20
+"""The largest metadata-exchange message: 1024 ferry notifications (agent metadata of about
+20,000 registered regions)."""
+
+_FRAME_NAME = re.compile(r"^(nixl1|nixlx1) ([0-9a-f]{1,16}) ([0-9a-f]{1,4}) ([0-9a-f]{1,4}) (.+)$", re.DOTALL)
 
 
-def notif_frames(sender: str, msg_id: int, msg: bytes) -> List[Tuple[str, str]]:
+def _limit(prefix: str) -> int:
+    return MAX_EXCHANGE_BYTES if prefix == EXCHANGE_PREFIX else MAX_NOTIF_BYTES
+
+
+def notif_frames(sender: str, msg_id: int, msg: bytes, prefix: str = NOTIF_PREFIX) -> List[Tuple[str, str]]:
     """The ferry notifications ``(name, msg)`` that carry ``msg`` from agent ``sender``: the name
     says which message, which part and how many parts, and who sent it; each body holds up to
-    1024 bytes, one character per byte."""
-    if len(msg) > MAX_NOTIF_BYTES:
-        raise _bad(f"a notification of {len(msg)} bytes exceeds the limit of {MAX_NOTIF_BYTES}")
+    1024 bytes, one character per byte. ``prefix`` is ``NOTIF_PREFIX`` for a NIXL notification
+    (64 KiB at most), ``EXCHANGE_PREFIX`` for a metadata-exchange message (1 MiB at most)."""
+    limit = _limit(prefix)
+    if len(msg) > limit:
+        what = "a notification" if prefix == NOTIF_PREFIX else "a metadata-exchange message"
+        raise _bad(f"{what} of {len(msg)} bytes exceeds the limit of {limit}")
     parts = max(1, -(-len(msg) // NOTIF_CHUNK))
     return [
         (
-            f"{NOTIF_PREFIX} {msg_id:x} {i:x} {parts:x} {sender}",
+            f"{prefix} {msg_id:x} {i:x} {parts:x} {sender}",
             msg[i * NOTIF_CHUNK : (i + 1) * NOTIF_CHUNK].decode("latin-1"),
         )
         for i in range(parts)
     ]
 
 
-def parse_notif(name: str, body: str) -> Optional[Tuple[str, int, int, int, bytes]]:
-    """``(sender, msg_id, part, parts, bytes)`` of one frame, or None for a notification that is
-    not one (sent by something other than ``ferry.nixl``, or malformed)."""
-    m = _NOTIF_NAME.match(name)
-    if m is None:
+def frame_prefix(name: str) -> Optional[str]:
+    """``NOTIF_PREFIX`` or ``EXCHANGE_PREFIX`` for a frame of ``ferry.nixl``, else None."""
+    m = _FRAME_NAME.match(name)
+    return None if m is None else m.group(1)
+
+
+def parse_notif(name: str, body: str, prefix: str = NOTIF_PREFIX) -> Optional[Tuple[str, int, int, int, bytes]]:
+    """``(sender, msg_id, part, parts, bytes)`` of one frame with ``prefix``, or None for a
+    notification that is not one (sent by something other than ``ferry.nixl``, or malformed)."""
+    m = _FRAME_NAME.match(name)
+    if m is None or m.group(1) != prefix:
         return None
-    msg_id, part, parts = int(m.group(1), 16), int(m.group(2), 16), int(m.group(3), 16)
-    sender = m.group(4)
-    if not 0 <= part < parts or parts * NOTIF_CHUNK > MAX_NOTIF_BYTES + NOTIF_CHUNK - 1:
+    msg_id, part, parts = int(m.group(2), 16), int(m.group(3), 16), int(m.group(4), 16)
+    sender = m.group(5)
+    if not 0 <= part < parts or parts * NOTIF_CHUNK > _limit(prefix) + NOTIF_CHUNK - 1:
         return None
     if len(body) > NOTIF_CHUNK or (part + 1 < parts and len(body) != NOTIF_CHUNK):
         return None
@@ -252,13 +274,14 @@ class NotifAssembler:
     dropped beyond that, as a sender that died mid-message leaves one behind), and ``max_total``
     in all, whatever names the senders claim."""
 
-    def __init__(self, max_partial: int = 64, max_total: int = 1024) -> None:
+    def __init__(self, max_partial: int = 64, max_total: int = 1024, prefix: str = NOTIF_PREFIX) -> None:
         self._partial: Dict[Tuple[int, str, str, int], List[bytes]] = {}
         self._max_partial = max_partial
         self._max_total = max_total
+        self._prefix = prefix
 
     def feed(self, from_engine: int, from_addr: str, name: str, body: str) -> Optional[Tuple[str, bytes]]:
-        frame = parse_notif(name, body)
+        frame = parse_notif(name, body, self._prefix)
         if frame is None:
             return None
         sender, msg_id, part, parts, payload = frame
@@ -283,3 +306,68 @@ class NotifAssembler:
             return None
         del self._partial[key]
         return sender, b"".join(got)
+
+
+EXCHANGE_MAGIC = b"FRYNXLEX"
+_EXCHANGE_HEADER = struct.Struct("<8sHB")
+
+EX_SEND = 1
+"""Body: the sender's agent metadata; the receiver loads it (as ``add_remote_agent``)."""
+EX_FETCH = 2
+"""Body: u16 length, the name asked for (UTF-8), then the asker's metadata (no regions): where to
+send the answer."""
+EX_ANSWER = 3
+"""Body: the answering agent's metadata, for the asker to load."""
+EX_NOT_FOUND = 4
+"""Body: the name asked for, which the answering agent does not have."""
+EX_INVALIDATE = 5
+"""Body: empty; the receiver forgets the sending agent."""
+_EX_KINDS = (EX_SEND, EX_FETCH, EX_ANSWER, EX_NOT_FOUND, EX_INVALIDATE)
+
+
+def encode_exchange(kind: int, body: bytes = b"") -> bytes:
+    assert kind in _EX_KINDS
+    return _EXCHANGE_HEADER.pack(EXCHANGE_MAGIC, VERSION, kind) + body
+
+
+def encode_fetch(wanted: str, asker: AgentMetadata) -> bytes:
+    name = wanted.encode()
+    return encode_exchange(EX_FETCH, struct.pack("<H", len(name)) + name + encode_metadata(asker))
+
+
+def decode_exchange(data: bytes) -> Tuple[int, Any]:
+    """``(kind, value)``: the metadata for ``EX_SEND``/``EX_ANSWER``, ``(name, asker metadata)``
+    for ``EX_FETCH``, the name for ``EX_NOT_FOUND``, None for ``EX_INVALIDATE``;
+    ``nixlInvalidParamError`` for anything malformed."""
+    if len(data) > MAX_EXCHANGE_BYTES:
+        raise _bad(f"a metadata-exchange message of {len(data)} bytes exceeds the limit of {MAX_EXCHANGE_BYTES}")
+    if len(data) < _EXCHANGE_HEADER.size:
+        raise _bad("metadata-exchange message is truncated")
+    magic, version, kind = _EXCHANGE_HEADER.unpack_from(data)
+    if magic != EXCHANGE_MAGIC:
+        raise _bad("not a ferry.nixl metadata-exchange message")
+    if version != VERSION:
+        raise _bad(f"metadata-exchange version {version}; this ferry.nixl speaks version {VERSION}")
+    body = data[_EXCHANGE_HEADER.size :]
+    if kind in (EX_SEND, EX_ANSWER):
+        return kind, decode_metadata(body)
+    if kind in (EX_FETCH, EX_NOT_FOUND):
+        if kind == EX_NOT_FOUND:
+            raw, rest = body, b""
+        else:
+            if len(body) < 2:
+                raise _bad("metadata-exchange fetch is truncated")
+            (n,) = struct.unpack_from("<H", body)
+            if len(body) < 2 + n:
+                raise _bad("metadata-exchange fetch is truncated")
+            raw, rest = body[2 : 2 + n], body[2 + n :]
+        try:
+            name = check_agent_name(raw)
+        except ValueError as e:
+            raise _bad(f"metadata-exchange message: {e}") from None
+        return kind, (name if kind == EX_NOT_FOUND else (name, decode_metadata(rest)))
+    if kind == EX_INVALIDATE:
+        if body:
+            raise _bad("metadata-exchange invalidation carries no body")
+        return kind, None
+    raise _bad(f"unknown metadata-exchange message kind {kind}")
