@@ -649,47 +649,29 @@ class nixl_agent:
         object, (d) a list of those, or (e) a ``nixlXferDList`` (returned as is). None, with an
         error logged, for anything else, as NIXL does; ``"VRAM"``/``"cuda"`` raise
         ``nixlNotSupportedError``."""
-        if isinstance(descs, nixlXferDList):
-            return descs
         if isinstance(descs, nixlRegDList):
             logger.error("RegList type detected for transfer, please use XferList")
             return None
-        if isinstance(descs, np.ndarray):
-            if mem_type is None:
-                logger.error("Please specify a mem type if not using Tensors")
-                return None
-            mem = self._mem(mem_type)
-            if descs.ndim != 2 or descs.shape[1] != 3:
-                logger.error("Nx3 shape required for transfer descriptor list from numpy array")
-                return None
-            return nixlXferDList(mem, descs)
-        if self._is_memory_object(descs):
-            descs = [descs]
-        if isinstance(descs, (list, tuple)) and descs and isinstance(descs[0], tuple):
-            if mem_type is None:
-                logger.error("Please specify a mem type if not using Tensors")
-                return None
-            mem = self._mem(mem_type)
-            if len(descs[0]) != 3:
-                logger.error("3-tuple list needed for transfer")
-                return None
-            return nixlXferDList(mem, list(descs))
-        if isinstance(descs, (list, tuple)) and descs:
-            got = self._objects(descs)
-            return None if got is None else nixlXferDList(nixl_mem_t.DRAM_SEG, got[0])
-        if isinstance(descs, (list, tuple)) and mem_type is not None:
-            return nixlXferDList(self._mem(mem_type))
-        return None
+        got = self._dlist(nixlXferDList, descs, mem_type, 3, "3-tuple list needed for transfer")
+        return got if got is None or isinstance(got, nixlXferDList) else None
 
     def get_reg_descs(self, descs: Any, mem_type: Optional[str] = None) -> Optional[nixlRegDList]:
         """A ``nixlRegDList`` from (a) a list of ``(addr, len, dev, meta)`` tuples with
         ``mem_type``, (b) an N×3 numpy array with ``mem_type``, (c) a tensor or a buffer-protocol
         object (kept alive while registered), (d) a list of those, or (e) a ``nixlRegDList``."""
-        if isinstance(descs, nixlRegDList):
-            return descs
         if isinstance(descs, nixlXferDList):
             logger.error("XferList type detected for registration, please use RegList")
             return None
+        got = self._dlist(nixlRegDList, descs, mem_type, 4, "4-tuple list needed for registration")
+        return got if got is None or isinstance(got, nixlRegDList) else None
+
+    def _dlist(
+        self, cls: Any, descs: Any, mem_type: Optional[str], tuple_len: int, wrong_tuples: str
+    ) -> Optional[Union[nixlXferDList, nixlRegDList]]:
+        """What ``get_xfer_descs`` and ``get_reg_descs`` share: a list of class ``cls`` from the
+        forms they accept, tuples being ``tuple_len`` long."""
+        if isinstance(descs, cls):
+            return descs  # type: ignore[no-any-return]
         if isinstance(descs, np.ndarray):
             if mem_type is None:
                 logger.error("Please specify a mem type if not using Tensors")
@@ -698,7 +680,7 @@ class nixl_agent:
             if descs.ndim != 2 or descs.shape[1] != 3:
                 logger.error("Nx3 shape required for transfer descriptor list from numpy array")
                 return None
-            return nixlRegDList(mem, descs)
+            return cls(mem, descs)  # type: ignore[no-any-return]
         if self._is_memory_object(descs):
             descs = [descs]
         if isinstance(descs, (list, tuple)) and descs and isinstance(descs[0], tuple):
@@ -706,19 +688,20 @@ class nixl_agent:
                 logger.error("Please specify a mem type if not using Tensors")
                 return None
             mem = self._mem(mem_type)
-            if len(descs[0]) != 4:
-                logger.error("4-tuple list needed for registration")
+            if len(descs[0]) != tuple_len:
+                logger.error(wrong_tuples)
                 return None
-            return nixlRegDList(mem, list(descs))
+            return cls(mem, list(descs))  # type: ignore[no-any-return]
         if isinstance(descs, (list, tuple)) and descs:
             got = self._objects(descs)
             if got is None:
                 return None
-            reg = nixlRegDList(nixl_mem_t.DRAM_SEG, got[0])
-            reg._owners = got[1]
-            return reg
+            made = cls(nixl_mem_t.DRAM_SEG, got[0])
+            if cls is nixlRegDList:
+                made._owners = got[1]
+            return made  # type: ignore[no-any-return]
         if isinstance(descs, (list, tuple)) and mem_type is not None:
-            return nixlRegDList(self._mem(mem_type))
+            return cls(self._mem(mem_type))  # type: ignore[no-any-return]
         return None
 
     def get_serialized_descs(self, descs: Union[nixlXferDList, nixlRegDList]) -> bytes:
