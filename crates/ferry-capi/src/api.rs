@@ -675,7 +675,12 @@ pub unsafe extern "C" fn ferry_take_notifications(
         }
         let state = state::engine(engine)?;
         let mut pending = lock(&state.notifications)?;
-        pending.extend(state.engine.take_notifications());
+        // Taken off the engine only when what is held here does not fill the caller's array: a
+        // caller that takes few at a time leaves the rest with the engine, whose bound on pending
+        // notifications then holds senders back, instead of piling them up here.
+        if pending.len() < cap {
+            pending.extend(state.engine.take_notifications());
+        }
         let n = pending.len().min(cap);
         for (i, received) in pending.drain(..n).enumerate() {
             let mut slot = ferry_notification {
