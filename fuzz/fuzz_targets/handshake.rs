@@ -39,7 +39,7 @@ fuzz_target!(|data: &[u8]| {
                     opened.push((LinkToken(hello.link_token), hello.stream_count));
                 }
             }
-            Ok(Admission::Join(_)) => {}
+            Ok(Admission::Join(..)) => {}
             Err(_) => {}
         }
         if n % 7 == 0

@@ -21,7 +21,7 @@ use anyhow::{Context, Result, bail};
 use crate::util::{cargo, cargo_metadata, run_step, target_dir, workspace_root};
 
 /// The fuzz targets, as `fuzz/Cargo.toml` names them.
-pub const TARGETS: &[&str] = &["frame_decoder", "handshake", "protocol", "transport_bytes"];
+pub const TARGETS: &[&str] = &["frame_decoder", "handshake", "protocol", "transport_bytes", "records"];
 
 #[derive(clap::Args)]
 pub struct Args {

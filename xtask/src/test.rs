@@ -188,7 +188,7 @@ const STEPS: &[Step] = &[
     // The fuzz targets, briefly: the repository's corpus (past crashes included) replayed, then new
     // inputs for a few seconds each. `cargo xtask fuzz` runs them longer.
     Step {
-        name: "fuzz (frame decoder, handshake, protocol, transport bytes; 15 s each)",
+        name: "fuzz (frame decoder, handshake, protocol, transport bytes, records; 15 s each)",
         lint: false,
         run: |_| crate::fuzz::fuzz(crate::fuzz::TARGETS, Duration::from_secs(15)),
     },
