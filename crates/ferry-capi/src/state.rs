@@ -51,22 +51,19 @@ pub(crate) fn insert_engine(state: EngineState) -> Result<u64, Failure> {
 
 /// The engine `handle` names.
 pub(crate) fn engine(handle: u64) -> Result<Arc<EngineState>, Failure> {
-    lock(&ENGINES)?.get(&handle).cloned().ok_or_else(|| {
-        Failure(
-            ferry_status::FERRY_INVALID_HANDLE,
-            format!("engine handle {handle} names no engine (never created, or destroyed already)"),
-        )
-    })
+    lock(&ENGINES)?.get(&handle).cloned().ok_or_else(|| no_engine(handle))
 }
 
 /// Takes the engine `handle` names out of the table: later calls with it are refused.
 pub(crate) fn remove_engine(handle: u64) -> Result<Arc<EngineState>, Failure> {
-    lock(&ENGINES)?.remove(&handle).ok_or_else(|| {
-        Failure(
-            ferry_status::FERRY_INVALID_HANDLE,
-            format!("engine handle {handle} names no engine (never created, or destroyed already)"),
-        )
-    })
+    lock(&ENGINES)?.remove(&handle).ok_or_else(|| no_engine(handle))
+}
+
+fn no_engine(handle: u64) -> Failure {
+    Failure(
+        ferry_status::FERRY_INVALID_HANDLE,
+        format!("engine handle {handle} names no engine (never created, or destroyed already)"),
+    )
 }
 
 impl EngineState {

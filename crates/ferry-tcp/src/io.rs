@@ -391,15 +391,7 @@ impl FrameReader {
         at: Cursor,
         caller: Option<&AccessGuard>,
     ) -> std::result::Result<u64, Landed> {
-        let p = &parts[at.index];
-        let n = self.buf.len().min((p.len - at.skip) as usize);
-        let _held = match caller.map(AccessGuard::enter) {
-            Some(None) => return Err(Landed::Abandoned),
-            held => held,
-        };
-        if p.region.copy_in(p.offset + at.skip, &self.buf[..n]).is_err() {
-            return Err(Landed::RegionGone);
-        }
+        let n = copy_into_part(parts, at, caller, &self.buf)?;
         self.buf.advance(n);
         Ok(n as u64)
     }
@@ -479,25 +471,16 @@ impl FrameReader {
         let ReadHalf::Sealed(sealed) = &mut self.half else {
             return Err(Error::Internal("copy_opened on a stream that is not sealed".into()));
         };
-        let more = std::future::poll_fn(|cx| sealed.poll_fill(cx)).await;
-        if !more.map_err(|e| self.io_error(e))? {
-            return Err(self.closed());
+        match std::future::poll_fn(|cx| sealed.poll_fill(cx)).await {
+            Ok(true) => {}
+            Ok(false) => return Err(self.closed()),
+            Err(e) => return Err(self.io_error(e)),
         }
-        let ReadHalf::Sealed(sealed) = &mut self.half else {
-            return Err(Error::Internal("copy_opened on a stream that is not sealed".into()));
-        };
-        let p = &parts[at.index];
-        let plain = sealed.plain();
-        let n = plain.len().min((p.len - at.skip) as usize);
-        let _held = match caller.map(AccessGuard::enter) {
-            Some(None) => return Ok(Err(Landed::Abandoned)),
-            held => held,
-        };
-        if p.region.copy_in(p.offset + at.skip, &plain[..n]).is_err() {
-            return Ok(Err(Landed::RegionGone));
+        let copied = copy_into_part(parts, at, caller, sealed.plain());
+        if let Ok(n) = copied {
+            sealed.consume(n);
         }
-        sealed.consume(n);
-        Ok(Ok(n as u64))
+        Ok(copied.map(|n| n as u64))
     }
 
     /// Reads and drops `len` payload bytes: the payload of a refused operation.
@@ -623,23 +606,7 @@ impl FrameWriter {
         self.flush().await?;
         let half = match &mut self.half {
             WriteHalf::Plain(half) => half,
-            WriteHalf::Sealed(sealed) => {
-                let mut intact = true;
-                for p in parts {
-                    let mut done = 0u64;
-                    while done < p.len {
-                        let n = (p.len - done).min(MAX_BODY as u64) as usize;
-                        intact &= sealed
-                            .send_region(&p.region, p.offset + done, n)
-                            .await
-                            .map_err(|e| write_error(&self.peer, e))?;
-                        done += n as u64;
-                    }
-                }
-                self.flush().await?;
-                return Ok(intact);
-            }
-            WriteHalf::Tls(_) => return self.write_parts_copied(parts).await,
+            WriteHalf::Sealed(_) | WriteHalf::Tls(_) => return self.write_parts_copied(parts).await,
         };
         let stream: &TcpStream = half.as_ref();
         let mut at = Cursor::default();
@@ -674,19 +641,35 @@ impl FrameWriter {
         Ok(true)
     }
 
-    /// [`write_parts`](Self::write_parts) on a stream under TLS: each range is copied into the buffer
-    /// (under its region's guard, [`MAX_CHUNK`] at a time) and sent from there.
+    /// [`write_parts`](Self::write_parts) on a stream that encrypts or seals in user space: each
+    /// range is copied a chunk at a time under its region's guard, straight into a record on a
+    /// sealed stream ([`MAX_BODY`] at a time), through the buffer under TLS ([`MAX_CHUNK`]).
     async fn write_parts_copied(&mut self, parts: &[Resolved]) -> Result<bool> {
         let mut intact = true;
         for p in parts {
             let mut done = 0u64;
             while done < p.len {
-                let n = (p.len - done).min(MAX_CHUNK as u64) as usize;
-                intact &= self.push_region(&p.region, p.offset + done, n);
-                self.flush().await?;
+                let (offset, left) = (p.offset + done, p.len - done);
+                let n = match &mut self.half {
+                    WriteHalf::Sealed(sealed) => {
+                        let n = left.min(MAX_BODY as u64) as usize;
+                        intact &= sealed
+                            .send_region(&p.region, offset, n)
+                            .await
+                            .map_err(|e| write_error(&self.peer, e))?;
+                        n
+                    }
+                    _ => {
+                        let n = left.min(MAX_CHUNK as u64) as usize;
+                        intact &= self.push_region(&p.region, offset, n);
+                        self.flush().await?;
+                        n
+                    }
+                };
                 done += n as u64;
             }
         }
+        self.flush().await?;
         Ok(intact)
     }
 
@@ -700,6 +683,26 @@ impl FrameWriter {
         }
         self.half.flush().await.map_err(|e| self.io_error(e))
     }
+}
+
+/// Copies the start of `src` into the range at `at` (as much as both hold), under a permit of
+/// `caller`'s guard when given: how many bytes, or why none may land.
+fn copy_into_part(
+    parts: &[Resolved],
+    at: Cursor,
+    caller: Option<&AccessGuard>,
+    src: &[u8],
+) -> std::result::Result<usize, Landed> {
+    let p = &parts[at.index];
+    let n = src.len().min((p.len - at.skip) as usize);
+    let _held = match caller.map(AccessGuard::enter) {
+        Some(None) => return Err(Landed::Abandoned),
+        held => held,
+    };
+    if p.region.copy_in(p.offset + at.skip, &src[..n]).is_err() {
+        return Err(Landed::RegionGone);
+    }
+    Ok(n)
 }
 
 /// The error of a failed write to `peer`.

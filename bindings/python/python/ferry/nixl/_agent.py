@@ -19,7 +19,7 @@ import socket
 import threading
 import time
 import weakref
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, TypeVar, Union
 
 import numpy as np
 
@@ -187,6 +187,17 @@ async def _pump(engine: ferry.Engine, ref: "weakref.ReferenceType[nixl_agent]") 
         except Exception:  # noqa: BLE001 - one bad frame must not stop the listener
             logger.exception("the metadata listener dropped a notification")
         del agent
+
+
+_T = TypeVar("_T")
+
+
+def _known(table: Dict[str, _T], backend: str, missing: str, empty: _T) -> _T:
+    """``table[backend]``, or ``empty`` with NIXL's warning ``missing`` when it has no entry."""
+    if backend not in table:
+        logger.warning(missing, backend)
+        return empty
+    return table[backend]
 
 
 def _advertised(local_addr: str) -> str:
@@ -532,28 +543,16 @@ class nixl_agent:
         return self.plugin_list
 
     def get_plugin_mem_types(self, backend: str) -> List[str]:
-        if backend not in self.plugin_mem_types:
-            logger.warning("Plugin %s is not available to get its supported mem types.", backend)
-            return []
-        return self.plugin_mem_types[backend]
+        return _known(self.plugin_mem_types, backend, "Plugin %s is not available to get its supported mem types.", [])
 
     def get_plugin_params(self, backend: str) -> Dict[str, str]:
-        if backend not in self.plugin_b_options:
-            logger.warning("Plugin %s is not available to get its parameters.", backend)
-            return {}
-        return self.plugin_b_options[backend]
+        return _known(self.plugin_b_options, backend, "Plugin %s is not available to get its parameters.", {})
 
     def get_backend_mem_types(self, backend: str) -> List[str]:
-        if backend not in self.backend_mems:
-            logger.warning("Backend %s not instantiated to get its supported mem types.", backend)
-            return []
-        return self.backend_mems[backend]
+        return _known(self.backend_mems, backend, "Backend %s not instantiated to get its supported mem types.", [])
 
     def get_backend_params(self, backend: str) -> Dict[str, str]:
-        if backend not in self.backend_options:
-            logger.warning("Backend %s not instantiated to get its parameters.", backend)
-            return {}
-        return self.backend_options[backend]
+        return _known(self.backend_options, backend, "Backend %s not instantiated to get its parameters.", {})
 
     def create_backend(self, backend: str, initParams: Optional[Dict[str, str]] = None) -> None:
         """Starts ``backend``: ``"FERRY"``, or a NIXL network plugin name, served by the agent's

@@ -96,19 +96,32 @@ def _u64(value: Any, what: str) -> int:
     return value
 
 
-def decode_metadata(blob: Any) -> AgentMetadata:
+def _open(
+    blob: Any, header: struct.Struct, magic: bytes, limit: int, what: str, not_ours: str
+) -> Tuple[bytes, Tuple[Any, ...]]:
+    """What every blob of ferry.nixl's starts with, checked: bytes, at most ``limit`` of them, the
+    ``header`` whole, ``magic`` and this version first. The blob's bytes and the header's further
+    fields."""
     if not isinstance(blob, (bytes, bytearray, memoryview)):
-        raise _bad(f"agent metadata must be bytes, not {type(blob).__name__}")
+        raise _bad(f"{what} must be bytes, not {type(blob).__name__}")
     data = bytes(blob)
-    if len(data) > MAX_METADATA_BYTES:
-        raise _bad(f"agent metadata of {len(data)} bytes exceeds the limit of {MAX_METADATA_BYTES}")
-    if len(data) < _HEADER.size:
-        raise _bad("agent metadata is truncated")
-    magic, version, length = _HEADER.unpack_from(data)
-    if magic != METADATA_MAGIC:
-        raise _bad("not ferry.nixl agent metadata (metadata from NIXL itself is not understood)")
+    if len(data) > limit:
+        raise _bad(f"{what} of {len(data)} bytes exceeds the limit of {limit}")
+    if len(data) < header.size:
+        raise _bad(f"{what} is truncated")
+    found, version, *fields = header.unpack_from(data)
+    if found != magic:
+        raise _bad(not_ours)
     if version != VERSION:
-        raise _bad(f"agent metadata version {version}; this ferry.nixl reads version {VERSION}")
+        raise _bad(f"{what}: version {version}; this ferry.nixl reads version {VERSION}")
+    return data, tuple(fields)
+
+
+def decode_metadata(blob: Any) -> AgentMetadata:
+    data, (length,) = _open(
+        blob, _HEADER, METADATA_MAGIC, MAX_METADATA_BYTES, "agent metadata",
+        "not ferry.nixl agent metadata (metadata from NIXL itself is not understood)",
+    )
     if length != len(data) - _HEADER.size:
         raise _bad(f"agent metadata says {length} bytes of body but carries {len(data) - _HEADER.size}")
     try:
@@ -157,18 +170,10 @@ def encode_descs(kind_reg: bool, mem: nixl_mem_t, rows: np.ndarray, metas: Optio
 
 def decode_descs(blob: Any) -> Tuple[bool, nixl_mem_t, np.ndarray, Optional[List[bytes]]]:
     """``(is_registration_list, mem_type, N×3 rows, metas or None)``."""
-    if not isinstance(blob, (bytes, bytearray, memoryview)):
-        raise _bad(f"serialized descriptors must be bytes, not {type(blob).__name__}")
-    data = bytes(blob)
-    if len(data) > MAX_SERIALIZED_DESCS_BYTES:
-        raise _bad(f"serialized descriptors of {len(data)} bytes exceed the limit of {MAX_SERIALIZED_DESCS_BYTES}")
-    if len(data) < _DESCS_HEADER.size:
-        raise _bad("serialized descriptors are truncated")
-    magic, version, kind, mem, n = _DESCS_HEADER.unpack_from(data)
-    if magic != DESCS_MAGIC:
-        raise _bad("not a ferry.nixl descriptor list (NIXL's pickles are not read)")
-    if version != VERSION:
-        raise _bad(f"descriptor list version {version}; this ferry.nixl reads version {VERSION}")
+    data, (kind, mem, n) = _open(
+        blob, _DESCS_HEADER, DESCS_MAGIC, MAX_SERIALIZED_DESCS_BYTES, "a serialized descriptor list",
+        "not a ferry.nixl descriptor list (NIXL's pickles are not read)",
+    )
     if kind not in (_KIND_XFER, _KIND_REG):
         raise _bad(f"unknown descriptor list kind {kind}")
     try:
@@ -339,15 +344,10 @@ def decode_exchange(data: bytes) -> Tuple[int, Any]:
     """``(kind, value)``: the metadata for ``EX_SEND``/``EX_ANSWER``, ``(name, asker metadata)``
     for ``EX_FETCH``, the name for ``EX_NOT_FOUND``, None for ``EX_INVALIDATE``;
     ``nixlInvalidParamError`` for anything malformed."""
-    if len(data) > MAX_EXCHANGE_BYTES:
-        raise _bad(f"a metadata-exchange message of {len(data)} bytes exceeds the limit of {MAX_EXCHANGE_BYTES}")
-    if len(data) < _EXCHANGE_HEADER.size:
-        raise _bad("metadata-exchange message is truncated")
-    magic, version, kind = _EXCHANGE_HEADER.unpack_from(data)
-    if magic != EXCHANGE_MAGIC:
-        raise _bad("not a ferry.nixl metadata-exchange message")
-    if version != VERSION:
-        raise _bad(f"metadata-exchange version {version}; this ferry.nixl speaks version {VERSION}")
+    data, (kind,) = _open(
+        data, _EXCHANGE_HEADER, EXCHANGE_MAGIC, MAX_EXCHANGE_BYTES, "a metadata-exchange message",
+        "not a ferry.nixl metadata-exchange message",
+    )
     body = data[_EXCHANGE_HEADER.size :]
     if kind in (EX_SEND, EX_ANSWER):
         return kind, decode_metadata(body)
