@@ -70,7 +70,8 @@ pub fn environment() -> Result<PathBuf> {
     .context("installing the Python test requirements")?;
     // --force-reinstall: pip would keep an installed ferry of the same version, built from older code.
     // With RDMA built in, as a user on an RDMA cluster builds it (the prerequisites step installed
-    // cmake and libclang); the wheel loads libibverbs at run time.
+    // cmake and libclang; the wheel loads libibverbs at run time), and the etcd directory that
+    // ferry.nixl's NIXL_ETCD_ENDPOINTS uses (its build needs protoc, also a prerequisite).
     run_step(
         Command::new(&python)
             .args([
@@ -82,20 +83,24 @@ pub fn environment() -> Result<PathBuf> {
                 "--no-deps",
             ])
             .arg(binding_dir())
-            .env("MATURIN_PEP517_ARGS", "--features rdma"),
+            .env("MATURIN_PEP517_ARGS", "--features rdma,etcd"),
         45 * MINUTE,
     )
     .context("building and installing the binding with `pip install ./bindings/python`")?;
-    // A NIXL user on an RDMA cluster must not silently get TCP: the package says RDMA is compiled in.
+    // A NIXL user on an RDMA cluster must not silently get TCP: the package says RDMA is compiled in
+    // (and the etcd directory, which NIXL_ETCD_ENDPOINTS needs).
     run_step(
         Command::new(&python).args([
             "-c",
-            "import ferry, sys; t = [t for t in ferry.capabilities()['transports'] if t['name'] == 'rdma']; \
-             sys.exit(0 if t and t[0]['compiled'] else 'the installed ferry package has no RDMA compiled in: ' + repr(t))",
+            "import ferry, sys; c = ferry.capabilities(); \
+             t = [t for t in c['transports'] if t['name'] == 'rdma']; \
+             d = [d for d in c['directories'] if d['name'] == 'etcd']; \
+             sys.exit(0 if t and t[0]['compiled'] and d and d[0]['compiled'] \
+             else 'the installed ferry package lacks RDMA or the etcd directory: ' + repr((t, d)))",
         ]),
         MINUTE,
     )
-    .context("checking that the installed package has RDMA compiled in")?;
+    .context("checking that the installed package has RDMA and the etcd directory compiled in")?;
     Ok(python)
 }
 

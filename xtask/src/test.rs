@@ -156,6 +156,7 @@ const STEPS: &[Step] = &[
             run_step(
                 Command::new(&python)
                     .args(["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"])
+                    .env("FERRY_REQUIRE_ALL", "1")
                     .current_dir(&dir),
                 20 * MINUTE,
             )?;

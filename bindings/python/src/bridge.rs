@@ -39,6 +39,8 @@ pub enum Outcome {
     Peer(ferry::Peer),
     /// A notification, which goes back to its stream if dropped undelivered.
     Notification(TakenNotification),
+    /// A value given to Python as `json.loads` makes it (a directory record: a dict).
+    Json(serde_json::Value),
     /// The end of an async iterator.
     StopIteration,
     Err(ferry::Error),
@@ -69,6 +71,7 @@ impl Outcome {
                 taken.delivered();
                 Ok(value)
             }
+            Outcome::Json(value) => Ok(py.import("json")?.call_method1("loads", (value.to_string(),))?.unbind()),
             Outcome::StopIteration => Err(PyStopAsyncIteration::new_err(())),
             Outcome::Err(e) => Err(errors::to_py(py, e)),
         }

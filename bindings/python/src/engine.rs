@@ -20,7 +20,11 @@ use crate::transfer::{self, PreparedTransfer, TransferHandle};
 ///
 /// `buffer_pool` ("BUFFER_NUM:BUFFER_SIZE_MB", "0:0" for none) is the coalescing pool small
 /// descriptors are coalesced through; `transports` ("tcp", "shm", "rdma") restricts the data paths
-/// offered to peers, best first; `streams` is the TCP streams per link. Close it with `close()` or
+/// offered to peers, best first; `streams` is the TCP streams per link. With `name` and `directory`
+/// ("etcd://HOST:PORT[,HOST:PORT...]", "etcds://" for TLS; in builds with the `etcd` feature) the
+/// engine publishes itself under `name` in that directory, below `directory_prefix` ("/ferry", as
+/// `ferry serve` uses, when not given), on a lease of
+/// `directory_ttl` seconds, and `connect_by_name` finds others there. Close it with `close()` or
 /// use it as a context manager (plain or `async with`).
 #[pyclass(module = "ferry._ferry", frozen)]
 pub struct Engine {
@@ -124,7 +128,8 @@ impl Engine {
         listen = None, *, buffer_pool = None, transports = None, streams = None, max_links = None,
         max_inflight_bytes = None, max_pending_notifications = None, name = None,
         tls_cert = None, tls_key = None, tls_ca = None, tls_psk = None, tls_name = None,
-        tls_server_name = None, encrypt = false, data_protection = None,
+        tls_server_name = None, encrypt = false, data_protection = None, directory = None,
+        directory_prefix = None, directory_ttl = 10.0,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -145,6 +150,9 @@ impl Engine {
         tls_server_name: Option<String>,
         encrypt: bool,
         data_protection: Option<String>,
+        directory: Option<String>,
+        directory_prefix: Option<String>,
+        directory_ttl: f64,
     ) -> PyResult<Self> {
         let mut builder = ferry::Engine::builder();
         let protection = match (data_protection, encrypt) {
@@ -206,6 +214,16 @@ impl Engine {
         }
         if let Some(name) = name {
             builder = builder.name(name);
+        }
+        if let Some(url) = directory {
+            let ttl = seconds(py, "directory_ttl", directory_ttl)?;
+            let directory = py
+                .detach(|| {
+                    let prefix = directory_prefix.as_deref().unwrap_or(crate::directory::DEFAULT_PREFIX);
+                    runtime().block_on(crate::directory::connect(&url, prefix, ttl))
+                })
+                .py(py)?;
+            builder = builder.directory(directory);
         }
         let engine = py.detach(|| runtime().block_on(builder.build())).py(py)?;
         Ok(Engine {
@@ -365,6 +383,40 @@ impl Engine {
         bridge::spawn(py, async move {
             match engine.connect(&addr, timeout).await {
                 Ok(peer) => Outcome::Peer(peer),
+                Err(e) => Outcome::Err(e),
+            }
+        })
+    }
+
+    /// Connects to the engine published under `name` in the engine's directory (`directory=` when
+    /// made), within `timeout` seconds; a coroutine giving a `Peer`. `NotConnected` when no engine
+    /// of that name is published; on an engine with TLS, `PermissionDenied` when the engine at the
+    /// published address proves another name.
+    #[pyo3(signature = (name, timeout = 1.0))]
+    fn connect_by_name<'py>(&self, py: Python<'py>, name: String, timeout: f64) -> PyResult<Bound<'py, PyAny>> {
+        let engine = self.live(py)?;
+        let timeout = seconds(py, "timeout", timeout)?;
+        bridge::spawn(py, async move {
+            match engine.connect_by_name(&name, timeout).await {
+                Ok(peer) => Outcome::Peer(peer),
+                Err(e) => Outcome::Err(e),
+            }
+        })
+    }
+
+    /// The record the engine `name` published in this engine's directory, a dict (`name`, `addrs`,
+    /// `transports`, `host_id`, `protocol_version`, `engine_id` in hex, `authenticated`), within
+    /// `timeout` seconds; a coroutine. `NotConnected` when no engine of that name is published.
+    #[pyo3(signature = (name, timeout = 1.0))]
+    fn lookup<'py>(&self, py: Python<'py>, name: String, timeout: f64) -> PyResult<Bound<'py, PyAny>> {
+        let engine = self.live(py)?;
+        let timeout = seconds(py, "timeout", timeout)?;
+        bridge::spawn(py, async move {
+            match engine.lookup(&name, timeout).await.and_then(|record| {
+                serde_json::to_value(record)
+                    .map_err(|e| ferry::Error::Internal(format!("cannot encode a directory record: {e}")))
+            }) {
+                Ok(value) => Outcome::Json(value),
                 Err(e) => Outcome::Err(e),
             }
         })

@@ -13,6 +13,7 @@ use pyo3::prelude::*;
 
 mod bridge;
 mod descs;
+mod directory;
 mod engine;
 mod errors;
 mod notify;
@@ -23,12 +24,19 @@ mod transfer;
 
 /// What this build of ferry can do on this host, as a dict: version, protocol version, every
 /// transport with whether it is compiled in and usable here (and why not), RDMA devices and rails,
-/// Vulkan devices (HIXL `GetCapability`).
+/// Vulkan devices (HIXL `GetCapability`), and which engine directories the package can publish in.
 #[pyfunction]
 fn capabilities(py: Python<'_>) -> PyResult<Py<PyAny>> {
     let caps = py.detach(ferry::capabilities);
-    let json = serde_json::to_string(&caps)
+    let mut value = serde_json::to_value(&caps)
         .map_err(|e| errors::internal(py, format!("cannot encode the capabilities: {e}")))?;
+    if let Some(map) = value.as_object_mut() {
+        map.insert(
+            "directories".into(),
+            serde_json::json!([{ "name": "etcd", "compiled": directory::COMPILED }]),
+        );
+    }
+    let json = value.to_string();
     Ok(py.import("json")?.call_method1("loads", (json,))?.unbind())
 }
 

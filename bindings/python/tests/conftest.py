@@ -97,3 +97,55 @@ def descs_for(local_addr: int, remote_addr: int, size: int, count: int) -> np.nd
     d[:, 1] = np.uint64(remote_addr) + offsets
     d[:, 2] = size
     return d
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def etcd(tmp_path):
+    """A real etcd on loopback, in a temporary data folder, on free ports: its client URL as NIXL
+    takes it ("http://127.0.0.1:PORT"). Skipped where there is no etcd binary or the package has
+    no etcd directory, unless FERRY_REQUIRE_ALL is set (as `cargo xtask test` sets it), where
+    either is a failure."""
+    import shutil
+    import urllib.request
+
+    missing = []
+    if shutil.which("etcd") is None:
+        missing.append("no etcd binary (Debian package etcd-server)")
+    if not any(d["name"] == "etcd" and d["compiled"] for d in ferry.capabilities()["directories"]):
+        missing.append('the ferry package has no etcd directory (MATURIN_PEP517_ARGS="--features etcd")')
+    if missing:
+        if os.environ.get("FERRY_REQUIRE_ALL"):
+            pytest.fail("; ".join(missing))
+        pytest.skip("; ".join(missing))
+    client, peer = f"http://127.0.0.1:{_free_port()}", f"http://127.0.0.1:{_free_port()}"
+    proc = subprocess.Popen(
+        ["etcd", "--name", "t", "--data-dir", str(tmp_path / "etcd"),
+         "--listen-client-urls", client, "--advertise-client-urls", client,
+         "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+         "--initial-cluster", f"t={peer}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(f"{client}/health", timeout=1) as r:
+                    if json.loads(r.read()).get("health") == "true":
+                        break
+            except OSError:
+                pass
+            assert proc.poll() is None, "etcd exited"
+            assert time.monotonic() < deadline, "etcd did not become healthy within 30 s"
+            time.sleep(0.05)
+        yield client
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)

@@ -10,6 +10,11 @@ With NIXL_PEER_LISTEN_PORT the agent listens for NIXL's metadata exchange on tha
 NIXL_PEER_SEND_TO=ip:port it pushes its metadata there (``send_local_metadata``) once its memory
 is registered, and the notification b"invalidate" makes it ``invalidate_local_metadata`` there
 (printing {"invalidated": true}).
+
+With NIXL_PEER_PUBLISH (and NIXL_ETCD_ENDPOINTS) it publishes on the metadata server: its whole
+metadata (``send_local_metadata()``), its connection info alone under the label "conn_info", and
+the first half of its blocks, without connection info, under "first_half"; the notification
+b"invalidate" then withdraws all of it (``invalidate_local_metadata()``).
 """
 
 import base64
@@ -35,6 +40,7 @@ def main() -> None:
     transports = os.environ.get("NIXL_PEER_TRANSPORTS")
     listen_port = os.environ.get("NIXL_PEER_LISTEN_PORT")
     send_to = os.environ.get("NIXL_PEER_SEND_TO")
+    publish = bool(os.environ.get("NIXL_PEER_PUBLISH"))
     agent = nixl_agent(
         "prefill",
         nixl_agent_config(
@@ -53,6 +59,11 @@ def main() -> None:
         "blocks": [base + i * BLOCK for i in range(BLOCKS)],
         "block_size": BLOCK,
     }
+    if publish:
+        agent.send_local_metadata()
+        agent.send_partial_agent_metadata(agent.get_reg_descs([], "DRAM"), label="conn_info")
+        half = agent.get_reg_descs([(base, BLOCK * (BLOCKS // 2), 0, "")], "DRAM")
+        agent.send_partial_agent_metadata(half, inc_conn_info=False, label="first_half")
     print(json.dumps(hello), flush=True)
     if send_to:
         ip, _, port = send_to.rpartition(":")
@@ -63,9 +74,12 @@ def main() -> None:
                 if msg == b"exit":
                     agent.deregister_memory(descs)
                     return
-                if msg == b"invalidate" and send_to:
-                    ip, _, port = send_to.rpartition(":")
-                    agent.invalidate_local_metadata(ip, int(port))
+                if msg == b"invalidate" and (send_to or publish):
+                    if publish:
+                        agent.invalidate_local_metadata()
+                    else:
+                        ip, _, port = send_to.rpartition(":")
+                        agent.invalidate_local_metadata(ip, int(port))
                     print(json.dumps({"invalidated": True}), flush=True)
                     continue
                 digest = hashlib.sha256(kv.tobytes()).hexdigest()

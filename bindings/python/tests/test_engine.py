@@ -563,3 +563,34 @@ def test_data_protection_is_chosen_and_held_to():
     finally:
         for e in (target, plain, sealed):
             e.close()
+
+
+def test_engines_find_each_other_by_name_in_an_etcd_directory(etcd):
+    """Engine(name=..., directory=...) publishes the engine; another finds its record and
+    connects by name; a name nobody holds is NotConnected."""
+    url = etcd.replace("http://", "etcd://")
+    target = ferry.Engine("127.0.0.1:0", name="target-0", directory=url, directory_prefix="/t")
+    initiator = ferry.Engine("127.0.0.1:0", name="initiator-0", directory=url, directory_prefix="/t")
+    try:
+        buf = bytearray(b"\x5a" * 4096)
+        region = target.register(buf)
+
+        async def main():
+            record = await initiator.lookup("target-0")
+            assert record["name"] == "target-0" and int(record["engine_id"], 16) == target.id
+            assert record["addrs"] == [target.local_addr]
+            peer = await initiator.connect_by_name("target-0", timeout=5.0)
+            assert peer.engine_id == target.id
+            got = bytearray(4096)
+            local = initiator.register(got)
+            await initiator.transfer(peer, "read", [(local.addr, region.addr, 4096)])
+            assert got == buf
+            with pytest.raises(ferry.NotConnected):
+                await initiator.connect_by_name("nobody", timeout=5.0)
+
+        asyncio.run(main())
+        with pytest.raises(ferry.AlreadyConnected):
+            ferry.Engine("127.0.0.1:0", name="target-0", directory=url, directory_prefix="/t")
+    finally:
+        initiator.close()
+        target.close()

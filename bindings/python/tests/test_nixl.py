@@ -352,7 +352,7 @@ def test_serialized_descs_round_trip_and_refuse_what_they_did_not_write(agents):
         blob[:-1],
         blob + b"\x00",
         b"X" + blob[1:],
-        blob[:8] + struct.pack("<H", 2) + blob[10:],
+        blob[:8] + struct.pack("<H", _wire.VERSION + 1) + blob[10:],
         blob[:12] + struct.pack("<Q", 2**40) + blob[20:],
         __import__("pickle").dumps([(1, 2, 3)]),
     ]
@@ -370,7 +370,9 @@ def test_corrupted_or_oversized_metadata_is_refused(agents):
 
     def blob(doc):
         raw = json.dumps(doc).encode()
-        return _wire.METADATA_MAGIC + struct.pack("<HI", 1, len(raw)) + raw
+        return _wire.METADATA_MAGIC + struct.pack("<HI", _wire.VERSION, len(raw)) + raw
+
+    assert decode.add_remote_agent(blob(body)) == b"prefill", "the test's own blobs must be readable"
 
     bad = [
         b"",
@@ -389,7 +391,11 @@ def test_corrupted_or_oversized_metadata_is_refused(agents):
         blob({**body, "regions": [[2**64 - 1, 2]]}),
         blob({**body, "regions": [[1, 0]]}),
         blob({**body, "regions": [["1", 2]]}),
-        _wire.METADATA_MAGIC + struct.pack("<HI", 1, 3) + b"{{{",
+        blob({**body, "addr": None}),
+        blob({**body, "partial": 1}),
+        blob({k: v for k, v in body.items() if k != "partial"}),
+        _wire.METADATA_MAGIC + struct.pack("<HI", _wire.VERSION - 1, len(md) - 14) + md[14:],
+        _wire.METADATA_MAGIC + struct.pack("<HI", _wire.VERSION, 3) + b"{{{",
         b"\x80\x04pickle",
         "not bytes",
     ]
@@ -558,8 +564,6 @@ def test_metadata_exchange_in_one_process_and_what_it_refuses():
             a.send_local_metadata("127.0.0.1", 0)
         with pytest.raises(nb.nixlInvalidParamError):
             a.fetch_remote_metadata("a", "127.0.0.1", b_port)
-        with pytest.raises(nb.nixlNotSupportedError, match="partial"):
-            a.get_partial_agent_metadata(a.get_reg_descs([buf]))
     finally:
         a.close()
         b.close()
@@ -576,10 +580,13 @@ def test_exchange_messages_are_bounded_and_checked():
     md = _wire.AgentMetadata("a", "127.0.0.1:5", 9, ((4096, 10),))
     for kind in (_wire.EX_SEND, _wire.EX_ANSWER):
         assert _wire.decode_exchange(_wire.encode_exchange(kind, _wire.encode_metadata(md))) == (kind, md)
-    assert _wire.decode_exchange(_wire.encode_fetch("b", md)) == (_wire.EX_FETCH, ("b", md))
+    assert _wire.decode_exchange(_wire.encode_fetch("b", md)) == (_wire.EX_FETCH, ("b", "", md))
+    assert _wire.decode_exchange(_wire.encode_fetch("b", md, "conn")) == (_wire.EX_FETCH, ("b", "conn", md))
+    with pytest.raises(nb.nixlInvalidParamError):
+        _wire.encode_fetch("b", md, "bad\nlabel")
     assert _wire.decode_exchange(_wire.encode_exchange(_wire.EX_INVALIDATE)) == (_wire.EX_INVALIDATE, None)
     good = _wire.encode_fetch("b", md)
-    for bad in (b"", b"FRYNXLEX", b"XXXXXXXX" + good[8:], good[:8] + b"\x02\x00" + good[10:], good[:-1],
+    for bad in (b"", b"FRYNXLEX", b"XXXXXXXX" + good[8:], good[:8] + struct.pack("<H", _wire.VERSION + 1) + good[10:], good[:-1],
                 good[:10] + b"\x09", _wire.encode_exchange(_wire.EX_INVALIDATE) + b"x",
                 _wire.encode_exchange(_wire.EX_SEND, b"pickle")):
         with pytest.raises(nb.nixlInvalidParamError):
@@ -712,3 +719,155 @@ def test_without_the_runner_nixl_is_not_ferry(tmp_path):
     assert importlib.util.find_spec("nixl") is None or "ferry" not in str(importlib.util.find_spec("nixl").origin)
     run = subprocess.run([sys.executable, "-m", "ferry.nixl"], capture_output=True, text=True)
     assert run.returncode == 2 and "usage" in run.stderr
+
+
+def read_blocks(agent, remote_name, addrs, size):
+    """READs the blocks at ``addrs`` of agent ``remote_name`` into fresh memory and returns them."""
+    got = np.zeros((len(addrs), size), dtype=np.uint8)
+    reg = agent.register_memory(agent.get_reg_descs([(got.ctypes.data, got.nbytes, 0, "")], "DRAM"))
+    local = agent.get_xfer_descs(block_list(got.ctypes.data, len(addrs), size), "DRAM")
+    far = agent.get_xfer_descs([(a, size, 0) for a in addrs], "DRAM")
+    handle = agent.initialize_xfer("READ", local, far, remote_name)
+    agent.transfer(handle)
+    wait_done(agent, handle, timeout=30.0)
+    agent.release_xfer_handle(handle)
+    agent.deregister_memory(reg)
+    return got
+
+
+def test_partial_metadata_adds_ranges_as_nixl_does():
+    """NIXL's partial metadata: the connection info alone, then ranges without it, then more
+    ranges; each load adds to what the loader knows, and only what was loaded can be read."""
+    src = nixl_agent("src", nixl_agent_config(enable_listen_thread=True, listen_port=0))
+    dst = nixl_agent("dst", nixl_agent_config(enable_listen_thread=True, listen_port=0))
+    other = nixl_agent("other")
+    try:
+        bufs = [pattern(4096, seed=20 + i) for i in range(4)]
+        src.register_memory(src.get_reg_descs(bufs))
+        addrs = [b.ctypes.data for b in bufs]
+        valid = src.get_reg_descs([(a, 4096, 0, "") for a in addrs[:3]], "DRAM")
+        last = src.get_reg_descs([(addrs[3], 4096, 0, "")], "DRAM")
+        far_valid = dst.get_xfer_descs([(a, 4096, 0) for a in addrs[:3]], "DRAM")
+        far_last = dst.get_xfer_descs([(addrs[3], 4096, 0)], "DRAM")
+
+        # Without connection info, an agent not loaded cannot be loaded.
+        with pytest.raises(nb.nixlNotFoundError, match="connection info"):
+            dst.add_remote_agent(src.get_partial_agent_metadata(valid))
+        assert not dst.check_remote_metadata("src")
+
+        # Step 1: the connection info alone (an empty list), as NIXL's getLocalPartialMD({DRAM_SEG}).
+        assert dst.add_remote_agent(src.get_partial_agent_metadata(src.get_reg_descs([], "DRAM"))) == b"src"
+        assert dst.check_remote_metadata("src") and not dst.check_remote_metadata("src", far_valid)
+        with pytest.raises(nb.nixlNotFoundError):
+            dst.prep_xfer_dlist("src", far_valid, "DRAM")
+
+        # Step 2: three of the four buffers, without connection info: those three and no more.
+        assert dst.add_remote_agent(src.get_partial_agent_metadata(valid)) == b"src"
+        assert dst.check_remote_metadata("src", far_valid) and not dst.check_remote_metadata("src", far_last)
+        got = read_blocks(dst, "src", addrs[:3], 4096)
+        assert all(np.array_equal(got[i], bufs[i]) for i in range(3)), "a byte read differs"
+        with pytest.raises(nb.nixlNotFoundError):
+            dst.prep_xfer_dlist("src", far_last, "DRAM")
+
+        # Step 3: forgotten, then loaded again with connection info included.
+        dst.remove_remote_agent("src")
+        assert not dst.check_remote_metadata("src")
+        dst.add_remote_agent(src.get_partial_agent_metadata(valid, inc_conn_info=True))
+        assert dst.check_remote_metadata("src", far_valid) and not dst.check_remote_metadata("src", far_last)
+
+        # Step 4: the last buffer added; now all four read back.
+        dst.add_remote_agent(src.get_partial_agent_metadata(last))
+        assert dst.check_remote_metadata("src", far_valid) and dst.check_remote_metadata("src", far_last)
+        got = read_blocks(dst, "src", addrs, 4096)
+        assert all(np.array_equal(got[i], bufs[i]) for i in range(4)), "a byte read differs"
+
+        # Memory not registered with the agent has no metadata.
+        unregistered = np.zeros(4096, dtype=np.uint8)
+        with pytest.raises(nb.nixlNotFoundError):
+            src.get_partial_agent_metadata(src.get_reg_descs([unregistered]))
+        # Partial metadata of another engine under a loaded name is refused, as whole metadata is.
+        impostor = nixl_agent("src")
+        try:
+            with pytest.raises(nb.nixlNotAllowedError):
+                dst.add_remote_agent(impostor.get_partial_agent_metadata(impostor.get_reg_descs([], "DRAM")))
+        finally:
+            impostor.close()
+
+        # Sent to a listener (NIXL's sendLocalPartialMD to ip:port): loaded there the same way.
+        other_port = int(other.get_backend_params("UCX")["listen_addr"].rpartition(":")[2])
+        dst_port = int(dst.get_backend_params("UCX")["listen_addr"].rpartition(":")[2])
+        assert other_port != dst_port
+        dst.remove_remote_agent("src")
+        src.send_partial_agent_metadata(src.get_reg_descs([], "DRAM"), ip_addr="127.0.0.1", port=dst_port)
+        wait_for(lambda: dst.check_remote_metadata("src"), "src's connection info to arrive")
+        src.send_partial_agent_metadata(valid, ip_addr="127.0.0.1", port=dst_port)
+        wait_for(lambda: dst.check_remote_metadata("src", far_valid), "src's partial metadata to arrive")
+        assert not dst.check_remote_metadata("src", far_last)
+
+        # Without ip_addr and without NIXL_ETCD_ENDPOINTS there is no metadata server.
+        with pytest.raises(nb.nixlNotSupportedError, match="NIXL_ETCD_ENDPOINTS"):
+            src.send_partial_agent_metadata(valid, label="x")
+    finally:
+        for a in (src, dst, other):
+            a.close()
+
+
+def test_etcd_metadata_server_across_processes(prefill, etcd, monkeypatch):
+    """NIXL's metadata server (NIXL_ETCD_ENDPOINTS) through ferry's etcd directory, as NIXL's etcd
+    tests use it: the prefill process publishes its whole metadata, its connection info alone
+    ("conn_info") and half its blocks without connection info ("first_half"); this agent fetches
+    each by name, reads every byte back, and loses it all when prefill invalidates."""
+    monkeypatch.setenv("NIXL_ETCD_ENDPOINTS", etcd)
+    monkeypatch.setenv("NIXL_ETCD_NAMESPACE", "/nixl/test")
+    remote = prefill(NIXL_PEER_PUBLISH="1")
+    size, n = remote.block_size, len(remote.blocks)
+    expected = pattern(size * n, seed=7).reshape(n, -1)
+    agent = nixl_agent("decode", nixl_agent_config(backends=["UCX"]))
+
+    def fetched(label=""):
+        """Fetches prefill's metadata under ``label`` and waits until the answer was handled."""
+        agent.fetch_remote_metadata("prefill", label=label)
+        wait_for(lambda: "prefill" not in agent._fetching, f"prefill's answer to a fetch of {label!r}")
+
+    try:
+        first = agent.get_xfer_descs([(a, size, 0) for a in remote.blocks[: n // 2]], "DRAM")
+        second = agent.get_xfer_descs([(a, size, 0) for a in remote.blocks[n // 2 :]], "DRAM")
+
+        # Ranges without connection info, of an agent not loaded: nothing loads.
+        fetched("first_half")
+        assert not agent.check_remote_metadata("prefill")
+        fetched("conn_info")
+        assert agent.check_remote_metadata("prefill") and not agent.check_remote_metadata("prefill", first)
+        fetched("first_half")
+        assert agent.check_remote_metadata("prefill", first) and not agent.check_remote_metadata("prefill", second)
+        got = read_blocks(agent, "prefill", remote.blocks[: n // 2], size)
+        assert np.array_equal(got, expected[: n // 2]), "a byte read differs from the remote pattern"
+        fetched()
+        assert agent.check_remote_metadata("prefill", second)
+        read_all_blocks(agent, remote, expected)
+
+        # A label prefill never published loads nothing; an agent that does not exist does not block.
+        agent.remove_remote_agent("prefill")
+        fetched("no_such_label")
+        assert not agent.check_remote_metadata("prefill")
+        started = time.monotonic()
+        agent.fetch_remote_metadata("nobody")
+        assert time.monotonic() - started < 1.0
+        fetched()
+        assert agent.check_remote_metadata("prefill")
+
+        # The agent's name is held in the directory while it lives.
+        with pytest.raises(nb.nixlBackendError):
+            nixl_agent("decode")
+        # What NIXL refuses on the metadata server.
+        with pytest.raises(nb.nixlInvalidParamError, match="label"):
+            agent.send_partial_agent_metadata(agent.get_reg_descs([], "DRAM"))
+
+        # prefill withdraws everything: this agent forgets it, and fetches find nothing.
+        agent.send_notif("prefill", b"invalidate")
+        assert remote.read_line() == {"invalidated": True}
+        wait_for(lambda: not agent.check_remote_metadata("prefill"), "prefill's invalidation")
+        fetched()
+        assert not agent.check_remote_metadata("prefill")
+    finally:
+        agent.close()

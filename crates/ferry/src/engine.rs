@@ -1106,9 +1106,7 @@ impl Engine {
     /// answer is `PermissionDenied`.
     pub async fn connect_by_name(&self, name: &str, timeout: Duration) -> Result<Peer> {
         let deadline = tokio::time::Instant::now() + timeout;
-        let record = tokio::time::timeout_at(deadline, self.directory()?.lookup(name))
-            .await
-            .map_err(|_| Error::Timeout(format!("looking {name} up in the directory took over {timeout:?}")))??;
+        let record = self.lookup(name, timeout).await?;
         let mut last = Error::NotConnected(format!("engine {name} publishes no address"));
         for addr in &record.addrs {
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
@@ -1130,6 +1128,15 @@ impl Engine {
             }
         }
         Err(last)
+    }
+
+    /// The record `name` published in the engine's directory, within `timeout`: `NotConnected` when
+    /// no engine of that name is published, `Timeout` when the directory does not answer in time. A
+    /// record is what its engine claims; [`connect_by_name`](Self::connect_by_name) checks the claim.
+    pub async fn lookup(&self, name: &str, timeout: Duration) -> Result<EngineRecord> {
+        tokio::time::timeout(timeout, self.directory()?.lookup(name))
+            .await
+            .map_err(|_| Error::Timeout(format!("looking {name} up in the directory took over {timeout:?}")))?
     }
 
     /// The engines published in the directory now.

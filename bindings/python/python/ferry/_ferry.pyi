@@ -24,7 +24,8 @@ __version__: str
 
 def capabilities() -> Dict[str, Any]:
     """What this build can do on this host: version, protocol version, transports (compiled in,
-    usable here, and why not), RDMA devices and rails, Vulkan devices."""
+    usable here, and why not), RDMA devices and rails, Vulkan devices, and the engine directories
+    the package can publish in (``directories``: etcd, compiled in or not)."""
 
 @final
 class TransferStatus:
@@ -132,6 +133,9 @@ class Engine:
         tls_server_name: Optional[str] = None,
         encrypt: bool = False,
         data_protection: Optional[Literal["plain", "integrity", "encrypted"]] = None,
+        directory: Optional[str] = None,
+        directory_prefix: Optional[str] = None,
+        directory_ttl: float = 10.0,
     ) -> "Engine": ...
     @property
     def id(self) -> int: ...
@@ -156,6 +160,10 @@ class Engine:
     def deregister(self, region: Region) -> None: ...
     def regions(self) -> List[Region]: ...
     async def connect(self, addr: str, timeout: float = 1.0) -> Peer: ...
+    async def connect_by_name(self, name: str, timeout: float = 1.0) -> Peer:
+        """Connects to the engine published under ``name`` in this engine's directory."""
+    async def lookup(self, name: str, timeout: float = 1.0) -> Dict[str, Any]:
+        """The record the engine ``name`` published in this engine's directory."""
     async def disconnect(self, peer: Peer, timeout: float = 1.0) -> None: ...
     def peers(self) -> List[Peer]: ...
     async def transfer(

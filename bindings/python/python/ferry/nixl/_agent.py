@@ -19,7 +19,7 @@ import socket
 import threading
 import time
 import weakref
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, TypeVar, Union
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple, TypeVar, Union
 
 import numpy as np
 
@@ -135,14 +135,47 @@ def _listen_addr(conf: nixl_agent_config) -> str:
     return addr if ":" in addr else f"{addr}:{port}"
 
 
-def _peer_addr(ip_addr: Any, port: Any) -> str:
-    """``ip:port`` of another agent's listener for the metadata exchange; no address means NIXL's
-    metadata server (etcd), which ferry.nixl does not speak."""
-    if not ip_addr:
-        raise nixlNotSupportedError(
-            "NIXL_ERR_NOT_SUPPORTED: ferry.nixl has no metadata server (etcd): give the peer's ip_addr "
-            "and port (its listen_port), or exchange get_agent_metadata() out of band"
+DEFAULT_ETCD_NAMESPACE = "/nixl/agents"
+"""The key prefix of the agents' records in etcd when ``NIXL_ETCD_NAMESPACE`` is not set."""
+
+DEFAULT_METADATA_LABEL = "metadata"
+"""The label of an agent's whole metadata on the metadata server, as NIXL names it."""
+
+ETCD_FETCH_WAIT = 5.0
+"""How long ``fetch_remote_metadata`` through etcd waits for the agent to appear, as NIXL's does."""
+
+
+def _etcd_url() -> Optional[str]:
+    """``$NIXL_ETCD_ENDPOINTS`` (``http://h:2379[,http://h2:2379]``, as NIXL takes it) as the URL
+    of ferry's etcd directory, or None when it is not set."""
+    raw = os.environ.get("NIXL_ETCD_ENDPOINTS", "").strip()
+    if not raw:
+        return None
+    hosts, schemes = [], set()
+    for endpoint in raw.split(","):
+        endpoint = endpoint.strip()
+        if not endpoint:
+            continue
+        scheme, sep, rest = endpoint.partition("://")
+        if not sep:
+            scheme, rest = "http", endpoint
+        rest = rest.rstrip("/")
+        if scheme not in ("http", "https") or not rest or "/" in rest:
+            raise nixlInvalidParamError(
+                f"NIXL_ERR_INVALID_PARAM: NIXL_ETCD_ENDPOINTS: {endpoint!r} is not http://HOST:PORT or https://HOST:PORT"
+            )
+        schemes.add(scheme)
+        hosts.append(rest)
+    if not hosts or len(schemes) != 1:
+        raise nixlInvalidParamError(
+            "NIXL_ERR_INVALID_PARAM: NIXL_ETCD_ENDPOINTS must list endpoints of one scheme, http:// or https://"
         )
+    return ("etcds://" if "https" in schemes else "etcd://") + ",".join(hosts)
+
+
+def _peer_addr(ip_addr: Any, port: Any) -> str:
+    """``ip:port`` of another agent's listener for the metadata exchange (a call without one goes
+    to the metadata server instead: see ``nixl_agent._need_directory``)."""
     if not isinstance(ip_addr, str) or len(ip_addr) > _wire.MAX_ADDR_CHARS:
         raise nixlInvalidParamError("NIXL_ERR_INVALID_PARAM: ip_addr must be a host name or address")
     if type(port) is not int or not 0 < port < 65536:
@@ -151,6 +184,9 @@ def _peer_addr(ip_addr: Any, port: Any) -> str:
         ip_addr = f"[{ip_addr}]"
     return f"{ip_addr}:{port}"
 
+
+_SEND_GRACE = 2.0
+"""Seconds ``close`` waits for metadata-exchange messages still being sent before cancelling them."""
 
 _MAX_INBOX = 1 << 16
 """NIXL notification frames the listener keeps for ``get_new_notifs``. When that many wait unread,
@@ -301,8 +337,20 @@ class _LoopThread:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def stop(self) -> None:
+        """Cancels what still runs on the loop (and lets it unwind), then stops the loop."""
         if self.loop.is_closed():
             return
+
+        async def cancel_the_rest() -> None:
+            rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in rest:
+                t.cancel()
+            await asyncio.gather(*rest, return_exceptions=True)
+
+        try:
+            self.submit(cancel_the_rest()).result(timeout=5.0)
+        except Exception:
+            pass
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10.0)
         if not self.thread.is_alive():
@@ -316,6 +364,7 @@ def _shutdown(
     pump: "List[asyncio.Task[None]]",
     pool: concurrent.futures.ThreadPoolExecutor,
     closing: threading.Event,
+    sends: "Set[concurrent.futures.Future[None]]",
 ) -> None:
     closing.set()
     for task in pump:
@@ -335,6 +384,8 @@ def _shutdown(
         drained.result(timeout=15.0)
     except Exception:
         pass
+    # Metadata-exchange messages sent just before closing (an invalidation) get a moment to leave.
+    concurrent.futures.wait(list(sends), timeout=_SEND_GRACE)
     for x in list(inflight):
         state = x._state
         if isinstance(state, concurrent.futures.Future):
@@ -465,15 +516,30 @@ class nixl_agent:
             raise ValueError("xfer_timeout must be positive")
         self._timeout = float(timeout)
         self._telemetry = conf.capture_telemetry
-        self._engine = ferry.Engine(_listen_addr(conf), transports=transports, **conf.engine_options)
+        engine_options = dict(conf.engine_options)
+        self._etcd = _etcd_url()
+        if self._etcd is not None:
+            # NIXL's metadata server, through ferry's directory: the engine publishes itself under
+            # the agent's name (on a lease, so a dead agent leaves); metadata is fetched from the
+            # agent itself over its ferry link, never stored in etcd.
+            engine_options.setdefault("name", self.name)
+            engine_options.setdefault("directory", self._etcd)
+            engine_options.setdefault(
+                "directory_prefix", os.environ.get("NIXL_ETCD_NAMESPACE") or DEFAULT_ETCD_NAMESPACE
+            )
+        try:
+            self._engine = ferry.Engine(_listen_addr(conf), transports=transports, **engine_options)
+        except ferry.Error as e:
+            raise _as_nixl_error(e, f"starting agent {self.name!r}'s engine") from e
         self._loop = _LoopThread(self.name)
         self._inflight: "weakref.WeakSet[nixl_xfer_handle]" = weakref.WeakSet()
         self._pump_task: "List[asyncio.Task[None]]" = []
         self._exchange_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"ferry.nixl md {self.name}")
         self._closing = threading.Event()
+        self._sends: "Set[concurrent.futures.Future[None]]" = set()
         self._finalizer = weakref.finalize(
             self, _shutdown, self._loop, self._engine, self._inflight, self._pump_task, self._exchange_pool,
-            self._closing,
+            self._closing, self._sends,
         )
 
         self._lock = threading.RLock()
@@ -492,6 +558,11 @@ class nixl_agent:
         self._inbox: List[Any] = []
         self._exchange_assembler = _wire.NotifAssembler(prefix=_wire.EXCHANGE_PREFIX)
         self._fetching: Dict[str, int] = {}
+        self._published: Dict[str, bytes] = {}
+        """Label → the answer (an encoded exchange message) to a fetch of it through the directory."""
+        self._fetchers: Dict[int, _wire.AgentMetadata] = {}
+        """Agents (by engine id) that fetched this agent's metadata through the directory: told
+        when ``invalidate_local_metadata`` withdraws it."""
 
         self.notifs: Dict[str, List[bytes]] = {}
         self.backends: Dict[str, int] = {}
@@ -516,7 +587,7 @@ class nixl_agent:
                 self.create_backend(backend)
             else:
                 logger.warning("Skipping backend registration %s due to the missing plugin.", backend)
-        if self._listening:
+        if self._listening or self._etcd is not None:
             self._start_listener()
         logger.info("Initialized NIXL agent %s on ferry engine %s", self.name, self._engine.local_addr)
 
@@ -793,15 +864,50 @@ class nixl_agent:
 
     # ---- metadata -----------------------------------------------------------------------------
 
-    def get_agent_metadata(self) -> bytes:
-        """This agent for another process: its name, its engine's address and id, and the memory
-        it registered, in ferry.nixl's versioned format. Call it after ``register_memory``."""
+    def _advertised_addr(self) -> str:
         addr = self._engine.local_addr
         if addr is None:
             raise nixlBackendError("NIXL_ERR_BACKEND: the agent's engine does not listen")
+        return _advertised(addr)
+
+    def _metadata(self) -> _wire.AgentMetadata:
         with self._lock:
             regions = tuple(sorted(self._regions))
-        return _wire.encode_metadata(_wire.AgentMetadata(self.name, _advertised(addr), self._engine.id, regions))
+        return _wire.AgentMetadata(self.name, self._advertised_addr(), self._engine.id, regions)
+
+    def get_agent_metadata(self) -> bytes:
+        """This agent for another process: its name, its engine's address and id, and the memory
+        it registered, in ferry.nixl's versioned format. Call it after ``register_memory``."""
+        return _wire.encode_metadata(self._metadata())
+
+    def _partial_metadata(
+        self, descs: nixlRegDList, inc_conn_info: bool, backends: Optional[List[str]]
+    ) -> _wire.AgentMetadata:
+        if not isinstance(descs, nixlRegDList):
+            raise TypeError(f"partial metadata takes a nixlRegDList, not {type(descs).__name__}")
+        self._check_backends(backends)
+        rows = descs._rows
+        if rows.shape[0]:
+            self._check_mem(descs.getType())
+        with self._lock:
+            missing = self._local.uncovered(rows)
+        if missing is not None:
+            a, n = int(rows[missing, 0]), int(rows[missing, 1])
+            raise nixlNotFoundError(f"NIXL_ERR_NOT_FOUND: {n} bytes at 0x{a:x} are not registered with this agent")
+        regions = tuple(sorted({(int(r[0]), int(r[1])) for r in rows}))
+        # As in NIXL, metadata of no descriptors is the connection info alone.
+        addr = self._advertised_addr() if inc_conn_info or not regions else None
+        return _wire.AgentMetadata(self.name, addr, self._engine.id, regions, partial=True)
+
+    def get_partial_agent_metadata(
+        self, descs: nixlRegDList, inc_conn_info: bool = False, backends: Optional[List[str]] = None
+    ) -> bytes:
+        """Metadata of the registered memory ``descs`` names (each descriptor must lie in memory
+        registered with this agent, else ``nixlNotFoundError``), with the engine's address when
+        ``inc_conn_info`` (or when ``descs`` is empty: the connection info alone). Loading it
+        (``add_remote_agent``) adds those ranges to what the loader knows of this agent; without
+        connection info the loader must have loaded this agent before."""
+        return _wire.encode_metadata(self._partial_metadata(descs, inc_conn_info, backends))
 
     def add_remote_agent(self, metadata: bytes) -> bytes:
         """Loads another agent's metadata and connects to its engine; returns its name as bytes,
@@ -811,6 +917,8 @@ class nixl_agent:
         return self._add_remote(_wire.decode_metadata(metadata))
 
     def _add_remote(self, md: _wire.AgentMetadata) -> bytes:
+        """Loads ``md``: whole metadata replaces what is known of the agent, partial metadata adds
+        its regions to it (and, without connection info, needs the agent loaded already)."""
         if md.name == self.name:
             raise nixlInvalidParamError(
                 "NIXL_ERR_INVALID_PARAM: that is this agent's own metadata (loopback needs none: "
@@ -819,14 +927,25 @@ class nixl_agent:
         with self._connect_lock:
             with self._lock:
                 known = self._remotes.get(md.name)
-            if known is not None:
-                if (known.md.addr, known.md.engine_id) != (md.addr, md.engine_id) and not known.peer.closed:
-                    raise nixlNotAllowedError(
-                        f"NIXL_ERR_NOT_ALLOWED: agent {md.name!r} is loaded with engine {known.md.addr}; "
-                        f"remove_remote_agent it before loading {md.addr}"
-                    )
-            peer = known.peer if known is not None and not known.peer.closed else self._connect(md)
+            live = known if known is not None and not known.peer.closed else None
+            if live is not None and (
+                live.md.engine_id != md.engine_id or (md.addr is not None and md.addr != live.md.addr)
+            ):
+                raise nixlNotAllowedError(
+                    f"NIXL_ERR_NOT_ALLOWED: agent {md.name!r} is loaded with engine {live.md.addr}; "
+                    f"remove_remote_agent it before loading {md.addr or 'another engine'}"
+                )
+            if live is None and md.addr is None:
+                raise nixlNotFoundError(
+                    f"NIXL_ERR_NOT_FOUND: partial metadata of agent {md.name!r} carries no connection info "
+                    "and the agent is not loaded: load metadata with connection info first "
+                    "(get_partial_agent_metadata(..., inc_conn_info=True), or the whole metadata)"
+                )
+            peer = live.peer if live is not None else self._connect(md)
             self._await_regions(peer, md)
+            if md.partial and live is not None:
+                regions = tuple(sorted(set(live.md.regions) | set(md.regions)))
+                md = _wire.AgentMetadata(md.name, live.md.addr, md.engine_id, regions, partial=True)
             with self._lock:
                 generation = known.generation if known is not None and known.peer is peer else next(self._generations)
                 self._remotes[md.name] = _Remote(md, peer, generation)
@@ -835,6 +954,9 @@ class nixl_agent:
         return md.name.encode()
 
     def _connect(self, md: _wire.AgentMetadata) -> ferry.Peer:
+        addr = md.addr
+        if addr is None:
+            raise nixlNotFoundError(f"NIXL_ERR_NOT_FOUND: no connection info of agent {md.name!r}")
         engine = self._engine
         timeout = min(self._timeout, 10.0)
 
@@ -843,7 +965,7 @@ class nixl_agent:
             if linked is not None:
                 return linked
             try:
-                return await engine.connect(md.addr, timeout=timeout)
+                return await engine.connect(addr, timeout=timeout)
             except ferry.AlreadyConnected:
                 linked = _linked(engine, md.engine_id)
                 if linked is None:
@@ -956,7 +1078,13 @@ class nixl_agent:
         except nixlInvalidParamError as e:
             logger.warning("refusing a metadata-exchange message from %r: %s", sender, e)
             return
-        if kind in (_wire.EX_SEND, _wire.EX_FETCH, _wire.EX_INVALIDATE) and not self._listening:
+        # A listener takes what peers push and answers whole-metadata fetches; an agent on the
+        # metadata server answers fetches of what it published, and hears invalidations of what
+        # it fetched. Answers are taken only for fetches this agent made (see EX_ANSWER).
+        through_directory = self._etcd is not None and (
+            kind == _wire.EX_INVALIDATE or (kind == _wire.EX_FETCH and value[1])
+        )
+        if kind in (_wire.EX_SEND, _wire.EX_FETCH, _wire.EX_INVALIDATE) and not (self._listening or through_directory):
             logger.warning(
                 "ignoring a metadata-exchange request from %r: the agent was made without enable_listen_thread",
                 sender,
@@ -982,24 +1110,7 @@ class nixl_agent:
                         with self._lock:
                             self._fetching.pop(md.name, None)
             elif kind == _wire.EX_FETCH:
-                wanted, asker = value
-                if asker.name != sender or asker.engine_id != from_engine:
-                    logger.warning("refusing a fetch from agent %r of another engine", sender)
-                    return
-                if wanted == self.name:
-                    reply = _wire.encode_exchange(_wire.EX_ANSWER, self.get_agent_metadata())
-                else:
-                    logger.warning("agent %r fetched metadata of %r, which is not this agent", sender, wanted)
-                    reply = _wire.encode_exchange(_wire.EX_NOT_FOUND, wanted.encode())
-                frames = _wire.notif_frames(self.name, next(self._msg_ids), reply, _wire.EXCHANGE_PREFIX)
-                peer = self._connect(asker)
-                engine, timeout = self._engine, self._timeout
-
-                async def answer() -> None:
-                    for name, body in frames:
-                        await engine.notify(peer, name, body, timeout=timeout)
-
-                self._run(answer(), timeout)
+                self._answer_fetch(from_engine, sender, *value)
             elif kind == _wire.EX_NOT_FOUND:
                 with self._lock:
                     self._fetching.pop(value, None)
@@ -1015,11 +1126,54 @@ class nixl_agent:
         except Exception as e:  # noqa: BLE001 - NIXL's listener logs what it cannot do
             logger.error("metadata exchange with agent %r failed: %s", sender, e)
 
-    def _send_exchange(self, ip_addr: str, port: int, message: bytes, what: str) -> None:
-        """Connects (or reuses the link) to the engine at ``ip_addr:port`` and sends ``message``
-        in the background: returns at once, as NIXL's calls do; failures are logged."""
-        addr = _peer_addr(ip_addr, port)
-        frames = _wire.notif_frames(self.name, next(self._msg_ids), message, _wire.EXCHANGE_PREFIX)
+    def _answer_fetch(self, from_engine: int, sender: str, wanted: str, label: str, asker: _wire.AgentMetadata) -> None:
+        """Answers agent ``sender``'s fetch of ``wanted`` (this agent, or not): with the metadata
+        published under ``label`` when the fetch came through the metadata server, else (between
+        peers) with the whole metadata as it is now."""
+        if asker.name != sender or asker.engine_id != from_engine or asker.addr is None:
+            logger.warning("refusing a fetch from agent %r of another engine", sender)
+            return
+        reply: Optional[bytes] = None
+        if wanted != self.name:
+            logger.warning("agent %r fetched metadata of %r, which is not this agent", sender, wanted)
+        elif label:
+            with self._lock:
+                reply = self._published.get(label)
+                if reply is not None:
+                    self._fetchers[from_engine] = asker
+            if reply is None:
+                logger.warning("agent %r fetched metadata labelled %r, which this agent has not sent", sender, label)
+        else:
+            reply = _wire.encode_exchange(_wire.EX_ANSWER, self.get_agent_metadata())
+        if reply is None:
+            reply = _wire.encode_exchange(_wire.EX_NOT_FOUND, wanted.encode())
+        frames = _wire.notif_frames(self.name, next(self._msg_ids), reply, _wire.EXCHANGE_PREFIX)
+        peer = self._connect(asker)
+        engine, timeout = self._engine, self._timeout
+
+        async def answer() -> None:
+            for name, body in frames:
+                await engine.notify(peer, name, body, timeout=timeout)
+
+        self._run(answer(), timeout)
+
+    def _need_directory(self, what: str) -> None:
+        """Calls without ``ip_addr`` go to NIXL's metadata server: ferry's etcd directory, where
+        ``NIXL_ETCD_ENDPOINTS`` named one when the agent was made."""
+        if self._etcd is None:
+            raise nixlNotSupportedError(
+                f"NIXL_ERR_NOT_SUPPORTED: {what} without ip_addr goes to the metadata server (etcd), and "
+                "NIXL_ETCD_ENDPOINTS was not set when the agent was made: set it, or give the peer's ip_addr "
+                "and port (its listen_port), or exchange get_agent_metadata() out of band"
+            )
+
+    def _frames(self, message: bytes) -> List[Tuple[str, str]]:
+        return _wire.notif_frames(self.name, next(self._msg_ids), message, _wire.EXCHANGE_PREFIX)
+
+    def _send_exchange(self, addr: str, message: bytes, what: str) -> None:
+        """Connects (or reuses the link) to the engine at ``addr`` and sends ``message`` in the
+        background: returns at once, as NIXL's calls do; failures are logged."""
+        frames = self._frames(message)
         self._start_listener()
         engine, timeout = self._engine, self._timeout
 
@@ -1037,53 +1191,76 @@ class nixl_agent:
             except Exception as e:  # noqa: BLE001
                 logger.error("%s to %s failed: %s", what, addr, e)
 
-        self._loop.submit(send())
+        self._background(send())
+
+    def _send_by_name(self, agent: str, message: bytes, what: str) -> None:
+        """Finds agent ``agent`` in the directory (waiting up to ``ETCD_FETCH_WAIT`` for it to
+        appear, as NIXL waits for its key) and sends ``message`` to its engine in the background;
+        failures are logged."""
+        frames = self._frames(message)
+        engine, timeout = self._engine, self._timeout
+
+        async def send() -> None:
+            deadline = time.monotonic() + ETCD_FETCH_WAIT
+            try:
+                while True:
+                    try:
+                        record = await engine.lookup(agent, timeout=max(deadline - time.monotonic(), 0.001))
+                        break
+                    except ferry.NotConnected:
+                        if time.monotonic() >= deadline:
+                            raise
+                        await asyncio.sleep(0.05)
+                engine_id = int(record["engine_id"], 16)
+                peer = _linked(engine, engine_id)
+                if peer is None:
+                    try:
+                        peer = await engine.connect_by_name(agent, timeout=min(timeout, 10.0))
+                    except ferry.AlreadyConnected:
+                        peer = _linked(engine, engine_id)
+                        if peer is None:
+                            raise
+                if peer.engine_id != engine_id:
+                    raise ferry.NotConnected(f"the engine published as {agent!r} changed while connecting")
+                for name, body in frames:
+                    await engine.notify(peer, name, body, timeout=timeout)
+            except Exception as e:  # noqa: BLE001
+                logger.error("%s through the directory failed: %s", what, e)
+
+        self._background(send())
+
+    def _background(self, coro: Any) -> None:
+        """Runs a metadata-exchange send on the loop without waiting for it; ``close`` gives
+        those still running a moment to finish."""
+        fut = self._loop.submit(coro)
+        self._sends.add(fut)
+        fut.add_done_callback(self._sends.discard)
+
+    def _publish(self, label: str, md: _wire.AgentMetadata) -> None:
+        """Keeps ``md`` as the answer to fetches of ``label`` through the metadata server."""
+        answer = _wire.encode_exchange(_wire.EX_ANSWER, _wire.encode_metadata(md))
+        if len(answer) > _wire.MAX_EXCHANGE_BYTES:
+            raise nixlInvalidParamError(
+                f"NIXL_ERR_INVALID_PARAM: metadata of {len(answer)} bytes exceeds the exchange limit of "
+                f"{_wire.MAX_EXCHANGE_BYTES}"
+            )
+        with self._lock:
+            self._published[label] = answer
 
     def send_local_metadata(self, ip_addr: str = "", port: int = DEFAULT_COMM_PORT) -> None:
         """Sends this agent's metadata to the agent listening at ``ip_addr:port`` (made with
         ``enable_listen_thread=True, listen_port=port``), which loads it as ``add_remote_agent``
         would; returns at once (the peer's ``check_remote_metadata`` says when it is loaded).
-        No ``ip_addr`` (NIXL's etcd) raises ``nixlNotSupportedError``; metadata over 1 MiB
-        raises ``nixlInvalidParamError``."""
+        Without ``ip_addr``, publishes it on the metadata server (``NIXL_ETCD_ENDPOINTS``, else
+        ``nixlNotSupportedError``) for ``fetch_remote_metadata``. Metadata over 1 MiB raises
+        ``nixlInvalidParamError``."""
+        if not ip_addr:
+            self._need_directory("send_local_metadata")
+            self._publish(DEFAULT_METADATA_LABEL, self._metadata())
+            return
         addr = _peer_addr(ip_addr, port)
-        self._send_exchange(ip_addr, port, _wire.encode_exchange(_wire.EX_SEND, self.get_agent_metadata()),
+        self._send_exchange(addr, _wire.encode_exchange(_wire.EX_SEND, self.get_agent_metadata()),
                             f"send_local_metadata of {self.name!r} to {addr}")
-
-    def fetch_remote_metadata(
-        self, remote_agent: str, ip_addr: str = "", port: int = DEFAULT_COMM_PORT, label: str = ""
-    ) -> None:
-        """Asks the agent listening at ``ip_addr:port`` for its metadata, loaded when it answers:
-        returns at once; poll ``check_remote_metadata(remote_agent)``. ``label`` names a partial
-        metadata entry on NIXL's metadata server; between peers it is ignored, as in NIXL."""
-        name = _wire.check_agent_name(_name(remote_agent))
-        if name == self.name:
-            raise nixlInvalidParamError("NIXL_ERR_INVALID_PARAM: an agent cannot fetch its own metadata")
-        addr = _peer_addr(ip_addr, port)
-        local = self._engine.local_addr
-        if local is None:
-            raise nixlBackendError("NIXL_ERR_BACKEND: the agent's engine does not listen")
-        me = _wire.AgentMetadata(self.name, _advertised(local), self._engine.id, ())
-        with self._lock:
-            self._fetching[name] = self._fetching.get(name, 0) + 1
-        self._send_exchange(ip_addr, port, _wire.encode_fetch(name, me), f"fetch_remote_metadata of {name!r} from {addr}")
-
-    def invalidate_local_metadata(self, ip_addr: str = "", port: int = DEFAULT_COMM_PORT) -> None:
-        """Tells the agent listening at ``ip_addr:port`` to forget this agent (as
-        ``remove_remote_agent``); returns at once."""
-        addr = _peer_addr(ip_addr, port)
-        self._send_exchange(ip_addr, port, _wire.encode_exchange(_wire.EX_INVALIDATE),
-                            f"invalidate_local_metadata of {self.name!r} at {addr}")
-
-    def _unsupported_partial(self) -> Any:
-        raise nixlNotSupportedError(
-            "NIXL_ERR_NOT_SUPPORTED: ferry.nixl has no partial metadata: send or fetch the whole "
-            "agent metadata (send_local_metadata, fetch_remote_metadata, get_agent_metadata)"
-        )
-
-    def get_partial_agent_metadata(
-        self, descs: nixlRegDList, inc_conn_info: bool = False, backends: Optional[List[str]] = None
-    ) -> bytes:
-        return self._unsupported_partial()  # type: ignore[no-any-return]
 
     def send_partial_agent_metadata(
         self,
@@ -1094,7 +1271,66 @@ class nixl_agent:
         port: int = DEFAULT_COMM_PORT,
         label: str = "",
     ) -> None:
-        self._unsupported_partial()
+        """Sends ``get_partial_agent_metadata(descs, inc_conn_info, backends)`` to the agent
+        listening at ``ip_addr:port``, or, without ``ip_addr``, publishes it on the metadata
+        server under ``label`` (required there, else ``nixlInvalidParamError``) for
+        ``fetch_remote_metadata(name, label=label)``. Returns at once."""
+        md = self._partial_metadata(descs, inc_conn_info, backends)
+        if not ip_addr:
+            self._need_directory("send_partial_agent_metadata")
+            if not _wire.check_label(label):
+                raise nixlInvalidParamError(
+                    "NIXL_ERR_INVALID_PARAM: partial metadata on the metadata server needs a label"
+                )
+            self._publish(label, md)
+            return
+        addr = _peer_addr(ip_addr, port)
+        self._send_exchange(addr, _wire.encode_exchange(_wire.EX_SEND, _wire.encode_metadata(md)),
+                            f"send_partial_agent_metadata of {self.name!r} to {addr}")
+
+    def fetch_remote_metadata(
+        self, remote_agent: str, ip_addr: str = "", port: int = DEFAULT_COMM_PORT, label: str = ""
+    ) -> None:
+        """Asks agent ``remote_agent`` for its metadata, loaded when it answers: returns at once;
+        poll ``check_remote_metadata(remote_agent)``. With ``ip_addr``, the agent listening there
+        answers with its whole metadata (``label`` is ignored, as in NIXL). Without, the agent is
+        found on the metadata server (waiting up to 5 s for it) and answers with what it
+        published under ``label`` (its whole metadata by default); nothing loads if it published
+        nothing under that label."""
+        name = _wire.check_agent_name(_name(remote_agent))
+        if name == self.name:
+            raise nixlInvalidParamError("NIXL_ERR_INVALID_PARAM: an agent cannot fetch its own metadata")
+        if not ip_addr:
+            self._need_directory("fetch_remote_metadata")
+        label = (_wire.check_label(label) or DEFAULT_METADATA_LABEL) if not ip_addr else ""
+        me = _wire.AgentMetadata(self.name, self._advertised_addr(), self._engine.id, ())
+        message = _wire.encode_fetch(name, me, label)
+        with self._lock:
+            self._fetching[name] = self._fetching.get(name, 0) + 1
+        if not ip_addr:
+            self._send_by_name(name, message, f"fetch_remote_metadata of {name!r} (label {label!r})")
+            return
+        addr = _peer_addr(ip_addr, port)
+        self._send_exchange(addr, message, f"fetch_remote_metadata of {name!r} from {addr}")
+
+    def invalidate_local_metadata(self, ip_addr: str = "", port: int = DEFAULT_COMM_PORT) -> None:
+        """Tells the agent listening at ``ip_addr:port`` to forget this agent (as
+        ``remove_remote_agent``); without ``ip_addr``, withdraws what this agent published on the
+        metadata server and tells every agent that fetched it to forget this agent. Returns at
+        once."""
+        message = _wire.encode_exchange(_wire.EX_INVALIDATE)
+        if ip_addr:
+            addr = _peer_addr(ip_addr, port)
+            self._send_exchange(addr, message, f"invalidate_local_metadata of {self.name!r} at {addr}")
+            return
+        self._need_directory("invalidate_local_metadata")
+        with self._lock:
+            self._published.clear()
+            fetchers = list(self._fetchers.values())
+            self._fetchers.clear()
+        for asker in fetchers:
+            assert asker.addr is not None
+            self._send_exchange(asker.addr, message, f"invalidate_local_metadata of {self.name!r} at {asker.name!r}")
 
     def _remote(self, name: str) -> _Remote:
         """The remote agent ``name``, or this agent itself for loopback (linked to its own engine

@@ -21,11 +21,12 @@ from ._bindings import nixlInvalidParamError, nixl_mem_t
 
 METADATA_MAGIC = b"FRYNXLMD"
 DESCS_MAGIC = b"FRYNXLDL"
-VERSION = 1
+VERSION = 2
 
 MAX_METADATA_BYTES = 16 << 20
 MAX_REGIONS = 1 << 20
 MAX_AGENT_NAME_CHARS = 256
+MAX_LABEL_CHARS = 256
 MAX_ADDR_CHARS = 256
 MAX_DESCS = 1 << 24
 MAX_DESC_META_BYTES = 1 << 16
@@ -66,15 +67,28 @@ def check_agent_name(name: Any) -> str:
     return name
 
 
+def check_label(label: Any) -> str:
+    """A metadata label (NIXL's ``metadataLabel``): a string of at most 256 characters without
+    control characters; empty means the agent's whole metadata."""
+    if not isinstance(label, str) or len(label) > MAX_LABEL_CHARS or any(ord(c) < 0x20 or ord(c) == 0x7F for c in label):
+        raise _bad(f"a metadata label is a string of at most {MAX_LABEL_CHARS} printable characters")
+    return label
+
+
 @dataclass(frozen=True)
 class AgentMetadata:
     """An agent as another process sees it: its name, the ferry engine it runs (address and id),
-    and the memory it registered, as ``(addr, len)`` pairs."""
+    and the memory it registered, as ``(addr, len)`` pairs.
+
+    ``partial`` metadata (NIXL's ``get_partial_agent_metadata``) adds its regions to what the
+    receiver knows of the agent instead of replacing it, and may come without the engine's
+    address (``addr`` None): then the receiver must know the agent already."""
 
     name: str
-    addr: str
+    addr: Optional[str]
     engine_id: int
     regions: Tuple[Tuple[int, int], ...]
+    partial: bool = False
 
 
 def encode_metadata(md: AgentMetadata) -> bytes:
@@ -84,6 +98,7 @@ def encode_metadata(md: AgentMetadata) -> bytes:
             "addr": md.addr,
             "engine_id": md.engine_id,
             "regions": [[a, n] for a, n in md.regions],
+            "partial": md.partial,
         },
         separators=(",", ":"),
     ).encode()
@@ -128,17 +143,23 @@ def decode_metadata(blob: Any) -> AgentMetadata:
         doc = json.loads(data[_HEADER.size :].decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as e:
         raise _bad(f"agent metadata body is not valid JSON: {e}") from None
-    if not isinstance(doc, dict) or set(doc) != {"name", "addr", "engine_id", "regions"}:
-        raise _bad("agent metadata must hold exactly name, addr, engine_id and regions")
+    if not isinstance(doc, dict) or set(doc) != {"name", "addr", "engine_id", "regions", "partial"}:
+        raise _bad("agent metadata must hold exactly name, addr, engine_id, regions and partial")
     try:
         name = check_agent_name(doc["name"])
     except ValueError as e:
         raise _bad(f"agent metadata: {e}") from None
+    partial = doc["partial"]
+    if type(partial) is not bool:
+        raise _bad("agent metadata: partial must be true or false")
     addr = doc["addr"]
-    if not isinstance(addr, str) or len(addr) > MAX_ADDR_CHARS or not _ADDR.match(addr):
-        raise _bad("agent metadata: addr must be host:port")
-    if not 0 < int(_ADDR.match(addr).group(2)) < 65536:  # type: ignore[union-attr]
-        raise _bad("agent metadata: port out of range")
+    if addr is None and not partial:
+        raise _bad("agent metadata: only partial metadata may come without the engine's address")
+    if addr is not None:
+        if not isinstance(addr, str) or len(addr) > MAX_ADDR_CHARS or not _ADDR.match(addr):
+            raise _bad("agent metadata: addr must be host:port")
+        if not 0 < int(_ADDR.match(addr).group(2)) < 65536:  # type: ignore[union-attr]
+            raise _bad("agent metadata: port out of range")
     engine_id = _u64(doc["engine_id"], "engine_id")
     raw = doc["regions"]
     if not isinstance(raw, list) or len(raw) > MAX_REGIONS:
@@ -151,7 +172,7 @@ def decode_metadata(blob: Any) -> AgentMetadata:
         if n == 0 or a + n > _U64 + 1:
             raise _bad("agent metadata: a region is empty or wraps around the address space")
         regions.append((a, n))
-    return AgentMetadata(name, addr, engine_id, tuple(regions))
+    return AgentMetadata(name, addr, engine_id, tuple(regions), partial)
 
 
 def encode_descs(kind_reg: bool, mem: nixl_mem_t, rows: np.ndarray, metas: Optional[List[bytes]]) -> bytes:
@@ -319,7 +340,8 @@ _EXCHANGE_HEADER = struct.Struct("<8sHB")
 EX_SEND = 1
 """Body: the sender's agent metadata; the receiver loads it (as ``add_remote_agent``)."""
 EX_FETCH = 2
-"""Body: u16 length, the name asked for (UTF-8), then the asker's metadata (no regions): where to
+"""Body: u16 length and the name asked for (UTF-8), u16 length and the label asked for (UTF-8;
+empty: the whole metadata, as between peers), then the asker's metadata (no regions): where to
 send the answer."""
 EX_ANSWER = 3
 """Body: the answering agent's metadata, for the asker to load."""
@@ -335,14 +357,26 @@ def encode_exchange(kind: int, body: bytes = b"") -> bytes:
     return _EXCHANGE_HEADER.pack(EXCHANGE_MAGIC, VERSION, kind) + body
 
 
-def encode_fetch(wanted: str, asker: AgentMetadata) -> bytes:
-    name = wanted.encode()
-    return encode_exchange(EX_FETCH, struct.pack("<H", len(name)) + name + encode_metadata(asker))
+def encode_fetch(wanted: str, asker: AgentMetadata, label: str = "") -> bytes:
+    name, tag = wanted.encode(), check_label(label).encode()
+    return encode_exchange(
+        EX_FETCH, struct.pack("<H", len(name)) + name + struct.pack("<H", len(tag)) + tag + encode_metadata(asker)
+    )
+
+
+def _split_u16(body: bytes, what: str) -> Tuple[bytes, bytes]:
+    """A u16-length-prefixed field off the front of ``body``: ``(field, rest)``."""
+    if len(body) < 2:
+        raise _bad(f"{what} is truncated")
+    (n,) = struct.unpack_from("<H", body)
+    if len(body) < 2 + n:
+        raise _bad(f"{what} is truncated")
+    return body[2 : 2 + n], body[2 + n :]
 
 
 def decode_exchange(data: bytes) -> Tuple[int, Any]:
-    """``(kind, value)``: the metadata for ``EX_SEND``/``EX_ANSWER``, ``(name, asker metadata)``
-    for ``EX_FETCH``, the name for ``EX_NOT_FOUND``, None for ``EX_INVALIDATE``;
+    """``(kind, value)``: the metadata for ``EX_SEND``/``EX_ANSWER``, ``(name, label, asker
+    metadata)`` for ``EX_FETCH``, the name for ``EX_NOT_FOUND``, None for ``EX_INVALIDATE``;
     ``nixlInvalidParamError`` for anything malformed."""
     data, (kind,) = _open(
         data, _EXCHANGE_HEADER, EXCHANGE_MAGIC, MAX_EXCHANGE_BYTES, "a metadata-exchange message",
@@ -353,19 +387,16 @@ def decode_exchange(data: bytes) -> Tuple[int, Any]:
         return kind, decode_metadata(body)
     if kind in (EX_FETCH, EX_NOT_FOUND):
         if kind == EX_NOT_FOUND:
-            raw, rest = body, b""
+            raw, raw_label, rest = body, b"", b""
         else:
-            if len(body) < 2:
-                raise _bad("metadata-exchange fetch is truncated")
-            (n,) = struct.unpack_from("<H", body)
-            if len(body) < 2 + n:
-                raise _bad("metadata-exchange fetch is truncated")
-            raw, rest = body[2 : 2 + n], body[2 + n :]
+            raw, rest = _split_u16(body, "metadata-exchange fetch")
+            raw_label, rest = _split_u16(rest, "metadata-exchange fetch")
         try:
             name = check_agent_name(raw)
-        except ValueError as e:
+            label = check_label(raw_label.decode())
+        except (ValueError, UnicodeDecodeError) as e:
             raise _bad(f"metadata-exchange message: {e}") from None
-        return kind, (name if kind == EX_NOT_FOUND else (name, decode_metadata(rest)))
+        return kind, (name if kind == EX_NOT_FOUND else (name, label, decode_metadata(rest)))
     if kind == EX_INVALIDATE:
         if body:
             raise _bad("metadata-exchange invalidation carries no body")
