@@ -4,10 +4,11 @@
 //! notification, a data-path setup) is started here: it gets an [`OpId`] and a stream (the given one,
 //! or the one with the fewest bytes outstanding), and waits in that stream's table until its answer is
 //! handled. An answer must come on the operation's stream and be of its kind: a read is answered by
-//! its data or by an error, a setup by a setup reply, anything else by an acknowledgement. An answer
-//! for an id this link never issued, or of the wrong kind, breaks the link (`Error::Protocol`); an
-//! answer for an operation taken back locally ([`Initiator::take`]) is stale and ignored (its payload
-//! discarded). Closing the link hands every waiting operation back with the error, and refuses new ones.
+//! its data or by an error, a setup by a setup reply, anything else by an acknowledgement. Which
+//! answers break the link and which are stale is the rule of [`crate::ops`], the same on every
+//! transport: an id this link never issued breaks it (`Error::Protocol`), as does an answer of the
+//! wrong kind; an answer for an operation taken back locally ([`Initiator::take`]) is stale and
+//! ignored (its payload discarded). Closing the link hands every waiting operation back with the error, and refuses new ones.
 //!
 //! An operation may carry a deadline. Past it, [`Initiator::expired`] hands the operation back (to be
 //! failed with `Timeout`) and its answer, should it still come, is stale. One timer per link, set to
@@ -343,12 +344,7 @@ impl<P> Initiator<P> {
     /// Removes the operation `id` answered on `stream`, checking the answer fits it. `success` says
     /// whether an acknowledgement reports success (a read may only be acknowledged with an error).
     fn answer(&mut self, stream: StreamIndex, id: OpId, kinds: &[OpKind], success: bool) -> Result<Option<P>> {
-        if id.0 == 0 || id.0 >= self.next_id {
-            return Err(Error::Protocol(format!(
-                "{} answered {id}, which this link never sent",
-                self.peer
-            )));
-        }
+        crate::ops::check_issued(id, self.next_id, &self.peer)?;
         let Some(s) = self.streams.get_mut(stream.get()) else {
             return Err(Error::Protocol(format!("{} answered on unknown {stream}", self.peer)));
         };

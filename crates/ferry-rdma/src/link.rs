@@ -66,6 +66,7 @@ use ferry_core::{
     TransferItem, TransferRequest, TransportKind,
 };
 use ferry_proto::rdma::{QpEndpoint, RemoteKey};
+use ferry_proto::{OpId, OpTable};
 use futures::future::BoxFuture;
 use rdma_mummy_sys::ibv_sge;
 use sideway::ibverbs::completion::WorkCompletionStatus;
@@ -108,11 +109,11 @@ pub(crate) struct Inner {
     rc: Rc,
     // After `rc`: the queue pair is destroyed before the buffers it may write go away.
     messages: MessageBuffers,
-    /// Notifications waiting for the target's reply, each with its place in the window.
-    notifications: Mutex<HashMap<u64, Unanswered>>,
+    /// Notifications (and commit requests) waiting for the target's reply, each with its place in
+    /// the window, under the rule every transport answers by (`ferry_proto::ops`).
+    notifications: Mutex<OpTable<Unanswered>>,
     /// Notifications unanswered at once: no more than the target has receive buffers and reply buffers.
     notify_window: Arc<Semaphore>,
-    next_notification: AtomicU64,
     shared: Arc<RdmaShared>,
     control: Arc<dyn DataLink>,
     peer: String,
@@ -383,9 +384,8 @@ impl Inner {
         let inner = Arc::new(Inner {
             rc,
             messages,
-            notifications: Mutex::new(HashMap::new()),
+            notifications: Mutex::new(OpTable::new()),
             notify_window: Arc::new(Semaphore::new(RECV_BUFFERS.min(SEND_BUFFERS))),
-            next_notification: AtomicU64::new(1),
             shared,
             control,
             peer,
@@ -421,7 +421,13 @@ impl Inner {
     /// for their own (flush) completions.
     fn close_link(&self, error: Error) {
         self.closed.store(true, Ordering::Release);
-        for (w, _window) in take_all(&self.notifications) {
+        let unanswered: Vec<Unanswered> = self
+            .notifications
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .drain()
+            .collect();
+        for (w, _window) in unanswered {
             let _ = w.send(Err(error.clone()));
         }
         self.notify_window.close();
@@ -773,9 +779,17 @@ impl Completions for Inner {
                 }
                 match reply {
                     Ok(Message::Reply { id, error }) => {
-                        let waiter = self.notifications.lock().ok().and_then(|mut n| n.remove(&id));
-                        if let Some((w, _window)) = waiter {
-                            let _ = w.send(error.map_or(Ok(()), |e| Err(e.into_error())));
+                        let waiter = self
+                            .notifications
+                            .lock()
+                            .map_err(|_| Error::Internal("notification table lock poisoned".into()))
+                            .and_then(|mut n| n.answer(OpId(id), &format_args!("the RDMA target {}", self.peer)));
+                        match waiter {
+                            Ok(Some((w, _window))) => {
+                                let _ = w.send(error.map_or(Ok(()), |e| Err(e.into_error())));
+                            }
+                            Ok(None) => tracing::debug!(peer = %self.peer, id, "a stale reply"),
+                            Err(e) => self.fail_all(e),
                         }
                     }
                     Ok(other) => {
@@ -832,19 +846,18 @@ async fn request_reply(inner: &Inner, message: impl FnOnce(u64) -> Message) -> R
         .acquire_owned()
         .await
         .map_err(|_| Error::PeerClosed(format!("the RDMA link to {} is closed", inner.peer)))?;
-    let id = inner.next_notification.fetch_add(1, Ordering::Relaxed);
     let (tx, rx) = oneshot::channel();
-    inner
+    let id = inner
         .notifications
         .lock()
         .map_err(|_| Error::Internal("notification table lock poisoned".into()))?
-        .insert(id, (tx, window));
+        .insert((tx, window));
     if inner.closed.load(Ordering::Acquire) {
-        let _ = inner.notifications.lock().map(|mut n| n.remove(&id));
+        let _ = inner.notifications.lock().map(|mut n| n.take_back(id));
         return Err(Error::PeerClosed(format!("the RDMA link to {} is closed", inner.peer)));
     }
-    if let Err(e) = inner.messages.send(&inner.rc, &message(id)).await {
-        let _ = inner.notifications.lock().map(|mut n| n.remove(&id));
+    if let Err(e) = inner.messages.send(&inner.rc, &message(id.0)).await {
+        let _ = inner.notifications.lock().map(|mut n| n.take_back(id));
         return Err(e);
     }
     Ok(rx)

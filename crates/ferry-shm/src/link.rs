@@ -22,8 +22,7 @@
 //! always after the copies in progress on it: the target's region is never written after the target
 //! heard that it was unmapped.
 
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use ferry_core::sync::{ShardedLock, ShardedLockReadGuard, ShardedLockWriteGuard};
@@ -43,6 +42,7 @@ use crate::fdpass::FdReader;
 use crate::mapping::Mapping;
 use crate::region_key;
 use ferry_proto::shm::{self as wire, Item, MAX_ITEMS, REPLY_HEAD, ReplyKind, RequestKind};
+use ferry_proto::{OpId, OpTable};
 
 /// What a reply hands back: the result, and a READ's staging buffer.
 type Done = (Result<()>, Option<Vec<u8>>);
@@ -83,7 +83,8 @@ enum Way {
 struct Inner {
     /// `None` once the link is closed (dropping the half shuts the socket down for writing).
     writer: tokio::sync::Mutex<Option<OwnedWriteHalf>>,
-    pending: Mutex<HashMap<u64, Pending>>,
+    /// Requests awaiting their replies, under the rule every transport answers by (`ferry_proto::ops`).
+    pending: Mutex<OpTable<Pending>>,
     /// Lendable regions of the target, by the key this peer knows them by.
     /// Keyed with FxHash: looked up on every transfer, and the keys are the target's own (random
     /// ones, by the engine's rule); a target that picked colliding keys would slow only transfers to
@@ -92,7 +93,6 @@ struct Inner {
     /// [`ShardedLock`]) lets transfers on every core look up at once, where a mutex made each wait
     /// for the other.
     lendings: ShardedLock<FxHashMap<RegionKey, Lending>>,
-    next_id: AtomicU64,
     closed: AtomicBool,
     control: Arc<dyn DataLink>,
     peer: String,
@@ -187,10 +187,10 @@ impl Drop for ShmLink {
 impl Drop for Inner {
     fn drop(&mut self) {
         let pending = match self.pending.get_mut() {
-            Ok(p) => std::mem::take(p),
-            Err(p) => std::mem::take(p.into_inner()),
+            Ok(p) => p,
+            Err(p) => p.into_inner(),
         };
-        for (_, p) in pending {
+        for p in pending.drain() {
             if let Pending::Transfer {
                 staging: Some(staging), ..
             } = p
@@ -220,11 +220,7 @@ impl Inner {
     /// Ends every request in flight with `error`, and the link with it.
     fn fail_all(&self, error: &Error) {
         self.closed.store(true, Ordering::Release);
-        let pending: Vec<Pending> = self
-            .pending
-            .lock()
-            .map(|mut p| p.drain().map(|(_, v)| v).collect())
-            .unwrap_or_default();
+        let pending: Vec<Pending> = self.pending.lock().map(|mut p| p.drain().collect()).unwrap_or_default();
         for p in pending {
             match p {
                 Pending::Transfer { done, .. } => {
@@ -301,12 +297,13 @@ impl Inner {
         self.finish().await;
     }
 
-    fn take_pending(&self, id: u64) -> Result<Pending> {
+    /// The request a reply to `id` ends; `None` for a stale reply (its request is no longer
+    /// waiting), `Error::Protocol` for an id this link never sent.
+    fn take_pending(&self, id: u64) -> Result<Option<Pending>> {
         self.pending
             .lock()
-            .ok()
-            .and_then(|mut p| p.remove(&id))
-            .ok_or_else(|| Error::Protocol(format!("a reply to unknown request {id} on the shared-memory link")))
+            .map_err(|_| Error::Internal("shared-memory request table lock poisoned".into()))?
+            .answer(OpId(id), &format_args!("the shared-memory target {}", self.peer))
     }
 
     /// A request ended.
@@ -316,10 +313,11 @@ impl Inner {
             Some(code) => Err(wire::reply_error(code, message)),
         };
         match self.take_pending(id)? {
-            Pending::Transfer { done, staging, .. } => {
+            None => tracing::debug!(peer = %self.peer, id, "a stale reply"),
+            Some(Pending::Transfer { done, staging, .. }) => {
                 let _ = done.send((result, staging));
             }
-            Pending::Map { done, key } => {
+            Some(Pending::Map { done, key }) => {
                 if let Err(e) = &result {
                     tracing::debug!(peer = %self.peer, region = ?key, reason = %e, "the target copies for this region");
                 }
@@ -335,7 +333,11 @@ impl Inner {
         let body: &[u8; wire::MAPPED_LEN] = body.try_into().map_err(|_| wire::malformed("mapped reply"))?;
         let (len, writable) = wire::decode_mapped(body)?;
         let fd = fd.ok_or_else(|| Error::Protocol("a mapped reply came without its memory file".into()))?;
-        let Pending::Map { done, key } = self.take_pending(id)? else {
+        let Some(pending) = self.take_pending(id)? else {
+            tracing::debug!(peer = %self.peer, id, "a stale mapped reply: its memory file is closed");
+            return Ok(());
+        };
+        let Pending::Map { done, key } = pending else {
             return Err(Error::Protocol(format!("a mapped reply to transfer {id}")));
         };
         match Mapping::new(key, fd, len, writable) {
@@ -379,14 +381,11 @@ impl Inner {
 
     /// Asks the target to lend region `key` and waits for the answer (the reader records it).
     async fn ask(self: Arc<Self>, key: RegionKey) {
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (done, answered) = oneshot::channel();
-        match self.pending.lock() {
-            Ok(mut p) if !self.closed.load(Ordering::Acquire) => {
-                p.insert(id, Pending::Map { done, key });
-            }
+        let id = match self.pending.lock() {
+            Ok(mut p) if !self.closed.load(Ordering::Acquire) => p.insert(Pending::Map { done, key }).0,
             _ => return,
-        }
+        };
         let mut out = Vec::with_capacity(wire::REQUEST_HEAD + wire::ITEM_LEN);
         wire::encode_region_request(&mut out, id, RequestKind::Map, key);
         if self.send(&out).await.is_ok() {
@@ -543,7 +542,23 @@ impl Inner {
                 addr,
             });
         }
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (done, result) = oneshot::channel();
+        let id = {
+            let mut pending = self
+                .pending
+                .lock()
+                .map_err(|_| Error::Internal("shared-memory request table lock poisoned".into()))?;
+            if self.closed.load(Ordering::Acquire) {
+                return Err(self.down());
+            }
+            pending
+                .insert(Pending::Transfer {
+                    done,
+                    staging,
+                    _permits: permits,
+                })
+                .0
+        };
         let mut out = Vec::with_capacity(wire::REQUEST_HEAD + items.len() * wire::ITEM_LEN);
         wire::encode_request(
             &mut out,
@@ -552,24 +567,6 @@ impl Inner {
             request.durability,
             &items,
         );
-        let (done, result) = oneshot::channel();
-        {
-            let mut pending = self
-                .pending
-                .lock()
-                .map_err(|_| Error::Internal("shared-memory request table lock poisoned".into()))?;
-            if self.closed.load(Ordering::Acquire) {
-                return Err(self.down());
-            }
-            pending.insert(
-                id,
-                Pending::Transfer {
-                    done,
-                    staging,
-                    _permits: permits,
-                },
-            );
-        }
         self.send(&out).await?;
         let (result, staging) = result.await.unwrap_or_else(|_| (Err(self.down()), None));
         result?;
@@ -783,9 +780,8 @@ impl ShmLink {
         let (reader, writer) = stream.into_split();
         let inner = Arc::new(Inner {
             writer: tokio::sync::Mutex::new(Some(writer)),
-            pending: Mutex::new(HashMap::new()),
+            pending: Mutex::new(OpTable::new()),
             lendings: ShardedLock::new(FxHashMap::default()),
-            next_id: AtomicU64::new(1),
             closed: AtomicBool::new(false),
             control,
             peer,
@@ -971,5 +967,105 @@ mod tests {
         }
         assert_eq!(next, (11 << 20) + 3, "every byte is covered once");
         assert_eq!(pieces.len(), 3);
+    }
+
+    /// The control link a shared-memory link hands what it declines to; these tests send nothing
+    /// over it.
+    struct NoControl;
+
+    impl DataLink for NoControl {
+        fn kind(&self) -> TransportKind {
+            TransportKind::Tcp
+        }
+        fn transfer(&self, _: TransferRequest) -> BoxFuture<'static, Result<()>> {
+            Box::pin(async { Err(Error::Unsupported("no control link in this test".into())) })
+        }
+        fn notify(&self, _: Notification) -> BoxFuture<'static, Result<()>> {
+            Box::pin(async { Err(Error::Unsupported("no control link in this test".into())) })
+        }
+        fn persist_method(&self) -> PersistMethod {
+            PersistMethod::FlushBeforeAck
+        }
+        fn close(&self) -> BoxFuture<'static, ()> {
+            Box::pin(async {})
+        }
+        fn is_closed(&self) -> bool {
+            false
+        }
+    }
+
+    /// A link whose target end is the returned socket (played by the test), and a one-item WRITE
+    /// request it can send.
+    fn link_to_a_scripted_target() -> (ShmLink, UnixStream, TransferRequest) {
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        let link = ShmLink::start(ours, Arc::new(NoControl), "scripted".into(), None);
+        let block: Arc<dyn MemoryBlock> = Arc::new(OwnedBuffer::new(vec![7u8; 64]));
+        let region = Arc::new(RegionEntry::new(RegionKey(1), Access::READ_WRITE, block).unwrap());
+        let request = TransferRequest {
+            op: Op::Write,
+            durability: ferry_core::Durability::Completed,
+            items: vec![TransferItem {
+                local: Resolved {
+                    region,
+                    offset: 0,
+                    len: 64,
+                },
+                remote_key: RegionKey(2),
+                remote_offset: 0,
+                remote_addr: 0x1000,
+                remote_transport_key: None,
+                remote_access: Access::READ_WRITE,
+            }],
+        };
+        (link, theirs, request)
+    }
+
+    /// Reads one request off the target's end: its id.
+    async fn request_id(target: &mut UnixStream) -> u64 {
+        use tokio::io::AsyncReadExt;
+        let mut head = [0u8; wire::REQUEST_HEAD];
+        target.read_exact(&mut head).await.unwrap();
+        let head = wire::decode_request_head(&head).unwrap();
+        let mut items = vec![0u8; head.items as usize * wire::ITEM_LEN];
+        target.read_exact(&mut items).await.unwrap();
+        head.id
+    }
+
+    async fn reply(target: &mut UnixStream, id: u64) {
+        let mut out = Vec::new();
+        wire::encode_reply(&mut out, id, &Ok(()));
+        target.write_all(&out).await.unwrap();
+    }
+
+    const T: std::time::Duration = std::time::Duration::from_secs(10);
+
+    #[tokio::test]
+    async fn a_duplicate_reply_is_stale_and_the_link_goes_on() {
+        let (link, mut target, request) = link_to_a_scripted_target();
+        let first = tokio::spawn(link.inner.clone().request(request.clone()));
+        let id = request_id(&mut target).await;
+        reply(&mut target, id).await;
+        reply(&mut target, id).await;
+        tokio::time::timeout(T, first).await.unwrap().unwrap().unwrap();
+        let second = tokio::spawn(link.inner.clone().request(request));
+        let id2 = request_id(&mut target).await;
+        assert!(id2 > id, "ids are never reused");
+        reply(&mut target, id2).await;
+        tokio::time::timeout(T, second).await.unwrap().unwrap().unwrap();
+        assert!(!link.inner.closed.load(Ordering::Acquire));
+    }
+
+    #[tokio::test]
+    async fn a_reply_to_a_request_never_sent_ends_the_link_with_a_protocol_error() {
+        let (link, mut target, request) = link_to_a_scripted_target();
+        let waiting = tokio::spawn(link.inner.clone().request(request));
+        let id = request_id(&mut target).await;
+        reply(&mut target, id + 100).await;
+        let got = tokio::time::timeout(T, waiting).await.unwrap().unwrap();
+        assert!(
+            matches!(&got, Err(Error::Protocol(m)) if m.contains("never sent")),
+            "{got:?}"
+        );
+        assert!(link.inner.closed.load(Ordering::Acquire));
     }
 }
