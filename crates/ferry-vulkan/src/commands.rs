@@ -6,14 +6,23 @@
 //! on demand up to [`MAX_COPY_COMMANDS`] and go back to the free list only once their fence has signalled; a copy command
 //! whose copy never finished (a hung or lost device) is parked, with the buffers it copies between, so
 //! that neither its command buffer nor those buffers are ever freed under the GPU.
+//!
+//! Parking is a deliberate leak, and a bounded one. The parked buffers hold their context, which holds
+//! the parked list: that context, its device and those buffers then live until the process ends,
+//! because nothing may free memory a device that stopped answering may still write, nor destroy a
+//! device with work pending. Parked copy commands count towards [`MAX_COPY_COMMANDS`] and are never
+//! made again, so a context parks at most that many copies; once all are parked, every further copy
+//! fails with `Timeout` (the device is lost to this process; a new context on it is the way on). This
+//! module keeps the parked buffers type-erased: it only keeps them alive, and never needs to know
+//! what they are.
 
+use std::any::Any;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
 use ash::vk;
 use ferry_core::{Error, Result};
 
-use crate::buffer::DeviceBuffer;
 use crate::error::vk_error;
 
 /// Most copy commands one context creates.
@@ -30,12 +39,15 @@ pub(crate) struct CopyCommand {
     pub fence: vk::Fence,
 }
 
+/// Whatever a parked copy keeps alive (its buffers).
+pub(crate) type Keep = Arc<dyn Any + Send + Sync>;
+
 #[derive(Default)]
 struct State {
     free: Vec<CopyCommand>,
     created: usize,
     /// Copy commands whose fence never signalled, with the buffers their copy uses.
-    parked: Vec<(CopyCommand, Vec<Arc<DeviceBuffer>>)>,
+    parked: Vec<(CopyCommand, Vec<Keep>)>,
 }
 
 /// The copy commands of one context.
@@ -100,8 +112,9 @@ impl CopyCommands {
         self.returned.notify_one();
     }
 
-    /// Keeps a copy command whose copy did not finish, and the buffers it uses, until the context goes.
-    pub fn park(&self, command: CopyCommand, keep: Vec<Arc<DeviceBuffer>>) {
+    /// Keeps a copy command whose copy did not finish, and the buffers it uses, for the life of the
+    /// process (see the module: at most [`MAX_COPY_COMMANDS`] per context).
+    pub fn park(&self, command: CopyCommand, keep: Vec<Keep>) {
         tracing::error!("a Vulkan copy did not finish; its copy command and buffers are kept alive");
         self.lock().parked.push((command, keep));
     }

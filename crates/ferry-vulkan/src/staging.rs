@@ -67,6 +67,11 @@ struct PendingCopy<'c> {
 }
 
 impl PendingCopy<'_> {
+    /// The buffers, for a parked copy to keep.
+    fn kept(&self) -> Vec<crate::commands::Keep> {
+        self.keep.iter().map(|b| b.clone() as crate::commands::Keep).collect()
+    }
+
     /// Waits for the copy; returns the copy command for reuse.
     fn finish(mut self) -> Result<CopyCommand> {
         let command = self
@@ -76,7 +81,7 @@ impl PendingCopy<'_> {
         match wait(self.ctx, &command) {
             Ok(()) => Ok(command),
             Err(e) => {
-                self.ctx.commands.park(command, self.keep.to_vec());
+                self.ctx.commands.park(command, self.kept());
                 Err(e)
             }
         }
@@ -88,7 +93,7 @@ impl Drop for PendingCopy<'_> {
         if let Some(command) = self.command.take() {
             match wait(self.ctx, &command) {
                 Ok(()) => self.ctx.commands.release(command),
-                Err(_) => self.ctx.commands.park(command, self.keep.to_vec()),
+                Err(_) => self.ctx.commands.park(command, self.kept()),
             }
         }
     }

@@ -21,6 +21,7 @@
 //! Transports are cargo features: `tcp` (default). TCP is also every link's control channel.
 #![deny(missing_docs)]
 
+mod builder;
 mod capabilities;
 pub mod directory;
 mod engine;
@@ -38,15 +39,16 @@ pub mod rdma {
 }
 mod peer;
 mod region;
+mod shared;
 mod sigbus;
 mod transfer;
 
+pub use builder::{
+    DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_INFLIGHT_BYTES, DEFAULT_MAX_NOTIFICATION_BYTES, DEFAULT_STREAMS, EngineBuilder,
+};
 pub use capabilities::{Capabilities, RdmaRail, TransportInfo, TransportOptions, capabilities};
 pub use directory::{Directory, EngineRecord, MemberEvent};
-pub use engine::{
-    DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_INFLIGHT_BYTES, DEFAULT_MAX_NOTIFICATION_BYTES, DEFAULT_STREAMS,
-    DEREGISTER_LIMIT, Engine, EngineBuilder, PreparedTransfer, REVOKE_GRACE, REVOKE_LIMIT,
-};
+pub use engine::{Engine, PreparedTransfer};
 pub use ferry_core::{
     Access, BufferPool, DataProtection, DmaView, Durability, Error, ErrorCode, Grants, MemoryBlock, MemoryRegistry,
     Notification, Op, PciAddress, PeerIdentity, PersistMethod, PersistStats, RailStats, ReceivedNotification, RegionAd,
@@ -60,6 +62,7 @@ pub use peer::Peer;
 /// uses the same version.
 pub use prometheus_client;
 pub use region::{GrantHandle, Region};
+pub use shared::{DEREGISTER_LIMIT, REVOKE_GRACE, REVOKE_LIMIT};
 pub use transfer::{Transfer, TransferHandle, TransferStatus};
 
 /// The wire protocol, for tools and tests that speak it directly.

@@ -33,8 +33,6 @@ use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
-use crate::engine::Inner;
-
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct TransferLabels {
     peer: String,
@@ -70,7 +68,7 @@ pub(crate) struct Metrics {
     errors: Family<ErrorLabels, Counter>,
     durations: Family<DurationLabels, Histogram>,
     /// The engine, once built, for the scrape-time collector.
-    engine: Arc<OnceLock<Weak<Inner>>>,
+    engine: Arc<OnceLock<Weak<dyn StateSource>>>,
 }
 
 impl Metrics {
@@ -117,8 +115,8 @@ impl Metrics {
     }
 
     /// Points the scrape-time collector at the engine just built.
-    pub(crate) fn attach(&self, engine: &Arc<Inner>) {
-        let _ = self.engine.set(Arc::downgrade(engine));
+    pub(crate) fn attach(&self, engine: Weak<dyn StateSource>) {
+        let _ = self.engine.set(engine);
     }
 
     /// The counters of one link, resolved once.
@@ -210,7 +208,7 @@ impl LinkMetrics {
 /// Reads the engine's state at each scrape.
 #[derive(Debug)]
 struct EngineCollector {
-    engine: Arc<OnceLock<Weak<Inner>>>,
+    engine: Arc<OnceLock<Weak<dyn StateSource>>>,
 }
 
 fn gauge(encoder: &mut DescriptorEncoder, name: &str, help: &str, value: i64) -> std::fmt::Result {
@@ -320,6 +318,13 @@ impl Collector for EngineCollector {
         )?;
         g.encode(metric)
     }
+}
+
+/// What a scrape reads the engine's state from (the engine's shared state, which sits above this
+/// module: the collector holds it weakly, through this trait, so that metrics import nothing of it).
+pub(crate) trait StateSource: Send + Sync {
+    /// The engine's state now.
+    fn state(&self) -> EngineState;
 }
 
 /// The engine's state for a scrape.

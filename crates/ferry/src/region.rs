@@ -4,7 +4,7 @@ use std::sync::{Arc, Weak};
 
 use ferry_core::{Access, Durability, Error, RegionEntry, RegionKey, Result};
 
-use crate::engine::{DEREGISTER_LIMIT, Inner, off_the_workers};
+use crate::shared::{DEREGISTER_LIMIT, Inner, keep_until_drained, wait_for_dropped};
 
 /// Memory registered with an engine. [`deregister`](Region::deregister)`.await` removes it without
 /// blocking the runtime; dropping it (or
@@ -265,86 +265,6 @@ impl Drop for Region {
                 wait_for_dropped(self.entry.clone());
             }
         }
-    }
-}
-
-/// The last step of a sync deregistration (the guard closed, the transports told): waits for the
-/// accesses that still hold `entry`, at most [`DEREGISTER_LIMIT`], under [`off_the_workers`]. On a
-/// current-thread runtime, where the accesses' own tasks cannot run while the thread waits, memory
-/// that only `entry` holds is instead left to [`keep_until_drained`] at once. Memory the block owns
-/// that is still held past the limit is left to it too; the caller's own memory is the caller's.
-pub(crate) fn wait_for_dropped(entry: Arc<RegionEntry>) {
-    if entry.guard().is_drained() {
-        tracing::debug!(region = ?entry, "deregistered");
-        return;
-    }
-    let left_to_a_task = tokio::runtime::Handle::try_current().is_ok_and(|runtime| {
-        runtime.runtime_flavor() == tokio::runtime::RuntimeFlavor::CurrentThread
-            && only_the_region_holds_its_memory(&entry)
-    });
-    if !left_to_a_task && off_the_workers(|| entry.guard().wait_drained(DEREGISTER_LIMIT)) {
-        tracing::debug!(region = ?entry, "deregistered");
-        return;
-    }
-    if left_to_a_task {
-        tracing::debug!(region = ?entry, held = entry.guard().held(), "deregistered; its memory is freed once the accesses in progress end");
-    } else {
-        tracing::error!(
-            region = ?entry,
-            held = entry.guard().held(),
-            "accesses still hold the region {DEREGISTER_LIMIT:?} after its deregistration began; it is dropped \
-             anyway. {STUCK_DROP_HINT}"
-        );
-    }
-    if entry.block().owns_memory() {
-        keep_until_drained(entry);
-    }
-}
-
-/// What a log of accesses that outlived [`DEREGISTER_LIMIT`] tells the reader to do.
-const STUCK_DROP_HINT: &str = "An access outlived the limit: a GPU copy, an msync, or a peer of this host that kept its \
-    mapping of the region. A peer in this process on a current-thread runtime cannot give a mapping back while a drop \
-    holds that thread: there, await `Region::deregister` instead of dropping a region whose memory you keep.";
-
-/// Whether no one but `entry` can reach its memory: the block [owns it](ferry_core::MemoryBlock::owns_memory)
-/// and is held by the entry alone (no caller kept the `Arc` given to `register_block`; the engine
-/// never hands a block out).
-fn only_the_region_holds_its_memory(entry: &RegionEntry) -> bool {
-    let block = entry.block();
-    block.owns_memory() && Arc::strong_count(block) == 1 && Arc::weak_count(block) == 0
-}
-
-/// Keeps memory that `entry`'s block owns from being freed while accesses still hold it (a peer's
-/// copy into it, a staged copy): a task of the current runtime frees it once they end, waiting at
-/// most [`DEREGISTER_LIMIT`]. Memory still held past that, or when no runtime runs (or it ends
-/// first), is leaked, never freed under them ([`FreedOnlyDrained`]).
-fn keep_until_drained(entry: Arc<RegionEntry>) {
-    let kept = FreedOnlyDrained(entry);
-    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-        runtime.spawn(async move {
-            let _ = tokio::time::timeout(DEREGISTER_LIMIT, kept.0.guard().drained()).await;
-            drop(kept);
-        });
-    }
-}
-
-/// A deregistered region's entry whose memory is freed when this drops only if no access holds it
-/// any more, and leaked otherwise.
-struct FreedOnlyDrained(Arc<RegionEntry>);
-
-impl Drop for FreedOnlyDrained {
-    fn drop(&mut self) {
-        if self.0.guard().is_drained() {
-            tracing::debug!(region = ?self.0, "the accesses to a deregistered region ended; its memory is freed");
-            return;
-        }
-        tracing::error!(
-            region = ?self.0,
-            held = self.0.guard().held(),
-            "accesses still hold a deregistered region; its memory is leaked rather than freed under them. \
-             {STUCK_DROP_HINT}"
-        );
-        std::mem::forget(self.0.clone());
     }
 }
 
