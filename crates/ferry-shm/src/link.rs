@@ -44,7 +44,7 @@ use crate::region_key;
 use ferry_proto::shm::{self as wire, Item, MAX_ITEMS, REPLY_HEAD, ReplyKind, RequestKind};
 use ferry_proto::{OpId, OpTable};
 
-/// What a reply hands back: the result, and a READ's staging buffer.
+/// What a reply hands back: the result, and the buffer a READ's bytes came into.
 type Done = (Result<()>, Option<Vec<u8>>);
 
 /// A request waiting for the target.
@@ -52,7 +52,7 @@ enum Pending {
     Transfer {
         done: oneshot::Sender<Done>,
         /// Where the target writes a READ's bytes.
-        staging: Option<Vec<u8>>,
+        read_buffer: Option<Vec<u8>>,
         /// The local regions the target may be copying into or out of.
         _permits: Vec<OwnedPermit>,
     },
@@ -111,12 +111,12 @@ fn first_of_runs(items: &[TransferItem]) -> impl Iterator<Item = &TransferItem> 
     })
 }
 
-/// Bytes of one READ request, and so of its staging buffer: a large READ runs as several requests in
-/// turn, so that a transfer holds no more than this in staging (a copy of 4 MiB takes far longer than
+/// Bytes of one READ request, and so of its read buffer: a large READ runs as several requests in
+/// turn, so that a transfer holds no more than this in read buffers (a copy of 4 MiB takes far longer than
 /// the round trip that separates two requests).
-const READ_STAGING: u64 = 4 << 20;
+const READ_BUFFER_BYTES: u64 = 4 << 20;
 
-/// A READ's requests: its items cut into pieces of at most [`READ_STAGING`] bytes in all and
+/// A READ's requests: its items cut into pieces of at most [`READ_BUFFER_BYTES`] bytes in all and
 /// [`MAX_ITEMS`] ranges each, in order.
 fn read_pieces(request: &TransferRequest) -> Vec<TransferRequest> {
     let mut pieces = Vec::new();
@@ -125,11 +125,11 @@ fn read_pieces(request: &TransferRequest) -> Vec<TransferRequest> {
     for item in &request.items {
         let mut done = 0u64;
         while done < item.len() {
-            if bytes == READ_STAGING || items.len() == MAX_ITEMS {
+            if bytes == READ_BUFFER_BYTES || items.len() == MAX_ITEMS {
                 pieces.push(std::mem::take(&mut items));
                 bytes = 0;
             }
-            let n = (item.len() - done).min(READ_STAGING - bytes);
+            let n = (item.len() - done).min(READ_BUFFER_BYTES - bytes);
             items.push(item.part(done, n));
             bytes += n;
             done += n;
@@ -163,7 +163,7 @@ pub struct ShmLink {
 /// Dropping the link gives back every mapping (after the copies in progress on it), then shuts the
 /// socket down for writing; the target finishes the request it is copying, sees the end and closes
 /// its side, and only then does the reader task end and free what requests in flight hold. The
-/// target may be writing a READ's bytes into a staging buffer until that moment: the buffer must
+/// target may be writing a READ's bytes into a read buffer until that moment: the buffer must
 /// outlive its copy, not the caller's interest in it.
 impl Drop for ShmLink {
     fn drop(&mut self) {
@@ -183,7 +183,7 @@ impl Drop for ShmLink {
 }
 
 /// Requests still pending when the link's state goes (its runtime was shut down before the target
-/// answered) may have the target writing into their staging buffers still: those are leaked, not freed.
+/// answered) may have the target writing into their read buffers still: those are leaked, not freed.
 impl Drop for Inner {
     fn drop(&mut self) {
         let pending = match self.pending.get_mut() {
@@ -192,10 +192,11 @@ impl Drop for Inner {
         };
         for p in pending.drain() {
             if let Pending::Transfer {
-                staging: Some(staging), ..
+                read_buffer: Some(read_buffer),
+                ..
             } = p
             {
-                std::mem::forget(staging);
+                std::mem::forget(read_buffer);
             }
         }
     }
@@ -314,8 +315,8 @@ impl Inner {
         };
         match self.take_pending(id)? {
             None => tracing::debug!(peer = %self.peer, id, "a stale reply"),
-            Some(Pending::Transfer { done, staging, .. }) => {
-                let _ = done.send((result, staging));
+            Some(Pending::Transfer { done, read_buffer, .. }) => {
+                let _ = done.send((result, read_buffer));
             }
             Some(Pending::Map { done, key }) => {
                 if let Err(e) = &result {
@@ -523,11 +524,11 @@ impl Inner {
         let mut items = Vec::with_capacity(request.items.len());
         let reading = request.op == Op::Read;
         let total: u64 = request.items.iter().map(|i| i.local.len).sum();
-        let mut staging = reading.then(|| vec![0u8; total as usize]);
+        let mut read_buffer = reading.then(|| vec![0u8; total as usize]);
         let mut at = 0usize;
         for i in &request.items {
             let region = &i.local.region;
-            let addr = match &mut staging {
+            let addr = match &mut read_buffer {
                 Some(buf) => buf.as_mut_ptr().wrapping_add(at) as u64,
                 None => {
                     permits.push(region.guard().enter_owned().ok_or_else(|| region.gone())?);
@@ -554,7 +555,7 @@ impl Inner {
             pending
                 .insert(Pending::Transfer {
                     done,
-                    staging,
+                    read_buffer,
                     _permits: permits,
                 })
                 .0
@@ -568,21 +569,21 @@ impl Inner {
             &items,
         );
         self.send(&out).await?;
-        let (result, staging) = result.await.unwrap_or_else(|_| (Err(self.down()), None));
+        let (result, read_buffer) = result.await.unwrap_or_else(|_| (Err(self.down()), None));
         result?;
         // A READ's bytes go into place here, while the caller still waits for them.
-        if let Some(staging) = staging {
+        if let Some(read_buffer) = read_buffer {
             let mut at = 0usize;
             for i in &request.items {
                 let n = i.local.len as usize;
-                i.local.region.copy_in(i.local.offset, &staging[at..at + n])?;
+                i.local.region.copy_in(i.local.offset, &read_buffer[at..at + n])?;
                 at += n;
             }
         }
         Ok(())
     }
 
-    /// The items the target copies: READs in pieces of bounded staging, one after the other; WRITEs
+    /// The items the target copies: READs in pieces of bounded read buffers, one after the other; WRITEs
     /// in requests of at most [`MAX_ITEMS`] ranges, all at once.
     async fn copied(self: Arc<Self>, op: Op, durability: Durability, items: Vec<TransferItem>) -> Result<()> {
         let request = TransferRequest { op, durability, items };
@@ -787,7 +788,7 @@ impl ShmLink {
             peer,
             copies_denied,
         });
-        // The reader task, not the link, keeps `inner` (and the staging buffers of requests in flight)
+        // The reader task, not the link, keeps `inner` (and the read buffers of requests in flight)
         // alive until the target closes its end: see `Drop`.
         tokio::spawn(inner.clone().read_replies(FdReader::new(reader)));
         ShmLink { inner }
@@ -958,7 +959,7 @@ mod tests {
         let pieces = read_pieces(&request);
         let mut next = 0u64;
         for p in &pieces {
-            assert!(p.items.iter().map(|i| i.len()).sum::<u64>() <= READ_STAGING);
+            assert!(p.items.iter().map(|i| i.len()).sum::<u64>() <= READ_BUFFER_BYTES);
             for i in &p.items {
                 assert_eq!(i.local.offset, next, "pieces follow each other");
                 assert_eq!((i.remote_offset, i.remote_addr), (next + 7, 0x1000 + next + 7));
