@@ -11,7 +11,7 @@
 //! - [`TransferService`](crate::TransferService) fails a request whose deadline has passed at once
 //!   with [`Error::Timeout`](ferry::Error::Timeout), having sent nothing, bounds waiting for a link
 //!   (the per-peer limit, another request's connect, its own connect) by it, and hands it to the
-//!   engine ([`Engine::transfer_future_until`](ferry::Engine::transfer_future_until)), whose own timer
+//!   engine ([`Engine::start`](ferry::Engine::start) with a [`TransferOptions::deadline`](ferry::TransferOptions::deadline)), whose own timer
 //!   ends the transfer at the deadline;
 //! - [`RetryPolicy`](crate::RetryPolicy) does not retry a request whose deadline would pass during the
 //!   backoff pause.

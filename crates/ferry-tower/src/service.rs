@@ -258,14 +258,10 @@ impl Running {
             timeout = timeout.min(limit);
         }
         // The engine's own timer ends the transfer at the deadline: no second one here.
-        let transfer = pool.engine.transfer_future_until(
-            &lease.peer,
-            request.op(),
-            descs.as_slice(),
-            request.durability(),
-            timeout,
-            deadline.map(Instant::into_std),
-        );
+        let options = ferry::TransferOptions::within(timeout)
+            .durability(request.durability())
+            .deadline(deadline.map(Instant::into_std));
+        let transfer = pool.engine.start(&lease.peer, request.op(), descs.as_slice(), options);
         match transfer {
             Ok(transfer) => State::Running(Running {
                 transfer,

@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -22,7 +22,7 @@ use crate::notify::NotificationQueue;
 use crate::peer::{Peer, PeerInner};
 use crate::region::Region;
 use crate::shared::{Inner, poisoned};
-use crate::transfer::{Transfer, TransferHandle, TransferStatus};
+use crate::transfer::{Transfer, TransferHandle, TransferOptions};
 
 impl EngineBuilder {
     /// Starts the engine: validates the options and, with a listen address, starts serving.
@@ -520,11 +520,32 @@ impl Engine {
         Ok(TransferRequest { op, durability, items })
     }
 
+    /// Checks and resolves a batch of one-sided operations on `peer` now, and returns the future
+    /// that runs it ([`Transfer`], a named type) under `options`: durability, timeout, deadline. Every
+    /// transfer goes through here; the calls below are conveniences over it. Every error a descriptor
+    /// can cause comes back here (`InvalidArgument`, `OutOfBounds`, `PermissionDenied` naming the
+    /// descriptor); the future's own errors are the link's and the time bounds'.
+    pub fn start(&self, peer: &Peer, op: Op, descs: &[TransferDesc], options: TransferOptions) -> Result<Transfer> {
+        let request = self.resolve_request(peer, op, descs, options.durability)?;
+        Transfer::new(peer, request, options.timeout, options.deadline)
+    }
+
+    /// Starts a batch [prepared](Self::prepare) before, under `options`' time bounds (its durability
+    /// was fixed when it was prepared).
+    pub fn start_prepared(&self, prepared: &PreparedTransfer, options: TransferOptions) -> Result<Transfer> {
+        self.check_peer(&prepared.peer)?;
+        Transfer::new(
+            &prepared.peer,
+            prepared.request.clone(),
+            options.timeout,
+            options.deadline,
+        )
+    }
+
     /// Runs a batch of one-sided operations on `peer` and waits for all of them, at most `timeout`
     /// (HIXL `TransferSync`). Writes complete when the bytes are in the target's memory.
     pub async fn transfer(&self, peer: &Peer, op: Op, descs: &[TransferDesc], timeout: Duration) -> Result<()> {
-        self.transfer_durable(peer, op, descs, Durability::Completed, timeout)
-            .await
+        self.start(peer, op, descs, TransferOptions::within(timeout))?.await
     }
 
     /// [`transfer`](Self::transfer) with an explicit durability for writes.
@@ -536,13 +557,11 @@ impl Engine {
         durability: Durability,
         timeout: Duration,
     ) -> Result<()> {
-        self.transfer_future(peer, op, descs, durability, timeout)?.await
+        self.start(peer, op, descs, TransferOptions::within(timeout).durability(durability))?
+            .await
     }
 
-    /// Checks and resolves a batch now, as [`transfer_durable`](Self::transfer_durable) does, and
-    /// returns the future that runs it as a named type, [`Transfer`]: for code that keeps the
-    /// transfer in a struct of its own instead of boxing `transfer`'s future. Every error a
-    /// descriptor can cause comes back here; the future's own errors are the link's and the timeout's.
+    /// [`start`](Self::start) with a durability and a timeout.
     pub fn transfer_future(
         &self,
         peer: &Peer,
@@ -551,14 +570,13 @@ impl Engine {
         durability: Durability,
         timeout: Duration,
     ) -> Result<Transfer> {
-        self.transfer_future_until(peer, op, descs, durability, timeout, None)
+        self.start(peer, op, descs, TransferOptions::within(timeout).durability(durability))
     }
 
-    /// [`transfer_future`](Self::transfer_future) that also ends by `deadline`: the transfer fails
-    /// with `Timeout` at `timeout` from now or at `deadline`, whichever comes first, and at once,
-    /// having sent nothing, when the deadline has already passed. For callers that carry a deadline
-    /// across calls (a request with retries, say): the engine reads the clock once for both bounds,
-    /// where turning the deadline into a timeout first would read it twice.
+    /// [`start`](Self::start) with a durability, a timeout and a deadline: the transfer fails with
+    /// `Timeout` at `timeout` from now or at `deadline`, whichever comes first, and at once, having
+    /// sent nothing, when the deadline has already passed. The engine reads the clock once for both
+    /// bounds, where turning the deadline into a timeout first would read it twice.
     pub fn transfer_future_until(
         &self,
         peer: &Peer,
@@ -568,8 +586,10 @@ impl Engine {
         timeout: Duration,
         deadline: Option<Instant>,
     ) -> Result<Transfer> {
-        let request = self.resolve_request(peer, op, descs, durability)?;
-        Transfer::new(peer, request, timeout, deadline)
+        let options = TransferOptions::within(timeout)
+            .durability(durability)
+            .deadline(deadline);
+        self.start(peer, op, descs, options)
     }
 
     /// Resolves a batch once, for [`transfer_prepared`](Self::transfer_prepared) to post many times
@@ -602,8 +622,7 @@ impl Engine {
     /// Posts a prepared batch and waits for it, at most `timeout`, as [`transfer`](Self::transfer)
     /// does.
     pub async fn transfer_prepared(&self, prepared: &PreparedTransfer, timeout: Duration) -> Result<()> {
-        self.check_peer(&prepared.peer)?;
-        Transfer::new(&prepared.peer, prepared.request.clone(), timeout, None)?.await
+        self.start_prepared(prepared, TransferOptions::within(timeout))?.await
     }
 
     /// Starts a batch and returns at once (HIXL `TransferAsync`): poll the handle's
@@ -628,20 +647,8 @@ impl Engine {
         durability: Durability,
         timeout: Duration,
     ) -> Result<TransferHandle> {
-        let request = self.resolve_request(peer, op, descs, durability)?;
-        let status = Arc::new(AtomicU8::new(0));
-        let transfer = Transfer::new(peer, request, timeout, None)?;
-        // The link (and its slot among the engine's links) is held until the batch ends, as a
-        // caller of `transfer` holds it by awaiting.
-        let peer = peer.clone();
-        let st = status.clone();
-        let task = tokio::spawn(async move {
-            let result = transfer.await;
-            drop(peer);
-            st.store(TransferStatus::of(&result), Ordering::Release);
-            result
-        });
-        Ok(TransferHandle { status, task })
+        let transfer = self.start(peer, op, descs, TransferOptions::within(timeout).durability(durability))?;
+        Ok(TransferHandle::spawn(transfer, peer.clone()))
     }
 
     // ---- notifications ------------------------------------------------------------------------------

@@ -8,7 +8,7 @@
 //! | `Initialize(ip:port, options)` | [`Engine::builder`]`().listen(..).build().await` |
 //! | `RegisterMem` / `DeregisterMem` | [`Engine::register`], [`Engine::alloc_host`], [`Engine::register_raw`]; drop the [`Region`] |
 //! | `Connect` / `Disconnect` | [`Engine::connect`] / [`Engine::disconnect`] |
-//! | `TransferSync` | [`Engine::transfer`]; [`Engine::transfer_future`] for its future as a named [`Transfer`] |
+//! | `TransferSync` | [`Engine::transfer`]; [`Engine::start`] with [`TransferOptions`] (durability, timeout, deadline) for its future as a named [`Transfer`] |
 //! | `TransferAsync` / `GetTransferStatus` | [`Engine::transfer_async`] → [`TransferHandle::status`], or await it |
 //! | `SendNotify` / `GetNotifies` | [`Engine::notify`] / [`Engine::take_notifications`], [`Engine::notifications`] |
 //! | `MallocMem` / `FreeMem` | [`Engine::alloc_host`] / drop |
@@ -63,7 +63,7 @@ pub use peer::Peer;
 pub use prometheus_client;
 pub use region::{GrantHandle, Region};
 pub use shared::{DEREGISTER_LIMIT, REVOKE_GRACE, REVOKE_LIMIT};
-pub use transfer::{Transfer, TransferHandle, TransferStatus};
+pub use transfer::{Transfer, TransferHandle, TransferOptions, TransferStatus};
 
 /// The wire protocol, for tools and tests that speak it directly.
 pub mod codec {

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::task::{Context, Poll, ready};
 use std::time::{Duration, Instant};
 
-use ferry_core::{DataLink, Due, Error, Op, Result, TransferRequest};
+use ferry_core::{DataLink, Due, Durability, Error, Op, Result, TransferRequest};
 use futures::future::BoxFuture;
 use tokio::task::JoinHandle;
 
@@ -56,6 +56,20 @@ pub struct TransferHandle {
 }
 
 impl TransferHandle {
+    /// Runs `transfer` on a task of its own. The link to `peer` (and its place among the engine's
+    /// links) is held until the batch ends, as a caller awaiting the transfer holds it.
+    pub(crate) fn spawn(transfer: Transfer, peer: Peer) -> Self {
+        let status = Arc::new(AtomicU8::new(0));
+        let st = status.clone();
+        let task = tokio::spawn(async move {
+            let result = transfer.await;
+            drop(peer);
+            st.store(TransferStatus::of(&result), Ordering::Release);
+            result
+        });
+        TransferHandle { status, task }
+    }
+
     /// Where the transfer stands now.
     pub fn status(&self) -> TransferStatus {
         TransferStatus::from_u8(self.status.load(Ordering::Acquire))
@@ -72,8 +86,58 @@ impl Future for TransferHandle {
     }
 }
 
+/// How a batch runs: when its writes complete, and how long it may take. Given to
+/// [`Engine::start`](crate::Engine::start), the one call every transfer goes through (the others are
+/// conveniences over it).
+///
+/// ```
+/// # use std::time::{Duration, Instant};
+/// use ferry::{Durability, TransferOptions};
+/// let opts = TransferOptions::within(Duration::from_secs(5))
+///     .durability(Durability::Persistent)
+///     .deadline(Some(Instant::now() + Duration::from_secs(2)));
+/// assert_eq!(opts.timeout, Duration::from_secs(5));
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct TransferOptions {
+    /// When a write completes: once its bytes are in the target's memory (`Completed`, the default)
+    /// or in its persistence domain (`Persistent`, for persistent regions). Reads ignore it only as
+    /// `Completed`: a persistent read is refused.
+    pub durability: Durability,
+    /// The longest the batch may take: it fails with `Timeout` past it (see [`Transfer`] for when it
+    /// starts counting).
+    pub timeout: Duration,
+    /// An instant the batch must also end by, whichever bound comes first; one already passed fails
+    /// it at once, with nothing sent. For callers that carry a deadline across calls (retries).
+    pub deadline: Option<Instant>,
+}
+
+impl TransferOptions {
+    /// A batch that completes as writes land (`Durability::Completed`) and may take `timeout`.
+    pub const fn within(timeout: Duration) -> Self {
+        TransferOptions {
+            durability: Durability::Completed,
+            timeout,
+            deadline: None,
+        }
+    }
+
+    /// With writes complete at `durability`.
+    pub const fn durability(mut self, durability: Durability) -> Self {
+        self.durability = durability;
+        self
+    }
+
+    /// Ending by `deadline` as well (`None`: the timeout alone).
+    pub const fn deadline(mut self, deadline: Option<Instant>) -> Self {
+        self.deadline = deadline;
+        self
+    }
+}
+
 /// A resolved batch on its way: the future [`Engine::transfer`](crate::Engine::transfer) awaits, as a
-/// type with a name, from [`Engine::transfer_future`](crate::Engine::transfer_future).
+/// type with a name, from [`Engine::start`](crate::Engine::start).
 ///
 /// Code that stores a transfer in a struct of its own (a `tower::Service`'s response future, a
 /// hand-written state machine) can hold this one instead of boxing an `async fn`'s future: one
@@ -83,7 +147,7 @@ impl Future for TransferHandle {
 /// Its timeout counts from when it was made (on links that bound batches themselves, TCP's) or from
 /// the first poll that finds the batch unfinished (elsewhere, so that a batch done at once arms no
 /// timer): await it soon after making it. A deadline
-/// ([`Engine::transfer_future_until`](crate::Engine::transfer_future_until)) ends it at that instant
+/// ([`TransferOptions::deadline`]) ends it at that instant
 /// whatever the link.
 #[must_use = "a transfer does nothing unless it is awaited"]
 pub struct Transfer {
