@@ -172,7 +172,7 @@ const STEPS: &[Step] = &[
     // slots, under loom. `--cfg loom` rebuilds every dependency, so it gets a target folder of its own
     // (inside the workspace's) and never invalidates the normal build.
     Step {
-        name: "loom model of the access guard",
+        name: "loom models (access guard, link slots, access epochs)",
         lint: false,
         run: |_| {
             let meta = cargo_metadata()?;

@@ -11,9 +11,9 @@
 //! a time (the current one and the one before), so that a revoke advances the epoch and waits for
 //! the old one to empty: one atomic add when an operation starts and one when it ends.
 
+use crate::sync::shim::{AtomicBool, AtomicU64, AtomicUsize, Ordering, seq_cst_order};
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 use crate::types::{Access, PeerIdentity};
 
@@ -112,7 +112,10 @@ impl AccessEpochs {
             let parity = (epoch & 1) as usize;
             self.active[parity].fetch_add(1, Ordering::SeqCst);
             // Counted under the epoch it read: if the epoch moved meanwhile, the advancer may already
-            // be waiting on the other counter; count again under the new one.
+            // be waiting on the other counter; count again under the new one. The count and this
+            // check, and the advancer's step and its look at the counter, are `SeqCst`: one of the
+            // two sees the other.
+            seq_cst_order();
             if self.epoch.load(Ordering::SeqCst) == epoch {
                 return EpochTicket {
                     epochs: self.clone(),
@@ -131,6 +134,7 @@ impl AccessEpochs {
             return None;
         }
         let old = self.epoch.fetch_add(1, Ordering::SeqCst);
+        seq_cst_order();
         Some(EpochWait {
             epochs: self,
             parity: (old & 1) as usize,

@@ -25,18 +25,29 @@ pub fn take_all<K, V>(map: &Mutex<HashMap<K, V>>) -> Vec<V> {
 /// ferry-tower, direct rounds). Each lock costs about 1 KiB.
 pub use crossbeam_utils::sync::{ShardedLock, ShardedLockReadGuard, ShardedLockWriteGuard};
 
-/// The atomics and mutex that [`AccessGuard`](crate::AccessGuard) and
-/// [`LinkSlots`](crate::LinkSlots) are built on: std's, or loom's when built with `--cfg loom`, so
-/// that the loom model (`tests/loom_guard.rs`) explores their interleavings.
+/// The atomics and mutex that [`AccessGuard`](crate::AccessGuard), [`LinkSlots`](crate::LinkSlots)
+/// and [`AccessEpochs`](crate::AccessEpochs) are built on: std's, or loom's when built with
+/// `--cfg loom`, so that the loom models (`tests/loom_guard.rs`) explore their interleavings.
 pub(crate) mod shim {
     #[cfg(loom)]
     pub(crate) use loom::sync::Mutex;
     #[cfg(loom)]
-    pub(crate) use loom::sync::atomic::{AtomicUsize, Ordering};
+    pub(crate) use loom::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
     #[cfg(not(loom))]
     pub(crate) use std::sync::Mutex;
     #[cfg(not(loom))]
-    pub(crate) use std::sync::atomic::{AtomicUsize, Ordering};
+    pub(crate) use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+
+    /// What a `SeqCst` store (or read-modify-write) followed by a `SeqCst` load of another atomic
+    /// already promises: no thread sees both older values (store buffering is ruled out by the
+    /// single total order of `SeqCst` operations). Nothing to do in a normal build. Loom models
+    /// `SeqCst` loads and stores as acquire/release only, and would report that order as broken:
+    /// under `--cfg loom` this is the `SeqCst` fence loom does model, which restores it.
+    #[inline(always)]
+    pub(crate) fn seq_cst_order() {
+        #[cfg(loom)]
+        loom::sync::atomic::fence(Ordering::SeqCst);
+    }
 }
 
 #[cfg(all(test, not(loom)))]

@@ -1,4 +1,5 @@
-//! Loom models of the access guard and the link slots: every interleaving of a few threads.
+//! Loom models of the access guard, the link slots and the access epochs a revoke waits on: every
+//! interleaving of a few threads.
 //!
 //! Run with `RUSTFLAGS="--cfg loom" cargo test -p ferry-core --release --test loom_guard` (`cargo xtask
 //! test` does, with its own target folder). Without `--cfg loom` this file is empty.
@@ -6,7 +7,8 @@
 
 use std::sync::Arc;
 
-use ferry_core::{AccessGuard, LinkSlots};
+use ferry_core::{AccessEpochs, AccessGuard, LinkSlots};
+use loom::sync::RwLock;
 use loom::sync::atomic::{AtomicUsize, Ordering};
 use loom::thread;
 
@@ -111,5 +113,133 @@ fn link_slots_race_for_the_last_slot() {
         assert_eq!(slots.used(), 1);
         drop(first);
         assert_eq!(slots.used(), 0);
+    });
+}
+
+/// One operation under a grant, as a target runs it: counted in its epoch first, then the grant
+/// checked (under the lock a region's grants are kept behind); `inside` counts operations that
+/// passed the check and have not ended.
+fn operation(epochs: &Arc<AccessEpochs>, granted: &RwLock<bool>, inside: &AtomicUsize) {
+    let ticket = epochs.begin();
+    if *granted.read().unwrap() {
+        inside.fetch_add(1, Ordering::SeqCst);
+        // The access itself would be here.
+        inside.fetch_sub(1, Ordering::SeqCst);
+    }
+    drop(ticket);
+}
+
+/// A revoke takes the grant away, advances the epoch and waits for it to settle, while another
+/// thread runs operations: once settled, no operation that passed the old grant is still under way.
+#[test]
+fn a_settled_revoke_has_no_operation_of_the_old_grant_left() {
+    loom::model(|| {
+        let epochs = Arc::new(AccessEpochs::default());
+        let granted = Arc::new(RwLock::new(true));
+        let inside = Arc::new(AtomicUsize::new(0));
+        let worker = {
+            let (epochs, granted, inside) = (epochs.clone(), granted.clone(), inside.clone());
+            thread::spawn(move || {
+                for _ in 0..2 {
+                    operation(&epochs, &granted, &inside);
+                }
+            })
+        };
+        *granted.write().unwrap() = false;
+        let wait = epochs.advance().expect("the only advance");
+        while !wait.settled() {
+            thread::yield_now();
+        }
+        assert_eq!(
+            inside.load(Ordering::SeqCst),
+            0,
+            "an operation of the old grant outlived the revoke"
+        );
+        drop(wait);
+        worker.join().unwrap();
+    });
+}
+
+/// A revoke that gave up before its epoch settled leaves that epoch's operations sharing a counter
+/// with newer ones: the next revoke still waits for them.
+#[test]
+fn a_revoke_after_one_that_gave_up_still_waits_for_the_old_operations() {
+    loom::model(|| {
+        let epochs = Arc::new(AccessEpochs::default());
+        let granted = Arc::new(RwLock::new(true));
+        let inside = Arc::new(AtomicUsize::new(0));
+        let worker = {
+            let (epochs, granted, inside) = (epochs.clone(), granted.clone(), inside.clone());
+            thread::spawn(move || operation(&epochs, &granted, &inside))
+        };
+        *granted.write().unwrap() = false;
+        // The first revoke gives up at once (its deadline passed).
+        drop(epochs.advance().expect("the only advance"));
+        let wait = epochs.advance().expect("the first one gave up");
+        while !wait.settled() {
+            thread::yield_now();
+        }
+        assert_eq!(
+            inside.load(Ordering::SeqCst),
+            0,
+            "an operation of the old grant outlived the revoke"
+        );
+        drop(wait);
+        worker.join().unwrap();
+    });
+}
+
+/// Advances are one at a time: a second while the first's wait lives gets `None`.
+#[test]
+fn one_advance_at_a_time() {
+    loom::model(|| {
+        let epochs = Arc::new(AccessEpochs::default());
+        let other = {
+            let epochs = epochs.clone();
+            thread::spawn(move || epochs.advance().map(|w| w.settled()).is_some())
+        };
+        let mine = epochs.advance().is_some();
+        let theirs = other.join().unwrap();
+        assert!(mine || theirs, "one of two advances gets through");
+    });
+}
+
+/// Two revokes in turn, each waiting until settled, while an operation runs: the operation is
+/// counted under the epoch it will be waited in even when an advance overtakes its start, so the
+/// second revoke also waits for an operation that passed the grants the first one left.
+#[test]
+fn each_of_two_revokes_waits_for_the_operations_of_the_grants_before_it() {
+    loom::model(|| {
+        let epochs = Arc::new(AccessEpochs::default());
+        // The grants' generation: revoke k sets k.
+        let generation = Arc::new(RwLock::new(0usize));
+        // Operations inside, by the generation they passed under.
+        let inside: Arc<[AtomicUsize; 3]> = Arc::new(Default::default());
+        let worker = {
+            let (epochs, generation, inside) = (epochs.clone(), generation.clone(), inside.clone());
+            thread::spawn(move || {
+                let ticket = epochs.begin();
+                let g = *generation.read().unwrap();
+                inside[g].fetch_add(1, Ordering::SeqCst);
+                // The access itself would be here.
+                inside[g].fetch_sub(1, Ordering::SeqCst);
+                drop(ticket);
+            })
+        };
+        for k in 1..=2 {
+            *generation.write().unwrap() = k;
+            let wait = epochs.advance().expect("one advance at a time");
+            while !wait.settled() {
+                thread::yield_now();
+            }
+            for (g, count) in inside.iter().enumerate().take(k) {
+                assert_eq!(
+                    count.load(Ordering::SeqCst),
+                    0,
+                    "revoke {k} settled with an operation of grants {g} inside"
+                );
+            }
+        }
+        worker.join().unwrap();
     });
 }
