@@ -168,9 +168,10 @@ const STEPS: &[Step] = &[
             )
         },
     },
-    // Every interleaving of the access guard's enter, release, close and drain wake-up, and of the link
-    // slots, under loom. `--cfg loom` rebuilds every dependency, so it gets a target folder of its own
-    // (inside the workspace's) and never invalidates the normal build.
+    // Every interleaving of the access guard's enter, release, close and drain wake-up, of the link
+    // slots, and of the access epochs a revoke waits on, under loom. `--cfg loom` rebuilds every
+    // dependency, so it gets a target folder of its own (inside the workspace's) and never
+    // invalidates the normal build.
     Step {
         name: "loom models (access guard, link slots, access epochs)",
         lint: false,
