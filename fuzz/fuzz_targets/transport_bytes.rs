@@ -43,10 +43,8 @@ fuzz_target!(|data: &[u8]| {
             }
         }
         3 => {
-            if let Some(k) = rdma::RailKeys::decode(rest) {
-                settles(k, |k| {
-                    Some(rdma::RailKeys::decode(&k.encode()).expect("encoded rail keys decode"))
-                });
+            if let Ok(Some(k)) = rdma::RailKeys::decode(rest) {
+                settles(k, |k| rdma::RailKeys::decode(&k.encode()).expect("encoded rail keys decode"));
             }
         }
         4 => {

@@ -18,14 +18,15 @@ use bytes::{BufMut, BytesMut};
 
 use crate::error::{Error, ErrorCode, Result, WireError, io_kind_from_wire, io_kind_to_wire};
 use crate::types::{Access, DataProtection, Durability, RegionAd, RegionKey, TransportKind};
+use crate::wire::WireReader;
 
 /// First two bytes of every frame.
 pub const MAGIC: u16 = 0xF5E7;
 /// The protocol version this build speaks (2: durability on writes and the `Commit` frame; 3: a
 /// status byte ends every read's data, and errors carry their I/O kind; 4: `RegionTable`, the whole
 /// table resent when a link's queue of region updates overflowed; 5: the join proof in `Hello`; 6:
-/// the stream's data protection in `Hello`).
-pub const VERSION: u8 = 6;
+/// the stream's data protection in `Hello`; 7: an RDMA key in a region advert starts with its kind).
+pub const VERSION: u8 = 7;
 /// Size of the fixed header.
 pub const HEADER_LEN: usize = 16;
 
@@ -509,7 +510,7 @@ pub fn decode(buf: &[u8], limits: &Limits) -> Result<Option<(Decoded, usize)>> {
     let Some(body) = buf.get(HEADER_LEN..total) else {
         return Ok(None);
     };
-    let mut r = Reader { buf: body };
+    let mut r = WireReader::new(body, "frame body");
     let frame = match header.kind {
         kind::HELLO => Frame::Hello(Hello {
             engine_id: r.u64()?,
@@ -607,12 +608,8 @@ pub fn decode(buf: &[u8], limits: &Limits) -> Result<Option<(Decoded, usize)>> {
         },
         other => return Err(Error::Protocol(format!("unknown frame kind {other}"))),
     };
-    if !r.buf.is_empty() {
-        return Err(Error::Protocol(format!(
-            "{} trailing bytes in frame kind {}",
-            r.buf.len(),
-            header.kind
-        )));
+    if !r.is_empty() {
+        return Err(r.malformed(format_args!("trailing bytes in frame kind {}", header.kind)));
     }
     if matches!(frame, Frame::Write { .. }) && header.payload_len == 0 {
         return Err(Error::Protocol("a write frame must carry a payload".into()));
@@ -727,63 +724,17 @@ fn put_region(out: &mut BytesMut, r: &RegionAd) -> Result<()> {
     Ok(())
 }
 
-struct Reader<'a> {
-    buf: &'a [u8],
+/// What the frame codec reads beyond [`WireReader`]'s plain fields.
+trait CodecReads {
+    fn error(&mut self) -> Result<Option<WireError>>;
+    fn durability(&mut self) -> Result<Durability>;
+    fn transports(&mut self) -> Result<Vec<TransportKind>>;
+    fn segments(&mut self) -> Result<Vec<Segment>>;
+    fn regions(&mut self) -> Result<Vec<RegionAd>>;
+    fn region(&mut self) -> Result<RegionAd>;
 }
 
-impl<'a> Reader<'a> {
-    fn take(&mut self, n: usize) -> Result<&'a [u8]> {
-        if self.buf.len() < n {
-            return Err(Error::Protocol(format!(
-                "frame body truncated: needed {n} more bytes, {} left",
-                self.buf.len()
-            )));
-        }
-        let (head, rest) = self.buf.split_at(n);
-        self.buf = rest;
-        Ok(head)
-    }
-    fn array<const N: usize>(&mut self) -> Result<[u8; N]> {
-        let mut a = [0u8; N];
-        a.copy_from_slice(self.take(N)?);
-        Ok(a)
-    }
-
-    fn u8(&mut self) -> Result<u8> {
-        Ok(self.take(1)?[0])
-    }
-    fn u16(&mut self) -> Result<u16> {
-        let b = self.take(2)?;
-        Ok(u16::from_le_bytes([b[0], b[1]]))
-    }
-    fn u32(&mut self) -> Result<u32> {
-        let b = self.take(4)?;
-        Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-    }
-    fn u64(&mut self) -> Result<u64> {
-        let b = self.take(8)?;
-        let mut a = [0u8; 8];
-        a.copy_from_slice(b);
-        Ok(u64::from_le_bytes(a))
-    }
-    /// An element count, checked against the bytes present so that it cannot cause a large allocation.
-    fn count(&mut self, min_elem: usize) -> Result<usize> {
-        let n = self.u32()? as usize;
-        if n.saturating_mul(min_elem) > self.buf.len() {
-            return Err(Error::Protocol(format!(
-                "count {n} exceeds what the frame body can hold"
-            )));
-        }
-        Ok(n)
-    }
-    fn bytes(&mut self) -> Result<&'a [u8]> {
-        let n = self.u16()? as usize;
-        self.take(n)
-    }
-    fn string(&mut self) -> Result<String> {
-        let b = self.bytes()?;
-        String::from_utf8(b.to_vec()).map_err(|_| Error::Protocol("string field is not UTF-8".into()))
-    }
+impl CodecReads for WireReader<'_> {
     fn error(&mut self) -> Result<Option<WireError>> {
         let code = self.u16()?;
         if code == 0 {

@@ -30,6 +30,7 @@ pub mod region;
 pub mod sync;
 pub mod transport;
 pub mod types;
+pub mod wire;
 
 pub use error::{Error, ErrorCode, Result, WireError};
 pub use grants::{AccessEpochs, EpochTicket, Grants};

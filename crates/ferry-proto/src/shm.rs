@@ -10,6 +10,7 @@
 //!
 //! Every length is checked before anything is allocated: a request names at most [`MAX_ITEMS`] ranges.
 
+use ferry_core::wire::WireReader;
 use ferry_core::{Durability, Error, ErrorCode, Op, RegionKey, Result, WireError};
 
 const VERSION: u8 = 2;
@@ -71,35 +72,12 @@ pub fn malformed(what: &str) -> Error {
     Error::Protocol(format!("shared-memory {what} is malformed"))
 }
 
-struct Reader<'a>(&'a [u8]);
-
-impl Reader<'_> {
-    fn take<const N: usize>(&mut self) -> Result<[u8; N]> {
-        let (head, rest) = self.0.split_first_chunk::<N>().ok_or_else(|| malformed("message"))?;
-        self.0 = rest;
-        Ok(*head)
-    }
-    fn u8(&mut self) -> Result<u8> {
-        Ok(self.take::<1>()?[0])
-    }
-    fn u32(&mut self) -> Result<u32> {
-        Ok(u32::from_le_bytes(self.take()?))
-    }
-    fn u64(&mut self) -> Result<u64> {
-        Ok(u64::from_le_bytes(self.take()?))
-    }
-    fn ns(&mut self) -> Result<Namespace> {
-        Ok(Namespace {
-            dev: self.u64()?,
-            ino: self.u64()?,
-        })
-    }
-    fn end(&self, what: &str) -> Result<()> {
-        match self.0.is_empty() {
-            true => Ok(()),
-            false => Err(malformed(what)),
-        }
-    }
+/// A namespace's device and inode, as [`put_ns`] wrote them.
+fn ns(r: &mut WireReader<'_>) -> Result<Namespace> {
+    Ok(Namespace {
+        dev: r.u64()?,
+        ino: r.u64()?,
+    })
 }
 
 fn put_ns(v: &mut Vec<u8>, ns: Namespace) {
@@ -136,26 +114,26 @@ impl Offer {
 
     /// Parses what `encode` wrote.
     pub fn decode(b: &[u8]) -> Result<Self> {
-        let mut r = Reader(b);
+        let mut r = WireReader::new(b, "shared-memory setup");
         if r.u8()? != VERSION {
             return Err(Error::Protocol(format!(
                 "shared-memory setup is not version {VERSION}: upgrade one of the engines"
             )));
         }
         let facts = HostFacts {
-            boot_id: r.take()?,
+            boot_id: r.array()?,
             pid: r.u32()?,
             uid: r.u32()?,
-            pid_ns: r.ns()?,
-            user_ns: r.ns()?,
-            net_ns: r.ns()?,
+            pid_ns: ns(&mut r)?,
+            user_ns: ns(&mut r)?,
+            net_ns: ns(&mut r)?,
         };
         let offer = Offer {
             facts,
             probe_addr: r.u64()?,
-            probe: r.take()?,
+            probe: r.array()?,
         };
-        r.end("setup")?;
+        r.finish()?;
         Ok(offer)
     }
 }
@@ -196,26 +174,24 @@ impl Answer {
 
     /// Parses what `encode` wrote.
     pub fn decode(b: &[u8]) -> Result<Self> {
-        let mut r = Reader(b);
+        let mut r = WireReader::new(b, "shared-memory setup answer");
         if r.u8()? != VERSION {
             return Err(malformed("setup answer"));
         }
-        let socket = r.take()?;
-        let token = r.take()?;
+        let socket = r.array()?;
+        let token = r.array()?;
         let copies_denied = match r.u8()? {
             0 => None,
             1 => {
-                let n = u16::from_le_bytes(r.take()?) as usize;
-                if n > MAX_REASON || r.0.len() != n {
+                let why = r.bytes()?;
+                if why.len() > MAX_REASON {
                     return Err(malformed("setup answer"));
                 }
-                let why = String::from_utf8_lossy(r.0).into_owned();
-                r.0 = &[];
-                Some(why)
+                Some(String::from_utf8_lossy(why).into_owned())
             }
             _ => return Err(malformed("setup answer")),
         };
-        r.end("setup answer")?;
+        r.finish()?;
         Ok(Answer {
             socket,
             token,
@@ -301,7 +277,7 @@ pub fn encode_region_request(out: &mut Vec<u8>, id: u64, kind: RequestKind, key:
 
 /// A request's head, parsed.
 pub fn decode_request_head(b: &[u8; REQUEST_HEAD]) -> Result<RequestHead> {
-    let mut r = Reader(b);
+    let mut r = WireReader::new(b, "shared-memory request");
     let id = r.u64()?;
     let kind = match r.u8()? {
         0 => RequestKind::Transfer(Op::Write),
@@ -338,9 +314,9 @@ pub fn decode_items(b: &[u8]) -> Result<Vec<Item>> {
     if !b.len().is_multiple_of(ITEM_LEN) {
         return Err(malformed("request (items)"));
     }
-    let mut r = Reader(b);
+    let mut r = WireReader::new(b, "shared-memory request items");
     let mut items = Vec::with_capacity(b.len() / ITEM_LEN);
-    while !r.0.is_empty() {
+    while !r.is_empty() {
         items.push(Item {
             key: RegionKey(r.u64()?),
             offset: r.u64()?,
@@ -409,11 +385,11 @@ pub fn encode_unmap(out: &mut Vec<u8>, id: u64, key: RegionKey) {
 
 /// A reply's head, parsed: its id, kind and how many bytes follow.
 pub fn decode_reply_head(b: &[u8; REPLY_HEAD]) -> Result<(u64, ReplyKind, usize)> {
-    let mut r = Reader(b);
+    let mut r = WireReader::new(b, "shared-memory reply");
     let id = r.u64()?;
     let kind = r.u8()?;
-    let code = u16::from_le_bytes(r.take()?);
-    let len = u16::from_le_bytes(r.take()?) as usize;
+    let code = r.u16()?;
+    let len = r.u16()? as usize;
     let kind = match (kind, code, len) {
         (0, 0, 0) => ReplyKind::Done(None),
         (0, c, n) if c != 0 && n <= MAX_MESSAGE => {
@@ -428,7 +404,7 @@ pub fn decode_reply_head(b: &[u8; REPLY_HEAD]) -> Result<(u64, ReplyKind, usize)
 
 /// A `Mapped` reply's body: the region's length and whether the peer may write it.
 pub fn decode_mapped(b: &[u8; MAPPED_LEN]) -> Result<(u64, bool)> {
-    let mut r = Reader(b);
+    let mut r = WireReader::new(b, "shared-memory mapped reply");
     let len = r.u64()?;
     let writable = match r.u8()? {
         0 => false,

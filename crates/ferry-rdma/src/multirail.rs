@@ -190,8 +190,10 @@ fn rail_failure(e: &Error) -> bool {
 fn key_on(item: &TransferItem, remote: usize) -> Option<Arc<[u8]>> {
     let key = item.remote_transport_key.as_ref()?;
     match RailKeys::decode(key) {
-        Some(keys) => keys.0.get(remote)?.as_deref().map(Arc::from),
-        None => (remote == 0).then(|| key.clone()),
+        Ok(Some(keys)) => keys.0.get(remote)?.as_deref().map(Arc::from),
+        // A plain key; or a key list that does not parse, which goes on to the rail link as it is,
+        // whose key decoding fails the transfer with the protocol error (never a silent detour).
+        Ok(None) | Err(_) => (remote == 0).then(|| key.clone()),
     }
 }
 

@@ -9,6 +9,7 @@
 
 use ferry_core::codec::Segment;
 use ferry_core::error::{io_kind_from_wire, io_kind_to_wire};
+use ferry_core::wire::WireReader;
 use ferry_core::{Durability, Error, ErrorCode, Notification, RegionKey, Result, WireError};
 
 /// Bytes a message takes at most: a notification's two fields of 1024 characters of up to 4 bytes,
@@ -102,52 +103,38 @@ impl Message {
 
     /// Parses a received message; anything malformed is a protocol error.
     pub fn decode(b: &[u8]) -> Result<Message> {
-        let bad = || Error::Protocol("malformed RDMA message".into());
-        let take = |b: &mut &[u8], n: usize| -> Result<Vec<u8>> {
-            if b.len() < n {
-                return Err(bad());
-            }
-            let (h, t) = b.split_at(n);
-            *b = t;
-            Ok(h.to_vec())
-        };
-        let mut r = b;
-        let kind = take(&mut r, 1)?[0];
-        let id = u64::from_le_bytes(take(&mut r, 8)?.try_into().map_err(|_| bad())?);
-        let string = |r: &mut &[u8]| -> Result<String> {
-            let n = u16::from_le_bytes(take(r, 2)?.try_into().map_err(|_| bad())?) as usize;
-            String::from_utf8(take(r, n)?).map_err(|_| bad())
-        };
-        let segments = |r: &mut &[u8]| -> Result<Vec<Segment>> {
-            let n = u16::from_le_bytes(take(r, 2)?.try_into().map_err(|_| bad())?) as usize;
+        let mut r = WireReader::new(b, "RDMA message");
+        let kind = r.u8()?;
+        let id = r.u64()?;
+        let segments = |r: &mut WireReader<'_>| -> Result<Vec<Segment>> {
+            let n = r.u16()? as usize;
             if n > MAX_COMMIT_SEGMENTS {
-                return Err(bad());
+                return Err(r.malformed(format_args!("{n} segments, over {MAX_COMMIT_SEGMENTS}")));
             }
+            r.check_count(n, 24)?;
             let mut segments = Vec::with_capacity(n);
             for _ in 0..n {
-                let mut u64_at =
-                    || -> Result<u64> { Ok(u64::from_le_bytes(take(r, 8)?.try_into().map_err(|_| bad())?)) };
-                let key = RegionKey(u64_at()?);
-                let offset = u64_at()?;
-                let len = u64_at()?;
+                let key = RegionKey(r.u64()?);
+                let offset = r.u64()?;
+                let len = r.u64()?;
                 segments.push(Segment { key, offset, len });
             }
             Ok(segments)
         };
         let m = match kind {
             KIND_NOTIFY => {
-                let name = string(&mut r)?;
-                let msg = string(&mut r)?;
+                let name = r.string()?;
+                let msg = r.string()?;
                 Message::Notify {
                     id,
                     notification: Notification { name, msg },
                 }
             }
             KIND_COMMIT => {
-                let durability = match take(&mut r, 1)?[0] {
+                let durability = match r.u8()? {
                     0 => Durability::Completed,
                     1 => Durability::Persistent,
-                    _ => return Err(bad()),
+                    d => return Err(r.malformed(format_args!("unknown durability {d}"))),
                 };
                 let segments = segments(&mut r)?;
                 Message::Commit {
@@ -161,24 +148,23 @@ impl Message {
                 segments: segments(&mut r)?,
             },
             KIND_REPLY => {
-                let code = u16::from_le_bytes(take(&mut r, 2)?.try_into().map_err(|_| bad())?);
-                let io_kind = io_kind_from_wire(take(&mut r, 1)?[0]);
-                let message = string(&mut r)?;
+                let code = r.u16()?;
+                let io_kind = io_kind_from_wire(r.u8()?);
+                let message = r.string()?;
                 let error = match code {
                     0 => None,
                     c => Some(WireError {
-                        code: ErrorCode::from_u16(c).ok_or_else(bad)?,
+                        code: ErrorCode::from_u16(c)
+                            .ok_or_else(|| r.malformed(format_args!("unknown error code {c}")))?,
                         io_kind,
                         message,
                     }),
                 };
                 Message::Reply { id, error }
             }
-            _ => return Err(bad()),
+            other => return Err(r.malformed(format_args!("unknown kind {other}"))),
         };
-        if !r.is_empty() {
-            return Err(bad());
-        }
+        r.finish()?;
         Ok(m)
     }
 }

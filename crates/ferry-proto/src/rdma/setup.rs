@@ -1,9 +1,11 @@
 //! What two RDMA ends exchange over the control link, as the blobs of `TransportSetup` frames and
 //! region adverts: the address of each queue pair, and the remote keys of registered memory (one per
-//! region, or one per rail).
+//! region, or one per rail). A key in an advert starts with a kind byte ([`KEY_PLAIN`] or
+//! [`KEY_RAILS`]), so that a reader tells the two apart by what they say they are, never by length.
 
 use std::net::Ipv6Addr;
 
+use ferry_core::wire::WireReader;
 use ferry_core::{Error, Result};
 
 /// One side's queue pair address.
@@ -69,73 +71,77 @@ impl QpEndpoint {
                 b.len()
             )));
         }
-        let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
-        let mut gid = [0u8; 16];
-        gid.copy_from_slice(&b[8..24]);
-        let mtu = b[26];
+        let mut r = WireReader::new(&b[..LEN - 1], "RDMA setup data");
+        let qpn = r.u32()? & 0xff_ffff;
+        let psn = r.u32()? & 0xff_ffff;
+        let gid = Ipv6Addr::from(r.array::<16>()?);
+        let lid = r.u16()?;
+        let mtu = r.u8()?;
         if !(1..=5).contains(&mtu) {
-            return Err(Error::Protocol(format!("RDMA path MTU code {mtu} is out of range")));
+            return Err(r.malformed(format_args!("path MTU code {mtu} is out of range")));
         }
-        Ok(QpEndpoint {
-            qpn: u32_at(0) & 0xff_ffff,
-            psn: u32_at(4) & 0xff_ffff,
-            gid: Ipv6Addr::from(gid),
-            lid: u16::from_le_bytes([b[24], b[25]]),
+        let endpoint = QpEndpoint {
+            qpn,
+            psn,
+            gid,
+            lid,
             mtu,
-            flags: b[27],
-            rail: b[28],
-            rails: b[29].max(1),
-            lane: b[30],
-        })
+            flags: r.u8()?,
+            rail: r.u8()?,
+            rails: r.u8()?.max(1),
+            lane: r.u8()?,
+        };
+        r.finish()?;
+        Ok(endpoint)
     }
 }
 
+/// The kind byte of a plain [`RemoteKey`] in an advert.
+pub const KEY_PLAIN: u8 = 1;
+/// The kind byte of a [`RailKeys`] list in an advert.
+pub const KEY_RAILS: u8 = 2;
+
 /// A region's keys on every rail of a multi-rail target, as carried in its advert: one
 /// [`RemoteKey`] encoding per rail, empty for a rail the region could not be registered on. A target
-/// with one rail advertises its plain [`RemoteKey`] instead; the two are told apart by length (a
-/// plain key is 5 or 13 bytes, a rail list at least 16).
+/// with one rail advertises its plain [`RemoteKey`] instead; the kind byte each starts with tells
+/// them apart.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RailKeys(pub Vec<Option<Vec<u8>>>);
 
-const RAIL_KEYS_MAGIC: [u8; 3] = *b"RLK";
 /// Rails one advert may name.
 pub const MAX_RAILS: usize = 16;
 
 impl RailKeys {
-    /// The advert form: the magic, the count, then each key's length and bytes, padded with zeros to
-    /// at least 16 bytes (longer than any plain key).
+    /// The advert form: [`KEY_RAILS`], the count, then each key's length and bytes (a key of no
+    /// bytes for a rail without one).
     pub fn encode(&self) -> Vec<u8> {
-        let mut v = RAIL_KEYS_MAGIC.to_vec();
-        v.push(self.0.len() as u8);
+        let mut v = vec![KEY_RAILS, self.0.len() as u8];
         for key in &self.0 {
             let key = key.as_deref().unwrap_or(&[]);
             v.push(key.len() as u8);
             v.extend_from_slice(key);
         }
-        if v.len() < 16 {
-            v.resize(16, 0);
-        }
         v
     }
 
-    /// Parses a rail list; `None` for a plain key (or anything that is not a rail list).
-    pub fn decode(b: &[u8]) -> Option<Self> {
-        if b.len() < 16 || b[..3] != RAIL_KEYS_MAGIC {
-            return None;
+    /// Parses a rail list: `Ok(None)` for a key of another kind (a plain key), a protocol error for
+    /// a rail list that does not parse.
+    pub fn decode(b: &[u8]) -> Result<Option<Self>> {
+        let mut r = WireReader::new(b, "an RDMA rail key list");
+        if r.u8()? != KEY_RAILS {
+            return Ok(None);
         }
-        let n = b[3] as usize;
+        let n = r.u8()? as usize;
         if n == 0 || n > MAX_RAILS {
-            return None;
+            return Err(r.malformed(format_args!("{n} rails (1..={MAX_RAILS})")));
         }
-        let mut at = 4;
         let mut keys = Vec::with_capacity(n);
         for _ in 0..n {
-            let len = *b.get(at)? as usize;
-            let key = b.get(at + 1..at + 1 + len)?;
+            let key = r.short_bytes()?;
             keys.push((!key.is_empty()).then(|| key.to_vec()));
-            at += 1 + len;
         }
-        b[at..].iter().all(|&z| z == 0).then_some(RailKeys(keys))
+        r.finish()?;
+        Ok(Some(RailKeys(keys)))
     }
 }
 
@@ -162,10 +168,11 @@ const BOUNCED: u8 = 2;
 const HOOKED: u8 = 4;
 
 impl RemoteKey {
-    /// The advert form: the rkey little-endian, a flags byte, and the bounce buffer's address (little-endian)
-    /// when bounced.
+    /// The advert form: [`KEY_PLAIN`], the rkey little-endian, a flags byte, and the bounce
+    /// buffer's address (little-endian) when bounced.
     pub fn encode(&self) -> Vec<u8> {
-        let mut v = self.rkey.to_le_bytes().to_vec();
+        let mut v = vec![KEY_PLAIN];
+        v.extend_from_slice(&self.rkey.to_le_bytes());
         let flags = if self.flushable { FLUSHABLE } else { 0 }
             | if self.bounce_addr.is_some() { BOUNCED } else { 0 }
             | if self.hooked { HOOKED } else { 0 };
@@ -178,19 +185,24 @@ impl RemoteKey {
 
     /// Parses what `encode` wrote.
     pub fn decode(b: &[u8]) -> Result<Self> {
-        let bad = || Error::Protocol(format!("an RDMA key of {} bytes ({b:02x?})", b.len()));
-        let (head, rest) = b.split_first_chunk::<5>().ok_or_else(bad)?;
-        let [a, b0, c, d, flags] = *head;
-        if flags & !(FLUSHABLE | BOUNCED | HOOKED) != 0 {
-            return Err(bad());
+        let mut r = WireReader::new(b, "an RDMA key");
+        match r.u8()? {
+            KEY_PLAIN => {}
+            KEY_RAILS => return Err(r.malformed("a rail key list where one key belongs")),
+            kind => return Err(r.malformed(format_args!("unknown key kind {kind}"))),
         }
-        let bounce_addr = match (flags & BOUNCED != 0, rest) {
-            (false, []) => None,
-            (true, rest) => Some(u64::from_le_bytes(<[u8; 8]>::try_from(rest).map_err(|_| bad())?)),
-            (false, _) => return Err(bad()),
+        let rkey = r.u32()?;
+        let flags = r.u8()?;
+        if flags & !(FLUSHABLE | BOUNCED | HOOKED) != 0 {
+            return Err(r.malformed(format_args!("unknown flags {flags:#x}")));
+        }
+        let bounce_addr = match flags & BOUNCED != 0 {
+            true => Some(r.u64()?),
+            false => None,
         };
+        r.finish()?;
         Ok(RemoteKey {
-            rkey: u32::from_le_bytes([a, b0, c, d]),
+            rkey,
             flushable: flags & FLUSHABLE != 0,
             bounce_addr,
             hooked: flags & HOOKED != 0,
@@ -229,10 +241,12 @@ mod tests {
         #[test]
         fn rail_keys_round_trip_and_never_pass_for_a_plain_key(keys in proptest::collection::vec(proptest::option::of(any::<(u32, bool, Option<u64>)>()), 2..MAX_RAILS)) {
             let keys = RailKeys(keys.iter().map(|k| k.map(|(rkey, flushable, bounce_addr)| RemoteKey { rkey, flushable, bounce_addr, hooked: false }.encode())).collect());
-            prop_assert_eq!(RailKeys::decode(&keys.encode()), Some(keys.clone()));
+            prop_assert_eq!(RailKeys::decode(&keys.encode()).unwrap(), Some(keys.clone()));
             for plain in keys.0.iter().flatten() {
-                prop_assert_eq!(RailKeys::decode(plain), None);
+                prop_assert_eq!(RailKeys::decode(plain).unwrap(), None);
+                prop_assert!(RemoteKey::decode(plain).is_ok());
             }
+            prop_assert!(matches!(RemoteKey::decode(&keys.encode()), Err(Error::Protocol(_))), "a rail list never passes for a key");
         }
 
         #[test]
