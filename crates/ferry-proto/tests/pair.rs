@@ -1,16 +1,21 @@
 //! Both sides of a link in memory: an [`Initiator`] and a target made of [`TargetStream`]s, an
-//! [`AdvertQueue`] and a model of region memory, joined by one FIFO per stream and direction.
+//! [`AdvertQueue`] and a model of region memory, joined by one byte stream per stream and direction
+//! that carries the frames as the codec encodes them (and decodes them at the other end), under a
+//! virtual clock.
 //!
-//! Property tests run random sequences of operations, deliveries in random stream order, region
-//! changes, local give-ups, hostile answers and broken streams, and check the protocol's promises
-//! against a model: every operation ends exactly once; nothing succeeds on a closed link; a commit is
-//! served after every write started before it on its stream; without breaks, every operation succeeds
-//! and the initiator's region table ends equal to the target's.
+//! Property tests run random sequences of operations (each with a deadline), deliveries in random
+//! stream order and after random delays, time passing, region changes, local give-ups, hostile
+//! answers and broken streams, and check the protocol's promises against a model: every operation
+//! ends exactly once; nothing succeeds on a closed link; an operation past its deadline fails and its
+//! late answer changes nothing; a commit is served after every write started before it on its
+//! stream; without breaks or expiries, every operation succeeds and the initiator's region table
+//! ends equal to the target's.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
-use ferry_core::codec::{Decoded, Frame, ReadStatus, Segment};
+use bytes::BytesMut;
+use ferry_core::codec::{self, Decoded, Frame, Limits, ReadStatus, Segment};
 use ferry_core::{Access, Durability, Error, RegionAd, RegionChange, RegionKey, RemoteRegions};
 use ferry_proto::initiator::OpKind;
 use ferry_proto::target::{Request, ack};
@@ -18,6 +23,8 @@ use ferry_proto::{AdvertQueue, Event, Initiator, Keepalive, LinkLimits, OpId, St
 use proptest::prelude::*;
 
 const CELL: u64 = 8;
+/// How long each operation may take, in virtual time.
+const DEADLINE: Duration = Duration::from_millis(100);
 
 /// What the harness remembers of an operation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -26,9 +33,34 @@ struct Op {
     kind: OpKind,
 }
 
+/// One stream's bytes in each direction: whole encoded frames, each followed by its payload.
 struct Wire {
-    to_target: VecDeque<(Decoded, Vec<u8>)>,
-    to_initiator: VecDeque<(Decoded, Vec<u8>)>,
+    to_target: VecDeque<u8>,
+    to_initiator: VecDeque<u8>,
+}
+
+/// `frame` and its payload as they go on the wire.
+fn encoded(frame: &Frame, payload: &[u8]) -> Vec<u8> {
+    let mut out = BytesMut::new();
+    codec::encode(frame, payload.len() as u64, &mut out).expect("the harness sends only valid frames");
+    out.extend_from_slice(payload);
+    out.to_vec()
+}
+
+/// The next frame on `wire` and its payload, decoded as a reader would (frames are only ever put
+/// on a wire whole).
+fn next_frame(wire: &mut VecDeque<u8>) -> Option<(Decoded, Vec<u8>)> {
+    if wire.is_empty() {
+        return None;
+    }
+    let bytes = wire.make_contiguous();
+    let (decoded, used) = codec::decode(bytes, &Limits::default())
+        .expect("a frame the codec encoded decodes")
+        .expect("frames are on the wire whole");
+    let end = used + decoded.payload_len as usize;
+    let payload = bytes[used..end].to_vec();
+    wire.drain(..end);
+    Some((decoded, payload))
 }
 
 struct Pair {
@@ -49,6 +81,8 @@ struct Pair {
     /// Operations that may fail on an open link: given up locally, or reading a region that is not there.
     may_fail: HashSet<usize>,
     broken: bool,
+    /// The virtual clock.
+    now: Instant,
 }
 
 fn ad(key: u64) -> RegionAd {
@@ -68,7 +102,8 @@ impl Pair {
             advert_queue,
             ..LinkLimits::default()
         };
-        let keepalive = Keepalive::new(Instant::now(), Duration::from_secs(5), Duration::from_secs(60));
+        let now = Instant::now();
+        let keepalive = Keepalive::new(now, Duration::from_secs(5), Duration::from_secs(60));
         Pair {
             initiator: Initiator::new("target".into(), streams, vec![ad(0)], limits, keepalive).unwrap(),
             targets: (0..streams)
@@ -90,6 +125,7 @@ impl Pair {
             ids: HashMap::new(),
             may_fail: HashSet::new(),
             broken: false,
+            now,
         }
     }
 
@@ -99,11 +135,7 @@ impl Pair {
     }
 
     fn send(&mut self, stream: StreamIndex, frame: Frame, payload: Vec<u8>) {
-        let decoded = Decoded {
-            frame,
-            payload_len: payload.len() as u64,
-        };
-        self.wires[stream.get()].to_target.push_back((decoded, payload));
+        self.wires[stream.get()].to_target.extend(encoded(&frame, &payload));
     }
 
     /// Starts a write of one cell, or a commit on `stream` after it.
@@ -112,7 +144,8 @@ impl Pair {
         self.started += 1;
         let kind = OpKind::Ack;
         let bytes = if commit { 0 } else { CELL };
-        let Ok((s, id)) = self.initiator.start(stream, kind, bytes, None, Op { n, kind }) else {
+        let deadline = Some(self.now + DEADLINE);
+        let Ok((s, id)) = self.initiator.start(stream, kind, bytes, deadline, Op { n, kind }) else {
             assert!(self.broken, "a start refused on an open link");
             self.end(n, false);
             return;
@@ -152,7 +185,8 @@ impl Pair {
         let n = self.started;
         self.started += 1;
         let kind = OpKind::Read;
-        let Ok((s, id)) = self.initiator.start(None, kind, CELL, None, Op { n, kind }) else {
+        let deadline = Some(self.now + DEADLINE);
+        let Ok((s, id)) = self.initiator.start(None, kind, CELL, deadline, Op { n, kind }) else {
             assert!(self.broken);
             self.end(n, false);
             return;
@@ -172,7 +206,7 @@ impl Pair {
 
     /// The target serves the next frame on `stream`.
     fn serve(&mut self, stream: usize) {
-        let Some((decoded, payload)) = self.wires[stream].to_target.pop_front() else {
+        let Some((decoded, payload)) = next_frame(&mut self.wires[stream].to_target) else {
             return;
         };
         let request = self.targets[stream]
@@ -206,22 +240,15 @@ impl Pair {
             other => panic!("unexpected request {other:?}"),
         };
         let (frame, payload) = answer;
-        let decoded = Decoded {
-            frame,
-            payload_len: payload.len() as u64,
-        };
-        self.wires[stream].to_initiator.push_back((decoded, payload));
+        self.wires[stream].to_initiator.extend(encoded(&frame, &payload));
     }
 
     /// The initiator handles the next frame on `stream`.
     fn receive(&mut self, stream: usize) {
-        let Some((decoded, payload)) = self.wires[stream].to_initiator.pop_front() else {
+        let Some((decoded, payload)) = next_frame(&mut self.wires[stream].to_initiator) else {
             return;
         };
-        match self
-            .initiator
-            .handle(StreamIndex(stream as u16), decoded, Instant::now())
-        {
+        match self.initiator.handle(StreamIndex(stream as u16), decoded, self.now) {
             Ok(Event::Answered { op, result }) => self.end(op.n, result.is_ok()),
             Ok(Event::Data { op, payload_len }) => {
                 assert_eq!(op.kind, OpKind::Read);
@@ -266,9 +293,7 @@ impl Pair {
         if let Some(frame) = self.adverts.poll_transmit(|| table.values().cloned().collect())
             && !self.broken
         {
-            self.wires[0]
-                .to_initiator
-                .push_back((Decoded { frame, payload_len: 0 }, Vec::new()));
+            self.wires[0].to_initiator.extend(encoded(&frame, &[]));
         }
     }
 
@@ -281,6 +306,16 @@ impl Pair {
         {
             self.may_fail.insert(n);
             self.end(n, false);
+        }
+    }
+
+    /// Virtual time passes: operations past their deadline fail (their answers, should they still
+    /// come, are stale).
+    fn tick(&mut self, by: Duration) {
+        self.now += by;
+        for op in self.initiator.expired(self.now) {
+            self.may_fail.insert(op.n);
+            self.end(op.n, false);
         }
     }
 
@@ -312,6 +347,7 @@ enum Step {
     Region { key: u64, add: bool },
     Adverts,
     GiveUp(usize),
+    Tick(u64),
     Hostile { stream: usize, id: u64, data: bool },
     Break,
 }
@@ -327,6 +363,7 @@ fn step(streams: usize) -> impl Strategy<Value = Step> {
         2 => (1..10u64, any::<bool>()).prop_map(|(key, add)| Step::Region { key, add }),
         1 => Just(Step::Adverts),
         1 => (0..40usize).prop_map(Step::GiveUp),
+        1 => (0..60u64).prop_map(Step::Tick),
     ]
 }
 
@@ -345,15 +382,19 @@ fn run(streams: usize, advert_queue: usize, steps: &[Step], hostile: &[Step]) ->
             Step::Region { key, add } => p.change_region(key, add),
             Step::Adverts => p.transmit_adverts(),
             Step::GiveUp(n) => p.give_up(n),
+            Step::Tick(ms) => p.tick(Duration::from_millis(ms)),
             Step::Hostile { stream, id, data } => {
                 let frame = match data {
                     true => Frame::ReadData { id },
                     false => Frame::Ack { id, error: None },
                 };
                 let payload_len = if data { CELL + 1 } else { 0 };
-                p.wires[stream]
-                    .to_initiator
-                    .push_front((Decoded { frame, payload_len }, vec![0; payload_len as usize]));
+                // Ahead of everything queued: at a frame boundary, as frames go on whole.
+                let bytes = encoded(&frame, &vec![0; payload_len as usize]);
+                let wire = &mut p.wires[stream].to_initiator;
+                for b in bytes.into_iter().rev() {
+                    wire.push_front(b);
+                }
                 p.receive(stream);
             }
             Step::Break => p.close(Error::PeerClosed("a stream broke".into())),
@@ -466,4 +507,31 @@ fn writes_land_and_reads_see_them() {
     assert!(!p.broken);
     assert_eq!(p.ended, HashMap::from([(0, true), (1, true)]));
     assert_eq!(p.memory[24..32], [9; 8]);
+}
+
+#[test]
+fn an_operation_past_its_deadline_fails_once_and_its_late_answer_is_stale() {
+    let p = run(
+        1,
+        4,
+        &[
+            Step::Write {
+                cell: 2,
+                byte: 5,
+                stream: None,
+            },
+            Step::Read { cell: 2 },
+            Step::Tick(150),
+            Step::Serve(0),
+            Step::Serve(0),
+            Step::Receive(0),
+            Step::Receive(0),
+            // Operations started after the expiry run normally.
+            Step::Read { cell: 2 },
+        ],
+        &[],
+    );
+    assert!(!p.broken, "a late answer does not break the link");
+    assert_eq!(p.ended, HashMap::from([(0, false), (1, false), (2, true)]));
+    assert_eq!(p.memory[16..24], [5; 8], "the target still served the late write");
 }
