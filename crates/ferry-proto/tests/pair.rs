@@ -1,7 +1,8 @@
 //! Both sides of a link in memory: an [`Initiator`] and a target made of [`TargetStream`]s, an
 //! [`AdvertQueue`] and a model of region memory, joined by one byte stream per stream and direction
 //! that carries the frames as the codec encodes them (and decodes them at the other end), under a
-//! virtual clock.
+//! virtual clock. Every link opens with the handshake: each stream's hello and its answer go
+//! through the codec, and the target's registry admits the control stream and joins the others.
 //!
 //! Property tests run random sequences of operations (each with a deadline), deliveries in random
 //! stream order and after random delays, time passing, region changes, local give-ups, hostile
@@ -16,10 +17,16 @@ use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
 use ferry_core::codec::{self, Decoded, Frame, Limits, ReadStatus, Segment};
-use ferry_core::{Access, Durability, Error, RegionAd, RegionChange, RegionKey, RemoteRegions};
+use ferry_core::{
+    Access, DataProtection, Durability, Error, RegionAd, RegionChange, RegionKey, RemoteRegions, TransportKind,
+};
+use ferry_proto::handshake::check_ack;
 use ferry_proto::initiator::OpKind;
 use ferry_proto::target::{Request, ack};
-use ferry_proto::{AdvertQueue, Event, Initiator, Keepalive, LinkLimits, OpId, StreamIndex, TargetStream};
+use ferry_proto::{
+    Admission, AdvertQueue, Event, Identity, Initiator, Keepalive, LinkLimits, LinkRegistry, LinkToken, OpId,
+    StreamIndex, TargetStream,
+};
 use proptest::prelude::*;
 
 const CELL: u64 = 8;
@@ -96,6 +103,69 @@ fn ad(key: u64) -> RegionAd {
     }
 }
 
+const INITIATOR: u64 = 0x1a;
+const TARGET: u64 = 0x7a;
+
+fn identity(engine_id: u64) -> Identity {
+    Identity {
+        engine_id,
+        host_id: engine_id,
+        transports: vec![TransportKind::Tcp],
+    }
+}
+
+/// Opens a link of `streams` streams as the two ends do, every hello and answer through the codec:
+/// the control stream opens it in the target's registry and brings back the region table, each
+/// further stream joins it. The table the initiator starts from.
+fn handshake(streams: usize, registry: &mut LinkRegistry<u64>, table: Vec<RegionAd>) -> Result<Vec<RegionAd>, Error> {
+    let token = LinkToken(0x5eed);
+    let mut regions = None;
+    for i in 0..streams {
+        let index = StreamIndex(i as u16);
+        let hello = identity(INITIATOR).hello(token, index, streams as u16, None, DataProtection::Plain);
+        let mut wire: VecDeque<u8> = encoded(&Frame::Hello(hello), &[]).into();
+        let Some((
+            Decoded {
+                frame: Frame::Hello(hello),
+                ..
+            },
+            _,
+        )) = next_frame(&mut wire)
+        else {
+            panic!("a hello decodes as a hello");
+        };
+        let ack = match registry.admit(&hello, None) {
+            Ok(Admission::Open) => {
+                registry.open(&hello, 1, None)?;
+                identity(TARGET).accept(table.clone())
+            }
+            Ok(Admission::Join(link, sealing)) => {
+                assert_eq!(link, 1);
+                assert!(sealing.is_none(), "a plain link has no record layer");
+                identity(TARGET).accept(Vec::new())
+            }
+            Err(e) => identity(TARGET).refuse(&e),
+        };
+        let mut wire: VecDeque<u8> = encoded(&Frame::HelloAck(ack), &[]).into();
+        let Some((
+            Decoded {
+                frame: Frame::HelloAck(ack),
+                ..
+            },
+            _,
+        )) = next_frame(&mut wire)
+        else {
+            panic!("an answer decodes as an answer");
+        };
+        let ack = check_ack(ack, index, "target")?;
+        assert_eq!(ack.engine_id, TARGET);
+        if index.is_control() {
+            regions = Some(ack.regions);
+        }
+    }
+    Ok(regions.unwrap_or_default())
+}
+
 impl Pair {
     fn new(streams: usize, advert_queue: usize) -> Pair {
         let limits = LinkLimits {
@@ -104,8 +174,11 @@ impl Pair {
         };
         let now = Instant::now();
         let keepalive = Keepalive::new(now, Duration::from_secs(5), Duration::from_secs(60));
+        let mut registry = LinkRegistry::new(limits);
+        let regions = handshake(streams, &mut registry, vec![ad(0)]).expect("the link opens");
+        assert_eq!(registry.streams(LinkToken(0x5eed)), streams, "every stream joined");
         Pair {
-            initiator: Initiator::new("target".into(), streams, vec![ad(0)], limits, keepalive).unwrap(),
+            initiator: Initiator::new("target".into(), streams, regions, limits, keepalive).unwrap(),
             targets: (0..streams)
                 .map(|i| TargetStream::new(StreamIndex(i as u16), "initiator".into()))
                 .collect(),
@@ -534,4 +607,23 @@ fn an_operation_past_its_deadline_fails_once_and_its_late_answer_is_stale() {
     assert!(!p.broken, "a late answer does not break the link");
     assert_eq!(p.ended, HashMap::from([(0, false), (1, false), (2, true)]));
     assert_eq!(p.memory[16..24], [5; 8], "the target still served the late write");
+}
+
+#[test]
+fn the_handshake_opens_the_link_once_and_refuses_what_does_not_belong() {
+    let mut registry = LinkRegistry::new(LinkLimits::default());
+    let table = vec![ad(0), ad(3)];
+    assert_eq!(handshake(3, &mut registry, table.clone()).unwrap(), table);
+    // The same token again: its control stream is refused, and the answer says why.
+    let again = handshake(3, &mut registry, table.clone()).unwrap_err();
+    assert!(
+        matches!(&again, Error::Protocol(m) if m.contains("token reused")),
+        "{again:?}"
+    );
+    // A further stream of a link nobody opened.
+    let stranger = identity(INITIATOR).hello(LinkToken(9), StreamIndex(1), 2, None, DataProtection::Plain);
+    assert!(matches!(registry.admit(&stranger, None), Err(Error::Protocol(_))));
+    // More streams than the link declared.
+    let extra = identity(INITIATOR).hello(LinkToken(0x5eed), StreamIndex(3), 3, None, DataProtection::Plain);
+    assert!(matches!(registry.admit(&extra, None), Err(Error::InvalidArgument(_))));
 }
