@@ -304,6 +304,41 @@ pub trait DataLink: Send + Sync + 'static {
     }
 }
 
+/// A [`DataLink`] that carries nothing: every transfer and notification fails with `Unsupported`,
+/// and it is never closed. What a transport's own tests give its link as the control link (the
+/// same-host and RDMA links hand it what they decline), where nothing should go that way.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoControlLink;
+
+impl DataLink for NoControlLink {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Tcp
+    }
+    fn transfer(&self, _: TransferRequest) -> BoxFuture<'static, Result<()>> {
+        Box::pin(async {
+            Err(Error::Unsupported(
+                "no control link here: nothing may go over it".into(),
+            ))
+        })
+    }
+    fn notify(&self, _: Notification) -> BoxFuture<'static, Result<()>> {
+        Box::pin(async {
+            Err(Error::Unsupported(
+                "no control link here: nothing may go over it".into(),
+            ))
+        })
+    }
+    fn persist_method(&self) -> PersistMethod {
+        PersistMethod::FlushRequest
+    }
+    fn close(&self) -> BoxFuture<'static, ()> {
+        Box::pin(async {})
+    }
+    fn is_closed(&self) -> bool {
+        false
+    }
+}
+
 /// A change to the region table that connected peers are told about (over each link's control stream).
 #[derive(Debug, Clone)]
 pub enum RegionChange {

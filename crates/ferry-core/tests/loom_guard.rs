@@ -129,64 +129,50 @@ fn operation(epochs: &Arc<AccessEpochs>, granted: &RwLock<bool>, inside: &Atomic
     drop(ticket);
 }
 
-/// A revoke takes the grant away, advances the epoch and waits for it to settle, while another
-/// thread runs operations: once settled, no operation that passed the old grant is still under way.
-#[test]
-fn a_settled_revoke_has_no_operation_of_the_old_grant_left() {
-    loom::model(|| {
+/// Runs `ops` operations on another thread while the grant is taken away and revoked, the first
+/// revoke giving up at once when `first_gives_up`, the one after it waiting until settled: then no
+/// operation that passed the old grant may still be under way.
+fn revoke_during(ops: usize, first_gives_up: bool) {
+    loom::model(move || {
         let epochs = Arc::new(AccessEpochs::default());
         let granted = Arc::new(RwLock::new(true));
         let inside = Arc::new(AtomicUsize::new(0));
         let worker = {
             let (epochs, granted, inside) = (epochs.clone(), granted.clone(), inside.clone());
             thread::spawn(move || {
-                for _ in 0..2 {
+                for _ in 0..ops {
                     operation(&epochs, &granted, &inside);
                 }
             })
         };
         *granted.write().unwrap() = false;
-        let wait = epochs.advance().expect("the only advance");
+        if first_gives_up {
+            // Its deadline passed at once.
+            drop(epochs.advance().expect("the first advance"));
+        }
+        let wait = epochs.advance().expect("one advance at a time");
         while !wait.settled() {
             thread::yield_now();
         }
-        assert_eq!(
-            inside.load(Ordering::SeqCst),
-            0,
-            "an operation of the old grant outlived the revoke"
-        );
+        let left = inside.load(Ordering::SeqCst);
+        assert_eq!(left, 0, "an operation of the old grant outlived the revoke");
         drop(wait);
         worker.join().unwrap();
     });
+}
+
+/// A revoke takes the grant away, advances the epoch and waits for it to settle, while another
+/// thread runs operations: once settled, no operation that passed the old grant is still under way.
+#[test]
+fn a_settled_revoke_has_no_operation_of_the_old_grant_left() {
+    revoke_during(2, false);
 }
 
 /// A revoke that gave up before its epoch settled leaves that epoch's operations sharing a counter
 /// with newer ones: the next revoke still waits for them.
 #[test]
 fn a_revoke_after_one_that_gave_up_still_waits_for_the_old_operations() {
-    loom::model(|| {
-        let epochs = Arc::new(AccessEpochs::default());
-        let granted = Arc::new(RwLock::new(true));
-        let inside = Arc::new(AtomicUsize::new(0));
-        let worker = {
-            let (epochs, granted, inside) = (epochs.clone(), granted.clone(), inside.clone());
-            thread::spawn(move || operation(&epochs, &granted, &inside))
-        };
-        *granted.write().unwrap() = false;
-        // The first revoke gives up at once (its deadline passed).
-        drop(epochs.advance().expect("the only advance"));
-        let wait = epochs.advance().expect("the first one gave up");
-        while !wait.settled() {
-            thread::yield_now();
-        }
-        assert_eq!(
-            inside.load(Ordering::SeqCst),
-            0,
-            "an operation of the old grant outlived the revoke"
-        );
-        drop(wait);
-        worker.join().unwrap();
-    });
+    revoke_during(1, true);
 }
 
 /// Advances are one at a time: a second while the first's wait lives gets `None`.

@@ -12,8 +12,8 @@ use std::time::Duration;
 use common::in_rig;
 use ferry_core::{
     AcceptSetup, AcceptedPath, Access, DataLink, Durability, EngineContext, Error, LinkSlots, MemoryBlock,
-    Notification, Notifier, Op, OwnedBuffer, PeerIdentity, PeerNames, PeerScope, PeerView, PersistMethod, RegionEntry,
-    RegionKey, RegionTable, Resolved, Result, SetupExchange, TransferItem, TransferRequest, Transport, TransportKind,
+    Notification, Notifier, Op, OwnedBuffer, PeerIdentity, PeerNames, PeerScope, PeerView, RegionEntry, RegionKey,
+    RegionTable, Resolved, Result, SetupExchange, TransferItem, TransferRequest, Transport, TransportKind,
 };
 use ferry_proto::rdma::RemoteKey;
 use ferry_rdma::{RdmaOptions, RdmaTransport};
@@ -28,30 +28,6 @@ impl Notifier for NoNotifications {
         Err(Error::Unsupported("this test takes no notifications".into()))
     }
     fn link_closed(&self, _: u64) {}
-}
-
-/// The control link the RDMA link borrows; this test sends nothing over it.
-struct NoControl;
-
-impl DataLink for NoControl {
-    fn kind(&self) -> TransportKind {
-        TransportKind::Tcp
-    }
-    fn transfer(&self, _: TransferRequest) -> BoxFuture<'static, Result<()>> {
-        Box::pin(async { Err(Error::Unsupported("no control link in this test".into())) })
-    }
-    fn notify(&self, _: Notification) -> BoxFuture<'static, Result<()>> {
-        Box::pin(async { Err(Error::Unsupported("no control link in this test".into())) })
-    }
-    fn persist_method(&self) -> PersistMethod {
-        PersistMethod::FlushRequest
-    }
-    fn close(&self) -> BoxFuture<'static, ()> {
-        Box::pin(async {})
-    }
-    fn is_closed(&self) -> bool {
-        false
-    }
 }
 
 /// Hands the initiator's setup straight to the target's `accept`, as the link `link` of `peer`.
@@ -80,7 +56,7 @@ impl SetupExchange for Exchange {
         })
     }
     fn control_link(&self) -> Arc<dyn DataLink> {
-        Arc::new(NoControl)
+        Arc::new(ferry_core::NoControlLink)
     }
 }
 

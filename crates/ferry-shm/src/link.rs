@@ -970,36 +970,11 @@ mod tests {
         assert_eq!(pieces.len(), 3);
     }
 
-    /// The control link a shared-memory link hands what it declines to; these tests send nothing
-    /// over it.
-    struct NoControl;
-
-    impl DataLink for NoControl {
-        fn kind(&self) -> TransportKind {
-            TransportKind::Tcp
-        }
-        fn transfer(&self, _: TransferRequest) -> BoxFuture<'static, Result<()>> {
-            Box::pin(async { Err(Error::Unsupported("no control link in this test".into())) })
-        }
-        fn notify(&self, _: Notification) -> BoxFuture<'static, Result<()>> {
-            Box::pin(async { Err(Error::Unsupported("no control link in this test".into())) })
-        }
-        fn persist_method(&self) -> PersistMethod {
-            PersistMethod::FlushBeforeAck
-        }
-        fn close(&self) -> BoxFuture<'static, ()> {
-            Box::pin(async {})
-        }
-        fn is_closed(&self) -> bool {
-            false
-        }
-    }
-
     /// A link whose target end is the returned socket (played by the test), and a one-item WRITE
     /// request it can send.
     fn link_to_a_scripted_target() -> (ShmLink, UnixStream, TransferRequest) {
         let (ours, theirs) = UnixStream::pair().unwrap();
-        let link = ShmLink::start(ours, Arc::new(NoControl), "scripted".into(), None);
+        let link = ShmLink::start(ours, Arc::new(ferry_core::NoControlLink), "scripted".into(), None);
         let block: Arc<dyn MemoryBlock> = Arc::new(OwnedBuffer::new(vec![7u8; 64]));
         let region = Arc::new(RegionEntry::new(RegionKey(1), Access::READ_WRITE, block).unwrap());
         let request = TransferRequest {
