@@ -29,6 +29,7 @@
 pub mod admission;
 pub mod adverts;
 pub mod auth;
+pub mod batch;
 pub mod handshake;
 pub mod ids;
 pub mod initiator;

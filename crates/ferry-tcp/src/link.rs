@@ -26,8 +26,9 @@ use ferry_core::codec::{Frame, Hello, HelloAck, Limits, ReadStatus, Segment};
 use ferry_core::sync::ShardedLock;
 use ferry_core::{
     AccessGuard, DataLink, DataProtection, Due, Durability, Error, Notification, Op, PeerIdentity, PersistMethod,
-    RegionEntry, RemoteRegions, Resolved, Result, TransferItem, TransferRequest, TransportKind,
+    RegionEntry, RemoteRegions, Resolved, Result, TransferRequest, TransportKind,
 };
+use ferry_proto::batch::{MAX_SEGMENTS, Piece, Shape, plan, segments};
 use ferry_proto::handshake::check_ack;
 use ferry_proto::initiator::OpKind;
 use ferry_proto::keepalive::{DEFAULT_DEAD, DEFAULT_IDLE};
@@ -43,12 +44,6 @@ use crate::tls::{Session, TlsConfig};
 
 /// Payloads below this are copied into the frame buffer rather than sent from the region.
 const INLINE_PAYLOAD: u64 = 16 << 10;
-/// Large descriptors are split into pieces of at least this size.
-const MIN_SPLIT: u64 = 256 << 10;
-/// And at most this size.
-const MAX_PIECE: u64 = 16 << 20;
-/// Most segments in one coalesced frame.
-const MAX_SEGMENTS: usize = 4096;
 /// The in-flight byte budget counts in units of this size.
 const BUDGET_UNIT: u64 = 4096;
 
@@ -674,96 +669,6 @@ async fn timer_loop(shared: Arc<Shared>) {
     }
 }
 
-/// One frame's worth of a batch.
-enum Piece {
-    Direct(TransferItem),
-    Coalesced(Vec<TransferItem>),
-}
-
-/// Whether a descriptor of `len` bytes is worth coalescing into a frame with others: where that
-/// saves frames and acknowledgements without adding a copy. Writes are gathered: one `sendmsg(2)`
-/// names many ranges straight in their regions, and the target scatters them into its regions with
-/// one `readv(2)`, so coalescing costs no copy below [`MIN_SPLIT`], where splitting starts (64 KiB ×
-/// 256 scattered writes: 5.6 GB/s one frame each, 8.2 GB/s gathered; 1 MiB × 8: 7.6). Reads land in a
-/// pool buffer and are copied out, which pays only where a read's data would go through the read
-/// buffer anyway, below [`DIRECT_THRESHOLD`].
-fn worth_coalescing(op: Op, len: u64) -> bool {
-    match op {
-        Op::Write => len < MIN_SPLIT,
-        Op::Read => len < DIRECT_THRESHOLD as u64,
-    }
-}
-
-/// Splits a batch into frames: descriptors worth coalescing (see [`worth_coalescing`]; two at least, since
-/// a group of one only adds a copy) are coalesced into frames of up to a pool buffer, large ones are
-/// split across the streams, the rest go in frames of their own.
-fn plan(op: Op, items: Vec<TransferItem>, streams: usize, pool: Option<&CoalescePool>) -> Vec<Piece> {
-    let mut pieces = Vec::new();
-    let stage = pool.is_some() && items.iter().filter(|i| worth_coalescing(op, i.len())).take(2).count() == 2;
-    let mut small = Vec::new();
-    for item in items {
-        let len = item.len();
-        if stage && worth_coalescing(op, len) {
-            small.push(item);
-            continue;
-        }
-        let piece_len = len.div_ceil(streams as u64).clamp(MIN_SPLIT, MAX_PIECE);
-        if len <= piece_len {
-            pieces.push(Piece::Direct(item));
-            continue;
-        }
-        let mut off = 0;
-        while off < len {
-            let n = piece_len.min(len - off);
-            pieces.push(Piece::Direct(TransferItem {
-                local: Resolved {
-                    region: item.local.region.clone(),
-                    offset: item.local.offset + off,
-                    len: n,
-                },
-                remote_key: item.remote_key,
-                remote_offset: item.remote_offset + off,
-                remote_addr: item.remote_addr + off,
-                remote_transport_key: item.remote_transport_key.clone(),
-                remote_access: item.remote_access,
-            }));
-            off += n;
-        }
-    }
-    if let Some(pool) = pool.filter(|_| !small.is_empty()) {
-        let total: u64 = small.iter().map(|i| i.len()).sum();
-        // Spread coalesced frames over the streams, but never beyond a pool buffer.
-        let target = total
-            .div_ceil(streams as u64)
-            .clamp(64 << 10, pool.buffer_bytes() as u64);
-        let mut group = Vec::new();
-        let mut group_len = 0;
-        for item in small {
-            if !group.is_empty() && (group_len + item.len() > target || group.len() == MAX_SEGMENTS) {
-                pieces.push(Piece::Coalesced(std::mem::take(&mut group)));
-                group_len = 0;
-            }
-            group_len += item.len();
-            group.push(item);
-        }
-        if !group.is_empty() {
-            pieces.push(Piece::Coalesced(group));
-        }
-    }
-    pieces
-}
-
-fn segments(items: &[TransferItem]) -> Vec<Segment> {
-    items
-        .iter()
-        .map(|i| Segment {
-            key: i.remote_key,
-            offset: i.remote_offset,
-            len: i.len(),
-        })
-        .collect()
-}
-
 /// `what`, ended with `Timeout` at `bound`'s deadline when there is one: for what the protocol core's
 /// deadlines do not see (a wait for the byte budget, a staged block's hooks, a whole read).
 async fn within<T>(bound: Option<Due>, what: impl Future<Output = Result<T>>) -> Result<T> {
@@ -810,7 +715,12 @@ async fn run_batch(shared: &Arc<Shared>, request: TransferRequest, bound: Option
         }
     }
     let caller = CallerGuard(Arc::new(AccessGuard::new()));
-    let pieces = plan(request.op, request.items, shared.data_streams, shared.pool.as_deref());
+    let shape = Shape {
+        streams: shared.data_streams,
+        coalesce_buffer: shared.pool.as_ref().map(|p| p.buffer_bytes() as u64),
+        direct_read: DIRECT_THRESHOLD as u64,
+    };
+    let pieces = plan(request.op, request.items, &shape);
     // A persistent write in several frames is persisted once per stream, after its last frame: the
     // frames go as completed writes and a commit follows them on each stream they used (in order on
     // that stream, so no extra round trip), naming what they wrote.
@@ -854,18 +764,10 @@ async fn run_batch(shared: &Arc<Shared>, request: TransferRequest, bound: Option
     Ok(())
 }
 
-/// The bytes a piece moves.
-fn piece_len(piece: &Piece) -> u64 {
-    match piece {
-        Piece::Direct(i) => i.len(),
-        Piece::Coalesced(g) => g.iter().map(|i| i.len()).sum(),
-    }
-}
-
 /// Sends one piece of a write, under its share of the byte budget: straight from the region, or
 /// copied into a pool buffer with the rest of its group.
 async fn submit_write(shared: &Shared, piece: Piece, durability: Durability, bound: Option<Due>) -> Result<Submitted> {
-    let bytes = piece_len(&piece);
+    let bytes = piece.len();
     let budget = Some(shared.budget(bytes, bound).await?);
     let deadline = bound.map(|b| b.at);
     match piece {
@@ -899,7 +801,7 @@ async fn submit_write(shared: &Shared, piece: Piece, durability: Durability, bou
 /// region, or through a pool buffer that is scattered over its group. A read carries no deadline of
 /// its own: [`run_transfer`] bounds the whole batch.
 async fn submit_read(shared: &Shared, piece: Piece, caller: &Arc<AccessGuard>) -> Result<Submitted> {
-    let bytes = piece_len(&piece);
+    let bytes = piece.len();
     let budget = Some(shared.budget(bytes, None).await?);
     match piece {
         Piece::Direct(item) => {
@@ -1256,83 +1158,5 @@ impl DataLink for TcpLink {
 
     fn is_closed(&self) -> bool {
         self.shared.closed.load(Ordering::Acquire)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use ferry_core::{Access, OwnedBuffer, RegionKey};
-
-    use super::*;
-
-    fn items(sizes: &[u64]) -> Vec<TransferItem> {
-        let total: u64 = sizes.iter().sum();
-        let block = Arc::new(OwnedBuffer::new(vec![0u8; total as usize]));
-        let region = Arc::new(RegionEntry::new(RegionKey::random().unwrap(), Access::READ_WRITE, block).unwrap());
-        let mut at = 0;
-        sizes
-            .iter()
-            .map(|&len| {
-                let item = TransferItem {
-                    local: Resolved {
-                        region: region.clone(),
-                        offset: at,
-                        len,
-                    },
-                    remote_key: RegionKey::random().unwrap(),
-                    remote_offset: at,
-                    remote_addr: at,
-                    remote_transport_key: None,
-                    remote_access: Access::READ_WRITE,
-                };
-                at += len;
-                item
-            })
-            .collect()
-    }
-
-    /// Descriptor counts per piece: `Ok(n)` a coalesced piece of n, `Err(len)` a direct piece.
-    fn shape(op: Op, sizes: &[u64], pool: Option<&CoalescePool>) -> Vec<std::result::Result<usize, u64>> {
-        plan(op, items(sizes), 2, pool)
-            .into_iter()
-            .map(|p| match p {
-                Piece::Coalesced(g) => Ok(g.len()),
-                Piece::Direct(i) => Err(i.len()),
-            })
-            .collect()
-    }
-
-    #[test]
-    fn coalescing_only_where_it_adds_no_copy() {
-        let pool = CoalescePool::new("4:8".parse().unwrap());
-        let pool = pool.as_deref();
-        let kib = 1024;
-        // Writes below the split size are gathered, into frames of about a stream's share (at least
-        // 64 KiB); larger ones go on their own, split across the streams when large enough.
-        assert_eq!(
-            shape(Op::Write, &[4 * kib, 16 * kib, 64 * kib, 4 * kib], pool),
-            [Ok(2), Ok(1), Ok(1)]
-        );
-        assert_eq!(shape(Op::Write, &[64 * kib; 8], pool), [Ok(4), Ok(4)]);
-        assert_eq!(
-            shape(Op::Write, &[64 * kib, 256 * kib, 64 * kib], pool),
-            [Err(256 * kib), Ok(1), Ok(1)]
-        );
-        // Reads below the direct threshold land through the read buffer anyway: coalesced. Larger
-        // ones land straight in their region.
-        assert_eq!(
-            shape(Op::Read, &[32 * kib, 32 * kib, 64 * kib], pool),
-            [Err(64 * kib), Ok(2)]
-        );
-        // A lone small descriptor has nothing to be coalesced with.
-        assert_eq!(
-            shape(Op::Write, &[4 * kib, 1 << 20], pool),
-            [Err(4 * kib), Err(512 * kib), Err(512 * kib)]
-        );
-        // No pool (`buffer_pool("0:0")`), no coalescing.
-        assert_eq!(
-            shape(Op::Write, &[4 * kib, 4 * kib], None),
-            [Err(4 * kib), Err(4 * kib)]
-        );
     }
 }
