@@ -143,10 +143,38 @@ pub fn segments(items: &[TransferItem]) -> Vec<Segment> {
 }
 
 #[cfg(test)]
-mod tests {
-    use std::sync::Arc;
+/// Descriptors of `sizes`, one after the other in one local region, each to a region of its own.
+pub(crate) fn test_items(sizes: &[u64]) -> Vec<TransferItem> {
+    let total: u64 = sizes.iter().sum();
+    let block = std::sync::Arc::new(ferry_core::OwnedBuffer::new(vec![0u8; total as usize]));
+    let region = std::sync::Arc::new(
+        ferry_core::RegionEntry::new(ferry_core::RegionKey(1), ferry_core::Access::READ_WRITE, block).unwrap(),
+    );
+    let mut at = 0;
+    sizes
+        .iter()
+        .enumerate()
+        .map(|(n, &len)| {
+            let item = TransferItem {
+                local: Resolved {
+                    region: region.clone(),
+                    offset: at,
+                    len,
+                },
+                remote_key: ferry_core::RegionKey(100 + n as u64),
+                remote_offset: 7,
+                remote_addr: 0x1000 + 7,
+                remote_transport_key: None,
+                remote_access: ferry_core::Access::READ_WRITE,
+            };
+            at += len;
+            item
+        })
+        .collect()
+}
 
-    use ferry_core::{Access, OwnedBuffer, RegionEntry, RegionKey};
+#[cfg(test)]
+mod tests {
     use proptest::prelude::*;
 
     use super::*;
@@ -161,37 +189,9 @@ mod tests {
         }
     }
 
-    /// Descriptors of `sizes`, one after the other in one local region, each to a region of its own.
-    fn items(sizes: &[u64]) -> Vec<TransferItem> {
-        let total: u64 = sizes.iter().sum();
-        let block = Arc::new(OwnedBuffer::new(vec![0u8; total as usize]));
-        let region = Arc::new(RegionEntry::new(RegionKey(1), Access::READ_WRITE, block).unwrap());
-        let mut at = 0;
-        sizes
-            .iter()
-            .enumerate()
-            .map(|(n, &len)| {
-                let item = TransferItem {
-                    local: Resolved {
-                        region: region.clone(),
-                        offset: at,
-                        len,
-                    },
-                    remote_key: RegionKey(100 + n as u64),
-                    remote_offset: 7,
-                    remote_addr: 0x1000 + 7,
-                    remote_transport_key: None,
-                    remote_access: Access::READ_WRITE,
-                };
-                at += len;
-                item
-            })
-            .collect()
-    }
-
     /// Descriptor counts per piece: `Ok(n)` a coalesced piece of n, `Err(len)` a direct piece.
     fn pieces(op: Op, sizes: &[u64], coalesce: bool) -> Vec<std::result::Result<usize, u64>> {
-        plan(op, items(sizes), &shape(coalesce))
+        plan(op, test_items(sizes), &shape(coalesce))
             .into_iter()
             .map(|p| match p {
                 Piece::Coalesced(g) => Ok(g.len()),
@@ -245,7 +245,7 @@ mod tests {
         ) {
             let op = if read { Op::Read } else { Op::Write };
             let shape = Shape { streams, ..shape(coalesce) };
-            let plan = plan(op, items(&sizes), &shape);
+            let plan = plan(op, test_items(&sizes), &shape);
             let mut covered: Vec<Vec<(u64, u64)>> = vec![Vec::new(); sizes.len()];
             for piece in &plan {
                 prop_assert!(!piece.is_empty());
@@ -264,7 +264,7 @@ mod tests {
                 };
                 for i in group {
                     let n = (i.remote_key.0 - 100) as usize;
-                    let first = items(&sizes)[n].local.offset;
+                    let first = test_items(&sizes)[n].local.offset;
                     prop_assert_eq!(i.remote_offset - 7, i.local.offset - first, "local and remote move together");
                     covered[n].push((i.local.offset - first, i.len()));
                 }

@@ -1,4 +1,6 @@
-//! What a stream wrote and has not committed yet: the ranges a `Commit` on that stream may persist.
+//! The commit rule of a persistent write in several frames, both halves: what the initiator commits
+//! on each stream ([`DeferredCommits`]), and what a stream wrote and has not committed yet, the
+//! ranges a `Commit` on that stream may persist at the target ([`WrittenRanges`]).
 //!
 //! A persistent write in several frames goes as completed writes followed, on each stream it used, by
 //! a `Commit` naming what those frames wrote. The target persists only the part of a commit that the
@@ -14,8 +16,73 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use ferry_core::RegionKey;
 use ferry_core::codec::Segment;
+use ferry_core::{Durability, Op, RegionKey};
+
+use crate::batch::{MAX_SEGMENTS, Piece, segments};
+use crate::ids::StreamIndex;
+
+/// What one piece of a batch wrote, from [`DeferredCommits::note`].
+#[derive(Debug)]
+pub struct Noted(Vec<Segment>);
+
+/// The initiator's half: how one batch's frames are sent and which commits follow them. A
+/// persistent write of more than one frame is persisted once per stream, after its last frame there:
+/// its frames go as completed writes, and a `Commit` follows them on each stream they used (in order
+/// on that stream, so no extra round trip), naming what they wrote, in commits of at most
+/// [`MAX_SEGMENTS`] segments. A batch of one frame carries its durability itself.
+#[derive(Debug)]
+pub struct DeferredCommits {
+    /// Per stream, what the batch's frames wrote there; `None` when nothing is deferred.
+    written: Option<Vec<Vec<Segment>>>,
+}
+
+impl DeferredCommits {
+    /// The rule for a batch of `op` at `durability` planned in `pieces` frames over a link of
+    /// `streams` streams (the control stream counted).
+    pub fn new(op: Op, durability: Durability, pieces: usize, streams: usize) -> Self {
+        let deferred = op == Op::Write && durability == Durability::Persistent && pieces > 1;
+        DeferredCommits {
+            written: deferred.then(|| vec![Vec::new(); streams]),
+        }
+    }
+
+    /// The durability each frame of the batch asks for.
+    pub fn frame_durability(&self, requested: Durability) -> Durability {
+        match self.written {
+            Some(_) => Durability::Completed,
+            None => requested,
+        }
+    }
+
+    /// What `piece` writes, for [`sent`](Self::sent) once the stream it goes on is known (nothing
+    /// when no commit is deferred).
+    pub fn note(&self, piece: &Piece) -> Noted {
+        Noted(match (&self.written, piece) {
+            (None, _) => Vec::new(),
+            (Some(_), Piece::Direct(item)) => segments(std::slice::from_ref(item)),
+            (Some(_), Piece::Coalesced(group)) => segments(group),
+        })
+    }
+
+    /// Notes that the piece `noted` describes went on `stream`.
+    pub fn sent(&mut self, stream: StreamIndex, noted: Noted) {
+        if let Some(written) = self.written.as_mut().and_then(|w| w.get_mut(stream.get())) {
+            written.extend(noted.0);
+        }
+    }
+
+    /// The commits to send once every frame went: per stream used, what was written there.
+    pub fn commits(self) -> Vec<(StreamIndex, Vec<Segment>)> {
+        let mut out = Vec::new();
+        for (stream, written) in self.written.unwrap_or_default().into_iter().enumerate() {
+            for chunk in written.chunks(MAX_SEGMENTS) {
+                out.push((StreamIndex(stream as u16), chunk.to_vec()));
+            }
+        }
+        out
+    }
+}
 
 /// Most disjoint ranges kept per stream.
 pub const MAX_RANGES: usize = 4096;
@@ -127,6 +194,46 @@ impl WrittenRanges {
 #[cfg(test)]
 mod tests {
     use proptest::prelude::*;
+
+    use crate::batch::{Shape, plan, test_items};
+
+    /// A persistent write of several frames: each frame goes as a completed write, and each stream
+    /// it used gets one commit naming exactly what went on it; a single frame, a completed write or
+    /// a read defers nothing.
+    #[test]
+    fn deferred_commits_name_what_each_stream_carried() {
+        let shape = Shape {
+            streams: 2,
+            coalesce_buffer: None,
+            direct_read: 64 << 10,
+        };
+        let pieces = plan(Op::Write, test_items(&[1 << 20, 4096, 300 << 10]), &shape);
+        let mut rule = DeferredCommits::new(Op::Write, Durability::Persistent, pieces.len(), 3);
+        assert_eq!(rule.frame_durability(Durability::Persistent), Durability::Completed);
+        let mut expected: Vec<Vec<Segment>> = vec![Vec::new(); 3];
+        for (n, piece) in pieces.iter().enumerate() {
+            let stream = StreamIndex(1 + (n % 2) as u16);
+            let noted = rule.note(piece);
+            rule.sent(stream, noted);
+            if let Piece::Direct(item) = piece {
+                expected[stream.get()].push(segments(std::slice::from_ref(item))[0]);
+            }
+        }
+        let commits = rule.commits();
+        assert_eq!(commits.len(), 2, "one commit per stream used");
+        for (stream, segs) in commits {
+            assert_eq!(segs, expected[stream.get()], "{stream} commits what it carried");
+        }
+        for (op, durability, frames) in [
+            (Op::Write, Durability::Persistent, 1),
+            (Op::Write, Durability::Completed, 4),
+            (Op::Read, Durability::Completed, 4),
+        ] {
+            let rule = DeferredCommits::new(op, durability, frames, 3);
+            assert_eq!(rule.frame_durability(durability), durability);
+            assert!(rule.commits().is_empty());
+        }
+    }
 
     use super::*;
 

@@ -22,16 +22,17 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use ferry_core::codec::{Frame, Hello, HelloAck, Limits, ReadStatus, Segment};
+use ferry_core::codec::{Frame, Hello, HelloAck, Limits, ReadStatus};
 use ferry_core::sync::ShardedLock;
 use ferry_core::{
     AccessGuard, DataLink, DataProtection, Due, Durability, Error, Notification, Op, PeerIdentity, PersistMethod,
     RegionEntry, RemoteRegions, Resolved, Result, TransferRequest, TransportKind,
 };
-use ferry_proto::batch::{MAX_SEGMENTS, Piece, Shape, plan, segments};
+use ferry_proto::batch::{Piece, Shape, plan, segments};
 use ferry_proto::handshake::check_ack;
 use ferry_proto::initiator::OpKind;
 use ferry_proto::keepalive::{DEFAULT_DEAD, DEFAULT_IDLE};
+use ferry_proto::written::DeferredCommits;
 use ferry_proto::{Event, Identity, Initiator, Keepalive, LinkLimits, LinkToken, OpId, RegionUpdate, StreamIndex};
 use futures::future::BoxFuture;
 use tokio::net::TcpStream;
@@ -721,42 +722,32 @@ async fn run_batch(shared: &Arc<Shared>, request: TransferRequest, bound: Option
         direct_read: DIRECT_THRESHOLD as u64,
     };
     let pieces = plan(request.op, request.items, &shape);
-    // A persistent write in several frames is persisted once per stream, after its last frame: the
-    // frames go as completed writes and a commit follows them on each stream they used (in order on
-    // that stream, so no extra round trip), naming what they wrote.
-    let deferred = request.op == Op::Write && request.durability == Durability::Persistent && pieces.len() > 1;
-    let durability = if deferred {
-        Durability::Completed
-    } else {
-        request.durability
-    };
-    let mut written: Vec<Vec<Segment>> = vec![Vec::new(); shared.streams.len()];
+    // The commit rule of a persistent write in several frames (see `ferry_proto::written`).
+    let mut commits = DeferredCommits::new(request.op, request.durability, pieces.len(), shared.streams.len());
+    let durability = commits.frame_durability(request.durability);
     let mut completions = Vec::with_capacity(pieces.len());
     for piece in pieces {
-        let wrote = match (deferred, &piece) {
-            (false, _) => Vec::new(),
-            (true, Piece::Direct(item)) => segments(std::slice::from_ref(item)),
-            (true, Piece::Coalesced(group)) => segments(group),
-        };
+        let noted = commits.note(&piece);
         let (stream, rx) = match request.op {
             Op::Write => submit_write(shared, piece, durability, bound).await?,
             Op::Read => submit_read(shared, piece, &caller.0).await?,
         };
-        written[stream.get()].extend(wrote);
+        commits.sent(stream, noted);
         completions.push(rx);
     }
-    for (stream, segments) in written.into_iter().enumerate() {
-        for chunk in segments.chunks(MAX_SEGMENTS) {
-            let commit = |id: OpId| {
-                Outgoing::Frame(Frame::Commit {
-                    id: id.0,
-                    durability: Durability::Persistent,
-                    segments: chunk.to_vec(),
-                })
-            };
-            let stream = Some(StreamIndex(stream as u16));
-            completions.push(shared.submit(stream, 0, None, None, bound.map(|b| b.at), commit)?.1);
-        }
+    for (stream, segments) in commits.commits() {
+        let commit = |id: OpId| {
+            Outgoing::Frame(Frame::Commit {
+                id: id.0,
+                durability: Durability::Persistent,
+                segments,
+            })
+        };
+        completions.push(
+            shared
+                .submit(Some(stream), 0, None, None, bound.map(|b| b.at), commit)?
+                .1,
+        );
     }
     for rx in completions {
         rx.await.map_err(|_| shared.closed_error())??;
