@@ -24,7 +24,9 @@ use crate::transfer::{self, PreparedTransfer, TransferHandle};
 /// ("etcd://HOST:PORT[,HOST:PORT...]", "etcds://" for TLS; in builds with the `etcd` feature) the
 /// engine publishes itself under `name` in that directory, below `directory_prefix` ("/ferry", as
 /// `ferry serve` uses, when not given), on a lease of
-/// `directory_ttl` seconds, and `connect_by_name` finds others there. Close it with `close()` or
+/// `directory_ttl` seconds, and `connect_by_name` finds others there. `path_policy` ("any", the
+/// default, or transports such as "rdma" or "shm,rdma") is which data paths its links may take: a
+/// link that can take none of them fails at `connect` instead of falling back. Close it with `close()` or
 /// use it as a context manager (plain or `async with`).
 #[pyclass(module = "ferry._ferry", frozen)]
 pub struct Engine {
@@ -129,7 +131,7 @@ impl Engine {
         max_inflight_bytes = None, max_pending_notifications = None, name = None,
         tls_cert = None, tls_key = None, tls_ca = None, tls_psk = None, tls_name = None,
         tls_server_name = None, encrypt = false, data_protection = None, directory = None,
-        directory_prefix = None, directory_ttl = 10.0,
+        directory_prefix = None, directory_ttl = 10.0, path_policy = None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -153,6 +155,7 @@ impl Engine {
         directory: Option<String>,
         directory_prefix: Option<String>,
         directory_ttl: f64,
+        path_policy: Option<String>,
     ) -> PyResult<Self> {
         let mut builder = ferry::Engine::builder();
         let protection = match (data_protection, encrypt) {
@@ -214,6 +217,9 @@ impl Engine {
         }
         if let Some(name) = name {
             builder = builder.name(name);
+        }
+        if let Some(policy) = path_policy {
+            builder = builder.path_policy(policy.parse::<ferry::PathPolicy>().py(py)?);
         }
         if let Some(url) = directory {
             let ttl = seconds(py, "directory_ttl", directory_ttl)?;
@@ -375,13 +381,26 @@ impl Engine {
     // ---- links ----------------------------------------------------------------------------------
 
     /// Connects to the engine listening at `addr` ("host:port") within `timeout` seconds (HIXL
-    /// `Connect`); a coroutine giving a `Peer`.
-    #[pyo3(signature = (addr, timeout = 1.0))]
-    fn connect<'py>(&self, py: Python<'py>, addr: String, timeout: f64) -> PyResult<Bound<'py, PyAny>> {
+    /// `Connect`); a coroutine giving a `Peer`. `path_policy` ("any", or transports such as "rdma"
+    /// or "shm,rdma") overrides the engine's for this link: a link that can take none of the
+    /// transports named raises `Unsupported`, saying why for each.
+    #[pyo3(signature = (addr, timeout = 1.0, *, path_policy = None))]
+    fn connect<'py>(
+        &self,
+        py: Python<'py>,
+        addr: String,
+        timeout: f64,
+        path_policy: Option<String>,
+    ) -> PyResult<Bound<'py, PyAny>> {
         let engine = self.live(py)?;
         let timeout = seconds(py, "timeout", timeout)?;
+        let policy = path_policy.map(|p| p.parse::<ferry::PathPolicy>()).transpose().py(py)?;
         bridge::spawn(py, async move {
-            match engine.connect(&addr, timeout).await {
+            let connected = match &policy {
+                Some(policy) => engine.connect_with(&addr, timeout, policy).await,
+                None => engine.connect(&addr, timeout).await,
+            };
+            match connected {
                 Ok(peer) => Outcome::Peer(peer),
                 Err(e) => Outcome::Err(e),
             }

@@ -594,3 +594,28 @@ def test_engines_find_each_other_by_name_in_an_etcd_directory(etcd):
     finally:
         initiator.close()
         target.close()
+
+
+def test_a_path_policy_refuses_a_link_it_does_not_allow():
+    """`path_policy` on the engine and per connect: a link that can take none of the transports named
+    raises Unsupported naming why; "tcp" between engines of one host gets TCP, not shared memory."""
+    target = ferry.Engine("127.0.0.1:0", transports=["tcp"])
+    strict = ferry.Engine(path_policy="shm")
+    relaxed = ferry.Engine()
+    try:
+
+        async def main():
+            with pytest.raises(ferry.Unsupported, match="shm: .*does not offer it"):
+                await strict.connect(target.local_addr, timeout=5.0)
+            assert strict.peers() == []
+            peer = await strict.connect(target.local_addr, timeout=5.0, path_policy="any")
+            assert peer.transport == "tcp"
+            peer = await relaxed.connect(target.local_addr, timeout=5.0, path_policy="tcp")
+            assert peer.transport == "tcp"
+
+        asyncio.run(main())
+        with pytest.raises(ferry.InvalidArgument):
+            ferry.Engine(path_policy="carrier-pigeon")
+    finally:
+        for e in (strict, relaxed, target):
+            e.close()

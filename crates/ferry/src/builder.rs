@@ -11,6 +11,7 @@ use ferry_tcp::{ServerConfig, TlsConfig};
 
 use crate::capabilities::TransportOptions;
 use crate::directory::Directory;
+use crate::policy::PathPolicy;
 
 /// Default number of TCP streams per link.
 pub const DEFAULT_STREAMS: usize = 2;
@@ -48,6 +49,7 @@ pub struct EngineBuilder {
     pub(crate) metrics: Option<crate::metrics::Metrics>,
     pub(crate) name: Option<String>,
     pub(crate) directory: Option<DirectoryHandle>,
+    pub(crate) path_policy: PathPolicy,
 }
 
 /// A directory as the builder keeps it (the trait object has no `Debug`).
@@ -84,6 +86,7 @@ impl Default for EngineBuilder {
             metrics: None,
             name: None,
             directory: None,
+            path_policy: PathPolicy::Any,
         }
     }
 }
@@ -280,6 +283,13 @@ impl EngineBuilder {
     /// The engine's name in its [`directory`](Self::directory) ("decode-7").
     pub fn name(mut self, name: impl Into<String>) -> Self {
         self.name = Some(name.into());
+        self
+    }
+
+    /// Which data paths this engine's links may take (see [`PathPolicy`]); the best both ends offer
+    /// by default. [`Engine::connect_with`](crate::Engine::connect_with) sets it for one link.
+    pub fn path_policy(mut self, policy: PathPolicy) -> Self {
+        self.path_policy = policy;
         self
     }
 

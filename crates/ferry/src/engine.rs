@@ -20,6 +20,7 @@ use crate::directory::{Directory, EngineRecord, MemberEvent};
 use crate::host::HostAllocation;
 use crate::notify::NotificationQueue;
 use crate::peer::{Peer, PeerInner};
+use crate::policy::PathPolicy;
 use crate::region::Region;
 use crate::shared::{Inner, poisoned};
 use crate::transfer::{Transfer, TransferHandle, TransferOptions};
@@ -39,18 +40,24 @@ impl EngineBuilder {
                  the bytes of this engine's TCP data streams; use it only where nobody else can reach that network"
             );
         }
-        let transports: Vec<Arc<dyn Transport>> =
-            crate::capabilities::compiled_transports(&self.transport_options, self.tls.is_some())
-                .into_iter()
-                .filter(|t| self.allowed.as_ref().is_none_or(|a| a.contains(&t.kind())))
-                .filter(|t| {
-                    let a = t.availability();
-                    if !a.usable {
-                        tracing::info!(transport = %a.kind, reason = %a.detail, "transport unavailable");
-                    }
-                    a.usable
-                })
-                .collect();
+        let mut transports: Vec<Arc<dyn Transport>> = Vec::new();
+        let mut unavailable = Vec::new();
+        for t in crate::capabilities::compiled_transports(&self.transport_options, self.tls.is_some()) {
+            if !self.allowed.as_ref().is_none_or(|a| a.contains(&t.kind())) {
+                unavailable.push((
+                    t.kind(),
+                    "left out of this engine's transports (EngineBuilder::transports)".into(),
+                ));
+                continue;
+            }
+            let a = t.availability();
+            if !a.usable {
+                tracing::info!(transport = %a.kind, reason = %a.detail, "transport unavailable");
+                unavailable.push((t.kind(), a.detail));
+                continue;
+            }
+            transports.push(t);
+        }
         if transports.is_empty() {
             return Err(Error::Unsupported(format!(
                 "no data transport is compiled in, usable here and allowed ({:?}); see `ferry info`",
@@ -95,6 +102,7 @@ impl EngineBuilder {
             ctx,
             server,
             transports,
+            unavailable,
             peers: Mutex::new(HashMap::new()),
             notifications,
             pool,
@@ -274,8 +282,17 @@ impl Engine {
     // ---- links --------------------------------------------------------------------------------------
 
     /// Connects to the engine listening at `remote` ("host:port"), within `timeout`
-    /// (HIXL `Connect`, default 1000 ms).
+    /// (HIXL `Connect`, default 1000 ms), on a data path the engine's
+    /// [path policy](crate::EngineBuilder::path_policy) allows.
     pub async fn connect(&self, remote: &str, timeout: Duration) -> Result<Peer> {
+        let policy = self.inner.options.path_policy.clone();
+        self.connect_with(remote, timeout, &policy).await
+    }
+
+    /// [`connect`](Self::connect) on a data path `policy` allows: with [`PathPolicy::Require`], a
+    /// link that can take none of the transports named fails with `Unsupported`, saying for each why
+    /// not and on which side.
+    pub async fn connect_with(&self, remote: &str, timeout: Duration, policy: &PathPolicy) -> Result<Peer> {
         let fut = async {
             let addr = resolve(remote).await?;
             if let Some(p) = self.peer_at(addr) {
@@ -302,7 +319,7 @@ impl Engine {
                 tls: self.inner.options.tls.clone(),
             };
             let control = TcpLink::dial(addr, &me, &config).await?;
-            let (data, mut passed_over) = match self.data_link(&control).await {
+            let (data, mut passed_over) = match self.data_link(&control, policy).await {
                 Ok(data) => data,
                 Err(e) => {
                     control.abort();
@@ -310,6 +327,10 @@ impl Engine {
                 }
             };
             if let Some(note) = data.fallback_note() {
+                tracing::warn!(peer = %addr, transport = %data.kind(), %note, "a data path carries only some regions; the rest go over tcp");
+                if let Some(metrics) = &self.inner.options.metrics {
+                    metrics.passed_over(data.kind(), "partial");
+                }
                 passed_over.push((data.kind(), note));
             }
             let data_kind = data.kind();
@@ -354,14 +375,28 @@ impl Engine {
 
     /// Picks the best data path both ends offer; a transport that fails to set up falls back to the
     /// next one, and the log says why.
-    async fn data_link(&self, control: &TcpLink) -> Result<(Arc<dyn DataLink>, Vec<(TransportKind, String)>)> {
+    async fn data_link(
+        &self,
+        control: &TcpLink,
+        policy: &PathPolicy,
+    ) -> Result<(Arc<dyn DataLink>, Vec<(TransportKind, String)>)> {
         let theirs = control.remote_transports();
         let mut refusals: Vec<(TransportKind, String)> = Vec::new();
-        for t in self.inner.transports.iter().filter(|t| theirs.contains(&t.kind())) {
+        let candidates = self
+            .inner
+            .transports
+            .iter()
+            .filter(|t| theirs.contains(&t.kind()) && policy.allows(t.kind()));
+        for t in candidates {
             let link = match t.kind() {
                 TransportKind::Tcp => Ok(Arc::new(control.clone()) as Arc<dyn DataLink>),
                 _ => t.connect(control).await,
             };
+            let link = link.and_then(|link| match (policy, link.fallback_note()) {
+                // A required same-host path that would hand some regions to TCP is no such path.
+                (PathPolicy::Require(_), Some(note)) => Err(Error::Unsupported(note)),
+                _ => Ok(link),
+            });
             match link {
                 Ok(link) => {
                     if !refusals.is_empty() {
@@ -370,8 +405,16 @@ impl Engine {
                     }
                     return Ok((link, refusals));
                 }
-                Err(e) => refusals.push((t.kind(), e.to_string())),
+                Err(e) => {
+                    if let Some(metrics) = &self.inner.options.metrics {
+                        metrics.passed_over(t.kind(), e.code().name());
+                    }
+                    refusals.push((t.kind(), e.to_string()));
+                }
             }
+        }
+        if let PathPolicy::Require(kinds) = policy {
+            return Err(self.refused_by_policy(control, kinds, &refusals));
         }
         let refusals: Vec<String> = refusals.iter().map(|(k, why)| format!("{k}: {why}")).collect();
         Err(Error::Unsupported(format!(
@@ -384,6 +427,39 @@ impl Engine {
                 format!(" ({})", refusals.join("; "))
             }
         )))
+    }
+
+    /// The error of a link that can take none of the transports `required`: for each, why not, and
+    /// on which side.
+    fn refused_by_policy(
+        &self,
+        control: &TcpLink,
+        required: &[TransportKind],
+        refusals: &[(TransportKind, String)],
+    ) -> Error {
+        let theirs = control.remote_transports();
+        let peer = control.peer();
+        let why: Vec<String> = required
+            .iter()
+            .map(|k| {
+                if let Some((_, why)) = refusals.iter().find(|(r, _)| r == k) {
+                    format!("{k}: refused while setting it up: {why}")
+                } else if let Some((_, why)) = self.inner.unavailable.iter().find(|(u, _)| u == k) {
+                    format!("{k}: not usable on this engine: {why}")
+                } else if !self.inner.ctx.transports.contains(k) {
+                    format!("{k}: not in this build (cargo feature `{}`)", k.name())
+                } else if !theirs.contains(k) {
+                    format!("{k}: {peer} does not offer it (it offers {theirs:?}; see `ferry info` there)")
+                } else {
+                    format!("{k}: not tried")
+                }
+            })
+            .collect();
+        Error::Unsupported(format!(
+            "the path policy requires {} to {peer}, and none can be used: {}",
+            PathPolicy::Require(required.to_vec()),
+            why.join("; ")
+        ))
     }
 
     /// The connected peer at `addr`, if any.

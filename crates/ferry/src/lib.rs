@@ -38,6 +38,7 @@ pub mod rdma {
     pub use ferry_rdma::topology::{parse_device_rails, parse_overrides as parse_numa_nodes};
 }
 mod peer;
+mod policy;
 mod region;
 mod shared;
 mod sigbus;
@@ -58,6 +59,7 @@ pub use ferry_tcp::{DevelopmentCa, IssuedPem, TlsConfig};
 pub use file::{FileMapping, FlushMethod};
 pub use host::HostAllocation;
 pub use peer::Peer;
+pub use policy::PathPolicy;
 /// The metrics library [`EngineBuilder::metrics`] registers into, re-exported so that an application
 /// uses the same version.
 pub use prometheus_client;

@@ -49,6 +49,12 @@ struct ErrorLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PassedOverLabels {
+    transport: String,
+    reason: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct DurationLabels {
     transport: String,
     op: String,
@@ -67,6 +73,7 @@ pub(crate) struct Metrics {
     descriptors: Family<TransferLabels, Counter>,
     errors: Family<ErrorLabels, Counter>,
     durations: Family<DurationLabels, Histogram>,
+    passed_over: Family<PassedOverLabels, Counter>,
     /// The engine, once built, for the scrape-time collector.
     engine: Arc<OnceLock<Weak<dyn StateSource>>>,
 }
@@ -80,6 +87,7 @@ impl Metrics {
             descriptors: Family::default(),
             errors: Family::default(),
             durations: Family::new_with_constructor(|| Histogram::new(duration_buckets())),
+            passed_over: Family::default(),
             engine: Arc::new(OnceLock::new()),
         };
         let registry = registry.sub_registry_with_prefix("ferry");
@@ -108,6 +116,11 @@ impl Metrics {
             "Time from posting a batch to its completion, by transport and operation",
             metrics.durations.clone(),
         );
+        registry.register(
+            "paths_passed_over",
+            "Better data paths a link of this engine could not take, by transport and the error kind that stopped it",
+            metrics.passed_over.clone(),
+        );
         registry.register_collector(Box::new(EngineCollector {
             engine: metrics.engine.clone(),
         }));
@@ -117,6 +130,16 @@ impl Metrics {
     /// Points the scrape-time collector at the engine just built.
     pub(crate) fn attach(&self, engine: Weak<dyn StateSource>) {
         let _ = self.engine.set(engine);
+    }
+
+    /// Counts a better data path a link could not take, and why (an error kind's name).
+    pub(crate) fn passed_over(&self, transport: TransportKind, reason: &str) {
+        self.passed_over
+            .get_or_create(&PassedOverLabels {
+                transport: transport.name().to_string(),
+                reason: reason.to_string(),
+            })
+            .inc();
     }
 
     /// The counters of one link, resolved once.
@@ -266,6 +289,18 @@ impl Collector for EngineCollector {
             "Links this engine opened to peers",
             g(state.outgoing_links),
         )?;
+        {
+            let mut family = encoder.encode_descriptor(
+                "links_by_transport",
+                "Links this engine opened, by the data path each took",
+                None,
+                prometheus_client::metrics::MetricType::Gauge,
+            )?;
+            for (transport, n) in &state.links_by_transport {
+                let labels = vec![("transport", *transport)];
+                ConstGauge::new(g(*n)).encode(family.encode_family(&labels)?)?;
+            }
+        }
         gauge(&mut encoder, "regions", "Registered regions", g(state.regions))?;
         gauge(
             &mut encoder,
@@ -345,4 +380,6 @@ pub(crate) struct EngineState {
     pub(crate) notifications_queued_bytes: usize,
     pub(crate) persisted_bytes: u64,
     pub(crate) persist_seconds: f64,
+    /// Open links this engine opened, by the name of the transport each took.
+    pub(crate) links_by_transport: Vec<(&'static str, usize)>,
 }

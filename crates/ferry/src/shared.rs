@@ -7,7 +7,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use ferry_core::{EngineContext, Error, RegionEntry, RegionKey, Result, Transport};
+use ferry_core::{EngineContext, Error, RegionEntry, RegionKey, Result, Transport, TransportKind};
 use ferry_tcp::{CoalescePool, TcpServer};
 
 use crate::builder::EngineBuilder;
@@ -21,6 +21,9 @@ pub(crate) struct Inner {
     pub(crate) ctx: Arc<EngineContext>,
     pub(crate) server: Option<TcpServer>,
     pub(crate) transports: Vec<Arc<dyn Transport>>,
+    /// Transports compiled in that this engine does not use, and why (not usable here, or left out
+    /// by its options): what a path policy that requires one of them reports.
+    pub(crate) unavailable: Vec<(TransportKind, String)>,
     pub(crate) peers: Mutex<HashMap<SocketAddr, Peer>>,
     pub(crate) notifications: Arc<NotificationQueue>,
     pub(crate) pool: Option<Arc<CoalescePool>>,
@@ -237,6 +240,15 @@ impl StateSource for Inner {
             notifications_queued_bytes,
             ..Default::default()
         };
+        if let Ok(peers) = self.peers.lock() {
+            for kind in [TransportKind::Shm, TransportKind::Rdma, TransportKind::Tcp] {
+                let n = peers
+                    .values()
+                    .filter(|p| !p.is_closed() && p.transport() == kind)
+                    .count();
+                state.links_by_transport.push((kind.name(), n));
+            }
+        }
         if let Ok(table) = self.ctx.regions.read() {
             state.regions = table.len();
             state.registered_bytes = table.total_bytes();

@@ -128,6 +128,12 @@ async fn known_workload(transport: TransportKind) {
         "{failed}: {text}"
     );
     assert_eq!(sample(&text, "ferry_links_outgoing", &[]), Some(1.0), "{text}");
+    // By the path each link took: this one on `transport`, none on the others.
+    for kind in [TransportKind::Tcp, TransportKind::Shm, TransportKind::Rdma] {
+        let want = if kind == transport { 1.0 } else { 0.0 };
+        let by = [("transport", kind.name())];
+        assert_eq!(sample(&text, "ferry_links_by_transport", &by), Some(want), "{text}");
+    }
     // The default pool, "4:8": four buffers, none on loan once the transfers are done.
     assert_eq!(sample(&text, "ferry_coalesce_pool_buffers", &[]), Some(4.0), "{text}");
     assert_eq!(
