@@ -65,6 +65,18 @@ impl Peer {
         self.inner.transport().name()
     }
 
+    /// The better data paths this link could not take, and why: `(transport, reason)` pairs, best
+    /// first (empty when it took the best both ends offer). A same-host link that carries only some
+    /// regions says so here too.
+    #[getter]
+    fn passed_over(&self) -> Vec<(&'static str, String)> {
+        self.inner
+            .passed_over()
+            .iter()
+            .map(|(kind, why)| (kind.name(), why.clone()))
+            .collect()
+    }
+
     /// Whether the link has closed.
     #[getter]
     fn closed(&self) -> bool {

@@ -609,7 +609,8 @@ def test_a_path_policy_refuses_a_link_it_does_not_allow():
                 await strict.connect(target.local_addr, timeout=5.0)
             assert strict.peers() == []
             peer = await strict.connect(target.local_addr, timeout=5.0, path_policy="any")
-            assert peer.transport == "tcp"
+            # The target offers TCP alone: nothing better was there to pass over.
+            assert peer.transport == "tcp" and peer.passed_over == []
             peer = await relaxed.connect(target.local_addr, timeout=5.0, path_policy="tcp")
             assert peer.transport == "tcp"
 

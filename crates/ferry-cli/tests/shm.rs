@@ -15,7 +15,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::{serve_command, start};
-use ferry::{Access, Engine, Error, Op, TransferDesc, TransportKind};
+use ferry::{Access, Engine, Error, Op, PathPolicy, TransferDesc, TransportKind};
 
 const T: Duration = Duration::from_secs(10);
 
@@ -177,6 +177,56 @@ async fn caller_owned_memory_falls_back_to_tcp_where_the_kernel_denies_it() {
     round_trip(&engine, &peer, serve.region, LEN).await;
     assert_eq!(lent_mappings(LEN), 0, "memory the target owns is never lent");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Same-host memory required where the kernel denies cross-memory attach: the link would carry only
+/// some regions, the rest over TCP, so `connect` fails instead, naming the kernel's refusal; nothing
+/// is left linked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn same_host_memory_required_where_the_kernel_denies_it_fails_at_connect_and_says_why() {
+    let dir = std::env::temp_dir().join(format!("ferry-shm-test-policy-{}", std::process::id()));
+    let serve = start(serve_as_nobody(&dir, "4MiB", true)).expect("ferry serve starts");
+    let engine = Engine::builder().build().await.unwrap();
+    let policy = PathPolicy::Require(vec![TransportKind::Shm]);
+    let err = engine
+        .connect_with(&serve.addr.to_string(), T, &policy)
+        .await
+        .unwrap_err();
+    let Error::Unsupported(m) = &err else {
+        panic!("expected Unsupported, got {err:?}")
+    };
+    assert!(
+        m.contains("shm: refused while setting it up") && m.contains("EPERM"),
+        "{m}"
+    );
+    assert!(
+        engine.peers().is_empty() && engine.link_count() == 0,
+        "a refused link stays"
+    );
+    // The policy `any` takes the same link, shared memory for what is lent and TCP for the rest.
+    let (engine, peer) = connect_denied(&serve).await;
+    round_trip(&engine, &peer, serve.region, 4 << 20).await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Same-host memory required of a peer in another PID namespace: refused, and why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn same_host_memory_required_of_a_peer_in_another_pid_namespace_fails_and_says_why() {
+    assert!(root(), "unshare --pid needs root (CI runs as root)");
+    let mut cmd = Command::new("unshare");
+    cmd.args(["--pid", "--fork", "--kill-child", env!("CARGO_BIN_EXE_ferry")]);
+    cmd.args(["serve", "--listen", "127.0.0.1:0", "--region-size", "4MiB"]);
+    let serve = start(cmd).expect("ferry serve starts");
+    let engine = Engine::builder()
+        .path_policy(PathPolicy::Require(vec![TransportKind::Shm]))
+        .build()
+        .await
+        .unwrap();
+    let err = engine.connect(&serve.addr.to_string(), T).await.unwrap_err();
+    assert!(
+        matches!(&err, Error::Unsupported(m) if m.contains("shm: refused while setting it up") && m.contains("PID namespace")),
+        "{err:?}"
+    );
 }
 
 /// The target dies (SIGKILL) while batches are under way: the transfer fails with a typed error well

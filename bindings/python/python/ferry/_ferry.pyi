@@ -86,6 +86,9 @@ class Peer:
         """"shm", "rdma" or "tcp": the data path picked for this link."""
     @property
     def closed(self) -> bool: ...
+    @property
+    def passed_over(self) -> List[Tuple[str, str]]:
+        """The better data paths this link could not take, as ``(transport, reason)`` pairs."""
     def regions(self) -> List[RemoteRegion]: ...
 
 @final
