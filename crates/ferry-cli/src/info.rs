@@ -18,6 +18,10 @@ pub struct Args {
     /// Connect to the engine at "host:port" and describe the link.
     #[arg(long)]
     peer: Option<String>,
+    /// With --peer: the data paths the link may take, "any" or transports ("rdma", "shm,rdma"); a
+    /// link that can take none of them is an error that says why for each.
+    #[arg(long, default_value = "any", value_name = "POLICY")]
+    path_policy: ferry::PathPolicy,
     /// Map this file (or device-DAX device) as a persistent region and say how writes to it persist.
     #[arg(long)]
     file: Option<std::path::PathBuf>,
@@ -61,7 +65,7 @@ struct Report {
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
     let link = match &args.peer {
-        Some(addr) => Some(link(addr, &args.tls).await?),
+        Some(addr) => Some(link(addr, &args.tls, &args.path_policy).await?),
         None => None,
     };
     let file = match &args.file {
@@ -117,14 +121,14 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn link(addr: &str, tls: &TlsArgs) -> anyhow::Result<Link> {
+async fn link(addr: &str, tls: &TlsArgs, policy: &ferry::PathPolicy) -> anyhow::Result<Link> {
     let mut builder = Engine::builder();
     if let Some(tls) = tls.config()? {
         builder = builder.tls(tls);
     }
     let engine = builder.build().await.context("starting an engine")?;
     let peer = engine
-        .connect(addr, Duration::from_secs(5))
+        .connect_with(addr, Duration::from_secs(5), policy)
         .await
         .with_context(|| format!("connecting to {addr}"))?;
     let regions = peer.regions();

@@ -55,3 +55,18 @@ fn info_names_an_unreachable_peer() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("127.0.0.1:1"), "{err}");
 }
+
+#[test]
+fn info_with_a_path_policy_says_why_the_link_cannot_have_it() {
+    let serve = common::start(common::serve_command("127.0.0.1:0", "1MiB")).expect("ferry serve starts");
+    let out = Command::new(env!("CARGO_BIN_EXE_ferry"))
+        .args(["info", "--peer", &serve.addr.to_string(), "--path-policy", "rdma"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "RDMA cannot be had on this host");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("requires rdma") && err.contains("rdma: not"), "{err}");
+    // Shared memory can.
+    let v = info(&["--peer", &serve.addr.to_string(), "--path-policy", "shm"]);
+    assert_eq!(v["link"]["transport"], "shm", "{v}");
+}
