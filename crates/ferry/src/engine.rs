@@ -448,10 +448,9 @@ impl Engine {
                     format!("{k}: not usable on this engine: {why}")
                 } else if !self.inner.ctx.transports.contains(k) {
                     format!("{k}: not in this build (cargo feature `{}`)", k.name())
-                } else if !theirs.contains(k) {
-                    format!("{k}: {peer} does not offer it (it offers {theirs:?}; see `ferry info` there)")
                 } else {
-                    format!("{k}: not tried")
+                    // Offered by both ends and allowed, it would have been tried: the peer lacks it.
+                    format!("{k}: {peer} does not offer it (it offers {theirs:?}; see `ferry info` there)")
                 }
             })
             .collect();

@@ -275,6 +275,12 @@ def _as_nixl_error(e: BaseException, what: str) -> Exception:
     return nixlBackendError(f"NIXL_ERR_BACKEND: {what}: {e}")
 
 
+async def _send_frames(engine: ferry.Engine, peer: ferry.Peer, frames: List[Tuple[str, str]], timeout: float) -> None:
+    """Sends one ferry.nixl message, frame after frame, as notifications to ``peer``."""
+    for name, body in frames:
+        await engine.notify(peer, name, body, timeout=timeout)
+
+
 def _linked(engine: ferry.Engine, engine_id: int) -> Optional[ferry.Peer]:
     """The open link of ``engine`` to the engine ``engine_id``, if it has one (a link made for the
     metadata exchange serves transfers too)."""
@@ -1152,8 +1158,7 @@ class nixl_agent:
         engine, timeout = self._engine, self._timeout
 
         async def answer() -> None:
-            for name, body in frames:
-                await engine.notify(peer, name, body, timeout=timeout)
+            await _send_frames(engine, peer, frames, timeout)
 
         self._run(answer(), timeout)
 
@@ -1186,8 +1191,7 @@ class nixl_agent:
                     if not found:
                         raise
                     peer = found[0]
-                for name, body in frames:
-                    await engine.notify(peer, name, body, timeout=timeout)
+                await _send_frames(engine, peer, frames, timeout)
             except Exception as e:  # noqa: BLE001
                 logger.error("%s to %s failed: %s", what, addr, e)
 
@@ -1222,8 +1226,7 @@ class nixl_agent:
                             raise
                 if peer.engine_id != engine_id:
                     raise ferry.NotConnected(f"the engine published as {agent!r} changed while connecting")
-                for name, body in frames:
-                    await engine.notify(peer, name, body, timeout=timeout)
+                await _send_frames(engine, peer, frames, timeout)
             except Exception as e:  # noqa: BLE001
                 logger.error("%s through the directory failed: %s", what, e)
 
@@ -1568,8 +1571,7 @@ class nixl_agent:
         self, peer: ferry.Peer, prepared: ferry.PreparedTransfer, frames: List[Tuple[str, str]]
     ) -> None:
         await self._engine.transfer_prepared(prepared, timeout=self._timeout)
-        for name, body in frames:
-            await self._engine.notify(peer, name, body, timeout=self._timeout)
+        await _send_frames(self._engine, peer, frames, self._timeout)
 
     def check_xfer_state(self, handle: nixl_xfer_handle) -> str:
         """``"PROC"`` while the transfer (and its notification) is under way, ``"DONE"`` once
@@ -1661,8 +1663,7 @@ class nixl_agent:
         engine, peer, timeout = self._engine, remote.peer, self._timeout
 
         async def send() -> None:
-            for name, body in frames:
-                await engine.notify(peer, name, body, timeout=timeout)
+            await _send_frames(engine, peer, frames, timeout)
 
         try:
             self._run(send(), timeout)
