@@ -232,6 +232,55 @@ pub struct TransferRequest {
     pub items: Vec<TransferItem>,
 }
 
+/// The items of a batch that a data link left to the engine: regions its transport does not reach
+/// (memory the NIC could not register, device memory staged by its owner, a peer that does not lend a
+/// region to a same-host link), or items it could not carry because every path of it failed while the
+/// control link still stands. The engine sends them over the peer's control link (TCP, which reaches
+/// every region) as part of the same batch, under the same bound: the batch completes when they have.
+///
+/// So a transport never calls another one: it says what it did not do, and the engine, which owns
+/// both links, routes it. The control link itself never declines anything.
+#[derive(Debug, Default)]
+#[must_use = "a batch is done only once what its link declined went over the control link"]
+pub struct Declined(Vec<TransferItem>);
+
+impl Declined {
+    /// Nothing declined: the link carried the whole batch.
+    pub fn none() -> Self {
+        Declined(Vec::new())
+    }
+
+    /// These items declined (none when empty).
+    pub fn items(items: Vec<TransferItem>) -> Self {
+        Declined(items)
+    }
+
+    /// Whether the link carried the whole batch.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// How many items it declined.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// The declined items.
+    pub fn iter(&self) -> impl Iterator<Item = &TransferItem> {
+        self.0.iter()
+    }
+
+    /// Adds what another part of the batch declined.
+    pub fn extend(&mut self, other: Declined) {
+        self.0.extend(other.0);
+    }
+
+    /// The declined items, to send elsewhere.
+    pub fn into_items(self) -> Vec<TransferItem> {
+        self.0
+    }
+}
+
 /// When a batch must be done: the instant its link fails it with `Timeout`, and when it started (for
 /// the error, which says how long the batch was given). The engine reads the clock once per batch to
 /// make it, from the transfer's timeout and the caller's deadline, whichever ends first.
@@ -254,12 +303,14 @@ impl Due {
 pub trait DataLink: Send + Sync + 'static {
     /// Which transport carries it.
     fn kind(&self) -> TransportKind;
-    /// Runs a batch; completes when every descriptor has been applied at its destination.
+    /// Runs a batch; completes when every descriptor it carried has been applied at its destination,
+    /// with the items it left to the control link ([`Declined`]), which the caller must still send.
     /// The future owns what it needs: dropping it abandons the result, not the memory safety.
-    fn transfer(&self, request: TransferRequest) -> BoxFuture<'static, Result<()>>;
+    fn transfer(&self, request: TransferRequest) -> BoxFuture<'static, Result<Declined>>;
     /// Runs `request` at once, on the calling thread, if it needs no waiting at all (one range of a
     /// region this process has mapped, copied with no system call), and says how it ended; `None`,
-    /// with nothing done, when it must go through [`transfer`](Self::transfer). It is called from a
+    /// with nothing done, when it must go through [`transfer`](Self::transfer) (so also whenever it
+    /// would decline any of it). It is called from a
     /// future's `poll`, so it must never block. The default runs nothing inline.
     ///
     /// Why it exists: a batch done in a few hundred nanoseconds would otherwise spend a good part of
@@ -277,7 +328,7 @@ pub trait DataLink: Send + Sync + 'static {
     /// [bounds transfers](Self::bounds_transfers), fails it with `Timeout` at `due` if it has not
     /// completed by then (one timer per link rather than one per transfer). `None`: no bound. Other
     /// links ignore `due`.
-    fn transfer_within(&self, request: TransferRequest, due: Option<Due>) -> BoxFuture<'static, Result<()>> {
+    fn transfer_within(&self, request: TransferRequest, due: Option<Due>) -> BoxFuture<'static, Result<Declined>> {
         let _ = due;
         self.transfer(request)
     }
@@ -306,7 +357,8 @@ pub trait DataLink: Send + Sync + 'static {
 
 /// A [`DataLink`] that carries nothing: every transfer and notification fails with `Unsupported`,
 /// and it is never closed. What a transport's own tests give its link as the control link (the
-/// same-host and RDMA links hand it what they decline), where nothing should go that way.
+/// same-host link sends notifications over it, the RDMA link watches it for liveness), where nothing
+/// should go that way.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct NoControlLink;
 
@@ -314,7 +366,7 @@ impl DataLink for NoControlLink {
     fn kind(&self) -> TransportKind {
         TransportKind::Tcp
     }
-    fn transfer(&self, _: TransferRequest) -> BoxFuture<'static, Result<()>> {
+    fn transfer(&self, _: TransferRequest) -> BoxFuture<'static, Result<Declined>> {
         Box::pin(async {
             Err(Error::Unsupported(
                 "no control link here: nothing may go over it".into(),

@@ -62,7 +62,7 @@ use ferry_core::codec::Segment;
 use ferry_core::region::by_region;
 use ferry_core::sync::take_all;
 use ferry_core::{
-    Access, DataLink, Durability, Error, Notification, Op, PersistMethod, RegionEntry, Result, SetupExchange,
+    Access, DataLink, Declined, Durability, Error, Notification, Op, PersistMethod, RegionEntry, Result, SetupExchange,
     TransferItem, TransferRequest, TransportKind,
 };
 use ferry_proto::rdma::{QpEndpoint, RemoteKey};
@@ -893,7 +893,7 @@ async fn request_commit(
     .await
 }
 
-async fn run(inner: Arc<Inner>, request: TransferRequest) -> Result<()> {
+async fn run(inner: Arc<Inner>, request: TransferRequest) -> Result<Declined> {
     if inner.closed.load(Ordering::Acquire) || inner.control.is_closed() {
         return Err(Error::PeerClosed(format!("the link to {} is down", inner.peer)));
     }
@@ -906,12 +906,12 @@ async fn run(inner: Arc<Inner>, request: TransferRequest) -> Result<()> {
     }) = inner.plan(request.op, &request.items)?
     else {
         // A region at either end that the NIC does not reach: TCP reaches every region.
-        return inner.control.transfer(request).await;
+        return Ok(Declined::items(request.items));
     };
     if bounced_local || (request.op == Op::Read && !bounced_remote.is_empty()) {
         // Memory the NIC reaches only through a bounce buffer (a page-cache file): the bytes that
         // count are in the region itself, which TCP reaches directly.
-        return inner.control.transfer(request).await;
+        return Ok(Declined::items(request.items));
     }
     if request.op == Op::Write {
         // Memory behind a staging buffer (device-local GPU memory) is brought to the host first.
@@ -944,7 +944,7 @@ async fn run(inner: Arc<Inner>, request: TransferRequest) -> Result<()> {
             .await?;
         }
     }
-    Ok(())
+    Ok(Declined::none())
 }
 
 /// Where a transfer item lands in the target, as a commit or prepare request names it.
@@ -1110,7 +1110,7 @@ impl DataLink for RdmaLink {
         TransportKind::Rdma
     }
 
-    fn transfer(&self, request: TransferRequest) -> BoxFuture<'static, Result<()>> {
+    fn transfer(&self, request: TransferRequest) -> BoxFuture<'static, Result<Declined>> {
         let state = self.state.clone();
         Box::pin(async move { run(state.usable().await?, request).await })
     }

@@ -38,8 +38,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use ferry_core::{
-    DataLink, Durability, Error, Notification, Op, PersistMethod, RailStats, Result, SetupExchange, TransferItem,
-    TransferRequest, TransportKind,
+    DataLink, Declined, Durability, Error, Notification, Op, PersistMethod, RailStats, Result, SetupExchange,
+    TransferItem, TransferRequest, TransportKind,
 };
 use futures::future::BoxFuture;
 
@@ -293,15 +293,15 @@ impl Inner {
             .collect()
     }
 
-    /// Runs `items` on rail `rail`, and on the others in turn while rails fail; over the control link
-    /// when none is left.
+    /// Runs `items` on rail `rail`, and on the others in turn while rails fail; declines them (for the
+    /// control link) when none is left, and passes on what a rail declined.
     async fn run_on(
         self: Arc<Self>,
         mut rail: usize,
         op: Op,
         durability: Durability,
         items: Vec<TransferItem>,
-    ) -> Result<()> {
+    ) -> Result<Declined> {
         let bytes: u64 = items.iter().map(TransferItem::len).sum();
         loop {
             let r = &self.rails[rail];
@@ -314,44 +314,49 @@ impl Inner {
             };
             let result = r.link.transfer(request).await;
             r.in_flight.fetch_sub(bytes, Ordering::Relaxed);
-            r.meter().finish(if result.is_ok() { bytes } else { 0 }, Instant::now());
             match result {
-                Ok(()) => {
-                    r.bytes.fetch_add(bytes, Ordering::Relaxed);
-                    if op == Op::Write {
+                Ok(declined) => {
+                    let carried = bytes - declined_bytes(&declined);
+                    r.meter().finish(carried, Instant::now());
+                    r.bytes.fetch_add(carried, Ordering::Relaxed);
+                    if op == Op::Write && carried > 0 {
                         r.written.store(true, Ordering::Release);
                     }
                     r.succeeded();
-                    return Ok(());
+                    return Ok(declined);
                 }
                 Err(e) if rail_failure(&e) && !self.control.is_closed() => {
+                    r.meter().finish(0, Instant::now());
                     r.failed(&e);
                     let planned = vec![0; self.rails.len()];
                     match self.pick(&items, self.near(&items), Some(rail), &planned, &self.rates()) {
                         Some(next) => rail = next,
                         None => {
                             tracing::warn!(error = %e, "every RDMA rail failed; this share goes over TCP");
-                            return self.control.transfer(TransferRequest { op, durability, items }).await;
+                            return Ok(Declined::items(items));
                         }
                     }
                 }
-                Err(e) => return Err(e),
+                Err(e) => {
+                    r.meter().finish(0, Instant::now());
+                    return Err(e);
+                }
             }
         }
     }
 
-    async fn transfer(self: Arc<Self>, request: TransferRequest) -> Result<()> {
+    async fn transfer(self: Arc<Self>, request: TransferRequest) -> Result<Declined> {
         let (op, durability) = (request.op, request.durability);
         let mut shares: Vec<Vec<TransferItem>> = (0..self.rails.len()).map(|_| Vec::new()).collect();
         let mut planned = vec![0u64; self.rails.len()];
-        let mut to_control = Vec::new();
+        let mut declined = Vec::new();
         let rates = self.rates();
         // Slices of one region come in runs: its preferred rails are looked up once per run.
         let mut near: Option<(ferry_core::RegionKey, u64)> = None;
         for item in slices(request.items, self.slice) {
             if item.remote_transport_key.is_none() {
                 // A region with no RDMA key at all (its NIC could not register it): the control link.
-                to_control.push(item);
+                declined.push(item);
                 continue;
             }
             let key = item.local.region.key();
@@ -368,24 +373,19 @@ impl Inner {
                     planned[rail] += item.len();
                     shares[rail].push(item);
                 }
-                None => to_control.push(item),
+                None => declined.push(item),
             }
         }
-        let mut runs: Vec<BoxFuture<'static, Result<()>>> = shares
+        let runs = shares
             .into_iter()
             .enumerate()
             .filter(|(_, share)| !share.is_empty())
-            .map(|(rail, share)| Box::pin(self.clone().run_on(rail, op, durability, share)) as BoxFuture<'static, _>)
-            .collect();
-        if !to_control.is_empty() {
-            runs.push(self.control.transfer(TransferRequest {
-                op,
-                durability,
-                items: to_control,
-            }));
+            .map(|(rail, share)| self.clone().run_on(rail, op, durability, share));
+        let mut declined = Declined::items(declined);
+        for more in futures::future::try_join_all(runs).await? {
+            declined.extend(more);
         }
-        futures::future::try_join_all(runs).await?;
-        Ok(())
+        Ok(declined)
     }
 
     async fn notify(self: Arc<Self>, notification: Notification) -> Result<()> {
@@ -420,12 +420,17 @@ impl Inner {
     }
 }
 
+/// Bytes of what a rail declined.
+fn declined_bytes(declined: &Declined) -> u64 {
+    declined.iter().map(TransferItem::len).sum()
+}
+
 impl DataLink for MultiRailLink {
     fn kind(&self) -> TransportKind {
         TransportKind::Rdma
     }
 
-    fn transfer(&self, request: TransferRequest) -> BoxFuture<'static, Result<()>> {
+    fn transfer(&self, request: TransferRequest) -> BoxFuture<'static, Result<Declined>> {
         Box::pin(self.inner.clone().transfer(request))
     }
 

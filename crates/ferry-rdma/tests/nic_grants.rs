@@ -124,7 +124,13 @@ impl Rig {
             .await
             .map_err(|_| Error::Timeout("the RDMA operation never completed".into()))?;
         data.close().await;
-        result
+        // The operation is the NIC's to refuse or do: nothing of it may be left to another link.
+        let declined = result?;
+        assert!(
+            declined.is_empty(),
+            "the RDMA link declined the operation to the control link"
+        );
+        Ok(())
     }
 
     fn dst_bytes(&self) -> Vec<u8> {

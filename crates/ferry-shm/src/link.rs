@@ -9,7 +9,8 @@
 //!   link's Unix socket, each with the local addresses the target copies from or into, and complete
 //!   when the target replies (after its copy).
 //! - **Everything else** (memory staged by its owner, or copied regions when the kernel denies the
-//!   target cross-memory attach) goes over the control link.
+//!   target cross-memory attach) is declined: the transfer hands it back to the engine
+//!   ([`Declined`]), which sends it over the control link.
 //!
 //! The target copies out of this process's memory for a WRITE, so a request holds a permit of each
 //! local region's access guard until its reply arrives (or the link ends), not merely while the
@@ -27,8 +28,8 @@ use std::sync::{Arc, Mutex};
 
 use ferry_core::sync::{ShardedLock, ShardedLockReadGuard, ShardedLockWriteGuard};
 use ferry_core::{
-    DataLink, Durability, Error, Notification, Op, OwnedPermit, PersistMethod, RegionKey, Result, TransferItem,
-    TransferRequest, TransportKind,
+    DataLink, Declined, Durability, Error, Notification, Op, OwnedPermit, PersistMethod, RegionKey, Result,
+    TransferItem, TransferRequest, TransportKind,
 };
 use futures::future::BoxFuture;
 use rustc_hash::FxHashMap;
@@ -609,14 +610,15 @@ impl Inner {
         Ok(())
     }
 
-    /// Items that could not go where they were sorted: to the target, or over the control link.
-    async fn elsewhere(self: Arc<Self>, op: Op, durability: Durability, items: Vec<TransferItem>) -> Result<()> {
+    /// Items that could not go where they were sorted: to the target, or, where the kernel denies
+    /// the target's copies, back to the engine for the control link.
+    async fn elsewhere(self: Arc<Self>, op: Op, durability: Durability, items: Vec<TransferItem>) -> Result<Declined> {
         if items.is_empty() {
-            return Ok(());
+            return Ok(Declined::none());
         }
         match self.copies_denied {
-            None => self.copied(op, durability, items).await,
-            Some(_) => self.control.transfer(TransferRequest { op, durability, items }).await,
+            None => self.copied(op, durability, items).await.map(|()| Declined::none()),
+            Some(_) => Ok(Declined::items(items)),
         }
     }
 }
@@ -771,7 +773,8 @@ fn chunked(pieces: &[Piece], most: usize) -> Vec<Vec<Piece>> {
 }
 
 impl ShmLink {
-    /// Wraps a connected socket; `control` carries notifications and says whether the peer is alive.
+    /// Wraps a connected socket; `control` carries notifications and says whether the peer is alive
+    /// (what this link declines goes back to the engine, which sends it there).
     pub(crate) fn start(
         stream: UnixStream,
         control: Arc<dyn DataLink>,
@@ -800,14 +803,14 @@ impl DataLink for ShmLink {
         TransportKind::Shm
     }
 
-    fn transfer(&self, request: TransferRequest) -> BoxFuture<'static, Result<()>> {
+    fn transfer(&self, request: TransferRequest) -> BoxFuture<'static, Result<Declined>> {
         let inner = self.inner.clone();
         Box::pin(async move {
             if let Some(done) = inner.transfer_now(&request) {
                 // A transfer over a mapping never waits: without this, a caller that transfers in
                 // a loop would hold its runtime thread and starve every other task there.
                 tokio::task::coop::consume_budget().await;
-                return done;
+                return done.map(|()| Declined::none());
             }
             let Sorted {
                 op,
@@ -817,27 +820,12 @@ impl DataLink for ShmLink {
                 copied,
                 control,
             } = inner.sort(request).await;
-            // The target's and the control link's shares are sent first, so that they move while this
-            // future copies the mapped share.
+            // The target's share is sent first, so that it moves while this future copies the mapped
+            // share.
             let to_target = async {
                 match copied.is_empty() {
                     true => Ok(()),
                     false => inner.clone().copied(op, durability, copied).await,
-                }
-            };
-            let to_control = async {
-                match control.is_empty() {
-                    true => Ok(()),
-                    false => {
-                        inner
-                            .control
-                            .transfer(TransferRequest {
-                                op,
-                                durability,
-                                items: control,
-                            })
-                            .await
-                    }
                 }
             };
             let here = async {
@@ -852,8 +840,9 @@ impl DataLink for ShmLink {
                 tokio::task::consume_budget().await;
                 inner.clone().elsewhere(op, durability, elsewhere).await
             };
-            futures::future::try_join3(to_target, to_control, here).await?;
-            Ok(())
+            let ((), mut declined) = futures::future::try_join(to_target, here).await?;
+            declined.extend(Declined::items(control));
+            Ok(declined)
         })
     }
 

@@ -25,8 +25,8 @@ use std::time::{Duration, Instant};
 use ferry_core::codec::{Frame, Hello, HelloAck, Limits, ReadStatus};
 use ferry_core::sync::ShardedLock;
 use ferry_core::{
-    AccessGuard, DataLink, DataProtection, Due, Durability, Error, Notification, Op, PeerIdentity, PersistMethod,
-    RegionEntry, RemoteRegions, Resolved, Result, TransferRequest, TransportKind,
+    AccessGuard, DataLink, DataProtection, Declined, Due, Durability, Error, Notification, Op, PeerIdentity,
+    PersistMethod, RegionEntry, RemoteRegions, Resolved, Result, TransferRequest, TransportKind,
 };
 use ferry_proto::batch::{Piece, Shape, plan, segments};
 use ferry_proto::handshake::check_ack;
@@ -34,6 +34,7 @@ use ferry_proto::initiator::OpKind;
 use ferry_proto::keepalive::{DEFAULT_DEAD, DEFAULT_IDLE};
 use ferry_proto::written::DeferredCommits;
 use ferry_proto::{Event, Identity, Initiator, Keepalive, LinkLimits, LinkToken, OpId, RegionUpdate, StreamIndex};
+use futures::FutureExt;
 use futures::future::BoxFuture;
 use tokio::net::TcpStream;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, TryAcquireError, mpsc, oneshot};
@@ -1087,21 +1088,26 @@ impl ferry_core::SetupExchange for TcpLink {
     }
 }
 
+/// TCP reaches every region: as the control link, it declines nothing.
+fn carried_whole(done: Result<()>) -> Result<Declined> {
+    done.map(|()| Declined::none())
+}
+
 impl DataLink for TcpLink {
     fn kind(&self) -> TransportKind {
         TransportKind::Tcp
     }
 
-    fn transfer(&self, request: TransferRequest) -> BoxFuture<'static, Result<()>> {
-        Box::pin(run_transfer(self.shared.clone(), request, None))
+    fn transfer(&self, request: TransferRequest) -> BoxFuture<'static, Result<Declined>> {
+        Box::pin(run_transfer(self.shared.clone(), request, None).map(carried_whole))
     }
 
     fn bounds_transfers(&self) -> bool {
         true
     }
 
-    fn transfer_within(&self, request: TransferRequest, due: Option<Due>) -> BoxFuture<'static, Result<()>> {
-        Box::pin(run_transfer(self.shared.clone(), request, due))
+    fn transfer_within(&self, request: TransferRequest, due: Option<Due>) -> BoxFuture<'static, Result<Declined>> {
+        Box::pin(run_transfer(self.shared.clone(), request, due).map(carried_whole))
     }
 
     fn notify(&self, notification: Notification) -> BoxFuture<'static, Result<()>> {

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::task::{Context, Poll, ready};
 use std::time::{Duration, Instant};
 
-use ferry_core::{DataLink, Due, Durability, Error, Op, Result, TransferRequest};
+use ferry_core::{DataLink, Declined, Due, Durability, Error, Op, Result, TransferRequest};
 use futures::future::BoxFuture;
 use tokio::task::JoinHandle;
 
@@ -151,15 +151,16 @@ impl TransferOptions {
 /// whatever the link.
 #[must_use = "a transfer does nothing unless it is awaited"]
 pub struct Transfer {
-    addr: std::net::SocketAddr,
-    /// Held only where the engine keeps metrics, which live on the link: one reference count less
-    /// per batch where it does not.
-    metered: Option<(Peer, Instant)>,
+    /// Its links, and its metrics where the engine keeps them.
+    peer: Peer,
+    /// When it started, where the engine keeps metrics.
+    metered: Option<Instant>,
     work: Work,
     timeout: Duration,
     /// Armed at the first `Pending`, where the link does not bound the batch itself.
     timer: Timer,
     op: Op,
+    durability: Durability,
     descriptors: usize,
     /// What the metrics, the span and the coop budget ([`charge_copy`]) count.
     bytes: u64,
@@ -167,10 +168,13 @@ pub struct Transfer {
 }
 
 enum Work {
-    /// Not started: the first poll offers it to the link to run inline
-    /// ([`DataLink::transfer_now`]), and starts the link's future only if the link declines.
-    Unstarted(Arc<dyn DataLink>, TransferRequest),
-    Started(BoxFuture<'static, Result<()>>),
+    /// Not started: the first poll offers it to the data link to run inline
+    /// ([`DataLink::transfer_now`]), and starts the link's future only if the link does not.
+    Unstarted(TransferRequest),
+    /// On the data link.
+    Started(BoxFuture<'static, Result<Declined>>),
+    /// What the data link left to the control link ([`Declined`]), on its way there.
+    Declined(BoxFuture<'static, Result<Declined>>),
     /// Between taking an unstarted request out and starting its future; never seen by a poll.
     Taken,
 }
@@ -189,7 +193,7 @@ enum Timer {
 impl std::fmt::Debug for Transfer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Transfer")
-            .field("peer", &self.addr)
+            .field("peer", &self.peer.addr())
             .field("op", &self.op)
             .field("descriptors", &self.descriptors)
             .field("timeout", &self.timeout)
@@ -211,7 +215,7 @@ impl Transfer {
         timeout: Duration,
         deadline: Option<Instant>,
     ) -> Result<Self> {
-        let (op, descriptors) = (request.op, request.items.len());
+        let (op, durability, descriptors) = (request.op, request.durability, request.items.len());
         let data = &peer.inner.data;
         let link_bounds = data.bounds_transfers();
         let metered = peer.inner.metrics.is_some();
@@ -245,19 +249,20 @@ impl Transfer {
                 let until = deadline.and(due);
                 let timeout = until.map_or(timeout, |due| due.within());
                 (
-                    Work::Unstarted(data.clone(), request),
+                    Work::Unstarted(request),
                     Timer::Unarmed(until.map(|due| due.at)),
                     timeout,
                 )
             }
         };
         Ok(Transfer {
-            addr: peer.addr(),
-            metered: now.filter(|_| metered).map(|now| (peer.clone(), now)),
+            peer: peer.clone(),
+            metered: now.filter(|_| metered),
             work,
             timeout,
             timer,
             op,
+            durability,
             descriptors,
             bytes,
             span,
@@ -317,6 +322,8 @@ fn charge_copy(cx: &mut Context<'_>, bytes: u64) {
 /// A batch that finished on its first poll was moved by this thread in it (a same-host copy): beyond
 /// the unit of budget every poll takes, it is charged by its size ([`charge_copy`]).
 fn poll_bounded(
+    peer: &Peer,
+    (op, durability): (Op, Durability),
     work: &mut Work,
     timer: &mut Timer,
     timeout: Duration,
@@ -325,34 +332,60 @@ fn poll_bounded(
 ) -> Poll<std::result::Result<(), Option<Error>>> {
     // Whether the link's future is polled for the first time, in the poll that started it.
     let mut fresh = false;
-    if let Work::Unstarted(data, request) = work {
+    if let Work::Unstarted(request) = work {
         // Running inline never waits, so it takes a unit of the task's budget, as a future that
         // completes at once should: a caller transferring in a loop still yields to other tasks.
         // Out of budget, nothing has started yet and nothing needs bounding.
         let budget = ready!(tokio::task::coop::poll_proceed(cx));
-        if let Some(done) = data.transfer_now(request) {
+        if let Some(done) = peer.inner.data.transfer_now(request) {
             budget.made_progress();
             if done.is_ok() {
                 charge_copy(cx, bytes);
             }
             return Poll::Ready(done.map_err(Some));
         }
-        if let Work::Unstarted(data, request) = std::mem::replace(work, Work::Taken) {
-            *work = Work::Started(data.transfer(request));
+        if let Work::Unstarted(request) = std::mem::replace(work, Work::Taken) {
+            *work = Work::Started(peer.inner.data.transfer(request));
             fresh = true;
         }
     }
-    let Work::Started(future) = work else {
-        // Only a link that panicked in `transfer` leaves it taken.
-        return Poll::Ready(Err(Some(Error::Internal(
-            "the link failed to start the transfer".into(),
-        ))));
-    };
-    if let Poll::Ready(done) = future.as_mut().poll(cx) {
-        if fresh && done.is_ok() {
-            charge_copy(cx, bytes);
+    loop {
+        let (future, on_data_link) = match work {
+            Work::Started(future) => (future, true),
+            Work::Declined(future) => (future, false),
+            // Only a link that panicked in `transfer` leaves it taken.
+            _ => {
+                return Poll::Ready(Err(Some(Error::Internal(
+                    "the link failed to start the transfer".into(),
+                ))));
+            }
+        };
+        let declined = match future.as_mut().poll(cx) {
+            Poll::Pending => break,
+            Poll::Ready(Err(e)) => return Poll::Ready(Err(Some(e))),
+            Poll::Ready(Ok(declined)) if declined.is_empty() => {
+                if fresh {
+                    charge_copy(cx, bytes);
+                }
+                return Poll::Ready(Ok(()));
+            }
+            Poll::Ready(Ok(declined)) => declined,
+        };
+        if !on_data_link {
+            return Poll::Ready(Err(Some(Error::Internal(format!(
+                "the control link declined {} items of a batch; it reaches every region",
+                declined.len()
+            )))));
         }
-        return Poll::Ready(done.map_err(Some));
+        // The rest goes over the control link, within what is left of the batch's bound.
+        fresh = false;
+        let due = due_of(timer, timeout);
+        let request = TransferRequest {
+            op,
+            durability,
+            items: declined.into_items(),
+        };
+        *work = Work::Declined(peer.inner.control.transfer_within(request, due));
     }
     if let Timer::Unarmed(until) = *timer {
         let sleep = match until {
@@ -367,6 +400,24 @@ fn poll_bounded(
     }
 }
 
+/// The instant `timer` ends the batch, for what the data link declined to go over the control link
+/// by then (which bounds it itself); arms an unarmed timer's instant from now. `None` where the data
+/// link bounds its batches (it never declines anything: it is the control link).
+fn due_of(timer: &mut Timer, timeout: Duration) -> Option<Due> {
+    let at = match timer {
+        Timer::Link => return None,
+        Timer::Unarmed(Some(at)) => *at,
+        Timer::Unarmed(None) => {
+            let at = Instant::now().checked_add(timeout)?;
+            *timer = Timer::Unarmed(Some(at));
+            at
+        }
+        Timer::Armed(sleep) => sleep.deadline().into_std(),
+    };
+    let started = at.checked_sub(timeout).unwrap_or(at);
+    Some(Due { at, started })
+}
+
 impl Future for Transfer {
     type Output = Result<()>;
 
@@ -374,15 +425,17 @@ impl Future for Transfer {
         let this = self.get_mut();
         let entered = this.span.enter();
         let result = ready!(poll_bounded(
+            &this.peer,
+            (this.op, this.durability),
             &mut this.work,
             &mut this.timer,
             this.timeout,
             this.bytes,
             cx
         ))
-        .map_err(|e| e.unwrap_or_else(|| Error::transfer_timeout(this.descriptors, this.addr, this.timeout)));
-        if let Some((peer, started)) = &this.metered
-            && let Some(metrics) = &peer.inner.metrics
+        .map_err(|e| e.unwrap_or_else(|| Error::transfer_timeout(this.descriptors, this.peer.addr(), this.timeout)));
+        if let Some(started) = &this.metered
+            && let Some(metrics) = &this.peer.inner.metrics
         {
             metrics.record(this.op, this.descriptors, this.bytes, started.elapsed(), &result);
         }
