@@ -25,8 +25,50 @@ pub fn take_all<K, V>(map: &Mutex<HashMap<K, V>>) -> Vec<V> {
 /// ferry-tower, direct rounds). Each lock costs about 1 KiB.
 pub use crossbeam_utils::sync::{ShardedLock, ShardedLockReadGuard, ShardedLockWriteGuard};
 
-/// The atomics and mutex that [`AccessGuard`](crate::AccessGuard), [`LinkSlots`](crate::LinkSlots)
-/// and [`AccessEpochs`](crate::AccessEpochs) are built on: std's, or loom's when built with
+/// The rule that keeps a stream's frames in submission order when both its callers and a writer task
+/// put frames into the one writer: a caller whose frame is small writes it itself (no task woken,
+/// which is most of a small operation's round trip), but only when nothing is queued for the task
+/// before it; everything else is queued.
+///
+/// The count covers what is queued and not yet in the writer. A caller counts its frame
+/// ([`queue`](Self::queue)) before it hands the frame to the task's queue; the task takes the count
+/// back ([`placed`](Self::placed)) only under the writer's lock, once the frame is in the writer. So a
+/// caller that finds the count at zero with the writer's lock held ([`nothing_queued`](
+/// Self::nothing_queued), checked again after taking the lock) appends after every frame whose
+/// submission finished before it began. The loom model `write_through_never_overtakes_a_queued_frame`
+/// (`tests/loom_guard.rs`) explores every interleaving of one queued frame, the task and one caller
+/// writing through.
+#[derive(Debug, Default)]
+pub struct Handoff {
+    queued: shim::AtomicUsize,
+}
+
+impl Handoff {
+    /// Nothing queued.
+    pub fn new() -> Self {
+        Handoff::default()
+    }
+
+    /// A frame is about to go to the task's queue: counted before it is there.
+    pub fn queue(&self) {
+        self.queued.fetch_add(1, shim::Ordering::AcqRel);
+    }
+
+    /// The task put a queued frame into the writer; called under the writer's lock, after the frame is
+    /// in it.
+    pub fn placed(&self) {
+        self.queued.fetch_sub(1, shim::Ordering::AcqRel);
+    }
+
+    /// Whether a caller may write its frame itself: nothing queued before it. Checked before taking
+    /// the writer's lock (not to contend with a busy task), and again with it held.
+    pub fn nothing_queued(&self) -> bool {
+        self.queued.load(shim::Ordering::Acquire) == 0
+    }
+}
+
+/// The atomics and mutex that [`AccessGuard`](crate::AccessGuard), [`LinkSlots`](crate::LinkSlots),
+/// [`AccessEpochs`](crate::AccessEpochs) and [`Handoff`] are built on: std's, or loom's when built with
 /// `--cfg loom`, so that the loom models (`tests/loom_guard.rs`) explore their interleavings.
 pub(crate) mod shim {
     #[cfg(loom)]

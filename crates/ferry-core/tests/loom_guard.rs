@@ -1,5 +1,5 @@
-//! Loom models of the access guard, the link slots and the access epochs a revoke waits on: every
-//! interleaving of a few threads.
+//! Loom models of the access guard, the link slots, the access epochs a revoke waits on and the
+//! write-through handoff of a TCP stream: every interleaving of a few threads.
 //!
 //! Run with `RUSTFLAGS="--cfg loom" cargo test -p ferry-core --release --test loom_guard` (`cargo xtask
 //! test` does, with its own target folder). Without `--cfg loom` this file is empty.
@@ -7,8 +7,9 @@
 
 use std::sync::Arc;
 
+use ferry_core::sync::Handoff;
 use ferry_core::{AccessEpochs, AccessGuard, LinkSlots};
-use loom::sync::RwLock;
+use loom::sync::{Mutex, RwLock};
 use loom::sync::atomic::{AtomicUsize, Ordering};
 use loom::thread;
 
@@ -227,5 +228,69 @@ fn each_of_two_revokes_waits_for_the_operations_of_the_grants_before_it() {
             }
         }
         worker.join().unwrap();
+    });
+}
+
+/// A TCP stream's two ways into its writer (see `Handoff`), as `ferry-tcp`'s link takes them: a
+/// caller queues frame 1 for the write task; once that submission has returned, another caller
+/// submits frame 2 and writes it itself if it may, else queues it too. The task takes queued frames
+/// one at a time, puts each into the writer under its lock and only then takes its count back.
+/// Whatever the interleaving, the writer holds 1 before 2. (Taking the count back before the frame
+/// is in the writer, or checking it only before the lock, lets 2 overtake: this model then fails.)
+#[test]
+fn write_through_never_overtakes_a_queued_frame() {
+    loom::model(|| {
+        let handoff = Arc::new(Handoff::new());
+        // The task's queue (an unbounded channel in the link) and the writer.
+        let queue = Arc::new(Mutex::new(std::collections::VecDeque::new()));
+        let writer = Arc::new(Mutex::new(Vec::new()));
+        let first_submitted = Arc::new(loom::sync::atomic::AtomicBool::new(false));
+
+        let task = {
+            let (handoff, queue, writer) = (handoff.clone(), queue.clone(), writer.clone());
+            thread::spawn(move || {
+                let mut placed = 0;
+                while placed < 2 {
+                    let next = queue.lock().unwrap().pop_front();
+                    let Some(frame) = next else {
+                        // Frame 2 may have gone straight into the writer.
+                        if writer.lock().unwrap().len() == 2 {
+                            return;
+                        }
+                        thread::yield_now();
+                        continue;
+                    };
+                    let mut w = writer.lock().unwrap();
+                    w.push(frame);
+                    handoff.placed();
+                    placed = w.len();
+                }
+            })
+        };
+        let second = {
+            let (handoff, queue, writer, first_submitted) =
+                (handoff.clone(), queue.clone(), writer.clone(), first_submitted.clone());
+            thread::spawn(move || {
+                while !first_submitted.load(Ordering::Acquire) {
+                    thread::yield_now();
+                }
+                if handoff.nothing_queued()
+                    && let Ok(mut w) = writer.try_lock()
+                    && handoff.nothing_queued()
+                {
+                    w.push(2);
+                    return;
+                }
+                handoff.queue();
+                queue.lock().unwrap().push_back(2);
+            })
+        };
+        handoff.queue();
+        queue.lock().unwrap().push_back(1);
+        first_submitted.store(true, Ordering::Release);
+
+        second.join().unwrap();
+        task.join().unwrap();
+        assert_eq!(*writer.lock().unwrap(), vec![1, 2]);
     });
 }

@@ -18,12 +18,12 @@
 //! a timer around the whole batch: its data lands after the core has let go of the operation.
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use ferry_core::codec::{Frame, Hello, HelloAck, Limits, ReadStatus};
-use ferry_core::sync::ShardedLock;
+use ferry_core::sync::{Handoff, ShardedLock};
 use ferry_core::{
     AccessGuard, DataLink, DataProtection, Declined, Due, Durability, Error, Notification, Op, PeerIdentity,
     PersistMethod, RegionEntry, RemoteRegions, Resolved, Result, TransferRequest, TransportKind,
@@ -160,14 +160,12 @@ impl Outgoing {
 /// Frames reach the writer in submission order through one of two paths. A caller whose frame is
 /// small, and who finds nothing queued for the write task and the writer free, puts its frame into
 /// the writer and sends it itself, without waking another task (the round trip of a small operation
-/// is most of its cost). Everything else goes through the write task's queue. `queued` counts what is
-/// in that queue and not yet in the writer; it drops only under the writer's lock, once the frame is
-/// in the writer, so a caller that sees zero under the lock appends after every frame submitted
-/// before it.
+/// is most of its cost). Everything else goes through the write task's queue. `queued` keeps the
+/// order between the two ([`Handoff`]).
 struct Stream {
     tx: mpsc::UnboundedSender<Outgoing>,
     writer: Arc<tokio::sync::Mutex<FrameWriter>>,
-    queued: AtomicUsize,
+    queued: Handoff,
 }
 
 struct Shared {
@@ -358,7 +356,7 @@ impl TcpLink {
             stream_list.push(Stream {
                 tx,
                 writer: Arc::new(tokio::sync::Mutex::new(writer)),
-                queued: AtomicUsize::new(0),
+                queued: Handoff::new(),
             });
         }
         let peer = addr.to_string();
@@ -521,7 +519,7 @@ impl Shared {
             },
             false => out,
         };
-        s.queued.fetch_add(1, Ordering::AcqRel);
+        s.queued.queue();
         s.tx.send(out).map_err(|_| self.closed_error())
     }
 
@@ -529,13 +527,13 @@ impl Shared {
     /// free (`None`); hands it back otherwise. What the socket does not take at once is left in the
     /// writer for the write task to send.
     fn write_through(&self, index: StreamIndex, s: &Stream, out: Outgoing) -> Option<Outgoing> {
-        if !out.is_inline() || s.queued.load(Ordering::Acquire) != 0 {
+        if !out.is_inline() || !s.queued.nothing_queued() {
             return Some(out);
         }
         let Ok(mut writer) = s.writer.try_lock() else {
             return Some(out);
         };
-        if s.queued.load(Ordering::Acquire) != 0 {
+        if !s.queued.nothing_queued() {
             return Some(out);
         }
         let sent = push_inline(self, index, &mut writer, out).and_then(|()| writer.try_flush());
@@ -543,7 +541,7 @@ impl Shared {
         match sent {
             Ok(true) => {}
             Ok(false) => {
-                s.queued.fetch_add(1, Ordering::AcqRel);
+                s.queued.queue();
                 if s.tx.send(Outgoing::Flush).is_err() {
                     self.fail_all(self.closed_error());
                 }
@@ -876,7 +874,7 @@ async fn write_loop(shared: Arc<Shared>, stream: StreamIndex, mut rx: mpsc::Unbo
             while let Some(out) = next.take() {
                 let shutdown = matches!(out, Outgoing::Shutdown);
                 let written = write_one(&shared, stream, &mut writer, out).await;
-                s.queued.fetch_sub(1, Ordering::AcqRel);
+                s.queued.placed();
                 written?;
                 if shutdown {
                     writer.flush().await?;
@@ -1135,7 +1133,7 @@ impl DataLink for TcpLink {
         Box::pin(async move {
             let _ = shared.send(StreamIndex::CONTROL, Outgoing::Frame(Frame::Goodbye));
             for s in &shared.streams {
-                s.queued.fetch_add(1, Ordering::AcqRel);
+                s.queued.queue();
                 let _ = s.tx.send(Outgoing::Shutdown);
             }
             shared.fail_all(Error::PeerClosed(format!(
