@@ -9,8 +9,8 @@ use std::sync::Arc;
 
 use ferry_core::sync::Handoff;
 use ferry_core::{AccessEpochs, AccessGuard, LinkSlots};
-use loom::sync::{Mutex, RwLock};
 use loom::sync::atomic::{AtomicUsize, Ordering};
+use loom::sync::{Mutex, RwLock};
 use loom::thread;
 
 /// A thread enters (twice, one access after the other) while the main thread closes and waits for the

@@ -93,6 +93,85 @@ mod tests {
         assert!(PidFd::open(u32::MAX).is_err());
     }
 
+    /// The id of a process that exited, given to another process (as the kernel does once ids wrap;
+    /// forced here with `clone3`'s `set_tid`): the pidfd of the first still says it exited, while the
+    /// id alone names a live process again.
+    #[test]
+    fn a_reused_process_id_is_not_taken_for_the_process_checked() {
+        let mut first = std::process::Command::new("sleep").arg("30").spawn().unwrap();
+        let pid = first.id();
+        let fd = PidFd::open(pid).unwrap();
+        first.kill().unwrap();
+        first.wait().unwrap();
+        let second = match spawn_with_pid(pid) {
+            Ok(second) => second,
+            // Choosing a process id needs CAP_SYS_ADMIN: `cargo xtask test` runs as root, where this
+            // must work.
+            // SAFETY: geteuid has no preconditions.
+            Err(e) if unsafe { libc::geteuid() } != 0 => {
+                eprintln!("not run: choosing a process id needs root ({e})");
+                return;
+            }
+            Err(e) => panic!("clone3 with set_tid {pid} failed as root: {e}"),
+        };
+        let live = PidFd::open(pid).expect("the id names a live process again");
+        assert!(!live.exited());
+        assert!(fd.exited(), "the pidfd took the new process for the one it holds");
+        assert!(matches!(fd.check("during a copy"), Err(Error::PeerClosed(_))));
+        // SAFETY: `second` is our child; SIGKILL ends it and waitpid reaps it.
+        unsafe {
+            libc::kill(second, libc::SIGKILL);
+            libc::waitpid(second, std::ptr::null_mut(), 0);
+        }
+    }
+
+    /// `struct clone_args` of `clone3(2)`, up to `set_tid_size`.
+    #[repr(C)]
+    #[derive(Default)]
+    struct CloneArgs {
+        flags: u64,
+        pidfd: u64,
+        child_tid: u64,
+        parent_tid: u64,
+        exit_signal: u64,
+        stack: u64,
+        stack_size: u64,
+        tls: u64,
+        set_tid: u64,
+        set_tid_size: u64,
+    }
+
+    /// Starts a child with process id `pid` that waits for a signal; its id.
+    fn spawn_with_pid(pid: u32) -> std::io::Result<libc::pid_t> {
+        let tids = [pid as libc::pid_t];
+        let args = CloneArgs {
+            exit_signal: libc::SIGCHLD as u64,
+            set_tid: tids.as_ptr() as u64,
+            set_tid_size: 1,
+            ..CloneArgs::default()
+        };
+        // SAFETY: `args` is a valid clone_args of the size passed, and `tids` outlives the call. With
+        // no flags this is a fork: the child runs only `pause`, which is async-signal-safe, until it
+        // is killed.
+        let r = unsafe {
+            libc::syscall(
+                libc::SYS_clone3,
+                &args as *const CloneArgs,
+                std::mem::size_of::<CloneArgs>(),
+            )
+        };
+        if r == 0 {
+            loop {
+                // SAFETY: pause has no preconditions.
+                unsafe { libc::pause() };
+            }
+        }
+        if r < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(r as libc::pid_t)
+    }
+
     #[test]
     fn this_process_is_alive() {
         let me = PidFd::open(std::process::id()).unwrap();
