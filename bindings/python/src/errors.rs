@@ -24,6 +24,7 @@ fn class_name(e: &ferry::Error) -> &'static str {
         PeerClosed(_) => "PeerClosed",
         Protocol(_) => "Protocol",
         Internal(_) => "Internal",
+        Integrity(_) => "Integrity",
         Io { .. } => "IoError",
     }
 }

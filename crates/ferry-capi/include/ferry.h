@@ -33,7 +33,8 @@
 // Most descriptors one transfer may carry.
 #define FERRY_MAX_DESCS (1 << 20)
 
-// What a call returned. The values of ferry's error codes, plus `FERRY_INVALID_HANDLE`.
+// What a call returned. The values of ferry's error codes 1 to 12, then `FERRY_INVALID_HANDLE`,
+// then `FERRY_INTEGRITY` (ferry's code 13, which came after the handle code).
 typedef enum {
   // Done.
   FERRY_OK = 0,
@@ -63,6 +64,9 @@ typedef enum {
   FERRY_INTERNAL = 12,
   // A handle that was never issued, or was destroyed already.
   FERRY_INVALID_HANDLE = 13,
+  // A transfer that asked for integrity found the destination's bytes differ from the source's;
+  // retry it.
+  FERRY_INTEGRITY = 14,
 } ferry_status;
 
 // Where an asynchronous transfer stands.

@@ -22,7 +22,8 @@ use std::cell::RefCell;
 use std::ffi::{CString, c_char};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
-/// What a call returned. The values of ferry's error codes, plus `FERRY_INVALID_HANDLE`.
+/// What a call returned. The values of ferry's error codes 1 to 12, then `FERRY_INVALID_HANDLE`,
+/// then `FERRY_INTEGRITY` (ferry's code 13, which came after the handle code).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ferry_status {
@@ -54,6 +55,9 @@ pub enum ferry_status {
     FERRY_INTERNAL = 12,
     /// A handle that was never issued, or was destroyed already.
     FERRY_INVALID_HANDLE = 13,
+    /// A transfer that asked for integrity found the destination's bytes differ from the source's;
+    /// retry it.
+    FERRY_INTEGRITY = 14,
 }
 
 impl From<&ferry::Error> for ferry_status {
@@ -72,6 +76,7 @@ impl From<&ferry::Error> for ferry_status {
             C::Protocol => ferry_status::FERRY_PROTOCOL,
             C::Io => ferry_status::FERRY_IO,
             C::Internal => ferry_status::FERRY_INTERNAL,
+            C::Integrity => ferry_status::FERRY_INTEGRITY,
         }
     }
 }

@@ -17,7 +17,7 @@
 use bytes::{BufMut, BytesMut};
 
 use crate::error::{Error, ErrorCode, Result, WireError, io_kind_from_wire, io_kind_to_wire};
-use crate::types::{Access, DataProtection, Durability, RegionAd, RegionKey, TransportKind};
+use crate::types::{Access, DataProtection, Durability, Op, RegionAd, RegionKey, TransportKind};
 use crate::wire::WireReader;
 
 /// First two bytes of every frame.
@@ -25,8 +25,9 @@ pub const MAGIC: u16 = 0xF5E7;
 /// The protocol version this build speaks (2: durability on writes and the `Commit` frame; 3: a
 /// status byte ends every read's data, and errors carry their I/O kind; 4: `RegionTable`, the whole
 /// table resent when a link's queue of region updates overflowed; 5: the join proof in `Hello`; 6:
-/// the stream's data protection in `Hello`; 7: an RDMA key in a region advert starts with its kind).
-pub const VERSION: u8 = 7;
+/// the stream's data protection in `Hello`; 7: an RDMA key in a region advert starts with its kind;
+/// 8: `Sum` and `Sums`, the checksums of a transfer with integrity).
+pub const VERSION: u8 = 8;
 /// Size of the fixed header.
 pub const HEADER_LEN: usize = 16;
 
@@ -242,6 +243,27 @@ pub enum Frame {
         /// The written ranges.
         segments: Vec<Segment>,
     },
+    /// Asks the target for the CRC32C of each range (as its memory holds them now), to check a
+    /// transfer with integrity that `op` just did there: after a write, of what landed; after a read,
+    /// of what was read. Only on the control stream, after the transfer completed; answered by
+    /// [`Frame::Sums`].
+    Sum {
+        /// Request id, echoed in the answer.
+        id: u64,
+        /// The transfer it checks (the target checks the peer's access for it).
+        op: Op,
+        /// The ranges, in the transfer's order.
+        segments: Vec<Segment>,
+    },
+    /// The answer to [`Frame::Sum`]: one CRC32C per range, in order, or why none.
+    Sums {
+        /// The request's id.
+        id: u64,
+        /// `None` when `sums` holds every range's.
+        error: Option<WireError>,
+        /// The checksums.
+        sums: Vec<u32>,
+    },
     /// The target's answer to [`Frame::TransportSetup`].
     TransportSetupReply {
         /// The request's id.
@@ -272,9 +294,11 @@ mod kind {
     pub const TRANSPORT_SETUP_REPLY: u8 = 16;
     pub const COMMIT: u8 = 17;
     pub const REGION_TABLE: u8 = 18;
+    pub const SUM: u8 = 19;
+    pub const SUMS: u8 = 20;
 
     /// Every kind this version speaks; a test checks that every [`super::Frame`] variant is here.
-    pub const ALL: [u8; 18] = [
+    pub const ALL: [u8; 20] = [
         HELLO,
         HELLO_ACK,
         REGION_ADDED,
@@ -293,6 +317,8 @@ mod kind {
         TRANSPORT_SETUP_REPLY,
         COMMIT,
         REGION_TABLE,
+        SUM,
+        SUMS,
     ];
 }
 
@@ -317,6 +343,8 @@ impl Frame {
             Frame::TransportSetup { .. } => kind::TRANSPORT_SETUP,
             Frame::TransportSetupReply { .. } => kind::TRANSPORT_SETUP_REPLY,
             Frame::Commit { .. } => kind::COMMIT,
+            Frame::Sum { .. } => kind::SUM,
+            Frame::Sums { .. } => kind::SUMS,
         }
     }
 
@@ -432,6 +460,20 @@ pub fn encode(frame: &Frame, payload_len: u64, out: &mut BytesMut) -> Result<()>
             out.put_u64_le(*id);
             put_error(out, error)?;
             put_bytes(out, blob)?;
+        }
+        Frame::Sum { id, op, segments } => {
+            out.put_u64_le(*id);
+            out.put_u8(op_byte(*op));
+            put_segments(out, segments)?;
+        }
+        Frame::Sums { id, error, sums } => {
+            out.put_u64_le(*id);
+            put_error(out, error)?;
+            out.put_u32_le(len_u32(sums.len())?);
+            out.reserve(sums.len() * 4);
+            for sum in sums {
+                out.put_u32_le(*sum);
+            }
         }
     }
     let body_len = out.len() - body_start;
@@ -606,6 +648,22 @@ pub fn decode(buf: &[u8], limits: &Limits) -> Result<Option<(Decoded, usize)>> {
             error: r.error()?,
             blob: r.bytes()?.to_vec(),
         },
+        kind::SUM => Frame::Sum {
+            id: r.u64()?,
+            op: match r.u8()? {
+                0 => Op::Read,
+                1 => Op::Write,
+                other => return Err(r.malformed(format_args!("unknown operation {other} in a sum request"))),
+            },
+            segments: r.segments()?,
+        },
+        kind::SUMS => {
+            let id = r.u64()?;
+            let error = r.error()?;
+            let n = r.count(4)?;
+            let sums = (0..n).map(|_| r.u32()).collect::<Result<Vec<_>>>()?;
+            Frame::Sums { id, error, sums }
+        }
         other => return Err(Error::Protocol(format!("unknown frame kind {other}"))),
     };
     if !r.is_empty() {
@@ -653,6 +711,13 @@ fn put_str(out: &mut BytesMut, s: &str) -> Result<()> {
     out.put_u16_le(n);
     out.put_slice(s.as_bytes());
     Ok(())
+}
+
+fn op_byte(op: Op) -> u8 {
+    match op {
+        Op::Read => 0,
+        Op::Write => 1,
+    }
 }
 
 fn put_bytes(out: &mut BytesMut, b: &[u8]) -> Result<()> {
@@ -980,6 +1045,20 @@ mod tests {
                     .map(|&kind| (Frame::TransportSetup { id, kind, blob }, 0))),
             (any::<u64>(), arb_error(), proptest::collection::vec(any::<u8>(), 0..64))
                 .prop_map(|(id, error, blob)| (Frame::TransportSetupReply { id, error, blob }, 0)),
+            (any::<u64>(), any::<bool>(), arb_segments()).prop_map(|(id, write, segments)| (
+                Frame::Sum {
+                    id,
+                    op: if write { Op::Write } else { Op::Read },
+                    segments
+                },
+                0
+            )),
+            (
+                any::<u64>(),
+                arb_error(),
+                proptest::collection::vec(any::<u32>(), 0..64)
+            )
+                .prop_map(|(id, error, sums)| (Frame::Sums { id, error, sums }, 0)),
         ]
     }
 

@@ -51,6 +51,12 @@ pub enum Error {
     /// panicked, a state the code should never reach. A bug to report; retrying does not help.
     #[error("internal error: {0}")]
     Internal(String),
+    /// A transfer asked for integrity, and the bytes at the destination are not the ones that left
+    /// the source (their checksums differ): corrupted on the way or after landing, or changed at
+    /// either end while the transfer ran. For a READ, nothing is promised about the destination's
+    /// bytes. Retryable.
+    #[error("integrity check failed: {0}")]
+    Integrity(String),
     /// An operating-system call failed.
     #[error("I/O error ({kind:?}): {message}")]
     Io {
@@ -66,7 +72,7 @@ impl Error {
     /// I/O failures are; wrong arguments, missing permissions and bounds violations never are.
     pub fn is_retryable(&self) -> bool {
         match self {
-            Error::Timeout(_) | Error::PeerClosed(_) | Error::NotConnected(_) => true,
+            Error::Timeout(_) | Error::PeerClosed(_) | Error::NotConnected(_) | Error::Integrity(_) => true,
             Error::Io { kind, .. } => matches!(
                 kind,
                 std::io::ErrorKind::ConnectionRefused
@@ -116,6 +122,7 @@ impl Error {
             Error::Protocol(_) => ErrorCode::Protocol,
             Error::Io { .. } => ErrorCode::Io,
             Error::Internal(_) => ErrorCode::Internal,
+            Error::Integrity(_) => ErrorCode::Integrity,
         }
     }
 
@@ -132,7 +139,8 @@ impl Error {
             | Error::OutOfBounds(m)
             | Error::PeerClosed(m)
             | Error::Protocol(m)
-            | Error::Internal(m) => m,
+            | Error::Internal(m)
+            | Error::Integrity(m) => m,
             Error::Io { message, .. } => message,
         }
     }
@@ -165,6 +173,7 @@ impl Error {
                 message,
             },
             ErrorCode::Internal => Error::Internal(message),
+            ErrorCode::Integrity => Error::Integrity(message),
         }
     }
 
@@ -270,6 +279,7 @@ pub enum ErrorCode {
     Protocol = 10,
     Io = 11,
     Internal = 12,
+    Integrity = 13,
 }
 
 impl ErrorCode {
@@ -289,6 +299,7 @@ impl ErrorCode {
             Protocol => "protocol",
             Io => "io",
             Internal => "internal",
+            Integrity => "integrity",
         }
     }
 
@@ -308,6 +319,7 @@ impl ErrorCode {
             10 => Protocol,
             11 => Io,
             12 => Internal,
+            13 => Integrity,
             _ => return None,
         })
     }
@@ -334,12 +346,13 @@ mod tests {
 
     #[test]
     fn wire_round_trip_keeps_variant() {
-        for code in 1..=12u16 {
+        for code in 1..=13u16 {
             let code = ErrorCode::from_u16(code).unwrap();
             assert_eq!(Error::from_wire(code, "m".into()).code(), code);
         }
         assert_eq!(ErrorCode::from_u16(0), None);
-        assert_eq!(ErrorCode::from_u16(13), None);
+        assert_eq!(ErrorCode::from_u16(14), None);
+        assert!(Error::Integrity("a checksum differs".into()).is_retryable());
         assert!(!Error::Internal("a lock was poisoned".into()).is_retryable());
     }
 

@@ -22,6 +22,7 @@ pub mod codec;
 pub mod error;
 pub mod grants;
 pub mod guard;
+pub mod integrity;
 pub mod memory;
 pub mod options;
 pub mod pci;

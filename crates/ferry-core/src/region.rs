@@ -210,6 +210,17 @@ impl RegionEntry {
         Ok(())
     }
 
+    /// The CRC32C of the `len` bytes at `offset`, read in place under a permit.
+    pub fn crc32c(&self, offset: u64, len: u64) -> Result<u32> {
+        self.check_range(offset, len)?;
+        let _permit = self.guard.enter().ok_or_else(|| self.gone())?;
+        // SAFETY: the range is inside the block (checked above), the block is valid while the entry
+        // lives and the permit keeps deregistration from completing. The bytes are only read; a peer
+        // or the owner may write them meanwhile (the sum then differs, which is what it reports).
+        let bytes = unsafe { std::slice::from_raw_parts(self.ptr_at(offset), len as usize) };
+        Ok(crate::integrity::crc32c(bytes))
+    }
+
     /// Makes the written ranges `(offset, len)` persistent in one batch, under a permit: once the
     /// region is being deregistered this fails and leaves the memory alone.
     pub fn persist(&self, ranges: &[(u64, u64)]) -> Result<()> {

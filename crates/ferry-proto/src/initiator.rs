@@ -37,6 +37,8 @@ pub enum OpKind {
     Read,
     /// A data-path setup reply (control stream only).
     Setup,
+    /// The checksums of a transfer with integrity (control stream only).
+    Sum,
 }
 
 /// A change to the peer's region table.
@@ -96,6 +98,13 @@ pub enum Event<P> {
         op: P,
         /// The target's setup data, or its refusal.
         result: Result<Vec<u8>>,
+    },
+    /// A checksum request is answered.
+    SumsAnswered {
+        /// The request's state.
+        op: P,
+        /// One CRC32C per range, or the target's refusal.
+        result: Result<Vec<u32>>,
     },
     /// The answer of an operation taken back locally: discard `payload_len` bytes that follow.
     Stale {
@@ -238,10 +247,10 @@ impl<P> Initiator<P> {
             return Err(self.closed_error());
         }
         let stream = stream.unwrap_or_else(|| self.least_loaded());
-        if kind == OpKind::Setup && !stream.is_control() {
-            return Err(Error::InvalidArgument(
-                "data-path setup goes on the control stream".into(),
-            ));
+        if matches!(kind, OpKind::Setup | OpKind::Sum) && !stream.is_control() {
+            return Err(Error::InvalidArgument(format!(
+                "a {kind:?} request goes on the control stream"
+            )));
         }
         let max = self.limits.max_outstanding_per_stream;
         let Some(s) = self.streams.get_mut(stream.get()) else {
@@ -324,6 +333,13 @@ impl<P> Initiator<P> {
                 let result = error.map_or(Ok(blob), |e| Err(e.into_error()));
                 Ok(match self.answer(stream, OpId(id), &[OpKind::Setup], true)? {
                     Some(op) => Event::SetupAnswered { op, result },
+                    None => Event::Stale { payload_len },
+                })
+            }
+            Frame::Sums { id, error, sums } if stream.is_control() => {
+                let result = error.map_or(Ok(sums), |e| Err(e.into_error()));
+                Ok(match self.answer(stream, OpId(id), &[OpKind::Sum], true)? {
+                    Some(op) => Event::SumsAnswered { op, result },
                     None => Event::Stale { payload_len },
                 })
             }

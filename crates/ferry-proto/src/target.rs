@@ -3,12 +3,13 @@
 //! A target serves each stream in order, one request at a time, and answers every request that asks
 //! for an answer on the same stream: so an initiator's commit, sent on a stream after the writes it
 //! persists, is served after them. The control stream additionally takes data-path setups (they
-//! belong to the link, which ends with the control stream). Anything an initiator never sends (a
+//! belong to the link, which ends with the control stream) and the checksum requests of transfers with
+//! integrity (sent once a transfer completed, over whichever data path it took). Anything an initiator never sends (a
 //! hello after the handshake, an acknowledgement, region updates) ends the stream with
 //! `Error::Protocol`: the peer is broken or hostile, and what follows cannot be trusted to be framed.
 
 use ferry_core::codec::{Decoded, Frame, Segment};
-use ferry_core::{Durability, Error, Notification, RegionKey, Result, TransportKind, WireError};
+use ferry_core::{Durability, Error, Notification, Op, RegionKey, Result, TransportKind, WireError};
 
 use crate::ids::{OpId, StreamIndex};
 
@@ -75,6 +76,17 @@ pub enum Request {
         kind: TransportKind,
         /// The transport's setup data.
         blob: Vec<u8>,
+    },
+    /// Answer with the CRC32C of each range as memory holds it now, to check a transfer with
+    /// integrity that did `op` there (control stream only).
+    Sum {
+        /// Echoed in the answer.
+        id: OpId,
+        /// The transfer it checks: the peer needs the access this operation needs, and read access
+        /// besides (a checksum tells something of the bytes).
+        op: Op,
+        /// The ranges.
+        segments: Vec<Segment>,
     },
     /// The initiator closes the link.
     Goodbye,
@@ -151,6 +163,11 @@ impl TargetStream {
                 kind,
                 blob,
             },
+            Frame::Sum { id, op, segments } if self.is_control() => Request::Sum {
+                id: OpId(id),
+                op,
+                segments,
+            },
             Frame::Goodbye => Request::Goodbye,
             other => {
                 return Err(Error::Protocol(format!(
@@ -186,6 +203,22 @@ pub fn setup_reply(id: OpId, result: Result<Vec<u8>>) -> Frame {
     }
 }
 
+/// The answer to a checksum request.
+pub fn sums_reply(id: OpId, result: Result<Vec<u32>>) -> Frame {
+    match result {
+        Ok(sums) => Frame::Sums {
+            id: id.0,
+            error: None,
+            sums,
+        },
+        Err(e) => Frame::Sums {
+            id: id.0,
+            error: Some(WireError::from(&e)),
+            sums: Vec::new(),
+        },
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -214,7 +247,26 @@ mod tests {
         };
         assert!(matches!(control.request(notify()), Ok(Request::Notify { .. })));
         assert!(matches!(other.request(notify()), Err(Error::Protocol(_))));
+        let sum = || Decoded {
+            frame: Frame::Sum {
+                id: 3,
+                op: Op::Write,
+                segments: vec![Segment {
+                    key: RegionKey(1),
+                    offset: 0,
+                    len: 8,
+                }],
+            },
+            payload_len: 0,
+        };
+        assert!(matches!(control.request(sum()), Ok(Request::Sum { op: Op::Write, .. })));
+        assert!(matches!(other.request(sum()), Err(Error::Protocol(_))));
         for frame in [
+            Frame::Sums {
+                id: 1,
+                error: None,
+                sums: vec![1],
+            },
             Frame::Ack { id: 1, error: None },
             Frame::ReadData { id: 1 },
             Frame::RegionTable { regions: Vec::new() },

@@ -331,7 +331,9 @@ impl Pair {
             }
             Ok(Event::RegionsChanged(update)) => update.apply(&mut self.mirror).unwrap(),
             Ok(Event::Stale { .. } | Event::Nothing) => {}
-            Ok(Event::SetupAnswered { .. }) => panic!("no setups in this harness"),
+            Ok(Event::SetupAnswered { .. } | Event::SumsAnswered { .. }) => {
+                panic!("no setups or checksum requests in this harness")
+            }
             Err(e) => self.close(e),
         }
     }

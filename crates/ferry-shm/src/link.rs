@@ -578,6 +578,7 @@ impl Inner {
             for i in &request.items {
                 let n = i.local.len as usize;
                 i.local.region.copy_in(i.local.offset, &read_buffer[at..at + n])?;
+                ferry_core::integrity::fault::landed(&i.local);
                 at += n;
             }
         }
@@ -682,9 +683,14 @@ fn copy_one(op: Op, item: &TransferItem, mapping: &Mapping) -> Option<Result<()>
     let Some(_local) = region.guard().enter() else {
         return Some(Err(region.gone()));
     };
+    let piece = piece(op, item, mapping);
     // SAFETY: both ranges were checked against the mapping and the region, and a permit of each is
-    // held until the copy ends; regions are never handed out as Rust references.
-    unsafe { copy_all(&[piece(op, item, mapping)]) };
+    // held until the copy ends (and the fault hook's write into the destination, which was just
+    // written); regions are never handed out as Rust references.
+    unsafe {
+        copy_all(std::slice::from_ref(&piece));
+        ferry_core::integrity::fault::landed_raw(piece.dst, piece.len);
+    }
     Some(Ok(()))
 }
 
@@ -735,6 +741,11 @@ async fn copy_mapped(
         // which no chunk is), so all stay mapped; a chunk's pieces lie inside those ranges; regions
         // are never handed out as Rust references, so the copies conflict with no borrow.
         unsafe { copy_all(chunk) };
+    }
+    for p in &pieces {
+        // SAFETY: as for the copies: each destination is writable, inside its range, under a permit
+        // still held.
+        unsafe { ferry_core::integrity::fault::landed_raw(p.dst, p.len) };
     }
     drop((local, remote));
     Ok(items

@@ -527,6 +527,7 @@ fn apply(ctx: &EngineContext, served: &Served, op: Op, durability: Durability, i
     if op == Op::Write {
         for (r, _) in &parts {
             r.region.block().check_backing()?;
+            ferry_core::integrity::fault::landed(r);
         }
         if durability == Durability::Persistent {
             // One flush per region per request, as on TCP, not one per range.

@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use ferry_core::codec::{Frame, Hello, HelloAck, Limits, ReadStatus};
+use ferry_core::codec::{Frame, Hello, HelloAck, Limits, ReadStatus, Segment};
 use ferry_core::sync::{Handoff, ShardedLock};
 use ferry_core::{
     AccessGuard, DataLink, DataProtection, Declined, Due, Durability, Error, Notification, Op, PeerIdentity,
@@ -110,6 +110,7 @@ type Submitted = (StreamIndex, oneshot::Receiver<Result<()>>);
 enum Waiter {
     Op(Pending),
     Setup(oneshot::Sender<Result<Vec<u8>>>),
+    Sums(oneshot::Sender<Result<Vec<u32>>>),
 }
 
 impl Waiter {
@@ -119,6 +120,9 @@ impl Waiter {
                 let _ = p.done.send(Err(error));
             }
             Waiter::Setup(s) => {
+                let _ = s.send(Err(error));
+            }
+            Waiter::Sums(s) => {
                 let _ = s.send(Err(error));
             }
         }
@@ -921,6 +925,12 @@ async fn read_loop(shared: Arc<Shared>, stream: StreamIndex, mut reader: FrameRe
                 }
                 Ok(())
             }
+            Ok(Event::SumsAnswered { op, result }) => {
+                if let Waiter::Sums(s) = op {
+                    let _ = s.send(result);
+                }
+                Ok(())
+            }
             Ok(Event::Stale { payload_len }) => reader.discard(payload_len).await,
             Ok(Event::RegionsChanged(update)) => shared.mirror_regions(update),
             Ok(Event::Nothing) => Ok(()),
@@ -948,7 +958,10 @@ async fn land_read(shared: &Shared, op: Waiter, payload_len: u64, reader: &mut F
             let landed = reader.read_parts(part, Some(&caller)).await?;
             let status = read_status_byte(reader).await?;
             match source_intact(shared, status).and_then(|()| landed_in(&part[0].region, landed)) {
-                Ok(()) => commit_for_caller(&caller, part).await,
+                Ok(()) => {
+                    ferry_core::integrity::fault::landed(&part[0]);
+                    commit_for_caller(&caller, part).await
+                }
                 Err(e) => Err(e),
             }
         }
@@ -971,7 +984,10 @@ async fn land_read(shared: &Shared, op: Waiter, payload_len: u64, reader: &mut F
                 None => Err(abandoned()),
             });
             match copied {
-                Ok(()) => commit_for_caller(&caller, &parts).await,
+                Ok(()) => {
+                    parts.iter().for_each(ferry_core::integrity::fault::landed);
+                    commit_for_caller(&caller, &parts).await
+                }
                 Err(e) => Err(e),
             }
         }
@@ -1057,6 +1073,69 @@ fn scatter(parts: &[Resolved], buf: &[u8]) -> Result<()> {
         at += n;
     }
     result
+}
+
+/// Ranges per checksum request: a request's body stays well inside a frame's (24 bytes a range).
+const SUM_SEGMENTS_PER_FRAME: usize = 4096;
+
+impl TcpLink {
+    /// The CRC32C of each of `segments` (the peer's names of its regions) as the peer's memory holds
+    /// it now, to check a transfer with integrity that did `op` there; by `deadline` if given, else
+    /// `Timeout`. Over the control stream, in requests of at most [`SUM_SEGMENTS_PER_FRAME`] ranges,
+    /// all in flight at once.
+    pub fn sums(
+        &self,
+        op: ferry_core::Op,
+        segments: Vec<Segment>,
+        deadline: Option<Instant>,
+    ) -> BoxFuture<'static, Result<Vec<u32>>> {
+        let shared = self.shared.clone();
+        Box::pin(async move {
+            let mut answers = Vec::new();
+            for chunk in segments.chunks(SUM_SEGMENTS_PER_FRAME) {
+                answers.push(request_sums(&shared, op, chunk.to_vec(), deadline)?);
+            }
+            let mut sums = Vec::with_capacity(segments.len());
+            for (answer, chunk) in answers.into_iter().zip(segments.chunks(SUM_SEGMENTS_PER_FRAME)) {
+                let got = answer.await.map_err(|_| shared.closed_error())??;
+                if got.len() != chunk.len() {
+                    return Err(Error::Protocol(format!(
+                        "{} answered a request for {} checksums with {}",
+                        shared.peer,
+                        chunk.len(),
+                        got.len()
+                    )));
+                }
+                sums.extend(got);
+            }
+            Ok(sums)
+        })
+    }
+}
+
+/// Sends one checksum request on the control stream; its answer comes on the receiver.
+fn request_sums(
+    shared: &Shared,
+    op: ferry_core::Op,
+    segments: Vec<Segment>,
+    deadline: Option<Instant>,
+) -> Result<oneshot::Receiver<Result<Vec<u32>>>> {
+    let (tx, rx) = oneshot::channel();
+    let (stream, id, sooner) = {
+        let mut proto = shared.proto()?;
+        let (stream, id) = proto.start(Some(StreamIndex::CONTROL), OpKind::Sum, 0, deadline, Waiter::Sums(tx))?;
+        let sooner = deadline.is_some_and(|at| shared.nanos(at) < shared.timer_at.load(Ordering::Relaxed));
+        (stream, id, sooner)
+    };
+    if sooner {
+        shared.timer_moved.notify_one();
+    }
+    let frame = Frame::Sum { id: id.0, op, segments };
+    if let Err(e) = shared.send(stream, Outgoing::Frame(frame)) {
+        let _ = shared.proto().map(|mut p| p.take(stream, id));
+        return Err(e);
+    }
+    Ok(rx)
 }
 
 impl ferry_core::SetupExchange for TcpLink {

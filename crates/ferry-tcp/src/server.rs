@@ -25,7 +25,7 @@ use ferry_core::{
 };
 use ferry_proto::handshake::{BEFORE_ADMISSION, refuse_anonymously};
 use ferry_proto::setup::MAX_PATHS_PER_LINK;
-use ferry_proto::target::{ack, setup_reply};
+use ferry_proto::target::{ack, setup_reply, sums_reply};
 use ferry_proto::{
     Admission, AdmissionLimits, AdmissionTable, AdvertQueue, Arrival, Identity, LinkLimits, LinkRegistry, LinkToken,
     OpId, Opener, Proven, Request, Sealer, SetupBudget, Stage, StreamIndex, TargetStream, Ticket, WrittenRanges,
@@ -721,6 +721,7 @@ async fn serve_requests(
             Request::Setup { id, kind, blob } => {
                 setup_reply(id, serve_setup(&shared, &link, reader.peer(), kind, &blob))
             }
+            Request::Sum { id, op, segments } => sums_reply(id, serve_sums(ctx, who, op, &segments).await),
             Request::Goodbye => {
                 writer.shutdown().await;
                 return Ok(());
@@ -938,6 +939,30 @@ async fn resolve_reads(
     Ok(parts)
 }
 
+/// The CRC32C of each range a transfer with integrity wrote or read here, as memory holds it now (for
+/// memory staged in front of a device, after a copy from the device). A checksum tells something of
+/// the bytes, so the peer needs read access besides the access of the operation it checks.
+async fn serve_sums(ctx: &EngineContext, who: &PeerView, op: Op, segments: &[Segment]) -> Result<Vec<u32>> {
+    let mut parts = Vec::with_capacity(segments.len());
+    for s in segments {
+        if op == Op::Write {
+            ctx.resolve(who, s.key, s.offset, s.len, Op::Write)?;
+        }
+        let part = ctx
+            .resolve(who, s.key, s.offset, s.len, Op::Read)
+            .map_err(|e| match e {
+                Error::PermissionDenied(m) if op == Op::Write => Error::PermissionDenied(format!(
+                    "{m}; an integrity check reads the written range's checksum back, which needs read access: \
+                 grant the peer READ as well, or write without integrity"
+                )),
+                other => other,
+            })?;
+        parts.push(part);
+    }
+    crate::blocking::prepare_read(&parts).await?;
+    crate::blocking::sums(parts).await
+}
+
 /// Reads a write's payload into the resolved `parts` and commits them (a staged block's device
 /// copy). The outer error breaks the stream; the inner result is the operation's.
 async fn land(reader: &mut FrameReader, parts: &[Resolved]) -> Result<Result<()>> {
@@ -945,6 +970,7 @@ async fn land(reader: &mut FrameReader, parts: &[Resolved]) -> Result<Result<()>
     if reader.read_parts(parts, None).await? != Landed::Written {
         return Ok(Err(access_error(parts)));
     }
+    parts.iter().for_each(ferry_core::integrity::fault::landed);
     // A staged block's device copies: off the runtime, under a permit.
     Ok(crate::blocking::commit_written(parts).await)
 }

@@ -50,6 +50,7 @@ pub struct EngineBuilder {
     pub(crate) name: Option<String>,
     pub(crate) directory: Option<DirectoryHandle>,
     pub(crate) path_policy: PathPolicy,
+    pub(crate) integrity: bool,
 }
 
 /// A directory as the builder keeps it (the trait object has no `Debug`).
@@ -87,6 +88,7 @@ impl Default for EngineBuilder {
             name: None,
             directory: None,
             path_policy: PathPolicy::Any,
+            integrity: false,
         }
     }
 }
@@ -290,6 +292,18 @@ impl EngineBuilder {
     /// by default. [`Engine::connect_with`](crate::Engine::connect_with) sets it for one link.
     pub fn path_policy(mut self, policy: PathPolicy) -> Self {
         self.path_policy = policy;
+        self
+    }
+
+    /// Whether transfers check their bytes end to end unless one says otherwise
+    /// ([`TransferOptions::integrity`](crate::TransferOptions::integrity)); off by default. A transfer
+    /// with integrity completes `Ok` only if the CRC32C of every range at the destination, after it
+    /// landed, is the one it had at the source; else [`Error::Integrity`](crate::Error::Integrity)
+    /// (retryable). It costs a round trip over the control link and a checksum pass over the bytes
+    /// at each end, and is offered over TCP and shared memory (an RDMA link refuses it with
+    /// `Unsupported`, naming why).
+    pub fn integrity(mut self, on: bool) -> Self {
+        self.integrity = on;
         self
     }
 

@@ -596,17 +596,20 @@ impl Engine {
     }
 
     /// Checks and resolves a batch of one-sided operations on `peer` now, and returns the future
-    /// that runs it ([`Transfer`], a named type) under `options`: durability, timeout, deadline. Every
-    /// transfer goes through here; the calls below are conveniences over it. Every error a descriptor
-    /// can cause comes back here (`InvalidArgument`, `OutOfBounds`, `PermissionDenied` naming the
-    /// descriptor); the future's own errors are the link's and the time bounds'.
+    /// that runs it ([`Transfer`], a named type) under `options`: durability, timeout, deadline,
+    /// integrity. Every transfer goes through here; the calls below are conveniences over it. Every
+    /// error a descriptor can cause comes back here (`InvalidArgument`, `OutOfBounds`,
+    /// `PermissionDenied` naming the descriptor), and `Unsupported` for integrity on a link that cannot
+    /// check it; the future's own errors are the link's, the time bounds' and the check's
+    /// (`Integrity`).
     pub fn start(&self, peer: &Peer, op: Op, descs: &[TransferDesc], options: TransferOptions) -> Result<Transfer> {
         let request = self.resolve_request(peer, op, descs, options.durability)?;
-        Transfer::new(peer, request, options.timeout, options.deadline)
+        let integrity = options.integrity.unwrap_or(self.inner.options.integrity);
+        Transfer::new(peer, request, options.timeout, options.deadline, integrity)
     }
 
-    /// Starts a batch [prepared](Self::prepare) before, under `options`' time bounds (its durability
-    /// was fixed when it was prepared).
+    /// Starts a batch [prepared](Self::prepare) before, under `options`' time bounds and integrity
+    /// (its durability was fixed when it was prepared).
     pub fn start_prepared(&self, prepared: &PreparedTransfer, options: TransferOptions) -> Result<Transfer> {
         self.check_peer(&prepared.peer)?;
         Transfer::new(
@@ -614,6 +617,7 @@ impl Engine {
             prepared.request.clone(),
             options.timeout,
             options.deadline,
+            options.integrity.unwrap_or(self.inner.options.integrity),
         )
     }
 

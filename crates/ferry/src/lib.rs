@@ -31,6 +31,7 @@ mod interfaces;
 pub mod mapped;
 pub mod metrics;
 mod notify;
+mod verify;
 /// The text forms of the RDMA overrides (`FERRY_RDMA_NUMA`, `FERRY_RDMA_DEVICE_RAILS`), parsed, for
 /// command lines that take them as options.
 #[cfg(feature = "rdma")]
@@ -50,6 +51,7 @@ pub use builder::{
 pub use capabilities::{Capabilities, RdmaRail, TransportInfo, TransportOptions, capabilities};
 pub use directory::{Directory, EngineRecord, MemberEvent};
 pub use engine::{Engine, PreparedTransfer};
+pub use ferry_core::integrity;
 pub use ferry_core::{
     Access, BufferPool, DataProtection, DmaView, Durability, Error, ErrorCode, Grants, MemoryBlock, MemoryRegistry,
     Notification, Op, PciAddress, PeerIdentity, PersistMethod, PersistStats, RailStats, ReceivedNotification, RegionAd,

@@ -12,6 +12,7 @@ use futures::future::BoxFuture;
 use tokio::task::JoinHandle;
 
 use crate::peer::Peer;
+use crate::verify::Check;
 
 /// Where a transfer stands (HIXL `TransferStatus`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -111,6 +112,9 @@ pub struct TransferOptions {
     /// An instant the batch must also end by, whichever bound comes first; one already passed fails
     /// it at once, with nothing sent. For callers that carry a deadline across calls (retries).
     pub deadline: Option<Instant>,
+    /// Whether the batch checks its bytes end to end (see [`EngineBuilder::integrity`](
+    /// crate::EngineBuilder::integrity)); `None`: as the engine was built.
+    pub integrity: Option<bool>,
 }
 
 impl TransferOptions {
@@ -120,7 +124,17 @@ impl TransferOptions {
             durability: Durability::Completed,
             timeout,
             deadline: None,
+            integrity: None,
         }
+    }
+
+    /// With the bytes checked end to end, or not, whatever the engine's default: the batch completes
+    /// `Ok` only if every range's CRC32C at the destination, after it landed, is the source's; else
+    /// `Error::Integrity` (retryable), and for a READ nothing is promised about the destination's
+    /// bytes.
+    pub const fn integrity(mut self, on: bool) -> Self {
+        self.integrity = Some(on);
+        self
     }
 
     /// With writes complete at `durability`.
@@ -155,16 +169,23 @@ pub struct Transfer {
     peer: Peer,
     /// When it started, where the engine keeps metrics.
     metered: Option<Instant>,
+    run: Run,
+    descriptors: usize,
+    span: tracing::Span,
+}
+
+/// What a transfer's polls advance.
+struct Run {
     work: Work,
     timeout: Duration,
     /// Armed at the first `Pending`, where the link does not bound the batch itself.
     timer: Timer,
     op: Op,
     durability: Durability,
-    descriptors: usize,
+    /// The end-to-end check still to run, for a batch with integrity.
+    check: Option<Box<Check>>,
     /// What the metrics, the span and the coop budget ([`charge_copy`]) count.
     bytes: u64,
-    span: tracing::Span,
 }
 
 enum Work {
@@ -175,6 +196,8 @@ enum Work {
     Started(BoxFuture<'static, Result<Declined>>),
     /// What the data link left to the control link ([`Declined`]), on its way there.
     Declined(BoxFuture<'static, Result<Declined>>),
+    /// The end-to-end check of a batch with integrity, once its data moved.
+    Checking(BoxFuture<'static, Result<()>>),
     /// Between taking an unstarted request out and starting its future; never seen by a poll.
     Taken,
 }
@@ -194,9 +217,10 @@ impl std::fmt::Debug for Transfer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Transfer")
             .field("peer", &self.peer.addr())
-            .field("op", &self.op)
+            .field("op", &self.run.op)
             .field("descriptors", &self.descriptors)
-            .field("timeout", &self.timeout)
+            .field("timeout", &self.run.timeout)
+            .field("integrity", &self.run.check.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -208,13 +232,15 @@ impl Transfer {
     ///
     /// The clock is read once here, for both bounds, and only where something needs it: a link that
     /// bounds batches itself takes the instant they make ([`Due`]); elsewhere, a transfer without a
-    /// deadline reads none until its first poll finds it unfinished (see [`poll_bounded`]).
+    /// deadline reads none until its first poll finds it unfinished (see [`Run::poll_bounded`]).
     pub(crate) fn new(
         peer: &Peer,
         request: TransferRequest,
         timeout: Duration,
         deadline: Option<Instant>,
+        integrity: bool,
     ) -> Result<Self> {
+        let mut check = integrity.then(|| Check::of(peer, &request)).transpose()?;
         let (op, durability, descriptors) = (request.op, request.durability, request.items.len());
         let data = &peer.inner.data;
         let link_bounds = data.bounds_transfers();
@@ -241,6 +267,9 @@ impl Transfer {
         );
         let bytes = request.items.iter().map(|i| i.len()).sum();
         span.record("bytes", bytes);
+        if let Some(check) = &mut check {
+            check.due = due;
+        }
         let (work, timer, timeout) = match link_bounds {
             true => (Work::Started(data.transfer_within(request, due)), Timer::Link, timeout),
             // With a deadline the timer ends at the instant both bounds make; without, it counts the
@@ -258,13 +287,16 @@ impl Transfer {
         Ok(Transfer {
             peer: peer.clone(),
             metered: now.filter(|_| metered),
-            work,
-            timeout,
-            timer,
-            op,
-            durability,
+            run: Run {
+                work,
+                timeout,
+                timer,
+                op,
+                durability,
+                check,
+                bytes,
+            },
             descriptors,
-            bytes,
             span,
         })
     }
@@ -321,82 +353,89 @@ fn charge_copy(cx: &mut Context<'_>, bytes: u64) {
 ///
 /// A batch that finished on its first poll was moved by this thread in it (a same-host copy): beyond
 /// the unit of budget every poll takes, it is charged by its size ([`charge_copy`]).
-fn poll_bounded(
-    peer: &Peer,
-    (op, durability): (Op, Durability),
-    work: &mut Work,
-    timer: &mut Timer,
-    timeout: Duration,
-    bytes: u64,
-    cx: &mut Context<'_>,
-) -> Poll<std::result::Result<(), Option<Error>>> {
-    // Whether the link's future is polled for the first time, in the poll that started it.
-    let mut fresh = false;
-    if let Work::Unstarted(request) = work {
-        // Running inline never waits, so it takes a unit of the task's budget, as a future that
-        // completes at once should: a caller transferring in a loop still yields to other tasks.
-        // Out of budget, nothing has started yet and nothing needs bounding.
-        let budget = ready!(tokio::task::coop::poll_proceed(cx));
-        if let Some(done) = peer.inner.data.transfer_now(request) {
-            budget.made_progress();
-            if done.is_ok() {
-                charge_copy(cx, bytes);
+impl Run {
+    fn poll_bounded(&mut self, peer: &Peer, cx: &mut Context<'_>) -> Poll<std::result::Result<(), Option<Error>>> {
+        // Whether the link's future is polled for the first time, in the poll that started it.
+        let mut fresh = false;
+        if let Work::Unstarted(request) = &mut self.work {
+            // Running inline never waits, so it takes a unit of the task's budget, as a future that
+            // completes at once should: a caller transferring in a loop still yields to other tasks.
+            // Out of budget, nothing has started yet and nothing needs bounding. A batch with a check
+            // to run is never done inline.
+            let budget = ready!(tokio::task::coop::poll_proceed(cx));
+            if self.check.is_none()
+                && let Some(done) = peer.inner.data.transfer_now(request)
+            {
+                budget.made_progress();
+                if done.is_ok() {
+                    charge_copy(cx, self.bytes);
+                }
+                return Poll::Ready(done.map_err(Some));
             }
-            return Poll::Ready(done.map_err(Some));
-        }
-        if let Work::Unstarted(request) = std::mem::replace(work, Work::Taken) {
-            *work = Work::Started(peer.inner.data.transfer(request));
-            fresh = true;
-        }
-    }
-    loop {
-        let (future, on_data_link) = match work {
-            Work::Started(future) => (future, true),
-            Work::Declined(future) => (future, false),
-            // Only a link that panicked in `transfer` leaves it taken.
-            _ => {
-                return Poll::Ready(Err(Some(Error::Internal(
-                    "the link failed to start the transfer".into(),
-                ))));
+            if let Work::Unstarted(request) = std::mem::replace(&mut self.work, Work::Taken) {
+                self.work = Work::Started(peer.inner.data.transfer(request));
+                fresh = true;
             }
-        };
-        let declined = match future.as_mut().poll(cx) {
-            Poll::Pending => break,
-            Poll::Ready(Err(e)) => return Poll::Ready(Err(Some(e))),
-            Poll::Ready(Ok(declined)) if declined.is_empty() => {
+        }
+        loop {
+            let (future, on_data_link) = match &mut self.work {
+                Work::Started(future) => (future, true),
+                Work::Declined(future) => (future, false),
+                Work::Checking(check) => match check.as_mut().poll(cx) {
+                    Poll::Pending => break,
+                    Poll::Ready(done) => return Poll::Ready(done.map_err(Some)),
+                },
+                // Only a link that panicked in `transfer` leaves it taken.
+                _ => {
+                    return Poll::Ready(Err(Some(Error::Internal(
+                        "the link failed to start the transfer".into(),
+                    ))));
+                }
+            };
+            let declined = match future.as_mut().poll(cx) {
+                Poll::Pending => break,
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(Some(e))),
+                Poll::Ready(Ok(declined)) => declined,
+            };
+            if declined.is_empty() {
+                // The data moved: check it where asked, within what is left of the batch's bound.
+                if let Some(check) = self.check.take() {
+                    let due = check.due.or_else(|| due_of(&mut self.timer, self.timeout));
+                    self.work = Work::Checking((*check).run(peer, due));
+                    continue;
+                }
                 if fresh {
-                    charge_copy(cx, bytes);
+                    charge_copy(cx, self.bytes);
                 }
                 return Poll::Ready(Ok(()));
             }
-            Poll::Ready(Ok(declined)) => declined,
-        };
-        if !on_data_link {
-            return Poll::Ready(Err(Some(Error::Internal(format!(
-                "the control link declined {} items of a batch; it reaches every region",
-                declined.len()
-            )))));
+            if !on_data_link {
+                return Poll::Ready(Err(Some(Error::Internal(format!(
+                    "the control link declined {} items of a batch; it reaches every region",
+                    declined.len()
+                )))));
+            }
+            // The rest goes over the control link, within what is left of the batch's bound.
+            fresh = false;
+            let due = due_of(&mut self.timer, self.timeout);
+            let request = TransferRequest {
+                op: self.op,
+                durability: self.durability,
+                items: declined.into_items(),
+            };
+            self.work = Work::Declined(peer.inner.control.transfer_within(request, due));
         }
-        // The rest goes over the control link, within what is left of the batch's bound.
-        fresh = false;
-        let due = due_of(timer, timeout);
-        let request = TransferRequest {
-            op,
-            durability,
-            items: declined.into_items(),
-        };
-        *work = Work::Declined(peer.inner.control.transfer_within(request, due));
-    }
-    if let Timer::Unarmed(until) = *timer {
-        let sleep = match until {
-            Some(at) => tokio::time::sleep_until(at.into()),
-            None => tokio::time::sleep(timeout),
-        };
-        *timer = Timer::Armed(Box::pin(sleep));
-    }
-    match timer {
-        Timer::Armed(sleep) => sleep.as_mut().poll(cx).map(|()| Err(None)),
-        _ => Poll::Pending,
+        if let Timer::Unarmed(until) = self.timer {
+            let sleep = match until {
+                Some(at) => tokio::time::sleep_until(at.into()),
+                None => tokio::time::sleep(self.timeout),
+            };
+            self.timer = Timer::Armed(Box::pin(sleep));
+        }
+        match &mut self.timer {
+            Timer::Armed(sleep) => sleep.as_mut().poll(cx).map(|()| Err(None)),
+            _ => Poll::Pending,
+        }
     }
 }
 
@@ -424,20 +463,13 @@ impl Future for Transfer {
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<()>> {
         let this = self.get_mut();
         let entered = this.span.enter();
-        let result = ready!(poll_bounded(
-            &this.peer,
-            (this.op, this.durability),
-            &mut this.work,
-            &mut this.timer,
-            this.timeout,
-            this.bytes,
-            cx
-        ))
-        .map_err(|e| e.unwrap_or_else(|| Error::transfer_timeout(this.descriptors, this.peer.addr(), this.timeout)));
+        let run = &mut this.run;
+        let result = ready!(run.poll_bounded(&this.peer, cx))
+            .map_err(|e| e.unwrap_or_else(|| Error::transfer_timeout(this.descriptors, this.peer.addr(), run.timeout)));
         if let Some(started) = &this.metered
             && let Some(metrics) = &this.peer.inner.metrics
         {
-            metrics.record(this.op, this.descriptors, this.bytes, started.elapsed(), &result);
+            metrics.record(run.op, this.descriptors, run.bytes, started.elapsed(), &result);
         }
         if !this.span.is_disabled() {
             match &result {

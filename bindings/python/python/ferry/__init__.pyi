@@ -3,6 +3,7 @@ import enum
 from ._errors import (
     AlreadyConnected as AlreadyConnected,
     Error as Error,
+    Integrity as Integrity,
     Internal as Internal,
     InvalidArgument as InvalidArgument,
     IoError as IoError,
@@ -66,5 +67,6 @@ __all__ = [
     "PeerClosed",
     "Protocol",
     "Internal",
+    "Integrity",
     "IoError",
 ]

@@ -82,6 +82,15 @@ class Internal(Error):
     code = "internal"
 
 
+class Integrity(Error):
+    """A transfer that asked for integrity found the destination's bytes differ from the source's
+    (their checksums): corrupted on the way or after landing, or changed at either end while it ran.
+    For a read, nothing is promised about the destination's bytes. Retryable."""
+
+    code = "integrity"
+    retryable = True
+
+
 class IoError(Error, OSError):
     """An operating-system call failed."""
 
@@ -101,5 +110,6 @@ __all__ = [
     "PeerClosed",
     "Protocol",
     "Internal",
+    "Integrity",
     "IoError",
 ]

@@ -1,0 +1,121 @@
+//! End-to-end integrity of a transfer, when asked: the checksum of each range where it left the
+//! source memory against the one where it landed in the destination memory.
+//!
+//! The sums are CRC32C (Castagnoli), as iSCSI, ext4 and RDMA's own ICRC-free paths use: it catches
+//! every burst of up to 32 flipped bits and every odd number of flipped bits, which covers what a
+//! NIC, a cable, a proxy or a stray store does to a range, and it runs near memory speed on one core
+//! (see the workspace's `crc-fast` note). It is not a MAC: against a network that forges bytes on
+//! purpose, authenticated links' protected data streams are the defence.
+//!
+//! The engine asks the target for the sums of the ranges a completed transfer wrote or read there
+//! (`Frame::Sum` on the control link), takes its own of the local ranges, and completes the transfer
+//! `Ok` only if they agree ([`Error::Integrity`](crate::Error::Integrity) otherwise). The target sums
+//! what its memory holds after the transfer's bytes landed (for memory staged in front of a device,
+//! after a copy from the device: the device's bytes).
+
+use crate::error::Result;
+use crate::region::Resolved;
+
+/// The CRC32C of `bytes`.
+pub fn crc32c(bytes: &[u8]) -> u32 {
+    crc_fast::checksum(crc_fast::CrcAlgorithm::Crc32Iscsi, bytes) as u32
+}
+
+/// The CRC32C of a resolved range, read in place under a permit of its region's guard. Memory staged
+/// in front of a device holds the device's bytes only after the block's `prepare_read` hook ran for
+/// the range: the caller runs it first.
+pub fn sum(range: &Resolved) -> Result<u32> {
+    range.region.crc32c(range.offset, range.len)
+}
+
+/// Faults for tests: bytes changed after they landed, where no transport's own check can see it.
+///
+/// Built only with the `fault-hooks` feature (test builds); without it every call here does
+/// nothing and is compiled away. Transports call [`landed`] (or [`landed_raw`]) right after a
+/// transfer's bytes reached their destination memory: over TCP where the target lands a write and
+/// where the initiator lands a read, over shared memory after each copy.
+pub mod fault {
+    #[cfg(feature = "fault-hooks")]
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    use crate::region::Resolved;
+
+    /// How many of the next landings flip a byte.
+    #[cfg(feature = "fault-hooks")]
+    static FLIPS: AtomicU64 = AtomicU64::new(0);
+
+    /// Makes the next landing, on any transport in this process, flip the first byte it landed after
+    /// it landed. Only with the `fault-hooks` feature; without it, `false` and nothing happens.
+    pub fn flip_next_landing() -> bool {
+        #[cfg(feature = "fault-hooks")]
+        {
+            FLIPS.fetch_add(1, Ordering::AcqRel);
+            true
+        }
+        #[cfg(not(feature = "fault-hooks"))]
+        false
+    }
+
+    /// Disarms every armed flip; how many were armed.
+    pub fn disarm() -> u64 {
+        #[cfg(feature = "fault-hooks")]
+        {
+            FLIPS.swap(0, Ordering::AcqRel)
+        }
+        #[cfg(not(feature = "fault-hooks"))]
+        0
+    }
+
+    /// Whether a landing should flip a byte now (and counts it taken).
+    #[cfg(feature = "fault-hooks")]
+    fn take() -> bool {
+        FLIPS
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
+            .is_ok()
+    }
+
+    /// The bytes of `range` just landed in its region.
+    #[inline(always)]
+    pub fn landed(range: &Resolved) {
+        #[cfg(feature = "fault-hooks")]
+        if range.len > 0 && FLIPS.load(Ordering::Acquire) > 0 && take() {
+            let mut b = [0u8; 1];
+            if range.region.copy_out(range.offset, &mut b).is_ok() {
+                b[0] ^= 0x5a;
+                let _ = range.region.copy_in(range.offset, &b);
+                tracing::warn!(offset = range.offset, "fault hook: flipped a byte after it landed");
+            }
+        }
+        #[cfg(not(feature = "fault-hooks"))]
+        let _ = range;
+    }
+
+    /// `len` bytes just landed at `ptr`, memory the caller may write (a peer's mapped region).
+    ///
+    /// # Safety
+    ///
+    /// `ptr..ptr + len` is memory the caller may write, as it just did.
+    #[inline(always)]
+    pub unsafe fn landed_raw(ptr: *mut u8, len: usize) {
+        #[cfg(feature = "fault-hooks")]
+        if len > 0 && FLIPS.load(Ordering::Acquire) > 0 && take() {
+            // SAFETY: the caller's promise: `ptr` is writable memory it just wrote.
+            unsafe { *ptr ^= 0x5a };
+            tracing::warn!("fault hook: flipped a byte after it landed");
+        }
+        #[cfg(not(feature = "fault-hooks"))]
+        let _ = (ptr, len);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn crc32c_is_castagnoli() {
+        // The check value of CRC-32/ISCSI.
+        assert_eq!(crc32c(b"123456789"), 0xE306_9283);
+        assert_eq!(crc32c(&[]), 0);
+    }
+}
