@@ -124,6 +124,7 @@ const fn write(size: &'static str, batch: u32, streams: Option<u32>, depth: Opti
         tls: Tls::Off,
         transport: None,
         metrics: false,
+        integrity: false,
     }
 }
 
@@ -168,6 +169,14 @@ const MEASURES: &[Measure] = &[
         probe: Probe::Iperf3 { streams: 1 },
     },
     ferry("ferry write 1MiB", WRITE_1MIB, Metric::GbPerS),
+    ferry(
+        "ferry write 1MiB, integrity",
+        FerryCase {
+            integrity: true,
+            ..WRITE_1MIB
+        },
+        Metric::GbPerS,
+    ),
     Measure {
         key: "python write 1MiB",
         probe: Probe::Python {
@@ -248,6 +257,14 @@ const MEASURES: &[Measure] = &[
     ),
     ferry("ferry write 1MiB x8", write("1MiB", 8, None, None), Metric::GbPerS),
     ferry("ferry KV 64KiB x256 scattered", kv_blocks("64KiB", 256), Metric::GbPerS),
+    ferry(
+        "ferry KV 64KiB x256 scattered, integrity",
+        FerryCase {
+            integrity: true,
+            ..kv_blocks("64KiB", 256)
+        },
+        Metric::GbPerS,
+    ),
     ferry("ferry KV 16KiB x128 scattered", kv_blocks("16KiB", 128), Metric::GbPerS),
     ferry(
         "ferry write 4KiB x15000",
@@ -625,6 +642,26 @@ const COMPARISONS: &[Comparison] = &[
         peer_scale: 2.0,
         unit: Unit::Micros,
         target: Target::RatioAtMost(1.5),
+    },
+    // Integrity costs a checksum pass at each end (CRC32C folded with carry-less multiplies, about
+    // 57 GB/s on one core here) and a round trip after each batch; both ends share this machine's cores.
+    Comparison {
+        id: "ci",
+        name: "write 1MiB with integrity / without",
+        ferry: "ferry write 1MiB, integrity",
+        peer: Some("ferry write 1MiB"),
+        peer_scale: 1.0,
+        unit: Unit::GbPerS,
+        target: Target::RatioAtLeast(0.85),
+    },
+    Comparison {
+        id: "ci2",
+        name: "KV 64KiB x256 scattered with integrity / without",
+        ferry: "ferry KV 64KiB x256 scattered, integrity",
+        peer: Some("ferry KV 64KiB x256 scattered"),
+        peer_scale: 1.0,
+        unit: Unit::GbPerS,
+        target: Target::RatioAtLeast(0.8),
     },
     Comparison {
         id: "n",

@@ -47,6 +47,8 @@ pub struct FerryCase {
     pub transport: Option<&'static str>,
     /// `--metrics`: the initiator keeps Prometheus metrics.
     pub metrics: bool,
+    /// `--integrity`: every transfer checks its bytes end to end.
+    pub integrity: bool,
 }
 
 /// How a bench case authenticates its link: not at all, or mutual TLS with its data streams
@@ -86,6 +88,9 @@ impl FerryCase {
         }
         if self.metrics {
             args.push("--metrics".into());
+        }
+        if self.integrity {
+            args.push("--integrity".into());
         }
         match self.tls {
             Tls::Off => {}

@@ -26,7 +26,10 @@ use crate::transfer::{self, PreparedTransfer, TransferHandle};
 /// `ferry serve` uses, when not given), on a lease of
 /// `directory_ttl` seconds, and `connect_by_name` finds others there. `path_policy` ("any", the
 /// default, or transports such as "rdma" or "shm,rdma") is which data paths its links may take: a
-/// link that can take none of them fails at `connect` instead of falling back. Close it with `close()` or
+/// link that can take none of them fails at `connect` instead of falling back. With `integrity=True`
+/// every transfer checks its bytes end to end (CRC32C at the source, and at the destination after
+/// they landed) and fails with `ferry.Integrity` (retryable) when they differ; over TCP and shared
+/// memory. Close it with `close()` or
 /// use it as a context manager (plain or `async with`).
 #[pyclass(module = "ferry._ferry", frozen)]
 pub struct Engine {
@@ -131,7 +134,7 @@ impl Engine {
         max_inflight_bytes = None, max_pending_notifications = None, name = None,
         tls_cert = None, tls_key = None, tls_ca = None, tls_psk = None, tls_name = None,
         tls_server_name = None, encrypt = false, data_protection = None, directory = None,
-        directory_prefix = None, directory_ttl = 10.0, path_policy = None,
+        directory_prefix = None, directory_ttl = 10.0, path_policy = None, integrity = false,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -156,8 +159,9 @@ impl Engine {
         directory_prefix: Option<String>,
         directory_ttl: f64,
         path_policy: Option<String>,
+        integrity: bool,
     ) -> PyResult<Self> {
-        let mut builder = ferry::Engine::builder();
+        let mut builder = ferry::Engine::builder().integrity(integrity);
         let protection = match (data_protection, encrypt) {
             (Some(_), true) => {
                 return Err(errors::invalid(

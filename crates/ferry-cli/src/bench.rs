@@ -77,6 +77,10 @@ pub struct Args {
     /// Keep the initiator engine's metrics (`EngineBuilder::metrics`), to measure what they cost.
     #[arg(long)]
     metrics: bool,
+    /// Check every transfer's bytes end to end (`EngineBuilder::integrity`: CRC32C at the source and
+    /// at the destination after landing), to measure what it costs.
+    #[arg(long)]
+    integrity: bool,
     /// The file the in-process target registers as persistent memory (created or extended as
     /// needed); a temporary file by default. Only with --durability persistent or both.
     #[arg(long)]
@@ -119,6 +123,8 @@ struct CaseResult {
     scatter: bool,
     /// Whether the batch was prepared once and posted again and again (`--prepared`).
     prepared: bool,
+    /// Whether every transfer checked its bytes end to end (`--integrity`).
+    integrity: bool,
     /// Each RDMA rail's bytes and errors since the link was set up (empty for a link of one path).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     rails: Vec<Rail>,
@@ -230,7 +236,8 @@ async fn setup(args: &Args, max_bytes: u64) -> anyhow::Result<Setup> {
         Engine::builder()
             .transports([want])
             .streams(args.streams)
-            .buffer_pool(&args.buffer_pool),
+            .buffer_pool(&args.buffer_pool)
+            .integrity(args.integrity),
     )?;
     if let Some(tls) = initiator_tls {
         initiator = initiator.tls(tls);
@@ -554,6 +561,7 @@ async fn run_case(
         batch: case.batch,
         scatter: args.scatter,
         prepared: args.prepared,
+        integrity: args.integrity,
         rails: s
             .peer
             .rails()

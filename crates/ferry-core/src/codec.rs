@@ -245,8 +245,8 @@ pub enum Frame {
     },
     /// Asks the target for the CRC32C of each range (as its memory holds them now), to check a
     /// transfer with integrity that `op` just did there: after a write, of what landed; after a read,
-    /// of what was read. Only on the control stream, after the transfer completed; answered by
-    /// [`Frame::Sums`].
+    /// of what was read. Sent once the transfer completed, on any stream; answered by
+    /// [`Frame::Sums`] on the same stream.
     Sum {
         /// Request id, echoed in the answer.
         id: u64,

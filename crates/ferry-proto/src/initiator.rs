@@ -37,7 +37,7 @@ pub enum OpKind {
     Read,
     /// A data-path setup reply (control stream only).
     Setup,
-    /// The checksums of a transfer with integrity (control stream only).
+    /// The checksums of a transfer with integrity.
     Sum,
 }
 
@@ -247,10 +247,10 @@ impl<P> Initiator<P> {
             return Err(self.closed_error());
         }
         let stream = stream.unwrap_or_else(|| self.least_loaded());
-        if matches!(kind, OpKind::Setup | OpKind::Sum) && !stream.is_control() {
-            return Err(Error::InvalidArgument(format!(
-                "a {kind:?} request goes on the control stream"
-            )));
+        if kind == OpKind::Setup && !stream.is_control() {
+            return Err(Error::InvalidArgument(
+                "data-path setup goes on the control stream".into(),
+            ));
         }
         let max = self.limits.max_outstanding_per_stream;
         let Some(s) = self.streams.get_mut(stream.get()) else {
@@ -336,7 +336,7 @@ impl<P> Initiator<P> {
                     None => Event::Stale { payload_len },
                 })
             }
-            Frame::Sums { id, error, sums } if stream.is_control() => {
+            Frame::Sums { id, error, sums } => {
                 let result = error.map_or(Ok(sums), |e| Err(e.into_error()));
                 Ok(match self.answer(stream, OpId(id), &[OpKind::Sum], true)? {
                     Some(op) => Event::SumsAnswered { op, result },

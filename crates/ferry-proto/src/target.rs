@@ -3,8 +3,7 @@
 //! A target serves each stream in order, one request at a time, and answers every request that asks
 //! for an answer on the same stream: so an initiator's commit, sent on a stream after the writes it
 //! persists, is served after them. The control stream additionally takes data-path setups (they
-//! belong to the link, which ends with the control stream) and the checksum requests of transfers with
-//! integrity (sent once a transfer completed, over whichever data path it took). Anything an initiator never sends (a
+//! belong to the link, which ends with the control stream). Anything an initiator never sends (a
 //! hello after the handshake, an acknowledgement, region updates) ends the stream with
 //! `Error::Protocol`: the peer is broken or hostile, and what follows cannot be trusted to be framed.
 
@@ -78,7 +77,7 @@ pub enum Request {
         blob: Vec<u8>,
     },
     /// Answer with the CRC32C of each range as memory holds it now, to check a transfer with
-    /// integrity that did `op` there (control stream only).
+    /// integrity that did `op` there (sent once the transfer completed, on any stream).
     Sum {
         /// Echoed in the answer.
         id: OpId,
@@ -163,7 +162,7 @@ impl TargetStream {
                 kind,
                 blob,
             },
-            Frame::Sum { id, op, segments } if self.is_control() => Request::Sum {
+            Frame::Sum { id, op, segments } => Request::Sum {
                 id: OpId(id),
                 op,
                 segments,
@@ -260,7 +259,7 @@ mod tests {
             payload_len: 0,
         };
         assert!(matches!(control.request(sum()), Ok(Request::Sum { op: Op::Write, .. })));
-        assert!(matches!(other.request(sum()), Err(Error::Protocol(_))));
+        assert!(matches!(other.request(sum()), Ok(Request::Sum { .. })));
         for frame in [
             Frame::Sums {
                 id: 1,

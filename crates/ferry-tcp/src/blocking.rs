@@ -111,9 +111,10 @@ pub(crate) async fn persist(parts: &[Resolved], durability: Durability) -> Resul
     Ok(())
 }
 
-/// Sums past this many bytes run on a blocking thread: CRC32C reads about 50 GB/s, so this is some
-/// 80 µs of a runtime thread at most.
-const SUM_INLINE_BYTES: u64 = 4 << 20;
+/// Sums past this many bytes run on a blocking thread: CRC32C reads about 50 GB/s from cache, so this
+/// is some 300 µs of a runtime thread at most, and the bytes just landed are summed where they are
+/// cached.
+const SUM_INLINE_BYTES: u64 = 16 << 20;
 
 /// The CRC32C of each part, in order (`prepare_read` ran first where the memory is staged).
 pub(crate) async fn sums(parts: Vec<Resolved>) -> Result<Vec<u32>> {

@@ -1081,8 +1081,9 @@ const SUM_SEGMENTS_PER_FRAME: usize = 4096;
 impl TcpLink {
     /// The CRC32C of each of `segments` (the peer's names of its regions) as the peer's memory holds
     /// it now, to check a transfer with integrity that did `op` there; by `deadline` if given, else
-    /// `Timeout`. Over the control stream, in requests of at most [`SUM_SEGMENTS_PER_FRAME`] ranges,
-    /// all in flight at once.
+    /// `Timeout`. In requests of at most [`SUM_SEGMENTS_PER_FRAME`] ranges, all in flight at once, each
+    /// on the least loaded stream (the target sums on each stream's task, so checks of batches in
+    /// flight together are summed side by side).
     pub fn sums(
         &self,
         op: ferry_core::Op,
@@ -1113,7 +1114,7 @@ impl TcpLink {
     }
 }
 
-/// Sends one checksum request on the control stream; its answer comes on the receiver.
+/// Sends one checksum request; its answer comes on the receiver.
 fn request_sums(
     shared: &Shared,
     op: ferry_core::Op,
@@ -1123,7 +1124,7 @@ fn request_sums(
     let (tx, rx) = oneshot::channel();
     let (stream, id, sooner) = {
         let mut proto = shared.proto()?;
-        let (stream, id) = proto.start(Some(StreamIndex::CONTROL), OpKind::Sum, 0, deadline, Waiter::Sums(tx))?;
+        let (stream, id) = proto.start(None, OpKind::Sum, 0, deadline, Waiter::Sums(tx))?;
         let sooner = deadline.is_some_and(|at| shared.nanos(at) < shared.timer_at.load(Ordering::Relaxed));
         (stream, id, sooner)
     };

@@ -140,6 +140,7 @@ class Engine:
         directory_prefix: Optional[str] = None,
         directory_ttl: float = 10.0,
         path_policy: Optional[str] = None,
+        integrity: bool = False,
     ) -> "Engine": ...
     @property
     def id(self) -> int: ...
