@@ -28,8 +28,7 @@ use crate::transfer::{self, PreparedTransfer, TransferHandle};
 /// default, or transports such as "rdma" or "shm,rdma") is which data paths its links may take: a
 /// link that can take none of them fails at `connect` instead of falling back. With `integrity=True`
 /// every transfer checks its bytes end to end (CRC32C at the source, and at the destination after
-/// they landed) and fails with `ferry.Integrity` (retryable) when they differ; over TCP and shared
-/// memory. Close it with `close()` or
+/// they landed) and fails with `ferry.Integrity` (retryable) when they differ. Close it with `close()` or
 /// use it as a context manager (plain or `async with`).
 #[pyclass(module = "ferry._ferry", frozen)]
 pub struct Engine {

@@ -43,6 +43,9 @@ pub mod fault {
     /// How many of the next landings flip a byte.
     #[cfg(feature = "fault-hooks")]
     static FLIPS: AtomicU64 = AtomicU64::new(0);
+    /// How many of the next copies of written bytes onto a device (a staged block's) flip one there.
+    #[cfg(feature = "fault-hooks")]
+    static DEVICE_FLIPS: AtomicU64 = AtomicU64::new(0);
 
     /// Makes the next landing, on any transport in this process, flip the first byte it landed after
     /// it landed. Only with the `fault-hooks` feature; without it, `false` and nothing happens.
@@ -56,22 +59,53 @@ pub mod fault {
         false
     }
 
-    /// Disarms every armed flip; how many were armed.
+    /// Makes the next copy of written bytes from a staged block's host buffer onto its device flip
+    /// the first byte on the device, leaving the host buffer as it was: bytes that differ where they
+    /// finally are, which only a sum of the device's bytes sees. Only with the `fault-hooks` feature.
+    pub fn flip_next_device_copy() -> bool {
+        #[cfg(feature = "fault-hooks")]
+        {
+            DEVICE_FLIPS.fetch_add(1, Ordering::AcqRel);
+            true
+        }
+        #[cfg(not(feature = "fault-hooks"))]
+        false
+    }
+
+    /// Disarms every armed flip, of landings and of device copies; how many were armed.
     pub fn disarm() -> u64 {
         #[cfg(feature = "fault-hooks")]
         {
-            FLIPS.swap(0, Ordering::AcqRel)
+            FLIPS.swap(0, Ordering::AcqRel) + DEVICE_FLIPS.swap(0, Ordering::AcqRel)
         }
         #[cfg(not(feature = "fault-hooks"))]
         0
     }
 
-    /// Whether a landing should flip a byte now (and counts it taken).
+    /// Whether one of `flips` is armed (and counts it taken).
+    #[cfg(feature = "fault-hooks")]
+    fn take_from(flips: &AtomicU64) -> bool {
+        flips.load(Ordering::Acquire) > 0
+            && flips
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
+                .is_ok()
+    }
+
     #[cfg(feature = "fault-hooks")]
     fn take() -> bool {
-        FLIPS
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
-            .is_ok()
+        take_from(&FLIPS)
+    }
+
+    /// Whether a copy of written bytes onto a device, just done, should have its first byte flipped
+    /// there (and counts it taken); always false without the `fault-hooks` feature.
+    #[inline(always)]
+    pub fn device_copy_done() -> bool {
+        #[cfg(feature = "fault-hooks")]
+        {
+            take_from(&DEVICE_FLIPS)
+        }
+        #[cfg(not(feature = "fault-hooks"))]
+        false
     }
 
     /// The bytes of `range` just landed in its region.

@@ -332,6 +332,15 @@ pub trait DataLink: Send + Sync + 'static {
         let _ = due;
         self.transfer(request)
     }
+    /// Waits until every WRITE this link completed is in the target's memory as the target's CPU
+    /// sees it. Where a completion already means that (TCP, whose target acknowledges after its own
+    /// copy; shared memory), it is done at once, the default. An RDMA WRITE's completion means the
+    /// target's NIC acknowledged it, not that its bytes are placed: an RDMA link asks, on each queue
+    /// pair that carried WRITEs, for an answer the target gives only after them. What reads the
+    /// target's memory on its CPU after a transfer (an integrity check's sums) waits for this first.
+    fn fence_writes(&self) -> BoxFuture<'static, Result<()>> {
+        Box::pin(async { Ok(()) })
+    }
     /// Sends a notification; completes when the peer queued it. Ordered after every transfer that
     /// completed before it was called.
     fn notify(&self, notification: Notification) -> BoxFuture<'static, Result<()>>;

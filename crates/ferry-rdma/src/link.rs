@@ -936,6 +936,10 @@ async fn run(inner: Arc<Inner>, request: TransferRequest) -> Result<Declined> {
     answered(&inner, completions.into_iter().chain(commits)).await?;
     posted.ids.clear();
     if request.op == Op::Read {
+        request
+            .items
+            .iter()
+            .for_each(|i| ferry_core::integrity::fault::landed(&i.local));
         // Local memory behind a staging buffer (device-local GPU memory) takes the bytes to the device.
         for (region, ranges) in by_region(hooked_local.iter().map(|&i| &request.items[i].local)) {
             off_runtime(region, move |region| {
@@ -1118,6 +1122,11 @@ impl DataLink for RdmaLink {
     fn notify(&self, notification: Notification) -> BoxFuture<'static, Result<()>> {
         let state = self.state.clone();
         Box::pin(async move { notify(state.usable().await?, notification).await })
+    }
+
+    fn fence_writes(&self) -> BoxFuture<'static, Result<()>> {
+        let link = self.clone();
+        Box::pin(async move { link.fence().await })
     }
 
     fn close(&self) -> BoxFuture<'static, ()> {

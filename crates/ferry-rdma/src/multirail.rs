@@ -388,6 +388,18 @@ impl Inner {
         Ok(declined)
     }
 
+    /// Fences every rail that completed WRITEs since its last fence (see [`DataLink::fence_writes`]).
+    async fn fence_writes(self: Arc<Self>) -> Result<()> {
+        let fences = (0..self.rails.len())
+            .filter(|&i| self.rails[i].written.swap(false, Ordering::AcqRel))
+            .map(|i| {
+                let inner = self.clone();
+                async move { inner.rails[i].link.fence().await }
+            });
+        futures::future::try_join_all(fences).await?;
+        Ok(())
+    }
+
     async fn notify(self: Arc<Self>, notification: Notification) -> Result<()> {
         let planned = vec![0; self.rails.len()];
         let mut chosen = (0..self.rails.len()).find(|&i| self.rails[i].healthy());
@@ -436,6 +448,10 @@ impl DataLink for MultiRailLink {
 
     fn notify(&self, notification: Notification) -> BoxFuture<'static, Result<()>> {
         Box::pin(self.inner.clone().notify(notification))
+    }
+
+    fn fence_writes(&self) -> BoxFuture<'static, Result<()>> {
+        Box::pin(self.inner.clone().fence_writes())
     }
 
     fn persist_method(&self) -> PersistMethod {

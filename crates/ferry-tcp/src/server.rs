@@ -959,6 +959,10 @@ async fn serve_sums(ctx: &EngineContext, who: &PeerView, op: Op, segments: &[Seg
             })?;
         parts.push(part);
     }
+    if op == Op::Write {
+        // A path that bypasses this engine's CPU (RDMA) landed the bytes without a hook of its own.
+        parts.iter().for_each(ferry_core::integrity::fault::landed);
+    }
     crate::blocking::prepare_read(&parts).await?;
     crate::blocking::sums(parts).await
 }

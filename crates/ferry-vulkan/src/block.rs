@@ -177,6 +177,27 @@ impl VulkanBlock {
         Ok(())
     }
 
+    /// A test fault (`ferry_core::integrity::fault::flip_next_device_copy`): the byte at `offset`
+    /// flipped on the device of a staged block, its host buffer left as it was.
+    fn flip_on_device(&self, offset: usize) -> Result<()> {
+        let Some(staging) = &self.staging else {
+            return Ok(());
+        };
+        // SAFETY: `offset` is inside the block (the range it starts was checked), whose `len` bytes
+        // at `host` are the staging buffer's mapping; nothing else holds a reference to them.
+        let byte = unsafe { self.host.add(offset) };
+        // SAFETY: as above.
+        unsafe { *byte ^= 0x5a };
+        staging.flush(offset as u64, 1)?;
+        self.context()
+            .copy_ranges(staging, &self.device, &[(offset as u64, 1)])?;
+        // SAFETY: as above.
+        unsafe { *byte ^= 0x5a };
+        staging.flush(offset as u64, 1)?;
+        tracing::warn!(offset, "fault hook: flipped a byte on the device after its copy");
+        Ok(())
+    }
+
     /// `ranges` as device offsets, each checked against the block.
     fn checked(&self, ranges: &[(usize, usize)]) -> Result<Vec<(u64, u64)>> {
         ranges
@@ -227,7 +248,13 @@ unsafe impl MemoryBlock for VulkanBlock {
             None => ranges.iter().try_for_each(|&(off, n)| self.device.flush(off, n)),
             Some(staging) => {
                 ranges.iter().try_for_each(|&(off, n)| staging.flush(off, n))?;
-                self.context().copy_ranges(staging, &self.device, &ranges)
+                self.context().copy_ranges(staging, &self.device, &ranges)?;
+                match ranges.iter().find(|&&(_, n)| n > 0) {
+                    Some(&(off, _)) if ferry_core::integrity::fault::device_copy_done() => {
+                        self.flip_on_device(off as usize)
+                    }
+                    _ => Ok(()),
+                }
             }
         }
     }

@@ -299,9 +299,8 @@ impl EngineBuilder {
     /// ([`TransferOptions::integrity`](crate::TransferOptions::integrity)); off by default. A transfer
     /// with integrity completes `Ok` only if the CRC32C of every range at the destination, after it
     /// landed, is the one it had at the source; else [`Error::Integrity`](crate::Error::Integrity)
-    /// (retryable). It costs a round trip over the control link and a checksum pass over the bytes
-    /// at each end, and is offered over TCP and shared memory (an RDMA link refuses it with
-    /// `Unsupported`, naming why).
+    /// (retryable). It costs a round trip over the link (over RDMA, a fence of the queue pairs that
+    /// carried WRITEs first) and a checksum pass over the bytes at each end.
     pub fn integrity(mut self, on: bool) -> Self {
         self.integrity = on;
         self

@@ -599,9 +599,8 @@ impl Engine {
     /// that runs it ([`Transfer`], a named type) under `options`: durability, timeout, deadline,
     /// integrity. Every transfer goes through here; the calls below are conveniences over it. Every
     /// error a descriptor can cause comes back here (`InvalidArgument`, `OutOfBounds`,
-    /// `PermissionDenied` naming the descriptor), and `Unsupported` for integrity on a link that cannot
-    /// check it; the future's own errors are the link's, the time bounds' and the check's
-    /// (`Integrity`).
+    /// `PermissionDenied` naming the descriptor); the future's own errors are the link's, the time
+    /// bounds' and the check's (`Integrity`).
     pub fn start(&self, peer: &Peer, op: Op, descs: &[TransferDesc], options: TransferOptions) -> Result<Transfer> {
         let request = self.resolve_request(peer, op, descs, options.durability)?;
         let integrity = options.integrity.unwrap_or(self.inner.options.integrity);

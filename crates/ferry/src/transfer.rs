@@ -240,7 +240,7 @@ impl Transfer {
         deadline: Option<Instant>,
         integrity: bool,
     ) -> Result<Self> {
-        let mut check = integrity.then(|| Check::of(peer, &request)).transpose()?;
+        let mut check = integrity.then(|| Check::of(&request)).transpose()?;
         let (op, durability, descriptors) = (request.op, request.durability, request.items.len());
         let data = &peer.inner.data;
         let link_bounds = data.bounds_transfers();

@@ -5,22 +5,22 @@
 //! its memory holds them now (`Frame::Sum`), takes its own of the local ranges meanwhile, and
 //! completes the batch `Ok` only if every pair agrees. So the check sees what any layer did to the
 //! bytes: the network, a proxy, a NIC, a copy that went wrong, a store after landing. The target
-//! answers only after the batch completed, and a completed batch's bytes are in its memory:
+//! is asked only once the batch's bytes are in its memory as its CPU sees them:
 //!
 //! - over TCP the target acknowledges a write after it landed, and a read's data came from its
 //!   memory before the answer;
 //! - over shared memory the copies into a lent mapping are this process's own, done before the batch
-//!   completes, and the target's copies finish before it replies.
-//!
-//! An RDMA link is refused: a NIC may acknowledge a WRITE before its bytes are visible to the
-//! target's CPU, so the request would have to travel behind the WRITEs on their own queue pair
-//! (or the initiator read them back), which is not built yet.
+//!   completes, and the target's copies finish before it replies;
+//! - over RDMA a WRITE's completion means only that the target's NIC acknowledged it: the check
+//!   first fences the link ([`ferry_core::DataLink::fence_writes`]: on each queue pair that carried WRITEs, a
+//!   request the target answers only after the WRITEs before it are placed), then asks. A READ's
+//!   completion means its bytes are in this process's memory.
 //!
 //! Memory staged in front of a device is summed as the device holds it: the block's `prepare_read`
 //! hook copies it up first, at either end.
 
 use ferry_core::codec::Segment;
-use ferry_core::{Due, Error, Op, Resolved, Result, TransferRequest, TransportKind};
+use ferry_core::{Due, Error, Op, Resolved, Result, TransferRequest};
 use futures::future::BoxFuture;
 
 use crate::peer::Peer;
@@ -40,16 +40,8 @@ pub(crate) struct Check {
 }
 
 impl Check {
-    /// The check of `request` on `peer`'s link; `Unsupported` where the link cannot have one.
-    pub(crate) fn of(peer: &Peer, request: &TransferRequest) -> Result<Box<Check>> {
-        if peer.transport() == TransportKind::Rdma {
-            return Err(Error::Unsupported(format!(
-                "integrity checks over RDMA (the link to {}): a NIC may acknowledge a WRITE before its bytes are \
-                 visible to the target's CPU, and checking behind the WRITEs on their queue pair is not built \
-                 yet; transfer without integrity, or connect with a path policy that requires tcp or shm",
-                peer.addr()
-            )));
-        }
+    /// The check of `request`.
+    pub(crate) fn of(request: &TransferRequest) -> Result<Box<Check>> {
         let ranges: Vec<Resolved> = request.items.iter().map(|i| i.local.clone()).collect();
         let local = match request.op == Op::Write && inline(&ranges) {
             // A write's source is summed as it starts: right before its bytes leave, and while they
@@ -78,8 +70,13 @@ impl Check {
     pub(crate) fn run(self, peer: &Peer, due: Option<Due>) -> BoxFuture<'static, Result<()>> {
         let Check { op, local, remote, .. } = self;
         let addr = peer.addr();
-        let theirs = peer.inner.control.sums(op, remote.clone(), due.map(|d| d.at));
+        let fence = (op == Op::Write).then(|| peer.inner.data.fence_writes());
+        let control = peer.inner.control.clone();
         Box::pin(async move {
+            if let Some(fence) = fence {
+                fence.await?;
+            }
+            let theirs = control.sums(op, remote.clone(), due.map(|d| d.at));
             let ours = async {
                 match local {
                     Local::Summed(sums) => Ok(sums),
