@@ -97,6 +97,25 @@ impl Peer {
             .collect()
     }
 
+    /// How transfers to each region the peer advertised travel: a dict per region with its `addr`,
+    /// `length`, the `transport` that carries it, `how`, and `passed_over`: why the link's better
+    /// path does not carry it, or None.
+    fn routes<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, pyo3::types::PyDict>>> {
+        self.inner
+            .routes()
+            .into_iter()
+            .map(|(ad, route)| {
+                let d = pyo3::types::PyDict::new(py);
+                d.set_item("addr", ad.addr)?;
+                d.set_item("length", ad.len)?;
+                d.set_item("transport", route.transport.name())?;
+                d.set_item("how", route.how)?;
+                d.set_item("passed_over", route.passed_over)?;
+                Ok(d)
+            })
+            .collect()
+    }
+
     fn __repr__(&self) -> String {
         format!(
             "<ferry.Peer {} engine={:#x} transport={}{}>",

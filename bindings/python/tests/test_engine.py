@@ -642,6 +642,10 @@ def test_integrity_checks_every_transfer_when_asked():
             async def main():
                 peer = await connect(initiator, target)
                 assert peer.transport == transport
+                # Region by region: an allocation of the target is mapped over shared memory.
+                [route] = [r for r in peer.routes() if r["addr"] == dst.addr]
+                assert route["transport"] == transport and route["passed_over"] is None, route
+                assert route["how"].startswith("mapped" if transport == "shm" else "over tcp"), route
                 await initiator.transfer(peer, "write", descs_for(src.addr, dst.addr, 4 * KIB, 64), timeout=5.0)
                 await initiator.transfer(peer, "read", [(region.addr, dst.addr, region.length)], timeout=5.0)
 

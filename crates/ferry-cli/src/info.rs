@@ -44,6 +44,20 @@ struct Link {
     tcp_streams: usize,
     regions: usize,
     persistent_regions: usize,
+    /// How transfers to each of the peer's regions travel.
+    routes: Vec<RegionRoute>,
+}
+
+/// How transfers to one of the peer's regions travel (`Peer::routes`).
+#[derive(Serialize)]
+struct RegionRoute {
+    /// The region's address as the peer names it to this engine.
+    addr: u64,
+    len: u64,
+    transport: String,
+    how: String,
+    /// Why the link's better path does not carry it, where it does not.
+    passed_over: Option<String>,
 }
 
 #[derive(Serialize)]
@@ -110,6 +124,12 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         for why in &l.passed_over {
             println!("not used: {why}");
         }
+        for r in &l.routes {
+            println!("  region {:#x} ({} bytes): {}, {}", r.addr, r.len, r.transport, r.how);
+            if let Some(why) = &r.passed_over {
+                println!("    not by the link's best path: {why}");
+            }
+        }
         match &l.peer_identity {
             Some(name) => println!("authentication: mutual TLS, the peer is {name}"),
             None => println!("authentication: none (the peer admits anyone who reaches it)"),
@@ -150,6 +170,17 @@ async fn link(addr: &str, tls: &TlsArgs, policy: &ferry::PathPolicy) -> anyhow::
         tcp_streams: peer.tcp_streams(),
         regions: regions.len(),
         persistent_regions: regions.iter().filter(|r| r.persistent).count(),
+        routes: peer
+            .routes()
+            .into_iter()
+            .map(|(ad, route)| RegionRoute {
+                addr: ad.addr,
+                len: ad.len,
+                transport: route.transport.to_string(),
+                how: route.how,
+                passed_over: route.passed_over,
+            })
+            .collect(),
     })
 }
 

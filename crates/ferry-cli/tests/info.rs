@@ -36,6 +36,15 @@ fn info_describes_a_link_to_a_persistent_target() {
     assert_eq!(link["passed_over"], serde_json::json!([]));
     assert_eq!(link["persist_method"], "flush-before-ack");
     assert_eq!(link["persistent_regions"], 1);
+    // Region by region: the file region is copied by the target's process (it is not an allocation
+    // the target lends).
+    let route = &link["routes"][0];
+    assert_eq!(route["transport"], "shm", "{link}");
+    assert!(
+        route["how"].as_str().unwrap().contains("copied by the peer's process"),
+        "{route}"
+    );
+    assert_eq!(route["passed_over"], Value::Null);
     assert!(v["transports"].is_array(), "the capabilities are there too: {v}");
 
     let v = info(&["--file", path.to_str().unwrap()]);

@@ -161,6 +161,14 @@ async fn a_lent_region_needs_no_cross_memory_attach() {
     let dir = std::env::temp_dir().join(format!("ferry-shm-test-lent-{}", std::process::id()));
     let serve = start(serve_as_nobody(&dir, "5MiB", false)).expect("ferry serve starts");
     let (engine, peer) = connect_denied(&serve).await;
+    let [(_, route)] = &peer.routes()[..] else {
+        panic!("one region: {:?}", peer.routes())
+    };
+    assert_eq!(route.transport, TransportKind::Shm, "{route:?}");
+    assert!(
+        route.how.starts_with("mapped into this process") && route.passed_over.is_none(),
+        "{route:?}"
+    );
     round_trip(&engine, &peer, serve.region, LEN).await;
     assert_eq!(lent_mappings(LEN), 1, "the region moved through a mapping");
     let _ = std::fs::remove_dir_all(&dir);
@@ -174,6 +182,16 @@ async fn caller_owned_memory_falls_back_to_tcp_where_the_kernel_denies_it() {
     let dir = std::env::temp_dir().join(format!("ferry-shm-test-owned-{}", std::process::id()));
     let serve = start(serve_as_nobody(&dir, "6MiB", true)).expect("ferry serve starts");
     let (engine, peer) = connect_denied(&serve).await;
+    // Region by region: this one over TCP, and why.
+    let [(_, route)] = &peer.routes()[..] else {
+        panic!("one region: {:?}", peer.routes())
+    };
+    assert_eq!(route.transport, TransportKind::Tcp, "{route:?}");
+    let why = route.passed_over.as_deref().unwrap_or_default();
+    assert!(
+        why.starts_with("shm: the peer does not lend this region") && why.contains("EPERM"),
+        "{why}"
+    );
     round_trip(&engine, &peer, serve.region, LEN).await;
     assert_eq!(lent_mappings(LEN), 0, "memory the target owns is never lent");
     let _ = std::fs::remove_dir_all(&dir);

@@ -43,7 +43,7 @@ pub use peer_view::{PeerNames, PeerScope, PeerView};
 pub use region::{RegionEntry, RegionTable, RemoteRegions, Resolved};
 pub use transport::{
     AcceptSetup, AcceptedPath, Availability, DataLink, Declined, Due, EngineContext, LinkSlot, LinkSlots,
-    NoControlLink, Notifier, RailPlace, RailStats, RegionChange, SetupExchange, TransferItem, TransferRequest,
+    NoControlLink, Notifier, RailPlace, RailStats, RegionChange, Route, SetupExchange, TransferItem, TransferRequest,
     Transport,
 };
 pub use types::*;

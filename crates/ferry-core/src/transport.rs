@@ -281,6 +281,38 @@ impl Declined {
     }
 }
 
+/// How a link reaches one of its peer's regions ([`DataLink::route`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Route {
+    /// The transport that carries transfers to it.
+    pub transport: TransportKind,
+    /// How, in words ("mapped into this process", "NIC to NIC on 2 rails").
+    pub how: String,
+    /// Why this link's better path does not carry it, where it does not.
+    pub passed_over: Option<String>,
+}
+
+impl Route {
+    /// Carried by `transport`, `how`.
+    pub fn by(transport: TransportKind, how: impl Into<String>) -> Self {
+        Route {
+            transport,
+            how: how.into(),
+            passed_over: None,
+        }
+    }
+
+    /// Left to the control link (TCP), because `why`.
+    pub fn declined(why: impl Into<String>) -> Self {
+        Route {
+            transport: TransportKind::Tcp,
+            how: "over the control link".into(),
+            passed_over: Some(why.into()),
+        }
+    }
+}
+
 /// When a batch must be done: the instant its link fails it with `Timeout`, and when it started (for
 /// the error, which says how long the batch was given). The engine reads the clock once per batch to
 /// make it, from the transfer's timeout and the caller's deadline, whichever ends first.
@@ -356,6 +388,12 @@ pub trait DataLink: Send + Sync + 'static {
     /// carries every region itself.
     fn fallback_note(&self) -> Option<String> {
         None
+    }
+    /// How transfers to the peer's region `region` travel over this link, and why a better path of
+    /// the link does not carry them where it does not. The default: this link's transport, as is.
+    fn route(&self, region: &crate::types::RegionAd) -> Route {
+        let _ = region;
+        Route::by(self.kind(), format!("over {}", self.kind()))
     }
     /// Each rail of a link that spreads its batches over several (RDMA on several NICs), with what
     /// it carried; empty for a link of one path.

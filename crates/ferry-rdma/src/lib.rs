@@ -35,6 +35,7 @@ mod post;
 mod qp;
 mod rate;
 mod responder;
+mod route;
 pub mod scope;
 pub mod topology;
 

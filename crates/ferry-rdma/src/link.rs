@@ -1129,6 +1129,10 @@ impl DataLink for RdmaLink {
         Box::pin(async move { link.fence().await })
     }
 
+    fn route(&self, region: &ferry_core::RegionAd) -> ferry_core::Route {
+        crate::route::of(region, &[self.state.remote_rail as usize])
+    }
+
     fn close(&self) -> BoxFuture<'static, ()> {
         let state = self.state.clone();
         Box::pin(async move {

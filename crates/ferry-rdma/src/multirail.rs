@@ -469,6 +469,13 @@ impl DataLink for MultiRailLink {
         self.inner.control.is_closed() || self.inner.rails.iter().all(|r| r.link.is_closed())
     }
 
+    fn route(&self, region: &ferry_core::RegionAd) -> ferry_core::Route {
+        let mut remote: Vec<usize> = self.inner.rails.iter().map(|r| r.remote).collect();
+        remote.sort_unstable();
+        remote.dedup();
+        crate::route::of(region, &remote)
+    }
+
     fn fallback_note(&self) -> Option<String> {
         (!self.inner.notes.is_empty()).then(|| format!("RDMA rails not set up: {}", self.inner.notes.join("; ")))
     }

@@ -22,6 +22,13 @@ async fn over_rdma_a_flip_after_landing_is_caught_by_integrity() {
     };
     let dst = target.alloc_host(LEN, Access::READ_WRITE).unwrap();
     wait_for(&peer, &dst).await;
+    let (_, route) = peer
+        .routes()
+        .into_iter()
+        .find(|(ad, _)| ad.key == dst.key())
+        .expect("the region's route");
+    assert_eq!(route.transport, ferry::TransportKind::Rdma, "{route:?}");
+    assert!(route.how.starts_with("NIC to NIC"), "{route:?}");
     let data = pattern(LEN, 0x17);
     let src = initiator.register(data.clone(), Access::READ_WRITE).unwrap();
     let back = initiator.alloc_host(LEN, Access::READ_WRITE).unwrap();

@@ -883,6 +883,32 @@ impl DataLink for ShmLink {
         self.inner.closed.load(Ordering::Acquire) || self.inner.control.is_closed()
     }
 
+    fn route(&self, region: &ferry_core::RegionAd) -> ferry_core::Route {
+        let key = region
+            .transport_keys
+            .iter()
+            .find(|(k, _)| *k == TransportKind::Shm)
+            .map(|(_, key)| key.as_ref());
+        match (key, &self.inner.copies_denied) {
+            (Some([region_key::LENDABLE]), _) => ferry_core::Route::by(
+                TransportKind::Shm,
+                "mapped into this process (the peer lends it): transfers are this process's own copies \
+                 (persistent writes: copied and persisted by the peer's process)",
+            ),
+            (Some(_), None) => ferry_core::Route::by(
+                TransportKind::Shm,
+                "copied by the peer's process between the two processes' memory (cross-memory attach)",
+            ),
+            (Some(_), Some(why)) => ferry_core::Route::declined(format!(
+                "shm: the peer does not lend this region (memory it did not allocate with alloc_host), and {why}"
+            )),
+            (None, _) => ferry_core::Route::declined(
+                "shm: the peer stages this region in front of a device (GPU memory behind a host copy), which \
+                 only its own copies reach",
+            ),
+        }
+    }
+
     fn fallback_note(&self) -> Option<String> {
         self.inner.copies_denied.as_ref().map(|why| {
             format!(

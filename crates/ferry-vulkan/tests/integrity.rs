@@ -28,6 +28,21 @@ async fn the_sum_of_staged_memory_is_the_devices() {
     let (target, initiator, peer) = pair().await;
     let region = target.register_block(block.clone(), Access::READ_WRITE).unwrap();
     wait_for_region(&peer, &region).await;
+    // Engines of one process link over shared memory, which does not reach staged memory: the
+    // region's route says so.
+    let (_, route) = peer
+        .routes()
+        .into_iter()
+        .find(|(ad, _)| ad.key == region.key())
+        .expect("the region's route");
+    assert_eq!(route.transport, ferry::TransportKind::Tcp, "{route:?}");
+    assert!(
+        route
+            .passed_over
+            .as_deref()
+            .is_some_and(|m| m.contains("stages this region")),
+        "{route:?}"
+    );
     let want = pattern(LEN, 5);
     let src = initiator.register(want.clone(), Access::READ_WRITE).unwrap();
     let back = initiator.alloc_host(LEN, Access::READ_WRITE).unwrap();

@@ -55,7 +55,7 @@ pub use ferry_core::integrity;
 pub use ferry_core::{
     Access, BufferPool, DataProtection, DmaView, Durability, Error, ErrorCode, Grants, MemoryBlock, MemoryRegistry,
     Notification, Op, PciAddress, PeerIdentity, PersistMethod, PersistStats, RailStats, ReceivedNotification, RegionAd,
-    RegionKey, RemoteRegions, Result, TransferDesc, TransportKind,
+    RegionKey, RemoteRegions, Result, Route, TransferDesc, TransportKind,
 };
 pub use ferry_tcp::{DevelopmentCa, IssuedPem, TlsConfig};
 pub use file::{FileMapping, FlushMethod};

@@ -69,6 +69,16 @@ impl Peer {
         &self.inner.passed_over
     }
 
+    /// How transfers to each region the peer advertises travel now (`Route`: the transport, how it
+    /// reaches the region, and why this link's better path does not carry it where it does not: a
+    /// region the peer's NIC could not register, memory the peer stages in front of a device, a region
+    /// a same-host peer does not lend where the kernel denies cross-memory attach). What
+    /// [`passed_over`](Self::passed_over) says of the link as a whole, region by region.
+    pub fn routes(&self) -> Vec<(ferry_core::RegionAd, ferry_core::Route)> {
+        let data = &self.inner.data;
+        self.regions().iter().map(|ad| (ad.clone(), data.route(ad))).collect()
+    }
+
     /// The rails of an RDMA link that spreads its batches over several NICs, each with the bytes it
     /// carried, its errors and whether it takes work now; empty for a link of one path.
     pub fn rails(&self) -> Vec<ferry_core::RailStats> {

@@ -90,6 +90,9 @@ class Peer:
     def passed_over(self) -> List[Tuple[str, str]]:
         """The better data paths this link could not take, as ``(transport, reason)`` pairs."""
     def regions(self) -> List[RemoteRegion]: ...
+    def routes(self) -> List[Dict[str, Any]]:
+        """How transfers to each advertised region travel: ``addr``, ``length``, ``transport``,
+        ``how`` and ``passed_over`` (why the link's better path does not carry it, or None)."""
 
 @final
 class Region:
