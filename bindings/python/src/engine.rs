@@ -28,7 +28,9 @@ use crate::transfer::{self, PreparedTransfer, TransferHandle};
 /// default, or transports such as "rdma" or "shm,rdma") is which data paths its links may take: a
 /// link that can take none of them fails at `connect` instead of falling back. With `integrity=True`
 /// every transfer checks its bytes end to end (CRC32C at the source, and at the destination after
-/// they landed) and fails with `ferry.Integrity` (retryable) when they differ. Close it with `close()` or
+/// they landed) and fails with `ferry.Integrity` (retryable) when they differ. With
+/// `stage_gpu_memory=False` a transfer that would move GPU memory through a host copy fails with
+/// `ferry.Unsupported` instead. Close it with `close()` or
 /// use it as a context manager (plain or `async with`).
 #[pyclass(module = "ferry._ferry", frozen)]
 pub struct Engine {
@@ -134,6 +136,7 @@ impl Engine {
         tls_cert = None, tls_key = None, tls_ca = None, tls_psk = None, tls_name = None,
         tls_server_name = None, encrypt = false, data_protection = None, directory = None,
         directory_prefix = None, directory_ttl = 10.0, path_policy = None, integrity = false,
+        stage_gpu_memory = true,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -159,8 +162,11 @@ impl Engine {
         directory_ttl: f64,
         path_policy: Option<String>,
         integrity: bool,
+        stage_gpu_memory: bool,
     ) -> PyResult<Self> {
-        let mut builder = ferry::Engine::builder().integrity(integrity);
+        let mut builder = ferry::Engine::builder()
+            .integrity(integrity)
+            .stage_gpu_memory(stage_gpu_memory);
         let protection = match (data_protection, encrypt) {
             (Some(_), true) => {
                 return Err(errors::invalid(

@@ -26,7 +26,8 @@ pub const MAGIC: u16 = 0xF5E7;
 /// status byte ends every read's data, and errors carry their I/O kind; 4: `RegionTable`, the whole
 /// table resent when a link's queue of region updates overflowed; 5: the join proof in `Hello`; 6:
 /// the stream's data protection in `Hello`; 7: an RDMA key in a region advert starts with its kind;
-/// 8: `Sum` and `Sums`, the checksums of a transfer with integrity).
+/// 8: `Sum` and `Sums`, the checksums of a transfer with integrity; a region advert's flags say
+/// whether it is staged device memory).
 pub const VERSION: u8 = 8;
 /// Size of the fixed header.
 pub const HEADER_LEN: usize = 16;
@@ -765,6 +766,11 @@ fn put_segments(out: &mut BytesMut, segments: &[Segment]) -> Result<()> {
     Ok(())
 }
 
+/// A region advert's flags byte: writes can be made persistent.
+const REGION_PERSISTENT: u8 = 1;
+/// A region advert's flags byte: device memory behind a host copy.
+const REGION_STAGED: u8 = 2;
+
 fn put_regions(out: &mut BytesMut, regions: &[RegionAd]) -> Result<()> {
     out.put_u32_le(len_u32(regions.len())?);
     for r in regions {
@@ -778,7 +784,7 @@ fn put_region(out: &mut BytesMut, r: &RegionAd) -> Result<()> {
     out.put_u64_le(r.addr);
     out.put_u64_le(r.len);
     out.put_u8(r.access.bits());
-    out.put_u8(u8::from(r.persistent));
+    out.put_u8(u8::from(r.persistent) | if r.staged { REGION_STAGED } else { 0 });
     let n =
         u8::try_from(r.transport_keys.len()).map_err(|_| Error::InvalidArgument("too many transport keys".into()))?;
     out.put_u8(n);
@@ -860,11 +866,11 @@ impl CodecReads for WireReader<'_> {
         let addr = self.u64()?;
         let len = self.u64()?;
         let access = Access::from_bits(self.u8()?)?;
-        let persistent = match self.u8()? {
-            0 => false,
-            1 => true,
-            b => return Err(Error::Protocol(format!("invalid persistent flag {b}"))),
-        };
+        let flags = self.u8()?;
+        if flags & !(REGION_PERSISTENT | REGION_STAGED) != 0 {
+            return Err(Error::Protocol(format!("invalid region flags {flags:#x}")));
+        }
+        let (persistent, staged) = (flags & REGION_PERSISTENT != 0, flags & REGION_STAGED != 0);
         let n = self.u8()? as usize;
         let mut transport_keys = Vec::with_capacity(n);
         for _ in 0..n {
@@ -885,6 +891,7 @@ impl CodecReads for WireReader<'_> {
             len,
             access,
             persistent,
+            staged,
             transport_keys,
         })
     }
@@ -924,15 +931,16 @@ mod tests {
             0u64..1 << 48,
             1u64..1 << 40,
             1u8..=3,
-            any::<bool>(),
+            (any::<bool>(), any::<bool>()),
             proptest::collection::vec(proptest::collection::vec(any::<u8>(), 0..16), 0..2),
         )
-            .prop_map(|(key, addr, len, access, persistent, keys)| RegionAd {
+            .prop_map(|(key, addr, len, access, (persistent, staged), keys)| RegionAd {
                 key,
                 addr,
                 len,
                 access: Access::from_bits(access).unwrap(),
                 persistent,
+                staged,
                 transport_keys: keys.into_iter().map(|k| (TransportKind::Rdma, k.into())).collect(),
             })
     }

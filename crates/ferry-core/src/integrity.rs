@@ -31,9 +31,11 @@ pub fn sum(range: &Resolved) -> Result<u32> {
 /// Faults for tests: bytes changed after they landed, where no transport's own check can see it.
 ///
 /// Built only with the `fault-hooks` feature (test builds); without it every call here does
-/// nothing and is compiled away. Transports call [`landed`] (or [`landed_raw`]) right after a
-/// transfer's bytes reached their destination memory: over TCP where the target lands a write and
-/// where the initiator lands a read, over shared memory after each copy.
+/// nothing and is compiled away. Transports call [`fault::landed`] (or [`fault::landed_raw`])
+/// right after a transfer's bytes reached their destination memory: over TCP where the target lands
+/// a write and where the initiator lands a read, over shared memory after each copy, over RDMA where
+/// a READ completed and where the target sums a write; a staged block calls
+/// [`fault::device_copy_done`] after its copy onto the device.
 pub mod fault {
     #[cfg(feature = "fault-hooks")]
     use std::sync::atomic::{AtomicU64, Ordering};

@@ -160,6 +160,7 @@ impl RegionEntry {
             len: self.len(),
             access: self.access,
             persistent: self.block.persistent(),
+            staged: self.block.dma_view() != crate::memory::DmaView::Host,
             transport_keys: self.transport_keys.clone(),
         }
     }

@@ -291,6 +291,9 @@ pub struct Route {
     pub how: String,
     /// Why this link's better path does not carry it, where it does not.
     pub passed_over: Option<String>,
+    /// Whether its bytes pass through a host copy in front of the peer's device memory (GPU memory
+    /// staged by its owner) on this route.
+    pub staged: bool,
 }
 
 impl Route {
@@ -300,7 +303,14 @@ impl Route {
             transport,
             how: how.into(),
             passed_over: None,
+            staged: false,
         }
+    }
+
+    /// The same route, its bytes staged or not (see [`staged`](Self::staged)).
+    pub fn staged(mut self, staged: bool) -> Self {
+        self.staged = staged;
+        self
     }
 
     /// Left to the control link (TCP), because `why`.
@@ -309,6 +319,7 @@ impl Route {
             transport: TransportKind::Tcp,
             how: "over the control link".into(),
             passed_over: Some(why.into()),
+            staged: false,
         }
     }
 }
@@ -392,8 +403,17 @@ pub trait DataLink: Send + Sync + 'static {
     /// How transfers to the peer's region `region` travel over this link, and why a better path of
     /// the link does not carry them where it does not. The default: this link's transport, as is.
     fn route(&self, region: &crate::types::RegionAd) -> Route {
-        let _ = region;
-        Route::by(self.kind(), format!("over {}", self.kind()))
+        match region.staged {
+            true => Route::by(
+                self.kind(),
+                format!(
+                    "over {}, through the peer's staging buffer (device memory it copies to and from)",
+                    self.kind()
+                ),
+            )
+            .staged(true),
+            false => Route::by(self.kind(), format!("over {}", self.kind())),
+        }
     }
     /// Each rail of a link that spreads its batches over several (RDMA on several NICs), with what
     /// it carried; empty for a link of one path.

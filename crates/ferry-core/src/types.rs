@@ -314,6 +314,9 @@ pub struct RegionAd {
     pub access: Access,
     /// Whether writes to it can be made persistent.
     pub persistent: bool,
+    /// Whether its owner keeps it in device memory behind a host copy (GPU memory a CPU transport
+    /// reaches only through a staging buffer, which the owner copies to and from the device).
+    pub staged: bool,
     /// Transport-specific remote keys, at most one per transport kind. Shared, so that every
     /// transfer to the region can carry its key without a copy.
     pub transport_keys: Vec<(TransportKind, std::sync::Arc<[u8]>)>,
@@ -471,6 +474,7 @@ mod tests {
             len: 10,
             access: Access::READ,
             persistent: false,
+            staged: false,
             transport_keys: vec![],
         };
         assert!(ad.contains(u64::MAX - 10, 10));

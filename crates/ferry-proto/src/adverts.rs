@@ -102,6 +102,7 @@ mod tests {
             len: 4096,
             access: Access::READ_WRITE,
             persistent: false,
+            staged: false,
             transport_keys: Vec::new(),
         }
     }

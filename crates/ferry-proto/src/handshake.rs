@@ -610,6 +610,7 @@ mod tests {
             len: 1,
             access: ferry_core::Access::READ,
             persistent: false,
+            staged: false,
             transport_keys: Vec::new(),
         };
         assert!(check_ack(me.accept(vec![ad.clone()]), StreamIndex(0), "peer").is_ok());

@@ -563,6 +563,7 @@ mod tests {
             len: 1 << 20,
             access: ferry_core::Access::READ_WRITE,
             persistent: false,
+            staged: false,
             transport_keys: Vec::new(),
         };
         let max = ferry_core::region::MAX_REMOTE_REGIONS as u64;

@@ -99,6 +99,7 @@ fn ad(key: u64) -> RegionAd {
         len: 64 * CELL,
         access: Access::READ_WRITE,
         persistent: false,
+        staged: false,
         transport_keys: Vec::new(),
     }
 }

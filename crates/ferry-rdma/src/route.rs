@@ -13,7 +13,7 @@ pub(crate) fn of(region: &RegionAd, remote_rails: &[usize]) -> Route {
         .find(|(k, _)| *k == TransportKind::Rdma)
         .map(|(_, key)| key)
     else {
-        return Route::declined("rdma: the peer's NIC could not register this region");
+        return Route::declined("rdma: the peer's NIC could not register this region").staged(region.staged);
     };
     // One key per rail of the peer (a plain key: the peer has one rail).
     let keys: Vec<Option<RemoteKey>> = match RailKeys::decode(key) {
@@ -49,7 +49,7 @@ pub(crate) fn of(region: &RegionAd, remote_rails: &[usize]) -> Route {
     } else {
         format!("NIC to NIC, on {rails}")
     };
-    let mut route = Route::by(TransportKind::Rdma, how);
+    let mut route = Route::by(TransportKind::Rdma, how).staged(first.hooked);
     if reached.len() < remote_rails.len() {
         route.passed_over = Some(format!(
             "rdma: the peer registered this region on {} of the {} rails this link reaches",
@@ -75,6 +75,7 @@ mod tests {
             len: 4096,
             access: Access::READ_WRITE,
             persistent: false,
+            staged: false,
             transport_keys: key
                 .map(|k| vec![(TransportKind::Rdma, Arc::from(k))])
                 .unwrap_or_default(),

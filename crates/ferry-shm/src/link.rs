@@ -905,7 +905,8 @@ impl DataLink for ShmLink {
             (None, _) => ferry_core::Route::declined(
                 "shm: the peer stages this region in front of a device (GPU memory behind a host copy), which \
                  only its own copies reach",
-            ),
+            )
+            .staged(region.staged),
         }
     }
 

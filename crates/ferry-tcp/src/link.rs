@@ -1081,7 +1081,7 @@ const SUM_SEGMENTS_PER_FRAME: usize = 4096;
 impl TcpLink {
     /// The CRC32C of each of `segments` (the peer's names of its regions) as the peer's memory holds
     /// it now, to check a transfer with integrity that did `op` there; by `deadline` if given, else
-    /// `Timeout`. In requests of at most [`SUM_SEGMENTS_PER_FRAME`] ranges, all in flight at once, each
+    /// `Timeout`. In requests of at most 4,096 ranges, all in flight at once, each
     /// on the least loaded stream (the target sums on each stream's task, so checks of batches in
     /// flight together are summed side by side).
     pub fn sums(

@@ -51,6 +51,7 @@ pub struct EngineBuilder {
     pub(crate) directory: Option<DirectoryHandle>,
     pub(crate) path_policy: PathPolicy,
     pub(crate) integrity: bool,
+    pub(crate) stage_gpu_memory: bool,
 }
 
 /// A directory as the builder keeps it (the trait object has no `Debug`).
@@ -89,6 +90,7 @@ impl Default for EngineBuilder {
             directory: None,
             path_policy: PathPolicy::Any,
             integrity: false,
+            stage_gpu_memory: true,
         }
     }
 }
@@ -303,6 +305,17 @@ impl EngineBuilder {
     /// carried WRITEs first) and a checksum pass over the bytes at each end.
     pub fn integrity(mut self, on: bool) -> Self {
         self.integrity = on;
+        self
+    }
+
+    /// Whether GPU memory may move through a host copy (a staging buffer its owner copies to and from
+    /// the device) where no path reaches the device memory itself: allowed by default. Refused, a
+    /// transfer that would stage GPU memory at either end fails at [`Engine::start`](
+    /// crate::Engine::start) with `Unsupported` naming the descriptor, the side and why (the local
+    /// region is staged memory, or `Peer::routes` says the peer's is reached through its staging
+    /// buffer on this link), instead of running at host-copy speed unnoticed.
+    pub fn stage_gpu_memory(mut self, allowed: bool) -> Self {
+        self.stage_gpu_memory = allowed;
         self
     }
 

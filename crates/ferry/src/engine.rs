@@ -538,6 +538,7 @@ impl Engine {
             return Err(Error::InvalidArgument("durability applies to writes, not reads".into()));
         }
         let transport = peer.transport();
+        let refuse_staging = !self.inner.options.stage_gpu_memory;
         let local = self.inner.ctx.regions.read().map_err(|_| poisoned())?;
         let items = peer.inner.control.with_remote_regions(|remote| {
             // A batch's descriptors mostly fall in the same local and remote regions as the one
@@ -575,6 +576,9 @@ impl Engine {
                     }
                 };
                 last_ad = Some(ad);
+                if refuse_staging {
+                    refuse_staged(peer, &local, ad).map_err(at)?;
+                }
                 if durability == Durability::Persistent && !ad.persistent {
                     return Err(at(Error::InvalidArgument(format!(
                         "a persistent write needs a persistent region; the peer's region at {:#x} is not",
@@ -857,12 +861,44 @@ impl Engine {
     }
 }
 
+/// `Unsupported` where a transfer between `local` and the peer's region `remote` would stage GPU
+/// memory on `peer`'s link: the local region is device memory behind a host copy for this link's
+/// transport, or the peer's region is reached through its staging buffer
+/// ([`EngineBuilder::stage_gpu_memory`](crate::EngineBuilder::stage_gpu_memory)).
+fn refuse_staged(peer: &Peer, local: &ferry_core::Resolved, remote: &ferry_core::RegionAd) -> Result<()> {
+    let transport = peer.transport();
+    let here = match local.region.block().dma_view() {
+        ferry_core::DmaView::Host => false,
+        ferry_core::DmaView::Staged => true,
+        // A NIC reaches such memory itself; CPU transports only through the host copy.
+        ferry_core::DmaView::Device { .. } => transport != TransportKind::Rdma,
+    };
+    if here {
+        return Err(Error::Unsupported(format!(
+            "the local region is {} memory that {transport} reaches only through its host copy, and this engine \
+             does not stage GPU memory (EngineBuilder::stage_gpu_memory(false))",
+            local.region.block().kind()
+        )));
+    }
+    let route = peer.inner.data.route(remote);
+    if route.staged {
+        let why = route.passed_over.map(|why| format!(" ({why})")).unwrap_or_default();
+        return Err(Error::Unsupported(format!(
+            "the peer's region at {:#x} is GPU memory that this link reaches {}{why}, and this engine does not stage \
+             GPU memory (EngineBuilder::stage_gpu_memory(false))",
+            remote.addr, route.how
+        )));
+    }
+    Ok(())
+}
+
 fn prefix(e: Error, what: &str) -> Error {
     let msg = format!("{what}: {}", e.message());
     match e {
         Error::InvalidArgument(_) => Error::InvalidArgument(msg),
         Error::OutOfBounds(_) => Error::OutOfBounds(msg),
         Error::PermissionDenied(_) => Error::PermissionDenied(msg),
+        Error::Unsupported(_) => Error::Unsupported(msg),
         other => other,
     }
 }

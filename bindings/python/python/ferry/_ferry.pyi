@@ -144,6 +144,7 @@ class Engine:
         directory_ttl: float = 10.0,
         path_policy: Optional[str] = None,
         integrity: bool = False,
+        stage_gpu_memory: bool = True,
     ) -> "Engine": ...
     @property
     def id(self) -> int: ...
