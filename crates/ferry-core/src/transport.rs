@@ -349,7 +349,12 @@ pub trait DataLink: Send + Sync + 'static {
     /// Runs a batch; completes when every descriptor it carried has been applied at its destination,
     /// with the items it left to the control link ([`Declined`]), which the caller must still send.
     /// The future owns what it needs: dropping it abandons the result, not the memory safety.
-    fn transfer(&self, request: TransferRequest) -> BoxFuture<'static, Result<Declined>>;
+    ///
+    /// A link that [bounds transfers](Self::bounds_transfers) fails the batch with `Timeout` at
+    /// `due` if it has not completed by then (one timer per link rather than one per transfer); the
+    /// others ignore `due`, and their caller bounds the future with a timer of its own. `None`: no
+    /// bound.
+    fn transfer(&self, request: TransferRequest, due: Option<Due>) -> BoxFuture<'static, Result<Declined>>;
     /// Runs `request` at once, on the calling thread, if it needs no waiting at all (one range of a
     /// region this process has mapped, copied with no system call), and says how it ended; `None`,
     /// with nothing done, when it must go through [`transfer`](Self::transfer) (so also whenever it
@@ -362,18 +367,10 @@ pub trait DataLink: Send + Sync + 'static {
         let _ = request;
         None
     }
-    /// Whether [`transfer_within`](Self::transfer_within) bounds a transfer by itself. Where it does
-    /// not, the caller bounds the future with a timer of its own.
+    /// Whether [`transfer`](Self::transfer) bounds a batch by itself, at the `due` it is given.
+    /// Where it does not, the caller bounds the future with a timer of its own.
     fn bounds_transfers(&self) -> bool {
         false
-    }
-    /// Runs a batch as [`transfer`](Self::transfer) does and, on a link that
-    /// [bounds transfers](Self::bounds_transfers), fails it with `Timeout` at `due` if it has not
-    /// completed by then (one timer per link rather than one per transfer). `None`: no bound. Other
-    /// links ignore `due`.
-    fn transfer_within(&self, request: TransferRequest, due: Option<Due>) -> BoxFuture<'static, Result<Declined>> {
-        let _ = due;
-        self.transfer(request)
     }
     /// Waits until every WRITE this link completed is in the target's memory as the target's CPU
     /// sees it. Where a completion already means that (TCP, whose target acknowledges after its own
@@ -433,7 +430,7 @@ impl DataLink for NoControlLink {
     fn kind(&self) -> TransportKind {
         TransportKind::Tcp
     }
-    fn transfer(&self, _: TransferRequest) -> BoxFuture<'static, Result<Declined>> {
+    fn transfer(&self, _: TransferRequest, _: Option<Due>) -> BoxFuture<'static, Result<Declined>> {
         Box::pin(async {
             Err(Error::Unsupported(
                 "no control link here: nothing may go over it".into(),

@@ -312,7 +312,7 @@ impl Inner {
                 durability,
                 items: self.keyed(&items, rail),
             };
-            let result = r.link.transfer(request).await;
+            let result = r.link.transfer(request, None).await;
             r.in_flight.fetch_sub(bytes, Ordering::Relaxed);
             match result {
                 Ok(declined) => {
@@ -442,7 +442,7 @@ impl DataLink for MultiRailLink {
         TransportKind::Rdma
     }
 
-    fn transfer(&self, request: TransferRequest) -> BoxFuture<'static, Result<Declined>> {
+    fn transfer(&self, request: TransferRequest, _: Option<ferry_core::Due>) -> BoxFuture<'static, Result<Declined>> {
         Box::pin(self.inner.clone().transfer(request))
     }
 

@@ -120,7 +120,7 @@ impl Rig {
                 remote_access: Access::READ_WRITE,
             }],
         };
-        let result = tokio::time::timeout(Duration::from_secs(30), data.transfer(request))
+        let result = tokio::time::timeout(Duration::from_secs(30), data.transfer(request, None))
             .await
             .map_err(|_| Error::Timeout("the RDMA operation never completed".into()))?;
         data.close().await;

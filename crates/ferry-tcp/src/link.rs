@@ -11,7 +11,7 @@
 //! takes, matching each answer to its operation, the peer's region table and the keepalive. This
 //! module moves bytes and keeps the byte budget (how much may be in flight, which needs waiting).
 //!
-//! A write with a timeout ([`DataLink::transfer_within`]) gives each of its operations a deadline in
+//! A write with a timeout (the `due` of [`DataLink::transfer`]) gives each of its operations a deadline in
 //! the protocol core, and one task per link sleeps until the soonest deadline or keepalive step
 //! ([`Initiator::poll_timeout`]) and fails what expired. A small write thus costs no timer of the
 //! runtime of its own; only its waits for the byte budget, when it must wait, take one. A read keeps
@@ -1176,16 +1176,12 @@ impl DataLink for TcpLink {
         TransportKind::Tcp
     }
 
-    fn transfer(&self, request: TransferRequest) -> BoxFuture<'static, Result<Declined>> {
-        Box::pin(run_transfer(self.shared.clone(), request, None).map(carried_whole))
+    fn transfer(&self, request: TransferRequest, due: Option<Due>) -> BoxFuture<'static, Result<Declined>> {
+        Box::pin(run_transfer(self.shared.clone(), request, due).map(carried_whole))
     }
 
     fn bounds_transfers(&self) -> bool {
         true
-    }
-
-    fn transfer_within(&self, request: TransferRequest, due: Option<Due>) -> BoxFuture<'static, Result<Declined>> {
-        Box::pin(run_transfer(self.shared.clone(), request, due).map(carried_whole))
     }
 
     fn notify(&self, notification: Notification) -> BoxFuture<'static, Result<()>> {

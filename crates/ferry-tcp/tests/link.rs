@@ -139,7 +139,9 @@ impl Pair {
     }
 
     async fn run(&self, request: TransferRequest) -> Result<()> {
-        let declined = tokio::time::timeout(T, self.link.transfer(request)).await.unwrap()?;
+        let declined = tokio::time::timeout(T, self.link.transfer(request, None))
+            .await
+            .unwrap()?;
         // The control link reaches every region: it never leaves anything to another link.
         assert!(declined.is_empty(), "TCP declined {} items", declined.len());
         Ok(())

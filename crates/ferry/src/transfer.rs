@@ -271,7 +271,7 @@ impl Transfer {
             check.due = due;
         }
         let (work, timer, timeout) = match link_bounds {
-            true => (Work::Started(data.transfer_within(request, due)), Timer::Link, timeout),
+            true => (Work::Started(data.transfer(request, due)), Timer::Link, timeout),
             // With a deadline the timer ends at the instant both bounds make; without, it counts the
             // timeout from the first `Pending`.
             false => {
@@ -373,7 +373,8 @@ impl Run {
                 return Poll::Ready(done.map_err(Some));
             }
             if let Work::Unstarted(request) = std::mem::replace(&mut self.work, Work::Taken) {
-                self.work = Work::Started(peer.inner.data.transfer(request));
+                // This link does not bound batches: the timer below does.
+                self.work = Work::Started(peer.inner.data.transfer(request, None));
                 fresh = true;
             }
         }
@@ -423,7 +424,7 @@ impl Run {
                 durability: self.durability,
                 items: declined.into_items(),
             };
-            self.work = Work::Declined(peer.inner.control.transfer_within(request, due));
+            self.work = Work::Declined(peer.inner.control.transfer(request, due));
         }
         if let Timer::Unarmed(until) = self.timer {
             let sleep = match until {
