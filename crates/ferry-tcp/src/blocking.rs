@@ -111,11 +111,6 @@ pub(crate) async fn persist(parts: &[Resolved], durability: Durability) -> Resul
     Ok(())
 }
 
-/// Sums past this many bytes run on a blocking thread: CRC32C reads about 50 GB/s from cache, so this
-/// is some 300 µs of a runtime thread at most, and the bytes just landed are summed where they are
-/// cached.
-const SUM_INLINE_BYTES: u64 = 16 << 20;
-
 /// The CRC32C of each part, in order (`prepare_read` ran first where the memory is staged).
 pub(crate) async fn sums(parts: Vec<Resolved>) -> Result<Vec<u32>> {
     let total: u64 = parts.iter().map(|p| p.len).sum();
@@ -125,7 +120,7 @@ pub(crate) async fn sums(parts: Vec<Resolved>) -> Result<Vec<u32>> {
             .map(ferry_core::integrity::sum)
             .collect::<Result<Vec<u32>>>()
     };
-    if total <= SUM_INLINE_BYTES {
+    if total <= ferry_core::integrity::SUM_INLINE_BYTES {
         return work();
     }
     tokio::task::spawn_blocking(work)

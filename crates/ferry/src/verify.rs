@@ -25,10 +25,6 @@ use futures::future::BoxFuture;
 
 use crate::peer::Peer;
 
-/// Local sums past this many bytes, or over memory with access hooks, run on a blocking thread (at
-/// about 50 GB/s from cache, some 300 µs of the calling thread at most).
-const SUM_INLINE_BYTES: u64 = 16 << 20;
-
 /// What a batch with integrity checks once its data moved.
 pub(crate) struct Check {
     op: Op,
@@ -97,7 +93,7 @@ enum Local {
 
 /// Whether `ranges` are summed on the calling thread: small enough, and no device copy first.
 fn inline(ranges: &[Resolved]) -> bool {
-    ranges.iter().map(|r| r.len).sum::<u64>() <= SUM_INLINE_BYTES
+    ranges.iter().map(|r| r.len).sum::<u64>() <= ferry_core::integrity::SUM_INLINE_BYTES
         && !ranges.iter().any(|r| r.region.block().has_access_hooks())
 }
 
