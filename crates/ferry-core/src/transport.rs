@@ -313,13 +313,14 @@ impl Route {
         self
     }
 
-    /// Left to the control link (TCP), because `why`.
-    pub fn declined(why: impl Into<String>) -> Self {
+    /// `region` left to the control link (TCP), because `why`. Staged as the region is: over the
+    /// control link the owner's process copies staged memory through its host buffer.
+    pub fn declined(region: &crate::RegionAd, why: impl Into<String>) -> Self {
         Route {
             transport: TransportKind::Tcp,
             how: "over the control link".into(),
             passed_over: Some(why.into()),
-            staged: false,
+            staged: region.staged,
         }
     }
 }

@@ -13,7 +13,7 @@ pub(crate) fn of(region: &RegionAd, remote_rails: &[usize]) -> Route {
         .find(|(k, _)| *k == TransportKind::Rdma)
         .map(|(_, key)| key)
     else {
-        return Route::declined("rdma: the peer's NIC could not register this region").staged(region.staged);
+        return Route::declined(region, "rdma: the peer's NIC could not register this region");
     };
     // One key per rail of the peer (a plain key: the peer has one rail).
     let keys: Vec<Option<RemoteKey>> = match RailKeys::decode(key) {
@@ -23,14 +23,22 @@ pub(crate) fn of(region: &RegionAd, remote_rails: &[usize]) -> Route {
             .map(|k| k.as_deref().and_then(|k| RemoteKey::decode(k).ok()))
             .collect(),
         Ok(None) => vec![RemoteKey::decode(key).ok()],
-        Err(e) => return Route::declined(format!("rdma: the peer's key for this region does not parse ({e})")),
+        Err(e) => {
+            return Route::declined(
+                region,
+                format!("rdma: the peer's key for this region does not parse ({e})"),
+            );
+        }
     };
     let reached: Vec<&RemoteKey> = remote_rails
         .iter()
         .filter_map(|&r| keys.get(r).and_then(Option::as_ref))
         .collect();
     let Some(first) = reached.first() else {
-        return Route::declined("rdma: the peer registered this region on none of the rails this link reaches");
+        return Route::declined(
+            region,
+            "rdma: the peer registered this region on none of the rails this link reaches",
+        );
     };
     let rails = match reached.len() {
         1 => "one rail".to_string(),
@@ -113,5 +121,25 @@ mod tests {
                 .is_some_and(|m| m.contains("1 of the 2 rails"))
         );
         assert_eq!(of(&ad(Some(rails)), &[1]).transport, TransportKind::Tcp);
+    }
+
+    /// Memory its owner stages is staged on every route the link declines, so that a
+    /// `stage_gpu_memory(false)` engine refuses it rather than stage it over TCP.
+    #[test]
+    fn a_declined_route_to_staged_memory_says_staged() {
+        let staged = |key: Option<Vec<u8>>| RegionAd {
+            staged: true,
+            ..ad(key)
+        };
+        let on_rail_zero = RailKeys(vec![Some(key(false, true)), None]).encode();
+        for (what, region, rails) in [
+            ("no key", staged(None), vec![0]),
+            ("a key that does not parse", staged(Some(vec![0xff; 3])), vec![0]),
+            ("none of the rails reached", staged(Some(on_rail_zero)), vec![1]),
+        ] {
+            let route = of(&region, &rails);
+            assert_eq!(route.transport, TransportKind::Tcp, "{what}");
+            assert!(route.staged, "{what}: {route:?}");
+        }
     }
 }

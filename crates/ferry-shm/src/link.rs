@@ -899,14 +899,17 @@ impl DataLink for ShmLink {
                 TransportKind::Shm,
                 "copied by the peer's process between the two processes' memory (cross-memory attach)",
             ),
-            (Some(_), Some(why)) => ferry_core::Route::declined(format!(
-                "shm: the peer does not lend this region (memory it did not allocate with alloc_host), and {why}"
-            )),
+            (Some(_), Some(why)) => ferry_core::Route::declined(
+                region,
+                format!(
+                    "shm: the peer does not lend this region (memory it did not allocate with alloc_host), and {why}"
+                ),
+            ),
             (None, _) => ferry_core::Route::declined(
+                region,
                 "shm: the peer stages this region in front of a device (GPU memory behind a host copy), which \
                  only its own copies reach",
-            )
-            .staged(region.staged),
+            ),
         }
     }
 
