@@ -15,7 +15,9 @@
 //! | [`auth`] | both | how a further stream proves it belongs to an authenticated link, and its record keys |
 //! | [`seal`] | both | the records a protected data stream's bytes travel in: tags, sequence numbers, encryption |
 //! | [`initiator`] | initiator | operation ids, which stream an operation takes, matching answers to operations, the limit on outstanding operations, the peer's region table |
+//! | [`outbound`] | initiator | every frame of a batch: its pieces' `Write`, `WriteBatch` and `Read` frames, and the `Commit`s after a persistent write in several frames |
 //! | [`target`] | target | which frames a target accepts on which stream, and the answers it owes |
+//! | [`serve`] | target | what each accepted request may touch for its peer, what a refused write's payload becomes, what a landed write or a commit persists, the read size limit |
 //! | [`written`] | target | which part of a `Commit` a stream may persist: what its earlier writes covered |
 //! | [`adverts`] | target | the bounded queue of region updates per link, and the full table resent when it overflowed |
 //! | [`keepalive`] | initiator | when to probe a silent peer, and when to give it up |
@@ -36,8 +38,10 @@ pub mod initiator;
 pub mod keepalive;
 pub mod limits;
 pub mod ops;
+pub mod outbound;
 pub mod rdma;
 pub mod seal;
+pub mod serve;
 pub mod setup;
 pub mod shm;
 pub mod target;
@@ -52,6 +56,7 @@ pub use initiator::{Event, Initiator, RegionUpdate};
 pub use keepalive::Keepalive;
 pub use limits::LinkLimits;
 pub use ops::OpTable;
+pub use outbound::BatchFrames;
 pub use seal::{Opener, Sealer};
 pub use setup::SetupBudget;
 pub use target::{Request, TargetStream};

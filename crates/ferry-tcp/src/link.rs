@@ -7,9 +7,11 @@
 //! stream with the fewest bytes outstanding, and completes when the target acknowledges it (writes) or
 //! its data has landed (reads). Stream 0 also carries notifications and the target's region updates.
 //!
-//! The protocol's decisions are `ferry-proto`'s [`Initiator`]: operation ids, which stream an operation
-//! takes, matching each answer to its operation, the peer's region table and the keepalive. This
-//! module moves bytes and keeps the byte budget (how much may be in flight, which needs waiting).
+//! The protocol's decisions are `ferry-proto`'s: every frame of a batch and the commits after a
+//! persistent write in several frames ([`BatchFrames`]); operation ids, which stream an operation
+//! takes, matching each answer to its operation, the peer's region table and the keepalive
+//! ([`Initiator`]). This module moves bytes and keeps the byte budget (how much may be in flight,
+//! which needs waiting).
 //!
 //! A write with a timeout (the `due` of [`DataLink::transfer`]) gives each of its operations a deadline in
 //! the protocol core, and one task per link sleeps until the soonest deadline or keepalive step
@@ -25,14 +27,14 @@ use std::time::{Duration, Instant};
 use ferry_core::codec::{Frame, Hello, HelloAck, Limits, ReadStatus, Segment};
 use ferry_core::sync::{Handoff, ShardedLock};
 use ferry_core::{
-    AccessGuard, DataLink, DataProtection, Declined, Due, Durability, Error, Notification, Op, PeerIdentity,
-    PersistMethod, RegionEntry, RemoteRegions, Resolved, Result, TransferRequest, TransportKind,
+    AccessGuard, DataLink, DataProtection, Declined, Due, Error, Notification, Op, PeerIdentity, PersistMethod,
+    RegionEntry, RemoteRegions, Resolved, Result, TransferRequest, TransportKind,
 };
-use ferry_proto::batch::{Piece, Shape, plan, segments};
+use ferry_proto::batch::Shape;
 use ferry_proto::handshake::check_ack;
 use ferry_proto::initiator::OpKind;
 use ferry_proto::keepalive::{DEFAULT_DEAD, DEFAULT_IDLE};
-use ferry_proto::written::DeferredCommits;
+use ferry_proto::outbound::{BatchFrames, Send};
 use ferry_proto::{Event, Identity, Initiator, Keepalive, LinkLimits, LinkToken, OpId, RegionUpdate, StreamIndex};
 use futures::FutureExt;
 use futures::future::BoxFuture;
@@ -724,33 +726,16 @@ async fn run_batch(shared: &Arc<Shared>, request: TransferRequest, bound: Option
         coalesce_buffer: shared.pool.as_ref().map(|p| p.buffer_bytes() as u64),
         direct_read: DIRECT_THRESHOLD as u64,
     };
-    let pieces = plan(request.op, request.items, &shape);
-    // The commit rule of a persistent write in several frames (see `ferry_proto::written`).
-    let mut commits = DeferredCommits::new(request.op, request.durability, pieces.len(), shared.streams.len());
-    let durability = commits.frame_durability(request.durability);
-    let mut completions = Vec::with_capacity(pieces.len());
-    for piece in pieces {
-        let noted = commits.note(&piece);
-        let (stream, rx) = match request.op {
-            Op::Write => submit_write(shared, piece, durability, bound).await?,
-            Op::Read => submit_read(shared, piece, &caller.0).await?,
+    let streams = shared.streams.len();
+    let mut frames = BatchFrames::new(request.op, request.durability, request.items, &shape, streams);
+    let mut completions = Vec::new();
+    while let Some(send) = frames.next() {
+        let (stream, rx) = match send.kind() {
+            OpKind::Read => submit_read(shared, send, &caller.0).await?,
+            _ => submit_write(shared, send, bound).await?,
         };
-        commits.sent(stream, noted);
+        frames.sent(stream);
         completions.push(rx);
-    }
-    for (stream, segments) in commits.commits() {
-        let commit = |id: OpId| {
-            Outgoing::Frame(Frame::Commit {
-                id: id.0,
-                durability: Durability::Persistent,
-                segments,
-            })
-        };
-        completions.push(
-            shared
-                .submit(Some(stream), 0, None, None, bound.map(|b| b.at), commit)?
-                .1,
-        );
     }
     for rx in completions {
         rx.await.map_err(|_| shared.closed_error())??;
@@ -758,77 +743,53 @@ async fn run_batch(shared: &Arc<Shared>, request: TransferRequest, bound: Option
     Ok(())
 }
 
-/// Sends one piece of a write, under its share of the byte budget: straight from the region, or
-/// copied into a pool buffer with the rest of its group.
-async fn submit_write(shared: &Shared, piece: Piece, durability: Durability, bound: Option<Due>) -> Result<Submitted> {
-    let bytes = piece.len();
-    let budget = Some(shared.budget(bytes, bound).await?);
+/// Sends one write frame (or a commit, which moves no payload) under its share of the byte budget,
+/// its payload straight from the regions.
+async fn submit_write(shared: &Shared, send: Send, bound: Option<Due>) -> Result<Submitted> {
+    let bytes = send.bytes();
+    let budget = match bytes {
+        0 => None,
+        _ => Some(shared.budget(bytes, bound).await?),
+    };
     let deadline = bound.map(|b| b.at);
-    match piece {
-        Piece::Direct(item) => shared.submit(None, bytes, None, budget, deadline, |id| Outgoing::Write {
-            id,
-            frame: Frame::Write {
-                id: id.0,
-                key: item.remote_key,
-                offset: item.remote_offset,
-                durability,
-            },
-            parts: vec![item.local],
-        }),
-        Piece::Coalesced(group) => {
-            let segments = segments(&group);
-            let parts = group.into_iter().map(|i| i.local).collect();
-            shared.submit(None, bytes, None, budget, deadline, |id| Outgoing::Write {
-                id,
-                frame: Frame::WriteBatch {
-                    id: id.0,
-                    durability,
-                    segments,
-                },
-                parts,
-            })
+    shared.submit(send.stream(), bytes, None, budget, deadline, |id| {
+        let (frame, parts) = send.into_frame(id);
+        match parts.is_empty() {
+            true => Outgoing::Frame(frame),
+            false => Outgoing::Write { id, frame, parts },
         }
-    }
+    })
 }
 
-/// Asks for one piece of a read, under its share of the byte budget; its data lands straight in the
-/// region, or through a pool buffer that is scattered over its group. A read carries no deadline of
-/// its own: [`run_transfer`] bounds the whole batch.
-async fn submit_read(shared: &Shared, piece: Piece, caller: &Arc<AccessGuard>) -> Result<Submitted> {
-    let bytes = piece.len();
+/// Asks for one read frame's data, under its share of the byte budget; its data lands straight in
+/// the region, or through a pool buffer that is scattered over its parts. A read carries no
+/// deadline of its own: [`run_transfer`] bounds the whole batch.
+async fn submit_read(shared: &Shared, send: Send, caller: &Arc<AccessGuard>) -> Result<Submitted> {
+    let bytes = send.bytes();
     let budget = Some(shared.budget(bytes, None).await?);
-    match piece {
-        Piece::Direct(item) => {
-            let dest = ReadDest::Direct {
-                part: item.local,
-                caller: caller.clone(),
-            };
-            shared.submit(None, bytes, Some(dest), budget, None, |id| {
-                Outgoing::Frame(Frame::Read {
-                    id: id.0,
-                    key: item.remote_key,
-                    offset: item.remote_offset,
-                    len: bytes,
-                })
-            })
-        }
-        Piece::Coalesced(group) => {
-            let buffer = match shared.pool.as_ref() {
-                Some(pool) => Some(pool.acquire().await),
-                None => None,
-            };
-            let segments = segments(&group);
-            let parts = group.into_iter().map(|i| i.local).collect();
-            let dest = ReadDest::Scatter {
+    let buffer = match (send.is_coalesced(), shared.pool.as_ref()) {
+        (true, Some(pool)) => Some(pool.acquire().await),
+        _ => None,
+    };
+    let coalesced = send.is_coalesced();
+    let (mut parts, frame) = send.split();
+    let dest = match (coalesced, parts.pop()) {
+        (false, Some(part)) if parts.is_empty() => ReadDest::Direct {
+            part,
+            caller: caller.clone(),
+        },
+        (_, last) => {
+            parts.extend(last);
+            ReadDest::Scatter {
                 parts,
                 buffer,
                 caller: caller.clone(),
-            };
-            shared.submit(None, bytes, Some(dest), budget, None, |id| {
-                Outgoing::Frame(Frame::ReadBatch { id: id.0, segments })
-            })
+            }
         }
-    }
+    };
+    shared.submit(None, bytes, Some(dest), budget, None, |id| {
+        Outgoing::Frame(frame.frame(id))
+    })
 }
 
 /// Puts a frame whose payload is in hand into the writer. A write whose region was deregistered

@@ -2,8 +2,9 @@
 //! payloads between the socket and registered memory.
 //!
 //! The protocol's decisions are `ferry-proto`'s: which hellos open or join a link
-//! ([`LinkRegistry`]), what a frame asks for on which stream ([`TargetStream`]), and the bounded queue
-//! of region updates per link ([`AdvertQueue`]). This module only does the I/O around them.
+//! ([`LinkRegistry`]), what a frame asks for on which stream ([`TargetStream`]), what each request
+//! may touch and what a write or commit leaves to persist ([`serve`]), and the bounded queue of region
+//! updates per link ([`AdvertQueue`]). This module only does the I/O around them.
 //!
 //! Each accepted stream is served by one task that reads a request, applies it and writes the answer
 //! itself: no hand-off between tasks on the request path, and a peer that sends requests without
@@ -24,6 +25,7 @@ use ferry_core::{
     RegionKey, Resolved, Result,
 };
 use ferry_proto::handshake::{BEFORE_ADMISSION, refuse_anonymously};
+use ferry_proto::serve::{self, Landing, Persist};
 use ferry_proto::setup::MAX_PATHS_PER_LINK;
 use ferry_proto::target::{ack, setup_reply, sums_reply};
 use ferry_proto::{
@@ -695,8 +697,11 @@ async fn serve_requests(
                 // A link with another data path (RDMA) also commits what that path wrote, which this
                 // stream never saw: its commits are taken as they come.
                 let bypassed = link.data_paths.lock().map_or(true, |p| !p.is_empty());
-                let written = (!bypassed).then_some(&mut written);
-                ack(id, &serve_commit(ctx, who, written, &segments, durability).await)
+                let result = match serve::commit(ctx, who, &mut written, bypassed, &segments, durability) {
+                    Ok(parts) => persist(&parts, durability).await,
+                    Err(e) => Err(e),
+                };
+                ack(id, &result)
             }
             Request::Read { id, segments } => {
                 match resolve_reads(ctx, who, &segments, shared.config.limits.max_payload).await {
@@ -752,76 +757,23 @@ async fn serve_write(
     written: &mut WrittenRanges,
     (id, segments, payload_len, durability): (OpId, &[Segment], u64, Durability),
 ) -> Result<Frame> {
-    let resolved: Result<Vec<Resolved>> = segments
-        .iter()
-        .map(|s| ctx.resolve_write(who, s.key, s.offset, s.len, durability))
-        .collect();
-    let result = match resolved {
-        Ok(parts) => match land(reader, &parts).await? {
-            Ok(()) => {
-                let mut spilled = Vec::new();
-                if durability == Durability::Completed {
-                    for (s, p) in segments.iter().zip(&parts) {
-                        if p.region.block().persistent() {
-                            spilled.extend(written.record(s.key, s.offset, s.len));
-                        }
-                    }
-                }
-                match spilled.is_empty() {
-                    true => persist(&parts, durability).await,
-                    false => persist_spilled(ctx, who, &spilled).await,
-                }
-            }
+    let result = match serve::write(ctx, who, segments, payload_len, durability) {
+        Landing::Land(parts) => match land(reader, &parts).await? {
+            Ok(()) => match serve::landed(ctx, who, written, segments, &parts, durability) {
+                Persist::Parts => persist(&parts, durability).await,
+                Persist::Spilled(spilled) => persist(&spilled, Durability::Persistent).await,
+            },
             Err(e) => Err(e),
         },
-        Err(e) => {
-            reader.discard(payload_len).await?;
-            Err(e)
+        Landing::Refuse { error, discard } => {
+            reader.discard(discard).await?;
+            Err(error)
         }
     };
     if result.is_ok() {
         ctx.served.count(ferry_core::Op::Write, payload_len);
     }
     Ok(ack(id, &result))
-}
-
-/// Persists what a stream wrote and can no longer keep track of (see [`WrittenRanges::record`]):
-/// exactly those ranges, now, so that a later commit of them is already true. A range whose region
-/// the peer can no longer reach is left alone: no commit of it could succeed either.
-async fn persist_spilled(ctx: &EngineContext, who: &PeerView, spilled: &[Segment]) -> Result<()> {
-    let parts: Vec<Resolved> = spilled
-        .iter()
-        .filter_map(|s| {
-            ctx.resolve_write(who, s.key, s.offset, s.len, Durability::Persistent)
-                .ok()
-        })
-        .collect();
-    persist(&parts, Durability::Persistent).await
-}
-
-/// A commit of `segments`: checks every one (grants, bounds, a persistent region), then persists, if
-/// asked, the part of them this stream's earlier writes covered (`written`, see [`WrittenRanges`]),
-/// or all of them when the link's writes may bypass this stream (`None`).
-async fn serve_commit(
-    ctx: &EngineContext,
-    who: &PeerView,
-    written: Option<&mut WrittenRanges>,
-    segments: &[Segment],
-    durability: Durability,
-) -> Result<()> {
-    let named = segments
-        .iter()
-        .map(|s| ctx.resolve_write(who, s.key, s.offset, s.len, durability))
-        .collect::<Result<Vec<_>>>()?;
-    let parts = match written {
-        None => named,
-        Some(written) => written
-            .commit(segments)
-            .iter()
-            .map(|s| ctx.resolve_write(who, s.key, s.offset, s.len, durability))
-            .collect::<Result<Vec<_>>>()?,
-    };
-    persist(&parts, durability).await
 }
 
 /// Sets up another data path for the link: the transport's answer to send back.
@@ -916,49 +868,23 @@ fn read_status(parts: &[Resolved], copied: bool) -> ReadStatus {
     }
 }
 
+/// The memory a read sends (see [`serve::read`]), a staged block's device copies made first.
 async fn resolve_reads(
     ctx: &EngineContext,
     who: &PeerView,
     segments: &[Segment],
     max_payload: u64,
 ) -> Result<Vec<Resolved>> {
-    let mut total = 0u64;
-    let mut parts = Vec::with_capacity(segments.len());
-    for s in segments {
-        let r = ctx.resolve(who, s.key, s.offset, s.len, Op::Read)?;
-        total = total.saturating_add(s.len);
-        if total > max_payload {
-            return Err(Error::InvalidArgument(format!(
-                "a read of over {max_payload} bytes in one request"
-            )));
-        }
-        parts.push(r);
-    }
+    let parts = serve::read(ctx, who, segments, max_payload)?;
     // A staged block's device copies: off the runtime, under a permit.
     crate::blocking::prepare_read(&parts).await?;
     Ok(parts)
 }
 
 /// The CRC32C of each range a transfer with integrity wrote or read here, as memory holds it now (for
-/// memory staged in front of a device, after a copy from the device). A checksum tells something of
-/// the bytes, so the peer needs read access besides the access of the operation it checks.
+/// memory staged in front of a device, after a copy from the device); see [`serve::sums`].
 async fn serve_sums(ctx: &EngineContext, who: &PeerView, op: Op, segments: &[Segment]) -> Result<Vec<u32>> {
-    let mut parts = Vec::with_capacity(segments.len());
-    for s in segments {
-        if op == Op::Write {
-            ctx.resolve(who, s.key, s.offset, s.len, Op::Write)?;
-        }
-        let part = ctx
-            .resolve(who, s.key, s.offset, s.len, Op::Read)
-            .map_err(|e| match e {
-                Error::PermissionDenied(m) if op == Op::Write => Error::PermissionDenied(format!(
-                    "{m}; an integrity check reads the written range's checksum back, which needs read access: \
-                 grant the peer READ as well, or write without integrity"
-                )),
-                other => other,
-            })?;
-        parts.push(part);
-    }
+    let parts = serve::sums(ctx, who, op, segments)?;
     if op == Op::Write {
         // A path that bypasses this engine's CPU (RDMA) landed the bytes without a hook of its own.
         parts.iter().for_each(ferry_core::integrity::fault::landed);

@@ -248,7 +248,8 @@ async fn a_read_cut_short_by_deregistration_ends_with_a_failure_status() {
 }
 
 /// Through the engine: a READ that races the target's deregistration of its source either delivers
-/// the region's bytes or fails with `PermissionDenied`; it never returns `Ok` with other bytes.
+/// the region's bytes or fails (`PermissionDenied`, or `OutOfBounds` when the removal won the race to the
+/// initiator); it never returns `Ok` with other bytes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_read_racing_deregistration_never_returns_wrong_bytes() {
     let (target, initiator, peer) = pair().await;
@@ -273,6 +274,9 @@ async fn a_read_racing_deregistration_never_returns_wrong_bytes() {
                 "Ok, but not the region's bytes ({delay_ms} ms)"
             ),
             Err(Error::PermissionDenied(_)) => failed += 1,
+            // The region's removal reached the initiator before the read resolved its address (at
+            // 0 ms, on a loaded machine): refused before it started.
+            Err(Error::OutOfBounds(m)) if m.contains("in no region the peer registered") => failed += 1,
             Err(e) => panic!("unexpected {e:?}"),
         }
     }
