@@ -230,6 +230,10 @@ pub struct TransferRequest {
     pub durability: Durability,
     /// The descriptors, in the caller's order.
     pub items: Vec<TransferItem>,
+    /// Whether the link checks a write's bytes end to end itself, as it carries them: only asked of
+    /// a link that [checks writes](DataLink::checks_writes); the engine checks every other batch
+    /// with integrity after its data moved.
+    pub checked: bool,
 }
 
 /// The items of a batch that a data link left to the engine: regions its transport does not reach
@@ -381,6 +385,14 @@ pub trait DataLink: Send + Sync + 'static {
     /// target's memory on its CPU after a transfer (an integrity check's sums) waits for this first.
     fn fence_writes(&self) -> BoxFuture<'static, Result<()>> {
         Box::pin(async { Ok(()) })
+    }
+    /// Whether this link can check a write's bytes end to end as it carries them (a request with
+    /// [`checked`](TransferRequest::checked) set): the CRC32C of each frame's bytes where they leave
+    /// the source, against the target's of what landed, taken right after it landed, while both are
+    /// in cache. A write checked so needs no second pass over its ranges after it completed. The
+    /// default: no, the engine checks.
+    fn checks_writes(&self) -> bool {
+        false
     }
     /// Sends a notification; completes when the peer queued it. Ordered after every transfer that
     /// completed before it was called.

@@ -70,6 +70,12 @@ pub fn worth_coalescing(op: Op, len: u64, shape: &Shape) -> bool {
 /// large ones are split across the streams, the rest go in frames of their own. Every byte of every
 /// descriptor is in exactly one piece, and the pieces of a split descriptor follow each other.
 pub fn plan(op: Op, items: Vec<TransferItem>, shape: &Shape) -> Vec<Piece> {
+    plan_within(op, items, shape, MAX_PIECE)
+}
+
+/// [`plan`], with pieces of at most `max_piece` bytes (at least [`MIN_SPLIT`]).
+pub(crate) fn plan_within(op: Op, items: Vec<TransferItem>, shape: &Shape, max_piece: u64) -> Vec<Piece> {
+    let max_piece = max_piece.max(MIN_SPLIT);
     let streams = shape.streams.max(1) as u64;
     let mut pieces = Vec::new();
     let coalesce = shape.coalesce_buffer.is_some()
@@ -86,7 +92,7 @@ pub fn plan(op: Op, items: Vec<TransferItem>, shape: &Shape) -> Vec<Piece> {
             small.push(item);
             continue;
         }
-        let piece_len = len.div_ceil(streams).clamp(MIN_SPLIT, MAX_PIECE);
+        let piece_len = len.div_ceil(streams).clamp(MIN_SPLIT, max_piece);
         if len <= piece_len {
             pieces.push(Piece::Direct(item));
             continue;

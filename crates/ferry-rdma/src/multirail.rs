@@ -311,6 +311,7 @@ impl Inner {
                 op,
                 durability,
                 items: self.keyed(&items, rail),
+                checked: false,
             };
             let result = r.link.transfer(request, None).await;
             r.in_flight.fetch_sub(bytes, Ordering::Relaxed);

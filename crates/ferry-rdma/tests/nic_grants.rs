@@ -119,6 +119,7 @@ impl Rig {
                 remote_transport_key: Some(rkey.encode().into()),
                 remote_access: Access::READ_WRITE,
             }],
+            checked: false,
         };
         let result = tokio::time::timeout(Duration::from_secs(30), data.transfer(request, None))
             .await

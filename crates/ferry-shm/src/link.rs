@@ -145,6 +145,7 @@ fn read_pieces(request: &TransferRequest) -> Vec<TransferRequest> {
             op: request.op,
             durability: request.durability,
             items,
+            checked: request.checked,
         })
         .collect()
 }
@@ -588,7 +589,12 @@ impl Inner {
     /// The items the target copies: READs in pieces of bounded read buffers, one after the other; WRITEs
     /// in requests of at most [`MAX_ITEMS`] ranges, all at once.
     async fn copied(self: Arc<Self>, op: Op, durability: Durability, items: Vec<TransferItem>) -> Result<()> {
-        let request = TransferRequest { op, durability, items };
+        let request = TransferRequest {
+            op,
+            durability,
+            items,
+            checked: false,
+        };
         if request.op == Op::Read {
             for piece in read_pieces(&request) {
                 self.clone().request(piece).await?;
@@ -605,6 +611,7 @@ impl Inner {
                 op: request.op,
                 durability: request.durability,
                 items: c.to_vec(),
+                checked: request.checked,
             })
             .collect();
         futures::future::try_join_all(chunks.into_iter().map(|c| self.clone().request(c))).await?;
@@ -985,6 +992,7 @@ mod tests {
             op: Op::Read,
             durability: ferry_core::Durability::Completed,
             items: vec![item(0, 10 << 20), item(10 << 20, 3), item((10 << 20) + 3, 1 << 20)],
+            checked: false,
         };
         let pieces = read_pieces(&request);
         let mut next = 0u64;
@@ -1022,6 +1030,7 @@ mod tests {
                 remote_transport_key: None,
                 remote_access: Access::READ_WRITE,
             }],
+            checked: false,
         };
         (link, theirs, request)
     }

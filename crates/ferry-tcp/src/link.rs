@@ -113,6 +113,46 @@ enum Waiter {
     Op(Pending),
     Setup(oneshot::Sender<Result<Vec<u8>>>),
     Sums(oneshot::Sender<Result<Vec<u32>>>),
+    /// The check of a write frame: the target's sums of what it landed, against the source's.
+    Check(WriteCheck),
+}
+
+/// A write frame's end-to-end check ([`TransferRequest::checked`]), waiting for the target's sums.
+struct WriteCheck {
+    done: oneshot::Sender<Result<()>>,
+    /// The source's sums, taken as the frame's bytes left.
+    sent: Arc<SentSums>,
+    /// The target's ranges the frame wrote, in order.
+    ranges: Vec<Segment>,
+}
+
+/// The CRC32C of each range of a write frame's source, taken by the stream's writer right before
+/// the bytes leave, while it reads them anyway: the sum brings them into the cache the send then
+/// copies from. Unset where a range could not be read (its region went away): the write itself
+/// then fails.
+#[derive(Default)]
+struct SentSums(std::sync::OnceLock<Vec<u32>>);
+
+impl SentSums {
+    fn take(&self, parts: &[Resolved]) {
+        let sums: Result<Vec<u32>> = parts.iter().map(ferry_core::integrity::sum).collect();
+        if let Ok(sums) = sums {
+            let _ = self.0.set(sums);
+        }
+    }
+}
+
+impl WriteCheck {
+    /// The check's outcome, given the target's answer.
+    fn finish(self, theirs: Result<Vec<u32>>, peer: &str) {
+        let outcome = theirs.and_then(|theirs| match self.sent.0.get() {
+            Some(ours) => ferry_core::integrity::compare(Op::Write, ours, &theirs, &self.ranges, &peer),
+            None => Err(Error::Internal(
+                "a write frame's checksums were answered before its source was summed".into(),
+            )),
+        });
+        let _ = self.done.send(outcome);
+    }
 }
 
 impl Waiter {
@@ -127,6 +167,9 @@ impl Waiter {
             Waiter::Sums(s) => {
                 let _ = s.send(Err(error));
             }
+            Waiter::Check(c) => {
+                let _ = c.done.send(Err(error));
+            }
         }
     }
 }
@@ -139,11 +182,13 @@ struct Pending {
 
 enum Outgoing {
     Frame(Frame),
-    /// A write frame (operation `id`) whose payload is the region ranges `parts`, back to back.
+    /// A write frame (operation `id`) whose payload is the region ranges `parts`, back to back;
+    /// summed into `sums` as it leaves, where it is checked.
     Write {
         id: OpId,
         frame: Frame,
         parts: Vec<Resolved>,
+        sums: Option<Arc<SentSums>>,
     },
     /// Send what the writer holds (left there by a caller's write that the socket did not take whole).
     Flush,
@@ -596,8 +641,14 @@ impl Shared {
 
     fn complete(&self, stream: StreamIndex, id: OpId, result: Result<()>) {
         let waiter = self.proto().ok().and_then(|mut p| p.take(stream, id));
-        if let Some(Waiter::Op(p)) = waiter {
-            let _ = p.done.send(result);
+        match waiter {
+            Some(Waiter::Op(p)) => {
+                let _ = p.done.send(result);
+            }
+            Some(Waiter::Check(c)) => {
+                let _ = c.done.send(result);
+            }
+            _ => {}
         }
     }
 
@@ -727,12 +778,19 @@ async fn run_batch(shared: &Arc<Shared>, request: TransferRequest, bound: Option
         direct_read: DIRECT_THRESHOLD as u64,
     };
     let streams = shared.streams.len();
-    let mut frames = BatchFrames::new(request.op, request.durability, request.items, &shape, streams);
+    let checked = request.checked;
+    let mut frames = BatchFrames::new(request.op, request.durability, request.items, &shape, streams, checked);
     let mut completions = Vec::new();
+    // The source's sums of the write frame last sent, for the check that follows it.
+    let mut sent_sums = None;
     while let Some(send) = frames.next() {
         let (stream, rx) = match send.kind() {
             OpKind::Read => submit_read(shared, send, &caller.0).await?,
-            _ => submit_write(shared, send, bound).await?,
+            OpKind::Sum => submit_check(shared, send, sent_sums.take(), bound)?,
+            _ => {
+                sent_sums = (checked && send.bytes() > 0).then(Arc::default);
+                submit_write(shared, send, sent_sums.clone(), bound).await?
+            }
         };
         frames.sent(stream);
         completions.push(rx);
@@ -745,7 +803,12 @@ async fn run_batch(shared: &Arc<Shared>, request: TransferRequest, bound: Option
 
 /// Sends one write frame (or a commit, which moves no payload) under its share of the byte budget,
 /// its payload straight from the regions.
-async fn submit_write(shared: &Shared, send: Send, bound: Option<Due>) -> Result<Submitted> {
+async fn submit_write(
+    shared: &Shared,
+    send: Send,
+    sums: Option<Arc<SentSums>>,
+    bound: Option<Due>,
+) -> Result<Submitted> {
     let bytes = send.bytes();
     let budget = match bytes {
         0 => None,
@@ -756,9 +819,25 @@ async fn submit_write(shared: &Shared, send: Send, bound: Option<Due>) -> Result
         let (frame, parts) = send.into_frame(id);
         match parts.is_empty() {
             true => Outgoing::Frame(frame),
-            false => Outgoing::Write { id, frame, parts },
+            false => Outgoing::Write { id, frame, parts, sums },
         }
     })
+}
+
+/// Asks, on the stream of the write frame before it, for the target's sums of what that frame
+/// wrote; its completion compares them with the source's, `sent`.
+fn submit_check(shared: &Shared, send: Send, sent: Option<Arc<SentSums>>, bound: Option<Due>) -> Result<Submitted> {
+    let sent = sent.ok_or_else(|| Error::Internal("a checksum request with no write frame before it".into()))?;
+    let (done, rx) = oneshot::channel();
+    let check = Waiter::Check(WriteCheck {
+        done,
+        sent,
+        ranges: send.checked_ranges().to_vec(),
+    });
+    let stream = send.stream();
+    let (_, frame) = send.split();
+    let stream = start_request(shared, stream, bound.map(|b| b.at), check, |id| frame.frame(id))?;
+    Ok((stream, rx))
 }
 
 /// Asks for one read frame's data, under its share of the byte budget; its data lands straight in
@@ -797,7 +876,10 @@ async fn submit_read(shared: &Shared, send: Send, caller: &Arc<AccessGuard>) -> 
 fn push_inline(shared: &Shared, stream: StreamIndex, writer: &mut FrameWriter, out: Outgoing) -> Result<()> {
     match out {
         Outgoing::Frame(f) => writer.push(&f, 0)?,
-        Outgoing::Write { id, frame, parts } => {
+        Outgoing::Write { id, frame, parts, sums } => {
+            if let Some(sums) = sums {
+                sums.take(&parts);
+            }
             writer.push(&frame, parts.iter().map(|p| p.len).sum())?;
             let mut intact = true;
             for p in &parts {
@@ -818,7 +900,10 @@ async fn write_one(shared: &Shared, stream: StreamIndex, writer: &mut FrameWrite
         return push_inline(shared, stream, writer, out);
     }
     match out {
-        Outgoing::Write { id, frame, parts } => {
+        Outgoing::Write { id, frame, parts, sums } => {
+            if let Some(sums) = sums {
+                sums.take(&parts);
+            }
             writer.push(&frame, parts.iter().map(|p| p.len).sum())?;
             if !writer.write_parts(&parts).await? {
                 shared.complete(stream, id, Err(access_error(&parts)));
@@ -887,8 +972,12 @@ async fn read_loop(shared: Arc<Shared>, stream: StreamIndex, mut reader: FrameRe
                 Ok(())
             }
             Ok(Event::SumsAnswered { op, result }) => {
-                if let Waiter::Sums(s) = op {
-                    let _ = s.send(result);
+                match op {
+                    Waiter::Sums(s) => {
+                        let _ = s.send(result);
+                    }
+                    Waiter::Check(c) => c.finish(result, &shared.peer),
+                    _ => {}
                 }
                 Ok(())
             }
@@ -1083,21 +1172,37 @@ fn request_sums(
     deadline: Option<Instant>,
 ) -> Result<oneshot::Receiver<Result<Vec<u32>>>> {
     let (tx, rx) = oneshot::channel();
+    start_request(shared, None, deadline, Waiter::Sums(tx), |id| Frame::Sum {
+        id: id.0,
+        op,
+        segments,
+    })?;
+    Ok(rx)
+}
+
+/// Starts a checksum request (`waiter` keeps it) on `stream`, or the least loaded one, and queues
+/// its frame. Returns the stream it took.
+fn start_request(
+    shared: &Shared,
+    stream: Option<StreamIndex>,
+    deadline: Option<Instant>,
+    waiter: Waiter,
+    frame: impl FnOnce(OpId) -> Frame,
+) -> Result<StreamIndex> {
     let (stream, id, sooner) = {
         let mut proto = shared.proto()?;
-        let (stream, id) = proto.start(None, OpKind::Sum, 0, deadline, Waiter::Sums(tx))?;
+        let (stream, id) = proto.start(stream, OpKind::Sum, 0, deadline, waiter)?;
         let sooner = deadline.is_some_and(|at| shared.nanos(at) < shared.timer_at.load(Ordering::Relaxed));
         (stream, id, sooner)
     };
     if sooner {
         shared.timer_moved.notify_one();
     }
-    let frame = Frame::Sum { id: id.0, op, segments };
-    if let Err(e) = shared.send(stream, Outgoing::Frame(frame)) {
+    if let Err(e) = shared.send(stream, Outgoing::Frame(frame(id))) {
         let _ = shared.proto().map(|mut p| p.take(stream, id));
         return Err(e);
     }
-    Ok(rx)
+    Ok(stream)
 }
 
 impl ferry_core::SetupExchange for TcpLink {
@@ -1139,6 +1244,10 @@ impl DataLink for TcpLink {
 
     fn transfer(&self, request: TransferRequest, due: Option<Due>) -> BoxFuture<'static, Result<Declined>> {
         Box::pin(run_transfer(self.shared.clone(), request, due).map(carried_whole))
+    }
+
+    fn checks_writes(&self) -> bool {
+        true
     }
 
     fn bounds_transfers(&self) -> bool {

@@ -596,7 +596,12 @@ impl Engine {
             }
             Ok(items)
         })??;
-        Ok(TransferRequest { op, durability, items })
+        Ok(TransferRequest {
+            op,
+            durability,
+            items,
+            checked: false,
+        })
     }
 
     /// Checks and resolves a batch of one-sided operations on `peer` now, and returns the future

@@ -182,6 +182,8 @@ struct Run {
     timer: Timer,
     op: Op,
     durability: Durability,
+    /// Whether its links check its bytes as they carry them ([`TransferRequest::checked`]).
+    checked: bool,
     /// The end-to-end check still to run, for a batch with integrity.
     check: Option<Box<Check>>,
     /// What the metrics, the span and the coop budget ([`charge_copy`]) count.
@@ -235,14 +237,22 @@ impl Transfer {
     /// deadline reads none until its first poll finds it unfinished (see [`Run::poll_bounded`]).
     pub(crate) fn new(
         peer: &Peer,
-        request: TransferRequest,
+        mut request: TransferRequest,
         timeout: Duration,
         deadline: Option<Instant>,
         integrity: bool,
     ) -> Result<Self> {
-        let mut check = integrity.then(|| Check::of(&request)).transpose()?;
-        let (op, durability, descriptors) = (request.op, request.durability, request.items.len());
         let data = &peer.inner.data;
+        // A write over links that check writes as they carry them (TCP's, the control link's too,
+        // which takes what the data link declines) is checked there, frame by frame, while its bytes
+        // are in cache at both ends; everything else by a second pass once its data moved.
+        request.checked =
+            integrity && request.op == Op::Write && data.checks_writes() && peer.inner.control.checks_writes();
+        let mut check = (integrity && !request.checked)
+            .then(|| Check::of(&request))
+            .transpose()?;
+        let (op, durability, descriptors) = (request.op, request.durability, request.items.len());
+        let checked = request.checked;
         let link_bounds = data.bounds_transfers();
         let metered = peer.inner.metrics.is_some();
         let now = (link_bounds || deadline.is_some() || metered).then(Instant::now);
@@ -293,6 +303,7 @@ impl Transfer {
                 timer,
                 op,
                 durability,
+                checked,
                 check,
                 bytes,
             },
@@ -423,6 +434,7 @@ impl Run {
                 op: self.op,
                 durability: self.durability,
                 items: declined.into_items(),
+                checked: self.checked,
             };
             self.work = Work::Declined(peer.inner.control.transfer(request, due));
         }

@@ -7,8 +7,10 @@
 //! bytes: the network, a proxy, a NIC, a copy that went wrong, a store after landing. The target
 //! is asked only once the batch's bytes are in its memory as its CPU sees them:
 //!
-//! - over TCP the target acknowledges a write after it landed, and a read's data came from its
-//!   memory before the answer;
+//! - over TCP a read's data came from the target's memory before the answer (a write over TCP is
+//!   not checked here: the link checks it frame by frame as it carries it, see
+//!   [`ferry_core::DataLink::checks_writes`], and the engine asks it to where both of the peer's
+//!   links can);
 //! - over shared memory the copies into a lent mapping are this process's own, done before the batch
 //!   completes, and the target's copies finish before it replies;
 //! - over RDMA a WRITE's completion means only that the target's NIC acknowledged it: the check
@@ -80,7 +82,7 @@ impl Check {
                 }
             };
             let (theirs, ours) = futures::future::try_join(theirs, ours).await?;
-            compare(op, &ours, &theirs, &remote, addr)
+            ferry_core::integrity::compare(op, &ours, &theirs, &remote, &addr)
         })
     }
 }
@@ -122,63 +124,4 @@ async fn local_sums(ranges: Vec<Resolved>) -> Result<Vec<u32>> {
     tokio::task::spawn_blocking(move || sum_all(&ranges))
         .await
         .map_err(|e| Error::Internal(format!("checksumming on a blocking thread panicked: {e}")))?
-}
-
-/// `Ok` when every range's sums agree; else `Integrity`, naming the first that differs and how many do.
-fn compare(op: Op, ours: &[u32], theirs: &[u32], remote: &[Segment], peer: std::net::SocketAddr) -> Result<()> {
-    let differ: Vec<usize> = (0..ours.len()).filter(|&i| ours.get(i) != theirs.get(i)).collect();
-    let Some(&first) = differ.first() else {
-        return Ok(());
-    };
-    let (source, destination) = match op {
-        Op::Write => ("this engine's source", format!("{peer}'s destination")),
-        Op::Read => ("the source at the peer", "this engine's destination".to_string()),
-    };
-    let s = &remote[first];
-    let (sent, landed) = match op {
-        Op::Write => (ours[first], theirs.get(first).copied().unwrap_or_default()),
-        Op::Read => (theirs.get(first).copied().unwrap_or_default(), ours[first]),
-    };
-    Err(Error::Integrity(format!(
-        "{} of {} ranges of this {op:?} differ: descriptor {first} ({} bytes at offset {} of the peer's region \
-         {:?}) has CRC32C {landed:#010x} at {destination} where {source} had {sent:#010x}. The bytes were \
-         changed on the way or after landing, or at either end while the transfer ran{}; retry it",
-        differ.len(),
-        ours.len(),
-        s.len,
-        s.offset,
-        s.key,
-        match op {
-            Op::Read => " (the destination's bytes are not promised)",
-            Op::Write => "",
-        }
-    )))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use ferry_core::RegionKey;
-
-    #[test]
-    fn a_difference_names_the_first_range_and_the_count() {
-        let seg = |offset| Segment {
-            key: RegionKey(9),
-            offset,
-            len: 4096,
-        };
-        let addr: std::net::SocketAddr = "127.0.0.1:9".parse().unwrap();
-        let remote = [seg(0), seg(4096), seg(8192)];
-        assert!(compare(Op::Write, &[1, 2, 3], &[1, 2, 3], &remote, addr).is_ok());
-        let Err(Error::Integrity(m)) = compare(Op::Read, &[1, 7, 8], &[1, 2, 3], &remote, addr) else {
-            panic!("expected Integrity")
-        };
-        assert!(
-            m.starts_with("2 of 3 ranges of this Read differ: descriptor 1 (4096 bytes at offset 4096"),
-            "{m}"
-        );
-        assert!(m.contains("0x00000007") && m.contains("0x00000002"), "{m}");
-        // Too few answers is a difference too.
-        assert!(compare(Op::Write, &[1, 2], &[1], &remote[..2], addr).is_err());
-    }
 }

@@ -108,7 +108,7 @@ async fn a_flip_after_landing_is_caught_only_with_integrity(transport: Transport
             assert_eq!(differing(region, &source), 1, "one byte was flipped after it landed");
             match integrity {
                 true => assert!(
-                    matches!(&result, Err(Error::Integrity(m)) if m.contains("descriptor 0")),
+                    matches!(&result, Err(Error::Integrity(m)) if m.contains("range 0 (65536 bytes at offset 0")),
                     "{transport}: a write whose landed bytes changed: {result:?}"
                 ),
                 false => assert!(

@@ -1,0 +1,61 @@
+//! Writes the TCP link checks end to end itself (`TransferRequest::checked`): each frame's source is
+//! summed as it leaves, the target sums what it landed right after landing it (a `Sum` request on
+//! the frame's stream, behind it), and the link fails the batch with `Integrity` where they differ.
+//!
+//! The fault is ferry-core's test hook that flips a byte right after the target landed it, where
+//! TCP's own checksums cannot see it. It is one per process, so this binary holds the only test that
+//! arms it.
+
+mod common;
+
+use common::{bytes, pair, pattern};
+use ferry_core::integrity::fault;
+use ferry_core::{Error, Op};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checked_write_fails_when_its_landed_bytes_differ_and_an_unchecked_one_does_not() {
+    // Tiny and mid ranges coalesce into one frame; the 600 KiB one goes in frames of its own, split
+    // over the streams where there are several.
+    let ranges: Vec<(u64, u64)> = vec![(0, 1), (7, 4096), (8192, 64 << 10), (200 << 10, 600 << 10)];
+    for streams in [1, 4] {
+        let p = pair(streams).await;
+        let src = pattern(streams as u8);
+        p.local.copy_in(0, &src).unwrap();
+        let checked = || {
+            let mut request = p.request(Op::Write, &ranges);
+            request.checked = true;
+            request
+        };
+
+        // Bytes of the ranges that differ between the target and the source.
+        let differing = || {
+            let landed = bytes(&p.remote);
+            ranges
+                .iter()
+                .flat_map(|&(o, n)| o as usize..(o + n) as usize)
+                .filter(|&i| landed[i] != src[i])
+                .count()
+        };
+
+        // No fault: checked, every byte in place.
+        p.run(checked()).await.unwrap();
+        assert_eq!(differing(), 0, "{streams} streams");
+
+        // A byte flipped after landing: the checked write fails and names the range...
+        assert!(fault::flip_next_landing(), "test builds have the fault hooks");
+        let result = p.run(checked()).await;
+        assert_eq!(fault::disarm(), 0, "a landing took the flip");
+        assert_eq!(differing(), 1, "one byte differs at the target");
+        assert!(
+            matches!(&result, Err(Error::Integrity(m)) if m.contains("of this Write differ") && m.contains("CRC32C")),
+            "{streams} streams: {result:?}"
+        );
+
+        // ...and the same write unchecked reports Ok with the wrong byte in place: the check is
+        // what catches it.
+        assert!(fault::flip_next_landing());
+        p.run(p.request(Op::Write, &ranges)).await.unwrap();
+        assert_eq!(fault::disarm(), 0);
+        assert_eq!(differing(), 1);
+    }
+}

@@ -1,0 +1,160 @@
+//! A `TcpServer` over a region table and a `TcpLink` dialed to it, as two engines' halves in one
+//! process: what the TCP transport's own tests share.
+#![allow(dead_code)] // each test binary uses its part
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use ferry_core::sync::ShardedLock;
+use ferry_core::{
+    Access, DataLink, Durability, EngineContext, LinkSlots, MemoryBlock, Notification, Notifier, Op, OwnedBuffer,
+    PeerIdentity, PeerNames, RegionEntry, RegionKey, RegionTable, Result, TransferItem, TransferRequest, TransportKind,
+};
+use ferry_tcp::{LinkConfig, LocalIdentity, ServerConfig, TcpLink, TcpServer};
+
+pub const T: Duration = Duration::from_secs(10);
+pub const LEN: usize = 1 << 20;
+
+/// Notifications as they arrive (with the target's bytes at that moment, for tests that look).
+pub struct Inbox {
+    pub region: Arc<RegionEntry>,
+    pub seen: Mutex<Vec<(Notification, Vec<u8>)>>,
+}
+
+impl Notifier for Inbox {
+    fn deliver(&self, _: u64, _: u64, _: &str, _: Option<&PeerIdentity>, n: Notification) -> Result<()> {
+        let mut bytes = vec![0u8; LEN];
+        self.region.copy_out(0, &mut bytes)?;
+        self.seen.lock().unwrap().push((n, bytes));
+        Ok(())
+    }
+    fn link_closed(&self, _: u64) {}
+}
+
+pub fn region(key: u64, fill: u8) -> Arc<RegionEntry> {
+    let block: Arc<dyn MemoryBlock> = Arc::new(OwnedBuffer::new(vec![fill; LEN]));
+    Arc::new(RegionEntry::new(RegionKey(key), Access::READ_WRITE, block).unwrap())
+}
+
+pub fn context(engine_id: u64, regions: &[Arc<RegionEntry>], notifier: Arc<dyn Notifier>) -> Arc<EngineContext> {
+    let mut table = RegionTable::new();
+    for r in regions {
+        table.insert(r.clone()).unwrap();
+    }
+    Arc::new(EngineContext {
+        engine_id,
+        host_id: engine_id,
+        regions: ShardedLock::new(table),
+        notifier,
+        incoming: Arc::new(LinkSlots::new(8)),
+        outgoing: Arc::new(LinkSlots::new(8)),
+        transports: vec![TransportKind::Tcp],
+        acceptors: Vec::new(),
+        peer_names: Arc::new(PeerNames::random().unwrap()),
+        served: Default::default(),
+    })
+}
+
+pub struct Pair {
+    pub _server: TcpServer,
+    pub link: TcpLink,
+    pub local: Arc<RegionEntry>,
+    pub remote: Arc<RegionEntry>,
+    pub inbox: Arc<Inbox>,
+}
+
+pub async fn pair(streams: usize) -> Pair {
+    let remote = region(0x51, 0);
+    let inbox = Arc::new(Inbox {
+        region: remote.clone(),
+        seen: Mutex::new(Vec::new()),
+    });
+    let target = context(2, std::slice::from_ref(&remote), inbox.clone());
+    let server = TcpServer::bind("127.0.0.1:0".parse().unwrap(), target, ServerConfig::default())
+        .await
+        .unwrap();
+    let me = LocalIdentity {
+        engine_id: 1,
+        host_id: 1,
+        transports: vec![TransportKind::Tcp],
+    };
+    let config = LinkConfig {
+        streams,
+        max_inflight_bytes: 64 << 20,
+        limits: Default::default(),
+        pool: None,
+        link_limits: Default::default(),
+        send_timeout: T,
+        tls: None,
+    };
+    let link = tokio::time::timeout(T, TcpLink::dial(server.local_addr(), &me, &config))
+        .await
+        .unwrap()
+        .unwrap();
+    Pair {
+        _server: server,
+        link,
+        local: region(0x11, 0),
+        remote,
+        inbox,
+    }
+}
+
+impl Pair {
+    /// `(offset, len)` ranges at the same offsets of the local and the remote region, resolved
+    /// against the table the target advertised.
+    pub fn request(&self, op: Op, ranges: &[(u64, u64)]) -> TransferRequest {
+        let items = self
+            .link
+            .with_remote_regions(|table| {
+                ranges
+                    .iter()
+                    .map(|&(offset, len)| {
+                        let (ad, _) = table
+                            .find(self.remote.addr() + offset, len, op.required_access())
+                            .unwrap();
+                        TransferItem {
+                            local: ferry_core::Resolved {
+                                region: self.local.clone(),
+                                offset,
+                                len,
+                            },
+                            remote_key: ad.key,
+                            remote_offset: self.remote.addr() + offset - ad.addr,
+                            remote_addr: self.remote.addr() + offset,
+                            remote_transport_key: None,
+                            remote_access: ad.access,
+                        }
+                    })
+                    .collect()
+            })
+            .unwrap();
+        TransferRequest {
+            op,
+            durability: Durability::Completed,
+            items,
+            checked: false,
+        }
+    }
+
+    pub async fn run(&self, request: TransferRequest) -> Result<()> {
+        let declined = tokio::time::timeout(T, self.link.transfer(request, None))
+            .await
+            .unwrap()?;
+        // The control link reaches every region: it never leaves anything to another link.
+        assert!(declined.is_empty(), "TCP declined {} items", declined.len());
+        Ok(())
+    }
+}
+
+pub fn pattern(seed: u8) -> Vec<u8> {
+    (0..LEN)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
+}
+
+pub fn bytes(r: &RegionEntry) -> Vec<u8> {
+    let mut b = vec![0u8; LEN];
+    r.copy_out(0, &mut b).unwrap();
+    b
+}
