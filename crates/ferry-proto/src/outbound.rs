@@ -1,4 +1,4 @@
-//! The frames an initiator sends for one batch, in order: the batch cut into pieces ([`plan`]), each
+//! The frames an initiator sends for one batch, in order: the batch cut into pieces ([`plan`](crate::batch::plan)), each
 //! piece's `Write`, `WriteBatch`, `Read` or batched `Read` frame, and the `Commit`s that the commit
 //! rule of a persistent write in several frames adds after them ([`DeferredCommits`]). The transport
 //! takes each [`Send`] in turn, starts its operation (which gives the frame its id and a stream),
