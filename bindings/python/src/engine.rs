@@ -392,23 +392,29 @@ impl Engine {
     /// Connects to the engine listening at `addr` ("host:port") within `timeout` seconds (HIXL
     /// `Connect`); a coroutine giving a `Peer`. `path_policy` ("any", or transports such as "rdma"
     /// or "shm,rdma") overrides the engine's for this link: a link that can take none of the
-    /// transports named raises `Unsupported`, saying why for each.
-    #[pyo3(signature = (addr, timeout = 1.0, *, path_policy = None))]
+    /// transports named raises `Unsupported`, saying why for each. `stage_gpu_memory` overrides the
+    /// engine's for this link: with `False`, a transfer that would move GPU memory through a host
+    /// copy raises `Unsupported`.
+    #[pyo3(signature = (addr, timeout = 1.0, *, path_policy = None, stage_gpu_memory = None))]
     fn connect<'py>(
         &self,
         py: Python<'py>,
         addr: String,
         timeout: f64,
         path_policy: Option<String>,
+        stage_gpu_memory: Option<bool>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let engine = self.live(py)?;
         let timeout = seconds(py, "timeout", timeout)?;
-        let policy = path_policy.map(|p| p.parse::<ferry::PathPolicy>()).transpose().py(py)?;
+        let mut options = ferry::ConnectOptions::new();
+        if let Some(policy) = path_policy {
+            options = options.paths(policy.parse::<ferry::PathPolicy>().py(py)?);
+        }
+        if let Some(allowed) = stage_gpu_memory {
+            options = options.stage_gpu_memory(allowed);
+        }
         bridge::spawn(py, async move {
-            let connected = match &policy {
-                Some(policy) => engine.connect_with(&addr, timeout, policy).await,
-                None => engine.connect(&addr, timeout).await,
-            };
+            let connected = engine.connect_using(&addr, timeout, &options).await;
             match connected {
                 Ok(peer) => Outcome::Peer(peer),
                 Err(e) => Outcome::Err(e),

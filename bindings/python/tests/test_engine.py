@@ -602,6 +602,7 @@ def test_a_path_policy_refuses_a_link_it_does_not_allow():
     target = ferry.Engine("127.0.0.1:0", transports=["tcp"])
     strict = ferry.Engine(path_policy="shm")
     relaxed = ferry.Engine()
+    unstaged = ferry.Engine()
     try:
 
         async def main():
@@ -613,12 +614,18 @@ def test_a_path_policy_refuses_a_link_it_does_not_allow():
             assert peer.transport == "tcp" and peer.passed_over == []
             peer = await relaxed.connect(target.local_addr, timeout=5.0, path_policy="tcp")
             assert peer.transport == "tcp"
+            # A link that refuses to stage GPU memory still moves host memory.
+            dst = target.register(bytearray(4096))
+            peer = await unstaged.connect(target.local_addr, timeout=5.0, path_policy="tcp", stage_gpu_memory=False)
+            src = unstaged.register(bytearray(b"x" * 4096))
+            await unstaged.transfer(peer, "write", [(src.addr, dst.addr, 4096)], timeout=5.0)
+            assert dst.read() == b"x" * 4096
 
         asyncio.run(main())
         with pytest.raises(ferry.InvalidArgument):
             ferry.Engine(path_policy="carrier-pigeon")
     finally:
-        for e in (strict, relaxed, target):
+        for e in (strict, relaxed, unstaged, target):
             e.close()
 
 

@@ -313,7 +313,8 @@ impl EngineBuilder {
     /// transfer that would stage GPU memory at either end fails at [`Engine::start`](
     /// crate::Engine::start) with `Unsupported` naming the descriptor, the side and why (the local
     /// region is staged memory, or `Peer::routes` says the peer's is reached through its staging
-    /// buffer on this link), instead of running at host-copy speed unnoticed.
+    /// buffer on this link), instead of running at host-copy speed unnoticed. One link may say
+    /// otherwise ([`ConnectOptions::stage_gpu_memory`](crate::ConnectOptions::stage_gpu_memory)).
     pub fn stage_gpu_memory(mut self, allowed: bool) -> Self {
         self.stage_gpu_memory = allowed;
         self

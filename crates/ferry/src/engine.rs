@@ -20,7 +20,7 @@ use crate::directory::{Directory, EngineRecord, MemberEvent};
 use crate::host::HostAllocation;
 use crate::notify::NotificationQueue;
 use crate::peer::{Peer, PeerInner};
-use crate::policy::PathPolicy;
+use crate::policy::{ConnectOptions, PathPolicy};
 use crate::region::Region;
 use crate::shared::{Inner, poisoned};
 use crate::transfer::{Transfer, TransferHandle, TransferOptions};
@@ -285,14 +285,22 @@ impl Engine {
     /// (HIXL `Connect`, default 1000 ms), on a data path the engine's
     /// [path policy](crate::EngineBuilder::path_policy) allows.
     pub async fn connect(&self, remote: &str, timeout: Duration) -> Result<Peer> {
-        let policy = self.inner.options.path_policy.clone();
-        self.connect_with(remote, timeout, &policy).await
+        self.connect_using(remote, timeout, &ConnectOptions::new()).await
     }
 
     /// [`connect`](Self::connect) on a data path `policy` allows: with [`PathPolicy::Require`], a
     /// link that can take none of the transports named fails with `Unsupported`, saying for each why
     /// not and on which side.
     pub async fn connect_with(&self, remote: &str, timeout: Duration, policy: &PathPolicy) -> Result<Peer> {
+        let options = ConnectOptions::new().paths(policy.clone());
+        self.connect_using(remote, timeout, &options).await
+    }
+
+    /// [`connect`](Self::connect) with this link's own settings where `options` gives them (the data
+    /// paths it may take, whether GPU memory may be staged on it), the engine's elsewhere.
+    pub async fn connect_using(&self, remote: &str, timeout: Duration, options: &ConnectOptions) -> Result<Peer> {
+        let policy = options.paths.as_ref().unwrap_or(&self.inner.options.path_policy);
+        let stage_gpu_memory = options.stage_gpu_memory.unwrap_or(self.inner.options.stage_gpu_memory);
         let fut = async {
             let addr = resolve(remote).await?;
             if let Some(p) = self.peer_at(addr) {
@@ -349,6 +357,7 @@ impl Engine {
                         .metrics
                         .as_ref()
                         .map(|m| m.link(&addr.to_string(), data_kind)),
+                    stage_gpu_memory,
                     _slot: slot,
                 }),
             };
@@ -538,7 +547,7 @@ impl Engine {
             return Err(Error::InvalidArgument("durability applies to writes, not reads".into()));
         }
         let transport = peer.transport();
-        let refuse_staging = !self.inner.options.stage_gpu_memory;
+        let refuse_staging = !peer.inner.stage_gpu_memory;
         let local = self.inner.ctx.regions.read().map_err(|_| poisoned())?;
         let items = peer.inner.control.with_remote_regions(|remote| {
             // A batch's descriptors mostly fall in the same local and remote regions as the one
@@ -880,8 +889,8 @@ fn refuse_staged(peer: &Peer, local: &ferry_core::Resolved, remote: &ferry_core:
     };
     if here {
         return Err(Error::Unsupported(format!(
-            "the local region is {} memory that {transport} reaches only through its host copy, and this engine \
-             does not stage GPU memory (EngineBuilder::stage_gpu_memory(false))",
+            "the local region is {} memory that {transport} reaches only through its host copy, and this \
+             link does not stage GPU memory (stage_gpu_memory(false) on the engine or the connect)",
             local.region.block().kind()
         )));
     }
@@ -889,8 +898,8 @@ fn refuse_staged(peer: &Peer, local: &ferry_core::Resolved, remote: &ferry_core:
     if route.staged {
         let why = route.passed_over.map(|why| format!(" ({why})")).unwrap_or_default();
         return Err(Error::Unsupported(format!(
-            "the peer's region at {:#x} is GPU memory that this link reaches {}{why}, and this engine does not stage \
-             GPU memory (EngineBuilder::stage_gpu_memory(false))",
+            "the peer's region at {:#x} is GPU memory that this link reaches {}{why}, and this link does not stage \
+             GPU memory (stage_gpu_memory(false) on the engine or the connect)",
             remote.addr, route.how
         )));
     }

@@ -61,7 +61,7 @@ pub use ferry_tcp::{DevelopmentCa, IssuedPem, TlsConfig};
 pub use file::{FileMapping, FlushMethod};
 pub use host::HostAllocation;
 pub use peer::Peer;
-pub use policy::PathPolicy;
+pub use policy::{ConnectOptions, PathPolicy};
 /// The metrics library [`EngineBuilder::metrics`] registers into, re-exported so that an application
 /// uses the same version.
 pub use prometheus_client;

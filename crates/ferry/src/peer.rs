@@ -25,6 +25,9 @@ pub(crate) struct PeerInner {
     pub(crate) listed: std::sync::atomic::AtomicBool,
     /// Its transfer counters, on an engine that keeps metrics.
     pub(crate) metrics: Option<crate::metrics::LinkMetrics>,
+    /// Whether transfers on it may move GPU memory through a host copy ([`ConnectOptions`](
+    /// crate::ConnectOptions), else the engine's setting).
+    pub(crate) stage_gpu_memory: bool,
     pub(crate) _slot: ferry_core::LinkSlot,
 }
 

@@ -64,6 +64,50 @@ impl std::fmt::Display for PathPolicy {
     }
 }
 
+/// How one link is set up ([`Engine::connect_using`](crate::Engine::connect_using)): the data paths
+/// it may take and whether GPU memory may be staged on it. What is not set here is the engine's
+/// ([`EngineBuilder::path_policy`](crate::EngineBuilder::path_policy),
+/// [`EngineBuilder::stage_gpu_memory`](crate::EngineBuilder::stage_gpu_memory)).
+///
+/// ```
+/// use ferry::{ConnectOptions, PathPolicy, TransportKind};
+/// // RDMA or fail, and no GPU memory through a host copy on this link.
+/// let options = ConnectOptions::new()
+///     .paths(PathPolicy::Require(vec![TransportKind::Rdma]))
+///     .stage_gpu_memory(false);
+/// # let _ = options;
+/// ```
+#[derive(Debug, Clone, Default)]
+#[non_exhaustive]
+pub struct ConnectOptions {
+    /// Which data paths the link may take; `None`: the engine's policy.
+    pub paths: Option<PathPolicy>,
+    /// Whether transfers on the link may move GPU memory through a host copy at either end; `None`:
+    /// as the engine was built.
+    pub stage_gpu_memory: Option<bool>,
+}
+
+impl ConnectOptions {
+    /// The engine's settings.
+    pub fn new() -> Self {
+        ConnectOptions::default()
+    }
+
+    /// The data paths the link may take.
+    pub fn paths(mut self, policy: PathPolicy) -> Self {
+        self.paths = Some(policy);
+        self
+    }
+
+    /// Whether GPU memory may be staged on the link: with `false`, a transfer that would move GPU
+    /// memory through a host copy at either end fails at start with `Unsupported`, naming the
+    /// descriptor and the route.
+    pub fn stage_gpu_memory(mut self, allowed: bool) -> Self {
+        self.stage_gpu_memory = Some(allowed);
+        self
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
