@@ -173,7 +173,7 @@ const STEPS: &[Step] = &[
     // dependency, so it gets a target folder of its own (inside the workspace's) and never
     // invalidates the normal build.
     Step {
-        name: "loom models (access guard, link slots, access epochs, write-through handoff)",
+        name: "loom models (access guard, link slots, access epochs, write-through handoff, lending table)",
         lint: false,
         run: |_| {
             let meta = cargo_metadata()?;

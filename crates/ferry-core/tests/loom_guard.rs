@@ -1,5 +1,6 @@
-//! Loom models of the access guard, the link slots, the access epochs a revoke waits on and the
-//! write-through handoff of a TCP stream: every interleaving of a few threads.
+//! Loom models of the access guard, the link slots, the access epochs a revoke waits on, the
+//! write-through handoff of a TCP stream and the lending table of a same-host link: every
+//! interleaving of a few threads.
 //!
 //! Run with `RUSTFLAGS="--cfg loom" cargo test -p ferry-core --release --test loom_guard` (`cargo xtask
 //! test` does, with its own target folder). Without `--cfg loom` this file is empty.
@@ -7,7 +8,7 @@
 
 use std::sync::Arc;
 
-use ferry_core::sync::Handoff;
+use ferry_core::sync::{Handoff, Lendings};
 use ferry_core::{AccessEpochs, AccessGuard, LinkSlots};
 use loom::sync::atomic::{AtomicUsize, Ordering};
 use loom::sync::{Mutex, RwLock};
@@ -292,5 +293,61 @@ fn write_through_never_overtakes_a_queued_frame() {
         second.join().unwrap();
         task.join().unwrap();
         assert_eq!(*writer.lock().unwrap(), vec![1, 2]);
+    });
+}
+
+/// What a same-host link keeps of a region its peer lent (a mapping): the copies that use it hold a
+/// permit of its guard, and giving it back closes the guard, waits for them, and unmaps.
+#[derive(Default)]
+struct Lent {
+    users: AccessGuard,
+    given_back: AtomicUsize,
+}
+
+fn give_back(lent: &Lent) {
+    lent.users.close();
+    loom::future::block_on(lent.users.drained());
+    lent.given_back.fetch_add(1, Ordering::SeqCst);
+}
+
+/// The shared-memory link's lending table: the peer's answer lends a region (on the reader's thread)
+/// while the link closes (on another) and a transfer uses whatever is lent. Whatever the order, the
+/// region is given back exactly once, by the close or, arriving after it, by the answer's handler, and
+/// no copy runs on it once it was given back. (Without the table's `closed` mark, a lending that
+/// came after the close stayed lent to a closed link: this model finds that order.)
+#[test]
+fn a_late_lending_is_given_back_after_close() {
+    loom::model(|| {
+        let table: Arc<Lendings<u64, Lent>> = Arc::new(Lendings::new());
+        let lent = Arc::new(Lent::default());
+        let reader = {
+            let (table, lent) = (table.clone(), lent.clone());
+            thread::spawn(move || {
+                if let Err(late) = table.lent(1, lent) {
+                    give_back(&late);
+                }
+            })
+        };
+        let transfer = {
+            let table = table.clone();
+            thread::spawn(move || {
+                if let Some(lent) = table.lent_of(&1)
+                    && let Some(_copying) = lent.users.enter()
+                {
+                    assert_eq!(
+                        lent.given_back.load(Ordering::SeqCst),
+                        0,
+                        "a copy on a region given back"
+                    );
+                }
+            })
+        };
+        for closed in table.close() {
+            give_back(&closed);
+        }
+        reader.join().unwrap();
+        transfer.join().unwrap();
+        assert_eq!(lent.given_back.load(Ordering::SeqCst), 1, "given back exactly once");
+        assert!(table.lent_of(&1).is_none(), "nothing stays lent to a closed link");
     });
 }

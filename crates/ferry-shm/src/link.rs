@@ -26,13 +26,13 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use ferry_core::sync::{ShardedLock, ShardedLockReadGuard, ShardedLockWriteGuard};
+use ferry_core::sync::{Lending, Lendings, LendingsRead};
 use ferry_core::{
     DataLink, Declined, Durability, Error, Notification, Op, OwnedPermit, PersistMethod, RegionKey, Result,
     TransferItem, TransferRequest, TransportKind,
 };
 use futures::future::BoxFuture;
-use rustc_hash::FxHashMap;
+use rustc_hash::FxBuildHasher;
 use tokio::io::AsyncWriteExt;
 use tokio::net::UnixStream;
 use tokio::net::unix::OwnedWriteHalf;
@@ -63,15 +63,6 @@ enum Pending {
     },
 }
 
-/// What this link knows of a lendable region of the target.
-enum Lending {
-    /// A `Map` request is on its way.
-    Asking,
-    Mapped(Arc<Mapping>),
-    /// The target does not lend it to this peer: copies.
-    Declined,
-}
-
 /// Where the items of one region go.
 #[derive(Clone, Copy)]
 enum Way {
@@ -91,9 +82,9 @@ struct Inner {
     /// ones, by the engine's rule); a target that picked colliding keys would slow only transfers to
     /// itself, over at most the regions it may advertise. Read by every transfer and written only
     /// when a region is asked for, lent or taken back: a sharded lock (see
-    /// [`ShardedLock`]) lets transfers on every core look up at once, where a mutex made each wait
+    /// [`ShardedLock`](ferry_core::sync::ShardedLock)) lets transfers on every core look up at once, where a mutex made each wait
     /// for the other.
-    lendings: ShardedLock<FxHashMap<RegionKey, Lending>>,
+    lendings: Lendings<RegionKey, Mapping, FxBuildHasher>,
     closed: AtomicBool,
     control: Arc<dyn DataLink>,
     peer: String,
@@ -212,14 +203,6 @@ impl Inner {
         ))
     }
 
-    fn lendings(&self) -> ShardedLockWriteGuard<'_, FxHashMap<RegionKey, Lending>> {
-        self.lendings.write().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn read_lendings(&self) -> ShardedLockReadGuard<'_, FxHashMap<RegionKey, Lending>> {
-        self.lendings.read().unwrap_or_else(|p| p.into_inner())
-    }
-
     /// Ends every request in flight with `error`, and the link with it.
     fn fail_all(&self, error: &Error) {
         self.closed.store(true, Ordering::Release);
@@ -238,15 +221,7 @@ impl Inner {
 
     /// Gives back every mapping, after the copies in progress on each.
     async fn give_back_all(&self) {
-        let mapped: Vec<Arc<Mapping>> = self
-            .lendings()
-            .drain()
-            .filter_map(|(_, l)| match l {
-                Lending::Mapped(m) => Some(m),
-                _ => None,
-            })
-            .collect();
-        for m in mapped {
+        for m in self.lendings.close() {
             m.give_back().await;
         }
     }
@@ -324,7 +299,7 @@ impl Inner {
                 if let Err(e) = &result {
                     tracing::debug!(peer = %self.peer, region = ?key, reason = %e, "the target copies for this region");
                 }
-                self.lendings().insert(key, Lending::Declined);
+                self.lendings.declined(key);
                 let _ = done.send(());
             }
         }
@@ -344,13 +319,20 @@ impl Inner {
             return Err(Error::Protocol(format!("a mapped reply to transfer {id}")));
         };
         match Mapping::new(key, fd, len, writable) {
-            Ok(m) => {
-                tracing::debug!(peer = %self.peer, region = ?key, len, "mapped a region the target lent");
-                self.lendings().insert(key, Lending::Mapped(Arc::new(m)));
-            }
+            Ok(m) => match self.lendings.lent(key, Arc::new(m)) {
+                Ok(()) => tracing::debug!(peer = %self.peer, region = ?key, len, "mapped a region the target lent"),
+                // The link was closed while the target answered: given back at once.
+                Err(late) => {
+                    let inner = self.clone();
+                    tokio::spawn(async move {
+                        late.give_back().await;
+                        inner.unmapped(0, key).await;
+                    });
+                }
+            },
             Err(e) => {
                 tracing::warn!(peer = %self.peer, region = ?key, error = %e, "not mapping a region the target lent");
-                self.lendings().insert(key, Lending::Declined);
+                self.lendings.declined(key);
                 let inner = self.clone();
                 tokio::spawn(async move { inner.unmapped(0, key).await });
             }
@@ -364,10 +346,10 @@ impl Inner {
         let key = RegionKey(u64::from_le_bytes(
             body.try_into().map_err(|_| wire::malformed("unmap"))?,
         ));
-        let lending = self.lendings().remove(&key);
+        let lent = self.lendings.take_back(&key);
         let inner = self.clone();
         tokio::spawn(async move {
-            if let Some(Lending::Mapped(m)) = lending {
+            if let Some(m) = lent {
                 m.give_back().await;
             }
             inner.unmapped(id, key).await;
@@ -419,10 +401,7 @@ impl Inner {
     }
 
     fn mapping_of(&self, key: RegionKey) -> Option<Arc<Mapping>> {
-        match self.read_lendings().get(&key) {
-            Some(Lending::Mapped(m)) => Some(m.clone()),
-            _ => None,
-        }
+        self.lendings.lent_of(&key)
     }
 
     /// Whether `item`'s region is one the target may lend, for this transfer.
@@ -434,7 +413,7 @@ impl Inner {
     /// Where the items of `item`'s region go (see the module documentation).
     fn way(
         &self,
-        lendings: &FxHashMap<RegionKey, Lending>,
+        lendings: &LendingsRead<'_, RegionKey, Mapping, FxBuildHasher>,
         item: &TransferItem,
         durability: Durability,
         mappings: &mut Vec<Arc<Mapping>>,
@@ -450,7 +429,7 @@ impl Inner {
             return fallback;
         }
         match lendings.get(&item.remote_key) {
-            Some(Lending::Mapped(m)) => match mappings.iter().position(|known| Arc::ptr_eq(known, m)) {
+            Some(Lending::Lent(m)) => match mappings.iter().position(|known| Arc::ptr_eq(known, m)) {
                 Some(i) => Way::Mapped(i),
                 None => {
                     mappings.push(m.clone());
@@ -468,22 +447,17 @@ impl Inner {
     async fn sort(self: &Arc<Self>, request: TransferRequest) -> Sorted {
         let durability = request.durability;
         // Nearly always every region was asked for already: look under the read lock first.
-        let unasked = |lendings: &FxHashMap<RegionKey, Lending>, item: &TransferItem| {
-            Self::lendable(item, durability) && !lendings.contains_key(&item.remote_key)
+        let unasked = |lendings: &LendingsRead<'_, RegionKey, Mapping, FxBuildHasher>, item: &TransferItem| {
+            Self::lendable(item, durability) && !lendings.contains(&item.remote_key)
         };
         let any_unasked = {
-            let lendings = self.read_lendings();
+            let lendings = self.lendings.read();
             first_of_runs(&request.items).any(|item| unasked(&lendings, item))
         };
         let mut to_ask = Vec::new();
         if any_unasked {
-            let mut lendings = self.lendings();
-            for item in first_of_runs(&request.items) {
-                if unasked(&lendings, item) {
-                    lendings.insert(item.remote_key, Lending::Asking);
-                    to_ask.push(item.remote_key);
-                }
-            }
+            let lendable = first_of_runs(&request.items).filter(|item| Self::lendable(item, durability));
+            to_ask = self.lendings.ask(lendable.map(|item| item.remote_key));
         }
         for key in to_ask {
             self.clone().ask(key).await;
@@ -496,7 +470,7 @@ impl Inner {
             copied: Vec::new(),
             control: Vec::new(),
         };
-        let lendings = self.read_lendings();
+        let lendings = self.lendings.read();
         let mut last: Option<(RegionKey, Way)> = None;
         for item in request.items {
             if stages_locally(&item) {
@@ -803,7 +777,7 @@ impl ShmLink {
         let inner = Arc::new(Inner {
             writer: tokio::sync::Mutex::new(Some(writer)),
             pending: Mutex::new(OpTable::new()),
-            lendings: ShardedLock::new(FxHashMap::default()),
+            lendings: Lendings::new(),
             closed: AtomicBool::new(false),
             control,
             peer,
