@@ -125,6 +125,15 @@ const fn write(size: &'static str, batch: u32, streams: Option<u32>, depth: Opti
         transport: None,
         metrics: false,
         integrity: false,
+        two_processes: false,
+    }
+}
+
+/// The same case against a `ferry serve` process, as users run ferry.
+const fn two_processes(case: FerryCase) -> FerryCase {
+    FerryCase {
+        two_processes: true,
+        ..case
     }
 }
 
@@ -168,6 +177,33 @@ const MEASURES: &[Measure] = &[
         key: "iperf3, 1 stream",
         probe: Probe::Iperf3 { streams: 1 },
     },
+    // Against a `ferry serve` process, as users run ferry (iperf3 too runs a client and a server).
+    ferry(
+        "ferry write 1MiB, 1 stream, two processes",
+        two_processes(write("1MiB", 1, Some(1), None)),
+        Metric::GbPerS,
+    ),
+    ferry(
+        "ferry write 1MiB, two processes",
+        two_processes(WRITE_1MIB),
+        Metric::GbPerS,
+    ),
+    ferry(
+        "ferry read 1MiB, 1 stream, two processes",
+        two_processes(FerryCase {
+            op: "read",
+            ..write("1MiB", 1, Some(1), None)
+        }),
+        Metric::GbPerS,
+    ),
+    ferry(
+        "ferry read 1MiB, two processes",
+        two_processes(FerryCase {
+            op: "read",
+            ..WRITE_1MIB
+        }),
+        Metric::GbPerS,
+    ),
     ferry("ferry write 1MiB", WRITE_1MIB, Metric::GbPerS),
     ferry(
         "ferry write 1MiB, integrity",
@@ -258,6 +294,21 @@ const MEASURES: &[Measure] = &[
     ferry("ferry write 1MiB x8", write("1MiB", 8, None, None), Metric::GbPerS),
     ferry("ferry KV 64KiB x256 scattered", kv_blocks("64KiB", 256), Metric::GbPerS),
     ferry(
+        "ferry write 1MiB x8, two processes",
+        two_processes(write("1MiB", 8, None, None)),
+        Metric::GbPerS,
+    ),
+    ferry(
+        "ferry write 4KiB x256, two processes",
+        two_processes(write("4KiB", 256, None, None)),
+        Metric::GbPerS,
+    ),
+    ferry(
+        "ferry KV 64KiB x256 scattered, two processes",
+        two_processes(kv_blocks("64KiB", 256)),
+        Metric::GbPerS,
+    ),
+    ferry(
         "ferry KV 64KiB x256 scattered, integrity",
         FerryCase {
             integrity: true,
@@ -280,6 +331,7 @@ const MEASURES: &[Measure] = &[
         Metric::GbPerS,
     ),
     ferry("ferry 64 B p50", WRITE_64B, Metric::P50Us),
+    ferry("ferry 64 B p50, two processes", two_processes(WRITE_64B), Metric::P50Us),
     Measure {
         key: "python 64 B p50, awaited",
         probe: Probe::Python {
@@ -367,6 +419,16 @@ const MEASURES: &[Measure] = &[
         Metric::GbPerS,
     ),
     ferry("ferry shm write 1MiB", shm(WRITE_1MIB), Metric::GbPerS),
+    ferry(
+        "ferry shm write 1MiB, two processes",
+        shm(two_processes(WRITE_1MIB)),
+        Metric::GbPerS,
+    ),
+    ferry(
+        "ferry shm 64 B p50, two processes",
+        shm(two_processes(WRITE_64B)),
+        Metric::P50Us,
+    ),
     Measure {
         key: "ucx_perftest put_bw 1MiB, shared memory",
         probe: Probe::UcxShm {
@@ -515,6 +577,89 @@ const COMPARISONS: &[Comparison] = &[
         unit: Unit::GbPerS,
         target: Target::RatioAtLeast(0.9),
     },
+    // Between two processes: `ferry serve` and `ferry bench --peer`, as users run ferry and as the
+    // peers run (a client and a server process each).
+    Comparison {
+        id: "a2",
+        name: "two processes: write 1MiB, 1 stream / iperf3",
+        ferry: "ferry write 1MiB, 1 stream, two processes",
+        peer: Some("iperf3, 1 stream"),
+        peer_scale: 1.0,
+        unit: Unit::GbPerS,
+        target: Target::RatioAtLeast(1.0),
+    },
+    Comparison {
+        id: "b2",
+        name: "two processes: write 1MiB, 2 streams / iperf3, 1 stream",
+        ferry: "ferry write 1MiB, two processes",
+        peer: Some("iperf3, 1 stream"),
+        peer_scale: 1.0,
+        unit: Unit::GbPerS,
+        target: Target::RatioAtLeast(1.2),
+    },
+    Comparison {
+        id: "g2",
+        name: "two processes: read 1MiB, 1 stream / iperf3",
+        ferry: "ferry read 1MiB, 1 stream, two processes",
+        peer: Some("iperf3, 1 stream"),
+        peer_scale: 1.0,
+        unit: Unit::GbPerS,
+        target: Target::Info,
+    },
+    Comparison {
+        id: "g3",
+        name: "two processes: read 1MiB, 2 streams / iperf3 -P 2",
+        ferry: "ferry read 1MiB, two processes",
+        peer: Some("iperf3 -P 2"),
+        peer_scale: 1.0,
+        unit: Unit::GbPerS,
+        target: Target::Info,
+    },
+    Comparison {
+        id: "d2",
+        name: "two processes: write 4KiB x256 batch / write 1MiB x8",
+        ferry: "ferry write 4KiB x256, two processes",
+        peer: Some("ferry write 1MiB x8, two processes"),
+        peer_scale: 1.0,
+        unit: Unit::GbPerS,
+        target: Target::Info,
+    },
+    Comparison {
+        id: "l2",
+        name: "two processes: KV 64KiB x256 scattered / write 1MiB x8",
+        ferry: "ferry KV 64KiB x256 scattered, two processes",
+        peer: Some("ferry write 1MiB x8, two processes"),
+        peer_scale: 1.0,
+        unit: Unit::GbPerS,
+        target: Target::Info,
+    },
+    Comparison {
+        id: "e2",
+        name: "two processes: 64 B p50 round trip / sockperf RTT p50",
+        ferry: "ferry 64 B p50, two processes",
+        peer: Some("sockperf p50 (one-way)"),
+        peer_scale: 2.0,
+        unit: Unit::Micros,
+        target: Target::RatioAtMost(1.2),
+    },
+    Comparison {
+        id: "q2",
+        name: "two processes: shm write 1MiB / ucx_perftest put_bw (posix,cma)",
+        ferry: "ferry shm write 1MiB, two processes",
+        peer: Some("ucx_perftest put_bw 1MiB, shared memory"),
+        peer_scale: 1.0,
+        unit: Unit::GbPerS,
+        target: Target::Info,
+    },
+    Comparison {
+        id: "u2",
+        name: "two processes: shm 64 B p50 round trip / ucx_perftest am_lat RTT (posix,cma)",
+        ferry: "ferry shm 64 B p50, two processes",
+        peer: Some("ucx_perftest am_lat 64 B, shared memory (one-way)"),
+        peer_scale: 2.0,
+        unit: Unit::Micros,
+        target: Target::Info,
+    },
     Comparison {
         id: "c",
         name: "write 1MiB, 2 streams / ucx_perftest put_bw",
@@ -644,7 +789,8 @@ const COMPARISONS: &[Comparison] = &[
         target: Target::RatioAtMost(1.5),
     },
     // Integrity costs a checksum pass at each end (CRC32C folded with carry-less multiplies, about
-    // 57 GB/s on one core here) and a round trip after each batch; both ends share this machine's cores.
+    // 57 GB/s on one core here, from cache: a write over TCP is summed frame by frame as it goes, in
+    // frames of at most 1 MiB); both ends share this machine's cores.
     Comparison {
         id: "ci",
         name: "write 1MiB with integrity / without",

@@ -49,6 +49,9 @@ pub struct FerryCase {
     pub metrics: bool,
     /// `--integrity`: every transfer checks its bytes end to end.
     pub integrity: bool,
+    /// The target is a `ferry serve` process of its own and `ferry bench --peer` measures against
+    /// it, as users run ferry; else both engines run in the bench's one process.
+    pub two_processes: bool,
 }
 
 /// How a bench case authenticates its link: not at all, or mutual TLS with its data streams
@@ -102,9 +105,19 @@ impl FerryCase {
 
     /// The command line, for the report.
     pub fn describe(&self, duration: &str) -> String {
-        format!("ferry {}", self.args(duration).join(" "))
+        match self.two_processes {
+            true => format!(
+                "ferry serve --listen 127.0.0.1:PORT --region-size {SERVE_REGION} & ferry {} --peer 127.0.0.1:PORT",
+                self.args(duration).join(" ")
+            ),
+            false => format!("ferry {}", self.args(duration).join(" ")),
+        }
     }
 }
+
+/// The region a `ferry serve` of a two-process case registers: room for every case's batches in
+/// flight (the KV shape: 16 MiB batches, 8 in flight).
+const SERVE_REGION: &str = "512MiB";
 
 /// The figures of one `ferry bench --json` case that the comparisons use.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -121,6 +134,21 @@ pub struct FerryResult {
 pub fn ferry(bin: &Path, case: &FerryCase, duration_arg: &str, duration: Duration) -> Result<FerryResult> {
     let mut cmd = Command::new(bin);
     cmd.args(case.args(duration_arg));
+    // A two-process case's target: serving until dropped, after the measurement.
+    let _server = match case.two_processes {
+        true => {
+            let port = free_port()?;
+            let listen = format!("127.0.0.1:{port}");
+            let mut server = ServerGuard::spawn(
+                "ferry-serve",
+                Command::new(bin).args(["serve", "--listen", &listen, "--region-size", SERVE_REGION]),
+            )?;
+            server.wait_listening(port, LISTEN_TIMEOUT)?;
+            cmd.args(["--peer", &listen]);
+            Some(server)
+        }
+        false => None,
+    };
     let what = describe(&cmd);
     let out = run_captured(&mut cmd, duration * 4 + SLACK)?;
     if !out.status.success() {
