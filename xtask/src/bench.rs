@@ -789,7 +789,7 @@ const COMPARISONS: &[Comparison] = &[
         target: Target::RatioAtMost(1.5),
     },
     // Integrity costs a checksum pass at each end (CRC32C folded with carry-less multiplies, about
-    // 57 GB/s on one core here, from cache: a write over TCP is summed frame by frame as it goes, in
+    // 57 GB/s on one core here, from cache: a batch over TCP is summed frame by frame as it goes, in
     // frames of at most 1 MiB); both ends share this machine's cores.
     Comparison {
         id: "ci",

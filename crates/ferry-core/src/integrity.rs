@@ -10,7 +10,7 @@
 //! The engine asks the target for the sums of the ranges a completed transfer wrote or read there
 //! (`Frame::Sum` on the control link), takes its own of the local ranges, and completes the transfer
 //! `Ok` only if they agree ([`Error::Integrity`] otherwise); a link that
-//! [checks writes](crate::DataLink::checks_writes) (TCP) does the same for a write frame by frame,
+//! [checks in band](crate::DataLink::checks_in_band) (TCP) does the same frame by frame,
 //! while the bytes are in cache at both ends, with [`compare`]. The target sums
 //! what its memory holds after the transfer's bytes landed (for memory staged in front of a device,
 //! after a copy from the device: the device's bytes).

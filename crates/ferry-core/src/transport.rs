@@ -230,9 +230,9 @@ pub struct TransferRequest {
     pub durability: Durability,
     /// The descriptors, in the caller's order.
     pub items: Vec<TransferItem>,
-    /// Whether the link checks a write's bytes end to end itself, as it carries them: only asked of
-    /// a link that [checks writes](DataLink::checks_writes); the engine checks every other batch
-    /// with integrity after its data moved.
+    /// Whether the link checks the batch's bytes end to end itself, as it carries them: only asked
+    /// of a link that [checks in band](DataLink::checks_in_band); the engine checks every other
+    /// batch with integrity after its data moved.
     pub checked: bool,
 }
 
@@ -386,12 +386,12 @@ pub trait DataLink: Send + Sync + 'static {
     fn fence_writes(&self) -> BoxFuture<'static, Result<()>> {
         Box::pin(async { Ok(()) })
     }
-    /// Whether this link can check a write's bytes end to end as it carries them (a request with
-    /// [`checked`](TransferRequest::checked) set): the CRC32C of each frame's bytes where they leave
-    /// the source, against the target's of what landed, taken right after it landed, while both are
-    /// in cache. A write checked so needs no second pass over its ranges after it completed. The
+    /// Whether this link can check a batch's bytes end to end as it carries them (a request with
+    /// [`checked`](TransferRequest::checked) set): the CRC32C of each frame's bytes at the source,
+    /// against the destination's of what landed, taken right after it landed, while both are in
+    /// cache. A batch checked so needs no second pass over its ranges after it completed. The
     /// default: no, the engine checks.
-    fn checks_writes(&self) -> bool {
+    fn checks_in_band(&self) -> bool {
         false
     }
     /// Sends a notification; completes when the peer queued it. Ordered after every transfer that

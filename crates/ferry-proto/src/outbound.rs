@@ -4,11 +4,12 @@
 //! takes each [`Send`] in turn, starts its operation (which gives the frame its id and a stream),
 //! moves the memory it names, and reports the stream back with [`BatchFrames::sent`].
 //!
-//! A write the link checks end to end (`checked`, see [`BatchFrames::new`]) asks, right after each
-//! of its frames and on the same stream, for the CRC32C of what that frame wrote (`Frame::Sum`). The
-//! target serves a stream in order, so it sums those bytes right after they landed, while its cache
-//! still holds them; the transport sums the source the same way, right before the bytes leave, and
-//! compares the two when the answer comes. Each range is then read once more at each end, from
+//! A batch the link checks end to end (`checked`, see [`BatchFrames::new`]) asks, right after each
+//! of its frames and on the same stream, for the CRC32C of what that frame wrote or read
+//! (`Frame::Sum`). The target serves a stream in order, so it sums those bytes right after they
+//! landed (a write) or left (a read), while its cache still holds them; the transport sums its own
+//! side the same way, a write's source right before the bytes leave and a read's destination right
+//! after they landed, and compares the two when the answer comes. Each range is then read once more at each end, from
 //! cache, instead of from memory in a second pass after the batch (64 KiB × 256 scattered writes,
 //! 16 MiB a batch and 8 in flight, far past the cache). For that, a checked write's frames carry at
 //! most [`CHECKED_FRAME_BYTES`]: with frames of up to a coalescing buffer (8 MiB), the sums read
@@ -26,7 +27,7 @@ use crate::ids::{OpId, StreamIndex};
 use crate::initiator::OpKind;
 use crate::written::{DeferredCommits, Noted};
 
-/// Most payload bytes of one frame of a checked write: what a core's cache holds between the sum of
+/// Most payload bytes of one frame of a checked batch: what a core's cache holds between the sum of
 /// the frame's bytes and their copy (at the source) or between their landing and their sum (at the
 /// target). See the module documentation.
 pub const CHECKED_FRAME_BYTES: u64 = 1 << 20;
@@ -48,8 +49,8 @@ enum Template {
     Read(TransferItem),
     ReadBatch(Vec<Segment>),
     Commit(Vec<Segment>),
-    /// The sums of what the write frame before it wrote.
-    Sum(Vec<Segment>),
+    /// The sums of what the frame before it (of this operation) wrote or read.
+    Sum(Op, Vec<Segment>),
 }
 
 impl Send {
@@ -57,7 +58,7 @@ impl Send {
     pub fn kind(&self) -> OpKind {
         match self.frame {
             Template::Read(_) | Template::ReadBatch(_) => OpKind::Read,
-            Template::Sum(_) => OpKind::Sum,
+            Template::Sum(..) => OpKind::Sum,
             _ => OpKind::Ack,
         }
     }
@@ -82,7 +83,7 @@ impl Send {
     /// The ranges of the peer whose sums a checksum request asks for (empty for any other frame).
     pub fn checked_ranges(&self) -> &[Segment] {
         match &self.frame {
-            Template::Sum(segments) => segments,
+            Template::Sum(_, segments) => segments,
             _ => &[],
         }
     }
@@ -137,11 +138,7 @@ impl FrameFor {
                 durability: Durability::Persistent,
                 segments,
             },
-            Template::Sum(segments) => Frame::Sum {
-                id,
-                op: Op::Write,
-                segments,
-            },
+            Template::Sum(op, segments) => Frame::Sum { id, op, segments },
         }
     }
 }
@@ -155,11 +152,11 @@ pub struct BatchFrames {
     commits: Option<DeferredCommits>,
     /// What the piece last handed out wrote, until [`sent`](Self::sent) names its stream.
     unsent: Option<Noted>,
-    /// Whether each write frame is followed by a request for its sums.
+    /// Whether each frame is followed by a request for its sums.
     checked: bool,
-    /// The checksum request of the write frame last handed out, once its stream is known.
+    /// The checksum request of the frame last handed out, once its stream is known.
     check: Option<Send>,
-    /// That write frame's ranges, until then.
+    /// That frame's remote ranges, until then.
     to_check: Option<Vec<Segment>>,
     /// The commits, once every piece went.
     closing: Option<std::vec::IntoIter<(StreamIndex, Vec<Segment>)>>,
@@ -167,10 +164,10 @@ pub struct BatchFrames {
 
 impl BatchFrames {
     /// The frames of a batch of `op` on `items` at `durability`, over a link shaped `shape` with
-    /// `streams` streams (the control stream counted). A `checked` write follows each frame with a
-    /// request for the CRC32C of what it wrote, on its stream (see the module documentation); the
-    /// answer is one sum per range of the frame, in the order of its [`Send::parts`]. Reads are not
-    /// checked here.
+    /// `streams` streams (the control stream counted). A `checked` batch follows each frame with a
+    /// request for the CRC32C of the peer's ranges it wrote or read, on its stream (see the module
+    /// documentation); the answer is one sum per range of the frame, in the order of its
+    /// [`Send::parts`].
     pub fn new(
         op: Op,
         durability: Durability,
@@ -179,7 +176,6 @@ impl BatchFrames {
         streams: usize,
         checked: bool,
     ) -> Self {
-        let checked = checked && op == Op::Write;
         let pieces = match checked {
             true => {
                 let capped = Shape {
@@ -234,7 +230,7 @@ impl BatchFrames {
         }
         if let Some(segments) = self.to_check.take() {
             self.check = Some(Send {
-                frame: Template::Sum(segments),
+                frame: Template::Sum(self.op, segments),
                 stream: Some(stream),
                 bytes: 0,
                 parts: Vec::new(),
@@ -431,11 +427,38 @@ mod tests {
         }
         assert!(order[2 * writes..].iter().all(|&o| o == "commit"), "{order:?}");
 
-        // Reads are not checked here.
-        let mut reads = BatchFrames::new(Op::Read, Durability::Completed, test_items(&[4096]), &shape(1), 2, true);
-        assert_eq!(reads.next().map(|s| s.kind()), Some(OpKind::Read));
-        reads.sent(StreamIndex(1));
-        assert!(reads.next().is_none());
+        // A checked read: each frame (the 4 MiB descriptor in 1 MiB frames) and then its sums, on
+        // its stream, for what it read.
+        let mut reads = BatchFrames::new(
+            Op::Read,
+            Durability::Completed,
+            test_items(&[4 << 20]),
+            &shape(1),
+            2,
+            true,
+        );
+        let mut frames_read = 0;
+        while let Some(read) = reads.next() {
+            assert_eq!((read.kind(), read.bytes()), (OpKind::Read, CHECKED_FRAME_BYTES));
+            let (frame, _) = read.into_frame(OpId(1));
+            let Frame::Read { key, offset, len, .. } = frame else {
+                panic!("{frame:?}")
+            };
+            reads.sent(StreamIndex(1));
+            let sum = reads.next().expect("its sums");
+            assert_eq!(sum.stream(), Some(StreamIndex(1)));
+            let (frame, _) = sum.into_frame(OpId(2));
+            assert_eq!(
+                frame,
+                Frame::Sum {
+                    id: 2,
+                    op: Op::Read,
+                    segments: vec![Segment { key, offset, len }]
+                }
+            );
+            frames_read += 1;
+        }
+        assert_eq!(frames_read, 4);
     }
 
     #[test]

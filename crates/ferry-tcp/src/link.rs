@@ -82,11 +82,14 @@ enum ReadDest {
     Direct {
         part: Resolved,
         caller: Arc<AccessGuard>,
+        /// Where a checked read's sums of what landed go.
+        sums: Option<Arc<FrameSums>>,
     },
     Scatter {
         parts: Vec<Resolved>,
         buffer: Option<CoalesceBuf>,
         caller: Arc<AccessGuard>,
+        sums: Option<Arc<FrameSums>>,
     },
 }
 
@@ -113,27 +116,31 @@ enum Waiter {
     Op(Pending),
     Setup(oneshot::Sender<Result<Vec<u8>>>),
     Sums(oneshot::Sender<Result<Vec<u32>>>),
-    /// The check of a write frame: the target's sums of what it landed, against the source's.
-    Check(WriteCheck),
+    /// The check of a frame: the target's sums of its ranges, against this side's.
+    Check(FrameCheck),
 }
 
-/// A write frame's end-to-end check ([`TransferRequest::checked`]), waiting for the target's sums.
-struct WriteCheck {
+/// A frame's end-to-end check ([`TransferRequest::checked`]), waiting for the target's sums.
+struct FrameCheck {
     done: oneshot::Sender<Result<()>>,
-    /// The source's sums, taken as the frame's bytes left.
-    sent: Arc<SentSums>,
-    /// The target's ranges the frame wrote, in order.
+    /// What the frame did.
+    op: Op,
+    /// This side's sums: a write's source as the frame's bytes left, a read's destination as they
+    /// landed.
+    ours: Arc<FrameSums>,
+    /// The target's ranges of the frame, in order.
     ranges: Vec<Segment>,
 }
 
-/// The CRC32C of each range of a write frame's source, taken by the stream's writer right before
-/// the bytes leave, while it reads them anyway: the sum brings them into the cache the send then
-/// copies from. Unset where a range could not be read (its region went away): the write itself
-/// then fails.
+/// The CRC32C of each of this side's ranges of a frame, taken while the bytes are in cache: a
+/// write's source by the stream's writer right before the bytes leave (the sum brings them into the
+/// cache the send then copies from), a read's destination by the stream's reader right after they
+/// landed. Unset where a range could not be read (its region went away): the frame itself then
+/// fails.
 #[derive(Default)]
-struct SentSums(std::sync::OnceLock<Vec<u32>>);
+struct FrameSums(std::sync::OnceLock<Vec<u32>>);
 
-impl SentSums {
+impl FrameSums {
     fn take(&self, parts: &[Resolved]) {
         let sums: Result<Vec<u32>> = parts.iter().map(ferry_core::integrity::sum).collect();
         if let Ok(sums) = sums {
@@ -142,14 +149,15 @@ impl SentSums {
     }
 }
 
-impl WriteCheck {
+impl FrameCheck {
     /// The check's outcome, given the target's answer.
     fn finish(self, theirs: Result<Vec<u32>>, peer: &str) {
-        let outcome = theirs.and_then(|theirs| match self.sent.0.get() {
-            Some(ours) => ferry_core::integrity::compare(Op::Write, ours, &theirs, &self.ranges, &peer),
-            None => Err(Error::Internal(
-                "a write frame's checksums were answered before its source was summed".into(),
-            )),
+        let outcome = theirs.and_then(|theirs| match self.ours.0.get() {
+            Some(ours) => ferry_core::integrity::compare(self.op, ours, &theirs, &self.ranges, &peer),
+            None => Err(Error::Internal(format!(
+                "a {:?} frame's checksums were answered before this side's were taken",
+                self.op
+            ))),
         });
         let _ = self.done.send(outcome);
     }
@@ -188,7 +196,7 @@ enum Outgoing {
         id: OpId,
         frame: Frame,
         parts: Vec<Resolved>,
-        sums: Option<Arc<SentSums>>,
+        sums: Option<Arc<FrameSums>>,
     },
     /// Send what the writer holds (left there by a caller's write that the socket did not take whole).
     Flush,
@@ -782,14 +790,17 @@ async fn run_batch(shared: &Arc<Shared>, request: TransferRequest, bound: Option
     let mut frames = BatchFrames::new(request.op, request.durability, request.items, &shape, streams, checked);
     let mut completions = Vec::new();
     // The source's sums of the write frame last sent, for the check that follows it.
-    let mut sent_sums = None;
+    let mut frame_sums = None;
     while let Some(send) = frames.next() {
         let (stream, rx) = match send.kind() {
-            OpKind::Read => submit_read(shared, send, &caller.0).await?,
-            OpKind::Sum => submit_check(shared, send, sent_sums.take(), bound)?,
+            OpKind::Read => {
+                frame_sums = checked.then(Arc::default);
+                submit_read(shared, send, &caller.0, frame_sums.clone()).await?
+            }
+            OpKind::Sum => submit_check(shared, request.op, send, frame_sums.take(), bound)?,
             _ => {
-                sent_sums = (checked && send.bytes() > 0).then(Arc::default);
-                submit_write(shared, send, sent_sums.clone(), bound).await?
+                frame_sums = (checked && send.bytes() > 0).then(Arc::default);
+                submit_write(shared, send, frame_sums.clone(), bound).await?
             }
         };
         frames.sent(stream);
@@ -806,7 +817,7 @@ async fn run_batch(shared: &Arc<Shared>, request: TransferRequest, bound: Option
 async fn submit_write(
     shared: &Shared,
     send: Send,
-    sums: Option<Arc<SentSums>>,
+    sums: Option<Arc<FrameSums>>,
     bound: Option<Due>,
 ) -> Result<Submitted> {
     let bytes = send.bytes();
@@ -826,12 +837,19 @@ async fn submit_write(
 
 /// Asks, on the stream of the write frame before it, for the target's sums of what that frame
 /// wrote; its completion compares them with the source's, `sent`.
-fn submit_check(shared: &Shared, send: Send, sent: Option<Arc<SentSums>>, bound: Option<Due>) -> Result<Submitted> {
-    let sent = sent.ok_or_else(|| Error::Internal("a checksum request with no write frame before it".into()))?;
+fn submit_check(
+    shared: &Shared,
+    op: Op,
+    send: Send,
+    ours: Option<Arc<FrameSums>>,
+    bound: Option<Due>,
+) -> Result<Submitted> {
+    let ours = ours.ok_or_else(|| Error::Internal("a checksum request with no frame before it".into()))?;
     let (done, rx) = oneshot::channel();
-    let check = Waiter::Check(WriteCheck {
+    let check = Waiter::Check(FrameCheck {
         done,
-        sent,
+        op,
+        ours,
         ranges: send.checked_ranges().to_vec(),
     });
     let stream = send.stream();
@@ -842,8 +860,14 @@ fn submit_check(shared: &Shared, send: Send, sent: Option<Arc<SentSums>>, bound:
 
 /// Asks for one read frame's data, under its share of the byte budget; its data lands straight in
 /// the region, or through a pool buffer that is scattered over its parts. A read carries no
-/// deadline of its own: [`run_transfer`] bounds the whole batch.
-async fn submit_read(shared: &Shared, send: Send, caller: &Arc<AccessGuard>) -> Result<Submitted> {
+/// deadline of its own: [`run_transfer`] bounds the whole batch. A checked read's sums of what
+/// landed go to `sums`.
+async fn submit_read(
+    shared: &Shared,
+    send: Send,
+    caller: &Arc<AccessGuard>,
+    sums: Option<Arc<FrameSums>>,
+) -> Result<Submitted> {
     let bytes = send.bytes();
     let budget = Some(shared.budget(bytes, None).await?);
     let buffer = match (send.is_coalesced(), shared.pool.as_ref()) {
@@ -856,6 +880,7 @@ async fn submit_read(shared: &Shared, send: Send, caller: &Arc<AccessGuard>) -> 
         (false, Some(part)) if parts.is_empty() => ReadDest::Direct {
             part,
             caller: caller.clone(),
+            sums,
         },
         (_, last) => {
             parts.extend(last);
@@ -863,6 +888,7 @@ async fn submit_read(shared: &Shared, send: Send, caller: &Arc<AccessGuard>) -> 
                 parts,
                 buffer,
                 caller: caller.clone(),
+                sums,
             }
         }
     };
@@ -1003,21 +1029,27 @@ async fn land_read(shared: &Shared, op: Waiter, payload_len: u64, reader: &mut F
     };
     let data_len = payload_len.checked_sub(ReadStatus::LEN);
     let landed = match pending.read {
-        Some(ReadDest::Direct { part, caller }) if Some(part.len) == data_len => {
+        Some(ReadDest::Direct { part, caller, sums }) if Some(part.len) == data_len => {
             let part = std::slice::from_ref(&part);
             let landed = reader.read_parts(part, Some(&caller)).await?;
             let status = read_status_byte(reader).await?;
             match source_intact(shared, status).and_then(|()| landed_in(&part[0].region, landed)) {
                 Ok(()) => {
                     ferry_core::integrity::fault::landed(&part[0]);
+                    if let Some(sums) = sums {
+                        sums.take(part);
+                    }
                     commit_for_caller(&caller, part).await
                 }
                 Err(e) => Err(e),
             }
         }
-        Some(ReadDest::Scatter { parts, buffer, caller })
-            if Some(parts.iter().map(|p| p.len).sum::<u64>()) == data_len =>
-        {
+        Some(ReadDest::Scatter {
+            parts,
+            buffer,
+            caller,
+            sums,
+        }) if Some(parts.iter().map(|p| p.len).sum::<u64>()) == data_len => {
             let mut buffer = buffer;
             let mut scratch = Vec::new();
             let buf = match buffer.as_mut() {
@@ -1036,6 +1068,9 @@ async fn land_read(shared: &Shared, op: Waiter, payload_len: u64, reader: &mut F
             match copied {
                 Ok(()) => {
                     parts.iter().for_each(ferry_core::integrity::fault::landed);
+                    if let Some(sums) = sums {
+                        sums.take(&parts);
+                    }
                     commit_for_caller(&caller, &parts).await
                 }
                 Err(e) => Err(e),
@@ -1246,7 +1281,7 @@ impl DataLink for TcpLink {
         Box::pin(run_transfer(self.shared.clone(), request, due).map(carried_whole))
     }
 
-    fn checks_writes(&self) -> bool {
+    fn checks_in_band(&self) -> bool {
         true
     }
 

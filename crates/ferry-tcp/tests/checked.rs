@@ -1,6 +1,8 @@
-//! Writes the TCP link checks end to end itself (`TransferRequest::checked`): each frame's source is
-//! summed as it leaves, the target sums what it landed right after landing it (a `Sum` request on
-//! the frame's stream, behind it), and the link fails the batch with `Integrity` where they differ.
+//! Writes and reads the TCP link checks end to end itself (`TransferRequest::checked`): a write's
+//! source is summed as it leaves and the target sums what it landed right after landing it; a read's
+//! destination is summed right after it landed and the target sums the source it sent (a `Sum`
+//! request on each frame's stream, behind it). The link fails the batch with `Integrity` where the
+//! two differ.
 //!
 //! The fault is ferry-core's test hook that flips a byte right after the target landed it, where
 //! TCP's own checksums cannot see it. It is one per process, so this binary holds the only test that
@@ -13,7 +15,7 @@ use ferry_core::integrity::fault;
 use ferry_core::{Error, Op};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_checked_write_fails_when_its_landed_bytes_differ_and_an_unchecked_one_does_not() {
+async fn a_checked_transfer_fails_when_its_landed_bytes_differ_and_an_unchecked_one_does_not() {
     // Tiny and mid ranges coalesce into one frame; the 600 KiB one goes in frames of its own, split
     // over the streams where there are several.
     let ranges: Vec<(u64, u64)> = vec![(0, 1), (7, 4096), (8192, 64 << 10), (200 << 10, 600 << 10)];
@@ -57,5 +59,38 @@ async fn a_checked_write_fails_when_its_landed_bytes_differ_and_an_unchecked_one
         p.run(p.request(Op::Write, &ranges)).await.unwrap();
         assert_eq!(fault::disarm(), 0);
         assert_eq!(differing(), 1);
+
+        // Reads the same way: the target's source is summed as it is sent, this side's destination
+        // right after it landed. A byte flipped after landing fails the checked read...
+        p.remote.copy_in(0, &src).unwrap();
+        let missing = || {
+            let here = bytes(&p.local);
+            ranges
+                .iter()
+                .flat_map(|&(o, n)| o as usize..(o + n) as usize)
+                .filter(|&i| here[i] != src[i])
+                .count()
+        };
+        let checked_read = || {
+            let mut request = p.request(Op::Read, &ranges);
+            request.checked = true;
+            request
+        };
+        p.local.copy_in(0, &vec![0u8; src.len()]).unwrap();
+        p.run(checked_read()).await.unwrap();
+        assert_eq!(missing(), 0, "{streams} streams: read back");
+        assert!(fault::flip_next_landing());
+        let result = p.run(checked_read()).await;
+        assert_eq!(fault::disarm(), 0);
+        assert_eq!(missing(), 1);
+        assert!(
+            matches!(&result, Err(Error::Integrity(m)) if m.contains("of this Read differ")),
+            "{streams} streams: {result:?}"
+        );
+        // ...and not the unchecked one.
+        assert!(fault::flip_next_landing());
+        p.run(p.request(Op::Read, &ranges)).await.unwrap();
+        assert_eq!(fault::disarm(), 0);
+        assert_eq!(missing(), 1);
     }
 }

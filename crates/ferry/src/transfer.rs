@@ -243,11 +243,15 @@ impl Transfer {
         integrity: bool,
     ) -> Result<Self> {
         let data = &peer.inner.data;
-        // A write over links that check writes as they carry them (TCP's, the control link's too,
-        // which takes what the data link declines) is checked there, frame by frame, while its bytes
-        // are in cache at both ends; everything else by a second pass once its data moved.
+        // A batch over links that check as they carry (TCP's, the control link's too, which takes
+        // what the data link declines) is checked there, frame by frame, while its bytes are in
+        // cache at both ends; everything else by a second pass once its data moved. So is a read
+        // into memory staged in front of a device, whose sum must be of the device's bytes, after
+        // its copy there.
+        let staged_destination =
+            request.op == Op::Read && request.items.iter().any(|i| i.local.region.block().has_access_hooks());
         request.checked =
-            integrity && request.op == Op::Write && data.checks_writes() && peer.inner.control.checks_writes();
+            integrity && !staged_destination && data.checks_in_band() && peer.inner.control.checks_in_band();
         let mut check = (integrity && !request.checked)
             .then(|| Check::of(&request))
             .transpose()?;

@@ -7,10 +7,9 @@
 //! bytes: the network, a proxy, a NIC, a copy that went wrong, a store after landing. The target
 //! is asked only once the batch's bytes are in its memory as its CPU sees them:
 //!
-//! - over TCP a read's data came from the target's memory before the answer (a write over TCP is
-//!   not checked here: the link checks it frame by frame as it carries it, see
-//!   [`ferry_core::DataLink::checks_writes`], and the engine asks it to where both of the peer's
-//!   links can);
+//! - over TCP a batch is not checked here: the link checks it frame by frame as it carries it (see
+//!   [`ferry_core::DataLink::checks_in_band`]), where both of the peer's links can, but for a read
+//!   into memory staged in front of a device, checked here after the device's copy;
 //! - over shared memory the copies into a lent mapping are this process's own, done before the batch
 //!   completes, and the target's copies finish before it replies;
 //! - over RDMA a WRITE's completion means only that the target's NIC acknowledged it: the check
