@@ -34,6 +34,14 @@ impl Piece {
         }
     }
 
+    /// The remote ranges its frame names, in order.
+    pub fn segments(&self) -> Vec<Segment> {
+        match self {
+            Piece::Direct(item) => segments(std::slice::from_ref(item)),
+            Piece::Coalesced(group) => segments(group),
+        }
+    }
+
     /// Whether it moves nothing (never, for a piece [`plan`] made).
     pub fn is_empty(&self) -> bool {
         self.len() == 0

@@ -240,10 +240,7 @@ impl BatchFrames {
 
     fn piece(&mut self, piece: Piece) -> Send {
         self.unsent = self.commits.as_ref().map(|c| c.note(&piece));
-        self.to_check = self.checked.then(|| match &piece {
-            Piece::Direct(item) => segments(std::slice::from_ref(item)),
-            Piece::Coalesced(group) => segments(group),
-        });
+        self.to_check = self.checked.then(|| piece.segments());
         let bytes = piece.len();
         let (frame, parts) = match (self.op, piece) {
             (Op::Write, Piece::Direct(item)) => {

@@ -19,7 +19,7 @@ use std::collections::{BTreeMap, HashMap};
 use ferry_core::codec::Segment;
 use ferry_core::{Durability, Op, RegionKey};
 
-use crate::batch::{MAX_SEGMENTS, Piece, segments};
+use crate::batch::{MAX_SEGMENTS, Piece};
 use crate::ids::StreamIndex;
 
 /// What one piece of a batch wrote, from [`DeferredCommits::note`].
@@ -58,10 +58,9 @@ impl DeferredCommits {
     /// What `piece` writes, for [`sent`](Self::sent) once the stream it goes on is known (nothing
     /// when no commit is deferred).
     pub fn note(&self, piece: &Piece) -> Noted {
-        Noted(match (&self.written, piece) {
-            (None, _) => Vec::new(),
-            (Some(_), Piece::Direct(item)) => segments(std::slice::from_ref(item)),
-            (Some(_), Piece::Coalesced(group)) => segments(group),
+        Noted(match &self.written {
+            None => Vec::new(),
+            Some(_) => piece.segments(),
         })
     }
 
@@ -195,7 +194,7 @@ impl WrittenRanges {
 mod tests {
     use proptest::prelude::*;
 
-    use crate::batch::{Shape, plan, test_items};
+    use crate::batch::{Shape, plan, segments, test_items};
 
     /// A persistent write of several frames: each frame goes as a completed write, and each stream
     /// it used gets one commit naming exactly what went on it; a single frame, a completed write or

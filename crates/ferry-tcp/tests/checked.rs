@@ -23,29 +23,29 @@ async fn a_checked_transfer_fails_when_its_landed_bytes_differ_and_an_unchecked_
         let p = pair(streams).await;
         let src = pattern(streams as u8);
         p.local.copy_in(0, &src).unwrap();
-        let checked = || {
-            let mut request = p.request(Op::Write, &ranges);
+        let checked = |op| {
+            let mut request = p.request(op, &ranges);
             request.checked = true;
             request
         };
-
-        // Bytes of the ranges that differ between the target and the source.
-        let differing = || {
-            let landed = bytes(&p.remote);
+        // Bytes of the ranges that differ between `region` and the source.
+        let differ_in = |region| {
+            let held = bytes(region);
             ranges
                 .iter()
                 .flat_map(|&(o, n)| o as usize..(o + n) as usize)
-                .filter(|&i| landed[i] != src[i])
+                .filter(|&i| held[i] != src[i])
                 .count()
         };
+        let differing = || differ_in(&p.remote);
 
         // No fault: checked, every byte in place.
-        p.run(checked()).await.unwrap();
+        p.run(checked(Op::Write)).await.unwrap();
         assert_eq!(differing(), 0, "{streams} streams");
 
         // A byte flipped after landing: the checked write fails and names the range...
         assert!(fault::flip_next_landing(), "test builds have the fault hooks");
-        let result = p.run(checked()).await;
+        let result = p.run(checked(Op::Write)).await;
         assert_eq!(fault::disarm(), 0, "a landing took the flip");
         assert_eq!(differing(), 1, "one byte differs at the target");
         assert!(
@@ -63,24 +63,12 @@ async fn a_checked_transfer_fails_when_its_landed_bytes_differ_and_an_unchecked_
         // Reads the same way: the target's source is summed as it is sent, this side's destination
         // right after it landed. A byte flipped after landing fails the checked read...
         p.remote.copy_in(0, &src).unwrap();
-        let missing = || {
-            let here = bytes(&p.local);
-            ranges
-                .iter()
-                .flat_map(|&(o, n)| o as usize..(o + n) as usize)
-                .filter(|&i| here[i] != src[i])
-                .count()
-        };
-        let checked_read = || {
-            let mut request = p.request(Op::Read, &ranges);
-            request.checked = true;
-            request
-        };
+        let missing = || differ_in(&p.local);
         p.local.copy_in(0, &vec![0u8; src.len()]).unwrap();
-        p.run(checked_read()).await.unwrap();
+        p.run(checked(Op::Read)).await.unwrap();
         assert_eq!(missing(), 0, "{streams} streams: read back");
         assert!(fault::flip_next_landing());
-        let result = p.run(checked_read()).await;
+        let result = p.run(checked(Op::Read)).await;
         assert_eq!(fault::disarm(), 0);
         assert_eq!(missing(), 1);
         assert!(

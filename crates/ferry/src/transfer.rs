@@ -248,10 +248,11 @@ impl Transfer {
         // cache at both ends; everything else by a second pass once its data moved. So is a read
         // into memory staged in front of a device, whose sum must be of the device's bytes, after
         // its copy there.
-        let staged_destination =
-            request.op == Op::Read && request.items.iter().any(|i| i.local.region.block().has_access_hooks());
+        let staged_destination = |request: &TransferRequest| {
+            request.op == Op::Read && request.items.iter().any(|i| i.local.region.block().has_access_hooks())
+        };
         request.checked =
-            integrity && !staged_destination && data.checks_in_band() && peer.inner.control.checks_in_band();
+            integrity && data.checks_in_band() && peer.inner.control.checks_in_band() && !staged_destination(&request);
         let mut check = (integrity && !request.checked)
             .then(|| Check::of(&request))
             .transpose()?;
