@@ -44,6 +44,20 @@ enum Command {
     /// An authenticated `ferry serve` under thousands of silent, garbage and reopened connections: an
     /// authenticated peer's connect time, its throughput against a run before, the target's memory.
     Hostile(hostile::Args),
+    /// A fleet of engines (separate processes in network namespaces, a real etcd) pulling KV batches
+    /// under faults: kills, hangs, netem delay and loss, partitions, etcd restarts; fails when an
+    /// invariant breaks. Runs in the RDMA rig's guest, whose kernel has netem.
+    Chaos(ChaosArgs),
+}
+
+#[derive(clap::Args)]
+struct ChaosArgs {
+    #[command(flatten)]
+    chaos: rig::chaos::Args,
+    /// Wall-clock limit for the guest (qemu is killed when it is reached) [default: the run's length
+    /// and 10 minutes].
+    #[arg(long)]
+    timeout: Option<String>,
 }
 
 fn main() -> ExitCode {
@@ -71,6 +85,22 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
+        Command::Chaos(args) => {
+            let timeout = match args.timeout.as_deref().map(util::parse_duration).transpose() {
+                Ok(t) => t.unwrap_or_else(|| args.chaos.budget() + std::time::Duration::from_secs(600)),
+                Err(e) => {
+                    eprintln!("xtask chaos: error: {e:#}");
+                    return ExitCode::FAILURE;
+                }
+            };
+            match rig::chaos(&args.chaos, timeout) {
+                Ok(code) => code,
+                Err(e) => {
+                    eprintln!("xtask chaos: error: {e:#}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
         Command::Rig(args) => match rig::run(&args) {
             Ok(code) => code,
             Err(e) => {

@@ -211,6 +211,15 @@ const STEPS: &[Step] = &[
             )
         },
     },
+    // A fleet of eight engines (processes in network namespaces, a real etcd) pulling KV batches while
+    // engines are killed, hung, delayed, lossy and partitioned and etcd restarts: every invariant must
+    // hold (no wrong byte reported done, no call past its deadline, dead engines leave the directory,
+    // bounded resources, throughput back after each fault). In the rig's kernel, for netem.
+    Step {
+        name: "chaos (short profile: a fleet under faults)",
+        lint: false,
+        run: |_| run_step(cargo().args(["xtask", "chaos", "--profile", "short"]), 20 * MINUTE),
+    },
     // Persistent writes against simulated power cuts (qemu killed on the acknowledgement), TCP and RDMA,
     // with a negative control per transport.
     Step {

@@ -24,8 +24,9 @@
 //!   directory when the lease runs out, and every watcher sees it leave.
 //! - **Names are held, not overwritten**: a record is created only where none exists (an etcd
 //!   transaction on the key's create revision); a name a live engine holds is refused with
-//!   `AlreadyConnected`. An engine that restarts under its old name can publish once the old lease ran
-//!   out.
+//!   `AlreadyConnected`. An engine restarted on its old address (same host, same addresses: its
+//!   predecessor, which held them, must be dead) takes its name back at once; one elsewhere can
+//!   publish once the old lease ran out.
 //! - **etcd unreachable**: links keep working (the directory is not on the data path); lookups fail
 //!   with `Timeout` or `NotConnected` naming etcd within [`EtcdOptions::timeout`]; the engine keeps
 //!   trying, and publishes its record again when etcd answers.
@@ -337,8 +338,9 @@ impl EtcdDirectory {
     }
 }
 
-/// Puts `key` on a new lease where no record exists, or where the record is this engine's own (its
-/// lease was lost while etcd was away); `AlreadyConnected` where another engine's record is.
+/// Puts `key` on a new lease where no record exists, where the record is this engine's own (its lease
+/// was lost while etcd was away), or where it is a dead predecessor's (see [`is_predecessor`]);
+/// `AlreadyConnected` where a live engine's record is.
 async fn claim(client: &Client, endpoints: &str, key: &str, value: &[u8], name: &str, ttl: Duration) -> Result<i64> {
     let mut client = client.clone();
     let ttl_s = i64::try_from(ttl.as_secs().max(1)).unwrap_or(i64::MAX);
@@ -348,10 +350,31 @@ async fn claim(client: &Client, endpoints: &str, key: &str, value: &[u8], name: 
         .map_err(|e| etcd_error(endpoints, "granting a lease", e))?
         .id();
     let put = TxnOp::put(key, value.to_vec(), Some(PutOptions::new().with_lease(lease)));
-    for compare in [
-        Compare::create_revision(key, CompareOp::Equal, 0),
-        Compare::value(key, CompareOp::Equal, value.to_vec()),
-    ] {
+    let mine: Option<EngineRecord> = serde_json::from_slice(value).ok();
+    let mut holder = String::new();
+    // Each round reads what holds the name and puts ours only if that is still what holds it; a
+    // record that changed or vanished in between is read again (a lease running out right then).
+    for _ in 0..4 {
+        let current = client
+            .get(key, None)
+            .await
+            .map_err(|e| etcd_error(endpoints, &format!("publishing {name}"), e))?;
+        let compare = match current.kvs().first() {
+            None => Compare::create_revision(key, CompareOp::Equal, 0),
+            Some(kv) => {
+                let theirs: Option<EngineRecord> = serde_json::from_slice(kv.value()).ok();
+                let ours = kv.value() == value;
+                let dead = matches!((&theirs, &mine), (Some(t), Some(m)) if is_predecessor(t, m));
+                if !ours && !dead {
+                    holder = String::from_utf8_lossy(kv.value()).into_owned();
+                    break;
+                }
+                if dead {
+                    tracing::info!(%name, etcd = %endpoints, "taking the name over from this engine's dead predecessor");
+                }
+                Compare::mod_revision(key, CompareOp::Equal, kv.mod_revision())
+            }
+        };
         let reply = client
             .txn(Txn::new().when([compare]).and_then([put.clone()]))
             .await
@@ -361,20 +384,37 @@ async fn claim(client: &Client, endpoints: &str, key: &str, value: &[u8], name: 
         }
     }
     let _ = client.lease_revoke(lease).await;
-    let holder = client
-        .get(key, None)
-        .await
-        .ok()
-        .and_then(|r| {
-            r.kvs()
-                .first()
-                .map(|kv| String::from_utf8_lossy(kv.value()).into_owned())
-        })
-        .unwrap_or_default();
     Err(Error::AlreadyConnected(format!(
         "the name {name} is held by a live engine in the directory at {endpoints} ({holder}); pick another name, \
          or stop that engine (a dead one's record goes when its lease runs out, within {ttl:?})"
     )))
+}
+
+/// Whether `old`, the record that holds a name, was published by a dead predecessor of the engine
+/// publishing `new`: an engine of the same host (`host_id`) that published exactly the addresses this
+/// one listens on now. Two live engines cannot listen on one address, so the one that published
+/// them is gone, though its lease has not run out yet: a supervisor restarting a crashed engine at
+/// once (same name, same port) takes its name back instead of being refused for a lease's length.
+/// The rule assumes the host's engines do not reuse one address in different network namespaces
+/// under one name.
+fn is_predecessor(old: &EngineRecord, new: &EngineRecord) -> bool {
+    let specific = |addrs: &[String]| {
+        !addrs.is_empty()
+            && addrs.iter().all(|a| {
+                a.parse::<std::net::SocketAddr>()
+                    .is_ok_and(|a| a.port() != 0 && !a.ip().is_unspecified())
+            })
+    };
+    let sorted = |addrs: &[String]| {
+        let mut a = addrs.to_vec();
+        a.sort();
+        a
+    };
+    old.name == new.name
+        && old.host_id == new.host_id
+        && old.engine_id != new.engine_id
+        && specific(&new.addrs)
+        && sorted(&old.addrs) == sorted(&new.addrs)
 }
 
 /// Refreshes the lease every third of `ttl`. When refreshing fails (etcd away), tries every second:
@@ -540,6 +580,50 @@ impl Directory for EtcdDirectory {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn record(engine_id: &str, addrs: &[&str]) -> EngineRecord {
+        EngineRecord {
+            name: "prefill-0".into(),
+            addrs: addrs.iter().map(|a| a.to_string()).collect(),
+            transports: vec!["tcp".into()],
+            host_id: "h1".into(),
+            protocol_version: 8,
+            engine_id: engine_id.into(),
+            authenticated: false,
+        }
+    }
+
+    #[test]
+    fn only_a_record_of_this_host_on_exactly_these_addresses_is_a_dead_predecessor() {
+        let new = record("new", &["10.0.0.7:7000"]);
+        assert!(is_predecessor(&record("old", &["10.0.0.7:7000"]), &new));
+        // Itself (its own lease lost): not a predecessor, it is handled as its own record.
+        assert!(!is_predecessor(&record("new", &["10.0.0.7:7000"]), &new));
+        // Elsewhere: another port, another address, another host, another name.
+        assert!(!is_predecessor(&record("old", &["10.0.0.7:7001"]), &new));
+        assert!(!is_predecessor(&record("old", &["10.0.0.8:7000"]), &new));
+        assert!(!is_predecessor(
+            &record("old", &["10.0.0.7:7000", "10.0.1.7:7000"]),
+            &new
+        ));
+        let mut other_host = record("old", &["10.0.0.7:7000"]);
+        other_host.host_id = "h2".into();
+        assert!(!is_predecessor(&other_host, &new));
+        let mut other_name = record("old", &["10.0.0.7:7000"]);
+        other_name.name = "prefill-1".into();
+        assert!(!is_predecessor(&other_name, &new));
+        // Addresses that do not say where it listens prove nothing.
+        assert!(!is_predecessor(&record("old", &[]), &record("new", &[])));
+        assert!(!is_predecessor(
+            &record("old", &["0.0.0.0:7000"]),
+            &record("new", &["0.0.0.0:7000"])
+        ));
+        // Order does not matter.
+        assert!(is_predecessor(
+            &record("old", &["10.0.1.7:7000", "10.0.0.7:7000"]),
+            &record("new", &["10.0.0.7:7000", "10.0.1.7:7000"])
+        ));
+    }
 
     #[test]
     fn urls_name_etcd_and_say_whether_tls_is_on() {

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use etcd::Etcd;
-use ferry::{Access, Engine, Error, MemberEvent, Op, TransferDesc};
+use ferry::{Access, Directory, Engine, Error, MemberEvent, Op, TransferDesc};
 use ferry_etcd::{EtcdDirectory, EtcdOptions};
 use futures::StreamExt;
 
@@ -103,17 +103,19 @@ async fn engines_publish_and_find_each_other_by_name() {
     named(&etcd, "/find", "decode-0").await.unwrap();
 }
 
-/// The child's part of the SIGKILL test: an engine published under the name in
-/// `FERRY_ETCD_CHILD` ("URL NAME"), until it is killed. Does nothing in a normal run.
+/// The child's part of the SIGKILL tests: an engine published under the name in
+/// `FERRY_ETCD_CHILD` ("URL NAME [LISTEN]"), until it is killed. Does nothing in a normal run.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn child_engine() {
     let Ok(spec) = std::env::var("FERRY_ETCD_CHILD") else {
         return;
     };
-    let (url, name) = spec.split_once(' ').unwrap();
+    let mut words = spec.split(' ');
+    let (url, name) = (words.next().unwrap(), words.next().unwrap());
+    let listen = words.next().unwrap_or("127.0.0.1:0");
     let directory = EtcdDirectory::connect(url, "/kill", options()).await.unwrap();
     let _engine = Engine::builder()
-        .listen("127.0.0.1:0")
+        .listen(listen)
         .name(name)
         .directory(directory)
         .build()
@@ -121,6 +123,70 @@ async fn child_engine() {
         .unwrap();
     println!("published");
     tokio::time::sleep(Duration::from_secs(600)).await;
+}
+
+/// Starts `child_engine` as its own process, published as `name` (listening on `listen`), and waits
+/// until it says it is.
+fn published_child(etcd: &Etcd, name: &str, listen: &str) -> std::process::Child {
+    use std::io::BufRead;
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "child_engine", "--nocapture"])
+        .env("FERRY_ETCD_CHILD", format!("{} {name} {listen}", etcd.url()))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    assert!(
+        lines.any(|l| l.is_ok_and(|l| l.contains("published"))),
+        "the child engine did not publish itself"
+    );
+    child
+}
+
+/// A supervisor restarts a crashed engine at once, on its address: the new engine takes its name back
+/// though the dead one's lease has not run out, and keeps it after that lease runs out; an engine
+/// elsewhere is still refused the name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_restarted_on_its_address_takes_its_name_back_at_once() {
+    let Some(etcd) = Etcd::start() else { return };
+    let listen = {
+        let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        probe.local_addr().unwrap().to_string()
+    };
+    let mut child = published_child(&etcd, "phoenix", &listen);
+    let directory = EtcdDirectory::connect(&etcd.url(), "/kill", options()).await.unwrap();
+    let before = directory.lookup("phoenix").await.unwrap();
+    // SAFETY: kill(2) on our own child's pid, which it still is (not yet reaped).
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGKILL) }, 0);
+    let _ = child.wait();
+    let killed = Instant::now();
+
+    let elsewhere = EtcdDirectory::connect(&etcd.url(), "/kill", options()).await.unwrap();
+    let refused = Engine::builder()
+        .listen("127.0.0.1:0")
+        .name("phoenix")
+        .directory(elsewhere)
+        .build()
+        .await
+        .unwrap_err();
+    assert!(matches!(refused, Error::AlreadyConnected(_)), "{refused}");
+
+    let again = EtcdDirectory::connect(&etcd.url(), "/kill", options()).await.unwrap();
+    let restarted = Engine::builder()
+        .listen(&listen)
+        .name("phoenix")
+        .directory(again)
+        .build()
+        .await
+        .expect("the restarted engine takes its name back");
+    assert!(killed.elapsed() < TTL, "the test was too slow to prove anything");
+    let after = directory.lookup("phoenix").await.unwrap();
+    assert_ne!(after.engine_id, before.engine_id);
+    assert_eq!(after, restarted.record());
+    // The dead engine's lease runs out; the record, on the new engine's lease, stays.
+    tokio::time::sleep(TTL + Duration::from_secs(1)).await;
+    assert_eq!(directory.lookup("phoenix").await.unwrap(), restarted.record());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -43,6 +43,10 @@ const MODULES: &[&str] = &[
     // The netem fault tests: namespaces joined by a veth pair, shaped by the netem qdisc.
     "veth",
     "sch_netem",
+    // `cargo xtask chaos`: engines' namespaces on a bridge, partitions as a prio band behind a u32 filter.
+    "bridge",
+    "sch_prio",
+    "cls_u32",
     "virtio",
     "virtio_ring",
     "virtio_pci",

@@ -20,6 +20,7 @@
 
 mod bench;
 mod boot;
+pub mod chaos;
 mod host;
 mod image;
 mod kernel;
@@ -210,6 +211,15 @@ fn with_guest(
 ) -> Result<ExitCode> {
     let prepared = prepare(layout, false, timings)?;
     f(&boot::Guest::new(&prepared, layout, timeout, keep), timings)
+}
+
+/// `cargo xtask chaos`: one boot of the guest for `ferry-chaos run`.
+pub fn chaos(args: &chaos::Args, timeout: Duration) -> Result<ExitCode> {
+    let layout = Layout::new();
+    let mut timings = Timings::default();
+    let result = with_guest(&layout, timeout, false, &mut timings, |g, t| chaos::run(args, g, t));
+    eprintln!("{}", timings.summary());
+    result
 }
 
 fn run_command(command: &[String], guest: &boot::Guest<'_>, timings: &mut Timings) -> Result<ExitCode> {
