@@ -14,7 +14,7 @@ use ferry::{Engine, Error, Result};
 use tokio::time::Instant;
 
 use crate::pool::{Checkout, InFlight, Lease, LeaseStart, Pool, PoolConfig, PoolStats, past_deadline};
-use crate::request::{TransferRequest, TransferResponse};
+use crate::request::{TransferRequest, TransferResponse, primary_region};
 
 /// The future a [`TransferService`] returns.
 ///
@@ -247,6 +247,9 @@ impl Running {
     fn start(mut lease: Lease, start: LeaseStart, request: &TransferRequest, deadline: Option<Instant>) -> State {
         let descs = match request.resolve(&lease.peer, start.primary) {
             Ok(descs) => descs,
+            Err(e) if awaits_first_advert(&lease.peer, request) => {
+                return State::Waiting(Box::pin(Self::after_first_advert(lease, request.clone(), deadline, e)));
+            }
             Err(e) => {
                 lease.settle_neutral();
                 return State::Failed(Some(e));
@@ -282,6 +285,52 @@ impl Running {
             }
         }
     }
+}
+
+impl Running {
+    /// A peer that advertises no region at all has just started (or restarted) and not registered
+    /// its memory yet, or is going away: waits, within the attempt, for its first region and starts
+    /// the transfer then. `PeerClosed` (retried on a new link) if the link ends first, `Timeout` if
+    /// the attempt's time runs out first; `refused` says what resolving found.
+    async fn after_first_advert(
+        mut lease: Lease,
+        request: TransferRequest,
+        deadline: Option<Instant>,
+        refused: Error,
+    ) -> Result<TransferResponse> {
+        let pool = lease.pool();
+        let limit = request.timeout().unwrap_or(pool.config.transfer_timeout);
+        let until = deadline.unwrap_or_else(|| Instant::now() + limit);
+        // In short slices: an update that lands between the check and the wait is not lost for long,
+        // and a link that ends meanwhile is seen.
+        const SLICE: std::time::Duration = std::time::Duration::from_millis(100);
+        while primary_region(&lease.peer.regions()).is_none() {
+            if lease.peer.is_closed() {
+                let e = Error::PeerClosed(format!("{refused}; the link ended before it advertised one"));
+                lease.settle_failed(&e);
+                return Err(e);
+            }
+            let now = Instant::now();
+            if now >= until {
+                lease.settle_neutral();
+                return Err(Error::Timeout(format!(
+                    "{refused}, and advertised none before the attempt's deadline"
+                )));
+            }
+            lease.peer.regions_changed((until - now).min(SLICE)).await;
+        }
+        TransferFuture(Running::start(lease, LeaseStart { primary: None }, &request, deadline)).await
+    }
+}
+
+/// Whether resolving `request` failed because `peer` advertises no region yet, which its relative
+/// descriptors need.
+fn awaits_first_advert(peer: &ferry::Peer, request: &TransferRequest) -> bool {
+    request
+        .descriptors()
+        .iter()
+        .any(|d| matches!(d.remote, crate::RemoteAddr::Offset(_)))
+        && primary_region(&peer.regions()).is_none()
 }
 
 impl Future for Running {

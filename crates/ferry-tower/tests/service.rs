@@ -174,6 +174,44 @@ async fn offsets_follow_a_restarted_target() {
     }
 }
 
+/// A target that listens (and is found, in a directory) before it registers its memory: a request at
+/// an offset waits within its attempt for the target's first region instead of failing for good with
+/// `OutOfBounds`; one whose attempt ends first fails with `Timeout`, which is retried.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_target_that_has_not_registered_its_memory_yet_is_waited_for() {
+    let target = Engine::builder().listen("127.0.0.1:0").build().await.unwrap();
+    let addr = target.local_addr().unwrap();
+    let engine = initiator().await;
+    let service = TransferService::new(engine.clone());
+    let src = engine.alloc_host(4096, Access::READ_WRITE).unwrap();
+    src.write_at(0, &pattern(4096, 11)).unwrap();
+    let write = TransferRequest::write(addr, [Descriptor::at_offset(src.addr(), 4096, 4096)]);
+
+    let early = write.clone().with_timeout(Duration::from_millis(300));
+    let err = tokio::time::timeout(T, service.clone().oneshot(early))
+        .await
+        .expect("the request hung")
+        .unwrap_err();
+    assert!(matches!(err, Error::Timeout(_)), "{err:?}");
+    assert!(err.to_string().contains("advertises no region"), "{err}");
+
+    let pending = tokio::spawn(service.clone().oneshot(write));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        !pending.is_finished(),
+        "the request did not wait for the target's memory"
+    );
+    let region = target.alloc_host(1 << 20, Access::READ_WRITE).unwrap();
+    tokio::time::timeout(T, pending)
+        .await
+        .expect("the request hung")
+        .unwrap()
+        .expect("the write lands once the target registered its region");
+    let mut got = vec![0u8; 4096];
+    region.read_at(4096, &mut got).unwrap();
+    assert_eq!(got, pattern(4096, 11));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_links_are_closed_and_reopened_on_demand() {
     let (_target, dst, addr) = target().await;
