@@ -130,8 +130,8 @@ async fn offsets_follow_a_restarted_target() {
     let old_absolute = first_region.addr_at(8192);
     drop(first_region);
     drop(first);
-    // The region's removal reaches the link before its end does: a request in between would find a
-    // live link whose peer advertises nothing (`OutOfBounds`, not retried). Wait for the end.
+    // The region's removal reaches the link before its end does: a request in between would wait on a
+    // live link whose peer advertises nothing until the link ends. Wait for the end.
     eventually("the old link is closed", || {
         engine.peer_at(addr).is_none_or(|p| p.is_closed())
     })
