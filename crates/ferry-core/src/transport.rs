@@ -532,6 +532,11 @@ impl LinkSlots {
     pub fn used(&self) -> usize {
         self.used.load(Ordering::Acquire)
     }
+
+    /// The most links it allows.
+    pub fn limit(&self) -> usize {
+        self.max
+    }
 }
 
 /// One link's slot; released on drop.

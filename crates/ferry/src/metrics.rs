@@ -14,8 +14,8 @@
 //!   observation, and takes no lock of a metric family.
 //! - **Engine state, read at scrape time**: what this engine's CPU served to peers over TCP streams
 //!   (requests and bytes by operation; a target's view, blind to RDMA and mapped memory), links by
-//!   direction, registered regions and bytes, the coalescing pool's buffers and those on loan,
-//!   notifications received, queued and their bytes, and what the engine's persistent regions spent
+//!   direction and their limit, registered regions and bytes, the coalescing pool's buffers and those on loan,
+//!   notifications received, queued and their bytes against their budget, and what the engine's persistent regions spent
 //!   persisting. Nothing is updated between scrapes.
 //!
 //! An engine's metrics carry no engine label: give each engine its own registry, or a sub-registry
@@ -289,6 +289,12 @@ impl Collector for EngineCollector {
             "Links this engine opened to peers",
             g(state.outgoing_links),
         )?;
+        gauge(
+            &mut encoder,
+            "links_limit",
+            "The most links in each direction (EngineBuilder::max_links): a new one beyond is refused",
+            g(state.max_links),
+        )?;
         {
             let mut family = encoder.encode_descriptor(
                 "links_by_transport",
@@ -340,6 +346,12 @@ impl Collector for EngineCollector {
         )?;
         gauge(
             &mut encoder,
+            "notifications_queued_bytes_limit",
+            "The byte budget of waiting notifications (EngineBuilder::max_notification_bytes): beyond it, new ones are refused",
+            g(state.max_notification_bytes),
+        )?;
+        gauge(
+            &mut encoder,
             "persisted_bytes",
             "Bytes the registered persistent regions were asked to persist",
             i64::try_from(state.persisted_bytes).unwrap_or(i64::MAX),
@@ -373,6 +385,9 @@ pub(crate) struct EngineState {
     pub(crate) coalesce_in_use: usize,
     pub(crate) incoming_links: usize,
     pub(crate) outgoing_links: usize,
+    /// The most links in each direction.
+    pub(crate) max_links: usize,
+    pub(crate) max_notification_bytes: usize,
     pub(crate) regions: usize,
     pub(crate) registered_bytes: u64,
     pub(crate) notifications_received: u64,

@@ -92,6 +92,11 @@ impl NotificationQueue {
         (self.received.load(std::sync::atomic::Ordering::Relaxed), queued, bytes)
     }
 
+    /// The byte budget of waiting notifications.
+    pub(crate) fn max_bytes(&self) -> usize {
+        self.max_bytes
+    }
+
     fn has_items(&self) -> bool {
         self.state.lock().map(|s| !s.items.is_empty()).unwrap_or(false)
     }

@@ -235,6 +235,8 @@ impl StateSource for Inner {
             coalesce_in_use: self.pool.as_ref().map_or(0, |p| p.in_use()),
             incoming_links: self.ctx.incoming.used(),
             outgoing_links: self.ctx.outgoing.used(),
+            max_links: self.ctx.incoming.limit(),
+            max_notification_bytes: self.notifications.max_bytes(),
             notifications_received,
             notifications_queued,
             notifications_queued_bytes,
