@@ -517,5 +517,9 @@ fn write_events(out: &Path, log: &Log) -> Result<()> {
             serde_json::json!({"t": t, "member": member, "event": event})
         )?;
     }
+    let mut file = std::io::BufWriter::new(std::fs::File::create(out.join("resources.jsonl"))?);
+    for sample in &log.samples {
+        writeln!(file, "{}", serde_json::to_string(sample)?)?;
+    }
     Ok(())
 }

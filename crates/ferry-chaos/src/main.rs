@@ -5,9 +5,11 @@
 //!   processes, the schedule's faults, the invariants, a summary and a timeline.
 //! - `ferry-chaos member` is one engine of the fleet (the conductor starts them).
 //! - `ferry-chaos plan` prints the schedule a seed gives, without running it.
+//! - `ferry-chaos growth` measures what one engine costs as the cluster around it grows.
 
 mod conduct;
 mod event;
+mod growth;
 mod member;
 mod net;
 mod pattern;
@@ -36,6 +38,9 @@ enum Command {
     Run(conduct::Args),
     /// One engine of the fleet.
     Member(member::Args),
+    /// What one engine costs as the cluster grows: links, adverts of regions to peers, the directory,
+    /// notification fan-in.
+    Growth(growth::Args),
     /// Print the schedule of a seed.
     Plan {
         #[arg(long, value_enum, default_value = "short")]
@@ -68,6 +73,7 @@ fn main() -> ExitCode {
         match cli.command {
             Command::Run(args) => conduct::run(args).await,
             Command::Member(args) => member::run(args).await.map(|()| true),
+            Command::Growth(args) => growth::run(args).await.map(|()| true),
             Command::Plan {
                 profile,
                 seed,

@@ -66,6 +66,29 @@ pub fn write(
         v.late,
         v.worst_overrun_ms
     );
+    if !v.resources.is_empty() {
+        let shown: Vec<String> = v
+            .resources
+            .iter()
+            .map(|g| {
+                format!(
+                    "{} fds {}→{} threads {}→{} RSS {}→{} MiB",
+                    g.name,
+                    g.fds.0,
+                    g.fds.1,
+                    g.threads.0,
+                    g.threads.1,
+                    g.rss_kib.0 / 1024,
+                    g.rss_kib.1 / 1024
+                )
+            })
+            .collect();
+        let _ = writeln!(
+            t,
+            "engines that ran throughout (before the first fault → end): {}",
+            shown.join("; ")
+        );
+    }
     let _ = writeln!(
         t,
         "summary: {}, timeline: {}",

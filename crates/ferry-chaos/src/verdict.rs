@@ -90,7 +90,18 @@ pub struct Verdict {
     pub late: u64,
     /// The largest overrun of a deadline, in ms (negative: every call ended before its deadline).
     pub worst_overrun_ms: f64,
+    /// Each engine that ran the whole run: its resources before the first fault and at the end.
+    pub resources: Vec<Growth>,
     pub violations: Vec<String>,
+}
+
+/// An engine's resources before the first fault and at the end.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Growth {
+    pub name: String,
+    pub fds: (u64, u64),
+    pub threads: (u64, u64),
+    pub rss_kib: (u64, u64),
 }
 
 pub fn judge(input: &Input<'_>) -> Verdict {
@@ -104,6 +115,7 @@ pub fn judge(input: &Input<'_>) -> Verdict {
         corrupt: 0,
         late: 0,
         worst_overrun_ms: f64::NEG_INFINITY,
+        resources: Vec::new(),
         violations: Vec::new(),
     };
     let slack_ms = DEADLINE_SLACK.as_secs_f64() * 1e3;
@@ -158,7 +170,7 @@ pub fn judge(input: &Input<'_>) -> Verdict {
     for r in input.records {
         v.faults.push(fault_outcome(input, r, &v.throughput, &mut v.violations));
     }
-    resources(input, &mut v.violations);
+    v.resources = resources(input, &mut v.violations);
     for (t, member, status) in &input.log.exits {
         v.violations.push(format!(
             "{} exited by itself ({status}) by t={:.1}s",
@@ -280,7 +292,8 @@ fn fault_outcome(input: &Input<'_>, r: &Record, per_s: &[f64], violations: &mut 
     }
 }
 
-fn resources(input: &Input<'_>, violations: &mut Vec<String>) {
+fn resources(input: &Input<'_>, violations: &mut Vec<String>) -> Vec<Growth> {
+    let mut growth = Vec::new();
     let first_fault = input.records.first().map_or(input.end_ms, |r| r.at_ms);
     for member in 0..input.fleet.engines {
         let samples: Vec<&Sample> = input.log.samples.iter().filter(|s| s.member == member).collect();
@@ -292,6 +305,12 @@ fn resources(input: &Input<'_>, violations: &mut Vec<String>) {
             continue;
         };
         let name = input.fleet.name(member);
+        growth.push(Growth {
+            name: name.clone(),
+            fds: (base.fds, last.fds),
+            threads: (base.threads, last.threads),
+            rss_kib: (base.rss_kib, last.rss_kib),
+        });
         for (what, b, l, slack) in [
             ("file descriptors", base.fds, last.fds, FD_SLACK),
             ("threads", base.threads, last.threads, THREAD_SLACK),
@@ -304,6 +323,7 @@ fn resources(input: &Input<'_>, violations: &mut Vec<String>) {
             }
         }
     }
+    growth
 }
 
 #[cfg(test)]

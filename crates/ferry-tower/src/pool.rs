@@ -566,7 +566,7 @@ impl Pool {
                 st.primary = None;
                 entry.strikes.store(0, Ordering::Relaxed);
                 if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-                    st.primary = Some(primary_region(&peer.regions()));
+                    st.primary = Some(peer.with_regions(primary_region).ok().flatten());
                     runtime.spawn(watch_regions(Arc::downgrade(entry), peer.clone(), st.generation));
                 }
                 Ok(Link {
@@ -844,7 +844,7 @@ async fn watch_regions(entry: std::sync::Weak<PeerEntry>, peer: Peer, generation
             if st.generation != generation {
                 return;
             }
-            st.primary = Some(primary_region(&peer.regions()));
+            st.primary = Some(peer.with_regions(primary_region).ok().flatten());
         }
         if pending {
             changed.await;

@@ -304,7 +304,7 @@ impl Running {
         // In short slices: an update that lands between the check and the wait is not lost for long,
         // and a link that ends meanwhile is seen.
         const SLICE: std::time::Duration = std::time::Duration::from_millis(100);
-        while primary_region(&lease.peer.regions()).is_none() {
+        while lease.peer.with_regions(primary_region).ok().flatten().is_none() {
             if lease.peer.is_closed() {
                 let e = Error::PeerClosed(format!("{refused}; the link ended before it advertised one"));
                 lease.settle_failed(&e);
@@ -330,7 +330,7 @@ fn awaits_first_advert(peer: &ferry::Peer, request: &TransferRequest) -> bool {
         .descriptors()
         .iter()
         .any(|d| matches!(d.remote, crate::RemoteAddr::Offset(_)))
-        && primary_region(&peer.regions()).is_none()
+        && peer.with_regions(primary_region).ok().flatten().is_none()
 }
 
 impl Future for Running {

@@ -3,7 +3,7 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use ferry_core::{DataLink, PeerIdentity, RemoteRegions, TransportKind};
+use ferry_core::{DataLink, PeerIdentity, RemoteRegions, Result, TransportKind};
 use ferry_tcp::TcpLink;
 
 /// A link to a remote engine, made by [`Engine::connect`](crate::Engine::connect). Cheap to clone.
@@ -105,6 +105,13 @@ impl Peer {
     /// themselves.
     pub fn regions(&self) -> RemoteRegions {
         self.inner.control.remote_regions()
+    }
+
+    /// Runs `f` on the regions the peer has advertised, as of now, without copying the table (which
+    /// [`regions`](Self::regions) does: with thousands of regions, the copy is what a look costs).
+    /// `f` runs under the table's read lock: keep it short. `Internal` if the lock is poisoned.
+    pub fn with_regions<T>(&self, f: impl FnOnce(&RemoteRegions) -> T) -> Result<T> {
+        self.inner.control.with_remote_regions(f)
     }
 
     /// Waits until the peer's advertised regions change, or `timeout` passes.
