@@ -110,6 +110,24 @@ pub fn write(
     Ok(t)
 }
 
+/// "kill prefill-0" → "kill p0", "partition decode-1 from prefill-2" → "cut d1|p2", "restart etcd
+/// empty" → "etcd empty".
+fn short(fault: &str) -> String {
+    fn name(w: &str) -> String {
+        w.replace("prefill-", "p").replace("decode-", "d").replace("'s", "")
+    }
+    let words: Vec<&str> = fault.split_whitespace().collect();
+    match words.as_slice() {
+        [verb @ ("kill" | "hang"), who] => format!("{verb} {}", name(who)),
+        ["delay", who, ..] => format!("delay {}", name(who)),
+        ["lose", _, "of", who, ..] => format!("loss {}", name(who)),
+        ["partition", a, "from", b] => format!("cut {}|{}", name(a), name(b)),
+        ["restart", "etcd", "empty"] => "etcd empty".into(),
+        ["restart", "etcd", ..] => "etcd".into(),
+        _ => fault.to_string(),
+    }
+}
+
 fn plot(path: &Path, v: &Verdict, duration_s: f64) -> Result<()> {
     let root = SVGBackend::new(path, (1400, 420)).into_drawing_area();
     root.fill(&WHITE)?;
@@ -124,18 +142,17 @@ fn plot(path: &Path, v: &Verdict, duration_s: f64) -> Result<()> {
         .y_label_area_size(56)
         .build_cartesian_2d(0f64..duration_s.max(1.0), 0f64..top)?;
     chart.configure_mesh().x_desc("seconds").y_desc("MB/s").draw()?;
+    // Many faults: short labels ("kill p0", "etcd empty"), over three heights so that neighbours
+    // do not overlap; the summary names each fault in full.
+    let many = v.faults.len() > 12;
     for (i, f) in v.faults.iter().enumerate() {
         chart.draw_series(std::iter::once(Rectangle::new(
             [(f.at_s, 0.0), (f.heal_s.max(f.at_s + 0.3), top)],
             RED.mix(0.18).filled(),
         )))?;
-        // Labels alternate between two heights so that neighbours do not overlap.
-        let y = top * if i % 2 == 0 { 0.96 } else { 0.90 };
-        chart.draw_series(std::iter::once(Text::new(
-            f.fault.clone(),
-            (f.at_s, y),
-            ("sans-serif", 11),
-        )))?;
+        let y = top * [0.97, 0.92, 0.87][i % 3];
+        let label = if many { short(&f.fault) } else { f.fault.clone() };
+        chart.draw_series(std::iter::once(Text::new(label, (f.at_s, y), ("sans-serif", 10))))?;
     }
     chart.draw_series(LineSeries::new(
         v.throughput.iter().enumerate().map(|(s, &mb)| (s as f64 + 0.5, mb)),
@@ -143,4 +160,20 @@ fn plot(path: &Path, v: &Verdict, duration_s: f64) -> Result<()> {
     ))?;
     root.present()?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::short;
+
+    #[test]
+    fn short_labels_name_the_fault_and_its_engines() {
+        assert_eq!(short("kill prefill-0"), "kill p0");
+        assert_eq!(short("hang prefill-3"), "hang p3");
+        assert_eq!(short("delay decode-1 by 100 ms"), "delay d1");
+        assert_eq!(short("lose 5% of prefill-1's packets"), "loss p1");
+        assert_eq!(short("partition decode-0 from prefill-3"), "cut d0|p3");
+        assert_eq!(short("restart etcd on its data"), "etcd");
+        assert_eq!(short("restart etcd empty"), "etcd empty");
+    }
 }
