@@ -319,17 +319,24 @@ pub async fn run(args: Args) -> Result<bool> {
     for r in &recorders {
         r.abort();
     }
-    for i in 0..f.members.len() {
-        let _ = f.signal(i, libc::SIGCONT);
-        let _ = f.signal(i, libc::SIGTERM);
-    }
-    for m in &mut f.members {
-        if let Some(child) = m.child.as_mut()
-            && tokio::time::timeout(Duration::from_secs(5), child.wait())
-                .await
-                .is_err()
-        {
-            let _ = child.start_kill();
+    // Decode engines first: a prefill engine stopped under a pull in flight would fail it (its region
+    // deregistered), which is the contract but no finding of the run.
+    for prefill in [false, true] {
+        let stopping: Vec<usize> = (0..f.members.len())
+            .filter(|&i| f.members[i].prefill == prefill)
+            .collect();
+        for &i in &stopping {
+            let _ = f.signal(i, libc::SIGCONT);
+            let _ = f.signal(i, libc::SIGTERM);
+        }
+        for &i in &stopping {
+            if let Some(child) = f.members[i].child.as_mut()
+                && tokio::time::timeout(Duration::from_secs(5), child.wait())
+                    .await
+                    .is_err()
+            {
+                let _ = child.start_kill();
+            }
         }
     }
     let _ = etcd.kill().await;

@@ -210,6 +210,11 @@ async fn a_target_that_has_not_registered_its_memory_yet_is_waited_for() {
     let mut got = vec![0u8; 4096];
     region.read_at(4096, &mut got).unwrap();
     assert_eq!(got, pattern(4096, 11));
+    // What the pool resolved against, read in place, is the table a copy shows.
+    let peer = engine.peer_at(addr).expect("the pool's link");
+    let keys = |r: &ferry::RemoteRegions| r.iter().map(|a| (a.key, a.addr, a.len)).collect::<Vec<_>>();
+    assert_eq!(peer.with_regions(keys).unwrap(), keys(&peer.regions()));
+    assert_eq!(peer.with_regions(|r| r.len()).unwrap(), 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
