@@ -14,6 +14,7 @@ mod member;
 mod net;
 mod pattern;
 mod report;
+mod rng;
 mod schedule;
 mod verdict;
 

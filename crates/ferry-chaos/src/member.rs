@@ -16,6 +16,7 @@ use futures::StreamExt;
 
 use crate::event::{Event, now_ms};
 use crate::pattern::{self, BLOCK};
+use crate::rng::Rng;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Role {
@@ -142,7 +143,8 @@ async fn decode(engine: Engine, args: Args) -> anyhow::Result<()> {
     let callers: Vec<_> = (0..args.callers)
         .map(|caller| {
             let (engine, region, sources, stack) = (engine.clone(), region.clone(), sources.clone(), stack.clone());
-            let mut rng = Rng(args.seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ (caller as u64 + 1) << 32 | 1);
+            let mut rng =
+                Rng::from_state(args.seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ (caller as u64 + 1) << 32 | 1);
             let (blocks, deadline) = (args.blocks, args.deadline);
             tokio::spawn(async move {
                 let base = (caller as u64) * MAX_BATCH * BLOCK as u64;
@@ -166,7 +168,7 @@ async fn decode(engine: Engine, args: Args) -> anyhow::Result<()> {
 
 fn pick(sources: &Sources, rng: &mut Rng) -> Option<(String, SocketAddr)> {
     let sources = sources.lock().ok()?;
-    (!sources.is_empty()).then(|| sources[rng.below(sources.len() as u64) as usize].clone())
+    (!sources.is_empty()).then(|| sources[rng.index(sources.len())].clone())
 }
 
 /// One pull: poison the destination (so that a read that wrote nothing cannot pass), read, check
@@ -258,31 +260,5 @@ async fn follow_directory(engine: Engine, sources: Sources) {
         if let Ok(mut s) = sources.lock() {
             *s = now;
         }
-    }
-}
-
-/// xorshift64*.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-    /// `n` distinct values below `bound`, in random order (scattered blocks).
-    fn distinct(&mut self, n: u64, bound: u64) -> Vec<u64> {
-        let mut all: Vec<u64> = (0..bound).collect();
-        let n = n.min(bound) as usize;
-        for i in 0..n {
-            let j = i + self.below((all.len() - i) as u64) as usize;
-            all.swap(i, j);
-        }
-        all.truncate(n);
-        all
     }
 }

@@ -5,6 +5,8 @@
 use std::fmt;
 use std::time::Duration;
 
+use crate::rng::Rng;
+
 /// One fault.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
@@ -92,33 +94,15 @@ pub struct Schedule {
     pub end: Duration,
 }
 
-/// xorshift64*: small, seeded, the same everywhere.
-struct Rng(u64);
-
-impl Rng {
-    fn new(seed: u64) -> Self {
-        Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1)
-    }
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
-}
-
 /// The faults of `profile` for `fleet`, drawn from `seed`; a long profile fills `duration`.
 pub fn plan(seed: u64, profile: Profile, fleet: Fleet, duration: Duration) -> Schedule {
     let mut rng = Rng::new(seed);
     // A kill held past the lease and two seconds more, so that the record's leaving can be checked.
     let lease_kill = fleet.ttl + Duration::from_secs(3);
     let draw = |kind: usize, rng: &mut Rng| -> (Fault, Duration) {
-        let any = rng.below(fleet.engines);
-        let prefill = rng.below(fleet.prefill);
-        let decode = fleet.prefill + rng.below(fleet.engines - fleet.prefill);
+        let any = rng.index(fleet.engines);
+        let prefill = rng.index(fleet.prefill);
+        let decode = fleet.prefill + rng.index(fleet.engines - fleet.prefill);
         match kind {
             0 => (Fault::Kill { member: any }, Duration::from_millis(500)),
             1 => (Fault::Kill { member: any }, lease_kill),
@@ -144,7 +128,7 @@ pub fn plan(seed: u64, profile: Profile, fleet: Fleet, duration: Duration) -> Sc
     };
     // Shuffle (Fisher-Yates) the short profile's kinds.
     for i in (1..kinds.len()).rev() {
-        kinds.swap(i, rng.below(i + 1));
+        kinds.swap(i, rng.index(i + 1));
     }
     let mut steps = Vec::new();
     let mut at = WARMUP;
@@ -152,7 +136,7 @@ pub fn plan(seed: u64, profile: Profile, fleet: Fleet, duration: Duration) -> Sc
         let kind = match profile {
             Profile::Short if steps.len() == kinds.len() => break,
             Profile::Short => kinds[steps.len()],
-            Profile::Long => rng.below(KINDS),
+            Profile::Long => rng.index(KINDS),
         };
         let (fault, hold) = draw(kind, &mut rng);
         if profile == Profile::Long && at + hold + RECOVERY > duration {
