@@ -806,10 +806,16 @@ async fn run_batch(shared: &Arc<Shared>, request: TransferRequest, bound: Option
         frames.sent(stream);
         completions.push(rx);
     }
+    // Every frame is answered before the batch returns, failed or not (a deadline or a dropped
+    // transfer aside): a retry never meets the frames of the attempt before it still landing.
+    let mut first_error = None;
     for rx in completions {
-        rx.await.map_err(|_| shared.closed_error())??;
+        let result = rx.await.map_err(|_| shared.closed_error()).and_then(|r| r);
+        if let (Err(e), None) = (result, &first_error) {
+            first_error = Some(e);
+        }
     }
-    Ok(())
+    first_error.map_or(Ok(()), Err)
 }
 
 /// Sends one write frame (or a commit, which moves no payload) under its share of the byte budget,
@@ -1035,7 +1041,10 @@ async fn land_read(shared: &Shared, op: Waiter, payload_len: u64, reader: &mut F
             let status = read_status_byte(reader).await?;
             match source_intact(shared, status).and_then(|()| landed_in(&part[0].region, landed)) {
                 Ok(()) => {
-                    ferry_core::integrity::fault::landed(&part[0]);
+                    // The test hook's flip is a landing too: never once the transfer returned.
+                    if let Some(_held) = caller.enter() {
+                        ferry_core::integrity::fault::landed(&part[0]);
+                    }
                     if let Some(sums) = sums {
                         sums.take(part);
                     }
@@ -1062,12 +1071,15 @@ async fn land_read(shared: &Shared, op: Waiter, payload_len: u64, reader: &mut F
             // Data the source could not vouch for is not copied into the destination at all, nor is
             // data whose transfer has returned.
             let copied = source_intact(shared, status).and_then(|()| match caller.enter() {
-                Some(_held) => scatter(&parts, buf),
+                Some(_held) => {
+                    scatter(&parts, buf)?;
+                    parts.iter().for_each(ferry_core::integrity::fault::landed);
+                    Ok(())
+                }
                 None => Err(abandoned()),
             });
             match copied {
                 Ok(()) => {
-                    parts.iter().for_each(ferry_core::integrity::fault::landed);
                     if let Some(sums) = sums {
                         sums.take(&parts);
                     }
