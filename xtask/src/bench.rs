@@ -19,6 +19,9 @@ use anyhow::{Result, anyhow};
 use serde_json::{Value, json};
 
 use crate::peers::{self, FerryCase, FerryResult, Tls};
+
+mod report;
+mod sweep;
 use crate::util::{cargo, ensure_debian_packages, parse_duration, run_step};
 
 #[derive(clap::Args)]
@@ -35,6 +38,10 @@ pub struct Args {
     /// Use this ferry binary instead of building `ferry-cli` in release mode.
     #[arg(long, value_name = "PATH")]
     ferry_bin: Option<PathBuf>,
+    /// Also sweep transfer sizes (ferry and each peer, per transport) and round-trip percentiles,
+    /// and write a page with plots of the whole run to DIR (`DIR/index.html`).
+    #[arg(long, value_name = "DIR")]
+    report: Option<PathBuf>,
 }
 
 /// Peer tools and the Debian packages that carry them.
@@ -1083,6 +1090,19 @@ pub fn run(args: &Args) -> Result<ExitCode> {
     } else {
         print!("{table}");
     }
+    if let Some(dir) = &args.report {
+        let ctx = sweep::Context {
+            ferry_bin: &bench.ferry_bin,
+            duration,
+            duration_arg: &args.duration,
+            ucx_tls: bench.ucx_tls.unwrap_or(peers::UCX_TLS_CHOICES[0]),
+        };
+        let swept = sweep::run(&ctx, args.rounds);
+        let figures: Vec<report::RowFigure> = COMPARISONS.iter().zip(&rows).map(|(c, r)| r.figure(c)).collect();
+        let meta = report::Meta::here(args.rounds, &args.duration);
+        report::write(dir, &meta, &table, &figures, &swept)?;
+        eprintln!("xtask bench: the report is {}", dir.join("index.html").display());
+    }
     Ok(if rows.iter().any(|r| r.status == "ERROR") {
         ExitCode::FAILURE
     } else {
@@ -1323,6 +1343,23 @@ impl Row {
             "error": error,
         });
         Row { cells, status, json }
+    }
+}
+
+impl Row {
+    /// The row as the report's ratio plot shows it.
+    fn figure(&self, c: &Comparison) -> report::RowFigure {
+        report::RowFigure {
+            id: c.id.into(),
+            name: c.name.into(),
+            ratio: self.json["ratio"].as_f64(),
+            bound: match c.target {
+                Target::RatioAtLeast(t) => Some(report::Bound::AtLeast(t)),
+                Target::RatioAtMost(t) => Some(report::Bound::AtMost(t)),
+                _ => None,
+            },
+            status: self.status.into(),
+        }
     }
 }
 

@@ -124,6 +124,7 @@ const SERVE_REGION: &str = "512MiB";
 pub struct FerryResult {
     pub gb_per_s: f64,
     pub p50_us: f64,
+    pub p99_us: f64,
     pub peak_rss_bytes: f64,
     pub registered_bytes: f64,
     /// The target's flush time over the transfer time, for persistent writes (else 0).
@@ -176,6 +177,7 @@ pub fn python_bench(python: &Path, case: &str, blocking: bool, duration: Duratio
     Ok(FerryResult {
         gb_per_s: num("gb_per_s")?,
         p50_us: num("p50_us")?,
+        p99_us: v["p99_us"].as_f64().unwrap_or(0.0),
         peak_rss_bytes: 0.0,
         registered_bytes: 0.0,
         persist_share: 0.0,
@@ -225,6 +227,7 @@ pub fn parse_ferry(stdout: &str, op: &str, size: u64) -> Result<FerryResult> {
             return Ok(FerryResult {
                 gb_per_s: num("gb_per_s")?,
                 p50_us: num("p50_us")?,
+                p99_us: num("p99_us")?,
                 peak_rss_bytes: num("peak_rss_bytes")?,
                 registered_bytes: num("registered_bytes")?,
                 persist_share: v["persist_share"].as_f64().unwrap_or(0.0),
@@ -252,19 +255,29 @@ pub fn parse_size(text: &str) -> Result<u64> {
 
 /// The iperf3 client command for `streams` parallel streams, without the port.
 pub fn iperf3_describe(streams: u32, duration: Duration) -> String {
+    iperf3_describe_len(streams, "1M", duration)
+}
+
+/// The iperf3 client command with `len` bytes per write (`-l`), without the port.
+pub fn iperf3_describe_len(streams: u32, len: &str, duration: Duration) -> String {
     let parallel = if streams > 1 {
         format!(" -P {streams}")
     } else {
         String::new()
     };
     format!(
-        "iperf3 -c 127.0.0.1 -p PORT{parallel} -l 1M -t {} -J (server: iperf3 -s -1 -B 127.0.0.1 -p PORT)",
+        "iperf3 -c 127.0.0.1 -p PORT{parallel} -l {len} -t {} -J (server: iperf3 -s -1 -B 127.0.0.1 -p PORT)",
         whole_seconds(duration)
     )
 }
 
 /// Runs an iperf3 server (one test) and client over loopback; returns GB/s received (10^9 B/s).
 pub fn iperf3(streams: u32, duration: Duration) -> Result<f64> {
+    iperf3_len(streams, "1M", duration)
+}
+
+/// [`iperf3`] with `len` bytes per write (`-l`: `1M`, `4096`, ...).
+pub fn iperf3_len(streams: u32, len: &str, duration: Duration) -> Result<f64> {
     let port = free_port()?.to_string();
     let mut server = ServerGuard::spawn(
         "iperf3",
@@ -278,7 +291,7 @@ pub fn iperf3(streams: u32, duration: Duration) -> Result<f64> {
         "-p",
         &port,
         "-l",
-        "1M",
+        len,
         "-t",
         &whole_seconds(duration).to_string(),
         "-J",
@@ -322,7 +335,12 @@ pub fn ucx_describe(tls: &str) -> String {
 
 /// Runs ucx_perftest `ucp_put_bw` with 1 MiB messages over loopback with `UCX_TLS=tls`; returns GB/s.
 pub fn ucx_put_bw(tls: &str) -> Result<f64> {
-    let fields = ucx_final(tls, "ucp_put_bw", "1048576")?;
+    ucx_put_bw_size(tls, "1048576")
+}
+
+/// [`ucx_put_bw`] with `size`-byte messages (a number of bytes).
+pub fn ucx_put_bw_size(tls: &str, size: &str) -> Result<f64> {
+    let fields = ucx_final(tls, "ucp_put_bw", size)?;
     bandwidth_gb_per_s(&fields)
 }
 
@@ -449,6 +467,11 @@ pub fn sockperf_describe(duration: Duration) -> String {
 /// Runs sockperf TCP ping-pong with 64-byte messages over loopback; returns its p50 in microseconds,
 /// which sockperf reports one-way (RTT/2).
 pub fn sockperf_p50(duration: Duration) -> Result<f64> {
+    sockperf_percentiles(duration, &["50.000"]).map(|p| p[0])
+}
+
+/// [`sockperf_p50`] for each of `percentiles` (as sockperf prints them: `50.000`, `99.000`), one-way.
+pub fn sockperf_percentiles(duration: Duration, percentiles: &[&str]) -> Result<Vec<f64>> {
     let port = free_port()?.to_string();
     let mut server = ServerGuard::spawn(
         "sockperf",
@@ -464,17 +487,23 @@ pub fn sockperf_p50(duration: Duration) -> Result<f64> {
         bail!("`{what}` failed ({}): {}", out.status, tail(&out.combined()));
     }
     drop(server);
-    parse_sockperf_p50(&out.combined()).with_context(|| format!("reading the output of `{what}`"))
+    let output = out.combined();
+    percentiles
+        .iter()
+        .map(|p| parse_sockperf_percentile(&output, p))
+        .collect::<Result<_>>()
+        .with_context(|| format!("reading the output of `{what}`"))
 }
 
-/// The value of sockperf's `percentile 50.000 =` line, in microseconds (one-way).
-pub fn parse_sockperf_p50(output: &str) -> Result<f64> {
+/// The value of sockperf's `percentile {percentile} =` line, in microseconds (one-way).
+pub fn parse_sockperf_percentile(output: &str, percentile: &str) -> Result<f64> {
+    let label = format!("percentile {percentile}");
     let line = output
         .lines()
-        .find(|l| l.contains("percentile 50.000"))
-        .ok_or_else(|| anyhow!("no `percentile 50.000 =` line in sockperf output"))?;
+        .find(|l| l.contains(&label))
+        .ok_or_else(|| anyhow!("no `{label} =` line in sockperf output"))?;
     let value = line.rsplit('=').next().unwrap_or_default().trim();
-    value.parse().with_context(|| format!("p50 value of `{line}`"))
+    value.parse().with_context(|| format!("the {label} value of `{line}`"))
 }
 
 /// The last lines of a failed command's output, for error messages.
@@ -506,6 +535,7 @@ mod tests {
             Some(FerryResult {
                 gb_per_s: 4.5,
                 p50_us: 400.0,
+                p99_us: 900.5,
                 peak_rss_bytes: 9e7,
                 registered_bytes: 33554432.0,
                 persist_share: 0.0,
@@ -565,8 +595,9 @@ sockperf: ---> percentile 25.000 =   32.533
 
     #[test]
     fn sockperf_percentile_50() {
-        assert_eq!(parse_sockperf_p50(SOCKPERF_OUT).ok(), Some(33.144));
-        assert!(parse_sockperf_p50("sockperf: Test ended\n").is_err());
+        assert_eq!(parse_sockperf_percentile(SOCKPERF_OUT, "50.000").ok(), Some(33.144));
+        assert_eq!(parse_sockperf_percentile(SOCKPERF_OUT, "99.000").ok(), Some(107.885));
+        assert!(parse_sockperf_percentile("sockperf: Test ended\n", "50.000").is_err());
     }
 
     #[test]
