@@ -64,6 +64,8 @@ enum Metric {
     RssOverheadMiB,
     /// The target's flush time over the transfer time (persistent writes).
     PersistShare,
+    /// Millions of descriptors per second.
+    MDescPerS,
 }
 
 #[derive(Clone, Copy)]
@@ -133,6 +135,7 @@ const fn write(size: &'static str, batch: u32, streams: Option<u32>, depth: Opti
         metrics: false,
         integrity: false,
         two_processes: false,
+        buffer_pool: None,
     }
 }
 
@@ -171,6 +174,14 @@ const fn write_1mib_single(durability: &'static str) -> FerryCase {
 }
 
 const WRITE_1MIB: FerryCase = write("1MiB", 1, None, None);
+/// 100,000 descriptors of 64 bytes in one batch, one at a time, through the coalescing pool or with
+/// it turned off: what small descriptors cost either way.
+const fn small_descriptors(pool: &'static str) -> FerryCase {
+    FerryCase {
+        buffer_pool: Some(pool),
+        ..write("64", 100_000, None, Some(1))
+    }
+}
 const WRITE_64B: FerryCase = write("64", 1, Some(1), Some(1));
 
 /// One round, in order: each ferry case right before or after the peer it is compared with.
@@ -468,6 +479,26 @@ const MEASURES: &[Measure] = &[
         Metric::GbPerS,
     ),
     ferry("ferry shm 64 B p50", shm(WRITE_64B), Metric::P50Us),
+    ferry(
+        "ferry write 64 B x100000, pool on",
+        small_descriptors("4:8"),
+        Metric::MDescPerS,
+    ),
+    ferry(
+        "ferry write 64 B x100000, pool off",
+        small_descriptors("0:0"),
+        Metric::MDescPerS,
+    ),
+    ferry(
+        "ferry shm write 64 B x100000, pool on",
+        shm(small_descriptors("4:8")),
+        Metric::MDescPerS,
+    ),
+    ferry(
+        "ferry shm write 64 B x100000, pool off",
+        shm(small_descriptors("0:0")),
+        Metric::MDescPerS,
+    ),
     Measure {
         key: "ucx_perftest am_lat 64 B, shared memory (one-way)",
         probe: Probe::UcxShm {
@@ -498,6 +529,7 @@ enum Unit {
     Micros,
     MiB,
     Ratio,
+    MDescPerS,
 }
 
 impl Unit {
@@ -507,6 +539,7 @@ impl Unit {
             Unit::Micros => "us",
             Unit::MiB => "MiB",
             Unit::Ratio => "x",
+            Unit::MDescPerS => "M desc/s",
         }
     }
 
@@ -517,6 +550,7 @@ impl Unit {
             Unit::Micros => format!("{value:.1} us"),
             Unit::MiB => format!("{value:.1} MiB"),
             Unit::Ratio => format!("{value:.3}x"),
+            Unit::MDescPerS => format!("{value:.2} M desc/s"),
         }
     }
 }
@@ -985,6 +1019,26 @@ const COMPARISONS: &[Comparison] = &[
         unit: Unit::GbPerS,
         target: Target::RatioAtLeast(0.5),
     },
+    // The pool exists for small descriptors over TCP (one frame for many); on a transport that copies
+    // each descriptor where it goes it must cost nothing. Never slower than off, up to noise.
+    Comparison {
+        id: "pt",
+        name: "64 B x100000 in one batch over TCP: coalescing pool on / off",
+        ferry: "ferry write 64 B x100000, pool on",
+        peer: Some("ferry write 64 B x100000, pool off"),
+        peer_scale: 1.0,
+        unit: Unit::MDescPerS,
+        target: Target::RatioAtLeast(0.95),
+    },
+    Comparison {
+        id: "ps",
+        name: "64 B x100000 in one batch over shm: coalescing pool on / off",
+        ferry: "ferry shm write 64 B x100000, pool on",
+        peer: Some("ferry shm write 64 B x100000, pool off"),
+        peer_scale: 1.0,
+        unit: Unit::MDescPerS,
+        target: Target::RatioAtLeast(0.95),
+    },
     Comparison {
         id: "u",
         name: "shm: 64 B p50 round trip / ucx_perftest am_lat RTT (posix,cma)",
@@ -1153,6 +1207,7 @@ impl Bench<'_> {
                     Metric::P50Us => r.p50_us,
                     Metric::RssOverheadMiB => (r.peak_rss_bytes - r.registered_bytes) / f64::from(1u32 << 20),
                     Metric::PersistShare => r.persist_share,
+                    Metric::MDescPerS => r.ops_per_s / 1e6,
                 })
             }
             Probe::Iperf3 { streams } => peers::iperf3(streams, self.duration),

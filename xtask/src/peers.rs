@@ -52,6 +52,8 @@ pub struct FerryCase {
     /// The target is a `ferry serve` process of its own and `ferry bench --peer` measures against
     /// it, as users run ferry; else both engines run in the bench's one process.
     pub two_processes: bool,
+    /// `--buffer-pool` ("4:8", ferry bench's default, when `None`; "0:0" turns the pool off).
+    pub buffer_pool: Option<&'static str>,
 }
 
 /// How a bench case authenticates its link: not at all, or mutual TLS with its data streams
@@ -82,6 +84,9 @@ impl FerryCase {
         }
         if let Some(durability) = self.durability {
             args.extend(["--durability".into(), durability.into()]);
+        }
+        if let Some(pool) = self.buffer_pool {
+            args.extend(["--buffer-pool".into(), pool.into()]);
         }
         if self.scatter {
             args.push("--scatter".into());
@@ -125,6 +130,8 @@ pub struct FerryResult {
     pub gb_per_s: f64,
     pub p50_us: f64,
     pub p99_us: f64,
+    /// Descriptors per second.
+    pub ops_per_s: f64,
     pub peak_rss_bytes: f64,
     pub registered_bytes: f64,
     /// The target's flush time over the transfer time, for persistent writes (else 0).
@@ -178,6 +185,7 @@ pub fn python_bench(python: &Path, case: &str, blocking: bool, duration: Duratio
         gb_per_s: num("gb_per_s")?,
         p50_us: num("p50_us")?,
         p99_us: v["p99_us"].as_f64().unwrap_or(0.0),
+        ops_per_s: 0.0,
         peak_rss_bytes: 0.0,
         registered_bytes: 0.0,
         persist_share: 0.0,
@@ -228,6 +236,7 @@ pub fn parse_ferry(stdout: &str, op: &str, size: u64) -> Result<FerryResult> {
                 gb_per_s: num("gb_per_s")?,
                 p50_us: num("p50_us")?,
                 p99_us: num("p99_us")?,
+                ops_per_s: num("ops_per_s")?,
                 peak_rss_bytes: num("peak_rss_bytes")?,
                 registered_bytes: num("registered_bytes")?,
                 persist_share: v["persist_share"].as_f64().unwrap_or(0.0),
@@ -536,6 +545,7 @@ mod tests {
                 gb_per_s: 4.5,
                 p50_us: 400.0,
                 p99_us: 900.5,
+                ops_per_s: 4291.5,
                 peak_rss_bytes: 9e7,
                 registered_bytes: 33554432.0,
                 persist_share: 0.0,

@@ -75,6 +75,7 @@ const fn write(size: &'static str, transport: Option<&'static str>, two_processe
         metrics: false,
         integrity: false,
         two_processes,
+        buffer_pool: None,
     }
 }
 
