@@ -506,7 +506,8 @@ impl Engine {
     ) -> PyResult<()> {
         let call = TransferCall::new(self, py, peer, op, descs, durability)?;
         let timeout = seconds(py, "timeout", timeout)?;
-        py.detach(|| runtime().block_on(call.run(timeout))).py(py)
+        py.detach(|| crate::runtime::block_on_spinning(call.run(timeout)))
+            .py(py)
     }
 
     /// Starts a batch and returns at once (HIXL `TransferAsync`): a `TransferHandle` to poll with
