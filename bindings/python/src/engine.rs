@@ -506,7 +506,7 @@ impl Engine {
     ) -> PyResult<()> {
         let call = TransferCall::new(self, py, peer, op, descs, durability)?;
         let timeout = seconds(py, "timeout", timeout)?;
-        py.detach(|| crate::runtime::block_on_spinning(call.run(timeout)))
+        py.detach(|| ferry::blocking::block_on(runtime(), call.run(timeout)))
             .py(py)
     }
 

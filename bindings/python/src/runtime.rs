@@ -24,65 +24,6 @@ pub fn runtime() -> &'static tokio::runtime::Runtime {
     })
 }
 
-/// How long [`block_on_spinning`] checks for its future's wake-up before it parks the thread: about
-/// the round trip of a small transfer over TCP here (15 µs), with room for a slower peer.
-const SPIN: Duration = Duration::from_micros(50);
-
-/// Runs `future` to completion on the calling thread (with the GIL released), as
-/// `Runtime::block_on` does, except that while the future is pending the thread first watches for
-/// its wake-up for [`SPIN`] and only then parks.
-///
-/// Why: a small blocking transfer is a round trip of a few microseconds of work, and a thread that
-/// parks at once is woken by a futex from the tokio worker that completes it; on a virtual machine
-/// that wake-up (an inter-processor interrupt, a context switch each way) costs more than the
-/// transfer. Measured with `perf` on the 64-byte blocking round trip, 42 % of the samples were
-/// thread wake-ups and switches. A thread still spinning when the wake comes sees a flag and no
-/// system call is made on either side.
-pub fn block_on_spinning<F: std::future::Future>(future: F) -> F::Output {
-    use std::sync::Arc;
-    use std::sync::atomic::{AtomicBool, Ordering};
-    use std::task::{Context, Poll, Wake, Waker};
-
-    struct Woken {
-        flag: AtomicBool,
-        thread: std::thread::Thread,
-    }
-    impl Wake for Woken {
-        fn wake(self: Arc<Self>) {
-            self.wake_by_ref();
-        }
-        fn wake_by_ref(self: &Arc<Self>) {
-            self.flag.store(true, Ordering::Release);
-            // A futex wake only if the thread is parked; an atomic store while it spins.
-            self.thread.unpark();
-        }
-    }
-
-    // Timers and spawns inside the future find the runtime; its I/O is driven by the workers.
-    let _runtime = runtime().enter();
-    let woken = Arc::new(Woken {
-        flag: AtomicBool::new(false),
-        thread: std::thread::current(),
-    });
-    let waker = Waker::from(woken.clone());
-    let mut cx = Context::from_waker(&waker);
-    let mut future = std::pin::pin!(future);
-    loop {
-        if let Poll::Ready(output) = future.as_mut().poll(&mut cx) {
-            return output;
-        }
-        let spin_until = std::time::Instant::now() + SPIN;
-        while !woken.flag.swap(false, Ordering::AcqRel) {
-            match std::time::Instant::now() < spin_until {
-                // Not `yield_now`: with it the p50 above was 42-45 µs in three runs of four.
-                true => std::hint::spin_loop(),
-                // Returns at once if an unpark came since; spurious returns re-check the flag.
-                false => std::thread::park(),
-            }
-        }
-    }
-}
-
 /// A timeout in seconds from Python: finite and positive.
 pub fn seconds(py: Python<'_>, what: &str, secs: f64) -> PyResult<Duration> {
     if !secs.is_finite() || secs <= 0.0 || secs > 1e9 {

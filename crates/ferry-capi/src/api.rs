@@ -546,9 +546,10 @@ pub unsafe extern "C" fn ferry_transfer_sync(
         let timeout = timeout(timeout_ms)?;
         let state = state::engine(engine)?;
         let peer = state.peer(remote)?;
-        state
-            .runtime
-            .block_on(state.engine.transfer(&peer, op(operation)?, &descs, timeout))?;
+        ferry::blocking::block_on(
+            &state.runtime,
+            state.engine.transfer(&peer, op(operation)?, &descs, timeout),
+        )?;
         Ok(())
     })
 }

@@ -21,6 +21,7 @@
 //! Transports are cargo features: `tcp` (default). TCP is also every link's control channel.
 #![deny(missing_docs)]
 
+pub mod blocking;
 mod builder;
 mod capabilities;
 pub mod directory;
