@@ -1217,11 +1217,7 @@ impl Bench<'_> {
             Probe::UcxShm { test, size } => {
                 let fields = peers::ucx_shm(test, size)?;
                 match test.ends_with("_lat") {
-                    // Final: iters, typical latency (us), …
-                    true => fields
-                        .get(1)
-                        .copied()
-                        .ok_or_else(|| anyhow!("a short `Final:` row from ucx_perftest")),
+                    true => peers::typical_latency_us(&fields),
                     false => peers::bandwidth_gb_per_s(&fields),
                 }
             }
@@ -1341,6 +1337,7 @@ pub(crate) fn paired_ratio(ferry: &[(u32, f64)], peer: &[(u32, f64)]) -> Option<
 
 struct Row {
     cells: [String; 6],
+    ratio: Option<f64>,
     status: &'static str,
     json: Value,
 }
@@ -1397,7 +1394,12 @@ impl Row {
             "ucx_tls": if c.peer.is_some_and(|p| p.starts_with("ucx")) { bench.ucx_tls } else { None },
             "error": error,
         });
-        Row { cells, status, json }
+        Row {
+            cells,
+            ratio,
+            status,
+            json,
+        }
     }
 }
 
@@ -1407,7 +1409,7 @@ impl Row {
         report::RowFigure {
             id: c.id.into(),
             name: c.name.into(),
-            ratio: self.json["ratio"].as_f64(),
+            ratio: self.ratio,
             bound: match c.target {
                 Target::RatioAtLeast(t) => Some(report::Bound::AtLeast(t)),
                 Target::RatioAtMost(t) => Some(report::Bound::AtMost(t)),

@@ -364,6 +364,15 @@ pub fn bandwidth_gb_per_s(fields: &[f64]) -> Result<f64> {
     Ok(overall_mb * (1u64 << 20) as f64 / 1e9)
 }
 
+/// The typical latency (one-way, microseconds) of a latency test's `Final:` row: iters, typical
+/// latency, average latency, overall latency, ...
+pub fn typical_latency_us(fields: &[f64]) -> Result<f64> {
+    fields
+        .get(1)
+        .copied()
+        .ok_or_else(|| anyhow!("a short `Final:` row from ucx_perftest"))
+}
+
 /// The UCX transports of the same-host comparisons: shared memory and cross-memory attach.
 pub const UCX_SHM_TLS: &str = "posix,cma,self";
 

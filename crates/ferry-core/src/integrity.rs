@@ -179,6 +179,21 @@ pub mod fault {
         let _ = range;
     }
 
+    /// [`landed`], for bytes landed in a caller's buffers that `caller` guards: nothing once the
+    /// caller's transfer has returned (its guard closed), as no real landing writes then. The guard
+    /// is entered only when a flip is armed, so that the data path pays nothing for the hook.
+    #[inline(always)]
+    pub fn landed_for(range: &Resolved, caller: &crate::guard::AccessGuard) {
+        #[cfg(feature = "fault-hooks")]
+        if FLIPS.load(Ordering::Acquire) > 0
+            && let Some(_held) = caller.enter()
+        {
+            landed(range);
+        }
+        #[cfg(not(feature = "fault-hooks"))]
+        let _ = (range, caller);
+    }
+
     /// `len` bytes just landed at `ptr`, memory the caller may write (a peer's mapped region).
     ///
     /// # Safety

@@ -1041,10 +1041,7 @@ async fn land_read(shared: &Shared, op: Waiter, payload_len: u64, reader: &mut F
             let status = read_status_byte(reader).await?;
             match source_intact(shared, status).and_then(|()| landed_in(&part[0].region, landed)) {
                 Ok(()) => {
-                    // The test hook's flip is a landing too: never once the transfer returned.
-                    if let Some(_held) = caller.enter() {
-                        ferry_core::integrity::fault::landed(&part[0]);
-                    }
+                    ferry_core::integrity::fault::landed_for(&part[0], &caller);
                     if let Some(sums) = sums {
                         sums.take(part);
                     }
@@ -1073,6 +1070,7 @@ async fn land_read(shared: &Shared, op: Waiter, payload_len: u64, reader: &mut F
             let copied = source_intact(shared, status).and_then(|()| match caller.enter() {
                 Some(_held) => {
                     scatter(&parts, buf)?;
+                    // Within the permit: the test hook's flip is a landing too.
                     parts.iter().for_each(ferry_core::integrity::fault::landed);
                     Ok(())
                 }

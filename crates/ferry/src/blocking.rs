@@ -1,8 +1,9 @@
 //! Waiting for an engine's future from a thread outside the runtime, as the C API's `TransferSync` and
 //! Python's `transfer_blocking` do.
 //!
-//! [`block_on`] runs the future on the calling thread as `Handle::block_on` does, except that while
-//! the future is pending the thread first watches for its wake-up for [`SPIN`] and only then parks.
+//! [`block_on`] runs the future on the calling thread as `Runtime::block_on` does, except that while
+//! the future is pending the thread first watches for its wake-up, [`SPIN`] in all, and only then
+//! parks.
 //! A small transfer is a round trip of a few microseconds of work; a thread that parks at once is
 //! woken by a futex from the runtime worker that completes it, and on a virtual machine that wake-up
 //! (an inter-processor interrupt, a context switch each way) costs more than the transfer: with
@@ -18,13 +19,15 @@ use std::time::{Duration, Instant};
 
 use tokio::runtime::{Runtime, RuntimeFlavor};
 
-/// How long [`block_on`] watches for its future's wake-up before it parks the thread: about three
-/// round trips of a small transfer over loopback TCP on a small machine (15 µs each).
+/// How long [`block_on`] watches for its future's wake-ups, in all, before it parks the thread at
+/// each: about three round trips of a small transfer over loopback TCP on a small machine (15 µs
+/// each). A budget per call, not per wait: a long transfer woken many times on its way costs the
+/// caller's core at most this much, not this much per wake-up.
 pub const SPIN: Duration = Duration::from_micros(50);
 
 /// Runs `future` to completion on the calling thread, which must not be one of `runtime`'s workers
 /// (as for `Runtime::block_on`). On a multi-thread runtime the future is polled here and its I/O is
-/// driven by the workers, with a watch of [`SPIN`] before each park; on a current-thread runtime,
+/// driven by the workers, watching for wake-ups for [`SPIN`] in all before it parks; on a current-thread runtime,
 /// whose I/O and timers only the blocked thread can drive, it is `Runtime::block_on`.
 pub fn block_on<F: Future>(runtime: &Runtime, future: F) -> F::Output {
     if runtime.handle().runtime_flavor() != RuntimeFlavor::MultiThread {
@@ -39,11 +42,11 @@ pub fn block_on<F: Future>(runtime: &Runtime, future: F) -> F::Output {
     let waker = Waker::from(woken.clone());
     let mut cx = Context::from_waker(&waker);
     let mut future = std::pin::pin!(future);
+    let spin_until = Instant::now() + SPIN;
     loop {
         if let Poll::Ready(output) = future.as_mut().poll(&mut cx) {
             return output;
         }
-        let spin_until = Instant::now() + SPIN;
         while !woken.flag.swap(false, Ordering::AcqRel) {
             match Instant::now() < spin_until {
                 // Not `yield_now`: with it the Python round trip's p50 was 42-45 µs in three runs of

@@ -175,13 +175,29 @@ fn throughput(path: &Path, title: &str, series: &[&Series]) -> Result<()> {
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2)));
         chart.draw_series(points.into_iter().map(|p| Circle::new(p, 3, color.filled())))?;
     }
+    legend(&mut chart, SeriesLabelPosition::UpperLeft)?;
+    root.present()?;
+    Ok(())
+}
+
+/// One figure of a system's latency.
+type Pick = fn(&Latency) -> Option<f64>;
+
+/// The series' names in a box at `position`.
+fn legend<'a, X, Y>(
+    chart: &mut ChartContext<'a, SVGBackend<'a>, Cartesian2d<X, Y>>,
+    position: SeriesLabelPosition,
+) -> Result<()>
+where
+    X: Ranged<ValueType = f64>,
+    Y: Ranged<ValueType = f64>,
+{
     chart
         .configure_series_labels()
-        .position(SeriesLabelPosition::UpperLeft)
+        .position(position)
         .background_style(WHITE.mix(0.85))
         .border_style(BLACK.mix(0.3))
         .draw()?;
-    root.present()?;
     Ok(())
 }
 
@@ -209,40 +225,28 @@ fn latency(path: &Path, systems: &[Latency]) -> Result<()> {
         .y_label_formatter(&|y| label_at(&names, *y))
         .x_desc("microseconds")
         .draw()?;
-    let bars = |pick: fn(&Latency) -> Option<f64>, offset: f64| {
-        systems.iter().enumerate().filter_map(move |(i, l)| {
-            let v = pick(l)?;
-            let y = i as f64 + offset;
-            Some((v, y))
-        })
-    };
-    chart
-        .draw_series(
-            bars(|l| l.p50_us, 0.17)
-                .map(|(v, y)| Rectangle::new([(0.0, y - 0.15), (v, y + 0.15)], PALETTE[0].filled())),
-        )?
-        .label("p50")
-        .legend(|(x, y)| Rectangle::new([(x, y - 5), (x + 14, y + 5)], PALETTE[0].filled()));
-    chart
-        .draw_series(
-            bars(|l| l.p99_us, -0.17)
-                .map(|(v, y)| Rectangle::new([(0.0, y - 0.15), (v, y + 0.15)], PALETTE[1].filled())),
-        )?
-        .label("p99")
-        .legend(|(x, y)| Rectangle::new([(x, y - 5), (x + 14, y + 5)], PALETTE[1].filled()));
-    chart.draw_series(systems.iter().enumerate().flat_map(|(i, l)| {
-        [(l.p50_us, 0.17), (l.p99_us, -0.17)]
-            .into_iter()
-            .filter_map(move |(v, o)| {
-                v.map(|v| Text::new(format!("{v:.1}"), (v, i as f64 + o + 0.08), ("sans-serif", 11)))
-            })
-    }))?;
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperRight)
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK.mix(0.3))
-        .draw()?;
+    // p50 above each system's row, p99 below it, each bar labelled with its figure.
+    let percentiles: [(&str, Pick, f64); 2] = [("p50", |l| l.p50_us, 0.17), ("p99", |l| l.p99_us, -0.17)];
+    for (k, (label, pick, offset)) in percentiles.into_iter().enumerate() {
+        let color = PALETTE[k];
+        let bars: Vec<(f64, f64)> = systems
+            .iter()
+            .enumerate()
+            .filter_map(|(i, l)| Some((pick(l)?, i as f64 + offset)))
+            .collect();
+        chart
+            .draw_series(
+                bars.iter()
+                    .map(|&(v, y)| Rectangle::new([(0.0, y - 0.15), (v, y + 0.15)], color.filled())),
+            )?
+            .label(label)
+            .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 14, y + 5)], color.filled()));
+        chart.draw_series(
+            bars.iter()
+                .map(|&(v, y)| Text::new(format!("{v:.1}"), (v, y + 0.08), ("sans-serif", 11))),
+        )?;
+    }
+    legend(&mut chart, SeriesLabelPosition::UpperRight)?;
     root.present()?;
     Ok(())
 }

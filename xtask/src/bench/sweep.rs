@@ -12,8 +12,8 @@ use std::time::Duration;
 use anyhow::Result;
 use serde::Serialize;
 
-use super::median;
-use crate::peers::{self, FerryCase, Tls};
+use super::{WRITE_64B, median, shm, two_processes, write};
+use crate::peers::{self, FerryCase};
 
 /// The transfer sizes of the sweep, as `ferry bench --size` takes them.
 pub const SIZES: &[&str] = &["4KiB", "16KiB", "64KiB", "256KiB", "1MiB", "4MiB"];
@@ -59,24 +59,8 @@ const SYSTEMS: &[System] = &[
 ];
 
 /// A write of `size` on one stream, `depth` 8 (ferry bench's default).
-const fn write(size: &'static str, transport: Option<&'static str>, two_processes: bool) -> FerryCase {
-    FerryCase {
-        op: "write",
-        size,
-        batch: 1,
-        streams: Some(1),
-        depth: None,
-        target_mem: None,
-        durability: None,
-        scatter: false,
-        prepared: false,
-        tls: Tls::Off,
-        transport,
-        metrics: false,
-        integrity: false,
-        two_processes,
-        buffer_pool: None,
-    }
+const fn one_stream(size: &'static str) -> FerryCase {
+    write(size, 1, Some(1), None)
 }
 
 impl System {
@@ -107,9 +91,9 @@ impl System {
 
     fn ferry_case(self, size: &'static str) -> Option<FerryCase> {
         match self {
-            System::FerryTcpTwoProcesses => Some(write(size, None, true)),
-            System::FerryTcp => Some(write(size, None, false)),
-            System::FerryShm => Some(write(size, Some("shm"), true)),
+            System::FerryTcpTwoProcesses => Some(two_processes(one_stream(size))),
+            System::FerryTcp => Some(one_stream(size)),
+            System::FerryShm => Some(shm(two_processes(one_stream(size)))),
             _ => None,
         }
     }
@@ -126,8 +110,7 @@ impl System {
         }
     }
 
-    fn measure(self, size: &'static str, ctx: &Context) -> Result<f64> {
-        let bytes = peers::parse_size(size)?;
+    fn measure(self, size: &'static str, bytes: u64, ctx: &Context) -> Result<f64> {
         if let Some(case) = self.ferry_case(size) {
             return Ok(peers::ferry(ctx.ferry_bin, &case, ctx.duration_arg, ctx.duration)?.gb_per_s);
         }
@@ -143,10 +126,8 @@ impl System {
 /// One round-trip latency measure: 64-byte messages, one at a time.
 #[derive(Clone, Copy)]
 enum Pinger {
-    Ferry {
-        transport: Option<&'static str>,
-        two_processes: bool,
-    },
+    /// One of ferry's cases (the table's latency cases).
+    Ferry(FerryCase),
     /// sockperf ping-pong over TCP (its one-way percentiles, doubled).
     Sockperf,
     /// ucx_perftest `ucp_am_lat` over shared memory (its one-way typical latency, doubled; it
@@ -155,72 +136,37 @@ enum Pinger {
 }
 
 const PINGERS: &[(&str, Pinger)] = &[
-    (
-        "ferry TCP, two processes",
-        Pinger::Ferry {
-            transport: None,
-            two_processes: true,
-        },
-    ),
-    (
-        "ferry TCP, one process",
-        Pinger::Ferry {
-            transport: None,
-            two_processes: false,
-        },
-    ),
+    ("ferry TCP, two processes", Pinger::Ferry(two_processes(WRITE_64B))),
+    ("ferry TCP, one process", Pinger::Ferry(WRITE_64B)),
     ("sockperf TCP", Pinger::Sockperf),
-    (
-        "ferry shm, two processes",
-        Pinger::Ferry {
-            transport: Some("shm"),
-            two_processes: true,
-        },
-    ),
+    ("ferry shm, two processes", Pinger::Ferry(shm(two_processes(WRITE_64B)))),
     ("UCX am_lat (posix,cma)", Pinger::UcxShm),
 ];
 
 impl Pinger {
-    fn case(self) -> Option<FerryCase> {
-        match self {
-            Pinger::Ferry {
-                transport,
-                two_processes,
-            } => Some(FerryCase {
-                depth: Some(1),
-                ..write("64", transport, two_processes)
-            }),
-            _ => None,
-        }
-    }
-
     /// p50 and, where the tool reports it, p99 of the round trip, in microseconds.
     fn measure(self, ctx: &Context) -> Result<(f64, Option<f64>)> {
-        match (self, self.case()) {
-            (_, Some(case)) => {
+        match self {
+            Pinger::Ferry(case) => {
                 let r = peers::ferry(ctx.ferry_bin, &case, ctx.duration_arg, ctx.duration)?;
                 Ok((r.p50_us, Some(r.p99_us)))
             }
-            (Pinger::Sockperf, None) => {
+            Pinger::Sockperf => {
                 let p = peers::sockperf_percentiles(ctx.duration, &["50.000", "99.000"])?;
                 Ok((2.0 * p[0], Some(2.0 * p[1])))
             }
-            _ => {
-                let fields = peers::ucx_shm("ucp_am_lat", "64")?;
-                let typical = fields
-                    .get(1)
-                    .copied()
-                    .ok_or_else(|| anyhow::anyhow!("a short `Final:` row from ucx_perftest"))?;
-                Ok((2.0 * typical, None))
-            }
+            Pinger::UcxShm => Ok((
+                2.0 * peers::typical_latency_us(&peers::ucx_shm("ucp_am_lat", "64")?)?,
+                None,
+            )),
         }
     }
 
     fn command(self, duration: Duration, duration_arg: &str) -> String {
-        match (self, self.case()) {
-            (_, Some(case)) => case.describe(duration_arg),
-            (Pinger::Sockperf, None) => peers::sockperf_describe(duration),
-            _ => peers::ucx_shm_describe("ucp_am_lat", "64"),
+        match self {
+            Pinger::Ferry(case) => case.describe(duration_arg),
+            Pinger::Sockperf => peers::sockperf_describe(duration),
+            Pinger::UcxShm => peers::ucx_shm_describe("ucp_am_lat", "64"),
         }
     }
 }
@@ -270,12 +216,10 @@ pub fn run(ctx: &Context, rounds: u32) -> Sweep {
     let mut errors = Vec::new();
     for round in 1..=rounds {
         for (i, &size) in SIZES.iter().enumerate() {
-            for &system in SYSTEMS {
-                if !peers::parse_size(size).is_ok_and(|b| system.takes(b)) {
-                    continue;
-                }
+            let bytes = peers::parse_size(size).unwrap_or(0);
+            for &system in SYSTEMS.iter().filter(|s| s.takes(bytes)) {
                 let what = format!("{} ({:?}) {size}", system.name(), system.transport());
-                match system.measure(size, ctx) {
+                match system.measure(size, bytes, ctx) {
                     Ok(gb) => {
                         eprintln!("[sweep {round}/{rounds}] {what}: {gb:.3} GB/s");
                         throughput.entry((system, i)).or_default().push(gb);
