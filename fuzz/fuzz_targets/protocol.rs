@@ -1,7 +1,8 @@
 //! The initiator's and the target's state machines on arbitrary frames and local operations, in any
 //! order and on any stream: answers for unknown operations, frames on the wrong stream, region updates
-//! without end, deadlines that pass. Errors are expected (the link then closes); a panic, or an
-//! operation that is lost (neither answered, expired nor failed at the close), is a bug.
+//! without end, operations taken back (their callers gave up), keepalive steps. Errors are expected
+//! (the link then closes); a panic, or an operation that is lost (neither answered, taken back nor
+//! failed at the close), is a bug.
 #![no_main]
 
 use std::time::{Duration, Instant};
@@ -32,6 +33,7 @@ fuzz_target!(|data: &[u8]| {
         .map(|i| TargetStream::new(StreamIndex(i as u16), "initiator".into()))
         .collect();
     let (mut started, mut finished) = (0u32, 0u32);
+    let mut ids = Vec::new();
     let mut clock = now;
     while let Some((&selector, after)) = rest.split_first() {
         rest = after;
@@ -41,13 +43,16 @@ fuzz_target!(|data: &[u8]| {
             0 => {
                 let kind = [OpKind::Ack, OpKind::Read, OpKind::Setup][usize::from(selector / 6) % 3];
                 let on = (selector & 0x80 != 0).then_some(stream);
-                let deadline = (selector & 0x40 != 0).then(|| clock + Duration::from_millis(u64::from(selector) * 20));
-                if link.start(on, kind, u64::from(selector), deadline, started).is_ok() {
+                if let Ok(id) = link.start(on, kind, u64::from(selector), started) {
                     started += 1;
+                    ids.push(id);
                 }
             }
             1 => {
-                finished += link.expired(clock).len() as u32;
+                if selector & 0x40 != 0 && !ids.is_empty() {
+                    let (s, id) = ids.swap_remove(usize::from(selector) % ids.len());
+                    finished += u32::from(link.take(s, id).is_some());
+                }
                 if link.handle_timeout(clock).is_err() {
                     finished += link.close(ferry_core::Error::Timeout("keepalive".into())).len() as u32;
                 }

@@ -42,8 +42,7 @@ pub use pci::PciAddress;
 pub use peer_view::{PeerNames, PeerScope, PeerView};
 pub use region::{RegionEntry, RegionTable, RemoteRegions, Resolved};
 pub use transport::{
-    AcceptSetup, AcceptedPath, Availability, DataLink, Declined, Due, EngineContext, LinkSlot, LinkSlots,
-    NoControlLink, Notifier, RailPlace, RailStats, RegionChange, Route, SetupExchange, TransferItem, TransferRequest,
-    Transport,
+    AcceptSetup, AcceptedPath, Availability, DataLink, Declined, EngineContext, LinkSlot, LinkSlots, NoControlLink,
+    Notifier, RailPlace, RailStats, RegionChange, Route, SetupExchange, TransferItem, TransferRequest, Transport,
 };
 pub use types::*;

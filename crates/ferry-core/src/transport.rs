@@ -329,24 +329,6 @@ impl Route {
     }
 }
 
-/// When a batch must be done: the instant its link fails it with `Timeout`, and when it started (for
-/// the error, which says how long the batch was given). The engine reads the clock once per batch to
-/// make it, from the transfer's timeout and the caller's deadline, whichever ends first.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Due {
-    /// The instant the batch fails with `Timeout` unless complete.
-    pub at: std::time::Instant,
-    /// When the batch started.
-    pub started: std::time::Instant,
-}
-
-impl Due {
-    /// How long the batch was given.
-    pub fn within(&self) -> std::time::Duration {
-        self.at.saturating_duration_since(self.started)
-    }
-}
-
 /// The data path to one peer.
 pub trait DataLink: Send + Sync + 'static {
     /// Which transport carries it.
@@ -355,11 +337,12 @@ pub trait DataLink: Send + Sync + 'static {
     /// with the items it left to the control link ([`Declined`]), which the caller must still send.
     /// The future owns what it needs: dropping it abandons the result, not the memory safety.
     ///
-    /// A link that [bounds transfers](Self::bounds_transfers) fails the batch with `Timeout` at
-    /// `due` if it has not completed by then (one timer per link rather than one per transfer); the
-    /// others ignore `due`, and their caller bounds the future with a timer of its own. `None`: no
-    /// bound.
-    fn transfer(&self, request: TransferRequest, due: Option<Due>) -> BoxFuture<'static, Result<Declined>>;
+    /// A link does not bound a batch in time: its caller does, by dropping the future (the engine's
+    /// `Transfer` holds the one timer of a batch). Once the drop returns no byte lands in the batch's
+    /// local memory; what the link still holds for it (an operation awaiting the peer's answer) it
+    /// takes back at once where it can (TCP), else releases when the answer comes or the link ends.
+    /// What a link times is itself: a silent peer, which fails every batch on the link.
+    fn transfer(&self, request: TransferRequest) -> BoxFuture<'static, Result<Declined>>;
     /// Runs `request` at once, on the calling thread, if it needs no waiting at all (one range of a
     /// region this process has mapped, copied with no system call), and says how it ended; `None`,
     /// with nothing done, when it must go through [`transfer`](Self::transfer) (so also whenever it
@@ -371,11 +354,6 @@ pub trait DataLink: Send + Sync + 'static {
     fn transfer_now(&self, request: &TransferRequest) -> Option<Result<()>> {
         let _ = request;
         None
-    }
-    /// Whether [`transfer`](Self::transfer) bounds a batch by itself, at the `due` it is given.
-    /// Where it does not, the caller bounds the future with a timer of its own.
-    fn bounds_transfers(&self) -> bool {
-        false
     }
     /// Waits until every WRITE this link completed is in the target's memory as the target's CPU
     /// sees it. Where a completion already means that (TCP, whose target acknowledges after its own
@@ -443,7 +421,7 @@ impl DataLink for NoControlLink {
     fn kind(&self) -> TransportKind {
         TransportKind::Tcp
     }
-    fn transfer(&self, _: TransferRequest, _: Option<Due>) -> BoxFuture<'static, Result<Declined>> {
+    fn transfer(&self, _: TransferRequest) -> BoxFuture<'static, Result<Declined>> {
         Box::pin(async {
             Err(Error::Unsupported(
                 "no control link here: nothing may go over it".into(),

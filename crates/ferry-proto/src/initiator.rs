@@ -10,15 +10,16 @@
 //! wrong kind; an answer for an operation taken back locally ([`Initiator::take`]) is stale and
 //! ignored (its payload discarded). Closing the link hands every waiting operation back with the error, and refuses new ones.
 //!
-//! An operation may carry a deadline. Past it, [`Initiator::expired`] hands the operation back (to be
-//! failed with `Timeout`) and its answer, should it still come, is stale. One timer per link, set to
-//! [`Initiator::poll_timeout`], then bounds every operation on it: a transport need not arm and cancel
-//! a timer of the runtime per operation, which at small sizes costs as much as the operation.
+//! Time here is the link's, not a transfer's: [`Initiator::poll_timeout`] is when the keepalive next
+//! probes a silent peer or gives the link up. How long a transfer may take is its caller's bound
+//! (the engine's `Transfer` holds the one timer, as a QUIC stack's application bounds its own
+//! requests while the connection times only itself); a transfer that gives up takes its operations
+//! back ([`Initiator::take`]), and their answers, should they still come, are stale.
 //!
 //! The per-operation state `P` is the transport's (a completion channel, where a read's data goes);
 //! this module only keeps it.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::HashMap;
 use std::time::Instant;
 
 use ferry_core::codec::{Decoded, Frame};
@@ -123,7 +124,6 @@ struct Waiting<P> {
     op: P,
     kind: OpKind,
     bytes: u64,
-    deadline: Option<Instant>,
 }
 
 struct StreamOps<P> {
@@ -142,8 +142,6 @@ pub struct Initiator<P> {
     keepalive: Keepalive,
     /// Whether operations that name no stream stay off the control stream.
     control_reserved: bool,
-    /// The waiting operations that have a deadline, soonest first.
-    deadlines: BTreeSet<(Instant, StreamIndex, OpId)>,
 }
 
 impl<P> Initiator<P> {
@@ -170,7 +168,6 @@ impl<P> Initiator<P> {
             regions: RemoteRegions::new(regions)?,
             keepalive,
             control_reserved: false,
-            deadlines: BTreeSet::new(),
         })
     }
 
@@ -233,14 +230,13 @@ impl<P> Initiator<P> {
     }
 
     /// Starts an operation of `bytes` on `stream` (or the least loaded one): it waits for its answer
-    /// from now on, until `deadline` if it has one (see [`Initiator::expired`]). Fails once the link
-    /// is closed, or when the stream has [`LinkLimits::max_outstanding_per_stream`] operations waiting.
+    /// from now on, until answered or taken back ([`Initiator::take`]). Fails once the link is
+    /// closed, or when the stream has [`LinkLimits::max_outstanding_per_stream`] operations waiting.
     pub fn start(
         &mut self,
         stream: Option<StreamIndex>,
         kind: OpKind,
         bytes: u64,
-        deadline: Option<Instant>,
         op: P,
     ) -> Result<(StreamIndex, OpId)> {
         if self.closed.is_some() {
@@ -265,49 +261,17 @@ impl<P> Initiator<P> {
         let id = OpId(self.next_id);
         self.next_id += 1;
         s.bytes += bytes;
-        s.waiting.insert(
-            id,
-            Waiting {
-                op,
-                kind,
-                bytes,
-                deadline,
-            },
-        );
-        if let Some(at) = deadline {
-            self.deadlines.insert((at, stream, id));
-        }
+        s.waiting.insert(id, Waiting { op, kind, bytes });
         Ok((stream, id))
     }
 
-    /// Takes an operation back before its answer (it failed locally); its answer will be stale.
+    /// Takes an operation back before its answer (it failed locally, or the transfer it served gave
+    /// up); its answer will be stale. `None` when it no longer waits (answered, or taken already).
     pub fn take(&mut self, stream: StreamIndex, id: OpId) -> Option<P> {
         let s = self.streams.get_mut(stream.get())?;
         let w = s.waiting.remove(&id)?;
         s.bytes -= w.bytes;
-        if let Some(at) = w.deadline {
-            self.deadlines.remove(&(at, stream, id));
-        }
         Some(w.op)
-    }
-
-    /// Hands back every operation whose deadline is `now` or earlier, to be failed with `Timeout`;
-    /// their answers are stale from now on.
-    pub fn expired(&mut self, now: Instant) -> Vec<P> {
-        let mut ops = Vec::new();
-        while let Some(&(at, stream, id)) = self.deadlines.first() {
-            if at > now {
-                break;
-            }
-            self.deadlines.pop_first();
-            if let Some(s) = self.streams.get_mut(stream.get())
-                && let Some(w) = s.waiting.remove(&id)
-            {
-                s.bytes -= w.bytes;
-                ops.push(w.op);
-            }
-        }
-        ops
     }
 
     /// Handles a frame the target sent on `stream` at `now`. An error breaks the link: close it with
@@ -379,9 +343,6 @@ impl<P> Initiator<P> {
             .remove(&id)
             .ok_or_else(|| Error::Internal("answered operation vanished".into()))?;
         s.bytes -= w.bytes;
-        if let Some(at) = w.deadline {
-            self.deadlines.remove(&(at, stream, id));
-        }
         Ok(Some(w.op))
     }
 
@@ -396,18 +357,13 @@ impl<P> Initiator<P> {
             s.bytes = 0;
             ops.extend(s.waiting.drain().map(|(_, w)| w.op));
         }
-        self.deadlines.clear();
         ops
     }
 
-    /// When [`Initiator::handle_timeout`] or [`Initiator::expired`] is next due: the keepalive's
-    /// next step, or the soonest deadline of a waiting operation.
+    /// When [`Initiator::handle_timeout`] is next due: the keepalive's next step. It only ever moves
+    /// later, as frames are heard; `None` once the link is closed.
     pub fn poll_timeout(&self) -> Option<Instant> {
-        let keepalive = self.closed.is_none().then(|| self.keepalive.poll_timeout())?;
-        Some(match self.deadlines.first() {
-            Some(&(at, _, _)) => at.min(keepalive),
-            None => keepalive,
-        })
+        self.closed.is_none().then(|| self.keepalive.poll_timeout())
     }
 
     /// Time has come to `now`. An error means the peer is silent past the keepalive's bound: close
@@ -468,8 +424,8 @@ mod tests {
     fn answers_must_fit_their_operation() {
         let mut l = link(2, 8);
         let now = Instant::now();
-        let (s, read) = l.start(Some(StreamIndex(1)), OpKind::Read, 10, None, "read").unwrap();
-        let (_, write) = l.start(Some(StreamIndex(1)), OpKind::Ack, 10, None, "write").unwrap();
+        let (s, read) = l.start(Some(StreamIndex(1)), OpKind::Read, 10, "read").unwrap();
+        let (_, write) = l.start(Some(StreamIndex(1)), OpKind::Ack, 10, "write").unwrap();
         // Read data for a write, a success ack for a read, an id never sent.
         let wrong = [d(Frame::ReadData { id: write.0 }, 11), ack(read.0, None), ack(99, None)];
         for frame in wrong {
@@ -517,14 +473,14 @@ mod tests {
     #[test]
     fn outstanding_operations_are_bounded_per_stream() {
         let mut l = link(1, 2);
-        l.start(None, OpKind::Ack, 1, None, "a").unwrap();
-        l.start(None, OpKind::Ack, 1, None, "b").unwrap();
+        l.start(None, OpKind::Ack, 1, "a").unwrap();
+        l.start(None, OpKind::Ack, 1, "b").unwrap();
         assert!(matches!(
-            l.start(None, OpKind::Ack, 1, None, "c"),
+            l.start(None, OpKind::Ack, 1, "c"),
             Err(Error::ResourceExhausted(_))
         ));
         assert!(matches!(
-            l.start(Some(StreamIndex(1)), OpKind::Ack, 1, None, "d"),
+            l.start(Some(StreamIndex(1)), OpKind::Ack, 1, "d"),
             Err(Error::InvalidArgument(_))
         ));
     }
@@ -533,12 +489,12 @@ mod tests {
     fn close_returns_every_waiting_operation_and_refuses_new_ones() {
         let mut l = link(3, 8);
         for name in ["a", "b", "c", "d"] {
-            l.start(None, OpKind::Ack, 100, None, name).unwrap();
+            l.start(None, OpKind::Ack, 100, name).unwrap();
         }
         let mut failed = l.close(Error::PeerClosed("gone".into()));
         failed.sort_unstable();
         assert_eq!(failed, ["a", "b", "c", "d"]);
-        assert!(matches!(l.start(None, OpKind::Ack, 1, None, "e"), Err(Error::PeerClosed(m)) if m == "gone"));
+        assert!(matches!(l.start(None, OpKind::Ack, 1, "e"), Err(Error::PeerClosed(m)) if m == "gone"));
         assert!(l.close(Error::Timeout("later".into())).is_empty());
         assert!(matches!(l.closed(), Some(Error::PeerClosed(_))));
     }
@@ -546,9 +502,9 @@ mod tests {
     #[test]
     fn least_loaded_counts_bytes() {
         let mut l = link(3, 8);
-        let (a, _) = l.start(None, OpKind::Ack, 100, None, "a").unwrap();
-        let (b, _) = l.start(None, OpKind::Ack, 10, None, "b").unwrap();
-        let (c, _) = l.start(None, OpKind::Ack, 50, None, "c").unwrap();
+        let (a, _) = l.start(None, OpKind::Ack, 100, "a").unwrap();
+        let (b, _) = l.start(None, OpKind::Ack, 10, "b").unwrap();
+        let (c, _) = l.start(None, OpKind::Ack, 50, "c").unwrap();
         assert_eq!((a, b, c), (StreamIndex(0), StreamIndex(1), StreamIndex(2)));
         assert_eq!(l.least_loaded(), StreamIndex(1));
     }
@@ -586,141 +542,119 @@ mod tests {
         let mut l = link(3, 8);
         l.reserve_control();
         let picked: Vec<_> = (0..6)
-            .map(|_| l.start(None, OpKind::Ack, 10, None, "op").unwrap().0)
+            .map(|_| l.start(None, OpKind::Ack, 10, "op").unwrap().0)
             .collect();
         assert!(picked.iter().all(|s| !s.is_control()), "{picked:?}");
-        let (s, _) = l
-            .start(Some(StreamIndex::CONTROL), OpKind::Ack, 0, None, "notify")
-            .unwrap();
+        let (s, _) = l.start(Some(StreamIndex::CONTROL), OpKind::Ack, 0, "notify").unwrap();
         assert!(s.is_control());
         // A link of one stream has nothing else to use.
         let mut one = link(1, 8);
         one.reserve_control();
-        assert_eq!(
-            one.start(None, OpKind::Ack, 1, None, "op").unwrap().0,
-            StreamIndex::CONTROL
-        );
+        assert_eq!(one.start(None, OpKind::Ack, 1, "op").unwrap().0, StreamIndex::CONTROL);
     }
 
     #[test]
-    fn operations_past_their_deadline_expire_and_their_answers_are_stale() {
-        let mut l = link(2, 8);
+    fn operations_taken_back_have_stale_answers_and_time_is_the_keepalives() {
         let t0 = Instant::now();
-        let secs = Duration::from_secs;
+        let idle = Duration::from_secs(5);
+        let keepalive = Keepalive::new(t0, idle, Duration::from_secs(60));
+        let mut l = Initiator::new("peer".into(), 2, Vec::new(), LinkLimits::default(), keepalive).unwrap();
         let one = Some(StreamIndex(1));
-        let (s, _) = l.start(one, OpKind::Ack, 10, Some(t0 + secs(2)), "late").unwrap();
-        let (_, soon) = l.start(one, OpKind::Read, 10, Some(t0 + secs(1)), "soon").unwrap();
-        l.start(one, OpKind::Ack, 10, None, "never").unwrap();
-        let (_, answered) = l.start(one, OpKind::Ack, 10, Some(t0 + secs(1)), "answered").unwrap();
-        let (_, taken) = l.start(one, OpKind::Ack, 10, Some(t0), "taken").unwrap();
-        assert_eq!(
-            l.poll_timeout(),
-            Some(t0),
-            "the soonest deadline comes before the keepalive"
-        );
-        assert_eq!(l.take(s, taken), Some("taken"));
-        assert_eq!(
-            l.poll_timeout(),
-            Some(t0 + secs(1)),
-            "a taken operation keeps no deadline"
-        );
+        let (s, read) = l.start(one, OpKind::Read, 10, "read").unwrap();
+        let (_, write) = l.start(one, OpKind::Ack, 10, "write").unwrap();
+        l.start(one, OpKind::Ack, 10, "kept").unwrap();
+        // No operation moves the link's timer: it is the keepalive's alone.
+        assert_eq!(l.poll_timeout(), Some(t0 + idle));
+        assert_eq!(l.take(s, read), Some("read"));
+        assert_eq!(l.take(s, read), None, "taken once");
+        assert_eq!(l.take(s, write), Some("write"));
+        // The taken read's data, should it still come, is discarded; so is the write's answer.
         assert!(matches!(
-            l.handle(s, ack(answered.0, None), t0),
-            Ok(Event::Answered { op: "answered", .. })
-        ));
-        assert!(l.expired(t0).is_empty());
-        assert_eq!(l.expired(t0 + secs(1)), vec!["soon"]);
-        assert_eq!(l.poll_timeout(), Some(t0 + secs(2)));
-        // The expired read's data, should it still come, is discarded.
-        assert!(matches!(
-            l.handle(s, d(Frame::ReadData { id: soon.0 }, 11), t0),
+            l.handle(s, d(Frame::ReadData { id: read.0 }, 11), t0),
             Ok(Event::Stale { payload_len: 11 })
         ));
-        assert_eq!(l.expired(t0 + secs(10)), vec!["late"]);
-        assert_eq!(l.waiting(), 1, "only the operation without a deadline waits");
-        assert!(l.expired(t0 + secs(1000)).is_empty());
-        assert_eq!(l.close(Error::PeerClosed("gone".into())), vec!["never"]);
+        assert!(matches!(l.handle(s, ack(write.0, None), t0), Ok(Event::Stale { .. })));
+        assert_eq!(l.waiting(), 1);
+        assert_eq!(l.close(Error::PeerClosed("gone".into())), vec!["kept"]);
         assert_eq!(l.poll_timeout(), None);
     }
 
-    /// One step of [`deadlines_match_a_model`].
+    /// One step of [`the_table_matches_a_model`].
     #[derive(Debug, Clone)]
     enum Step {
-        /// Start an operation, with a deadline this many milliseconds after the present, or none.
-        Start(Option<u64>),
+        /// Start an operation of this many bytes on the least loaded stream.
+        Start(u64),
         /// Answer the waiting operation at this place (modulo how many wait).
         Answer(usize),
         /// Take back the waiting operation at this place.
         Take(usize),
-        /// Let this many milliseconds pass, then collect what expired.
-        Advance(u64),
+        /// Answer again an operation no longer waiting (answered or taken), at this place.
+        Late(usize),
     }
 
     fn step() -> impl Strategy<Value = Step> {
         prop_oneof![
-            proptest::option::of(0u64..50).prop_map(Step::Start),
+            (0u64..1000).prop_map(Step::Start),
             any::<usize>().prop_map(Step::Answer),
             any::<usize>().prop_map(Step::Take),
-            (0u64..30).prop_map(Step::Advance),
+            any::<usize>().prop_map(Step::Late),
         ]
     }
 
     proptest! {
-        /// Whatever the order of starts, answers, take-backs and time, `expired` hands back exactly
-        /// the operations whose deadline passed and that were neither answered nor taken, each once,
-        /// and `poll_timeout` is never later than the soonest deadline still waiting.
+        /// Whatever the order of starts, answers, take-backs and late answers: an operation is
+        /// handed back once (answered or taken), a late answer is stale and never breaks the link,
+        /// the table holds exactly what waits, and the least loaded stream is the one with the fewest
+        /// bytes waiting.
         #[test]
-        fn deadlines_match_a_model(steps in proptest::collection::vec(step(), 0..200)) {
+        fn the_table_matches_a_model(steps in proptest::collection::vec(step(), 0..200)) {
             let limits = LinkLimits { max_outstanding_per_stream: 1000, ..LinkLimits::default() };
             let t0 = Instant::now();
             let keepalive = Keepalive::new(t0, Duration::from_secs(3600), Duration::from_secs(7200));
             let mut l: Initiator<u32> = Initiator::new("peer".into(), 3, Vec::new(), limits, keepalive).unwrap();
-            let mut model: BTreeMap<u32, (StreamIndex, OpId, Option<Instant>)> = BTreeMap::new();
-            let mut now = t0;
+            let mut model: BTreeMap<u32, (StreamIndex, OpId, u64)> = BTreeMap::new();
+            let mut gone: Vec<(StreamIndex, OpId)> = Vec::new();
             let mut n = 0u32;
             for step in steps {
                 match step {
-                    Step::Start(after) => {
-                        let deadline = after.map(|ms| now + Duration::from_millis(ms));
-                        let (s, id) = l.start(None, OpKind::Ack, 1, deadline, n).unwrap();
-                        model.insert(n, (s, id, deadline));
+                    Step::Start(bytes) => {
+                        let (s, id) = l.start(None, OpKind::Ack, bytes, n).unwrap();
+                        model.insert(n, (s, id, bytes));
                         n += 1;
                     }
                     Step::Answer(i) | Step::Take(i) if model.is_empty() => { let _ = i; }
                     Step::Answer(i) => {
                         let (&name, &(s, id, _)) = model.iter().nth(i % model.len()).unwrap();
-                        let answered = l.handle(s, ack(id.0, None), now).unwrap();
-                        let answered_op = match answered {
+                        let answered = match l.handle(s, ack(id.0, None), t0).unwrap() {
                             Event::Answered { op, .. } => Some(op),
                             _ => None,
                         };
-                        prop_assert_eq!(answered_op, Some(name));
+                        prop_assert_eq!(answered, Some(name));
                         model.remove(&name);
+                        gone.push((s, id));
                     }
                     Step::Take(i) => {
                         let (&name, &(s, id, _)) = model.iter().nth(i % model.len()).unwrap();
                         prop_assert_eq!(l.take(s, id), Some(name));
                         model.remove(&name);
+                        gone.push((s, id));
                     }
-                    Step::Advance(ms) => {
-                        now += Duration::from_millis(ms);
-                        let mut got = l.expired(now);
-                        got.sort_unstable();
-                        let due: Vec<u32> = model
-                            .iter()
-                            .filter(|(_, (_, _, at))| at.is_some_and(|at| at <= now))
-                            .map(|(&name, _)| name)
-                            .collect();
-                        for name in &due {
-                            model.remove(name);
-                        }
-                        prop_assert_eq!(got, due);
+                    Step::Late(i) if gone.is_empty() => { let _ = i; }
+                    Step::Late(i) => {
+                        let (s, id) = gone[i % gone.len()];
+                        let late = l.handle(s, ack(id.0, None), t0);
+                        let stale = matches!(late, Ok(Event::Stale { .. }));
+                        prop_assert!(stale, "a late answer was not stale");
+                        prop_assert_eq!(l.take(s, id), None);
                     }
                 }
                 prop_assert_eq!(l.waiting(), model.len());
-                if let Some(soonest) = model.values().filter_map(|(_, _, at)| *at).min() {
-                    prop_assert!(l.poll_timeout().is_some_and(|t| t <= soonest));
+                let mut bytes = [0u64; 3];
+                for (s, _, b) in model.values() {
+                    bytes[s.get()] += b;
                 }
+                let fewest = bytes.iter().min().copied().unwrap_or(0);
+                prop_assert_eq!(bytes[l.least_loaded().get()], fewest);
             }
         }
     }

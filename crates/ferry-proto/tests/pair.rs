@@ -4,7 +4,8 @@
 //! virtual clock. Every link opens with the handshake: each stream's hello and its answer go
 //! through the codec, and the target's registry admits the control stream and joins the others.
 //!
-//! Property tests run random sequences of operations (each with a deadline), deliveries in random
+//! Property tests run random sequences of operations (each with a deadline, which the harness holds
+//! as the engine's transfer timer does: past it, the operation is taken back), deliveries in random
 //! stream order and after random delays, time passing, region changes, local give-ups, hostile
 //! answers and broken streams, and check the protocol's promises against a model: every operation
 //! ends exactly once; nothing succeeds on a closed link; an operation past its deadline fails and its
@@ -90,6 +91,8 @@ struct Pair {
     broken: bool,
     /// The virtual clock.
     now: Instant,
+    /// When each operation's caller gives up on it: the protocol keeps no deadlines, its caller does.
+    deadlines: BTreeMap<usize, Instant>,
 }
 
 fn ad(key: u64) -> RegionAd {
@@ -200,6 +203,7 @@ impl Pair {
             may_fail: HashSet::new(),
             broken: false,
             now,
+            deadlines: BTreeMap::new(),
         }
     }
 
@@ -218,8 +222,8 @@ impl Pair {
         self.started += 1;
         let kind = OpKind::Ack;
         let bytes = if commit { 0 } else { CELL };
-        let deadline = Some(self.now + DEADLINE);
-        let Ok((s, id)) = self.initiator.start(stream, kind, bytes, deadline, Op { n, kind }) else {
+        self.deadlines.insert(n, self.now + DEADLINE);
+        let Ok((s, id)) = self.initiator.start(stream, kind, bytes, Op { n, kind }) else {
             assert!(self.broken, "a start refused on an open link");
             self.end(n, false);
             return;
@@ -259,8 +263,8 @@ impl Pair {
         let n = self.started;
         self.started += 1;
         let kind = OpKind::Read;
-        let deadline = Some(self.now + DEADLINE);
-        let Ok((s, id)) = self.initiator.start(None, kind, CELL, deadline, Op { n, kind }) else {
+        self.deadlines.insert(n, self.now + DEADLINE);
+        let Ok((s, id)) = self.initiator.start(None, kind, CELL, Op { n, kind }) else {
             assert!(self.broken);
             self.end(n, false);
             return;
@@ -385,13 +389,19 @@ impl Pair {
         }
     }
 
-    /// Virtual time passes: operations past their deadline fail (their answers, should they still
-    /// come, are stale).
+    /// Virtual time passes: operations past their deadline are given up by their callers, which
+    /// take them back (their answers, should they still come, are stale).
     fn tick(&mut self, by: Duration) {
         self.now += by;
-        for op in self.initiator.expired(self.now) {
-            self.may_fail.insert(op.n);
-            self.end(op.n, false);
+        let due: Vec<usize> = self
+            .deadlines
+            .iter()
+            .filter(|&(_, &at)| at <= self.now)
+            .map(|(&n, _)| n)
+            .collect();
+        for n in due {
+            self.deadlines.remove(&n);
+            self.give_up(n);
         }
     }
 

@@ -1114,7 +1114,7 @@ impl DataLink for RdmaLink {
         TransportKind::Rdma
     }
 
-    fn transfer(&self, request: TransferRequest, _: Option<ferry_core::Due>) -> BoxFuture<'static, Result<Declined>> {
+    fn transfer(&self, request: TransferRequest) -> BoxFuture<'static, Result<Declined>> {
         let state = self.state.clone();
         Box::pin(async move { run(state.usable().await?, request).await })
     }

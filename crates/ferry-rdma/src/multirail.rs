@@ -313,7 +313,7 @@ impl Inner {
                 items: self.keyed(&items, rail),
                 checked: false,
             };
-            let result = r.link.transfer(request, None).await;
+            let result = r.link.transfer(request).await;
             r.in_flight.fetch_sub(bytes, Ordering::Relaxed);
             match result {
                 Ok(declined) => {
@@ -443,7 +443,7 @@ impl DataLink for MultiRailLink {
         TransportKind::Rdma
     }
 
-    fn transfer(&self, request: TransferRequest, _: Option<ferry_core::Due>) -> BoxFuture<'static, Result<Declined>> {
+    fn transfer(&self, request: TransferRequest) -> BoxFuture<'static, Result<Declined>> {
         Box::pin(self.inner.clone().transfer(request))
     }
 

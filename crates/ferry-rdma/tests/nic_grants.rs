@@ -121,7 +121,7 @@ impl Rig {
             }],
             checked: false,
         };
-        let result = tokio::time::timeout(Duration::from_secs(30), data.transfer(request, None))
+        let result = tokio::time::timeout(Duration::from_secs(30), data.transfer(request))
             .await
             .map_err(|_| Error::Timeout("the RDMA operation never completed".into()))?;
         data.close().await;

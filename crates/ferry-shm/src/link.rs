@@ -795,7 +795,7 @@ impl DataLink for ShmLink {
         TransportKind::Shm
     }
 
-    fn transfer(&self, request: TransferRequest, _: Option<ferry_core::Due>) -> BoxFuture<'static, Result<Declined>> {
+    fn transfer(&self, request: TransferRequest) -> BoxFuture<'static, Result<Declined>> {
         let inner = self.inner.clone();
         Box::pin(async move {
             if let Some(done) = inner.transfer_now(&request) {

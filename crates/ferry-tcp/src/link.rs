@@ -13,22 +13,21 @@
 //! ([`Initiator`]). This module moves bytes and keeps the byte budget (how much may be in flight,
 //! which needs waiting).
 //!
-//! A write with a timeout (the `due` of [`DataLink::transfer`]) gives each of its operations a deadline in
-//! the protocol core, and one task per link sleeps until the soonest deadline or keepalive step
-//! ([`Initiator::poll_timeout`]) and fails what expired. A small write thus costs no timer of the
-//! runtime of its own; only its waits for the byte budget, when it must wait, take one. A read keeps
-//! a timer around the whole batch: its data lands after the core has let go of the operation.
+//! A batch has no timer here: its caller bounds it by dropping its future, which takes back every
+//! operation of the batch still waiting ([`BatchOps`]) and closes its hold on the local buffers
+//! ([`CallerGuard`]). The one task per link that sleeps is the keepalive's
+//! ([`Initiator::poll_timeout`]), which gives up a silent peer and with it every batch on the link.
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use ferry_core::codec::{Frame, Hello, HelloAck, Limits, ReadStatus, Segment};
 use ferry_core::sync::{Handoff, ShardedLock};
 use ferry_core::{
-    AccessGuard, DataLink, DataProtection, Declined, Due, Error, Notification, Op, PeerIdentity, PersistMethod,
-    RegionEntry, RemoteRegions, Resolved, Result, TransferRequest, TransportKind,
+    AccessGuard, DataLink, DataProtection, Declined, Error, Notification, Op, PeerIdentity, PersistMethod, RegionEntry,
+    RemoteRegions, Resolved, Result, TransferRequest, TransportKind,
 };
 use ferry_proto::batch::Shape;
 use ferry_proto::handshake::check_ack;
@@ -108,8 +107,55 @@ impl Drop for CallerGuard {
     }
 }
 
-/// The stream an operation went out on, and its completion.
-type Submitted = (StreamIndex, oneshot::Receiver<Result<()>>);
+/// The stream an operation went out on, its id there, and its completion.
+type Submitted = (StreamIndex, OpId, oneshot::Receiver<Result<()>>);
+
+/// The operations a batch (or a checksum request) still waits for. Dropped before [`finish`](
+/// Self::finish) (the caller gave up: a timeout, a dropped future), it takes them back from the
+/// protocol core, so that the link keeps nothing of a batch nobody waits for, and their answers,
+/// should they still come, are stale. A batch that ends normally has every answer in hand and pays
+/// nothing for it.
+struct BatchOps<'a> {
+    shared: &'a Shared,
+    ops: Vec<(StreamIndex, OpId)>,
+}
+
+impl<'a> BatchOps<'a> {
+    fn new(shared: &'a Shared) -> Self {
+        BatchOps {
+            shared,
+            ops: Vec::new(),
+        }
+    }
+
+    fn push(&mut self, stream: StreamIndex, id: OpId) {
+        self.ops.push((stream, id));
+    }
+
+    /// Every operation was answered: nothing to take back.
+    fn finish(mut self) {
+        self.ops.clear();
+    }
+}
+
+impl Drop for BatchOps<'_> {
+    fn drop(&mut self) {
+        if self.ops.is_empty() {
+            return;
+        }
+        // An answered operation is no longer there: nothing taken. What is taken (a budget permit,
+        // a pool buffer) is let go after the lock.
+        let taken: Vec<Waiter> = match self.shared.proto() {
+            Ok(mut proto) => self
+                .ops
+                .iter()
+                .filter_map(|&(stream, id)| proto.take(stream, id))
+                .collect(),
+            Err(_) => Vec::new(),
+        };
+        drop(taken);
+    }
+}
 
 /// An operation waiting for its answer, as the protocol core keeps it.
 enum Waiter {
@@ -235,12 +281,6 @@ struct Shared {
     remote_host: u64,
     remote_transports: Vec<TransportKind>,
     proto: Mutex<Initiator<Waiter>>,
-    /// When the timer task will next wake, in nanoseconds after `epoch`; read and written under the
-    /// `proto` lock, so that an operation started with a sooner deadline always sees it and wakes
-    /// the task (`timer_moved`).
-    timer_at: AtomicU64,
-    timer_moved: tokio::sync::Notify,
-    epoch: Instant,
     /// The peer's region table, mirrored from `proto`'s by the updates its `RegionsChanged` events
     /// carry (all from the control stream's reader, in order): every transfer looks its remote
     /// side up here, under a sharded read lock that transfers on different cores take without
@@ -433,9 +473,6 @@ impl TcpLink {
             remote_host: ack.host_id,
             remote_transports: ack.transports,
             proto: Mutex::new(proto),
-            timer_at: AtomicU64::new(0),
-            timer_moved: tokio::sync::Notify::new(),
-            epoch: Instant::now(),
             remote_regions,
             region_updates: tokio::sync::Notify::new(),
             streams: stream_list,
@@ -489,6 +526,12 @@ impl TcpLink {
     /// A snapshot of the peer's regions.
     pub fn remote_regions(&self) -> RemoteRegions {
         self.with_remote_regions(|r| r.clone()).unwrap_or_default()
+    }
+
+    /// Operations sent on this link that still wait for the peer's answer: what it holds for the
+    /// batches in flight. A batch its caller dropped (a timeout) holds none.
+    pub fn waiting_operations(&self) -> usize {
+        self.shared.proto().map_or(0, |p| p.waiting())
     }
 
     /// Runs `f` on the peer's region table.
@@ -621,7 +664,6 @@ impl Shared {
         bytes: u64,
         read: Option<ReadDest>,
         budget: Option<OwnedSemaphorePermit>,
-        deadline: Option<Instant>,
         out: impl FnOnce(OpId) -> Outgoing,
     ) -> Result<Submitted> {
         let (done, rx) = oneshot::channel();
@@ -631,20 +673,16 @@ impl Shared {
             read,
             _budget: budget,
         });
-        let (stream, id, idle, sooner) = {
+        let (stream, id, idle) = {
             let mut proto = self.proto()?;
-            let (stream, id) = proto.start(stream, kind, bytes, deadline, pending)?;
-            let sooner = deadline.is_some_and(|at| self.nanos(at) < self.timer_at.load(Ordering::Relaxed));
-            (stream, id, proto.waiting() == 1, sooner)
+            let (stream, id) = proto.start(stream, kind, bytes, pending)?;
+            (stream, id, proto.waiting() == 1)
         };
-        if sooner {
-            self.timer_moved.notify_one();
-        }
         if let Err(e) = self.send_as(stream, out(id), idle) {
             self.complete(stream, id, Err(e.clone()));
             return Err(e);
         }
-        Ok((stream, rx))
+        Ok((stream, id, rx))
     }
 
     fn complete(&self, stream: StreamIndex, id: OpId, result: Result<()>) {
@@ -675,56 +713,40 @@ impl Shared {
         self.region_updates.notify_waiters();
     }
 
-    /// `bytes`' share of the link's byte budget, waiting until `bound` for it if it must wait.
-    async fn budget(&self, bytes: u64, bound: Option<Due>) -> Result<OwnedSemaphorePermit> {
+    /// `bytes`' share of the link's byte budget, waiting for it if it must.
+    async fn budget(&self, bytes: u64) -> Result<OwnedSemaphorePermit> {
         let units = bytes.div_ceil(BUDGET_UNIT).clamp(1, self.budget_units as u64) as u32;
         match self.budget.clone().try_acquire_many_owned(units) {
             Ok(permit) => return Ok(permit),
             Err(TryAcquireError::Closed) => return Err(self.closed_error()),
             Err(TryAcquireError::NoPermits) => {}
         }
-        let wait = self.budget.clone().acquire_many_owned(units);
-        within(bound, async { wait.await.map_err(|_| self.closed_error()) }).await
-    }
-
-    /// `at` in nanoseconds after the link's epoch (0 for an instant before it).
-    fn nanos(&self, at: Instant) -> u64 {
-        u64::try_from(at.saturating_duration_since(self.epoch).as_nanos()).unwrap_or(u64::MAX)
+        self.budget
+            .clone()
+            .acquire_many_owned(units)
+            .await
+            .map_err(|_| self.closed_error())
     }
 }
 
-/// Drives the protocol's timer: probes a silent peer, gives the link up when it stays silent, and
-/// fails operations past their deadline with `Timeout`. Woken early when an operation starts with a
-/// deadline sooner than the one it sleeps towards.
+/// Drives the link's one timer, the keepalive's: probes a silent peer and gives the link up when it
+/// stays silent, failing every operation on it. Its instant only ever moves later (as frames are
+/// heard), so nothing needs to wake the task early.
 async fn timer_loop(shared: Arc<Shared>) {
     loop {
-        let due = shared.proto().ok().and_then(|p| {
-            let due = p.poll_timeout()?;
-            shared.timer_at.store(shared.nanos(due), Ordering::Relaxed);
-            Some(due)
-        });
-        let Some(due) = due else { return };
-        tokio::select! {
-            () = tokio::time::sleep_until(due.into()) => {}
-            () = shared.timer_moved.notified() => continue,
-        }
-        let now = Instant::now();
+        let Some(due) = shared.proto().ok().and_then(|p| p.poll_timeout()) else {
+            return;
+        };
+        tokio::time::sleep_until(due.into()).await;
         let step = shared.proto().and_then(|mut p| {
-            p.handle_timeout(now)?;
-            Ok((p.poll_transmit(), p.expired(now)))
+            p.handle_timeout(Instant::now())?;
+            Ok(p.poll_transmit())
         });
         match step {
-            Ok((probe, expired)) => {
-                if let Some((stream, frame)) = probe {
-                    let _ = shared.send(stream, Outgoing::Frame(frame));
-                }
-                for waiter in expired {
-                    waiter.fail(Error::Timeout(format!(
-                        "{} did not answer before the operation's deadline",
-                        shared.peer
-                    )));
-                }
+            Ok(Some((stream, probe))) => {
+                let _ = shared.send(stream, Outgoing::Frame(probe));
             }
+            Ok(None) => {}
             Err(e) => {
                 tracing::warn!(peer = %shared.peer, error = %e, "link given up");
                 shared.fail_all(e);
@@ -734,35 +756,11 @@ async fn timer_loop(shared: Arc<Shared>) {
     }
 }
 
-/// `what`, ended with `Timeout` at `bound`'s deadline when there is one: for what the protocol core's
-/// deadlines do not see (a wait for the byte budget, a staged block's hooks, a whole read).
-async fn within<T>(bound: Option<Due>, what: impl Future<Output = Result<T>>) -> Result<T> {
-    match bound {
-        None => what.await,
-        Some(b) => tokio::time::timeout_at(b.at.into(), what)
-            .await
-            .unwrap_or_else(|_| Err(Error::Timeout("the transfer's deadline passed while it waited".into()))),
-    }
-}
-
-async fn run_transfer(shared: Arc<Shared>, request: TransferRequest, bound: Option<Due>) -> Result<()> {
-    let n = request.items.len();
-    let result = match (request.op, bound) {
-        // A read's answer is its data, which the stream's reader lands after the protocol core has
-        // let go of the operation: a peer that stalls mid-payload would hold the batch past any
-        // deadline there. A timer around the whole batch ends it all the same.
-        (Op::Read, Some(_)) => within(bound, run_batch(&shared, request, None)).await,
-        _ => run_batch(&shared, request, bound).await,
-    };
-    match (result, bound) {
-        (Err(Error::Timeout(_)), Some(b)) if Instant::now() >= b.at => {
-            Err(Error::transfer_timeout(n, &shared.peer, b.within()))
-        }
-        (result, _) => result,
-    }
-}
-
-async fn run_batch(shared: &Arc<Shared>, request: TransferRequest, bound: Option<Due>) -> Result<()> {
+/// Runs one batch: every frame `ferry-proto` makes of it, each under its share of the byte budget.
+/// Dropped before it returns, it takes back what it still waits for ([`BatchOps`]) and lets no more
+/// of a read's data land ([`CallerGuard`]).
+async fn run_batch(shared: Arc<Shared>, request: TransferRequest) -> Result<()> {
+    let shared = &shared;
     if shared.closed.load(Ordering::Acquire) {
         return Err(shared.closed_error());
     }
@@ -776,7 +774,7 @@ async fn run_batch(shared: &Arc<Shared>, request: TransferRequest, bound: Option
             .map(|i| i.local.clone())
             .collect();
         if !staged.is_empty() {
-            within(bound, crate::blocking::prepare_read(&staged)).await?;
+            crate::blocking::prepare_read(&staged).await?;
         }
     }
     let caller = CallerGuard(Arc::new(AccessGuard::new()));
@@ -788,51 +786,56 @@ async fn run_batch(shared: &Arc<Shared>, request: TransferRequest, bound: Option
     let streams = shared.streams.len();
     let checked = request.checked;
     let mut frames = BatchFrames::new(request.op, request.durability, request.items, &shape, streams, checked);
+    let mut ops = BatchOps::new(shared);
     let mut completions = Vec::new();
+    let mut first_error = None;
     // The source's sums of the write frame last sent, for the check that follows it.
     let mut frame_sums = None;
     while let Some(send) = frames.next() {
-        let (stream, rx) = match send.kind() {
+        let submitted = match send.kind() {
             OpKind::Read => {
                 frame_sums = checked.then(Arc::default);
-                submit_read(shared, send, &caller.0, frame_sums.clone()).await?
+                submit_read(shared, send, &caller.0, frame_sums.clone()).await
             }
-            OpKind::Sum => submit_check(shared, request.op, send, frame_sums.take(), bound)?,
+            OpKind::Sum => submit_check(shared, request.op, send, frame_sums.take()),
             _ => {
                 frame_sums = (checked && send.bytes() > 0).then(Arc::default);
-                submit_write(shared, send, frame_sums.clone(), bound).await?
+                submit_write(shared, send, frame_sums.clone()).await
             }
         };
-        frames.sent(stream);
-        completions.push(rx);
+        match submitted {
+            Ok((stream, id, rx)) => {
+                frames.sent(stream);
+                ops.push(stream, id);
+                completions.push(rx);
+            }
+            Err(e) => {
+                first_error = Some(e);
+                break;
+            }
+        }
     }
-    // Every frame is answered before the batch returns, failed or not (a deadline or a dropped
-    // transfer aside): a retry never meets the frames of the attempt before it still landing.
-    let mut first_error = None;
+    // Every frame sent is answered before the batch returns, failed or not (a dropped batch aside):
+    // a retry never meets the frames of the attempt before it still landing.
     for rx in completions {
         let result = rx.await.map_err(|_| shared.closed_error()).and_then(|r| r);
         if let (Err(e), None) = (result, &first_error) {
             first_error = Some(e);
         }
     }
+    ops.finish();
     first_error.map_or(Ok(()), Err)
 }
 
 /// Sends one write frame (or a commit, which moves no payload) under its share of the byte budget,
 /// its payload straight from the regions.
-async fn submit_write(
-    shared: &Shared,
-    send: Send,
-    sums: Option<Arc<FrameSums>>,
-    bound: Option<Due>,
-) -> Result<Submitted> {
+async fn submit_write(shared: &Shared, send: Send, sums: Option<Arc<FrameSums>>) -> Result<Submitted> {
     let bytes = send.bytes();
     let budget = match bytes {
         0 => None,
-        _ => Some(shared.budget(bytes, bound).await?),
+        _ => Some(shared.budget(bytes).await?),
     };
-    let deadline = bound.map(|b| b.at);
-    shared.submit(send.stream(), bytes, None, budget, deadline, |id| {
+    shared.submit(send.stream(), bytes, None, budget, |id| {
         let (frame, parts) = send.into_frame(id);
         match parts.is_empty() {
             true => Outgoing::Frame(frame),
@@ -843,13 +846,7 @@ async fn submit_write(
 
 /// Asks, on the stream of the write frame before it, for the target's sums of what that frame
 /// wrote; its completion compares them with the source's, `sent`.
-fn submit_check(
-    shared: &Shared,
-    op: Op,
-    send: Send,
-    ours: Option<Arc<FrameSums>>,
-    bound: Option<Due>,
-) -> Result<Submitted> {
+fn submit_check(shared: &Shared, op: Op, send: Send, ours: Option<Arc<FrameSums>>) -> Result<Submitted> {
     let ours = ours.ok_or_else(|| Error::Internal("a checksum request with no frame before it".into()))?;
     let (done, rx) = oneshot::channel();
     let check = Waiter::Check(FrameCheck {
@@ -860,14 +857,13 @@ fn submit_check(
     });
     let stream = send.stream();
     let (_, frame) = send.split();
-    let stream = start_request(shared, stream, bound.map(|b| b.at), check, |id| frame.frame(id))?;
-    Ok((stream, rx))
+    let (stream, id) = start_request(shared, stream, check, |id| frame.frame(id))?;
+    Ok((stream, id, rx))
 }
 
 /// Asks for one read frame's data, under its share of the byte budget; its data lands straight in
-/// the region, or through a pool buffer that is scattered over its parts. A read carries no
-/// deadline of its own: [`run_transfer`] bounds the whole batch. A checked read's sums of what
-/// landed go to `sums`.
+/// the region, or through a pool buffer that is scattered over its parts. A checked read's sums of
+/// what landed go to `sums`.
 async fn submit_read(
     shared: &Shared,
     send: Send,
@@ -875,7 +871,7 @@ async fn submit_read(
     sums: Option<Arc<FrameSums>>,
 ) -> Result<Submitted> {
     let bytes = send.bytes();
-    let budget = Some(shared.budget(bytes, None).await?);
+    let budget = Some(shared.budget(bytes).await?);
     let buffer = match (send.is_coalesced(), shared.pool.as_ref()) {
         (true, Some(pool)) => Some(pool.acquire().await),
         _ => None,
@@ -898,9 +894,7 @@ async fn submit_read(
             }
         }
     };
-    shared.submit(None, bytes, Some(dest), budget, None, |id| {
-        Outgoing::Frame(frame.frame(id))
-    })
+    shared.submit(None, bytes, Some(dest), budget, |id| Outgoing::Frame(frame.frame(id)))
 }
 
 /// Puts a frame whose payload is in hand into the writer. A write whose region was deregistered
@@ -1175,21 +1169,20 @@ const SUM_SEGMENTS_PER_FRAME: usize = 4096;
 
 impl TcpLink {
     /// The CRC32C of each of `segments` (the peer's names of its regions) as the peer's memory holds
-    /// it now, to check a transfer with integrity that did `op` there; by `deadline` if given, else
-    /// `Timeout`. In requests of at most 4,096 ranges, all in flight at once, each
+    /// it now, to check a transfer with integrity that did `op` there (its caller bounds it in time,
+    /// by dropping the future, which takes the requests back). In requests of at most 4,096 ranges, all in flight at once, each
     /// on the least loaded stream (the target sums on each stream's task, so checks of batches in
     /// flight together are summed side by side).
-    pub fn sums(
-        &self,
-        op: ferry_core::Op,
-        segments: Vec<Segment>,
-        deadline: Option<Instant>,
-    ) -> BoxFuture<'static, Result<Vec<u32>>> {
+    pub fn sums(&self, op: ferry_core::Op, segments: Vec<Segment>) -> BoxFuture<'static, Result<Vec<u32>>> {
         let shared = self.shared.clone();
         Box::pin(async move {
+            let shared = &shared;
+            let mut ops = BatchOps::new(shared);
             let mut answers = Vec::new();
             for chunk in segments.chunks(SUM_SEGMENTS_PER_FRAME) {
-                answers.push(request_sums(&shared, op, chunk.to_vec(), deadline)?);
+                let (stream, id, answer) = request_sums(shared, op, chunk.to_vec())?;
+                ops.push(stream, id);
+                answers.push(answer);
             }
             let mut sums = Vec::with_capacity(segments.len());
             for (answer, chunk) in answers.into_iter().zip(segments.chunks(SUM_SEGMENTS_PER_FRAME)) {
@@ -1204,25 +1197,26 @@ impl TcpLink {
                 }
                 sums.extend(got);
             }
+            ops.finish();
             Ok(sums)
         })
     }
 }
 
-/// Sends one checksum request; its answer comes on the receiver.
+/// Sends one checksum request: the stream and id it took, and the receiver its answer comes on.
+#[allow(clippy::type_complexity)]
 fn request_sums(
     shared: &Shared,
     op: ferry_core::Op,
     segments: Vec<Segment>,
-    deadline: Option<Instant>,
-) -> Result<oneshot::Receiver<Result<Vec<u32>>>> {
+) -> Result<(StreamIndex, OpId, oneshot::Receiver<Result<Vec<u32>>>)> {
     let (tx, rx) = oneshot::channel();
-    start_request(shared, None, deadline, Waiter::Sums(tx), |id| Frame::Sum {
+    let (stream, id) = start_request(shared, None, Waiter::Sums(tx), |id| Frame::Sum {
         id: id.0,
         op,
         segments,
     })?;
-    Ok(rx)
+    Ok((stream, id, rx))
 }
 
 /// Starts a checksum request (`waiter` keeps it) on `stream`, or the least loaded one, and queues
@@ -1230,24 +1224,15 @@ fn request_sums(
 fn start_request(
     shared: &Shared,
     stream: Option<StreamIndex>,
-    deadline: Option<Instant>,
     waiter: Waiter,
     frame: impl FnOnce(OpId) -> Frame,
-) -> Result<StreamIndex> {
-    let (stream, id, sooner) = {
-        let mut proto = shared.proto()?;
-        let (stream, id) = proto.start(stream, OpKind::Sum, 0, deadline, waiter)?;
-        let sooner = deadline.is_some_and(|at| shared.nanos(at) < shared.timer_at.load(Ordering::Relaxed));
-        (stream, id, sooner)
-    };
-    if sooner {
-        shared.timer_moved.notify_one();
-    }
+) -> Result<(StreamIndex, OpId)> {
+    let (stream, id) = shared.proto()?.start(stream, OpKind::Sum, 0, waiter)?;
     if let Err(e) = shared.send(stream, Outgoing::Frame(frame(id))) {
         let _ = shared.proto().map(|mut p| p.take(stream, id));
         return Err(e);
     }
-    Ok(stream)
+    Ok((stream, id))
 }
 
 impl ferry_core::SetupExchange for TcpLink {
@@ -1256,9 +1241,7 @@ impl ferry_core::SetupExchange for TcpLink {
             let shared = &self.shared;
             let (tx, rx) = oneshot::channel();
             let control = Some(StreamIndex::CONTROL);
-            let (stream, id) = shared
-                .proto()?
-                .start(control, OpKind::Setup, 0, None, Waiter::Setup(tx))?;
+            let (stream, id) = shared.proto()?.start(control, OpKind::Setup, 0, Waiter::Setup(tx))?;
             let frame = Frame::TransportSetup { id: id.0, kind, blob };
             if let Err(e) = shared.send(stream, Outgoing::Frame(frame)) {
                 let _ = shared.proto().map(|mut p| p.take(stream, id));
@@ -1287,15 +1270,11 @@ impl DataLink for TcpLink {
         TransportKind::Tcp
     }
 
-    fn transfer(&self, request: TransferRequest, due: Option<Due>) -> BoxFuture<'static, Result<Declined>> {
-        Box::pin(run_transfer(self.shared.clone(), request, due).map(carried_whole))
+    fn transfer(&self, request: TransferRequest) -> BoxFuture<'static, Result<Declined>> {
+        Box::pin(run_batch(self.shared.clone(), request).map(carried_whole))
     }
 
     fn checks_in_band(&self) -> bool {
-        true
-    }
-
-    fn bounds_transfers(&self) -> bool {
         true
     }
 
@@ -1310,8 +1289,12 @@ impl DataLink for TcpLink {
                     msg: notification.msg,
                 })
             };
-            let (_, rx) = shared.submit(Some(StreamIndex::CONTROL), 0, None, None, None, frame)?;
-            rx.await.map_err(|_| shared.closed_error())?
+            let (stream, id, rx) = shared.submit(Some(StreamIndex::CONTROL), 0, None, None, frame)?;
+            let mut ops = BatchOps::new(&shared);
+            ops.push(stream, id);
+            let answer = rx.await.map_err(|_| shared.closed_error());
+            ops.finish();
+            answer?
         })
     }
 

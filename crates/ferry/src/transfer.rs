@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::task::{Context, Poll, ready};
 use std::time::{Duration, Instant};
 
-use ferry_core::{DataLink, Declined, Due, Durability, Error, Op, Result, TransferRequest};
+use ferry_core::{DataLink, Declined, Durability, Error, Op, Result, TransferRequest};
 use futures::future::BoxFuture;
 use tokio::task::JoinHandle;
 
@@ -158,11 +158,11 @@ impl TransferOptions {
 /// allocation and one large move less per batch. It does nothing until polled; dropping it before
 /// it completes abandons the batch, with the same guarantees as dropping `transfer`'s future.
 ///
-/// Its timeout counts from when it was made (on links that bound batches themselves, TCP's) or from
-/// the first poll that finds the batch unfinished (elsewhere, so that a batch done at once arms no
-/// timer): await it soon after making it. A deadline
-/// ([`TransferOptions::deadline`]) ends it at that instant
-/// whatever the link.
+/// It is the one place a batch is bounded in time, whatever the link: its timeout counts from the
+/// first poll that finds the batch unfinished (so that a batch done at once arms no timer; await it
+/// soon after making it), and a deadline ([`TransferOptions::deadline`]) ends it at that instant.
+/// Past either it completes with `Timeout` and drops the batch at once: the link takes back what the
+/// batch still waited for, and no byte lands in its local buffers afterwards.
 #[must_use = "a transfer does nothing unless it is awaited"]
 pub struct Transfer {
     /// Its links, and its metrics where the engine keeps them.
@@ -178,7 +178,7 @@ pub struct Transfer {
 struct Run {
     work: Work,
     timeout: Duration,
-    /// Armed at the first `Pending`, where the link does not bound the batch itself.
+    /// Armed at the first `Pending`.
     timer: Timer,
     op: Op,
     durability: Durability,
@@ -205,8 +205,6 @@ enum Work {
 }
 
 enum Timer {
-    /// The link ends the batch at its timeout itself.
-    Link,
     /// Armed at the first `Pending`: for the transfer's timeout from then, or until the instant given
     /// (a caller's deadline, already folded with the timeout).
     Unarmed(Option<Instant>),
@@ -232,9 +230,9 @@ impl Transfer {
     /// `timeout` and, with a `deadline`, by then. `Timeout` at once, with nothing sent, when the
     /// deadline has already passed.
     ///
-    /// The clock is read once here, for both bounds, and only where something needs it: a link that
-    /// bounds batches itself takes the instant they make ([`Due`]); elsewhere, a transfer without a
-    /// deadline reads none until its first poll finds it unfinished (see [`Run::poll_bounded`]).
+    /// The clock is read here only where something needs it (a deadline, or metrics); a transfer
+    /// without a deadline reads none for its bound until its first poll finds it unfinished (see
+    /// [`Run::poll_bounded`]).
     pub(crate) fn new(
         peer: &Peer,
         mut request: TransferRequest,
@@ -253,23 +251,27 @@ impl Transfer {
         };
         request.checked =
             integrity && data.checks_in_band() && peer.inner.control.checks_in_band() && !staged_destination(&request);
-        let mut check = (integrity && !request.checked)
+        let check = (integrity && !request.checked)
             .then(|| Check::of(&request))
             .transpose()?;
         let (op, durability, descriptors) = (request.op, request.durability, request.items.len());
         let checked = request.checked;
-        let link_bounds = data.bounds_transfers();
         let metered = peer.inner.metrics.is_some();
-        let now = (link_bounds || deadline.is_some() || metered).then(Instant::now);
-        let due = match now {
-            Some(now) => due(now, timeout, deadline).map_err(|()| {
-                Error::Timeout(format!(
-                    "a batch of {descriptors} descriptors to {}: its deadline passed before it started; \
-                     nothing was sent",
-                    peer.addr()
-                ))
-            })?,
-            None => None,
+        let now = (deadline.is_some() || metered).then(Instant::now);
+        // With a deadline the timer ends at the instant both bounds make; without, it counts the
+        // timeout from the first `Pending`.
+        let (until, timeout) = match (now, deadline) {
+            (Some(now), Some(deadline)) => {
+                let at = end(now, timeout, deadline).ok_or_else(|| {
+                    Error::Timeout(format!(
+                        "a batch of {descriptors} descriptors to {}: its deadline passed before it started; \
+                         nothing was sent",
+                        peer.addr()
+                    ))
+                })?;
+                (Some(at), at.saturating_duration_since(now))
+            }
+            _ => (None, timeout),
         };
         let span = tracing::debug_span!(
             "transfer",
@@ -282,30 +284,13 @@ impl Transfer {
         );
         let bytes = request.items.iter().map(|i| i.len()).sum();
         span.record("bytes", bytes);
-        if let Some(check) = &mut check {
-            check.due = due;
-        }
-        let (work, timer, timeout) = match link_bounds {
-            true => (Work::Started(data.transfer(request, due)), Timer::Link, timeout),
-            // With a deadline the timer ends at the instant both bounds make; without, it counts the
-            // timeout from the first `Pending`.
-            false => {
-                let until = deadline.and(due);
-                let timeout = until.map_or(timeout, |due| due.within());
-                (
-                    Work::Unstarted(request),
-                    Timer::Unarmed(until.map(|due| due.at)),
-                    timeout,
-                )
-            }
-        };
         Ok(Transfer {
             peer: peer.clone(),
             metered: now.filter(|_| metered),
             run: Run {
-                work,
+                work: Work::Unstarted(request),
                 timeout,
-                timer,
+                timer: Timer::Unarmed(until),
                 op,
                 durability,
                 checked,
@@ -318,18 +303,14 @@ impl Transfer {
     }
 }
 
-/// When a batch started at `now` must end: `timeout` later, or at `deadline` if that comes first.
-/// `None` when neither bounds it (a timeout too long to add to now, and no deadline); `Err` when the
-/// deadline comes first and is not after `now`.
-fn due(now: Instant, timeout: Duration, deadline: Option<Instant>) -> std::result::Result<Option<Due>, ()> {
-    let at = match (now.checked_add(timeout), deadline) {
-        (Some(at), None) => at,
-        (Some(at), Some(d)) if at <= d => at,
-        (_, Some(d)) if d <= now => return Err(()),
-        (_, Some(d)) => d,
-        (None, None) => return Ok(None),
-    };
-    Ok(Some(Due { at, started: now }))
+/// When a batch started at `now` with `timeout` must end, given its caller's `deadline`: whichever
+/// comes first (the deadline, when `now + timeout` is past what an instant holds). `None` when the
+/// deadline is not after `now`: the batch may not start.
+fn end(now: Instant, timeout: Duration, deadline: Instant) -> Option<Instant> {
+    if deadline <= now {
+        return None;
+    }
+    Some(now.checked_add(timeout).map_or(deadline, |at| at.min(deadline)))
 }
 
 /// Bytes a transfer may move on the caller's thread per unit of the task's coop budget. tokio counts
@@ -389,8 +370,7 @@ impl Run {
                 return Poll::Ready(done.map_err(Some));
             }
             if let Work::Unstarted(request) = std::mem::replace(&mut self.work, Work::Taken) {
-                // This link does not bound batches: the timer below does.
-                self.work = Work::Started(peer.inner.data.transfer(request, None));
+                self.work = Work::Started(peer.inner.data.transfer(request));
                 fresh = true;
             }
         }
@@ -417,8 +397,7 @@ impl Run {
             if declined.is_empty() {
                 // The data moved: check it where asked, within what is left of the batch's bound.
                 if let Some(check) = self.check.take() {
-                    let due = check.due.or_else(|| due_of(&mut self.timer, self.timeout));
-                    self.work = Work::Checking((*check).run(peer, due));
+                    self.work = Work::Checking((*check).run(peer));
                     continue;
                 }
                 if fresh {
@@ -434,14 +413,13 @@ impl Run {
             }
             // The rest goes over the control link, within what is left of the batch's bound.
             fresh = false;
-            let due = due_of(&mut self.timer, self.timeout);
             let request = TransferRequest {
                 op: self.op,
                 durability: self.durability,
                 items: declined.into_items(),
                 checked: self.checked,
             };
-            self.work = Work::Declined(peer.inner.control.transfer(request, due));
+            self.work = Work::Declined(peer.inner.control.transfer(request));
         }
         if let Timer::Unarmed(until) = self.timer {
             let sleep = match until {
@@ -450,29 +428,16 @@ impl Run {
             };
             self.timer = Timer::Armed(Box::pin(sleep));
         }
-        match &mut self.timer {
-            Timer::Armed(sleep) => sleep.as_mut().poll(cx).map(|()| Err(None)),
-            _ => Poll::Pending,
-        }
+        let Timer::Armed(sleep) = &mut self.timer else {
+            return Poll::Pending;
+        };
+        ready!(sleep.as_mut().poll(cx));
+        // Out of time: the batch is dropped now, not whenever its caller drops this future, so that
+        // the link lets go of it and nothing lands in its buffers once `Timeout` is seen.
+        self.work = Work::Taken;
+        self.check = None;
+        Poll::Ready(Err(None))
     }
-}
-
-/// The instant `timer` ends the batch, for what the data link declined to go over the control link
-/// by then (which bounds it itself); arms an unarmed timer's instant from now. `None` where the data
-/// link bounds its batches (it never declines anything: it is the control link).
-fn due_of(timer: &mut Timer, timeout: Duration) -> Option<Due> {
-    let at = match timer {
-        Timer::Link => return None,
-        Timer::Unarmed(Some(at)) => *at,
-        Timer::Unarmed(None) => {
-            let at = Instant::now().checked_add(timeout)?;
-            *timer = Timer::Unarmed(Some(at));
-            at
-        }
-        Timer::Armed(sleep) => sleep.deadline().into_std(),
-    };
-    let started = at.checked_sub(timeout).unwrap_or(at);
-    Some(Due { at, started })
 }
 
 impl Future for Transfer {

@@ -21,7 +21,7 @@
 //! hook copies it up first, at either end.
 
 use ferry_core::codec::Segment;
-use ferry_core::{Due, Error, Op, Resolved, Result, TransferRequest};
+use ferry_core::{Error, Op, Resolved, Result, TransferRequest};
 use futures::future::BoxFuture;
 
 use crate::peer::Peer;
@@ -31,9 +31,6 @@ pub(crate) struct Check {
     op: Op,
     local: Local,
     remote: Vec<Segment>,
-    /// The batch's bound, where it was known when the batch started (a link that bounds batches
-    /// itself); else the caller's timer gives it when the check starts.
-    pub(crate) due: Option<Due>,
 }
 
 impl Check {
@@ -58,14 +55,13 @@ impl Check {
                     len: i.len(),
                 })
                 .collect(),
-            due: None,
         }))
     }
 
-    /// Runs the check, by `due` where given: the target's sums over `peer`'s control link, this
-    /// side's meanwhile.
-    pub(crate) fn run(self, peer: &Peer, due: Option<Due>) -> BoxFuture<'static, Result<()>> {
-        let Check { op, local, remote, .. } = self;
+    /// Runs the check: the target's sums over `peer`'s control link, this side's meanwhile. Its
+    /// transfer bounds it in time, with the rest of the batch.
+    pub(crate) fn run(self, peer: &Peer) -> BoxFuture<'static, Result<()>> {
+        let Check { op, local, remote } = self;
         let addr = peer.addr();
         let fence = (op == Op::Write).then(|| peer.inner.data.fence_writes());
         let control = peer.inner.control.clone();
@@ -73,7 +69,7 @@ impl Check {
             if let Some(fence) = fence {
                 fence.await?;
             }
-            let theirs = control.sums(op, remote.clone(), due.map(|d| d.at));
+            let theirs = control.sums(op, remote.clone());
             let ours = async {
                 match local {
                     Local::Summed(sums) => Ok(sums),

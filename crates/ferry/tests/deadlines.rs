@@ -1,6 +1,7 @@
-//! Transfer timeouts over TCP, which the link enforces with one timer for all its operations (the
-//! protocol core's deadlines): a write to a frozen target ends at its own timeout, even when another
-//! write with a much later one is already waiting, and the link serves again once the target thaws.
+//! Transfer timeouts over TCP, which the engine's `Transfer` enforces as it does on every link (the
+//! link keeps no transfer's time): a write to a frozen target ends at its own timeout, even when
+//! another write with a much later one is already waiting, and the link serves again once the target
+//! thaws.
 //! A deadline (`Engine::transfer_future_until`) ends a write that its timeout would let run on, and
 //! one already passed refuses the transfer before anything is sent.
 
@@ -10,7 +11,7 @@ use std::time::Duration;
 use ferry::{Access, Durability, Engine, Error, Op, Peer, Region, TransferDesc, TransportKind};
 
 /// Far longer than any step here takes, and shorter than the link's keepalive step (5 s), so that a
-/// timer that slept towards that step instead of the sooner deadline shows as a hang.
+/// write that only the link's giving up ended shows as a hang.
 const HANG: Duration = Duration::from_secs(3);
 
 /// A TCP target on a runtime of one thread of its own, which [`Frozen::freeze`] blocks until `thaw`.
@@ -162,8 +163,7 @@ async fn a_write_ends_at_its_deadline_before_its_timeout() {
 }
 
 /// A transfer whose deadline has already passed is refused when it is made, with `Timeout`, and
-/// sends nothing: over TCP, whose link bounds batches itself, and over shared memory, where the
-/// transfer bounds itself.
+/// sends nothing, over TCP and over shared memory alike.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_transfer_past_its_deadline_sends_nothing() {
     for transports in [vec![TransportKind::Tcp], vec![TransportKind::Shm]] {

@@ -64,7 +64,11 @@ pub struct Pair {
 }
 
 pub async fn pair(streams: usize) -> Pair {
-    let remote = region(0x51, 0);
+    pair_with(region(0x51, 0), streams).await
+}
+
+/// A pair whose target serves `remote` (key and length as [`region`]'s).
+pub async fn pair_with(remote: Arc<RegionEntry>, streams: usize) -> Pair {
     let inbox = Arc::new(Inbox {
         region: remote.clone(),
         seen: Mutex::new(Vec::new()),
@@ -138,9 +142,7 @@ impl Pair {
     }
 
     pub async fn run(&self, request: TransferRequest) -> Result<()> {
-        let declined = tokio::time::timeout(T, self.link.transfer(request, None))
-            .await
-            .unwrap()?;
+        let declined = tokio::time::timeout(T, self.link.transfer(request)).await.unwrap()?;
         // The control link reaches every region: it never leaves anything to another link.
         assert!(declined.is_empty(), "TCP declined {} items", declined.len());
         Ok(())
