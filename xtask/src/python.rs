@@ -20,8 +20,11 @@ use crate::util::{
 const SYSTEM_PYTHON: &str = "/usr/bin/python3";
 
 /// What the tests and the benchmark import besides ferry (the `test` extra of the package).
-/// mypy's stubtest checks the type stubs against the built module.
-const TEST_REQUIREMENTS: &[&str] = &["pytest>=7", "numpy>=1.22", "mypy>=1.18"];
+/// mypy's stubtest checks the type stubs against the built module. PyTorch, for the tests that
+/// move CPU tensors as the programs moving KV caches hold them: PyPI's wheel brings its CUDA
+/// libraries (about 5 GiB installed, a minute or two to fetch) even where only its CPU tensors
+/// are used, since `import torch` loads them.
+const TEST_REQUIREMENTS: &[&str] = &["pytest>=7", "numpy>=1.22", "mypy>=1.18", "torch>=2"];
 
 const MINUTE: Duration = Duration::from_secs(60);
 

@@ -99,6 +99,24 @@ def descs_for(local_addr: int, remote_addr: int, size: int, count: int) -> np.nd
     return d
 
 
+def require(what: str) -> None:
+    """Skips the test for want of `what`, unless FERRY_REQUIRE_ALL is set (as `cargo xtask test`
+    sets it, having installed everything the tests need), where that is a failure."""
+    if os.environ.get("FERRY_REQUIRE_ALL"):
+        pytest.fail(what)
+    pytest.skip(what)
+
+
+@pytest.fixture
+def torch():
+    """PyTorch, for tests of CPU tensors as the programs that move KV caches hold them."""
+    try:
+        import torch
+    except ImportError as e:
+        require(f"PyTorch is not installed ({e}); `pip install torch`")
+    return torch
+
+
 def _free_port() -> int:
     import socket
 
@@ -122,9 +140,7 @@ def etcd(tmp_path):
     if not any(d["name"] == "etcd" and d["compiled"] for d in ferry.capabilities()["directories"]):
         missing.append('the ferry package has no etcd directory (MATURIN_PEP517_ARGS="--features etcd")')
     if missing:
-        if os.environ.get("FERRY_REQUIRE_ALL"):
-            pytest.fail("; ".join(missing))
-        pytest.skip("; ".join(missing))
+        require("; ".join(missing))
     client, peer = f"http://127.0.0.1:{_free_port()}", f"http://127.0.0.1:{_free_port()}"
     proc = subprocess.Popen(
         ["etcd", "--name", "t", "--data-dir", str(tmp_path / "etcd"),

@@ -5,6 +5,9 @@ notification it gets, with the digest of its blocks at that moment.
 
 Each notification prints {"from", "msg" (hex), "sha256"}; the notification b"exit" ends it.
 
+With NIXL_PEER_MEMORY=torch the blocks are a PyTorch CPU tensor, registered by its ``data_ptr()``
+as vLLM's connector registers its caches; by default a numpy array.
+
 With NIXL_PEER_LISTEN_PORT the agent listens for NIXL's metadata exchange on that port
 (``enable_listen_thread``), so that another agent can ``fetch_remote_metadata`` it. With
 NIXL_PEER_SEND_TO=ip:port it pushes its metadata there (``send_local_metadata``) once its memory
@@ -51,8 +54,17 @@ def main() -> None:
         ),
     )
     kv = pattern(BLOCK * BLOCKS, seed=7)
-    base = kv.ctypes.data
-    descs = agent.get_reg_descs([(base, kv.nbytes, 0, "kv")], "DRAM")
+    if os.environ.get("NIXL_PEER_MEMORY") == "torch":
+        import torch
+
+        # A tensor with storage of its own (not a view of the array), as a model's KV cache is.
+        tensor = torch.tensor(kv)
+        base, length = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+        kv = tensor.numpy()  # the tensor's own bytes, for the digests below
+        assert kv.ctypes.data == base
+    else:
+        base, length = kv.ctypes.data, kv.nbytes
+    descs = agent.get_reg_descs([(base, length, 0, "kv")], "DRAM")
     agent.register_memory(descs, backends=["UCX"])
     hello = {
         "metadata": base64.b64encode(agent.get_agent_metadata()).decode(),

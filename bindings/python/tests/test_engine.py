@@ -661,3 +661,28 @@ def test_integrity_checks_every_transfer_when_asked():
         finally:
             initiator.close()
             target.close()
+
+
+def test_cpu_tensors_move_by_data_ptr(pair, torch):
+    """PyTorch CPU tensors, registered by `data_ptr()` as the README says (the tensor kept alive as
+    the region's owner): a float16 tensor written into a byte tensor at the target and read back
+    into a third, every byte compared."""
+    target, initiator = pair
+    src = torch.randn(256, 128, dtype=torch.float16)
+    dst = torch.zeros(256 * 128 * 2, dtype=torch.uint8)
+    back = torch.empty_like(src)
+
+    def register(engine, tensor):
+        return engine.register_ptr(tensor.data_ptr(), tensor.numel() * tensor.element_size(), owner=tensor)
+
+    remote, source, landing = register(target, dst), register(initiator, src), register(initiator, back)
+    assert remote.length == source.length == 64 * KIB
+
+    async def run():
+        peer = await connect(initiator, target)
+        await initiator.transfer(peer, "write", descs_for(source.addr, remote.addr, 4 * KIB, 16), timeout=5.0)
+        await initiator.transfer(peer, "read", [(landing.addr, remote.addr, landing.length)], timeout=5.0)
+
+    asyncio.run(run())
+    assert torch.equal(dst, src.view(torch.uint8).flatten())
+    assert torch.equal(back.view(torch.uint8), src.view(torch.uint8))

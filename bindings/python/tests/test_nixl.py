@@ -53,8 +53,8 @@ def wait_notifs(agent, sender, count=1, timeout=10.0):
 class Prefill:
     """`nixl_peer.py` in a process of its own."""
 
-    def __init__(self, transports=None, env_extra=None):
-        env = dict(os.environ)
+    def __init__(self, transports=None, env_extra=None, memory="numpy"):
+        env = dict(os.environ, NIXL_PEER_MEMORY=memory)
         if transports:
             env["NIXL_PEER_TRANSPORTS"] = ",".join(transports)
         env.update(env_extra or {})
@@ -83,8 +83,8 @@ class Prefill:
 def prefill():
     procs = []
 
-    def start(transports=None, **env_extra):
-        p = Prefill(transports, env_extra)
+    def start(transports=None, memory="numpy", **env_extra):
+        p = Prefill(transports, env_extra, memory)
         procs.append(p)
         return p
 
@@ -119,19 +119,29 @@ def block_list(base, count, size=4096):
     return [(base + i * size, size, 0) for i in range(count)]
 
 
+@pytest.mark.parametrize("memory", ["numpy", "torch"])
 @pytest.mark.parametrize("transports", TRANSPORTS, ids=["default", "tcp"])
-def test_connector_pattern_across_processes(prefill, transports):
+def test_connector_pattern_across_processes(prefill, transports, memory, request):
     """vLLM's NixlConnector, decode side: load the prefill agent, prepare both block lists once,
     READ chosen blocks with a notification, poll until DONE; then a WRITE (initialize_xfer) whose
-    notification the prefill side must see only once the bytes are in its memory."""
-    remote = prefill(transports)
+    notification the prefill side must see only once the bytes are in its memory. With `torch`,
+    both sides hold their blocks in PyTorch CPU tensors: the decode side registers its cache tensor
+    itself and names blocks by `data_ptr()`, the prefill side registers `(data_ptr(), len, 0, "")`."""
+    torch = request.getfixturevalue("torch") if memory == "torch" else None
+    remote = prefill(transports, memory)
     size, count = remote.block_size, len(remote.blocks)
     expected = pattern(size * count, seed=7).reshape(count, size)
 
     agent = nixl_agent("decode", nixl_agent_config(backends=["UCX"], transports=transports))
     try:
-        kv = np.zeros((count, size), dtype=np.uint8)
-        reg = agent.register_memory(agent.get_reg_descs([(kv.ctypes.data, kv.nbytes, 0, "")], "DRAM"))
+        if torch is not None:
+            cache = torch.zeros((count, size), dtype=torch.uint8)
+            reg = agent.register_memory(cache)
+            kv = cache.numpy()  # the tensor's own bytes, for the checks
+            assert kv.ctypes.data == cache.data_ptr()
+        else:
+            kv = np.zeros((count, size), dtype=np.uint8)
+            reg = agent.register_memory(agent.get_reg_descs([(kv.ctypes.data, kv.nbytes, 0, "")], "DRAM"))
         name = agent.add_remote_agent(remote.metadata)
         assert name == b"prefill"
         assert agent.check_remote_metadata("prefill")
@@ -165,8 +175,14 @@ def test_connector_pattern_across_processes(prefill, transports):
 
         # WRITE fresh bytes over remote blocks 5 and 6; the notification must find them there.
         fresh = pattern(2 * size, seed=11).reshape(2, size)
-        src = agent.register_memory([fresh])
-        local_descs = agent.get_xfer_descs(block_list(fresh.ctypes.data, 2, size), "DRAM")
+        if torch is not None:
+            fresh_tensor = torch.tensor(fresh)
+            src = agent.register_memory([fresh_tensor])
+            fresh_base = fresh_tensor.data_ptr()
+        else:
+            src = agent.register_memory([fresh])
+            fresh_base = fresh.ctypes.data
+        local_descs = agent.get_xfer_descs(block_list(fresh_base, 2, size), "DRAM")
         remote_descs = agent.get_xfer_descs([(remote.blocks[5], size, 0), (remote.blocks[6], size, 0)], "DRAM")
         handle = agent.initialize_xfer("WRITE", local_descs, remote_descs, "prefill", b"wrote 5,6")
         agent.transfer(handle)
