@@ -87,6 +87,9 @@ enum Probe {
     Sockperf,
     /// One core's AES-128-GCM, GB/s, as `openssl speed` prints it.
     OpensslAesGcm,
+    /// `dd bs=1M oflag=dsync` into the temporary folder's file system, GB/s: durable 1 MiB writes
+    /// without a network.
+    DdDsync,
     /// 4 KiB writes through ferry-tower's stack over the same writes on the engine directly, both in
     /// one run of the `tower_overhead` example: over the transport the engines pick (shared memory,
     /// on one host), or over TCP only. With `floor`, through the least service any stack can be
@@ -521,6 +524,10 @@ const MEASURES: &[Measure] = &[
         write_1mib_single("persistent"),
         Metric::PersistShare,
     ),
+    Measure {
+        key: "dd bs=1M oflag=dsync",
+        probe: Probe::DdDsync,
+    },
 ];
 
 #[derive(Clone, Copy)]
@@ -975,6 +982,15 @@ const COMPARISONS: &[Comparison] = &[
         target: Target::Info,
     },
     Comparison {
+        id: "j2",
+        name: "write 1MiB persistent (TCP, msync target, 1 stream, depth 1) / dd bs=1M oflag=dsync, same file system",
+        ferry: "ferry write 1MiB persistent, 1 stream, depth 1",
+        peer: Some("dd bs=1M oflag=dsync"),
+        peer_scale: 1.0,
+        unit: Unit::GbPerS,
+        target: Target::RatioAtLeast(0.8),
+    },
+    Comparison {
         id: "k",
         name: "persistent 1MiB writes: target's msync time / transfer time",
         ferry: "ferry persistent 1MiB: flush time / transfer time",
@@ -1213,6 +1229,7 @@ impl Bench<'_> {
             Probe::Iperf3 { streams } => peers::iperf3(streams, self.duration),
             Probe::Sockperf => peers::sockperf_p50(self.duration),
             Probe::OpensslAesGcm => peers::openssl_aes_gcm(self.duration),
+            Probe::DdDsync => peers::dd_dsync_gb_per_s(self.duration),
             Probe::Ucx => self.ucx(),
             Probe::UcxShm { test, size } => {
                 let fields = peers::ucx_shm(test, size)?;
@@ -1288,6 +1305,7 @@ impl Bench<'_> {
             Probe::Memcpy => "1 MiB copy_from_slice in a loop, one thread of xtask".into(),
             Probe::Sockperf => peers::sockperf_describe(self.duration),
             Probe::OpensslAesGcm => peers::openssl_describe(self.duration),
+            Probe::DdDsync => peers::dd_describe(self.duration),
             Probe::TowerOverHead { tcp, floor } => format!(
                 "{}{}{}",
                 self.tower_bin.display(),

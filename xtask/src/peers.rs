@@ -451,6 +451,72 @@ pub fn openssl_aes_gcm(duration: Duration) -> Result<f64> {
     parse_openssl_speed(&out.stdout).with_context(|| format!("reading the output of `{what}`"))
 }
 
+/// MiB that [`dd_dsync_gb_per_s`] writes per second of `duration`: a few times what `dd` reaches
+/// here (0.6-1.7 GB/s), so that it runs about as long as the case beside it.
+const DD_MIB_PER_SECOND: u64 = 256;
+
+/// The file `dd` writes: in the temporary folder, where `ferry bench --durability persistent` puts
+/// its target's file, so that both measure the same file system.
+fn dd_file() -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("ferry-bench-dd-{}.data", std::process::id()))
+}
+
+fn dd_count(duration: Duration) -> u64 {
+    (DD_MIB_PER_SECOND * whole_seconds(duration)).max(64)
+}
+
+/// GB/s of `dd bs=1M oflag=dsync` into a file of the temporary folder: what a durable 1 MiB write
+/// costs this machine's file system (each `write` returns once its data is on the disk, as a
+/// persistent ferry write is acknowledged once the target's `msync` returned). The file is removed.
+pub fn dd_dsync_gb_per_s(duration: Duration) -> Result<f64> {
+    let file = dd_file();
+    let mut cmd = Command::new("dd");
+    cmd.arg("if=/dev/zero")
+        .arg(format!("of={}", file.display()))
+        .args(["bs=1M", "oflag=dsync"])
+        .arg(format!("count={}", dd_count(duration)));
+    let what = describe(&cmd);
+    let out = run_captured(&mut cmd, duration * 10 + SLACK);
+    let _ = std::fs::remove_file(&file);
+    let out = out?;
+    if !out.status.success() {
+        bail!("`{what}` failed ({}): {}", out.status, tail(&out.combined()));
+    }
+    parse_dd(&out.stderr).with_context(|| format!("reading the output of `{what}`"))
+}
+
+pub fn dd_describe(duration: Duration) -> String {
+    format!(
+        "dd if=/dev/zero of=$TMPDIR/ferry-bench-dd-PID.data bs=1M oflag=dsync count={}",
+        dd_count(duration)
+    )
+}
+
+/// GB/s from dd's summary line (`536870912 bytes (537 MB, 512 MiB) copied, 0.33 s, 1.6 GB/s`), from
+/// its bytes and seconds rather than its rounded rate.
+fn parse_dd(stderr: &str) -> Result<f64> {
+    let line = stderr
+        .lines()
+        .rev()
+        .find(|l| l.contains(" copied, "))
+        .ok_or_else(|| anyhow!("no summary line in: {}", tail(stderr)))?;
+    let bytes: f64 = line
+        .split_whitespace()
+        .next()
+        .and_then(|b| b.parse().ok())
+        .ok_or_else(|| anyhow!("no byte count in {line:?}"))?;
+    let seconds: f64 = line
+        .split(" copied, ")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| anyhow!("no time in {line:?}"))?;
+    if seconds <= 0.0 {
+        bail!("a time of {seconds} s in {line:?}");
+    }
+    Ok(bytes / seconds / 1e9)
+}
+
 pub fn openssl_describe(duration: Duration) -> String {
     format!(
         "openssl speed -evp aes-128-gcm -bytes 16384 -seconds {}",
@@ -540,6 +606,18 @@ mod tests {
         let gb = parse_openssl_speed(out).unwrap();
         assert!((gb - 4.30114406).abs() < 1e-6, "{gb}");
         assert!(parse_openssl_speed("type 16384 bytes\n").is_err());
+    }
+
+    #[test]
+    fn dd_summaries_read_as_gb_per_s() {
+        let err = "512+0 records in\n512+0 records out\n536870912 bytes (537 MB, 512 MiB) copied, 0.335 s, 1.6 GB/s\n";
+        let gb = parse_dd(err).unwrap();
+        assert!((gb - 536870912.0 / 0.335 / 1e9).abs() < 1e-9, "{gb}");
+        // One MiB: dd says "1.0 MiB" and a time in its own format all the same.
+        let one = "1048576 bytes (1.0 MB, 1.0 MiB) copied, 0.00102 s, 1.0 GB/s\n";
+        assert!((parse_dd(one).unwrap() - 1048576.0 / 0.00102 / 1e9).abs() < 1e-9);
+        assert!(parse_dd("dd: failed to open 'x': Permission denied\n").is_err());
+        assert!(parse_dd("0 bytes copied, 0 s, 0 kB/s\n").is_err());
     }
 
     use super::*;
