@@ -451,8 +451,9 @@ pub fn openssl_aes_gcm(duration: Duration) -> Result<f64> {
     parse_openssl_speed(&out.stdout).with_context(|| format!("reading the output of `{what}`"))
 }
 
-/// MiB that [`dd_dsync_gb_per_s`] writes per second of `duration`: a few times what `dd` reaches
-/// here (0.6-1.7 GB/s), so that it runs about as long as the case beside it.
+/// MiB that [`dd_dsync_gb_per_s`] writes per second of `duration`: about what `dd` reaches on the
+/// development machine's virtual disk (0.3-1.7 GB/s), so that it runs about as long as the case
+/// beside it.
 const DD_MIB_PER_SECOND: u64 = 256;
 
 /// The file `dd` writes: in the temporary folder, where `ferry bench --durability persistent` puts
@@ -461,23 +462,25 @@ fn dd_file() -> std::path::PathBuf {
     std::env::temp_dir().join(format!("ferry-bench-dd-{}.data", std::process::id()))
 }
 
-fn dd_count(duration: Duration) -> u64 {
-    (DD_MIB_PER_SECOND * whole_seconds(duration)).max(64)
+/// The `dd` run of [`dd_dsync_gb_per_s`], which [`dd_describe`] prints.
+fn dd_command(duration: Duration) -> Command {
+    let count = (DD_MIB_PER_SECOND * whole_seconds(duration)).max(64);
+    let mut cmd = Command::new("dd");
+    cmd.arg("if=/dev/zero")
+        .arg(format!("of={}", dd_file().display()))
+        .args(["bs=1M", "oflag=dsync"])
+        .arg(format!("count={count}"));
+    cmd
 }
 
 /// GB/s of `dd bs=1M oflag=dsync` into a file of the temporary folder: what a durable 1 MiB write
 /// costs this machine's file system (each `write` returns once its data is on the disk, as a
 /// persistent ferry write is acknowledged once the target's `msync` returned). The file is removed.
 pub fn dd_dsync_gb_per_s(duration: Duration) -> Result<f64> {
-    let file = dd_file();
-    let mut cmd = Command::new("dd");
-    cmd.arg("if=/dev/zero")
-        .arg(format!("of={}", file.display()))
-        .args(["bs=1M", "oflag=dsync"])
-        .arg(format!("count={}", dd_count(duration)));
+    let mut cmd = dd_command(duration);
     let what = describe(&cmd);
     let out = run_captured(&mut cmd, duration * 10 + SLACK);
-    let _ = std::fs::remove_file(&file);
+    let _ = std::fs::remove_file(dd_file());
     let out = out?;
     if !out.status.success() {
         bail!("`{what}` failed ({}): {}", out.status, tail(&out.combined()));
@@ -486,10 +489,7 @@ pub fn dd_dsync_gb_per_s(duration: Duration) -> Result<f64> {
 }
 
 pub fn dd_describe(duration: Duration) -> String {
-    format!(
-        "dd if=/dev/zero of=$TMPDIR/ferry-bench-dd-PID.data bs=1M oflag=dsync count={}",
-        dd_count(duration)
-    )
+    describe(&dd_command(duration))
 }
 
 /// GB/s from dd's summary line (`536870912 bytes (537 MB, 512 MiB) copied, 0.33 s, 1.6 GB/s`), from

@@ -1203,13 +1203,11 @@ impl TcpLink {
     }
 }
 
-/// Sends one checksum request: the stream and id it took, and the receiver its answer comes on.
-#[allow(clippy::type_complexity)]
-fn request_sums(
-    shared: &Shared,
-    op: ferry_core::Op,
-    segments: Vec<Segment>,
-) -> Result<(StreamIndex, OpId, oneshot::Receiver<Result<Vec<u32>>>)> {
+/// A checksum request on its way: the stream and id it took, and where its answer comes.
+type SumsRequested = (StreamIndex, OpId, oneshot::Receiver<Result<Vec<u32>>>);
+
+/// Sends one checksum request.
+fn request_sums(shared: &Shared, op: ferry_core::Op, segments: Vec<Segment>) -> Result<SumsRequested> {
     let (tx, rx) = oneshot::channel();
     let (stream, id) = start_request(shared, None, Waiter::Sums(tx), |id| Frame::Sum {
         id: id.0,
