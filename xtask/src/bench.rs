@@ -15,7 +15,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use anyhow::{Result, anyhow};
+use anyhow::{Result, anyhow, bail};
 use serde_json::{Value, json};
 
 use crate::peers::{self, FerryCase, FerryResult, Tls};
@@ -42,6 +42,10 @@ pub struct Args {
     /// and write a page with plots of the whole run to DIR (`DIR/index.html`).
     #[arg(long, value_name = "DIR")]
     report: Option<PathBuf>,
+    /// Only these rows (their ids, comma-separated: `--rows pc,pe,pd`), and only the measures they
+    /// compare: a quick look at a few figures, without the rest of the table.
+    #[arg(long, value_name = "IDS", value_delimiter = ',')]
+    rows: Vec<String>,
 }
 
 /// Peer tools and the Debian packages that carry them.
@@ -107,6 +111,8 @@ enum Probe {
         case: &'static str,
         blocking: bool,
         metric: Metric,
+        /// Against a `ferry serve` of its own (`--peer`), not a second engine of the same process.
+        two_processes: bool,
     },
 }
 
@@ -240,6 +246,7 @@ const MEASURES: &[Measure] = &[
             case: "write-1mib",
             blocking: false,
             metric: Metric::GbPerS,
+            two_processes: false,
         },
     },
     Measure {
@@ -248,6 +255,7 @@ const MEASURES: &[Measure] = &[
             case: "nixl-write-1mib",
             blocking: false,
             metric: Metric::GbPerS,
+            two_processes: false,
         },
     },
     ferry("ferry KV 64KiB x256", write("64KiB", 256, None, None), Metric::GbPerS),
@@ -257,6 +265,7 @@ const MEASURES: &[Measure] = &[
             case: "nixl-kv-64kib-x256",
             blocking: false,
             metric: Metric::GbPerS,
+            two_processes: false,
         },
     },
     ferry(
@@ -302,6 +311,7 @@ const MEASURES: &[Measure] = &[
             case: "write-4kib-x256",
             blocking: false,
             metric: Metric::GbPerS,
+            two_processes: false,
         },
     },
     ferry(
@@ -359,6 +369,16 @@ const MEASURES: &[Measure] = &[
             case: "write-64b-p50",
             blocking: false,
             metric: Metric::P50Us,
+            two_processes: false,
+        },
+    },
+    Measure {
+        key: "python 64 B p50, awaited, two processes",
+        probe: Probe::Python {
+            case: "write-64b-p50",
+            blocking: false,
+            metric: Metric::P50Us,
+            two_processes: true,
         },
     },
     Measure {
@@ -367,6 +387,7 @@ const MEASURES: &[Measure] = &[
             case: "write-64b-p50",
             blocking: true,
             metric: Metric::P50Us,
+            two_processes: false,
         },
     },
     ferry(
@@ -791,6 +812,18 @@ const COMPARISONS: &[Comparison] = &[
         unit: Unit::Micros,
         target: Target::Info,
     },
+    // Two processes, as users run it: the Python initiator against `ferry serve`, beside `ferry bench
+    // --peer` against the same. Here both sides' waits are thread wake-ups in either language, where
+    // the in-process Rust pair of pc runs both engines on one worker thread without any.
+    Comparison {
+        id: "pe",
+        name: "two processes: 64 B p50 round trip: Python await / Rust",
+        ferry: "python 64 B p50, awaited, two processes",
+        peer: Some("ferry 64 B p50, two processes"),
+        peer_scale: 1.0,
+        unit: Unit::Micros,
+        target: Target::RatioAtMost(2.0),
+    },
     Comparison {
         id: "pd",
         name: "64 B p50 round trip: Python transfer_blocking / Rust",
@@ -1117,6 +1150,8 @@ struct Bench<'a> {
 
 pub fn run(args: &Args) -> Result<ExitCode> {
     let duration = parse_duration(&args.duration)?;
+    let comparisons = chosen_rows(&args.rows)?;
+    let measures = measures_for(&comparisons);
     ensure_debian_packages(PEER_PACKAGES)?;
     let ferry_bin = match &args.ferry_bin {
         Some(path) => path.clone(),
@@ -1137,7 +1172,7 @@ pub fn run(args: &Args) -> Result<ExitCode> {
     };
     let mut samples = Samples::default();
     for round in 1..=args.rounds {
-        for measure in MEASURES {
+        for measure in &measures {
             match bench.measure(measure.probe) {
                 Ok(value) => {
                     eprintln!("[round {round}/{}] {}: {value:.3}", args.rounds, measure.key);
@@ -1150,7 +1185,7 @@ pub fn run(args: &Args) -> Result<ExitCode> {
             }
         }
     }
-    let rows: Vec<Row> = COMPARISONS.iter().map(|c| Row::new(c, &samples, &bench)).collect();
+    let rows: Vec<Row> = comparisons.iter().map(|c| Row::new(c, &samples, &bench)).collect();
     let table = render_table(&rows, &bench);
     if args.json {
         eprint!("{table}");
@@ -1168,7 +1203,7 @@ pub fn run(args: &Args) -> Result<ExitCode> {
             ucx_tls: bench.ucx_tls.unwrap_or(peers::UCX_TLS_CHOICES[0]),
         };
         let swept = sweep::run(&ctx, args.rounds);
-        let figures: Vec<report::RowFigure> = COMPARISONS.iter().zip(&rows).map(|(c, r)| r.figure(c)).collect();
+        let figures: Vec<report::RowFigure> = comparisons.iter().zip(&rows).map(|(c, r)| r.figure(c)).collect();
         let meta = report::Meta::here(args.rounds, &args.duration);
         report::write(dir, &meta, &table, &figures, &swept)?;
         eprintln!("xtask bench: the report is {}", dir.join("index.html").display());
@@ -1178,6 +1213,47 @@ pub fn run(args: &Args) -> Result<ExitCode> {
     } else {
         ExitCode::SUCCESS
     })
+}
+
+/// The comparisons `ids` name, in the table's order (all of them when `ids` is empty); an error naming
+/// the ids that no row has.
+fn chosen_rows(ids: &[String]) -> Result<Vec<&'static Comparison>> {
+    if ids.is_empty() {
+        return Ok(COMPARISONS.iter().collect());
+    }
+    let unknown: Vec<&str> = ids
+        .iter()
+        .map(String::as_str)
+        .filter(|id| !COMPARISONS.iter().any(|c| c.id == *id))
+        .collect();
+    if !unknown.is_empty() {
+        let known: Vec<&str> = COMPARISONS.iter().map(|c| c.id).collect();
+        bail!("no row has the id {} (rows: {})", unknown.join(", "), known.join(", "));
+    }
+    Ok(COMPARISONS.iter().filter(|c| ids.iter().any(|id| id == c.id)).collect())
+}
+
+/// The measures `comparisons` read, in the run's order. The stack's added CPU over shared memory
+/// comes from the stack's run over shared memory in the same round, which it then brings along.
+fn measures_for(comparisons: &[&Comparison]) -> Vec<&'static Measure> {
+    let wanted = |m: &Measure| comparisons.iter().any(|c| c.ferry == m.key || c.peer == Some(m.key));
+    let needs_stack_over_shm = MEASURES
+        .iter()
+        .any(|m| matches!(m.probe, Probe::TowerAddedOverShm) && wanted(m));
+    MEASURES
+        .iter()
+        .filter(|m| {
+            wanted(m)
+                || (needs_stack_over_shm
+                    && matches!(
+                        m.probe,
+                        Probe::TowerOverHead {
+                            tcp: false,
+                            floor: false
+                        }
+                    ))
+        })
+        .collect()
 }
 
 /// Builds ferry-tower's `tower_overhead` example in release mode and returns its path.
@@ -1250,9 +1326,15 @@ impl Bench<'_> {
                 .tower_added_over_shm
                 .take()
                 .ok_or_else(|| anyhow!("the stack over shared memory was not measured in this round")),
-            Probe::Python { case, blocking, metric } => {
+            Probe::Python {
+                case,
+                blocking,
+                metric,
+                two_processes,
+            } => {
                 let python = self.python()?;
-                let r = peers::python_bench(&python, case, blocking, self.duration)?;
+                let serve = two_processes.then_some(self.ferry_bin.as_path());
+                let r = peers::python_bench(&python, case, blocking, serve, self.duration)?;
                 Ok(match metric {
                     Metric::P50Us => r.p50_us,
                     _ => r.gb_per_s,
@@ -1316,9 +1398,20 @@ impl Bench<'_> {
                 "{} (its added_cpu_us: workers x (1/stack rate - 1/direct rate))",
                 self.tower_bin.display()
             ),
-            Probe::Python { case, blocking, .. } => format!(
-                "python -m ferry.bench --case {case}{} (bindings/python, in {})",
+            Probe::Python {
+                case,
+                blocking,
+                two_processes,
+                ..
+            } => format!(
+                "{}python -m ferry.bench --case {case}{}{} (bindings/python, in {})",
+                if two_processes {
+                    peers::serve_description()
+                } else {
+                    String::new()
+                },
                 if blocking { " --blocking" } else { "" },
+                if two_processes { " --peer 127.0.0.1:PORT" } else { "" },
                 self.python
                     .as_ref()
                     .map_or_else(|| "its virtual environment".into(), |p| p.display().to_string())
@@ -1509,6 +1602,37 @@ mod tests {
                 assert!(MEASURES.iter().any(|m| m.key == p), "{p}");
             }
         }
+    }
+
+    #[test]
+    fn chosen_rows_run_only_their_measures() {
+        let keys = |ids: &[&str]| -> Vec<&str> {
+            let ids: Vec<String> = ids.iter().map(|s| s.to_string()).collect();
+            let rows = chosen_rows(&ids).expect("known ids");
+            measures_for(&rows).iter().map(|m| m.key).collect()
+        };
+        assert_eq!(
+            keys(&["pe"]),
+            [
+                "ferry 64 B p50, two processes",
+                "python 64 B p50, awaited, two processes"
+            ]
+        );
+        // The stack's added CPU is read off the stack's run over shared memory: both run.
+        let i5 = keys(&["i5"]);
+        assert_eq!(i5.len(), 2, "{i5:?}");
+        assert!(i5.contains(&"tower stack over shm: CPU added per request"));
+        // No ids: every row and every measure; an unknown id is named.
+        assert_eq!(chosen_rows(&[]).map(|r| r.len()).ok(), Some(COMPARISONS.len()));
+        assert_eq!(
+            measures_for(&chosen_rows(&[]).unwrap_or_default()).len(),
+            MEASURES.len()
+        );
+        let e = chosen_rows(&["pe".into(), "zz".into()]).err().map(|e| e.to_string());
+        assert!(
+            e.is_some_and(|e| e.starts_with("no row has the id zz (rows: ")),
+            "the unknown id alone is named"
+        );
     }
 
     #[test]

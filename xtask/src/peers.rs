@@ -112,7 +112,8 @@ impl FerryCase {
     pub fn describe(&self, duration: &str) -> String {
         match self.two_processes {
             true => format!(
-                "ferry serve --listen 127.0.0.1:PORT --region-size {SERVE_REGION} & ferry {} --peer 127.0.0.1:PORT",
+                "{}ferry {} --peer 127.0.0.1:PORT",
+                serve_description(),
                 self.args(duration).join(" ")
             ),
             false => format!("ferry {}", self.args(duration).join(" ")),
@@ -123,6 +124,25 @@ impl FerryCase {
 /// The region a `ferry serve` of a two-process case registers: room for every case's batches in
 /// flight (the KV shape: 16 MiB batches, 8 in flight).
 const SERVE_REGION: &str = "512MiB";
+
+/// Starts `ferry serve` (`bin`) on a free port of loopback, waits until it listens, and gives `cmd`
+/// its address (`--peer`): the target of a two-process case, serving until the guard is dropped.
+fn serve_for(bin: &Path, cmd: &mut Command) -> Result<ServerGuard> {
+    let port = free_port()?;
+    let listen = format!("127.0.0.1:{port}");
+    let mut server = ServerGuard::spawn(
+        "ferry-serve",
+        Command::new(bin).args(["serve", "--listen", &listen, "--region-size", SERVE_REGION]),
+    )?;
+    server.wait_listening(port, LISTEN_TIMEOUT)?;
+    cmd.args(["--peer", &listen]);
+    Ok(server)
+}
+
+/// How [`serve_for`] starts a two-process case's target, for the report.
+pub fn serve_description() -> String {
+    format!("ferry serve --listen 127.0.0.1:PORT --region-size {SERVE_REGION} & ")
+}
 
 /// The figures of one `ferry bench --json` case that the comparisons use.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -144,17 +164,7 @@ pub fn ferry(bin: &Path, case: &FerryCase, duration_arg: &str, duration: Duratio
     cmd.args(case.args(duration_arg));
     // A two-process case's target: serving until dropped, after the measurement.
     let _server = match case.two_processes {
-        true => {
-            let port = free_port()?;
-            let listen = format!("127.0.0.1:{port}");
-            let mut server = ServerGuard::spawn(
-                "ferry-serve",
-                Command::new(bin).args(["serve", "--listen", &listen, "--region-size", SERVE_REGION]),
-            )?;
-            server.wait_listening(port, LISTEN_TIMEOUT)?;
-            cmd.args(["--peer", &listen]);
-            Some(server)
-        }
+        true => Some(serve_for(bin, &mut cmd)?),
         false => None,
     };
     let what = describe(&cmd);
@@ -168,13 +178,23 @@ pub fn ferry(bin: &Path, case: &FerryCase, duration_arg: &str, duration: Duratio
 
 /// Runs one case of the Python binding's benchmark (`python -m ferry.bench --case`), which prints
 /// one JSON object with `gb_per_s` and `p50_us`.
-pub fn python_bench(python: &Path, case: &str, blocking: bool, duration: Duration) -> Result<FerryResult> {
+///
+/// With `serve` (the `ferry` binary), the case runs against a `ferry serve` that this starts, and
+/// stops after it (`--peer`).
+pub fn python_bench(
+    python: &Path,
+    case: &str,
+    blocking: bool,
+    serve: Option<&Path>,
+    duration: Duration,
+) -> Result<FerryResult> {
     let mut cmd = Command::new(python);
     cmd.args(["-m", "ferry.bench", "--case", case, "--duration"])
         .arg(format!("{}", duration.as_secs_f64()));
     if blocking {
         cmd.arg("--blocking");
     }
+    let _server = serve.map(|bin| serve_for(bin, &mut cmd)).transpose()?;
     let v = last_json_line(&mut cmd, duration * 4 + SLACK)?;
     let num = |key: &str| {
         v[key]

@@ -489,7 +489,7 @@ impl Engine {
     ) -> PyResult<Bound<'py, PyAny>> {
         let call = TransferCall::new(self, py, peer, op, descs, durability)?;
         let timeout = seconds(py, "timeout", timeout)?;
-        bridge::spawn(py, async move { call.run(timeout).await.into() })
+        bridge::spawn_after_spin(py, async move { call.run(timeout).await.into() })
     }
 
     /// `transfer` for code without an event loop: blocks the calling thread (not the others: the
@@ -566,7 +566,7 @@ impl Engine {
         let engine = self.live(py)?;
         let prepared = prepared.get().inner.clone();
         let timeout = seconds(py, "timeout", timeout)?;
-        bridge::spawn(
+        bridge::spawn_after_spin(
             py,
             async move { engine.transfer_prepared(&prepared, timeout).await.into() },
         )

@@ -163,6 +163,42 @@ def test_thousand_concurrent_asyncio_transfers(pair):
     assert np.array_equal(dst_array, src_array)
 
 
+def test_awaited_transfers_run_on_the_callers_thread_only_while_the_loop_is_idle(pair):
+    target, initiator = pair
+    size = 32 << 20
+    dst_array = np.zeros(size, dtype=np.uint8)
+    dst = target.register(dst_array)
+    src_array = np.random.default_rng(5).integers(0, 256, size, dtype=np.uint8)
+    src = initiator.register(src_array)
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        peer = await connect(initiator, target)
+        # Another callback is ready to run: the write goes to the runtime at once, and its future can
+        # resolve only on a later turn of the loop.
+        loop.call_soon(lambda: None)
+        busy = initiator.transfer(peer, "write", [(src.addr, dst.addr, 4 * KIB)], timeout=10.0)
+        assert not busy.done()
+        await busy
+        # Small writes on an idle loop: each resolves, inline or (past the spin) from the runtime.
+        for i in range(1, 200):
+            at = i * 4 * KIB
+            await initiator.transfer(peer, "write", [(src.addr_at(at), dst.addr_at(at), 4 * KIB)], timeout=10.0)
+        # 32 MiB outlasts the spin: handed to the runtime part-way, it finishes there.
+        large = initiator.transfer(peer, "write", [(src.addr, dst.addr, size)], timeout=30.0)
+        assert not large.done()
+        await large
+        # Failing at its first poll on an idle loop: answered by a future already done.
+        await initiator.disconnect(peer)
+        gone = initiator.transfer(peer, "write", [(src.addr, dst.addr, 64)], timeout=5.0)
+        assert gone.done()
+        with pytest.raises(ferry.NotConnected):
+            await gone
+
+    asyncio.run(run())
+    assert np.array_equal(dst_array, src_array)
+
+
 def test_python_threads_transfer_concurrently(pair):
     """Threads with blocking calls and threads with event loops of their own, all at once."""
     target, initiator = pair

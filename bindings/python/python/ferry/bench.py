@@ -13,6 +13,10 @@ the same kind of load through ``ferry.nixl``, NIXL's synchronous API, as a progr
 drives it: ``depth`` transfer handles posted with ``transfer`` and polled with ``check_xfer_state``
 (1 MiB writes made by ``initialize_xfer``; 256 × 64 KiB blocks picked by index from lists prepared
 once, ``make_prepped_xfer``).
+
+With ``--peer ADDR`` a case runs between two processes, as users deploy it: this process's engine
+writes into the first region of a ``ferry serve`` listening at ADDR (``ferry bench --peer ADDR``
+is the same case from Rust).
 """
 
 import argparse
@@ -51,18 +55,58 @@ def _pair(size: int, batch: int, streams: int, buffer_pool: str):
     dst = np.zeros(size * batch, dtype=np.uint8)
     local = initiator.register(src)
     remote = target.register(dst)
+    return target, initiator, _descs(local.addr, remote.addr, size, batch)
+
+
+def _descs(local: int, remote: int, size: int, batch: int) -> np.ndarray:
     descs = np.empty((batch, 3), dtype=np.uint64)
     offsets = np.arange(batch, dtype=np.uint64) * np.uint64(size)
-    descs[:, 0] = np.uint64(local.addr) + offsets
-    descs[:, 1] = np.uint64(remote.addr) + offsets
+    descs[:, 0] = np.uint64(local) + offsets
+    descs[:, 1] = np.uint64(remote) + offsets
     descs[:, 2] = size
-    return target, initiator, descs
+    return descs
 
 
-async def _python_case(size: int, batch: int, depth: int, streams: int, duration: float, buffer_pool: str) -> Dict:
-    target, initiator, descs = _pair(size, batch, streams, buffer_pool)
+class _Alone:
+    """The place of the in-process target when the target is another process's."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+async def _connect(initiator, addr: str, size: int, batch: int, local: int):
+    """Connects to `addr` and names its first region: the peer, and the batch's descriptors."""
+    peer = await initiator.connect(addr, timeout=5.0)
+    regions = peer.regions()
+    if not regions or regions[0].length < size * batch:
+        raise SystemExit(f"{addr} offers no region of {size * batch} bytes (start it with ferry serve)")
+    return peer, _descs(local, regions[0].addr, size, batch)
+
+
+def _ends(size: int, batch: int, streams: int, buffer_pool: str, peer: Optional[str]):
+    """The in-process target (or a stand-in when `peer` names one), the initiator, the local
+    region's address, and the descriptors into the in-process target (None for a peer's)."""
+    if peer is None:
+        target, initiator, descs = _pair(size, batch, streams, buffer_pool)
+        return target, initiator, int(descs[0, 0]), descs
+    initiator = ferry.Engine(transports=["tcp"], buffer_pool=buffer_pool, streams=streams)
+    src = np.random.default_rng(1).integers(0, 255, size * batch, dtype=np.uint8)
+    local = initiator.register(src)
+    return _Alone(), initiator, local.addr, None
+
+
+async def _python_case(
+    size: int, batch: int, depth: int, streams: int, duration: float, buffer_pool: str, to: Optional[str] = None
+) -> Dict:
+    target, initiator, local, descs = _ends(size, batch, streams, buffer_pool, to)
     with target, initiator:
-        peer = await initiator.connect(target.local_addr, timeout=5.0)
+        if to is None:
+            peer = await initiator.connect(target.local_addr, timeout=5.0)
+        else:
+            peer, descs = await _connect(initiator, to, size, batch, local)
         latencies: List[float] = []
         warmup = duration / 10
         begin = time.perf_counter()
@@ -83,13 +127,16 @@ async def _python_case(size: int, batch: int, depth: int, streams: int, duration
     return _result(size, batch, depth, latencies, elapsed)
 
 
-def _blocking_case(size: int, streams: int, duration: float, buffer_pool: str) -> Dict:
+def _blocking_case(size: int, streams: int, duration: float, buffer_pool: str, to: Optional[str] = None) -> Dict:
     async def connect(initiator, addr):
         return await initiator.connect(addr, timeout=5.0)
 
-    target, initiator, descs = _pair(size, 1, streams, buffer_pool)
+    target, initiator, local, descs = _ends(size, 1, streams, buffer_pool, to)
     with target, initiator:
-        peer = asyncio.run(connect(initiator, target.local_addr))
+        if to is None:
+            peer = asyncio.run(connect(initiator, target.local_addr))
+        else:
+            peer, descs = asyncio.run(_connect(initiator, to, size, 1, local))
         latencies: List[float] = []
         begin = time.perf_counter()
         measure_from = begin + duration / 10
@@ -218,7 +265,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         help="run only this case, once, from Python only, and print its JSON (what `cargo xtask bench` runs)",
     )
     parser.add_argument("--blocking", action="store_true", help="with --case: use transfer_blocking, not await")
+    parser.add_argument(
+        "--peer",
+        metavar="ADDR",
+        help="with --case: write into the first region of a `ferry serve` at ADDR (two processes), not an engine of this one",
+    )
     args = parser.parse_args(argv)
+    if args.peer and args.case not in CASES:
+        parser.error("--peer applies to one asyncio case: give --case " + " | ".join(sorted(CASES)))
 
     if args.case in NIXL_CASES:
         if args.blocking:
@@ -231,9 +285,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.blocking:
             if depth != 1:
                 parser.error("--blocking measures one transfer at a time: use it with write-64b-p50")
-            result = _blocking_case(size, streams, args.duration, args.buffer_pool)
+            result = _blocking_case(size, streams, args.duration, args.buffer_pool, args.peer)
         else:
-            result = asyncio.run(_python_case(size, batch, depth, streams, args.duration, args.buffer_pool))
+            result = asyncio.run(
+                _python_case(size, batch, depth, streams, args.duration, args.buffer_pool, args.peer)
+            )
         print(json.dumps(result), flush=True)
         return 0
 
