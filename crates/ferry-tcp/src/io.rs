@@ -157,6 +157,9 @@ const MAX_CHUNK: usize = 4 << 20;
 pub(crate) const DIRECT_THRESHOLD: usize = 64 << 10;
 /// How much the read buffer asks the socket for at once.
 const READ_AHEAD: usize = 256 << 10;
+/// The highest `SO_RCVLOWAT` a payload read sets: the read buffer's size (128 KiB measured the same,
+/// 1 MiB no better).
+const RCVLOWAT_MAX: usize = READ_AHEAD;
 /// How much the read buffer of a stream not yet admitted asks for at once: enough for a hello, so
 /// that what an unauthenticated peer makes the target hold stays small.
 const HANDSHAKE_READ_AHEAD: usize = 1 << 10;
@@ -242,6 +245,9 @@ pub struct FrameReader {
     limits: Limits,
     /// How much one read asks the socket for.
     read_ahead: usize,
+    /// The socket's `SO_RCVLOWAT` as last set (1, the kernel's default, outside [`read_parts`](
+    /// Self::read_parts)).
+    rcvlowat: usize,
     peer: String,
 }
 
@@ -253,6 +259,7 @@ impl FrameReader {
             buf: BytesMut::with_capacity(READ_AHEAD),
             limits,
             read_ahead: READ_AHEAD,
+            rcvlowat: 1,
             peer,
         }
     }
@@ -266,6 +273,7 @@ impl FrameReader {
             buf: BytesMut::with_capacity(HANDSHAKE_READ_AHEAD),
             limits,
             read_ahead: HANDSHAKE_READ_AHEAD,
+            rcvlowat: 1,
             peer,
         }
     }
@@ -296,6 +304,20 @@ impl FrameReader {
 
     fn closed(&self) -> Error {
         Error::PeerClosed(format!("{} closed the connection", self.peer))
+    }
+
+    /// Sets the plain socket's `SO_RCVLOWAT` to `mark` unless it is that already. An error breaks
+    /// the stream: a mark left above what a peer will send would leave its bytes unread.
+    fn set_rcvlowat(&mut self, mark: usize) -> Result<()> {
+        if mark == self.rcvlowat {
+            return Ok(());
+        }
+        if let ReadHalf::Plain(half) = &self.half {
+            set_rcvlowat(half.as_ref(), mark)
+                .map_err(|e| Error::io(format_args!("setting SO_RCVLOWAT on the stream from {}", self.peer), e))?;
+        }
+        self.rcvlowat = mark;
+        Ok(())
     }
 
     async fn fill(&mut self) -> Result<()> {
@@ -364,7 +386,21 @@ impl FrameReader {
     /// that asked for the bytes, which closes when that operation returns or is dropped. When a guard
     /// refuses, or the kernel finds a region's memory unbacked, the rest of the payload is read and
     /// dropped, and the result says why.
+    ///
+    /// While a large part of the payload is still to come, the socket is told not to report it
+    /// readable for less (`SO_RCVLOWAT`, up to [`RCVLOWAT_MAX`]): the kernel then wakes this task
+    /// once per that many bytes rather than for every few segments, and the sender, which on one
+    /// host delivers the segments itself, wakes it as seldom. Between two processes on a 2-core
+    /// machine that raised 1 MiB writes on one stream from 5.2-5.5 GB/s to 7.4-8.7 (reads: 5.9-6.0 to
+    /// 7.1-7.4). The mark never exceeds what the payload still owes, so the bytes it waits for are
+    /// on their way, and it is back at 1 when this returns.
     pub async fn read_parts(&mut self, parts: &[Resolved], caller: Option<&AccessGuard>) -> Result<Landed> {
+        let landed = self.read_parts_marked(parts, caller).await;
+        self.set_rcvlowat(1)?;
+        landed
+    }
+
+    async fn read_parts_marked(&mut self, parts: &[Resolved], caller: Option<&AccessGuard>) -> Result<Landed> {
         let mut at = Cursor::default();
         let stopped = loop {
             if at.done(parts) {
@@ -404,6 +440,11 @@ impl FrameReader {
         at: Cursor,
         caller: Option<&AccessGuard>,
     ) -> Result<std::result::Result<u64, Landed>> {
+        let payload_left = at.remaining(parts);
+        self.set_rcvlowat(match payload_left >= DIRECT_THRESHOLD as u64 {
+            true => payload_left.min(RCVLOWAT_MAX as u64) as usize,
+            false => 1,
+        })?;
         let half = match &mut self.half {
             ReadHalf::Plain(half) => half,
             ReadHalf::Sealed(_) => return self.copy_opened(parts, at, caller).await,
@@ -413,9 +454,8 @@ impl FrameReader {
                 return Ok(self.copy_buffered(parts, at, caller));
             }
         };
-        let payload_left = at.remaining(parts);
-        self.buf.reserve(self.read_ahead);
         let stream: &TcpStream = half.as_ref();
+        self.buf.reserve(self.read_ahead);
         let buf = &mut self.buf;
         let res = raw_io(stream, Interest::READABLE, || {
             let _held = match caller.map(AccessGuard::enter) {
@@ -740,6 +780,25 @@ pub(crate) fn access_error(parts: &[Resolved]) -> Error {
     }
 }
 
+/// `setsockopt(SO_RCVLOWAT)`: the socket reports itself readable once `mark` bytes wait (or the
+/// stream ended, or the kernel runs short of memory or receive window), and the kernel re-checks its
+/// readiness at once, so that lowering the mark under bytes already waiting reports them.
+fn set_rcvlowat(stream: &TcpStream, mark: usize) -> std::io::Result<()> {
+    let value = libc::c_int::try_from(mark).unwrap_or(libc::c_int::MAX);
+    // SAFETY: `stream` owns the open socket for the duration of the call; the option value is a
+    // c_int on the stack, passed with its size.
+    let r = unsafe {
+        libc::setsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVLOWAT,
+            (&value as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    cvt(r as libc::ssize_t).map(drop)
+}
+
 fn cvt(r: libc::ssize_t) -> std::io::Result<usize> {
     if r < 0 {
         Err(std::io::Error::last_os_error())
@@ -819,6 +878,70 @@ mod tests {
                 prop_assert_eq!(at.done(&parts), walked == total);
             }
         }
+    }
+
+    fn rcvlowat_of(reader: &FrameReader) -> libc::c_int {
+        let ReadHalf::Plain(half) = &reader.half else {
+            panic!("a plain stream")
+        };
+        let stream: &TcpStream = half.as_ref();
+        let mut value: libc::c_int = 0;
+        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        // SAFETY: reads a c_int option of an open socket into a c_int on the stack, with its size.
+        let r = unsafe {
+            libc::getsockopt(
+                stream.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_RCVLOWAT,
+                (&raw mut value).cast(),
+                &mut len,
+            )
+        };
+        assert_eq!(r, 0, "getsockopt: {}", std::io::Error::last_os_error());
+        value
+    }
+
+    /// A large payload read with the low-water mark raised: its bytes arrive in pieces with pauses
+    /// between (each piece under the mark), the sender then sends a few bytes more and waits, and
+    /// both the payload and those bytes are read, with the mark back at 1 in between.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_payload_read_under_a_raised_mark_ends_and_the_mark_is_lowered() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (client, accepted) = tokio::join!(TcpStream::connect(addr), listener.accept());
+        let (mut client, (server, _)) = (client.unwrap(), accepted.unwrap());
+        let payload: Vec<u8> = (0..(1u32 << 20)).map(|i| (i % 251) as u8).collect();
+        let (release, released) = tokio::sync::oneshot::channel::<()>();
+        let sent = payload.clone();
+        let sender = tokio::spawn(async move {
+            for piece in [&sent[..200 << 10], &sent[200 << 10..700 << 10], &sent[700 << 10..]] {
+                client.write_all(piece).await.unwrap();
+                tokio::time::sleep(std::time::Duration::from_millis(30)).await;
+            }
+            client.write_all(b"next!").await.unwrap();
+            // Open, and silent, until the reader has everything.
+            let _ = released.await;
+        });
+        let (rx, _tx) = server.into_split();
+        let mut reader = FrameReader::new(ReadHalf::Plain(rx), Limits::default(), "test".into());
+        let parts = parts(&[300 << 10, 724 << 10]);
+        let within = std::time::Duration::from_secs(10);
+        let landed = tokio::time::timeout(within, reader.read_parts(&parts, None)).await;
+        assert!(matches!(landed, Ok(Ok(Landed::Written))), "{landed:?}");
+        assert_eq!(rcvlowat_of(&reader), 1);
+        let mut next = [0u8; 5];
+        let read = tokio::time::timeout(within, reader.read_exact(&mut next)).await;
+        assert!(
+            matches!(read, Ok(Ok(()))),
+            "the bytes after the payload were not read: {read:?}"
+        );
+        assert_eq!(&next, b"next!");
+        let mut landed_bytes = vec![0u8; payload.len()];
+        let region = &parts[0].region;
+        region.copy_out(0, &mut landed_bytes).unwrap();
+        assert!(landed_bytes == payload, "the payload landed changed");
+        let _ = release.send(());
+        sender.await.unwrap();
     }
 
     #[test]
