@@ -390,8 +390,15 @@ impl Inner {
         if !Inner::lendable(item, request.durability) || stages_locally(item) || item.len() > COPY_CHUNK as u64 {
             return None;
         }
-        let mapping = self.mapping_of(item.remote_key)?;
-        let done = copy_one(request.op, item, &mapping)?;
+        let done = match item.len() <= COPY_UNDER_LOOKUP {
+            // Under the table's read lock (a shard of this thread's): no count taken on the mapping,
+            // whose reference count every worker's copies would otherwise pass between cores.
+            true => match self.lendings.read().get(&item.remote_key) {
+                Some(Lending::Lent(mapping)) => copy_one(request.op, item, mapping)?,
+                _ => return None,
+            },
+            false => copy_one(request.op, item, &*self.mapping_of(item.remote_key)?)?,
+        };
         // Bytes copied into the mapping of a target whose end of the link is already seen closed
         // reach nobody: that is no completed write.
         if done.is_ok() && self.closed.load(Ordering::Acquire) {
@@ -679,6 +686,10 @@ fn copy_one(op: Op, item: &TransferItem, mapping: &Mapping) -> Option<Result<()>
 /// copies at most this much in one poll, so that other tasks run, and a transfer whose caller stopped
 /// waiting for it (its timeout passed, or it was dropped) copies no further chunk.
 const COPY_CHUNK: usize = 8 << 20;
+
+/// Largest copy [`Inner::transfer_now`] makes while it holds the lendings table's read lock, which a
+/// lending or a take-back waits for: a few microseconds at most.
+const COPY_UNDER_LOOKUP: u64 = 64 << 10;
 
 /// Copies the items whose regions are mapped, [`COPY_CHUNK`] bytes at a time (each chunk split over
 /// two threads when large); returns those whose mapping was being given back, to go elsewhere. Every
