@@ -508,6 +508,7 @@ pub fn dd_dsync_gb_per_s(duration: Duration) -> Result<f64> {
     parse_dd(&out.stderr).with_context(|| format!("reading the output of `{what}`"))
 }
 
+/// The `dd` command line of [`dd_dsync_gb_per_s`], for the report.
 pub fn dd_describe(duration: Duration) -> String {
     describe(&dd_command(duration))
 }

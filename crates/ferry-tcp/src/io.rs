@@ -43,7 +43,6 @@ pub(crate) fn configure(stream: &TcpStream, send_timeout: std::time::Duration) -
         .map_err(|e| Error::io("setting TCP_NODELAY", e))?;
     let ms = u32::try_from(send_timeout.as_millis()).unwrap_or(u32::MAX).max(1);
     let idle = (ms / 1000 / 3).clamp(1, 7200) as libc::c_int;
-    let fd = stream.as_raw_fd();
     let options: [(libc::c_int, libc::c_int, libc::c_int); 5] = [
         (libc::IPPROTO_TCP, libc::TCP_USER_TIMEOUT, ms as libc::c_int),
         (libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1),
@@ -52,25 +51,30 @@ pub(crate) fn configure(stream: &TcpStream, send_timeout: std::time::Duration) -
         (libc::IPPROTO_TCP, libc::TCP_KEEPCNT, 3),
     ];
     for (level, name, value) in options {
-        // SAFETY: `fd` is the open socket `stream` owns for the duration of the call; the option
-        // value is a c_int on the stack, passed with its size.
-        let r = unsafe {
-            libc::setsockopt(
-                fd,
-                level,
-                name,
-                (&value as *const libc::c_int).cast(),
-                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-            )
-        };
-        if r != 0 {
-            return Err(Error::io(
-                "setting the connection's timeouts",
-                std::io::Error::last_os_error(),
-            ));
-        }
+        set_int_option(stream, level, name, value).map_err(|e| Error::io("setting the connection's timeouts", e))?;
     }
     Ok(())
+}
+
+/// `setsockopt` of an `int` option on `stream`'s socket.
+fn set_int_option(
+    stream: &TcpStream,
+    level: libc::c_int,
+    name: libc::c_int,
+    value: libc::c_int,
+) -> std::io::Result<()> {
+    // SAFETY: `stream` owns the open socket for the duration of the call; the option value is a
+    // c_int on the stack, passed with its size.
+    let r = unsafe {
+        libc::setsockopt(
+            stream.as_raw_fd(),
+            level,
+            name,
+            (&value as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    cvt(r as libc::ssize_t).map(drop)
 }
 
 /// A connected stream: plain TCP, or TLS over TCP.
@@ -785,18 +789,7 @@ pub(crate) fn access_error(parts: &[Resolved]) -> Error {
 /// readiness at once, so that lowering the mark under bytes already waiting reports them.
 fn set_rcvlowat(stream: &TcpStream, mark: usize) -> std::io::Result<()> {
     let value = libc::c_int::try_from(mark).unwrap_or(libc::c_int::MAX);
-    // SAFETY: `stream` owns the open socket for the duration of the call; the option value is a
-    // c_int on the stack, passed with its size.
-    let r = unsafe {
-        libc::setsockopt(
-            stream.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_RCVLOWAT,
-            (&value as *const libc::c_int).cast(),
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-        )
-    };
-    cvt(r as libc::ssize_t).map(drop)
+    set_int_option(stream, libc::SOL_SOCKET, libc::SO_RCVLOWAT, value)
 }
 
 fn cvt(r: libc::ssize_t) -> std::io::Result<usize> {

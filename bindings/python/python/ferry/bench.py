@@ -21,6 +21,7 @@ is the same case from Rust).
 
 import argparse
 import asyncio
+import contextlib
 import json
 import shutil
 import statistics
@@ -67,35 +68,28 @@ def _descs(local: int, remote: int, size: int, batch: int) -> np.ndarray:
     return descs
 
 
-class _Alone:
-    """The place of the in-process target when the target is another process's."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-async def _connect(initiator, addr: str, size: int, batch: int, local: int):
-    """Connects to `addr` and names its first region: the peer, and the batch's descriptors."""
-    peer = await initiator.connect(addr, timeout=5.0)
+async def _link(initiator, target, to: Optional[str], size: int, batch: int, local: int, descs):
+    """The peer and the batch's descriptors: the in-process `target` and `descs` into it, or, when
+    `to` names a `ferry serve`, that engine and descriptors into its first region."""
+    if to is None:
+        return await initiator.connect(target.local_addr, timeout=5.0), descs
+    peer = await initiator.connect(to, timeout=5.0)
     regions = peer.regions()
     if not regions or regions[0].length < size * batch:
-        raise SystemExit(f"{addr} offers no region of {size * batch} bytes (start it with ferry serve)")
+        raise SystemExit(f"{to} offers no region of {size * batch} bytes (start it with ferry serve)")
     return peer, _descs(local, regions[0].addr, size, batch)
 
 
-def _ends(size: int, batch: int, streams: int, buffer_pool: str, peer: Optional[str]):
-    """The in-process target (or a stand-in when `peer` names one), the initiator, the local
-    region's address, and the descriptors into the in-process target (None for a peer's)."""
-    if peer is None:
+def _ends(size: int, batch: int, streams: int, buffer_pool: str, to: Optional[str]):
+    """The in-process target (nothing to hold when `to` names one elsewhere), the initiator, the
+    local region's address, and the descriptors into the in-process target (None for a peer's)."""
+    if to is None:
         target, initiator, descs = _pair(size, batch, streams, buffer_pool)
         return target, initiator, int(descs[0, 0]), descs
     initiator = ferry.Engine(transports=["tcp"], buffer_pool=buffer_pool, streams=streams)
     src = np.random.default_rng(1).integers(0, 255, size * batch, dtype=np.uint8)
     local = initiator.register(src)
-    return _Alone(), initiator, local.addr, None
+    return contextlib.nullcontext(), initiator, local.addr, None
 
 
 async def _python_case(
@@ -103,10 +97,7 @@ async def _python_case(
 ) -> Dict:
     target, initiator, local, descs = _ends(size, batch, streams, buffer_pool, to)
     with target, initiator:
-        if to is None:
-            peer = await initiator.connect(target.local_addr, timeout=5.0)
-        else:
-            peer, descs = await _connect(initiator, to, size, batch, local)
+        peer, descs = await _link(initiator, target, to, size, batch, local, descs)
         latencies: List[float] = []
         warmup = duration / 10
         begin = time.perf_counter()
@@ -128,15 +119,9 @@ async def _python_case(
 
 
 def _blocking_case(size: int, streams: int, duration: float, buffer_pool: str, to: Optional[str] = None) -> Dict:
-    async def connect(initiator, addr):
-        return await initiator.connect(addr, timeout=5.0)
-
     target, initiator, local, descs = _ends(size, 1, streams, buffer_pool, to)
     with target, initiator:
-        if to is None:
-            peer = asyncio.run(connect(initiator, target.local_addr))
-        else:
-            peer, descs = asyncio.run(_connect(initiator, to, size, 1, local))
+        peer, descs = asyncio.run(_link(initiator, target, to, size, 1, local, descs))
         latencies: List[float] = []
         begin = time.perf_counter()
         measure_from = begin + duration / 10
