@@ -17,7 +17,7 @@ use std::sync::{Arc, RwLock};
 use crate::error::{Error, Result};
 use crate::grants::Grants;
 use crate::guard::AccessGuard;
-use crate::memory::{DmaView, MemoryBlock};
+use crate::memory::{DmaView, FileWriter, MemoryBlock};
 use crate::types::{Access, Durability, PeerIdentity, RegionAd, RegionKey, TransportKind};
 
 /// A registered region: its memory, key, access and access guard.
@@ -242,6 +242,31 @@ impl RegionEntry {
     /// `(offset, len)` that one operation reads, checked against the region; the caller holds a permit.
     pub fn prepare_read_ranges(&self, ranges: &[(u64, u64)]) -> Result<()> {
         self.block.prepare_read_ranges(&self.block_ranges(ranges)?)
+    }
+
+    /// Whether the block writes through a file ([`MemoryBlock::file_writer`]).
+    pub fn writes_through_file(&self) -> bool {
+        self.block.file_writer().is_some()
+    }
+
+    /// Writes `src` at `offset` through the block's file, checked against the region; the caller
+    /// holds a permit.
+    pub fn write_through_file(&self, offset: u64, src: &[u8]) -> Result<()> {
+        self.check_range(offset, src.len() as u64)?;
+        self.file_writer()?.write_at(offset as usize, src)
+    }
+
+    /// Persists the ranges `(offset, len)` that this host's CPU wrote (through the file, or into the
+    /// memory), checked against the region, through the block's [`FileWriter`]; the caller holds a
+    /// permit.
+    pub fn persist_written_by_cpu(&self, ranges: &[(u64, u64)]) -> Result<()> {
+        self.file_writer()?.persist_written(&self.block_ranges(ranges)?)
+    }
+
+    fn file_writer(&self) -> Result<&dyn FileWriter> {
+        self.block
+            .file_writer()
+            .ok_or_else(|| Error::Internal(format!("region {:?} has no file to write through", self.key)))
     }
 
     /// `ranges`, each checked against the region, as the block's hooks take them.

@@ -98,15 +98,31 @@ fn may_block(region: &RegionEntry) -> bool {
     region.staging_may_block(Durability::Completed)
 }
 
+/// What wrote the bytes a persist makes durable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Writer {
+    /// This host's CPU (a copy into the memory, or a `pwrite` into its file): the pages it wrote are
+    /// dirty already.
+    Cpu,
+    /// Possibly a NIC (RDMA), whose writes into a page cache dirty no page.
+    Any,
+}
+
 /// Makes the written `parts` persistent when asked, one batch per region (a page written by several
-/// parts is flushed once); an `msync` runs on a blocking thread.
-pub(crate) async fn persist(parts: &[Resolved], durability: Durability) -> Result<()> {
+/// parts is flushed once); an `msync` runs on a blocking thread. What the CPU wrote into a block
+/// that writes through its file is flushed without dirtying each page first
+/// ([`ferry_core::FileWriter::persist_written`]), which would fault in every page the write did not
+/// map.
+pub(crate) async fn persist(parts: &[Resolved], durability: Durability, writer: Writer) -> Result<()> {
     if durability != Durability::Persistent {
         return Ok(());
     }
     for (region, ranges) in by_region(parts) {
         let blocking = region.staging_may_block(durability);
-        under_permit(&region, blocking, move |region| region.persist(&ranges)).await?;
+        match writer == Writer::Cpu && region.writes_through_file() {
+            true => under_permit(&region, blocking, move |region| region.persist_written_by_cpu(&ranges)).await?,
+            false => under_permit(&region, blocking, move |region| region.persist(&ranges)).await?,
+        }
     }
     Ok(())
 }

@@ -367,15 +367,32 @@ impl FrameReader {
         }
     }
 
-    /// Reads `len` payload bytes into `dst` (a pool buffer).
+    /// Reads `dst.len()` payload bytes into `dst` (a pool buffer, or the buffer a write passes
+    /// through on its way into a file). While a large part of it is still to come, the socket's
+    /// low-water mark is raised as [`read_parts`](Self::read_parts) raises it, and it is back at 1
+    /// when this returns.
     pub async fn read_exact(&mut self, dst: &mut [u8]) -> Result<()> {
-        let from_buf = self.buf.len().min(dst.len());
-        dst[..from_buf].copy_from_slice(&self.buf[..from_buf]);
-        self.buf.advance(from_buf);
-        self.half
-            .read_exact(&mut dst[from_buf..])
-            .await
-            .map_err(|e| self.io_error(e))?;
+        let filled = self.read_exact_marked(dst).await;
+        self.set_rcvlowat(1)?;
+        filled
+    }
+
+    async fn read_exact_marked(&mut self, dst: &mut [u8]) -> Result<()> {
+        let mut at = self.buf.len().min(dst.len());
+        dst[..at].copy_from_slice(&self.buf[..at]);
+        self.buf.advance(at);
+        while at < dst.len() {
+            let left = dst.len() - at;
+            self.set_rcvlowat(match left >= DIRECT_THRESHOLD {
+                true => left.min(RCVLOWAT_MAX),
+                false => 1,
+            })?;
+            let n = self.half.read(&mut dst[at..]).await.map_err(|e| self.io_error(e))?;
+            if n == 0 {
+                return Err(self.closed());
+            }
+            at += n;
+        }
         Ok(())
     }
 
@@ -899,6 +916,21 @@ mod tests {
     /// both the payload and those bytes are read, with the mark back at 1 in between.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_payload_read_under_a_raised_mark_ends_and_the_mark_is_lowered() {
+        read_under_a_raised_mark(ReadInto::Regions).await;
+    }
+
+    /// The same, read into a buffer (`read_exact`, which a write into a file goes through).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_payload_read_into_a_buffer_under_a_raised_mark_ends_and_the_mark_is_lowered() {
+        read_under_a_raised_mark(ReadInto::Buffer).await;
+    }
+
+    enum ReadInto {
+        Regions,
+        Buffer,
+    }
+
+    async fn read_under_a_raised_mark(into: ReadInto) {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (client, accepted) = tokio::join!(TcpStream::connect(addr), listener.accept());
@@ -919,8 +951,18 @@ mod tests {
         let mut reader = FrameReader::new(ReadHalf::Plain(rx), Limits::default(), "test".into());
         let parts = parts(&[300 << 10, 724 << 10]);
         let within = std::time::Duration::from_secs(10);
-        let landed = tokio::time::timeout(within, reader.read_parts(&parts, None)).await;
-        assert!(matches!(landed, Ok(Ok(Landed::Written))), "{landed:?}");
+        let mut landed_bytes = vec![0u8; payload.len()];
+        match into {
+            ReadInto::Regions => {
+                let landed = tokio::time::timeout(within, reader.read_parts(&parts, None)).await;
+                assert!(matches!(landed, Ok(Ok(Landed::Written))), "{landed:?}");
+                parts[0].region.copy_out(0, &mut landed_bytes).unwrap();
+            }
+            ReadInto::Buffer => {
+                let read = tokio::time::timeout(within, reader.read_exact(&mut landed_bytes)).await;
+                assert!(matches!(read, Ok(Ok(()))), "{read:?}");
+            }
+        }
         assert_eq!(rcvlowat_of(&reader), 1);
         let mut next = [0u8; 5];
         let read = tokio::time::timeout(within, reader.read_exact(&mut next)).await;
@@ -929,9 +971,6 @@ mod tests {
             "the bytes after the payload were not read: {read:?}"
         );
         assert_eq!(&next, b"next!");
-        let mut landed_bytes = vec![0u8; payload.len()];
-        let region = &parts[0].region;
-        region.copy_out(0, &mut landed_bytes).unwrap();
         assert!(landed_bytes == payload, "the payload landed changed");
         let _ = release.send(());
         sender.await.unwrap();

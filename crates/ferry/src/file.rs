@@ -214,6 +214,14 @@ impl FileMapping {
         Ok(())
     }
 
+    /// Counts one persisted batch of `ranges`, begun at `began`, in the stats.
+    fn count_persisted(&self, ranges: &[(usize, usize)], began: Instant) {
+        let [batches, bytes, nanos] = &self.stats;
+        batches.fetch_add(1, Ordering::Relaxed);
+        bytes.fetch_add(ranges.iter().map(|r| r.1 as u64).sum(), Ordering::Relaxed);
+        nanos.fetch_add(began.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    }
+
     fn msync(&self, start: usize, end: usize) -> Result<()> {
         // A NIC that wrote these pages (RDMA into the page cache) did so through the kernel, without
         // marking them dirty, and msync writes back dirty pages only. An atomic OR of zero into each
@@ -225,6 +233,11 @@ impl FileMapping {
             unsafe { AtomicU8::from_ptr(self.ptr.add(page)) }.fetch_or(0, Ordering::Relaxed);
             page += page_size();
         }
+        self.msync_dirty(start, end)
+    }
+
+    /// `msync(MS_SYNC)` of `[start, end)`, whose written pages are already dirty in the page cache.
+    fn msync_dirty(&self, start: usize, end: usize) -> Result<()> {
         // SAFETY: [start, end) is page-aligned and inside our mapping; msync only writes back.
         let r = unsafe { libc::msync(self.ptr.add(start).cast(), end - start, libc::MS_SYNC) };
         if r != 0 {
@@ -400,6 +413,14 @@ unsafe impl MemoryBlock for FileMapping {
     fn dma_view(&self) -> DmaView {
         DmaView::Host
     }
+    /// Through the file for a page-cache mapping; a DAX mapping's stores reach persistent memory
+    /// directly, and its flush is a cache-line write-back that costs no fault.
+    fn file_writer(&self) -> Option<&dyn ferry_core::FileWriter> {
+        match self.method {
+            FlushMethod::Msync => Some(self),
+            FlushMethod::CacheFlush => None,
+        }
+    }
     fn persist(&self, ranges: &[(usize, usize)]) -> Result<()> {
         self.check_backing()?;
         if self.skip_persist {
@@ -407,10 +428,7 @@ unsafe impl MemoryBlock for FileMapping {
         }
         let began = Instant::now();
         self.persist_batch(ranges)?;
-        let [batches, bytes, nanos] = &self.stats;
-        batches.fetch_add(1, Ordering::Relaxed);
-        bytes.fetch_add(ranges.iter().map(|r| r.1 as u64).sum(), Ordering::Relaxed);
-        nanos.fetch_add(began.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        self.count_persisted(ranges, began);
         // A fault while dirtying the pages means the file shrank meanwhile.
         self.check_guard()
     }
@@ -443,6 +461,56 @@ unsafe impl MemoryBlock for FileMapping {
             return Err(self.lost(&format!("was truncated to {} bytes", meta.len())));
         }
         Ok(())
+    }
+}
+
+impl ferry_core::FileWriter for FileMapping {
+    /// `pwrite(2)` at the block's place in the file. The file is checked whole before (a write past
+    /// a shrunken file's end would grow it back) and after (a truncation racing the write): either
+    /// way the region is reported lost, as a copy into the mapping would have found it.
+    fn write_at(&self, offset: usize, src: &[u8]) -> Result<()> {
+        self.check_backing()?;
+        let mut done = 0;
+        while done < src.len() {
+            let at = self.offset + (offset + done) as u64;
+            let at = libc::off_t::try_from(at).map_err(|_| Error::InvalidArgument("file offset too large".into()))?;
+            let rest = &src[done..];
+            // SAFETY: `rest` is a live slice; the kernel reads `rest.len()` bytes from it.
+            let n = unsafe { libc::pwrite(self.file.as_raw_fd(), rest.as_ptr().cast(), rest.len(), at) };
+            match n {
+                n if n > 0 => done += n as usize,
+                0 => {
+                    return Err(Error::io(
+                        format_args!("writing {} for a persistent write", self.path.display()),
+                        std::io::ErrorKind::WriteZero.into(),
+                    ));
+                }
+                _ => {
+                    let e = std::io::Error::last_os_error();
+                    if e.kind() != std::io::ErrorKind::Interrupted {
+                        return Err(Error::io(
+                            format_args!("writing {} for a persistent write", self.path.display()),
+                            e,
+                        ));
+                    }
+                }
+            }
+        }
+        self.check_backing()
+    }
+
+    /// `msync(MS_SYNC)` over the written pages, without dirtying them first: the CPU did.
+    fn persist_written(&self, ranges: &[(usize, usize)]) -> Result<()> {
+        self.check_backing()?;
+        if self.skip_persist {
+            return Ok(());
+        }
+        let began = Instant::now();
+        for (start, end) in merged(ranges, page_size(), self.len) {
+            self.msync_dirty(start, end)?;
+        }
+        self.count_persisted(ranges, began);
+        self.check_guard()
     }
 }
 

@@ -437,3 +437,75 @@ async fn deregistering_a_persistent_region_under_writes() {
     );
     let _ = std::fs::remove_file(&path);
 }
+
+/// Whether the page at `addr` is mapped into this process: bit 63 of its `/proc/self/pagemap` entry
+/// (readable without privileges).
+fn page_present(addr: u64) -> bool {
+    use std::os::unix::fs::FileExt;
+    let pagemap = std::fs::File::open("/proc/self/pagemap").unwrap();
+    let mut entry = [0u8; 8];
+    pagemap.read_exact_at(&mut entry, addr / 4096 * 8).unwrap();
+    u64::from_le_bytes(entry) >> 63 == 1
+}
+
+/// A write over TCP into a page-cache file goes into the file (`pwrite`), not through the target's
+/// mapping: not one page of the mapping is faulted in by a persistent write or a completed one, and
+/// their bytes are in the file and seen through the mapping. The flush of what the CPU wrote
+/// dirties no page through the mapping either. A local write, which copies into the mapping, shows
+/// that the probe sees pages when they are touched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_over_tcp_go_into_the_file_not_through_the_mapping() {
+    let (target, initiator, peer) = pair_with(Engine::builder().transports([ferry::TransportKind::Tcp])).await;
+    let len = 1 << 20;
+    let quarter = len / 4;
+    let (path, _f) = temp_file(len);
+    let region = target.register_file(&path, 0, len, rw()).unwrap();
+    wait_for_region(&peer, &region).await;
+    let mapped = |from: usize, to: usize| {
+        (from / 4096..to / 4096)
+            .filter(|&page| page_present(region.addr_at(page as u64 * 4096)))
+            .count()
+    };
+    assert_eq!(mapped(0, len), 0, "registering the file mapped pages of it");
+    let bytes = pattern(len, 7);
+    let src = initiator.register(bytes.clone(), rw()).unwrap();
+    let desc = |at: usize, n: usize| TransferDesc::new(src.addr_at(at as u64), region.addr_at(at as u64), n as u64);
+
+    // Persistent: one range (a persistent write), and a batch of two ranges, which goes as a
+    // completed write on each of two streams and a commit on each.
+    for descs in [
+        vec![desc(0, quarter)],
+        vec![desc(quarter, quarter / 2), desc(quarter * 3 / 2, quarter / 2)],
+    ] {
+        initiator
+            .transfer_durable(&peer, Op::Write, &descs, Durability::Persistent, T)
+            .await
+            .unwrap();
+    }
+    assert_eq!(mapped(0, len), 0, "a persistent write faulted pages of the mapping in");
+    let stats = region.persist_stats().unwrap();
+    assert_eq!(stats.bytes, 2 * quarter as u64, "{stats:?}");
+    // Completed: nothing flushed.
+    initiator
+        .transfer(&peer, Op::Write, &[desc(2 * quarter, quarter)], T)
+        .await
+        .unwrap();
+    assert_eq!(mapped(0, len), 0, "a completed write faulted pages of the mapping in");
+    assert_eq!(region.persist_stats().unwrap().bytes, 2 * quarter as u64);
+
+    assert!(
+        std::fs::read(&path).unwrap()[..3 * quarter] == bytes[..3 * quarter],
+        "the file holds the writes"
+    );
+    let mut back = vec![0u8; 3 * quarter];
+    region.read_at(0, &mut back).unwrap();
+    assert!(back == bytes[..3 * quarter], "the mapping shows the file's bytes");
+
+    region.write_at(3 * quarter as u64, &bytes[3 * quarter..]).unwrap();
+    assert!(
+        mapped(3 * quarter, len) > 0,
+        "a local write copies into the mapping, and the probe sees it"
+    );
+    drop(region);
+    let _ = std::fs::remove_file(&path);
+}
