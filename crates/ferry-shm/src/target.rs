@@ -30,6 +30,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
+use ferry_core::region::{FILE_WRITE_CHUNK, into_files};
 use ferry_core::{
     Access, Durability, EngineContext, Error, Op, OwnedPermit, PeerView, RegionEntry, RegionKey, Resolved, Result,
 };
@@ -449,6 +450,8 @@ const REQUEST_LIMIT: Duration = Duration::from_secs(10);
 fn serve(mut stream: UnixStream, served: &Served) -> Result<()> {
     let mut replies = Vec::new();
     let mut body = Vec::new();
+    // What writes into files pass through (see `copy_into_files`), kept for the link.
+    let mut bounce = Vec::new();
     loop {
         let mut head = [0u8; REQUEST_HEAD];
         if !wait_for_request(&stream, served) {
@@ -472,7 +475,7 @@ fn serve(mut stream: UnixStream, served: &Served) -> Result<()> {
         };
         match head.kind {
             RequestKind::Transfer(op) => {
-                let result = apply(&ctx, served, op, head.durability, &items);
+                let result = apply(&ctx, served, (op, head.durability, &items), &mut bounce);
                 replies.clear();
                 wire::encode_reply(&mut replies, head.id, &result);
                 served.send(&mut *served.writer()?, &replies)?;
@@ -484,8 +487,14 @@ fn serve(mut stream: UnixStream, served: &Served) -> Result<()> {
 }
 
 /// Checks every range, then copies them all, then persists them if asked: nothing is copied for a
-/// request with a range that does not resolve.
-fn apply(ctx: &EngineContext, served: &Served, op: Op, durability: Durability, items: &[Item]) -> Result<()> {
+/// request with a range that does not resolve. Writes whose every range is large and lies in a
+/// page-cache file go into the files through `bounce` ([`into_files`]).
+fn apply(
+    ctx: &EngineContext,
+    served: &Served,
+    (op, durability, items): (Op, Durability, &[Item]),
+    bounce: &mut Vec<u8>,
+) -> Result<()> {
     // Counted from before the grant checks until the copies end, for revokes to wait out.
     let _in_progress = served.peer.accesses().begin();
     let mut parts: Vec<(Resolved, OwnedPermit)> = Vec::with_capacity(items.len());
@@ -518,10 +527,14 @@ fn apply(ctx: &EngineContext, served: &Served, op: Op, durability: Durability, i
         Op::Read => Direction::Out,
     };
     served.process.check("before a copy")?;
-    // SAFETY: every local range lies in its region (resolved above) and a permit of the region's guard
-    // is held until the copy ends, so the memory stays mapped; regions are never handed out as Rust
-    // references, so the kernel's writes conflict with no borrow.
-    unsafe { cma::copy(served.pid, direction, &ranges)? };
+    if op == Op::Write && into_files(parts.iter().map(|(r, _)| r)) {
+        copy_into_files(served.pid, &parts, items, bounce)?;
+    } else {
+        // SAFETY: every local range lies in its region (resolved above) and a permit of the region's
+        // guard is held until the copy ends, so the memory stays mapped; regions are never handed
+        // out as Rust references, so the kernel's writes conflict with no borrow.
+        unsafe { cma::copy(served.pid, direction, &ranges)? };
+    }
     // Alive after the copy as before it: the id named this process throughout.
     served.process.check("during a copy")?;
     if op == Op::Write {
@@ -539,8 +552,38 @@ fn apply(ctx: &EngineContext, served: &Served, op: Op, durability: Durability, i
                 }
             }
             for (region, ranges) in by_region {
-                region.persist(&ranges)?;
+                match region.writes_through_file() {
+                    // Written through the file, or by `process_vm_readv`, whose copy into this
+                    // process is a CPU store like any other: every written page is dirty already.
+                    true => region.persist_written_by_cpu(&ranges)?,
+                    false => region.persist(&ranges)?,
+                }
             }
+        }
+    }
+    Ok(())
+}
+
+/// Copies each write's range from the initiator into `bounce` (up to [`FILE_WRITE_CHUNK`] at a time)
+/// and writes it into its region's file ([`ferry_core::FileWriter`]); the permits in `parts` are held.
+fn copy_into_files(pid: u32, parts: &[(Resolved, OwnedPermit)], items: &[Item], bounce: &mut Vec<u8>) -> Result<()> {
+    for ((r, _), item) in parts.iter().zip(items) {
+        let mut done = 0u64;
+        while done < r.len {
+            let n = (r.len - done).min(FILE_WRITE_CHUNK as u64) as usize;
+            if bounce.len() < n {
+                bounce.resize(n, 0);
+            }
+            let piece = Range {
+                local: bounce.as_mut_ptr(),
+                remote: item.addr + done,
+                len: n,
+            };
+            // SAFETY: the local range is the first `n` bytes of `bounce`, a buffer this thread owns
+            // and lends to no one while the kernel writes into it.
+            unsafe { cma::copy(pid, Direction::In, &[piece])? };
+            r.region.write_through_file(r.offset + done, &bounce[..n])?;
+            done += n as u64;
         }
     }
     Ok(())

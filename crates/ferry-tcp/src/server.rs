@@ -20,6 +20,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use ferry_core::codec::{Frame, Hello, Limits, ReadStatus, Segment};
+use ferry_core::region::{FILE_WRITE_CHUNK, into_files};
 use ferry_core::{
     AcceptedPath, Durability, EngineContext, Error, LinkSlot, Op, PeerIdentity, PeerView, RegionChange, RegionEntry,
     RegionKey, Resolved, Result,
@@ -767,7 +768,7 @@ async fn serve_write(
 ) -> Result<Frame> {
     let result = match serve::write(ctx, who, segments, payload_len, durability) {
         Landing::Land(parts) => {
-            let landed = match through_files(&parts) {
+            let landed = match into_files(&parts) {
                 true => land_in_files(reader, &parts, bounce).await?,
                 false => land(reader, &parts).await?,
             };
@@ -920,29 +921,7 @@ async fn land(reader: &mut FrameReader, parts: &[Resolved]) -> Result<Result<()>
     Ok(crate::blocking::commit_written(parts).await)
 }
 
-/// The most of a write's payload that passes through the stream's buffer at a time on its way into
-/// a file (see [`land_in_files`]).
-const FILE_CHUNK: usize = 1 << 20;
-
-/// The least part of a write that goes into its region's file (see [`through_files`]): a smaller
-/// one costs a system call of its own where a copy into the mapping costs a page fault at most.
-const FILE_PART_MIN: u64 = 64 << 10;
-
-/// Whether a write goes into its regions' files rather than their memory: every part is large and
-/// lies in a block that writes through a file ([`ferry_core::FileWriter`]). A page-cache file then
-/// takes no page fault for each page the last flush cleaned, and its flush write-protects no mapped
-/// page. 1 MiB persistent writes on one stream, depth 1, into such a file on ext4 (`ferry bench
-/// --durability persistent`): 0.61-0.70 GB/s copied into the mapping, 1.09-1.16 through the file,
-/// where `dd bs=1M oflag=dsync` writes 1.1. A completed write pays a copy more (through the stream's
-/// buffer), which is small beside the faults it saves once a commit has cleaned the pages.
-fn through_files(parts: &[Resolved]) -> bool {
-    !parts.is_empty()
-        && parts
-            .iter()
-            .all(|p| p.len >= FILE_PART_MIN && p.region.writes_through_file())
-}
-
-/// Reads a write's payload into `bounce`, up to [`FILE_CHUNK`] at a time, and writes each piece into
+/// Reads a write's payload into `bounce`, up to [`FILE_WRITE_CHUNK`] at a time, and writes each piece into
 /// its part's file, under a permit of the part's region. The outer error breaks the stream; the
 /// inner result is the operation's: once a part refuses (its region deregistered, its file shrunk),
 /// the rest of the payload is read and dropped.
@@ -951,7 +930,7 @@ async fn land_in_files(reader: &mut FrameReader, parts: &[Resolved], bounce: &mu
     for part in parts {
         let mut done = 0u64;
         while done < part.len {
-            let n = (part.len - done).min(FILE_CHUNK as u64) as usize;
+            let n = (part.len - done).min(FILE_WRITE_CHUNK as u64) as usize;
             if bounce.len() < n {
                 bounce.resize(n, 0);
             }

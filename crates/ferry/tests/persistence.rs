@@ -448,14 +448,30 @@ fn page_present(addr: u64) -> bool {
     u64::from_le_bytes(entry) >> 63 == 1
 }
 
-/// A write over TCP into a page-cache file goes into the file (`pwrite`), not through the target's
-/// mapping: not one page of the mapping is faulted in by a persistent write or a completed one, and
-/// their bytes are in the file and seen through the mapping. The flush of what the CPU wrote
-/// dirties no page through the mapping either. A local write, which copies into the mapping, shows
-/// that the probe sees pages when they are touched.
+/// A large write over TCP or shared memory into a page-cache file goes into the file (`pwrite`), not
+/// through the target's mapping: not one page of the mapping is faulted in by a persistent write or
+/// a completed one, and their bytes are in the file and seen through the mapping. The flush of
+/// what was so written dirties no page through the mapping either. A local write, which copies
+/// into the mapping, shows that the probe sees pages when they are touched.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn writes_over_tcp_go_into_the_file_not_through_the_mapping() {
-    let (target, initiator, peer) = pair_with(Engine::builder().transports([ferry::TransportKind::Tcp])).await;
+    writes_go_into_the_file_not_through_the_mapping(ferry::TransportKind::Tcp).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_over_shared_memory_go_into_the_file_not_through_the_mapping() {
+    writes_go_into_the_file_not_through_the_mapping(ferry::TransportKind::Shm).await;
+}
+
+async fn writes_go_into_the_file_not_through_the_mapping(transport: ferry::TransportKind) {
+    // Built here rather than by `pair`, which `FERRY_TEST_TRANSPORTS` may restrict.
+    let target = Engine::builder().listen("127.0.0.1:0").build().await.unwrap();
+    let initiator = Engine::builder().transports([transport]).build().await.unwrap();
+    let peer = initiator
+        .connect(&target.local_addr().unwrap().to_string(), T)
+        .await
+        .unwrap();
+    assert_eq!(peer.transport(), transport, "{:?}", peer.passed_over());
     let len = 1 << 20;
     let quarter = len / 4;
     let (path, _f) = temp_file(len);
@@ -471,8 +487,8 @@ async fn writes_over_tcp_go_into_the_file_not_through_the_mapping() {
     let src = initiator.register(bytes.clone(), rw()).unwrap();
     let desc = |at: usize, n: usize| TransferDesc::new(src.addr_at(at as u64), region.addr_at(at as u64), n as u64);
 
-    // Persistent: one range (a persistent write), and a batch of two ranges, which goes as a
-    // completed write on each of two streams and a commit on each.
+    // Persistent: one range, and a batch of two ranges (over TCP a completed write on each of two
+    // streams and a commit on each).
     for descs in [
         vec![desc(0, quarter)],
         vec![desc(quarter, quarter / 2), desc(quarter * 3 / 2, quarter / 2)],
