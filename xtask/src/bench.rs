@@ -545,6 +545,11 @@ const MEASURES: &[Measure] = &[
         write_1mib_single("persistent"),
         Metric::PersistShare,
     ),
+    ferry(
+        "ferry shm write 1MiB persistent, depth 1",
+        shm(write_1mib_single("persistent")),
+        Metric::GbPerS,
+    ),
     Measure {
         key: "dd bs=1M oflag=dsync",
         probe: Probe::DdDsync,
@@ -1018,6 +1023,15 @@ const COMPARISONS: &[Comparison] = &[
         id: "j2",
         name: "write 1MiB persistent (TCP, msync target, 1 stream, depth 1) / dd bs=1M oflag=dsync, same file system",
         ferry: "ferry write 1MiB persistent, 1 stream, depth 1",
+        peer: Some("dd bs=1M oflag=dsync"),
+        peer_scale: 1.0,
+        unit: Unit::GbPerS,
+        target: Target::RatioAtLeast(0.8),
+    },
+    Comparison {
+        id: "j3",
+        name: "write 1MiB persistent (shm, msync target, depth 1) / dd bs=1M oflag=dsync, same file system",
+        ferry: "ferry shm write 1MiB persistent, depth 1",
         peer: Some("dd bs=1M oflag=dsync"),
         peer_scale: 1.0,
         unit: Unit::GbPerS,
