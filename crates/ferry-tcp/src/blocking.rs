@@ -1,7 +1,8 @@
 //! A staged block's work off the runtime: a staged block's device copies (`commit_written`, `prepare_read`)
 //! and a persist that is an `msync` may block for milliseconds or more, so the server runs them on a
-//! blocking thread, under an owned permit of the region's access guard held across it: the region's
-//! deregistration waits for the work, and the runtime's threads never do.
+//! blocking thread (a persist in place, its worker's other tasks handed to another thread), under an
+//! owned permit of the region's access guard held across it: the region's deregistration waits for
+//! the work, and no other task waits for it.
 
 use std::sync::Arc;
 
@@ -98,6 +99,26 @@ fn may_block(region: &RegionEntry) -> bool {
     region.staging_may_block(Durability::Completed)
 }
 
+/// Runs a persist (`work` on `region`, under an owned permit) that may block: in place on a worker
+/// of a multi-threaded runtime (`tokio::task::block_in_place`, which hands the worker's other tasks
+/// to another thread first), else on a blocking thread. In place, the task goes on to answer on the
+/// thread that ran the `msync`, where a blocking thread would have to wake the task's worker and it
+/// another: 4 KiB persistent writes over TCP, one in flight, p50 323-352 µs on a blocking thread,
+/// 244 in place, of which the `msync` takes about 210.
+async fn persist_under_permit(
+    region: &Arc<RegionEntry>,
+    blocking: bool,
+    work: impl FnOnce(&RegionEntry) -> Result<()> + Send + 'static,
+) -> Result<()> {
+    let in_place = blocking
+        && tokio::runtime::Handle::try_current()
+            .is_ok_and(|runtime| runtime.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+    match in_place {
+        true => tokio::task::block_in_place(region.with_owned_permit(work)?),
+        false => under_permit(region, blocking, work).await,
+    }
+}
+
 /// What wrote the bytes a persist makes durable.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Writer {
@@ -109,8 +130,8 @@ pub(crate) enum Writer {
 }
 
 /// Makes the written `parts` persistent when asked, one batch per region (a page written by several
-/// parts is flushed once); an `msync` runs on a blocking thread. What the CPU wrote into a block
-/// that writes through its file is flushed without dirtying each page first
+/// parts is flushed once); an `msync` runs where it may block ([`persist_under_permit`]). What the
+/// CPU wrote into a block that writes through its file is flushed without dirtying each page first
 /// ([`ferry_core::FileWriter::persist_written`]), which would fault in every page the write did not
 /// map.
 pub(crate) async fn persist(parts: &[Resolved], durability: Durability, writer: Writer) -> Result<()> {
@@ -120,8 +141,10 @@ pub(crate) async fn persist(parts: &[Resolved], durability: Durability, writer: 
     for (region, ranges) in by_region(parts) {
         let blocking = region.staging_may_block(durability);
         match writer == Writer::Cpu && region.writes_through_file() {
-            true => under_permit(&region, blocking, move |region| region.persist_written_by_cpu(&ranges)).await?,
-            false => under_permit(&region, blocking, move |region| region.persist(&ranges)).await?,
+            true => {
+                persist_under_permit(&region, blocking, move |region| region.persist_written_by_cpu(&ranges)).await?
+            }
+            false => persist_under_permit(&region, blocking, move |region| region.persist(&ranges)).await?,
         }
     }
     Ok(())

@@ -48,7 +48,9 @@ pub struct Args {
     #[arg(long, default_value_t = 64)]
     ranges: usize,
     /// Pages per transfer in every second trial (the others write one page per transfer); at 32 a
-    /// transfer spans several frames, persisted with one commit per stream.
+    /// transfer spans several frames, persisted with one commit per stream. Every fourth trial
+    /// names them with one descriptor (128 KiB at 32): a TCP target writes so large a range into
+    /// the file with `pwrite` rather than through its mapping.
     #[arg(long, default_value_t = 32)]
     pages_per_write: usize,
     /// Transports to cut the power under (comma-separated).
@@ -64,6 +66,8 @@ struct Trial {
     transport: String,
     method: String,
     pages_per_write: usize,
+    /// One descriptor per transfer rather than one per page.
+    whole: bool,
     acked: usize,
     persisted: usize,
     control_lost: usize,
@@ -100,6 +104,7 @@ impl Trial {
             "transport": self.transport,
             "method": self.method,
             "pages_per_write": self.pages_per_write,
+            "descriptors": if self.whole { "write" } else { "page" },
             "acked": self.acked,
             "persisted": self.persisted,
             "lost": self.lost(),
@@ -120,24 +125,24 @@ pub fn run(args: &Args, guest: &Guest<'_>, timings: &mut Timings) -> Result<Exit
     timings.record("build powercut", start, "");
     let work = guest.layout.dir.join(format!("powercut-{}", std::process::id()));
     fs::create_dir_all(&work).with_context(|| format!("creating {}", work.display()))?;
-    // (transport, persisting disabled, pages per write)
-    let mut plan: Vec<(String, bool, usize)> = Vec::new();
+    // (transport, persisting disabled, pages per write, one descriptor per write)
+    let mut plan: Vec<(String, bool, usize, bool)> = Vec::new();
     for transport in &args.transports {
         for k in 0..args.trials {
             let per = if k % 2 == 1 { args.pages_per_write.max(1) } else { 1 };
-            plan.push((transport.clone(), false, per));
+            plan.push((transport.clone(), false, per, k % 4 == 3));
         }
     }
     if !args.no_negative_control {
         for transport in &args.transports {
-            plan.push((transport.clone(), true, 1));
+            plan.push((transport.clone(), true, 1, false));
         }
     }
     let mut failures = 0;
     // Per negative control: whether its check failed, as it must.
     let mut negatives: Vec<bool> = Vec::new();
     let trials_start = Instant::now();
-    for (i, (transport, disabled, per)) in plan.iter().enumerate() {
+    for (i, (transport, disabled, per, whole)) in plan.iter().enumerate() {
         let seed = seed(i);
         let trial = run_trial(
             &TrialSpec {
@@ -145,6 +150,7 @@ pub fn run(args: &Args, guest: &Guest<'_>, timings: &mut Timings) -> Result<Exit
                 transport,
                 ranges: args.ranges,
                 pages_per_write: *per,
+                whole: *whole,
                 seed,
                 persist_disabled: *disabled,
                 work: &work,
@@ -234,6 +240,7 @@ struct TrialSpec<'a> {
     transport: &'a str,
     ranges: usize,
     pages_per_write: usize,
+    whole: bool,
     seed: u64,
     persist_disabled: bool,
     work: &'a Path,
@@ -251,12 +258,13 @@ fn run_trial(spec: &TrialSpec<'_>, guest: &Guest<'_>) -> Result<Trial> {
          echo 360000 > /proc/sys/vm/dirty_expire_centisecs\n\
          echo 90 > /proc/sys/vm/dirty_background_ratio\n\
          echo 95 > /proc/sys/vm/dirty_ratio\n\
-         exec {} --file /tmp/powercut/data --transport {} --ranges {} --pages-per-write {} --seed {} \
-         --listen 10.0.2.15:0\n",
+         exec {} --file /tmp/powercut/data --transport {} --ranges {} --pages-per-write {} \
+         --descriptors {} --seed {} --listen 10.0.2.15:0\n",
         super::boot::sh_quote(&spec.program.display().to_string()),
         spec.transport,
         spec.ranges,
         spec.pages_per_write,
+        if spec.whole { "write" } else { "page" },
         spec.seed,
     );
     let guest = guest.with_devices(Devices {
@@ -288,6 +296,7 @@ fn run_trial(spec: &TrialSpec<'_>, guest: &Guest<'_>) -> Result<Trial> {
         transport: spec.transport.to_owned(),
         method,
         pages_per_write: spec.pages_per_write,
+        whole: spec.whole,
         acked: spec.ranges,
         persisted,
         control_lost: spec.ranges - control_survived,
@@ -384,6 +393,7 @@ mod tests {
             transport: "tcp".into(),
             method: "flush-before-ack".into(),
             pages_per_write: 1,
+            whole: false,
             acked: 4,
             persisted,
             control_lost,

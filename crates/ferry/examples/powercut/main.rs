@@ -29,6 +29,8 @@ struct Args {
     seed: u64,
     listen: String,
     pages_per_write: usize,
+    /// One descriptor for a transfer's pages (they are contiguous) rather than one per page.
+    whole: bool,
 }
 
 fn parse() -> Result<Args, String> {
@@ -39,6 +41,7 @@ fn parse() -> Result<Args, String> {
         seed: 1,
         listen: "127.0.0.1:0".into(),
         pages_per_write: 1,
+        whole: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -52,13 +55,20 @@ fn parse() -> Result<Args, String> {
             "--pages-per-write" => {
                 args.pages_per_write = value.parse().map_err(|e| format!("--pages-per-write: {e}"))?
             }
+            "--descriptors" => {
+                args.whole = match value.as_str() {
+                    "page" => false,
+                    "write" => true,
+                    other => return Err(format!("--descriptors: {other} is neither `page` nor `write`")),
+                }
+            }
             other => return Err(format!("unknown option {other}")),
         }
     }
     if args.file.is_empty() || args.ranges == 0 || args.pages_per_write == 0 {
         return Err(
             "usage: powercut --file PATH [--transport tcp|rdma] [--ranges N] [--seed S] [--listen IP:0] \
-                    [--pages-per-write N]"
+                    [--pages-per-write N] [--descriptors page|write]"
                 .into(),
         );
     }
@@ -99,13 +109,24 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     for first in (0..args.ranges).step_by(args.pages_per_write) {
         let pages = first..(first + args.pages_per_write).min(args.ranges);
         for (base, durability) in [(args.ranges, Durability::Completed), (0, Durability::Persistent)] {
-            let descs: Vec<TransferDesc> = pages
-                .clone()
-                .map(|i| {
-                    let off = ((base + i) * PAGE) as u64;
-                    TransferDesc::new(src.addr_at(off), file.addr_at(off), PAGE as u64)
-                })
-                .collect();
+            let descs: Vec<TransferDesc> = match args.whole {
+                // One range, which a target lands in the file itself once it is large enough.
+                true => {
+                    let off = ((base + pages.start) * PAGE) as u64;
+                    vec![TransferDesc::new(
+                        src.addr_at(off),
+                        file.addr_at(off),
+                        (pages.len() * PAGE) as u64,
+                    )]
+                }
+                false => pages
+                    .clone()
+                    .map(|i| {
+                        let off = ((base + i) * PAGE) as u64;
+                        TransferDesc::new(src.addr_at(off), file.addr_at(off), PAGE as u64)
+                    })
+                    .collect(),
+            };
             initiator
                 .transfer_durable(&peer, Op::Write, &descs, durability, T)
                 .await?;
