@@ -43,6 +43,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Instant;
 
+use ferry_core::region::FILE_WRITE_MIN;
 use ferry_core::{
     AcceptSetup, Access, Availability, DataLink, DmaView, Error, PersistMethod, RegionEntry, RegionKey, Result,
     SetupExchange, Transport, TransportKind,
@@ -186,13 +187,15 @@ impl RdmaShared {
         }
     }
 
-    /// Copies `ranges` of `region` in from its bounce buffer, if the NIC reaches it through one.
-    pub(crate) fn commit_bounced(&self, region: &RegionEntry, ranges: &[(u64, u64)]) -> Result<()> {
+    /// Copies `ranges` of `region` in from its bounce buffer, if the NIC reaches it through one (a
+    /// large range of a page-cache file goes into the file, as `ferry_core::region::into_files`
+    /// says); whether it did.
+    pub(crate) fn commit_bounced(&self, region: &RegionEntry, ranges: &[(u64, u64)]) -> Result<bool> {
         let Ok(reg) = self.registered(region.key()) else {
-            return Ok(());
+            return Ok(false);
         };
         if !reg.is_bounced() {
-            return Ok(());
+            return Ok(false);
         }
         let _permit = region.guard().enter().ok_or_else(|| region.gone())?;
         for &(offset, len) in ranges {
@@ -200,6 +203,15 @@ impl RdmaShared {
             let from = reg
                 .bounce_ptr(offset)
                 .ok_or_else(|| Error::OutOfBounds(format!("bounced range at {offset} of region {:?}", region.key())))?;
+            if len >= FILE_WRITE_MIN && region.writes_through_file() {
+                // SAFETY: the range lies inside the bounce buffer (the region's size; the range was
+                // checked against the region); the initiator's writes to these bytes were placed
+                // before it asked for this commit (the request travelled behind them on the queue
+                // pair), and nothing in this process writes the bounce buffer.
+                let bytes = unsafe { std::slice::from_raw_parts(from, len as usize) };
+                region.write_through_file(offset, bytes)?;
+                continue;
+            }
             // SAFETY: both ranges lie inside their buffers (the bounce buffer is the region's size and
             // the range was checked against the region); the permit keeps the region's memory mapped;
             // the initiator's writes to these bytes were placed before it asked for this commit (the
@@ -208,7 +220,8 @@ impl RdmaShared {
             unsafe { std::ptr::copy_nonoverlapping(from, region.ptr_at(offset), len as usize) };
         }
         // A mapped file that shrank meanwhile took the bytes into zero pages: say so.
-        region.block().check_backing()
+        region.block().check_backing()?;
+        Ok(true)
     }
 
     fn live_domains(&self) -> Vec<Arc<scope::PeerDomain>> {

@@ -198,7 +198,9 @@ impl Responder {
             .map(|s| context.resolve_write(&self.peer, s.key, s.offset, s.len, durability))
             .collect::<ferry_core::Result<Vec<_>>>()?;
         for_each_region(&parts, |region, ranges| {
-            shared.commit_bounced(region, ranges)?;
+            // Whether this host's CPU copied the bytes in from the bounce buffer (or wrote them into
+            // the file): then every written page is dirty already, where the NIC's would not be.
+            let by_cpu = shared.commit_bounced(region, ranges)?;
             // A staged block (device memory behind a host copy) takes the bytes to the device here,
             // all of this region's ranges as one batch.
             if region.block().has_access_hooks() {
@@ -206,7 +208,10 @@ impl Responder {
                 region.commit_written_ranges(ranges, Durability::Completed)?;
             }
             if durability == Durability::Persistent {
-                region.persist(ranges)?;
+                match by_cpu && region.writes_through_file() {
+                    true => region.persist_written_by_cpu(ranges)?,
+                    false => region.persist(ranges)?,
+                }
             }
             Ok(())
         })

@@ -70,6 +70,15 @@ async fn write_persistent(initiator: &Engine, peer: &Peer, region: &Region, offs
     }
 }
 
+/// Whether the page at `addr` is mapped into this process: bit 63 of its `/proc/self/pagemap` entry.
+fn page_present(addr: u64) -> bool {
+    use std::os::unix::fs::FileExt;
+    let pagemap = std::fs::File::open("/proc/self/pagemap").unwrap();
+    let mut entry = [0u8; 8];
+    pagemap.read_exact_at(&mut entry, addr / 4096 * 8).unwrap();
+    u64::from_le_bytes(entry) >> 63 == 1
+}
+
 fn target_flushes(region: &Region) -> u64 {
     region
         .persist_stats()
@@ -236,6 +245,32 @@ async fn unpinnable_page_cache_files_are_staged() {
     // Persistent: copied in and flushed, once.
     write_persistent(&initiator, &peer, &region, 300_000, pattern(9_999, 12)).await;
     assert_eq!(target_flushes(&region), 1);
+    // A large persistent range goes from the staging buffer into the file (pwrite), not through the
+    // target's mapping: none of its pages is mapped into the target, and the file holds it.
+    let (at, large) = (1 << 20, pattern(256 << 10, 13));
+    let mapped = || {
+        (at..at + large.len())
+            .step_by(4096)
+            .filter(|&o| page_present(region.addr_at(o as u64)))
+            .count()
+    };
+    assert_eq!(mapped(), 0, "registration mapped pages of the file");
+    let src = initiator.register(large.clone(), Access::READ_WRITE).unwrap();
+    let d = [TransferDesc::new(
+        src.addr(),
+        region.addr_at(at as u64),
+        large.len() as u64,
+    )];
+    initiator
+        .transfer_durable(&peer, Op::Write, &d, Durability::Persistent, T)
+        .await
+        .unwrap();
+    assert_eq!(target_flushes(&region), 2);
+    assert_eq!(mapped(), 0, "the staged write was copied through the mapping");
+    assert!(
+        std::fs::read(&path).unwrap()[at..at + large.len()] == large[..],
+        "the file holds the write"
+    );
     // Reads see the region (the file), not the staging buffer: change it behind RDMA's back.
     region.write_at(777, b"written by the target").unwrap();
     let into = initiator.alloc_host(64, Access::READ_WRITE).unwrap();
