@@ -149,8 +149,9 @@ pub unsafe trait MemoryBlock: Send + Sync + 'static {
         None
     }
     /// How to write into this block through a file that holds its bytes rather than through its
-    /// memory, for a transport whose payload arrives in a buffer of its own and is to be persistent
-    /// at once. `None` (the default) for memory that has no such file.
+    /// memory, for a transport whose payload arrives in a buffer of its own (see
+    /// [`region::into_files`](crate::region::into_files)). `None` (the default) for memory that has
+    /// no such file.
     fn file_writer(&self) -> Option<&dyn FileWriter> {
         None
     }

@@ -8,7 +8,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::os::unix::fs::{FileExt, FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::time::Instant;
@@ -470,32 +470,9 @@ impl ferry_core::FileWriter for FileMapping {
     /// way the region is reported lost, as a copy into the mapping would have found it.
     fn write_at(&self, offset: usize, src: &[u8]) -> Result<()> {
         self.check_backing()?;
-        let mut done = 0;
-        while done < src.len() {
-            let at = self.offset + (offset + done) as u64;
-            let at = libc::off_t::try_from(at).map_err(|_| Error::InvalidArgument("file offset too large".into()))?;
-            let rest = &src[done..];
-            // SAFETY: `rest` is a live slice; the kernel reads `rest.len()` bytes from it.
-            let n = unsafe { libc::pwrite(self.file.as_raw_fd(), rest.as_ptr().cast(), rest.len(), at) };
-            match n {
-                n if n > 0 => done += n as usize,
-                0 => {
-                    return Err(Error::io(
-                        format_args!("writing {} for a persistent write", self.path.display()),
-                        std::io::ErrorKind::WriteZero.into(),
-                    ));
-                }
-                _ => {
-                    let e = std::io::Error::last_os_error();
-                    if e.kind() != std::io::ErrorKind::Interrupted {
-                        return Err(Error::io(
-                            format_args!("writing {} for a persistent write", self.path.display()),
-                            e,
-                        ));
-                    }
-                }
-            }
-        }
+        self.file
+            .write_all_at(src, self.offset + offset as u64)
+            .map_err(|e| Error::io(format_args!("writing into {}", self.path.display()), e))?;
         self.check_backing()
     }
 
