@@ -65,6 +65,10 @@ pub trait FileWriter: Send + Sync {
     /// through [`write_at`](Self::write_at), or with stores into the block's memory, either of which
     /// left the pages dirty (a NIC's writes would not have). The caller holds a permit.
     fn persist_written(&self, ranges: &[(usize, usize)]) -> Result<()>;
+    /// Whether a persist has run on this block: the pages it flushed are clean and write-protected
+    /// in the mapping, so that a copy into them faults on each, where a block never flushed keeps
+    /// its pages writable and a copy into them is cheaper than writing through the file.
+    fn flushed(&self) -> bool;
 }
 
 /// A contiguous range of memory the engine may register.

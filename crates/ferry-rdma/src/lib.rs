@@ -43,10 +43,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Instant;
 
-use ferry_core::region::FILE_WRITE_MIN;
 use ferry_core::{
-    AcceptSetup, Access, Availability, DataLink, DmaView, Error, PersistMethod, RegionEntry, RegionKey, Result,
-    SetupExchange, Transport, TransportKind,
+    AcceptSetup, Access, Availability, DataLink, DmaView, Durability, Error, PersistMethod, RegionEntry, RegionKey,
+    Result, SetupExchange, Transport, TransportKind,
 };
 use futures::future::BoxFuture;
 use sideway::ibverbs::AccessFlags;
@@ -187,10 +186,15 @@ impl RdmaShared {
         }
     }
 
-    /// Copies `ranges` of `region` in from its bounce buffer, if the NIC reaches it through one (a
-    /// large range of a page-cache file goes into the file, as `ferry_core::region::into_files`
-    /// says); whether it did.
-    pub(crate) fn commit_bounced(&self, region: &RegionEntry, ranges: &[(u64, u64)]) -> Result<bool> {
+    /// Copies `ranges` of `region`, written with `durability`, in from its bounce buffer, if the NIC
+    /// reaches it through one (a large range of a page-cache file goes into the file, as
+    /// `RegionEntry::writes_into_file` says); whether it did.
+    pub(crate) fn commit_bounced(
+        &self,
+        region: &RegionEntry,
+        ranges: &[(u64, u64)],
+        durability: Durability,
+    ) -> Result<bool> {
         let Ok(reg) = self.registered(region.key()) else {
             return Ok(false);
         };
@@ -203,7 +207,7 @@ impl RdmaShared {
             let from = reg
                 .bounce_ptr(offset)
                 .ok_or_else(|| Error::OutOfBounds(format!("bounced range at {offset} of region {:?}", region.key())))?;
-            if len >= FILE_WRITE_MIN && region.writes_through_file() {
+            if region.writes_into_file(len, durability) {
                 // SAFETY: the range lies inside the bounce buffer (the region's size; the range was
                 // checked against the region); the initiator's writes to these bytes were placed
                 // before it asked for this commit (the request travelled behind them on the queue

@@ -200,7 +200,7 @@ impl Responder {
         for_each_region(&parts, |region, ranges| {
             // Whether this host's CPU copied the bytes in from the bounce buffer (or wrote them into
             // the file): then every written page is dirty already, where the NIC's would not be.
-            let by_cpu = shared.commit_bounced(region, ranges)?;
+            let by_cpu = shared.commit_bounced(region, ranges, durability)?;
             // A staged block (device memory behind a host copy) takes the bytes to the device here,
             // all of this region's ranges as one batch.
             if region.block().has_access_hooks() {

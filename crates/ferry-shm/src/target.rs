@@ -527,7 +527,7 @@ fn apply(
         Op::Read => Direction::Out,
     };
     served.process.check("before a copy")?;
-    if op == Op::Write && into_files(parts.iter().map(|(r, _)| r)) {
+    if op == Op::Write && into_files(parts.iter().map(|(r, _)| r), durability) {
         copy_into_files(served.pid, &parts, items, bounce)?;
     } else {
         // SAFETY: every local range lies in its region (resolved above) and a permit of the region's

@@ -768,7 +768,7 @@ async fn serve_write(
 ) -> Result<Frame> {
     let result = match serve::write(ctx, who, segments, payload_len, durability) {
         Landing::Land(parts) => {
-            let landed = match into_files(&parts) {
+            let landed = match into_files(&parts, durability) {
                 true => land_in_files(reader, &parts, bounce).await?,
                 false => land(reader, &parts).await?,
             };

@@ -476,6 +476,10 @@ impl ferry_core::FileWriter for FileMapping {
         self.check_backing()
     }
 
+    fn flushed(&self) -> bool {
+        self.stats[0].load(Ordering::Relaxed) > 0
+    }
+
     /// `msync(MS_SYNC)` over the written pages, without dirtying them first: the CPU did.
     fn persist_written(&self, ranges: &[(usize, usize)]) -> Result<()> {
         self.check_backing()?;

@@ -449,10 +449,11 @@ fn page_present(addr: u64) -> bool {
 }
 
 /// A large write over TCP or shared memory into a page-cache file goes into the file (`pwrite`), not
-/// through the target's mapping: not one page of the mapping is faulted in by a persistent write or
-/// a completed one, and their bytes are in the file and seen through the mapping. The flush of
-/// what was so written dirties no page through the mapping either. A local write, which copies
-/// into the mapping, shows that the probe sees pages when they are touched.
+/// through the target's mapping, once it is persistent or the region was flushed before: not one
+/// page of the mapping is faulted in by such a write or by its flush, and its bytes are in the file
+/// and seen through the mapping. A completed write into a region never flushed lands in the mapping,
+/// whose pages are still writable, which also shows that the probe sees pages when they are
+/// touched.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn writes_over_tcp_go_into_the_file_not_through_the_mapping() {
     writes_go_into_the_file_not_through_the_mapping(ferry::TransportKind::Tcp).await;
@@ -474,54 +475,75 @@ async fn writes_go_into_the_file_not_through_the_mapping(transport: ferry::Trans
     assert_eq!(peer.transport(), transport, "{:?}", peer.passed_over());
     let len = 1 << 20;
     let quarter = len / 4;
+    // Two files: a fault maps a whole folio of the page cache, which may span many pages, so the
+    // write that faults and those that must not go to different files.
     let (path, _f) = temp_file(len);
+    let (never_flushed_path, _g) = temp_file(len);
     let region = target.register_file(&path, 0, len, rw()).unwrap();
+    let never_flushed = target.register_file(&never_flushed_path, 0, len, rw()).unwrap();
     wait_for_region(&peer, &region).await;
-    let mapped = |from: usize, to: usize| {
-        (from / 4096..to / 4096)
+    wait_for_region(&peer, &never_flushed).await;
+    let mapped = |region: &ferry::Region| {
+        (0..len / 4096)
             .filter(|&page| page_present(region.addr_at(page as u64 * 4096)))
             .count()
     };
-    assert_eq!(mapped(0, len), 0, "registering the file mapped pages of it");
+    assert_eq!(
+        mapped(&region) + mapped(&never_flushed),
+        0,
+        "registering a file mapped pages of it"
+    );
     let bytes = pattern(len, 7);
     let src = initiator.register(bytes.clone(), rw()).unwrap();
-    let desc = |at: usize, n: usize| TransferDesc::new(src.addr_at(at as u64), region.addr_at(at as u64), n as u64);
+    let desc = |to: &ferry::Region, at: usize, n: usize| {
+        TransferDesc::new(src.addr_at(at as u64), to.addr_at(at as u64), n as u64)
+    };
 
+    // Completed, into a region never flushed: into the mapping, whose pages stay writable.
+    let into_never_flushed = [desc(&never_flushed, 0, quarter)];
+    initiator
+        .transfer(&peer, Op::Write, &into_never_flushed, T)
+        .await
+        .unwrap();
+    assert!(
+        mapped(&never_flushed) > 0,
+        "a completed write lands in the mapping, and the probe sees it"
+    );
     // Persistent: one range, and a batch of two ranges (over TCP a completed write on each of two
     // streams and a commit on each).
-    for descs in [
-        vec![desc(0, quarter)],
-        vec![desc(quarter, quarter / 2), desc(quarter * 3 / 2, quarter / 2)],
-    ] {
+    let batches = [
+        vec![desc(&region, 0, quarter)],
+        vec![
+            desc(&region, quarter, quarter / 2),
+            desc(&region, quarter * 3 / 2, quarter / 2),
+        ],
+    ];
+    for descs in batches {
         initiator
             .transfer_durable(&peer, Op::Write, &descs, Durability::Persistent, T)
             .await
             .unwrap();
     }
-    assert_eq!(mapped(0, len), 0, "a persistent write faulted pages of the mapping in");
+    assert_eq!(mapped(&region), 0, "a persistent write faulted pages of the mapping in");
     let stats = region.persist_stats().unwrap();
     assert_eq!(stats.bytes, 2 * quarter as u64, "{stats:?}");
-    // Completed: nothing flushed.
+    // Completed, once the region was flushed: into the file, nothing flushed.
     initiator
-        .transfer(&peer, Op::Write, &[desc(2 * quarter, quarter)], T)
+        .transfer(&peer, Op::Write, &[desc(&region, 2 * quarter, quarter)], T)
         .await
         .unwrap();
-    assert_eq!(mapped(0, len), 0, "a completed write faulted pages of the mapping in");
+    assert_eq!(mapped(&region), 0, "a completed write after a flush faulted pages in");
     assert_eq!(region.persist_stats().unwrap().bytes, 2 * quarter as u64);
 
+    let written = 3 * quarter;
     assert!(
-        std::fs::read(&path).unwrap()[..3 * quarter] == bytes[..3 * quarter],
+        std::fs::read(&path).unwrap()[..written] == bytes[..written],
         "the file holds the writes"
     );
-    let mut back = vec![0u8; 3 * quarter];
+    let mut back = vec![0u8; written];
     region.read_at(0, &mut back).unwrap();
-    assert!(back == bytes[..3 * quarter], "the mapping shows the file's bytes");
-
-    region.write_at(3 * quarter as u64, &bytes[3 * quarter..]).unwrap();
-    assert!(
-        mapped(3 * quarter, len) > 0,
-        "a local write copies into the mapping, and the probe sees it"
-    );
-    drop(region);
+    assert!(back == bytes[..written], "the mapping shows the file's bytes");
+    drop((region, never_flushed));
     let _ = std::fs::remove_file(&path);
+    let _ = std::fs::remove_file(&never_flushed_path);
 }
