@@ -267,11 +267,20 @@ impl RegionEntry {
         self.file_writer()?.write_at(offset as usize, src)
     }
 
-    /// Persists the ranges `(offset, len)` that this host's CPU wrote (through the file, or into the
-    /// memory), checked against the region, through the block's [`FileWriter`]; the caller holds a
-    /// permit.
-    pub fn persist_written_by_cpu(&self, ranges: &[(u64, u64)]) -> Result<()> {
-        self.file_writer()?.persist_written(&self.block_ranges(ranges)?)
+    /// Makes the ranges `(offset, len)` that one operation wrote persistent, checked against the
+    /// region, under a permit. `by_cpu`: this host's CPU wrote them (a copy into the memory, a
+    /// `process_vm_readv` into this process, or a write through the block's file), so every written
+    /// page is dirty already and a block that writes through a file flushes them without dirtying
+    /// each page first ([`FileWriter::persist_written`], which would otherwise fault in every page
+    /// the write did not map). A NIC's writes into a page cache dirty no page: the block's own
+    /// [`persist`](MemoryBlock::persist) handles them.
+    pub fn persist_written(&self, ranges: &[(u64, u64)], by_cpu: bool) -> Result<()> {
+        let local = self.block_ranges(ranges)?;
+        let _permit = self.guard.enter().ok_or_else(|| self.gone())?;
+        match self.block.file_writer() {
+            Some(writer) if by_cpu => writer.persist_written(&local),
+            _ => self.block.persist(&local),
+        }
     }
 
     fn file_writer(&self) -> Result<&dyn FileWriter> {
@@ -322,6 +331,22 @@ pub const FILE_WRITE_MIN: u64 = 64 << 10;
 /// The most of a write that a transport passes through its own buffer at a time on the way into a
 /// file.
 pub const FILE_WRITE_CHUNK: usize = 1 << 20;
+
+/// The pieces `(offset, len)` in which a transport passes a part of `len` bytes through its
+/// buffer into a file: [`FILE_WRITE_CHUNK`] at a time, in order, the last one shorter.
+pub fn file_pieces(len: u64) -> impl Iterator<Item = (u64, usize)> {
+    (0..len)
+        .step_by(FILE_WRITE_CHUNK)
+        .map(move |at| (at, (len - at).min(FILE_WRITE_CHUNK as u64) as usize))
+}
+
+/// The first `n` bytes of `bounce`, grown to hold them.
+pub fn bounce_piece(bounce: &mut Vec<u8>, n: usize) -> &mut [u8] {
+    if bounce.len() < n {
+        bounce.resize(n, 0);
+    }
+    &mut bounce[..n]
+}
 
 /// Whether a write of `parts` with `durability` lands through the regions' files rather than their
 /// memory: every part does ([`RegionEntry::writes_into_file`]). A page-cache file then takes no page
@@ -628,6 +653,17 @@ mod tests {
             }
             prop_assert_eq!(t.total_bytes(), expect_bytes);
             prop_assert_eq!(t.adverts().len(), t.len());
+        }
+
+        #[test]
+        fn file_pieces_tile_the_part_in_order(len in 0u64..(5 * FILE_WRITE_CHUNK as u64)) {
+            let mut next = 0u64;
+            for (at, n) in file_pieces(len) {
+                prop_assert_eq!(at, next);
+                prop_assert!(n > 0 && n <= FILE_WRITE_CHUNK);
+                next += n as u64;
+            }
+            prop_assert_eq!(next, len);
         }
     }
 }

@@ -208,10 +208,7 @@ impl Responder {
                 region.commit_written_ranges(ranges, Durability::Completed)?;
             }
             if durability == Durability::Persistent {
-                match by_cpu && region.writes_through_file() {
-                    true => region.persist_written_by_cpu(ranges)?,
-                    false => region.persist(ranges)?,
-                }
+                region.persist_written(ranges, by_cpu)?;
             }
             Ok(())
         })

@@ -30,18 +30,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
-use ferry_core::region::{FILE_WRITE_CHUNK, into_files};
-use ferry_core::{
-    Access, Durability, EngineContext, Error, Op, OwnedPermit, PeerView, RegionEntry, RegionKey, Resolved, Result,
-};
+use ferry_core::region::{bounce_piece, by_region, file_pieces, into_files};
+use ferry_core::{Access, Durability, EngineContext, Error, Op, OwnedPermit, PeerView, RegionKey, Resolved, Result};
 
 use crate::cma::{self, Direction, Range};
 use crate::fdpass;
 use crate::pidfd::PidFd;
 use ferry_proto::shm::{self as wire, Item, REQUEST_HEAD, RequestKind};
-
-/// `(offset, len)` ranges of one region.
-type Ranges = Vec<(u64, u64)>;
 
 /// How long the initiator has to connect to the socket it was told of.
 const CONNECT_LIMIT: Duration = Duration::from_secs(10);
@@ -513,23 +508,23 @@ fn apply(
         let permit = r.region.guard().enter_owned().ok_or_else(|| r.region.gone())?;
         parts.push((r, permit));
     }
-    let ranges: Vec<Range> = parts
-        .iter()
-        .zip(items)
-        .map(|((r, _), i)| Range {
-            local: r.region.ptr_at(r.offset),
-            remote: i.addr,
-            len: r.len as usize,
-        })
-        .collect();
-    let direction = match op {
-        Op::Write => Direction::In,
-        Op::Read => Direction::Out,
-    };
     served.process.check("before a copy")?;
     if op == Op::Write && into_files(parts.iter().map(|(r, _)| r), durability) {
         copy_into_files(served.pid, &parts, items, bounce)?;
     } else {
+        let ranges: Vec<Range> = parts
+            .iter()
+            .zip(items)
+            .map(|((r, _), i)| Range {
+                local: r.region.ptr_at(r.offset),
+                remote: i.addr,
+                len: r.len as usize,
+            })
+            .collect();
+        let direction = match op {
+            Op::Write => Direction::In,
+            Op::Read => Direction::Out,
+        };
         // SAFETY: every local range lies in its region (resolved above) and a permit of the region's
         // guard is held until the copy ends, so the memory stays mapped; regions are never handed
         // out as Rust references, so the kernel's writes conflict with no borrow.
@@ -543,47 +538,32 @@ fn apply(
             ferry_core::integrity::fault::landed(r);
         }
         if durability == Durability::Persistent {
-            // One flush per region per request, as on TCP, not one per range.
-            let mut by_region: Vec<(&Arc<RegionEntry>, Ranges)> = Vec::new();
-            for (r, _) in &parts {
-                match by_region.iter_mut().find(|(region, _)| Arc::ptr_eq(region, &r.region)) {
-                    Some((_, ranges)) => ranges.push((r.offset, r.len)),
-                    None => by_region.push((&r.region, vec![(r.offset, r.len)])),
-                }
-            }
-            for (region, ranges) in by_region {
-                match region.writes_through_file() {
-                    // Written through the file, or by `process_vm_readv`, whose copy into this
-                    // process is a CPU store like any other: every written page is dirty already.
-                    true => region.persist_written_by_cpu(&ranges)?,
-                    false => region.persist(&ranges)?,
-                }
+            // One flush per region per request, as on TCP, not one per range. The bytes were
+            // written through the file or by `process_vm_readv`, whose copy into this process is a
+            // CPU store like any other: every written page is dirty already.
+            for (region, ranges) in by_region(parts.iter().map(|(r, _)| r)) {
+                region.persist_written(&ranges, true)?;
             }
         }
     }
     Ok(())
 }
 
-/// Copies each write's range from the initiator into `bounce` (up to [`FILE_WRITE_CHUNK`] at a time)
+/// Copies each write's range from the initiator into `bounce` in pieces ([`file_pieces`])
 /// and writes it into its region's file ([`ferry_core::FileWriter`]); the permits in `parts` are held.
 fn copy_into_files(pid: u32, parts: &[(Resolved, OwnedPermit)], items: &[Item], bounce: &mut Vec<u8>) -> Result<()> {
     for ((r, _), item) in parts.iter().zip(items) {
-        let mut done = 0u64;
-        while done < r.len {
-            let n = (r.len - done).min(FILE_WRITE_CHUNK as u64) as usize;
-            if bounce.len() < n {
-                bounce.resize(n, 0);
-            }
-            let piece = Range {
-                local: bounce.as_mut_ptr(),
-                remote: item.addr + done,
+        for (at, n) in file_pieces(r.len) {
+            let piece = bounce_piece(bounce, n);
+            let range = Range {
+                local: piece.as_mut_ptr(),
+                remote: item.addr + at,
                 len: n,
             };
-            // SAFETY: the local range is the first `n` bytes of `bounce`, a buffer this thread owns
-            // and lends to no one while the kernel writes into it.
-            unsafe { cma::copy(pid, Direction::In, &[piece])? };
-            r.region.write_through_file(r.offset + done, &bounce[..n])?;
-            done += n as u64;
+            // SAFETY: the local range is `piece`, the first `n` bytes of `bounce`, a buffer this
+            // thread owns and lends to no one while the kernel writes into it.
+            unsafe { cma::copy(pid, Direction::In, &[range])? };
+            r.region.write_through_file(r.offset + at, piece)?;
         }
     }
     Ok(())

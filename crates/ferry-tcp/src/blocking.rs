@@ -130,22 +130,17 @@ pub(crate) enum Writer {
 }
 
 /// Makes the written `parts` persistent when asked, one batch per region (a page written by several
-/// parts is flushed once); an `msync` runs where it may block ([`persist_under_permit`]). What the
-/// CPU wrote into a block that writes through its file is flushed without dirtying each page first
-/// ([`ferry_core::FileWriter::persist_written`]), which would fault in every page the write did not
-/// map.
+/// parts is flushed once); an `msync` runs where it may block ([`persist_under_permit`]).
+/// [`RegionEntry::persist_written`](ferry_core::RegionEntry::persist_written) picks the flush by
+/// `writer`.
 pub(crate) async fn persist(parts: &[Resolved], durability: Durability, writer: Writer) -> Result<()> {
     if durability != Durability::Persistent {
         return Ok(());
     }
     for (region, ranges) in by_region(parts) {
         let blocking = region.staging_may_block(durability);
-        match writer == Writer::Cpu && region.writes_through_file() {
-            true => {
-                persist_under_permit(&region, blocking, move |region| region.persist_written_by_cpu(&ranges)).await?
-            }
-            false => persist_under_permit(&region, blocking, move |region| region.persist(&ranges)).await?,
-        }
+        let by_cpu = writer == Writer::Cpu;
+        persist_under_permit(&region, blocking, move |region| region.persist_written(&ranges, by_cpu)).await?;
     }
     Ok(())
 }

@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use ferry_core::codec::{Frame, Hello, Limits, ReadStatus, Segment};
-use ferry_core::region::{FILE_WRITE_CHUNK, into_files};
+use ferry_core::region::{bounce_piece, file_pieces, into_files};
 use ferry_core::{
     AcceptedPath, Durability, EngineContext, Error, LinkSlot, Op, PeerIdentity, PeerView, RegionChange, RegionEntry,
     RegionKey, Resolved, Result,
@@ -921,30 +921,25 @@ async fn land(reader: &mut FrameReader, parts: &[Resolved]) -> Result<Result<()>
     Ok(crate::blocking::commit_written(parts).await)
 }
 
-/// Reads a write's payload into `bounce`, up to [`FILE_WRITE_CHUNK`] at a time, and writes each piece into
+/// Reads a write's payload into `bounce`, in pieces ([`file_pieces`]), and writes each piece into
 /// its part's file, under a permit of the part's region. The outer error breaks the stream; the
 /// inner result is the operation's: once a part refuses (its region deregistered, its file shrunk),
 /// the rest of the payload is read and dropped.
 async fn land_in_files(reader: &mut FrameReader, parts: &[Resolved], bounce: &mut Vec<u8>) -> Result<Result<()>> {
     let mut left: u64 = parts.iter().map(|p| p.len).sum();
     for part in parts {
-        let mut done = 0u64;
-        while done < part.len {
-            let n = (part.len - done).min(FILE_WRITE_CHUNK as u64) as usize;
-            if bounce.len() < n {
-                bounce.resize(n, 0);
-            }
-            reader.read_exact(&mut bounce[..n]).await?;
+        for (at, n) in file_pieces(part.len) {
+            let piece = bounce_piece(bounce, n);
+            reader.read_exact(piece).await?;
             left -= n as u64;
             let written = match part.region.guard().enter() {
-                Some(_permit) => part.region.write_through_file(part.offset + done, &bounce[..n]),
+                Some(_permit) => part.region.write_through_file(part.offset + at, piece),
                 None => Err(part.region.gone()),
             };
             if let Err(e) = written {
                 reader.discard(left).await?;
                 return Ok(Err(e));
             }
-            done += n as u64;
         }
         ferry_core::integrity::fault::landed(part);
     }
