@@ -307,7 +307,9 @@ impl Engine {
 
     /// Registers `length` bytes at the raw address `addr`, memory Python cannot see (a tensor's
     /// `data_ptr()`). The caller keeps it valid until the region is deregistered; pass the object
-    /// that owns it as `owner` and the engine keeps that alive until then.
+    /// that owns it as `owner` and the engine keeps that alive until then. CUDA device memory (a
+    /// CUDA tensor's, asked of the driver) is registered as such, staged through pinned host
+    /// memory; an address that is neither mapped host memory nor one CUDA allocation is refused.
     #[pyo3(signature = (addr, length, access = 3, owner = None))]
     fn register_ptr(
         slf: &Bound<'_, Self>,
@@ -327,15 +329,27 @@ impl Engine {
         }
         let len = usize::try_from(length)
             .map_err(|_| errors::invalid(py, format!("{length} bytes do not fit this machine")))?;
-        // Any integer can be passed here: a range this process does not own (or a GPU pointer) would
-        // crash it at a peer's first READ.
-        ferry::mapped::check_mapped(addr, length, access).py(py)?;
+        // Any integer can be passed here: a range this process does not own, or device memory taken
+        // for host memory, would crash it at a peer's first READ. The CUDA driver (where there is
+        // one) says whether it is device memory, and in which allocation; host memory must be
+        // mapped with the access asked for.
+        let kind = ferry::cuda::classify(addr, length).py(py)?;
         let _rt = runtime().enter();
-        // SAFETY: the caller promises, as `register_ptr`'s documentation asks, that the memory stays
-        // valid until the region is deregistered.
-        let region = py
-            .detach(|| unsafe { engine.register_raw(addr as *mut u8, len, access) })
-            .py(py)?;
+        let region = match kind {
+            ferry::cuda::PointerKind::Device { .. } => {
+                // SAFETY: the caller promises, as `register_ptr`'s documentation asks, that the
+                // memory stays allocated until the region is deregistered (the engine keeps `owner`
+                // alive until then).
+                let block = unsafe { ferry::cuda::CudaBlock::borrow(addr, len, None) }.py(py)?;
+                py.detach(|| engine.register_block(block, access)).py(py)?
+            }
+            ferry::cuda::PointerKind::Host => {
+                ferry::mapped::check_mapped(addr, length, access).py(py)?;
+                // SAFETY: as above; the range is mapped with the access asked for (checked).
+                py.detach(|| unsafe { engine.register_raw(addr as *mut u8, len, access) })
+                    .py(py)?
+            }
+        };
         let owner = owner.map_or(Owner::Engine, Owner::Object);
         Engine::insert(slf, region, owner)
     }

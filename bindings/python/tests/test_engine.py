@@ -5,6 +5,7 @@ import asyncio
 import ctypes
 import gc
 import mmap
+import os
 import threading
 import time
 import weakref
@@ -311,6 +312,10 @@ def test_a_failed_delivery_does_not_strand_the_rest_of_its_batch(pair):
     async def run():
         peer = await connect(initiator, target)
         loop.refuse_next = True
+        # A callback ready makes the loop busy: the transfer goes to the runtime at once rather than
+        # finishing on this thread first (where its future would be resolved before it is returned),
+        # so its completion comes through the batch this test is about.
+        loop.call_soon(lambda: None)
         first = initiator.transfer(peer, "write", [(src.addr, dst.addr, 4 * KIB)], timeout=5.0)
         # Block the loop's thread (no await) while both transfers complete, so that their
         # completions are drained together, the refused one first.
@@ -722,3 +727,36 @@ def test_cpu_tensors_move_by_data_ptr(pair, torch):
     asyncio.run(run())
     assert torch.equal(dst, src.view(torch.uint8).flatten())
     assert torch.equal(back.view(torch.uint8), src.view(torch.uint8))
+
+
+def test_cuda_tensors_move_by_data_ptr(pair, torch):
+    """A CUDA tensor registered by `data_ptr()` is device memory (the driver says so), staged
+    through pinned host memory: a peer's write is on the GPU when it completes, and a peer's read
+    returns what the GPU holds. Needs a CUDA device; FERRY_REQUIRE_CUDA=1 makes its absence a
+    failure (the GPU machine's script sets it)."""
+    if not torch.cuda.is_available():
+        if os.environ.get("FERRY_REQUIRE_CUDA") == "1":
+            pytest.fail("FERRY_REQUIRE_CUDA=1 and torch sees no CUDA device")
+        pytest.skip("no CUDA device (torch.cuda.is_available() is False): nothing to register")
+    target, initiator = pair
+    dst = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
+    src = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8)
+    back = torch.zeros_like(src)
+    remote = target.register_ptr(dst.data_ptr(), dst.numel(), owner=dst)
+    assert remote.kind.startswith("cuda device"), remote.kind
+    source = initiator.register_ptr(src.data_ptr(), src.numel(), owner=src)
+    landing = initiator.register_ptr(back.data_ptr(), back.numel(), owner=back)
+
+    async def run():
+        peer = await connect(initiator, target)
+        await initiator.transfer(peer, "write", descs_for(source.addr, remote.addr, 64 * KIB, 16), timeout=10.0)
+        assert torch.equal(dst.cpu(), src), "the peer's write is not on the GPU"
+        dst.copy_(torch.flip(src, [0]).cuda())
+        torch.cuda.synchronize()
+        await initiator.transfer(peer, "read", [(landing.addr, remote.addr, landing.length)], timeout=10.0)
+
+    asyncio.run(run())
+    assert torch.equal(back, torch.flip(src, [0])), "the peer's read did not return what the GPU holds"
+    # A range past the tensor's allocation is refused, not registered.
+    with pytest.raises(ferry.InvalidArgument):
+        target.register_ptr(dst.data_ptr() + 4096, dst.numel() + (64 << 20))

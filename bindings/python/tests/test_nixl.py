@@ -318,15 +318,46 @@ def test_removed_agent_fails_its_handles_with_not_found(agents):
         decode.make_prepped_xfer("READ", local, [0], far, [0])
 
 
-def test_gpu_memory_is_refused_as_not_supported(agents):
+def test_vram_lists_must_name_cuda_memory(agents):
+    """"VRAM" descriptor lists are CUDA device memory: host memory registered as VRAM is refused
+    (the driver does not know it as device memory; without a driver nothing is), and nothing stays
+    registered. The GPU device API (remote descriptor lists, memory views) is not served."""
     _, decode, _, dst = agents
     for mem in ("VRAM", "cuda"):
-        with pytest.raises(nb.nixlNotSupportedError, match="no CUDA memory"):
-            decode.get_reg_descs([(dst.ctypes.data, 4096, 0, "")], mem)
-        with pytest.raises(nb.nixlNotSupportedError, match="no CUDA memory"):
-            decode.get_xfer_descs([(dst.ctypes.data, 4096, 0)], mem)
+        assert decode.get_reg_descs([(dst.ctypes.data, 4096, 0, "")], mem).getType() == nb.VRAM_SEG
+        assert decode.get_xfer_descs([(dst.ctypes.data, 4096, 0)], mem).getType() == nb.VRAM_SEG
+    host = np.zeros(8192, dtype=np.uint8)
+    regions = decode._engine.region_count
+    with pytest.raises(nb.nixlInvalidParamError, match="does not know them as device memory"):
+        decode.register_memory([(host.ctypes.data, 4096, 0, ""), (host.ctypes.data + 4096, 4096, 0, "")], "VRAM")
+    assert decode._engine.region_count == regions
     with pytest.raises(KeyError):
         decode.get_xfer_descs([(dst.ctypes.data, 4096, 0)], "V-RAM")
+    with pytest.raises(nb.nixlNotSupportedError, match="no GPU device API"):
+        decode.prep_mem_view(decode.get_xfer_descs([(dst.ctypes.data, 4096, 0)], "DRAM"))
+
+
+def test_cuda_tensors_as_vram(agents, torch):
+    """A CUDA tensor registered through NIXL's API is VRAM, named by its data_ptr(): a peer WRITEs
+    host blocks into it and READs them back, every byte compared on the GPU. Needs a CUDA device;
+    FERRY_REQUIRE_CUDA=1 makes its absence a failure."""
+    if not torch.cuda.is_available():
+        if os.environ.get("FERRY_REQUIRE_CUDA") == "1":
+            pytest.fail("FERRY_REQUIRE_CUDA=1 and torch sees no CUDA device")
+        pytest.skip("no CUDA device (torch.cuda.is_available() is False)")
+    prefill, decode, src, _ = agents
+    kv = torch.zeros(16 * 4096, dtype=torch.uint8, device="cuda")
+    reg = decode.register_memory([kv])
+    assert reg.getType() == nb.VRAM_SEG
+    prefill.add_remote_agent(decode.get_agent_metadata())
+    local = prefill.get_xfer_descs(block_list(src.ctypes.data, 16), "DRAM")
+    far = prefill.get_xfer_descs(block_list(kv.data_ptr(), 16), "VRAM")
+    handle = prefill.initialize_xfer("WRITE", local, far, "decode", b"kv")
+    prefill.transfer(handle)
+    wait_done(prefill, handle)
+    assert torch.equal(kv.cpu(), torch.from_numpy(src[: 16 * 4096].copy()))
+    assert wait_notifs(decode, "prefill") == [b"kv"]
+    decode.deregister_memory(reg)
 
 
 def test_descriptor_lists_as_nixl_builds_them(agents):
@@ -612,9 +643,9 @@ def test_exchange_messages_are_bounded_and_checked():
 def test_introspection_answers_about_ferry(agents):
     _, decode, _, _ = agents
     assert decode.get_plugin_list() == ["FERRY"]
-    assert decode.get_plugin_mem_types("FERRY") == ["DRAM_SEG"]
+    assert decode.get_plugin_mem_types("FERRY") == ["DRAM_SEG", "VRAM_SEG"]
     assert decode.get_plugin_mem_types("UVX") == [] and decode.get_plugin_params("UVX") == {}
-    assert decode.get_backend_mem_types("UCX") == ["DRAM_SEG"]
+    assert decode.get_backend_mem_types("UCX") == ["DRAM_SEG", "VRAM_SEG"]
     params = decode.get_backend_params("UCX")
     assert params["engine"] == "ferry" and params["transports"]
     assert decode.get_backend_mem_types("LIBFABRIC") == []

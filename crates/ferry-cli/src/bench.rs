@@ -53,9 +53,10 @@ pub struct Args {
     /// One JSON object per case and line, instead of a table.
     #[arg(long)]
     json: bool,
-    /// Memory of the in-process target: host (memfd) or vulkan (GPU memory, the best path the device
-    /// offers; `FERRY_VULKAN_DEVICE` picks the device; needs the `vulkan` feature).
-    #[arg(long, default_value = "host", value_parser = ["host", "vulkan"])]
+    /// Memory of the in-process target: host (memfd), vulkan (GPU memory, the best path the device
+    /// offers; `FERRY_VULKAN_DEVICE` picks the device; needs the `vulkan` feature) or cuda (device
+    /// memory of CUDA device 0, staged through pinned host memory; `CUDA_VISIBLE_DEVICES` picks it).
+    #[arg(long, default_value = "host", value_parser = ["host", "vulkan", "cuda"])]
     target_mem: String,
     /// With `--target-mem vulkan`: the allocation path, auto (the best the device offers), rdma
     /// (`VK_NV_external_memory_rdma`), host-visible (mapped device memory) or staged (device-local
@@ -351,10 +352,13 @@ fn target_region(
         }
         return Ok(region);
     }
+    if args.target_mem != "vulkan" && args.vulkan_path != "auto" {
+        bail!("--vulkan-path needs --target-mem vulkan");
+    }
+    if args.target_mem == "cuda" {
+        return cuda_target(target, len, args.json);
+    }
     if args.target_mem != "vulkan" {
-        if args.vulkan_path != "auto" {
-            bail!("--vulkan-path needs --target-mem vulkan");
-        }
         return target
             .alloc_host(len, Access::READ_WRITE)
             .context("allocating target memory");
@@ -379,6 +383,29 @@ fn target_region(
     bail!(
         "--target-mem vulkan needs a ferry built with the `vulkan` feature (cargo build -p ferry-cli --features vulkan)"
     )
+}
+
+/// The target's region in CUDA device memory of device 0.
+#[cfg(feature = "cuda")]
+fn cuda_target(target: &Engine, len: usize, json: bool) -> anyhow::Result<Region> {
+    let device = ferry::cuda::CudaDevice::open(0).context("opening CUDA device 0 for --target-mem cuda")?;
+    let registry = ferry::cuda::CudaRegistry::new(device);
+    let region = target
+        .alloc_from(&registry, len, Access::READ_WRITE)
+        .context("allocating CUDA target memory")?;
+    if !json {
+        eprintln!(
+            "target memory: {} on {}",
+            region.kind(),
+            ferry::MemoryRegistry::name(&registry)
+        );
+    }
+    Ok(region)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_target(_: &Engine, _: usize, _: bool) -> anyhow::Result<Region> {
+    bail!("--target-mem cuda needs a ferry built with the `cuda` feature (cargo build -p ferry-cli --features cuda)")
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {

@@ -116,6 +116,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     }
     let vulkan: Vec<String> = caps.vulkan_devices.iter().map(|d| d.to_string()).collect();
     println!("vulkan devices: {}", list(&vulkan));
+    print_cuda(&caps.cuda);
     if let Some(l) = &report.link {
         println!(
             "link to {}: {} ({} TCP streams), persistent writes by {}; {} regions, {} persistent",
@@ -208,4 +209,33 @@ fn yes(b: bool) -> &'static str {
 
 fn list(v: &[String]) -> String {
     if v.is_empty() { "none".into() } else { v.join(", ") }
+}
+
+/// The CUDA line: the driver and each device with what it offers, or why there is none.
+fn print_cuda(cuda: &ferry::CudaReport) {
+    match (&cuda.unavailable, &cuda.driver_version) {
+        (Some(why), _) => println!("cuda:           not usable: {why}"),
+        (None, version) => println!(
+            "cuda:           driver {}; device memory {}",
+            version.as_deref().unwrap_or("?"),
+            cuda.paths
+        ),
+    }
+    #[cfg(feature = "cuda")]
+    for d in &cuda.devices {
+        println!(
+            "cuda device {}: {} (PCI {}, {} MiB, compute {}): unified addressing {}, GPUDirect RDMA {}, dma-buf {}, \
+             VMM {} (fd handles {})",
+            d.ordinal,
+            d.name,
+            d.pci_address,
+            d.memory_bytes >> 20,
+            d.compute_capability,
+            yes(d.unified_addressing),
+            yes(d.gpudirect_rdma),
+            yes(d.dma_buf),
+            yes(d.vmm),
+            yes(d.posix_fd_handles)
+        );
+    }
 }

@@ -25,6 +25,19 @@ pub fn page_size() -> usize {
         .unwrap_or(4096)
 }
 
+/// Checks that `len` bytes at `offset` lie in `block` ([`Error::OutOfBounds`] naming the block's
+/// size and kind otherwise): for a block's own methods that take ranges from callers.
+pub fn check_block_range(block: &dyn MemoryBlock, offset: usize, len: usize) -> Result<()> {
+    match offset.checked_add(len) {
+        Some(end) if end <= block.len() => Ok(()),
+        _ => Err(Error::OutOfBounds(format!(
+            "{len} bytes at offset {offset} of a {}-byte {} block",
+            block.len(),
+            block.kind()
+        ))),
+    }
+}
+
 /// How the CPU and a NIC reach a block's bytes, and so what keeping them coherent costs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DmaView {
@@ -87,6 +100,15 @@ pub unsafe trait MemoryBlock: Send + Sync + 'static {
     fn as_ptr(&self) -> *mut u8;
     /// Length in bytes.
     fn len(&self) -> usize;
+    /// The address callers name the block's first byte by, in transfer descriptors and
+    /// `Region::addr`: by default its pointer. Memory that has an address of its own in this
+    /// process, which the program that allocated it uses, keeps that name while its pointer is a
+    /// host copy: CUDA device memory is named by its device pointer (`tensor.data_ptr()`). The
+    /// address never changes, and the `len` bytes from it overlap no other block's names (device
+    /// and host addresses share one space under CUDA's unified addressing).
+    fn address(&self) -> u64 {
+        self.as_ptr() as u64
+    }
     /// Whether the block is empty (never true for a registered block).
     fn is_empty(&self) -> bool {
         self.len() == 0

@@ -116,9 +116,17 @@ impl RegionEntry {
     pub fn access(&self) -> Access {
         self.access
     }
-    /// The first byte's address in this process.
+    /// The address the first byte is named by in this process ([`MemoryBlock::address`]): its
+    /// pointer, except for memory named apart from its host copy (CUDA device memory). Reach the
+    /// bytes through [`ptr_at`](Self::ptr_at), never through this.
     pub fn addr(&self) -> u64 {
-        self.block.as_ptr() as u64
+        self.block.address()
+    }
+
+    /// Whether the region is named by its pointer ([`MemoryBlock::address`] is the default): a NIC
+    /// that registers the pointer may then be named the region's address.
+    pub fn named_by_pointer(&self) -> bool {
+        self.addr() == self.block.as_ptr() as u64
     }
     /// Length in bytes.
     pub fn len(&self) -> u64 {

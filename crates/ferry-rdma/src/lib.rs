@@ -375,9 +375,11 @@ fn register_local(shared: &Arc<RdmaShared>, region: &RegionEntry) -> Result<Opti
     // SAFETY: the engine keeps the region's memory alive until `deregister_region` returns, which
     // deregisters the memory region first.
     let registered = unsafe {
-        shared
-            .pd
-            .reg_mr(region.addr() as usize, region.len() as usize, AccessFlags::LocalWrite)
+        shared.pd.reg_mr(
+            region.ptr_at(0) as usize,
+            region.len() as usize,
+            AccessFlags::LocalWrite,
+        )
     };
     let (reg, bounce_addr) = match registered {
         Ok(mr) => (Registered::new(mr, region.guard().clone()), None),
@@ -578,7 +580,11 @@ fn register_on(shared: &Arc<RdmaShared>, region: &RegionEntry) -> Result<Option<
     let registered = register_for_flush(region, flags, flushable, |flags| {
         // SAFETY: the engine keeps the region's memory alive until `deregister_region` returns,
         // which deregisters the memory region first.
-        unsafe { shared.pd.reg_mr(region.addr() as usize, region.len() as usize, flags) }
+        unsafe {
+            shared
+                .pd
+                .reg_mr(region.ptr_at(0) as usize, region.len() as usize, flags)
+        }
     });
     let (reg, flushable, bounce_addr) = match registered {
         Ok((mr, flushable)) => (Registered::new(mr, region.guard().clone()), flushable, None),
@@ -694,6 +700,17 @@ impl Transport for RdmaTransport {
     }
 
     fn register_region(&self, region: &RegionEntry) -> Result<Option<Vec<u8>>> {
+        if !region.named_by_pointer() {
+            // Peers name the region by an address that is not its host copy's (CUDA device memory):
+            // a registration of the host copy would answer them at the wrong one. No key is
+            // advertised, and the route reports the region as declined by the NIC.
+            tracing::info!(
+                region = ?region.key(),
+                kind = region.block().kind(),
+                "not registered with the NIC: the region is named by a device address, and its host copy lies elsewhere"
+            );
+            return Ok(None);
+        }
         let rails = self.rails()?;
         if let [one] = rails {
             return register_on(one, region);
@@ -718,11 +735,8 @@ impl Transport for RdmaTransport {
             )));
         }
         // Registered: its first page is in memory now, on the node it will stay on.
-        self.topology.place(
-            region.key(),
-            region.addr() as usize as *const u8,
-            region.block().pci_device(),
-        );
+        self.topology
+            .place(region.key(), region.ptr_at(0).cast_const(), region.block().pci_device());
         Ok(Some(ferry_proto::rdma::RailKeys(keys).encode()))
     }
 

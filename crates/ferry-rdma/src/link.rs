@@ -485,7 +485,7 @@ impl Inner {
             let mut done = 0u64;
             while done < item.len() {
                 let n = (item.len() - done).min(max_msg);
-                let laddr = item.local.region.addr() + item.local.offset + done;
+                let laddr = item.local.region.ptr_at(item.local.offset + done) as u64;
                 let raddr = remote_base + done;
                 let sge = ibv_sge {
                     addr: laddr,

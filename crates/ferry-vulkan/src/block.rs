@@ -207,13 +207,7 @@ impl VulkanBlock {
     }
 
     fn check(&self, offset: usize, len: usize) -> Result<()> {
-        match offset.checked_add(len) {
-            Some(end) if end <= self.len => Ok(()),
-            _ => Err(Error::OutOfBounds(format!(
-                "{len} bytes at offset {offset} of a {}-byte {} block",
-                self.len, self.kind
-            ))),
-        }
+        ferry_core::memory::check_block_range(self, offset, len)
     }
 }
 

@@ -25,6 +25,26 @@ pub struct Capabilities {
     /// Vulkan devices found (always empty: this build has no `vulkan` feature).
     #[cfg(not(feature = "vulkan"))]
     pub vulkan_devices: Vec<String>,
+    /// The CUDA driver and its devices, or why there are none.
+    pub cuda: CudaReport,
+}
+
+/// What [`Capabilities::cuda`] found.
+#[derive(Debug, Clone, Serialize)]
+pub struct CudaReport {
+    /// The driver's version ("12.8"), where one loaded.
+    pub driver_version: Option<String>,
+    /// The devices the driver sees, with what each offers.
+    #[cfg(feature = "cuda")]
+    pub devices: Vec<ferry_cuda::CudaDeviceInfo>,
+    /// The devices (always empty: this build has no `cuda` feature).
+    #[cfg(not(feature = "cuda"))]
+    pub devices: Vec<String>,
+    /// Why CUDA memory cannot be used here: no driver, a driver that would not initialise, or a
+    /// build without the `cuda` feature. `None` where it can.
+    pub unavailable: Option<String>,
+    /// How each transport reaches CUDA memory in this build.
+    pub paths: &'static str,
 }
 
 /// One transport's entry.
@@ -371,6 +391,43 @@ pub fn capabilities() -> Capabilities {
         rdma_devices,
         rdma_rails,
         vulkan_devices: vulkan_devices(),
+        cuda: cuda_report(),
+    }
+}
+
+/// What every transport does with CUDA memory today: the staged path, whatever the device offers.
+#[cfg(feature = "cuda")]
+const CUDA_PATHS: &str =
+    "staged through pinned host memory (asynchronous copies on a stream of the block's own) on every transport";
+
+#[cfg(feature = "cuda")]
+fn cuda_report() -> CudaReport {
+    let driver_version = ferry_cuda::driver().ok().map(|d| d.version_string());
+    match ferry_cuda::probe() {
+        Ok(devices) => CudaReport {
+            unavailable: devices
+                .is_empty()
+                .then(|| "the CUDA driver sees no device (CUDA_VISIBLE_DEVICES applies)".to_string()),
+            driver_version,
+            devices,
+            paths: CUDA_PATHS,
+        },
+        Err(e) => CudaReport {
+            driver_version,
+            devices: Vec::new(),
+            unavailable: Some(e.message().to_string()),
+            paths: CUDA_PATHS,
+        },
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_report() -> CudaReport {
+    CudaReport {
+        driver_version: None,
+        devices: Vec::new(),
+        unavailable: Some("this build has no `cuda` feature (build ferry with --features cuda)".into()),
+        paths: "none",
     }
 }
 

@@ -49,7 +49,7 @@ mod transfer;
 pub use builder::{
     DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_INFLIGHT_BYTES, DEFAULT_MAX_NOTIFICATION_BYTES, DEFAULT_STREAMS, EngineBuilder,
 };
-pub use capabilities::{Capabilities, RdmaRail, TransportInfo, TransportOptions, capabilities};
+pub use capabilities::{Capabilities, CudaReport, RdmaRail, TransportInfo, TransportOptions, capabilities};
 pub use directory::{Directory, EngineRecord, MemberEvent};
 pub use engine::{Engine, PreparedTransfer};
 pub use ferry_core::integrity;
@@ -58,6 +58,10 @@ pub use ferry_core::{
     Notification, Op, PciAddress, PeerIdentity, PersistMethod, PersistStats, RailStats, ReceivedNotification, RegionAd,
     RegionKey, RemoteRegions, Result, Route, TransferDesc, TransportKind,
 };
+/// CUDA device memory: [`cuda::CudaRegistry`] for `alloc_from`, [`cuda::CudaBlock::borrow`] for a
+/// pointer the caller holds (a PyTorch tensor's), [`cuda::classify`] for what an address is.
+#[cfg(feature = "cuda")]
+pub use ferry_cuda as cuda;
 pub use ferry_tcp::{DevelopmentCa, IssuedPem, TlsConfig};
 pub use file::{FileMapping, FlushMethod};
 pub use host::HostAllocation;

@@ -57,10 +57,10 @@ SERVED_PLUGINS = ("UCX", "UCX_MO", "LIBFABRIC", "UCCL", "MOONCAKE")
 ``nixl_agent_config(backends=["UCX"])`` and ``register_memory(..., backends=["UCX"])`` work as
 written (``get_plugin_list`` still says ``["FERRY"]``)."""
 
-_MEM_TYPES = ["DRAM_SEG"]
-_NO_CUDA = (
-    "NIXL_ERR_NOT_SUPPORTED: ferry has no CUDA memory yet: it moves host memory (DRAM) only; "
-    "register host buffers, or stage GPU memory through host memory"
+_MEM_TYPES = ["DRAM_SEG", "VRAM_SEG"]
+_NO_DEVICE_API = (
+    "NIXL_ERR_NOT_SUPPORTED: ferry has no GPU device API: transfers are posted from the host, "
+    "CUDA memory included"
 )
 
 
@@ -665,9 +665,7 @@ class nixl_agent:
 
     @staticmethod
     def _check_mem(mem: nixl_mem_t) -> None:
-        if mem == nixl_mem_t.VRAM_SEG:
-            raise nixlNotSupportedError(_NO_CUDA)
-        if mem != nixl_mem_t.DRAM_SEG:
+        if mem not in (nixl_mem_t.DRAM_SEG, nixl_mem_t.VRAM_SEG):
             raise nixlNotSupportedError(_no_storage(nixl_mem_t(mem).name))
 
     @staticmethod
@@ -675,9 +673,6 @@ class nixl_agent:
         """``(addr, len, owner)`` of a tensor (``data_ptr()``) or a buffer-protocol object."""
         data_ptr = getattr(obj, "data_ptr", None)
         if callable(data_ptr):
-            device = obj.get_device() if callable(getattr(obj, "get_device", None)) else -1
-            if device != -1:
-                raise nixlNotSupportedError(_NO_CUDA)
             if callable(getattr(obj, "is_contiguous", None)) and not obj.is_contiguous():
                 raise ValueError("Please use a list of contiguous Tensors")
             if callable(getattr(obj, "numel", None)) and callable(getattr(obj, "element_size", None)):
@@ -703,6 +698,15 @@ class nixl_agent:
             return False
         return True
 
+    @staticmethod
+    def _objects_mem(objs: Sequence[Any]) -> nixl_mem_t:
+        """VRAM for tensors on a CUDA device (``get_device()`` is not -1), DRAM for the rest, as
+        NIXL types a list of tensors; a list that mixes the two is a ``ValueError``."""
+        on_gpu = {callable(getattr(o, "get_device", None)) and o.get_device() != -1 for o in objs}
+        if len(on_gpu) > 1:
+            raise ValueError("a descriptor list's tensors must all be on the GPU or all on the host")
+        return nixl_mem_t.VRAM_SEG if on_gpu == {True} else nixl_mem_t.DRAM_SEG
+
     def _objects(self, objs: Sequence[Any]) -> Optional[Tuple[np.ndarray, List[Any]]]:
         rows = np.zeros((len(objs), 3), dtype=np.uint64)
         owners = []
@@ -723,8 +727,8 @@ class nixl_agent:
         """A ``nixlXferDList`` from (a) a list of ``(addr, len, dev)`` tuples with ``mem_type``,
         (b) an N×3 numpy array with ``mem_type``, (c) a tensor (``data_ptr()``) or a buffer-protocol
         object, (d) a list of those, or (e) a ``nixlXferDList`` (returned as is). None, with an
-        error logged, for anything else, as NIXL does; ``"VRAM"``/``"cuda"`` raise
-        ``nixlNotSupportedError``."""
+        error logged, for anything else, as NIXL does. ``"VRAM"``/``"cuda"`` name CUDA device memory,
+        addressed by its device pointer (``tensor.data_ptr()``)."""
         if isinstance(descs, nixlRegDList):
             logger.error("RegList type detected for transfer, please use XferList")
             return None
@@ -772,7 +776,12 @@ class nixl_agent:
             got = self._objects(descs)
             if got is None:
                 return None
-            made = cls(nixl_mem_t.DRAM_SEG, got[0])
+            try:
+                mem = self._objects_mem(descs)
+            except ValueError as e:
+                logger.error("%s", e)
+                return None
+            made = cls(mem, got[0])
             if cls is nixlRegDList:
                 made._owners = got[1]
             return made  # type: ignore[no-any-return]
@@ -804,9 +813,11 @@ class nixl_agent:
         self, reg_list: Any, mem_type: Optional[str] = None, backends: Optional[List[str]] = None
     ) -> nixlRegDList:
         """Registers every descriptor's memory with the agent's engine (``Engine.register`` for a
-        buffer object, which it keeps alive; ``Engine.register_ptr`` for an address, which is
-        checked to be mapped memory of this process); returns the list, for
-        ``deregister_memory``. Registering the same range twice counts twice."""
+        buffer object, which it keeps alive; ``Engine.register_ptr`` for an address, which the
+        CUDA driver, where there is one, classifies as device memory, or which is checked to be
+        mapped memory of this process); returns the list, for ``deregister_memory``. A ``"VRAM"``
+        list must name CUDA device memory (``nixlInvalidParamError`` otherwise, and nothing stays
+        registered). Registering the same range twice counts twice."""
         descs = self.get_reg_descs(reg_list, mem_type)
         if descs is None:
             raise TypeError("register_memory: cannot make a registration list of the given descriptors")
@@ -827,11 +838,20 @@ class nixl_agent:
                             region = self._engine.register(owner)
                         else:
                             region = self._engine.register_ptr(addr, length, owner=owner)
+                        if descs.getType() == nixl_mem_t.VRAM_SEG and not region.kind.startswith("cuda"):
+                            region.deregister()
+                            raise nixlInvalidParamError(
+                                f"NIXL_ERR_INVALID_PARAM: {length} bytes at 0x{addr:x} were registered as VRAM, "
+                                f"but the CUDA driver does not know them as device memory ({region.kind})"
+                            )
                         self._regions[key] = (region, 1)
                     done.append(key)
             except ferry.Error as e:
                 self._release_keys(done)
                 raise _as_nixl_error(e, f"registering {length} bytes at 0x{addr:x}") from e
+            except nixlInvalidParamError:
+                self._release_keys(done)
+                raise
             finally:
                 self._local = _Coverage(self._regions)
         return descs
@@ -1641,13 +1661,13 @@ class nixl_agent:
         handle.release()
 
     def get_remote_descs(self, descs: Any, mem_type: Optional[str] = None) -> Any:
-        raise nixlNotSupportedError(_NO_CUDA + " (remote descriptor lists serve the GPU device API)")
+        raise nixlNotSupportedError(_NO_DEVICE_API + " (remote descriptor lists serve it)")
 
     def prep_mem_view(self, dlist: Any, *, backends: Optional[List[str]] = None) -> int:
-        raise nixlNotSupportedError(_NO_CUDA + " (memory views are the GPU device API)")
+        raise nixlNotSupportedError(_NO_DEVICE_API + " (memory views are part of it)")
 
     def release_mem_view(self, mvh: int) -> None:
-        raise nixlNotSupportedError(_NO_CUDA + " (memory views are the GPU device API)")
+        raise nixlNotSupportedError(_NO_DEVICE_API + " (memory views are part of it)")
 
     # ---- notifications ------------------------------------------------------------------------
 

@@ -1,0 +1,265 @@
+//! [`CudaBlock`]: CUDA device memory as a ferry [`MemoryBlock`], staged through pinned host memory.
+//!
+//! The engine's CPU transports (TCP, shared memory) move bytes through host pointers, and a NIC
+//! without a path to the GPU registers host memory. So the block's pointer is a page-locked host
+//! mirror as long as the region, and its hooks keep the two coherent, as the staged contract asks:
+//! [`commit_written_ranges`](MemoryBlock::commit_written_ranges) copies the written ranges to the
+//! device before the write is acknowledged, [`prepare_read_ranges`](MemoryBlock::prepare_read_ranges)
+//! copies the ranges to be read from the device before they are sent. Each batch is queued on the
+//! block's own stream as asynchronous copies and waited for once: a request of many ranges pays
+//! one synchronisation, not one per range.
+//!
+//! The memory is either ferry's ([`CudaRegistry`](crate::CudaRegistry)) or the caller's, borrowed
+//! from a pointer the driver vouched for ([`CudaBlock::borrow`]): a PyTorch tensor's storage.
+
+use std::any::Any;
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use cudarc::driver::sys;
+use ferry_core::{DmaView, Durability, Error, MemoryBlock, Result};
+
+use crate::device::{CudaDevice, DeviceAllocation, PinnedHost, Stream};
+use crate::error::check;
+use crate::pointer::{PointerKind, classify};
+
+/// Where the device bytes come from.
+enum DeviceMemory {
+    /// Allocated by ferry, freed with the block.
+    Owned(DeviceAllocation),
+    /// The caller's, kept alive by `_owner` (if given) as long as the block.
+    Borrowed {
+        ptr: sys::CUdeviceptr,
+        _owner: Option<Box<dyn Any + Send + Sync>>,
+    },
+}
+
+impl DeviceMemory {
+    fn ptr(&self) -> sys::CUdeviceptr {
+        match self {
+            DeviceMemory::Owned(a) => a.ptr,
+            DeviceMemory::Borrowed { ptr, .. } => *ptr,
+        }
+    }
+}
+
+/// Which way a batch of copies goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Direction {
+    ToDevice,
+    ToHost,
+}
+
+/// CUDA device memory behind a pinned host mirror (see the module's documentation).
+pub struct CudaBlock {
+    kind: &'static str,
+    len: usize,
+    memory: DeviceMemory,
+    host: PinnedHost,
+    /// The block's copies, one batch at a time.
+    copies: Mutex<Stream>,
+    /// Dropped last: the fields above free driver objects in its context.
+    device: Arc<CudaDevice>,
+}
+
+// SAFETY: the fields are driver handles (usable from any thread once the context is bound), an
+// `Arc` of a `Send + Sync` device, an owner that is `Send + Sync`, and a pointer to pinned host
+// memory only reached through raw pointers.
+unsafe impl Send for CudaBlock {}
+// SAFETY: as above; copies are serialised by `copies`' lock.
+unsafe impl Sync for CudaBlock {}
+
+impl std::fmt::Debug for CudaBlock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaBlock")
+            .field("kind", &self.kind)
+            .field("len", &self.len)
+            .field("device", &self.device.ordinal())
+            .field("device_ptr", &format_args!("{:#x}", self.memory.ptr()))
+            .finish_non_exhaustive()
+    }
+}
+
+impl CudaBlock {
+    /// `len` bytes of new device memory on `device`, zeroed.
+    pub(crate) fn allocate(device: &Arc<CudaDevice>, len: usize) -> Result<Self> {
+        let memory = DeviceMemory::Owned(device.alloc(len)?);
+        Self::staged(device, memory, len, "cuda device (staged)")
+    }
+
+    /// Borrows `len` bytes of device memory at `ptr`, which the driver must know as one
+    /// allocation's (`cuPointerGetAttributes`) in its device's primary context; `owner` (a tensor)
+    /// is kept alive as long as the block.
+    ///
+    /// # Safety
+    ///
+    /// The memory must stay allocated until the block drops (keeping `owner` alive must be enough
+    /// for that, if it is given); peers may write into it at any time until then.
+    pub unsafe fn borrow(ptr: u64, len: usize, owner: Option<Box<dyn Any + Send + Sync>>) -> Result<Arc<Self>> {
+        let (ordinal, context) = match classify(ptr, len as u64)? {
+            PointerKind::Device { ordinal, context, .. } => (ordinal, context),
+            PointerKind::Host => {
+                return Err(Error::InvalidArgument(format!(
+                    "{ptr:#x} is not CUDA device memory: register host memory as host memory"
+                )));
+            }
+        };
+        let device = CudaDevice::open(u32::try_from(ordinal).map_err(|_| {
+            Error::InvalidArgument(format!("{ptr:#x} belongs to no device the driver lists ({ordinal})"))
+        })?)?;
+        // Memory mapped through the virtual memory API (`cuMemMap`, PyTorch's expandable segments)
+        // belongs to no context: the driver reports none.
+        if context != 0 && context != device.context_handle() {
+            return Err(Error::Unsupported(format!(
+                "{ptr:#x} was allocated in a CUDA context other than device {ordinal}'s primary context (the one \
+                 the CUDA runtime and PyTorch use), which ferry copies with; allocate it with the runtime API"
+            )));
+        }
+        let memory = DeviceMemory::Borrowed { ptr, _owner: owner };
+        Self::staged(&device, memory, len, "cuda device (borrowed, staged)").map(Arc::new)
+    }
+
+    fn staged(device: &Arc<CudaDevice>, memory: DeviceMemory, len: usize, kind: &'static str) -> Result<Self> {
+        if len == 0 {
+            return Err(Error::InvalidArgument("a CUDA block needs at least one byte".into()));
+        }
+        Ok(CudaBlock {
+            kind,
+            len,
+            host: device.alloc_pinned(len)?,
+            copies: Mutex::new(device.stream()?),
+            memory,
+            device: device.clone(),
+        })
+    }
+
+    /// The device the memory is on.
+    pub fn device(&self) -> &Arc<CudaDevice> {
+        &self.device
+    }
+
+    /// The device address of the first byte.
+    pub fn device_ptr(&self) -> u64 {
+        self.memory.ptr()
+    }
+
+    /// Copies `len(dst)` bytes at `offset` from the device itself into `dst`, past the host mirror:
+    /// what the GPU holds.
+    pub fn read_device(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        self.check(offset, dst.len())?;
+        let stream = self.copies.lock().unwrap_or_else(PoisonError::into_inner);
+        self.device.bind()?;
+        // SAFETY: the device range lies in the block (checked above); `dst` is caller memory of
+        // that length, written only by this copy, which is waited for before returning.
+        let queued = check("cuMemcpyDtoHAsync", unsafe {
+            sys::cuMemcpyDtoHAsync_v2(
+                dst.as_mut_ptr().cast::<c_void>(),
+                self.memory.ptr() + offset as u64,
+                dst.len(),
+                stream.stream,
+            )
+        });
+        let done = stream.synchronize();
+        queued.and(done)
+    }
+
+    /// Copies `src` onto the device at `offset`, past the host mirror, as a GPU kernel's writes
+    /// would land: a later peer READ must see them.
+    pub fn write_device(&self, offset: usize, src: &[u8]) -> Result<()> {
+        self.check(offset, src.len())?;
+        let stream = self.copies.lock().unwrap_or_else(PoisonError::into_inner);
+        self.device.bind()?;
+        // SAFETY: as in `read_device`, in the other direction; `src` is only read.
+        let queued = check("cuMemcpyHtoDAsync", unsafe {
+            sys::cuMemcpyHtoDAsync_v2(
+                self.memory.ptr() + offset as u64,
+                src.as_ptr().cast::<c_void>(),
+                src.len(),
+                stream.stream,
+            )
+        });
+        let done = stream.synchronize();
+        queued.and(done)
+    }
+
+    /// Queues one copy per range between the mirror and the device on the block's stream, then
+    /// waits for all of them. Every queued copy is waited for even when a later one fails to queue:
+    /// none may still be reading or writing the mirror once this returns.
+    fn copy(&self, ranges: &[(usize, usize)], direction: Direction) -> Result<()> {
+        ranges.iter().try_for_each(|&(offset, len)| self.check(offset, len))?;
+        let stream = self.copies.lock().unwrap_or_else(PoisonError::into_inner);
+        self.device.bind()?;
+        let mut queued = Ok(());
+        for &(offset, len) in ranges.iter().filter(|&&(_, len)| len > 0) {
+            let device = self.memory.ptr() + offset as u64;
+            // SAFETY: `offset + len` lies in the block (checked above), so both the device range and
+            // `len` bytes of the mirror at `offset` are valid; the mirror is pinned, as asynchronous
+            // copies need, and outlives the copy, which is waited for below.
+            let host = unsafe { self.host.ptr.add(offset) }.cast::<c_void>();
+            // SAFETY: as above.
+            let code = unsafe {
+                match direction {
+                    Direction::ToDevice => sys::cuMemcpyHtoDAsync_v2(device, host, len, stream.stream),
+                    Direction::ToHost => sys::cuMemcpyDtoHAsync_v2(host, device, len, stream.stream),
+                }
+            };
+            queued = check("queueing a copy between pinned host memory and the device", code);
+            if queued.is_err() {
+                break;
+            }
+        }
+        let done = stream.synchronize();
+        queued.and(done)
+    }
+
+    fn check(&self, offset: usize, len: usize) -> Result<()> {
+        ferry_core::memory::check_block_range(self, offset, len)
+    }
+}
+
+// SAFETY: `as_ptr` is the pinned mirror, `len` bytes, readable and writable from any thread, freed
+// only when the block drops, never moved.
+unsafe impl MemoryBlock for CudaBlock {
+    fn as_ptr(&self) -> *mut u8 {
+        self.host.ptr
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    /// The device pointer: the program that allocated the memory names it so (a tensor's
+    /// `data_ptr()`), and so do transfer descriptors; the pinned mirror is only how the bytes move.
+    fn address(&self) -> u64 {
+        self.memory.ptr()
+    }
+
+    fn kind(&self) -> &str {
+        self.kind
+    }
+
+    fn dma_view(&self) -> DmaView {
+        DmaView::Staged
+    }
+
+    fn commit_written(&self, offset: usize, len: usize, durability: Durability) -> Result<()> {
+        self.commit_written_ranges(&[(offset, len)], durability)
+    }
+
+    /// The written ranges, copied to the device as one batch. GPU memory has no persistence domain:
+    /// a persistent write is the trait's refusal, before anything is copied.
+    fn commit_written_ranges(&self, ranges: &[(usize, usize)], durability: Durability) -> Result<()> {
+        if durability == Durability::Persistent {
+            self.persist(ranges)?;
+        }
+        self.copy(ranges, Direction::ToDevice)
+    }
+
+    fn prepare_read(&self, offset: usize, len: usize) -> Result<()> {
+        self.prepare_read_ranges(&[(offset, len)])
+    }
+
+    fn prepare_read_ranges(&self, ranges: &[(usize, usize)]) -> Result<()> {
+        self.copy(ranges, Direction::ToHost)
+    }
+}

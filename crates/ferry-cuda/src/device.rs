@@ -1,0 +1,197 @@
+//! A CUDA device opened for ferry: its primary context (the one the CUDA runtime, and so PyTorch,
+//! allocates in), and the driver objects that live in it.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::driver::result;
+use cudarc::driver::sys;
+use ferry_core::{Error, Result};
+
+use crate::error::{check, cu_error};
+
+/// One device and its retained primary context. Share it: every block on the device holds it.
+pub struct CudaDevice {
+    ordinal: i32,
+    dev: sys::CUdevice,
+    ctx: sys::CUcontext,
+    name: String,
+    pci_address: String,
+}
+
+// SAFETY: `dev` and `ctx` are driver handles; the driver API may be called with them from any
+// thread (a thread binds the context before use, see `bind`).
+unsafe impl Send for CudaDevice {}
+// SAFETY: as above; nothing here is mutated after `open`.
+unsafe impl Sync for CudaDevice {}
+
+impl std::fmt::Debug for CudaDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaDevice")
+            .field("ordinal", &self.ordinal)
+            .field("name", &self.name)
+            .field("pci_address", &self.pci_address)
+            .finish_non_exhaustive()
+    }
+}
+
+impl CudaDevice {
+    /// Opens device `ordinal`, retaining its primary context.
+    pub fn open(ordinal: u32) -> Result<Arc<Self>> {
+        let driver = crate::driver::driver()?;
+        if ordinal as usize >= driver.devices {
+            return Err(Error::InvalidArgument(format!(
+                "no CUDA device {ordinal}: the driver sees {} (CUDA_VISIBLE_DEVICES applies)",
+                driver.devices
+            )));
+        }
+        let ordinal = ordinal as i32;
+        let dev = result::device::get(ordinal).map_err(|e| cu_error("cuDeviceGet", e))?;
+        let name = result::device::get_name(dev).map_err(|e| cu_error("cuDeviceGetName", e))?;
+        let pci_address = crate::driver::pci_address(dev)?;
+        // SAFETY: `dev` is a handle the driver just returned; the retain is released once, when the
+        // device built from it drops (nothing below can fail).
+        let ctx = unsafe { result::primary_ctx::retain(dev) }.map_err(|e| cu_error("cuDevicePrimaryCtxRetain", e))?;
+        Ok(Arc::new(CudaDevice {
+            ordinal,
+            dev,
+            ctx,
+            name,
+            pci_address,
+        }))
+    }
+
+    /// The device's ordinal.
+    pub fn ordinal(&self) -> u32 {
+        self.ordinal as u32
+    }
+
+    /// "NVIDIA H200".
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Its PCI function, "0000:3b:00.0".
+    pub fn pci_address(&self) -> &str {
+        &self.pci_address
+    }
+
+    /// The primary context's handle, as [`PointerKind::Device`](crate::PointerKind::Device) reports
+    /// an allocation's: memory allocated in another context is not this device's to copy with.
+    pub fn context_handle(&self) -> usize {
+        self.ctx as usize
+    }
+
+    /// Makes the primary context current on the calling thread (a thread-local setting; cheap).
+    pub(crate) fn bind(&self) -> Result<()> {
+        // SAFETY: `ctx` is retained until `self` drops.
+        unsafe { result::ctx::set_current(self.ctx) }.map_err(|e| cu_error("cuCtxSetCurrent", e))
+    }
+
+    /// A stream for this device's copies, which does not wait for work on the legacy default
+    /// stream (a PyTorch kernel running meanwhile does not hold ferry's copies back).
+    pub(crate) fn stream(self: &Arc<Self>) -> Result<Stream> {
+        self.bind()?;
+        let stream = result::stream::create(result::stream::StreamKind::NonBlocking)
+            .map_err(|e| cu_error("cuStreamCreate", e))?;
+        Ok(Stream {
+            stream,
+            device: self.clone(),
+        })
+    }
+
+    /// `len` bytes of device memory, zeroed (a peer must not read what the memory held before).
+    pub(crate) fn alloc(self: &Arc<Self>, len: usize) -> Result<DeviceAllocation> {
+        self.bind()?;
+        // SAFETY: the context is current; the allocation is freed in `DeviceAllocation::drop`.
+        let ptr = unsafe { result::malloc_sync(len) }.map_err(|e| cu_error(&format!("cuMemAlloc({len})"), e))?;
+        let allocation = DeviceAllocation {
+            ptr,
+            device: self.clone(),
+        };
+        // SAFETY: `ptr` is `len` bytes of device memory just allocated in the current context.
+        unsafe { result::memset_d8_sync(ptr, 0, len) }.map_err(|e| cu_error("cuMemsetD8", e))?;
+        Ok(allocation)
+    }
+
+    /// `len` bytes of page-locked host memory that any context may copy to and from at full
+    /// speed (`CU_MEMHOSTALLOC_PORTABLE`), zeroed.
+    pub(crate) fn alloc_pinned(self: &Arc<Self>, len: usize) -> Result<PinnedHost> {
+        self.bind()?;
+        // SAFETY: the context is current; the memory is freed in `PinnedHost::drop`.
+        let ptr = unsafe { result::malloc_host(len, sys::CU_MEMHOSTALLOC_PORTABLE) }
+            .map_err(|e| cu_error(&format!("cuMemHostAlloc({len})"), e))?;
+        // SAFETY: the driver returned `len` writable bytes at `ptr`.
+        unsafe { std::ptr::write_bytes(ptr.cast::<u8>(), 0, len) };
+        Ok(PinnedHost {
+            ptr: ptr.cast(),
+            device: self.clone(),
+        })
+    }
+}
+
+impl Drop for CudaDevice {
+    fn drop(&mut self) {
+        // SAFETY: the retain in `open` is released once, here.
+        if let Err(e) = unsafe { result::primary_ctx::release(self.dev) } {
+            tracing::warn!(ordinal = self.ordinal, error = %e, "releasing a CUDA primary context failed");
+        }
+    }
+}
+
+/// A CUDA stream, destroyed on drop.
+pub(crate) struct Stream {
+    pub(crate) stream: sys::CUstream,
+    device: Arc<CudaDevice>,
+}
+
+impl Stream {
+    /// Waits for everything queued on the stream.
+    pub(crate) fn synchronize(&self) -> Result<()> {
+        // SAFETY: the stream lives until `self` drops.
+        check("cuStreamSynchronize", unsafe { sys::cuStreamSynchronize(self.stream) })
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        let _ = self.device.bind();
+        // SAFETY: the stream was created by `CudaDevice::stream` and is destroyed once.
+        if let Err(e) = unsafe { result::stream::destroy(self.stream) } {
+            tracing::warn!(error = %e, "destroying a CUDA stream failed");
+        }
+    }
+}
+
+/// Device memory ferry allocated, freed on drop.
+pub(crate) struct DeviceAllocation {
+    pub(crate) ptr: sys::CUdeviceptr,
+    device: Arc<CudaDevice>,
+}
+
+impl Drop for DeviceAllocation {
+    fn drop(&mut self) {
+        let _ = self.device.bind();
+        // SAFETY: `ptr` came from `cuMemAlloc` and is freed once; no copy is in flight (the block
+        // that owns the allocation synchronises every copy before its hooks return).
+        if let Err(e) = unsafe { result::free_sync(self.ptr) } {
+            tracing::warn!(error = %e, "freeing CUDA device memory failed");
+        }
+    }
+}
+
+/// Page-locked host memory, freed on drop.
+pub(crate) struct PinnedHost {
+    pub(crate) ptr: *mut u8,
+    device: Arc<CudaDevice>,
+}
+
+impl Drop for PinnedHost {
+    fn drop(&mut self) {
+        let _ = self.device.bind();
+        // SAFETY: `ptr` came from `cuMemHostAlloc` and is freed once.
+        if let Err(e) = unsafe { result::free_host(self.ptr.cast::<c_void>()) } {
+            tracing::warn!(error = %e, "freeing pinned host memory failed");
+        }
+    }
+}

@@ -1,0 +1,32 @@
+//! # ferry-cuda
+//!
+//! CUDA device memory for ferry, where the KV caches of inference engines live: allocated by ferry
+//! ([`CudaRegistry`], for `engine.alloc_from`) or borrowed from a pointer the caller holds, such as
+//! a PyTorch tensor's `data_ptr()` ([`CudaBlock::borrow`]), after the driver confirmed it is device
+//! memory, which device and context it belongs to, and that the range lies in one allocation
+//! ([`classify`]).
+//!
+//! The driver is loaded at run time ([`driver()`]): the crate builds without CUDA, and a host
+//! without it gets [`Error::Unsupported`](ferry_core::Error::Unsupported) naming why, which
+//! `ferry info` and `capabilities()` report ([`probe()`]).
+//!
+//! Every transport reaches a [`CudaBlock`] through its pinned host mirror (the staged contract of
+//! [`DmaView::Staged`](ferry_core::DmaView::Staged)): a write is on the GPU before it is
+//! acknowledged, a read sends what the GPU holds. What a device offers beyond that (GPUDirect RDMA,
+//! dma-buf export, shareable handles for another process) is reported by [`probe()`]; the paths
+//! that use them are not built yet, and nothing pretends they are: a region's `kind()` says
+//! "staged".
+#![deny(missing_docs)]
+
+mod block;
+mod device;
+mod driver;
+mod error;
+mod pointer;
+mod registry;
+
+pub use block::CudaBlock;
+pub use device::CudaDevice;
+pub use driver::{CudaDeviceInfo, Driver, INSTALL_HINT, driver, probe};
+pub use pointer::{PointerAttributes, PointerKind, attributes_of, classify, classify_attributes};
+pub use registry::CudaRegistry;
