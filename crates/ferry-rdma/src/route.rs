@@ -13,7 +13,11 @@ pub(crate) fn of(region: &RegionAd, remote_rails: &[usize]) -> Route {
         .find(|(k, _)| *k == TransportKind::Rdma)
         .map(|(_, key)| key)
     else {
-        return Route::declined(region, "rdma: the peer's NIC could not register this region");
+        return Route::declined(
+            region,
+            "rdma: the peer did not register this region with its NIC (the registration failed, or the region is \
+             named by a device address apart from the host copy a NIC would register)",
+        );
     };
     // One key per rail of the peer (a plain key: the peer has one rail).
     let keys: Vec<Option<RemoteKey>> = match RailKeys::decode(key) {

@@ -242,6 +242,61 @@ async fn refused_device_goes_through_the_host_copy(block: Arc<EmulatedDevice>) {
     assert_bytes(&back.to_vec().unwrap(), &on_device, "READs through the host copy");
 }
 
+/// Memory named by its device address (a CUDA region, named by its device pointer) is not registered
+/// with the NIC, whose registration of the host copy would answer that name at the wrong address:
+/// the route says so, and its bytes move over the link's TCP path through the hooks, as target and
+/// as the initiator's local side.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_named_by_its_device_address_is_declined_by_the_nic() {
+    let Some((target, initiator, peer)) = pair().await else {
+        return;
+    };
+    let stale = pattern(LEN, 14);
+    let remote_block = EmulatedDevice::named_by_device(&stale, &stale);
+    let region = target.register_block(remote_block.clone(), Access::READ_WRITE).unwrap();
+    assert_eq!(region.addr(), remote_block.device_address());
+    wait_for(&peer, &region).await;
+    assert_eq!(peer.transport(), TransportKind::Rdma);
+    let (_, route) = peer
+        .routes()
+        .into_iter()
+        .find(|(ad, _)| ad.key == region.key())
+        .expect("the region's route");
+    assert_ne!(route.transport, TransportKind::Rdma, "{route:?}");
+    assert!(
+        route
+            .passed_over
+            .as_deref()
+            .is_some_and(|why| why.contains("did not register this region")),
+        "{route:?}"
+    );
+
+    let local_block = EmulatedDevice::named_by_device(&stale, &pattern(LEN, 15));
+    let local = initiator
+        .register_block(local_block.clone(), Access::READ_WRITE)
+        .unwrap();
+    initiator
+        .transfer(&peer, Op::Write, &descs(local.addr(), region.addr()), T)
+        .await
+        .unwrap();
+    assert_bytes(
+        &remote_block.device_bytes(),
+        &pattern(LEN, 15),
+        "the remote device after a write",
+    );
+
+    remote_block.set_device(&pattern(LEN, 16));
+    initiator
+        .transfer(&peer, Op::Read, &descs(local.addr(), region.addr()), T)
+        .await
+        .unwrap();
+    assert_bytes(
+        &local_block.device_bytes(),
+        &pattern(LEN, 16),
+        "the local device after a read",
+    );
+}
+
 /// TCP is driven by the CPU, which reaches only the host copy: a write is committed to the device
 /// and a read is prepared from it, at both ends.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

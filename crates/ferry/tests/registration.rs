@@ -282,3 +282,142 @@ async fn dropping_a_region_of_memory_the_caller_keeps_waits_for_a_read_in_flight
     assert_eq!(target.region_count(), 0);
     no_byte_touched_after(read).await;
 }
+
+/// Staged host memory named by an address of its own (as CUDA device memory is named by its device
+/// pointer while its bytes move through a host mirror), with the ranges its hooks were called for.
+struct NamedApart {
+    ptr: *mut u8,
+    len: usize,
+    name: u64,
+    committed: std::sync::Mutex<Vec<(usize, usize)>>,
+    prepared: std::sync::Mutex<Vec<(usize, usize)>>,
+}
+
+// SAFETY: `ptr` is a leaked allocation (never freed), reached only through raw pointers.
+unsafe impl Send for NamedApart {}
+// SAFETY: as above; the hook records are behind locks.
+unsafe impl Sync for NamedApart {}
+
+impl NamedApart {
+    fn new(len: usize, name: u64) -> Arc<Self> {
+        Arc::new(NamedApart {
+            ptr: Box::leak(vec![0u8; len].into_boxed_slice()).as_mut_ptr(),
+            len,
+            name,
+            committed: Default::default(),
+            prepared: Default::default(),
+        })
+    }
+
+    fn bytes(&self) -> Vec<u8> {
+        // SAFETY: `len` bytes at `ptr` are the leaked allocation; no transfer runs meanwhile.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }.to_vec()
+    }
+}
+
+// SAFETY: `ptr` points to `len` bytes leaked by the test, valid for the rest of the process.
+unsafe impl MemoryBlock for NamedApart {
+    fn as_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn address(&self) -> u64 {
+        self.name
+    }
+    fn kind(&self) -> &str {
+        "test (named apart)"
+    }
+    fn dma_view(&self) -> DmaView {
+        DmaView::Staged
+    }
+    fn commit_written(&self, offset: usize, len: usize, durability: Durability) -> ferry::Result<()> {
+        self.commit_written_ranges(&[(offset, len)], durability)
+    }
+    fn commit_written_ranges(&self, ranges: &[(usize, usize)], _durability: Durability) -> ferry::Result<()> {
+        self.committed.lock().unwrap().extend_from_slice(ranges);
+        Ok(())
+    }
+    fn prepare_read(&self, offset: usize, len: usize) -> ferry::Result<()> {
+        self.prepare_read_ranges(&[(offset, len)])
+    }
+    fn prepare_read_ranges(&self, ranges: &[(usize, usize)]) -> ferry::Result<()> {
+        self.prepared.lock().unwrap().extend_from_slice(ranges);
+        Ok(())
+    }
+}
+
+/// A region whose block names itself apart from its pointer is known, advertised and addressed
+/// by that name on both sides of a transfer, while the bytes move through the pointer and the
+/// hooks see the ranges: a peer's WRITE to `name + offset` lands at `ptr + offset`, and a READ into
+/// such a local region, described by its name, lands in its memory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn regions_named_apart_from_their_memory_are_addressed_by_name() {
+    const LEN: usize = 256 << 10;
+    let (target, initiator, peer) = pair().await;
+    let remote_block = NamedApart::new(LEN, 0x6100_0000_0000);
+    let remote = target.register_block(remote_block.clone(), rw()).unwrap();
+    assert_eq!(remote.addr(), 0x6100_0000_0000);
+    wait_for_region(&peer, &remote).await;
+    assert!(
+        peer.regions()
+            .iter()
+            .any(|r| r.key == remote.key() && r.addr == remote.addr())
+    );
+
+    let src = initiator.register(pattern(LEN, 9), rw()).unwrap();
+    let descs = [
+        TransferDesc::new(src.addr(), remote.addr(), 4096),
+        TransferDesc::new(src.addr() + 4096, remote.addr() + 4096, (LEN - 4096) as u64),
+    ];
+    initiator.transfer(&peer, Op::Write, &descs, T).await.unwrap();
+    assert_eq!(
+        remote_block.bytes(),
+        pattern(LEN, 9),
+        "the bytes landed in the block's memory"
+    );
+    let committed: u64 = remote_block
+        .committed
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|&(_, n)| n as u64)
+        .sum();
+    assert_eq!(committed, LEN as u64, "the commit hook saw every written byte");
+    assert_eq!(remote.to_vec().unwrap(), pattern(LEN, 9));
+
+    // The same kind of block as the initiator's local side, named in the descriptor.
+    let local_block = NamedApart::new(LEN, 0x6200_0000_0000);
+    let local = initiator.register_block(local_block.clone(), rw()).unwrap();
+    initiator
+        .transfer(
+            &peer,
+            Op::Read,
+            &[TransferDesc::new(local.addr(), remote.addr(), LEN as u64)],
+            T,
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        local_block.bytes(),
+        pattern(LEN, 9),
+        "a READ into it landed in its memory"
+    );
+    assert!(
+        !remote_block.prepared.lock().unwrap().is_empty(),
+        "the target prepared its read"
+    );
+
+    // Its host pointer is no name: descriptors must use the region's address.
+    let err = initiator
+        .transfer(
+            &peer,
+            Op::Write,
+            &[TransferDesc::new(src.addr(), remote_block.ptr as u64, 16)],
+            T,
+        )
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::OutOfBounds(_)), "{err:?}");
+}

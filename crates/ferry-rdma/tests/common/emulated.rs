@@ -50,6 +50,9 @@ pub struct EmulatedDevice {
     hook_calls: AtomicUsize,
     /// Calls of the batched hooks (`*_ranges`), each copying one or more ranges.
     batches: AtomicUsize,
+    /// Named by the device buffer's address and staged, as CUDA device memory is: descriptors name
+    /// the device address while the bytes move through the host copy.
+    named_by_device: bool,
 }
 
 // SAFETY: the two buffers are owned by this value; their bytes are only reached through raw pointers
@@ -76,7 +79,21 @@ impl EmulatedDevice {
             device,
             hook_calls: AtomicUsize::new(0),
             batches: AtomicUsize::new(0),
+            named_by_device: false,
         })
+    }
+
+    /// Staged memory named by its device address, as a CUDA region is named by its device pointer
+    /// (`MemoryBlock::address`): no NIC registration may answer that name with the host copy.
+    pub fn named_by_device(host: &[u8], device: &[u8]) -> Arc<Self> {
+        let mut block = Arc::into_inner(EmulatedDevice::new(host, device)).expect("just made");
+        block.named_by_device = true;
+        Arc::new(block)
+    }
+
+    /// The device buffer's address.
+    pub fn device_address(&self) -> u64 {
+        self.device.first as u64
     }
 
     /// A block whose device memory no NIC can reach: it names an address where nothing is mapped, so
@@ -128,9 +145,18 @@ unsafe impl MemoryBlock for EmulatedDevice {
     fn kind(&self) -> &str {
         "test (emulated device memory)"
     }
+    fn address(&self) -> u64 {
+        match self.named_by_device {
+            true => self.device.first as u64,
+            false => self.host.first as u64,
+        }
+    }
     fn dma_view(&self) -> DmaView {
-        DmaView::Device {
-            nic_address: self.nic_address,
+        match self.named_by_device {
+            true => DmaView::Staged,
+            false => DmaView::Device {
+                nic_address: self.nic_address,
+            },
         }
     }
     fn commit_written(&self, offset: usize, len: usize, _durability: Durability) -> ferry::Result<()> {
