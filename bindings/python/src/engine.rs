@@ -287,12 +287,22 @@ impl Engine {
     /// Registers the memory of `obj`, any writable C-contiguous object with the buffer protocol
     /// (bytearray, memoryview, numpy array, mmap), for peers to access as `access` says (HIXL
     /// `RegisterMem`). `obj` is kept alive, and its buffer exported, until the region is
-    /// deregistered: a bytearray cannot be resized nor an mmap closed meanwhile.
+    /// deregistered: a bytearray cannot be resized nor an mmap closed meanwhile. A C-contiguous
+    /// CUDA array (`__cuda_array_interface__`: a CUDA tensor, a CuPy or Numba array) is registered
+    /// as CUDA device memory, named by its device pointer, `obj` kept alive likewise.
     #[pyo3(signature = (obj, access = 3))]
     fn register(slf: &Bound<'_, Self>, obj: &Bound<'_, PyAny>, access: u8) -> PyResult<Region> {
         let py = slf.py();
         let engine = slf.get().live(py)?;
         let access = crate::runtime::access(py, access)?;
+        if let Some((addr, len)) = cuda_array(obj, access)? {
+            let _rt = runtime().enter();
+            // SAFETY: `obj` owns the device memory and is kept alive by the engine until the region
+            // is deregistered (`Owner::Object`).
+            let block = unsafe { ferry::cuda::CudaBlock::borrow(addr, len, None) }.py(py)?;
+            let region = py.detach(|| engine.register_block(block, access)).py(py)?;
+            return Engine::insert(slf, region, Owner::Object(obj.clone().unbind()));
+        }
         let export = BufferExport::of(obj)?;
         let _rt = runtime().enter();
         let (addr, len) = (export.addr, export.len);
@@ -810,4 +820,44 @@ fn tls_config(
         Some(p) => config.data_protection(p),
         None => config,
     }))
+}
+
+/// The device pointer and byte length of `obj`'s `__cuda_array_interface__`, if it has one: a
+/// C-contiguous, non-empty array, writable if peers may write (`access`).
+fn cuda_array(obj: &Bound<'_, PyAny>, access: ferry::Access) -> PyResult<Option<(u64, usize)>> {
+    let py = obj.py();
+    let Some(interface) = obj.getattr_opt("__cuda_array_interface__")? else {
+        return Ok(None);
+    };
+    let invalid = |what: String| errors::invalid(py, format!("__cuda_array_interface__: {what}"));
+    let field = |name: &str| -> PyResult<Bound<'_, PyAny>> {
+        interface
+            .get_item(name)
+            .map_err(|_| invalid(format!("no {name:?} in {interface}")))
+    };
+    let (addr, readonly): (u64, bool) = field("data")?
+        .extract()
+        .map_err(|_| invalid("data is not (pointer, readonly)".into()))?;
+    let shape: Vec<u64> = field("shape")?
+        .extract()
+        .map_err(|_| invalid("shape is not a tuple of sizes".into()))?;
+    let typestr: String = field("typestr")?
+        .extract()
+        .map_err(|_| invalid("typestr is not a string".into()))?;
+    let strides: Option<Vec<i64>> = match interface.get_item("strides") {
+        Ok(s) if !s.is_none() => Some(
+            s.extract()
+                .map_err(|_| invalid("strides is not a tuple of ints".into()))?,
+        ),
+        _ => None,
+    };
+    let itemsize = ferry::cuda::array::itemsize(&typestr).py(py)?;
+    let bytes = ferry::cuda::array::contiguous_bytes(&shape, itemsize, strides.as_deref()).py(py)?;
+    if readonly && access.contains(ferry::Access::WRITE) {
+        return Err(invalid(
+            "the array is read-only; register it with access=ferry.READ".into(),
+        ));
+    }
+    let len = usize::try_from(bytes).map_err(|_| invalid(format!("{bytes} bytes do not fit this machine")))?;
+    Ok(Some((addr, len)))
 }

@@ -744,6 +744,12 @@ def test_cuda_tensors_move_by_data_ptr(pair, torch):
     back = torch.zeros_like(src)
     remote = target.register_ptr(dst.data_ptr(), dst.numel(), owner=dst)
     assert remote.kind.startswith("cuda device"), remote.kind
+    assert remote.addr == dst.data_ptr(), "a CUDA region is named by its device pointer"
+    # The same memory described by the tensor itself (`__cuda_array_interface__`).
+    other = torch.zeros(4096, dtype=torch.float32, device="cuda")
+    by_interface = target.register(other)
+    assert by_interface.kind.startswith("cuda device") and by_interface.length == 4096 * 4
+    target.deregister(by_interface)
     source = initiator.register_ptr(src.data_ptr(), src.numel(), owner=src)
     landing = initiator.register_ptr(back.data_ptr(), back.numel(), owner=back)
 
@@ -760,3 +766,39 @@ def test_cuda_tensors_move_by_data_ptr(pair, torch):
     # A range past the tensor's allocation is refused, not registered.
     with pytest.raises(ferry.InvalidArgument):
         target.register_ptr(dst.data_ptr() + 4096, dst.numel() + (64 << 20))
+
+
+class FakeCudaArray:
+    """An object that describes memory as a CUDA array does (`__cuda_array_interface__`, v3)."""
+
+    def __init__(self, addr, shape, typestr="|u1", strides=None, readonly=False):
+        self.__cuda_array_interface__ = {
+            "data": (addr, readonly),
+            "shape": shape,
+            "typestr": typestr,
+            "strides": strides,
+            "version": 3,
+        }
+
+
+def test_cuda_array_interface_is_checked_before_anything_is_registered(pair):
+    """`register` takes CUDA arrays by `__cuda_array_interface__`: the layout must be one
+    C-contiguous range, a read-only array is registered for reading only, and the pointer must be
+    CUDA device memory, as the driver says; host memory described so is refused (without a
+    driver, nothing is device memory)."""
+    target, _ = pair
+    host = np.zeros(4096, dtype=np.uint8)
+    addr = host.ctypes.data
+    with pytest.raises(ferry.InvalidArgument, match="not C-contiguous"):
+        target.register(FakeCudaArray(addr, (32, 32), "<f4", strides=(4, 128)))
+    with pytest.raises(ferry.InvalidArgument, match="no array element type"):
+        target.register(FakeCudaArray(addr, (16,), "f4"))
+    with pytest.raises(ferry.InvalidArgument, match="no bytes"):
+        target.register(FakeCudaArray(addr, (0, 4)))
+    with pytest.raises(ferry.InvalidArgument, match="read-only"):
+        target.register(FakeCudaArray(addr, (4096,), readonly=True))
+    with pytest.raises(ferry.InvalidArgument, match="not CUDA device memory"):
+        target.register(FakeCudaArray(addr, (4096,)))
+    with pytest.raises(ferry.InvalidArgument, match="not CUDA device memory"):
+        target.register(FakeCudaArray(addr, (1024,), "<f4", strides=(4,)), access=ferry.READ)
+    assert target.region_count == 0

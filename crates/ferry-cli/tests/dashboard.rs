@@ -228,6 +228,9 @@ async fn every_query_of_the_dashboard_and_the_alerts_names_what_engines_export()
     // The target hung (SIGSTOP): a batch posted that times out, counted by its error.
     // SAFETY: kill(2) on our child's pid, which it still is (the Serve guard reaps it on drop).
     assert_eq!(unsafe { libc::kill(serve.child.id() as i32, libc::SIGSTOP) }, 0);
+    // A group stop begins only once one of the target's threads runs to take the signal: on a
+    // loaded host another of its threads may answer the next request first. Wait until all stopped.
+    wait_stopped(serve.child.id());
     let hung = engine
         .transfer(&peer, Op::Write, &descs, Duration::from_millis(300))
         .await;
@@ -302,4 +305,28 @@ fn the_query_parser_finds_metrics_and_labels() {
     assert_eq!(scrape.family_of("ferry_h_bucket"), Some("ferry_h"));
     assert_eq!(scrape.family_of("ferry_g"), Some("ferry_g"));
     assert_eq!(scrape.family_of("ferry_g_total"), None);
+}
+
+/// Waits (at most 10 s) until every thread of process `pid` is stopped (state `T` in
+/// `/proc/PID/task/*/stat`).
+fn wait_stopped(pid: u32) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let stopped = || -> bool {
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+            return false;
+        };
+        tasks.flatten().all(|task| {
+            std::fs::read_to_string(task.path().join("stat"))
+                .ok()
+                .and_then(|stat| stat.rsplit_once(") ").map(|(_, rest)| rest.starts_with('T')))
+                .unwrap_or(false)
+        })
+    };
+    while !stopped() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "process {pid} did not stop within 10 s of SIGSTOP"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
 }

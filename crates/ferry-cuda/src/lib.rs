@@ -18,6 +18,7 @@
 //! "staged".
 #![deny(missing_docs)]
 
+pub mod array;
 mod block;
 mod device;
 mod driver;

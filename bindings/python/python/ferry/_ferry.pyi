@@ -157,8 +157,9 @@ class Engine:
     @property
     def link_count(self) -> int: ...
     def register(self, obj: Any, access: int = 3) -> Region:
-        """Registers a writable C-contiguous buffer (bytearray, numpy array, mmap), kept alive
-        until deregistered."""
+        """Registers a writable C-contiguous buffer (bytearray, numpy array, mmap), or a
+        C-contiguous CUDA array (``__cuda_array_interface__``: a CUDA tensor) as CUDA device
+        memory, kept alive until deregistered."""
     def register_ptr(self, addr: int, length: int, access: int = 3, owner: Any = None) -> Region:
         """Registers raw memory (``tensor.data_ptr()``) the caller keeps valid; ``owner`` is kept
         alive until deregistered. CUDA device memory (asked of the driver) is registered as such,
