@@ -197,11 +197,41 @@ ferry_status ferry_alloc_host(uint64_t engine,
                               void **ptr,
                               uint64_t *mem);
 
+// Registers `len` bytes of CUDA device memory at the device address `ptr` (HIXL `RegisterMem` with
+// `MEM_DEVICE`); `*mem` gets the registration's handle. The CUDA driver must know the range as one
+// allocation of device memory in its device's primary context (the runtime API's, where
+// `cudaMalloc` allocates); descriptors name it by its device address, and its bytes move through a
+// pinned host copy. `FERRY_UNSUPPORTED` without a CUDA driver, `FERRY_INVALID_ARGUMENT` for memory
+// that is not such an allocation.
+//
+// # Safety
+// `ptr..ptr+len` is device memory that stays allocated until the registration is removed; `mem`
+// points to a writable `uint64_t`.
+ferry_status ferry_register_device(uint64_t engine,
+                                   void *ptr,
+                                   size_t len,
+                                   uint32_t access_bits,
+                                   uint64_t *mem);
+
+// Allocates `len` bytes of device memory, zeroed, on CUDA device 0 (as `CUDA_VISIBLE_DEVICES`
+// numbers them) and registers them (HIXL `MallocMem` with `MEM_DEVICE`): `*ptr` gets the device
+// address and `*mem` the registration. Freed by [`ferry_deregister`] or [`ferry_free_host`].
+// `FERRY_UNSUPPORTED` without a CUDA driver or device.
+//
+// # Safety
+// `ptr` and `mem` point to writable storage.
+ferry_status ferry_alloc_device(uint64_t engine,
+                                size_t len,
+                                uint32_t access_bits,
+                                void **ptr,
+                                uint64_t *mem);
+
 // Removes a registration (HIXL `DeregisterMem`); memory from [`ferry_alloc_host`] is freed with it.
 // Returns once no transfer touches the memory any more.
 ferry_status ferry_deregister(uint64_t engine, uint64_t mem);
 
-// Frees memory [`ferry_alloc_host`] returned, by its pointer (HIXL `FreeMem`).
+// Frees memory [`ferry_alloc_host`] or [`ferry_alloc_device`] returned, by its pointer (HIXL
+// `FreeMem`).
 ferry_status ferry_free_host(uint64_t engine, void *ptr);
 
 // Links to the engine listening at `remote` (`"ip:port"`, HIXL `Connect`). Later calls name the

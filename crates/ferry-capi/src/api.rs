@@ -415,6 +415,94 @@ pub unsafe extern "C" fn ferry_alloc_host(
     })
 }
 
+/// Registers `len` bytes of CUDA device memory at the device address `ptr` (HIXL `RegisterMem` with
+/// `MEM_DEVICE`); `*mem` gets the registration's handle. The CUDA driver must know the range as one
+/// allocation of device memory in its device's primary context (the runtime API's, where
+/// `cudaMalloc` allocates); descriptors name it by its device address, and its bytes move through a
+/// pinned host copy. `FERRY_UNSUPPORTED` without a CUDA driver, `FERRY_INVALID_ARGUMENT` for memory
+/// that is not such an allocation.
+///
+/// # Safety
+/// `ptr..ptr+len` is device memory that stays allocated until the registration is removed; `mem`
+/// points to a writable `uint64_t`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ferry_register_device(
+    engine: u64,
+    ptr: *mut c_void,
+    len: usize,
+    access_bits: u32,
+    mem: *mut u64,
+) -> ferry_status {
+    call(|| {
+        out_ptr(mem, "mem")?;
+        if ptr.is_null() || len == 0 {
+            return Err(invalid(
+                "ferry_register_device needs a non-null pointer and a length above 0",
+            ));
+        }
+        let access = access(access_bits)?;
+        let state = state::engine(engine)?;
+        // SAFETY: the caller promises the device memory stays allocated until ferry_deregister;
+        // `borrow` checks with the driver that it is one allocation of device memory.
+        let block = unsafe { ferry::cuda::CudaBlock::borrow(ptr as u64, len, None) }?;
+        let region = state.engine.register_block(block, access)?;
+        let handle = state::new_handle();
+        lock(&state.regions)?.insert(
+            handle,
+            Registration {
+                region,
+                allocated: false,
+            },
+        );
+        // SAFETY: checked not null above.
+        unsafe { mem.write(handle) };
+        Ok(())
+    })
+}
+
+/// Allocates `len` bytes of device memory, zeroed, on CUDA device 0 (as `CUDA_VISIBLE_DEVICES`
+/// numbers them) and registers them (HIXL `MallocMem` with `MEM_DEVICE`): `*ptr` gets the device
+/// address and `*mem` the registration. Freed by [`ferry_deregister`] or [`ferry_free_host`].
+/// `FERRY_UNSUPPORTED` without a CUDA driver or device.
+///
+/// # Safety
+/// `ptr` and `mem` point to writable storage.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ferry_alloc_device(
+    engine: u64,
+    len: usize,
+    access_bits: u32,
+    ptr: *mut *mut c_void,
+    mem: *mut u64,
+) -> ferry_status {
+    call(|| {
+        out_ptr(ptr, "ptr")?;
+        out_ptr(mem, "mem")?;
+        if len == 0 {
+            return Err(invalid("ferry_alloc_device needs a length above 0"));
+        }
+        let access = access(access_bits)?;
+        let state = state::engine(engine)?;
+        let registry = ferry::cuda::CudaRegistry::new(ferry::cuda::CudaDevice::open(0)?);
+        let region = state.engine.alloc_from(&registry, len, access)?;
+        let addr = region.addr();
+        let handle = state::new_handle();
+        lock(&state.regions)?.insert(
+            handle,
+            Registration {
+                region,
+                allocated: true,
+            },
+        );
+        // SAFETY: both checked not null above.
+        unsafe {
+            ptr.write(addr as *mut c_void);
+            mem.write(handle);
+        }
+        Ok(())
+    })
+}
+
 /// Removes a registration (HIXL `DeregisterMem`); memory from [`ferry_alloc_host`] is freed with it.
 /// Returns once no transfer touches the memory any more.
 #[unsafe(no_mangle)]
@@ -432,7 +520,8 @@ pub extern "C" fn ferry_deregister(engine: u64, mem: u64) -> ferry_status {
     })
 }
 
-/// Frees memory [`ferry_alloc_host`] returned, by its pointer (HIXL `FreeMem`).
+/// Frees memory [`ferry_alloc_host`] or [`ferry_alloc_device`] returned, by its pointer (HIXL
+/// `FreeMem`).
 #[unsafe(no_mangle)]
 pub extern "C" fn ferry_free_host(engine: u64, ptr: *mut c_void) -> ferry_status {
     call(|| {
@@ -444,7 +533,7 @@ pub extern "C" fn ferry_free_host(engine: u64, ptr: *mut c_void) -> ferry_status
             .map(|(h, _)| *h)
             .ok_or_else(|| {
                 invalid(format!(
-                    "{ptr:?} is not memory ferry_alloc_host returned (or it was freed)"
+                    "{ptr:?} is not memory ferry_alloc_host or ferry_alloc_device returned (or it was freed)"
                 ))
             })?;
         let registration = regions

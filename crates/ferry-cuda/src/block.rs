@@ -99,6 +99,8 @@ impl CudaBlock {
         let (ordinal, context) = match classify(ptr, len as u64)? {
             PointerKind::Device { ordinal, context, .. } => (ordinal, context),
             PointerKind::Host => {
+                // Without a driver nothing is device memory: the reason is the driver's absence.
+                crate::driver::driver()?;
                 return Err(Error::InvalidArgument(format!(
                     "{ptr:#x} is not CUDA device memory: register host memory as host memory"
                 )));

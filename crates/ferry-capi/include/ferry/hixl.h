@@ -11,7 +11,8 @@
  *   query with it returns PARAM_INVALID (never a crash).
  * - MemHandle and TransferReq carry ferry's numeric handles: one freed twice, or used after
  *   Finalize, is refused with PARAM_INVALID.
- * - MEM_DEVICE memory is not supported yet (UNSUPPORTED).
+ * - MEM_DEVICE memory is CUDA device memory (ferry_register_device, ferry_alloc_device): UNSUPPORTED
+ *   without a CUDA driver, PARAM_INVALID for an address the driver does not know as device memory.
  * - LastError() (ferry's addition) says why the last call on this thread failed. */
 
 #ifndef FERRY_HIXL_H
@@ -166,10 +167,11 @@ class Hixl {
   }
 
   Status RegisterMem(const MemDesc &mem, MemType type, MemHandle &mem_handle) {
-    if (type != MEM_HOST) return UNSUPPORTED;
     uint64_t h = 0;
-    ferry_status s = ferry_register(engine_, reinterpret_cast<void *>(mem.addr), mem.len,
-                                    FERRY_ACCESS_READ | FERRY_ACCESS_WRITE, &h);
+    void *addr = reinterpret_cast<void *>(mem.addr);
+    const uint32_t rw = FERRY_ACCESS_READ | FERRY_ACCESS_WRITE;
+    ferry_status s = type == MEM_DEVICE ? ferry_register_device(engine_, addr, mem.len, rw, &h)
+                                        : ferry_register(engine_, addr, mem.len, rw, &h);
     if (s == FERRY_OK) mem_handle = detail::ToHandle(h);
     return detail::ToStatus(s);
   }
@@ -236,10 +238,11 @@ class Hixl {
   }
 
   Status MallocMem(MemType type, size_t size, void **ptr) {
-    if (type != MEM_HOST) return UNSUPPORTED;
     if (ptr == nullptr) return PARAM_INVALID;
     uint64_t h = 0;
-    return detail::ToStatus(ferry_alloc_host(engine_, size, FERRY_ACCESS_READ | FERRY_ACCESS_WRITE, ptr, &h));
+    const uint32_t rw = FERRY_ACCESS_READ | FERRY_ACCESS_WRITE;
+    return detail::ToStatus(type == MEM_DEVICE ? ferry_alloc_device(engine_, size, rw, ptr, &h)
+                                               : ferry_alloc_host(engine_, size, rw, ptr, &h));
   }
 
   Status FreeMem(void *ptr) { return detail::ToStatus(ferry_free_host(engine_, ptr)); }
