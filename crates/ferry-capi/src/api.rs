@@ -360,17 +360,8 @@ pub unsafe extern "C" fn ferry_register(
         // SAFETY: the caller promises `ptr..ptr+len` stays valid memory of this process until
         // ferry_deregister, as register_raw requires; it checks the range is mapped.
         let region = unsafe { state.engine.register_raw(ptr.cast(), len, access) }?;
-        let handle = state::new_handle();
-        lock(&state.regions)?.insert(
-            handle,
-            Registration {
-                region,
-                allocated: false,
-            },
-        );
-        // SAFETY: checked not null above.
-        unsafe { mem.write(handle) };
-        Ok(())
+        // SAFETY: `mem` was checked not null above.
+        unsafe { keep(&state, region, None, mem) }
     })
 }
 
@@ -397,21 +388,8 @@ pub unsafe extern "C" fn ferry_alloc_host(
         let access = access(access_bits)?;
         let state = state::engine(engine)?;
         let region = state.engine.alloc_host(len, access)?;
-        let addr = region.addr();
-        let handle = state::new_handle();
-        lock(&state.regions)?.insert(
-            handle,
-            Registration {
-                region,
-                allocated: true,
-            },
-        );
-        // SAFETY: both checked not null above.
-        unsafe {
-            ptr.write(addr as *mut c_void);
-            mem.write(handle);
-        }
-        Ok(())
+        // SAFETY: `ptr` and `mem` were checked not null above.
+        unsafe { keep(&state, region, Some(ptr), mem) }
     })
 }
 
@@ -446,17 +424,8 @@ pub unsafe extern "C" fn ferry_register_device(
         // `borrow` checks with the driver that it is one allocation of device memory.
         let block = unsafe { ferry::cuda::CudaBlock::borrow(ptr as u64, len, None) }?;
         let region = state.engine.register_block(block, access)?;
-        let handle = state::new_handle();
-        lock(&state.regions)?.insert(
-            handle,
-            Registration {
-                region,
-                allocated: false,
-            },
-        );
-        // SAFETY: checked not null above.
-        unsafe { mem.write(handle) };
-        Ok(())
+        // SAFETY: `mem` was checked not null above.
+        unsafe { keep(&state, region, None, mem) }
     })
 }
 
@@ -485,22 +454,39 @@ pub unsafe extern "C" fn ferry_alloc_device(
         let state = state::engine(engine)?;
         let registry = ferry::cuda::CudaRegistry::new(ferry::cuda::CudaDevice::open(0)?);
         let region = state.engine.alloc_from(&registry, len, access)?;
-        let addr = region.addr();
-        let handle = state::new_handle();
-        lock(&state.regions)?.insert(
-            handle,
-            Registration {
-                region,
-                allocated: true,
-            },
-        );
-        // SAFETY: both checked not null above.
-        unsafe {
-            ptr.write(addr as *mut c_void);
-            mem.write(handle);
-        }
-        Ok(())
+        // SAFETY: `ptr` and `mem` were checked not null above.
+        unsafe { keep(&state, region, Some(ptr), mem) }
     })
+}
+
+/// Keeps `region` in the engine's table and writes its handle to `*mem`. With `allocated`, the memory
+/// is the library's (freed with the registration), and its address is written to `*allocated`.
+///
+/// # Safety
+/// `mem`, and `allocated` where given, point to writable storage.
+unsafe fn keep(
+    state: &EngineState,
+    region: ferry::Region,
+    allocated: Option<*mut *mut c_void>,
+    mem: *mut u64,
+) -> Result<(), Failure> {
+    let addr = region.addr();
+    let handle = state::new_handle();
+    lock(&state.regions)?.insert(
+        handle,
+        Registration {
+            region,
+            allocated: allocated.is_some(),
+        },
+    );
+    // SAFETY: the caller's promise.
+    unsafe {
+        if let Some(ptr) = allocated {
+            ptr.write(addr as *mut c_void);
+        }
+        mem.write(handle);
+    }
+    Ok(())
 }
 
 /// Removes a registration (HIXL `DeregisterMem`); memory from [`ferry_alloc_host`] is freed with it.

@@ -149,67 +149,58 @@ impl CudaBlock {
     /// what the GPU holds.
     pub fn read_device(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
         self.check(offset, dst.len())?;
-        let stream = self.copies.lock().unwrap_or_else(PoisonError::into_inner);
-        self.device.bind()?;
-        // SAFETY: the device range lies in the block (checked above); `dst` is caller memory of
-        // that length, written only by this copy, which is waited for before returning.
-        let queued = check("cuMemcpyDtoHAsync", unsafe {
-            sys::cuMemcpyDtoHAsync_v2(
-                dst.as_mut_ptr().cast::<c_void>(),
-                self.memory.ptr() + offset as u64,
-                dst.len(),
-                stream.stream,
-            )
-        });
-        let done = stream.synchronize();
-        queued.and(done)
+        let device = self.memory.ptr() + offset as u64;
+        self.on_stream(|stream| {
+            // SAFETY: the device range lies in the block (checked above); `dst` is caller memory
+            // of that length, written only by this copy, which `on_stream` waits for.
+            let code = unsafe { sys::cuMemcpyDtoHAsync_v2(dst.as_mut_ptr().cast(), device, dst.len(), stream) };
+            check("cuMemcpyDtoHAsync", code)
+        })
     }
 
     /// Copies `src` onto the device at `offset`, past the host mirror, as a GPU kernel's writes
     /// would land: a later peer READ must see them.
     pub fn write_device(&self, offset: usize, src: &[u8]) -> Result<()> {
         self.check(offset, src.len())?;
-        let stream = self.copies.lock().unwrap_or_else(PoisonError::into_inner);
-        self.device.bind()?;
-        // SAFETY: as in `read_device`, in the other direction; `src` is only read.
-        let queued = check("cuMemcpyHtoDAsync", unsafe {
-            sys::cuMemcpyHtoDAsync_v2(
-                self.memory.ptr() + offset as u64,
-                src.as_ptr().cast::<c_void>(),
-                src.len(),
-                stream.stream,
-            )
-        });
-        let done = stream.synchronize();
-        queued.and(done)
+        let device = self.memory.ptr() + offset as u64;
+        self.on_stream(|stream| {
+            // SAFETY: as in `read_device`, in the other direction; `src` is only read.
+            let code = unsafe { sys::cuMemcpyHtoDAsync_v2(device, src.as_ptr().cast(), src.len(), stream) };
+            check("cuMemcpyHtoDAsync", code)
+        })
     }
 
-    /// Queues one copy per range between the mirror and the device on the block's stream, then
-    /// waits for all of them. Every queued copy is waited for even when a later one fails to queue:
-    /// none may still be reading or writing the mirror once this returns.
+    /// Queues one copy per range between the mirror and the device on the block's stream, and
+    /// waits for all of them.
     fn copy(&self, ranges: &[(usize, usize)], direction: Direction) -> Result<()> {
         ranges.iter().try_for_each(|&(offset, len)| self.check(offset, len))?;
+        self.on_stream(|stream| {
+            for &(offset, len) in ranges.iter().filter(|&&(_, len)| len > 0) {
+                let device = self.memory.ptr() + offset as u64;
+                // SAFETY: `offset + len` lies in the block (checked above), so both the device range
+                // and `len` bytes of the mirror at `offset` are valid; the mirror is pinned, as
+                // asynchronous copies need, and outlives the copy, which `on_stream` waits for.
+                let host = unsafe { self.host.ptr.add(offset) }.cast::<c_void>();
+                // SAFETY: as above.
+                let code = unsafe {
+                    match direction {
+                        Direction::ToDevice => sys::cuMemcpyHtoDAsync_v2(device, host, len, stream),
+                        Direction::ToHost => sys::cuMemcpyDtoHAsync_v2(host, device, len, stream),
+                    }
+                };
+                check("queueing a copy between pinned host memory and the device", code)?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Runs `queue` with the block's stream, under its lock and with the context bound, then waits
+    /// for the stream: every copy queued is waited for even when a later one failed to queue, so
+    /// that none still reads or writes host memory once this returns. The first error wins.
+    fn on_stream(&self, queue: impl FnOnce(sys::CUstream) -> Result<()>) -> Result<()> {
         let stream = self.copies.lock().unwrap_or_else(PoisonError::into_inner);
         self.device.bind()?;
-        let mut queued = Ok(());
-        for &(offset, len) in ranges.iter().filter(|&&(_, len)| len > 0) {
-            let device = self.memory.ptr() + offset as u64;
-            // SAFETY: `offset + len` lies in the block (checked above), so both the device range and
-            // `len` bytes of the mirror at `offset` are valid; the mirror is pinned, as asynchronous
-            // copies need, and outlives the copy, which is waited for below.
-            let host = unsafe { self.host.ptr.add(offset) }.cast::<c_void>();
-            // SAFETY: as above.
-            let code = unsafe {
-                match direction {
-                    Direction::ToDevice => sys::cuMemcpyHtoDAsync_v2(device, host, len, stream.stream),
-                    Direction::ToHost => sys::cuMemcpyDtoHAsync_v2(host, device, len, stream.stream),
-                }
-            };
-            queued = check("queueing a copy between pinned host memory and the device", code);
-            if queued.is_err() {
-                break;
-            }
-        }
+        let queued = queue(stream.stream);
         let done = stream.synchronize();
         queued.and(done)
     }
