@@ -423,6 +423,23 @@ const MEASURES: &[Measure] = &[
         },
         Metric::GbPerS,
     ),
+    ferry(
+        "ferry write 1MiB into CUDA memory",
+        FerryCase {
+            target_mem: Some("cuda"),
+            ..WRITE_1MIB
+        },
+        Metric::GbPerS,
+    ),
+    ferry(
+        "ferry read 1MiB from CUDA memory",
+        FerryCase {
+            op: "read",
+            target_mem: Some("cuda"),
+            ..WRITE_1MIB
+        },
+        Metric::GbPerS,
+    ),
     Measure {
         key: "tower stack / engine over TCP, 4KiB writes",
         probe: Probe::TowerOverHead {
@@ -1129,6 +1146,26 @@ const COMPARISONS: &[Comparison] = &[
         unit: Unit::Micros,
         target: Target::Info,
     },
+    // CUDA device memory, staged through pinned host memory: what a GPU region costs over the host
+    // memory the same link reaches. Rows of a host without a CUDA device say so and are not run.
+    Comparison {
+        id: "cu",
+        name: "write 1MiB into CUDA memory / into host memory (TCP)",
+        ferry: "ferry write 1MiB into CUDA memory",
+        peer: Some("ferry write 1MiB"),
+        peer_scale: 1.0,
+        unit: Unit::GbPerS,
+        target: Target::RatioAtLeast(0.8),
+    },
+    Comparison {
+        id: "cu2",
+        name: "read 1MiB from CUDA memory / write 1MiB into it (TCP, staged)",
+        ferry: "ferry read 1MiB from CUDA memory",
+        peer: Some("ferry write 1MiB into CUDA memory"),
+        peer_scale: 1.0,
+        unit: Unit::GbPerS,
+        target: Target::RatioAtLeast(0.8),
+    },
     Comparison {
         id: "g",
         name: "read 1MiB / write 1MiB",
@@ -1146,7 +1183,21 @@ struct Samples {
     /// Each measure's figures, with the round each was taken in.
     values: BTreeMap<&'static str, Vec<(u32, f64)>>,
     errors: BTreeMap<&'static str, String>,
+    /// Measures this host cannot take (no CUDA device), with why: their rows are not run.
+    not_run: BTreeMap<&'static str, String>,
 }
+
+/// Why a measure was not taken on this host: it needs a device the host lacks. Not a failure.
+#[derive(Debug)]
+struct NotRun(String);
+
+impl std::fmt::Display for NotRun {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "not run: {}", self.0)
+    }
+}
+
+impl std::error::Error for NotRun {}
 
 struct Bench<'a> {
     args: &'a Args,
@@ -1160,6 +1211,8 @@ struct Bench<'a> {
     python: Option<PathBuf>,
     /// What the tower stack added per request over shared memory, from this round's run.
     tower_added_over_shm: Option<f64>,
+    /// Whether the ferry binary finds a CUDA device here (`Err`: why not), once asked.
+    cuda: Option<Result<(), String>>,
 }
 
 pub fn run(args: &Args) -> Result<ExitCode> {
@@ -1183,14 +1236,24 @@ pub fn run(args: &Args) -> Result<ExitCode> {
         ucx_tls: None,
         python: None,
         tower_added_over_shm: None,
+        cuda: None,
     };
     let mut samples = Samples::default();
     for round in 1..=args.rounds {
         for measure in &measures {
+            if samples.not_run.contains_key(measure.key) {
+                continue;
+            }
             match bench.measure(measure.probe) {
                 Ok(value) => {
                     eprintln!("[round {round}/{}] {}: {value:.3}", args.rounds, measure.key);
                     samples.values.entry(measure.key).or_default().push((round, value));
+                }
+                Err(e) if e.downcast_ref::<NotRun>().is_some() => {
+                    eprintln!("[round {round}/{}] {}: {e:#}", args.rounds, measure.key);
+                    if let Some(NotRun(why)) = e.downcast_ref::<NotRun>() {
+                        samples.not_run.insert(measure.key, why.clone());
+                    }
                 }
                 Err(e) => {
                     eprintln!("[round {round}/{}] {}: error: {e:#}", args.rounds, measure.key);
@@ -1307,6 +1370,9 @@ impl Bench<'_> {
     fn measure(&mut self, probe: Probe) -> Result<f64> {
         match probe {
             Probe::Ferry(case, metric) => {
+                if case.target_mem == Some("cuda") {
+                    self.needs_cuda()?;
+                }
                 let r: FerryResult = peers::ferry(&self.ferry_bin, &case, &self.args.duration, self.duration)?;
                 Ok(match metric {
                     Metric::GbPerS => r.gb_per_s,
@@ -1355,6 +1421,13 @@ impl Bench<'_> {
                 })
             }
         }
+    }
+
+    /// `Ok` when the ferry binary finds a CUDA device on this host, else [`NotRun`] with its reason
+    /// (`ferry info --json`'s), asked once.
+    fn needs_cuda(&mut self) -> Result<()> {
+        let cuda = self.cuda.get_or_insert_with(|| peers::cuda_devices(&self.ferry_bin));
+        cuda.clone().map_err(|why| NotRun(format!("no CUDA device: {why}")).into())
     }
 
     /// The Python binding's interpreter: the environment `cargo xtask test` uses, made and the
@@ -1480,13 +1553,15 @@ impl Row {
         let ferry = median(&ferry_samples);
         let peer = median(&peer_samples);
         let ratio = paired_ratio(&ferry_rounds, &peer_rounds);
-        let error = [Some(c.ferry), c.peer]
-            .into_iter()
-            .flatten()
-            .find_map(|k| samples.errors.get(k).map(|e| format!("{k}: {e}")));
+        let keys = || [Some(c.ferry), c.peer].into_iter().flatten();
+        let not_run = keys().find_map(|k| samples.not_run.get(k).cloned());
+        let error = not_run
+            .clone()
+            .or_else(|| keys().find_map(|k| samples.errors.get(k).map(|e| format!("{k}: {e}"))));
         let complete = ferry.is_some() && (c.peer.is_none() || peer.is_some());
         let met = ferry.filter(|_| complete).and_then(|f| c.target.met(f, ratio));
         let status = match (complete, met) {
+            (false, _) if not_run.is_some() => "not run",
             (false, _) => "ERROR",
             (true, Some(true)) => "ok",
             (true, Some(false)) => "MISSED",
@@ -1571,6 +1646,13 @@ fn render_table(rows: &[Row], bench: &Bench) -> String {
         .collect();
     if !missed.is_empty() {
         out += &format!("\nMISSED targets: {}\n", missed.join("; "));
+    }
+    for row in rows.iter().filter(|r| r.status == "not run") {
+        out += &format!(
+            "\nNOT RUN {}: {}\n",
+            row.cells[0],
+            row.json["error"].as_str().unwrap_or("this host lacks what it needs")
+        );
     }
     for row in rows.iter().filter(|r| r.status == "ERROR") {
         out += &format!(

@@ -176,6 +176,30 @@ pub fn ferry(bin: &Path, case: &FerryCase, duration_arg: &str, duration: Duratio
     parse_ferry(&out.stdout, case.op, size).with_context(|| format!("reading the output of `{what}`"))
 }
 
+/// Whether `bin` (a ferry binary) finds a CUDA device on this host: `Err` with its reason where it
+/// does not (`ferry info --json`'s `cuda.unavailable`, or that it lists no device).
+pub fn cuda_devices(bin: &Path) -> std::result::Result<(), String> {
+    let out = run_captured(Command::new(bin).args(["info", "--json"]), Duration::from_secs(60))
+        .map_err(|e| format!("`ferry info --json` did not run: {e:#}"))?;
+    if !out.status.success() {
+        return Err(format!("`ferry info --json` failed: {}", tail(&out.combined())));
+    }
+    let info: Value = serde_json::from_str(&out.stdout).map_err(|e| format!("`ferry info --json` printed no JSON: {e}"))?;
+    cuda_of_info(&info)
+}
+
+/// What `ferry info --json` says of CUDA: `Ok` when it lists a device.
+pub fn cuda_of_info(info: &Value) -> std::result::Result<(), String> {
+    let cuda = &info["cuda"];
+    if let Some(why) = cuda["unavailable"].as_str() {
+        return Err(why.to_string());
+    }
+    match cuda["devices"].as_array().map_or(0, Vec::len) {
+        0 => Err("the CUDA driver lists no device".into()),
+        _ => Ok(()),
+    }
+}
+
 /// Runs one case of the Python binding's benchmark (`python -m ferry.bench --case`), which prints
 /// one JSON object with `gb_per_s` and `p50_us`.
 ///
@@ -619,6 +643,23 @@ fn tail(text: &str) -> String {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn cuda_rows_run_only_where_ferry_info_lists_a_device() {
+        use serde_json::json;
+        let none = json!({"cuda": {"unavailable": "no CUDA driver: libcuda.so.1 could not be opened", "devices": []}});
+        assert_eq!(
+            super::cuda_of_info(&none),
+            Err("no CUDA driver: libcuda.so.1 could not be opened".to_string())
+        );
+        let empty = json!({"cuda": {"unavailable": null, "devices": []}});
+        assert_eq!(
+            super::cuda_of_info(&empty),
+            Err("the CUDA driver lists no device".to_string())
+        );
+        let one = json!({"cuda": {"unavailable": null, "devices": [{"ordinal": 0}]}});
+        assert_eq!(super::cuda_of_info(&one), Ok(()));
+    }
 
     #[test]
     fn openssl_speed_rows_read_as_gb_per_s() {
