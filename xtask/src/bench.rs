@@ -1427,7 +1427,8 @@ impl Bench<'_> {
     /// (`ferry info --json`'s), asked once.
     fn needs_cuda(&mut self) -> Result<()> {
         let cuda = self.cuda.get_or_insert_with(|| peers::cuda_devices(&self.ferry_bin));
-        cuda.clone().map_err(|why| NotRun(format!("no CUDA device: {why}")).into())
+        cuda.clone()
+            .map_err(|why| NotRun(format!("no CUDA device: {why}")).into())
     }
 
     /// The Python binding's interpreter: the environment `cargo xtask test` uses, made and the

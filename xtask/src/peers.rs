@@ -184,7 +184,8 @@ pub fn cuda_devices(bin: &Path) -> std::result::Result<(), String> {
     if !out.status.success() {
         return Err(format!("`ferry info --json` failed: {}", tail(&out.combined())));
     }
-    let info: Value = serde_json::from_str(&out.stdout).map_err(|e| format!("`ferry info --json` printed no JSON: {e}"))?;
+    let info: Value =
+        serde_json::from_str(&out.stdout).map_err(|e| format!("`ferry info --json` printed no JSON: {e}"))?;
     cuda_of_info(&info)
 }
 

@@ -65,6 +65,14 @@ pub enum DmaView {
     },
 }
 
+/// Device memory, by the API that allocated it (see [`MemoryBlock::device_address`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum DeviceAddress {
+    /// A CUDA device pointer (`CUdeviceptr`) in the process's unified address space.
+    Cuda(u64),
+}
+
 /// Writes into a block through the file behind it (`pwrite(2)` into the page cache) and persists
 /// what was so written. A page-cache file mapped shared gains twice: the write takes no page fault
 /// for each page the last flush cleaned, and the flush write-protects no mapped page, so no other
@@ -200,6 +208,13 @@ pub unsafe trait MemoryBlock: Send + Sync + 'static {
     /// host to map: the shared-memory transport lends it to peers instead of copying for them. `None`
     /// (the default) for memory that is no such file.
     fn shared_file(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        None
+    }
+    /// Device memory the block stands for, named by the API that allocated it, for a transport that
+    /// can move it device to device (another process on the same GPU, through that API's sharing
+    /// handles) instead of through the host copy at [`as_ptr`](Self::as_ptr). `None` (the default)
+    /// for memory the CPU reaches.
+    fn device_address(&self) -> Option<DeviceAddress> {
         None
     }
     /// The PCI device whose memory a NIC's DMA reaches when it accesses this block: a GPU, for device

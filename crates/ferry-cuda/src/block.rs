@@ -227,6 +227,10 @@ unsafe impl MemoryBlock for CudaBlock {
         self.memory.ptr()
     }
 
+    fn device_address(&self) -> Option<ferry_core::DeviceAddress> {
+        Some(ferry_core::DeviceAddress::Cuda(self.memory.ptr()))
+    }
+
     fn kind(&self) -> &str {
         self.kind
     }

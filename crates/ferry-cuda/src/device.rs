@@ -61,6 +61,22 @@ impl CudaDevice {
         }))
     }
 
+    /// Opens the device at PCI address `pci_address` ("0000:3b:00.0"), as another process names it:
+    /// ordinals differ between processes that see different devices (`CUDA_VISIBLE_DEVICES`).
+    pub fn by_pci_address(pci_address: &str) -> Result<Arc<Self>> {
+        let driver = crate::driver::driver()?;
+        for ordinal in 0..driver.devices {
+            let dev = result::device::get(ordinal as i32).map_err(|e| cu_error("cuDeviceGet", e))?;
+            if crate::driver::pci_address(dev)?.eq_ignore_ascii_case(pci_address) {
+                return Self::open(ordinal as u32);
+            }
+        }
+        Err(Error::Unsupported(format!(
+            "the CUDA device at PCI address {pci_address} is not visible to this process (CUDA_VISIBLE_DEVICES              applies; it sees {} device(s))",
+            driver.devices
+        )))
+    }
+
     /// The device's ordinal.
     pub fn ordinal(&self) -> u32 {
         self.ordinal as u32

@@ -12,9 +12,10 @@
 //!
 //! Every transport reaches a [`CudaBlock`] through its pinned host mirror (the staged contract of
 //! [`DmaView::Staged`](ferry_core::DmaView::Staged)): a write is on the GPU before it is
-//! acknowledged, a read sends what the GPU holds. What a device offers beyond that (GPUDirect RDMA,
-//! dma-buf export, shareable handles for another process) is reported by [`probe()`]; the paths
-//! that use them are not built yet, and nothing pretends they are: a region's `kind()` says
+//! acknowledged, a read sends what the GPU holds. Between two processes of one host, the shared-memory
+//! transport lends a whole allocation by CUDA IPC instead ([`ipc`]): the peer copies device to device.
+//! What a device offers beyond that (GPUDirect RDMA, dma-buf export) is reported by [`probe()`]; the
+//! paths that use them are not built yet, and nothing pretends they are: a region's `kind()` says
 //! "staged".
 #![deny(missing_docs)]
 
@@ -23,6 +24,7 @@ mod block;
 mod device;
 mod driver;
 mod error;
+pub mod ipc;
 mod pointer;
 mod registry;
 

@@ -5,15 +5,16 @@
 //!
 //! On the socket the initiator sends transfers (ranges for the target to copy), asks for a region's
 //! memory file (`Map`), and confirms that it unmapped one (`Unmapped`). The target sends replies,
-//! a region's memory file (`Mapped`, the descriptor attached to its bytes), and asks for a mapping
-//! back (`Unmap`).
+//! a region's memory file (`Mapped`, the descriptor attached to its bytes) or, for GPU memory, the
+//! device's handle of it (`DeviceMapped`: a CUDA IPC handle and the device's PCI address), and asks
+//! for a mapping back (`Unmap`).
 //!
 //! Every length is checked before anything is allocated: a request names at most [`MAX_ITEMS`] ranges.
 
 use ferry_core::wire::WireReader;
 use ferry_core::{Durability, Error, ErrorCode, Op, RegionKey, Result, WireError};
 
-const VERSION: u8 = 2;
+const VERSION: u8 = 3;
 /// Ranges one request may name (a batch with more is split by the initiator).
 pub const MAX_ITEMS: usize = 4096;
 /// Bytes of the initiator's probe buffer.
@@ -335,6 +336,27 @@ pub const MAX_MESSAGE: usize = 1024;
 pub const MAPPED_LEN: usize = 8 + 1;
 /// The body of an `Unmap`: the region's key.
 pub const UNMAP_LEN: usize = 8;
+/// Bytes of the device handle a `DeviceMapped` reply carries (a CUDA IPC memory handle).
+pub const DEVICE_HANDLE_LEN: usize = 64;
+/// Bytes of the PCI address a `DeviceMapped` reply carries ("0000:3b:00.0", NUL-padded).
+pub const PCI_ADDRESS_LEN: usize = 16;
+/// The body of a `DeviceMapped` reply: region length, offset in the allocation, handle, PCI address.
+pub const DEVICE_MAPPED_LEN: usize = 8 + 8 + DEVICE_HANDLE_LEN + PCI_ADDRESS_LEN;
+
+/// A region of device memory the target lends: the handle that opens its allocation in another
+/// process, where the region starts in it, and the device (by PCI address, which unlike an ordinal
+/// is the same in every process).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceLend {
+    /// The region's bytes.
+    pub len: u64,
+    /// Where the region starts in the allocation the handle opens.
+    pub offset: u64,
+    /// The handle (`cuIpcGetMemHandle`).
+    pub handle: [u8; DEVICE_HANDLE_LEN],
+    /// The device's PCI address, "0000:3b:00.0".
+    pub pci_address: String,
+}
 
 /// What a message from the target is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -345,6 +367,8 @@ pub enum ReplyKind {
     Mapped,
     /// The target asks for the mapping of the region whose key follows (the id is the target's own).
     Unmap,
+    /// A `Map` request's answer for device memory: a [`DeviceLend`] follows.
+    DeviceMapped,
 }
 
 fn put_reply_head(out: &mut Vec<u8>, id: u64, kind: u8, code: u16, len: usize) {
@@ -397,6 +421,7 @@ pub fn decode_reply_head(b: &[u8; REPLY_HEAD]) -> Result<(u64, ReplyKind, usize)
         }
         (1, 0, MAPPED_LEN) => ReplyKind::Mapped,
         (2, 0, UNMAP_LEN) => ReplyKind::Unmap,
+        (3, 0, DEVICE_MAPPED_LEN) => ReplyKind::DeviceMapped,
         _ => return Err(malformed("reply")),
     };
     Ok((id, kind, len))
@@ -412,6 +437,48 @@ pub fn decode_mapped(b: &[u8; MAPPED_LEN]) -> Result<(u64, bool)> {
         _ => return Err(malformed("mapped reply")),
     };
     Ok((len, writable))
+}
+
+/// Appends a `DeviceMapped` reply to `out`. A PCI address longer than [`PCI_ADDRESS_LEN`] bytes is
+/// no PCI address; the caller checked it (see [`pci_address_fits`]).
+pub fn encode_device_mapped(out: &mut Vec<u8>, id: u64, lend: &DeviceLend) {
+    put_reply_head(out, id, 3, 0, DEVICE_MAPPED_LEN);
+    out.extend_from_slice(&lend.len.to_le_bytes());
+    out.extend_from_slice(&lend.offset.to_le_bytes());
+    out.extend_from_slice(&lend.handle);
+    let mut pci = [0u8; PCI_ADDRESS_LEN];
+    let n = lend.pci_address.len().min(PCI_ADDRESS_LEN);
+    pci[..n].copy_from_slice(&lend.pci_address.as_bytes()[..n]);
+    out.extend_from_slice(&pci);
+}
+
+/// Whether `pci_address` fits a `DeviceMapped` reply.
+pub fn pci_address_fits(pci_address: &str) -> bool {
+    pci_address.len() <= PCI_ADDRESS_LEN && pci_address.is_ascii() && !pci_address.contains('\0')
+}
+
+/// A `DeviceMapped` reply's body.
+pub fn decode_device_mapped(b: &[u8; DEVICE_MAPPED_LEN]) -> Result<DeviceLend> {
+    let mut r = WireReader::new(b, "shared-memory device mapped reply");
+    let len = r.u64()?;
+    let offset = r.u64()?;
+    let handle = r.array()?;
+    let pci: [u8; PCI_ADDRESS_LEN] = r.array()?;
+    r.finish()?;
+    let end = pci.iter().position(|&c| c == 0).unwrap_or(PCI_ADDRESS_LEN);
+    let pci_address = std::str::from_utf8(&pci[..end])
+        .ok()
+        .filter(|a| !a.is_empty() && pci[end..].iter().all(|&c| c == 0))
+        .ok_or_else(|| malformed("device mapped reply (PCI address)"))?;
+    if len == 0 || offset.checked_add(len).is_none() {
+        return Err(malformed("device mapped reply (range)"));
+    }
+    Ok(DeviceLend {
+        len,
+        offset,
+        handle,
+        pci_address: pci_address.to_string(),
+    })
 }
 
 /// The error a reply carries.
@@ -475,6 +542,69 @@ mod tests {
                 let _ = decode_reply_head(&head);
             }
         }
+    }
+
+    proptest! {
+        #[test]
+        fn device_lends_round_trip(id in any::<u64>(), len in 1u64..(1 << 50), offset in 0u64..(1 << 50), handle in any::<[u8; DEVICE_HANDLE_LEN]>(), pci in "[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\\.[0-7]") {
+            let lend = DeviceLend { len, offset, handle, pci_address: pci };
+            let mut out = Vec::new();
+            encode_device_mapped(&mut out, id, &lend);
+            let head: [u8; REPLY_HEAD] = out[..REPLY_HEAD].try_into().unwrap();
+            prop_assert_eq!(decode_reply_head(&head).unwrap(), (id, ReplyKind::DeviceMapped, DEVICE_MAPPED_LEN));
+            let body: [u8; DEVICE_MAPPED_LEN] = out[REPLY_HEAD..].try_into().unwrap();
+            prop_assert_eq!(decode_device_mapped(&body).unwrap(), lend);
+        }
+
+        #[test]
+        fn device_lend_bodies_never_panic(b in any::<[u8; DEVICE_MAPPED_LEN]>()) {
+            let _ = decode_device_mapped(&b);
+        }
+    }
+
+    #[test]
+    fn a_device_lend_without_a_device_or_a_range_is_refused() {
+        let lend = DeviceLend {
+            len: 4096,
+            offset: 0,
+            handle: [1; DEVICE_HANDLE_LEN],
+            pci_address: "0000:3b:00.0".into(),
+        };
+        let body = |lend: &DeviceLend| -> [u8; DEVICE_MAPPED_LEN] {
+            let mut out = Vec::new();
+            encode_device_mapped(&mut out, 1, lend);
+            out[REPLY_HEAD..].try_into().unwrap()
+        };
+        assert!(pci_address_fits(&lend.pci_address));
+        assert!(!pci_address_fits("0000:3b:00.0-and-more"));
+        let empty = DeviceLend { len: 0, ..lend.clone() };
+        assert!(matches!(decode_device_mapped(&body(&empty)), Err(Error::Protocol(_))));
+        let wraps = DeviceLend {
+            offset: u64::MAX,
+            ..lend.clone()
+        };
+        assert!(matches!(decode_device_mapped(&body(&wraps)), Err(Error::Protocol(_))));
+        let nameless = DeviceLend {
+            pci_address: String::new(),
+            ..lend.clone()
+        };
+        assert!(matches!(
+            decode_device_mapped(&body(&nameless)),
+            Err(Error::Protocol(_))
+        ));
+        // Bytes after the address's end must be padding.
+        let mut b = body(&lend);
+        b[DEVICE_MAPPED_LEN - 1] = b'x';
+        assert!(matches!(decode_device_mapped(&b), Err(Error::Protocol(_))));
+        let full = DeviceLend {
+            pci_address: "00000000:3b:00.0".into(),
+            ..lend.clone()
+        };
+        assert_eq!(
+            decode_device_mapped(&body(&full)).unwrap(),
+            full,
+            "16 bytes of address, no padding"
+        );
     }
 
     #[test]

@@ -76,6 +76,9 @@ pub mod region_key {
     pub const COPIED: u8 = 1;
     /// The region is a memory file the target may lend.
     pub const LENDABLE: u8 = 2;
+    /// The region is GPU memory the target may lend by its device's handle (CUDA IPC); without it,
+    /// only the control link reaches the region (its owner stages it).
+    pub const DEVICE: u8 = 3;
 }
 
 /// What a target keeps of an accepted link: dropping it closes the link's socket, which ends its
@@ -92,6 +95,12 @@ impl Drop for Accepted {
     fn drop(&mut self) {
         self.0.shut();
     }
+}
+
+/// Whether this build lends `block`'s device memory to peers of this host (CUDA memory, with the
+/// `cuda` feature).
+fn lends_device_memory(block: &dyn ferry_core::MemoryBlock) -> bool {
+    cfg!(feature = "cuda") && matches!(block.device_address(), Some(ferry_core::DeviceAddress::Cuda(_)))
 }
 
 fn random<const N: usize>(what: &str) -> Result<[u8; N]> {
@@ -126,9 +135,11 @@ impl Transport for ShmTransport {
     }
 
     fn register_region(&self, region: &RegionEntry) -> Result<Option<Vec<u8>>> {
-        // Memory its owner stages (device memory behind a host copy) moves over the control link.
+        // Memory its owner stages (device memory behind a host copy) moves over the control link,
+        // unless it is CUDA memory this build can lend by its IPC handle.
         let block = region.block();
         Ok(match (block.has_access_hooks(), block.shared_file().is_some()) {
+            (true, _) if lends_device_memory(block.as_ref()) => Some(vec![region_key::DEVICE]),
             (true, _) => None,
             (false, true) => Some(vec![region_key::LENDABLE]),
             (false, false) => Some(vec![region_key::COPIED]),

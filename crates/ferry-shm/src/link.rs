@@ -4,7 +4,10 @@
 //!   them): the first use asks the target for the region's memory file and maps it
 //!   ([`Mapping`]); from then on READ and WRITE are copies between the caller's memory and the
 //!   mapping, done by the transfer's own future, with no system call. A write is complete when the
-//!   copy returns: its bytes are then in the target's memory.
+//!   copy returns: its bytes are then in the target's memory. The target's GPU memory (CUDA, with
+//!   the `cuda` feature) is lent the same way, as the allocation's CUDA IPC handle, which this
+//!   process opens; its copies are the device's (`cuMemcpyAsync` between the caller's memory, on the
+//!   host or a GPU, and the peer's), waited for before the transfer completes.
 //! - **Copied regions** (memory the target did not allocate, persistent writes): requests go over the
 //!   link's Unix socket, each with the local addresses the target copies from or into, and complete
 //!   when the target replies (after its copy).
@@ -264,6 +267,7 @@ impl Inner {
             let handled = match kind {
                 ReplyKind::Done(code) => self.done(id, code, &body),
                 ReplyKind::Mapped => self.mapped(id, &body, reader.take_fd()),
+                ReplyKind::DeviceMapped => self.device_mapped(id, &body),
                 ReplyKind::Unmap => self.unmap(id, &body),
             };
             if let Err(e) = handled {
@@ -318,7 +322,32 @@ impl Inner {
         let Pending::Map { done, key } = pending else {
             return Err(Error::Protocol(format!("a mapped reply to transfer {id}")));
         };
-        match Mapping::new(key, fd, len, writable) {
+        self.settle(key, Mapping::new(key, fd, len, writable), len);
+        let _ = done.send(());
+        Ok(())
+    }
+
+    /// The target lent a region of GPU memory: open it.
+    fn device_mapped(self: &Arc<Self>, id: u64, body: &[u8]) -> Result<()> {
+        let body: &[u8; wire::DEVICE_MAPPED_LEN] =
+            body.try_into().map_err(|_| wire::malformed("device mapped reply"))?;
+        let lend = wire::decode_device_mapped(body)?;
+        let Some(pending) = self.take_pending(id)? else {
+            tracing::debug!(peer = %self.peer, id, "a stale device mapped reply: nothing was opened");
+            return Ok(());
+        };
+        let Pending::Map { done, key } = pending else {
+            return Err(Error::Protocol(format!("a device mapped reply to transfer {id}")));
+        };
+        self.settle(key, open_device(key, &lend), lend.len);
+        let _ = done.send(());
+        Ok(())
+    }
+
+    /// Records what came of the target's lending of region `key`: the mapping made of it, or, when
+    /// it could not be made, that the target must take it back (its items then go elsewhere).
+    fn settle(self: &Arc<Self>, key: RegionKey, made: Result<Mapping>, len: u64) {
+        match made {
             Ok(m) => match self.lendings.lent(key, Arc::new(m)) {
                 Ok(()) => tracing::debug!(peer = %self.peer, region = ?key, len, "mapped a region the target lent"),
                 // The link was closed while the target answered: given back at once.
@@ -337,8 +366,6 @@ impl Inner {
                 tokio::spawn(async move { inner.unmapped(0, key).await });
             }
         }
-        let _ = done.send(());
-        Ok(())
     }
 
     /// The target asks for a region back.
@@ -387,7 +414,11 @@ impl Inner {
         }
         let [item] = &request.items[..] else { return None };
         // A large copy goes in chunks, in the transfer's future (see `COPY_CHUNK`).
-        if !Inner::lendable(item, request.durability) || stages_locally(item) || item.len() > COPY_CHUNK as u64 {
+        if !Inner::lendable(item, request.durability)
+            || lent_as(item) != Some(region_key::LENDABLE)
+            || stages_locally(item)
+            || item.len() > COPY_CHUNK as u64
+        {
             return None;
         }
         let done = match item.len() <= COPY_UNDER_LOOKUP {
@@ -414,7 +445,9 @@ impl Inner {
     /// Whether `item`'s region is one the target may lend, for this transfer.
     fn lendable(item: &TransferItem, durability: Durability) -> bool {
         // A persistent write goes to the target, which persists before it replies (or refuses).
-        durability == Durability::Completed && item.remote_transport_key.as_deref() == Some(&[region_key::LENDABLE])
+        durability == Durability::Completed
+            && (lent_as(item) == Some(region_key::LENDABLE)
+                || (cfg!(feature = "cuda") && lent_as(item) == Some(region_key::DEVICE)))
     }
 
     /// Where the items of `item`'s region go (see the module documentation).
@@ -425,9 +458,11 @@ impl Inner {
         durability: Durability,
         mappings: &mut Vec<Arc<Mapping>>,
     ) -> Way {
-        let fallback = match self.copies_denied {
-            None => Way::Copied,
-            Some(_) => Way::Control,
+        // The target's GPU memory is reached by the device's copies here, or by the target's own
+        // (staged) ones over the control link, never by its copies of this process's memory.
+        let fallback = match (lent_as(item), &self.copies_denied) {
+            (Some(region_key::DEVICE), _) | (_, Some(_)) => Way::Control,
+            _ => Way::Copied,
         };
         if item.remote_transport_key.is_none() {
             return Way::Control;
@@ -473,6 +508,7 @@ impl Inner {
             op: request.op,
             durability,
             mapped: Vec::with_capacity(request.items.len()),
+            device: Vec::new(),
             mappings: Vec::new(),
             copied: Vec::new(),
             control: Vec::new(),
@@ -480,10 +516,6 @@ impl Inner {
         let lendings = self.lendings.read();
         let mut last: Option<(RegionKey, Way)> = None;
         for item in request.items {
-            if stages_locally(&item) {
-                sorted.control.push(item);
-                continue;
-            }
             let way = match last {
                 Some((key, way)) if key == item.remote_key => way,
                 _ => {
@@ -493,6 +525,11 @@ impl Inner {
                 }
             };
             match way {
+                Way::Mapped(i) if sorted.mappings[i].is_device() => match device_reaches(&item) {
+                    true => sorted.device.push((item, i)),
+                    false => sorted.control.push(item),
+                },
+                _ if stages_locally(&item) => sorted.control.push(item),
                 Way::Mapped(i) => sorted.mapped.push((item, i)),
                 Way::Copied => sorted.copied.push(item),
                 Way::Control => sorted.control.push(item),
@@ -618,6 +655,8 @@ struct Sorted {
     durability: Durability,
     /// Items copied here, each with the index of its region's mapping in `mappings`.
     mapped: Vec<(TransferItem, usize)>,
+    /// Items copied here by the device, into or out of the GPU memory of the mapping at this index.
+    device: Vec<(TransferItem, usize)>,
     mappings: Vec<Arc<Mapping>>,
     copied: Vec<TransferItem>,
     control: Vec<TransferItem>,
@@ -630,6 +669,21 @@ struct Sorted {
 /// `register_region`.)
 fn stages_locally(item: &TransferItem) -> bool {
     item.local.region.block().has_access_hooks()
+}
+
+/// How the target said it lends `item`'s region ([`region_key`]), if it reaches it over this link.
+fn lent_as(item: &TransferItem) -> Option<u8> {
+    match item.remote_transport_key.as_deref() {
+        Some(&[key]) => Some(key),
+        _ => None,
+    }
+}
+
+/// Whether the device's copies reach `item`'s local memory as its owner holds it: host memory
+/// without hooks, or CUDA memory (by its device address, past any host copy in front of it).
+fn device_reaches(item: &TransferItem) -> bool {
+    let block = item.local.region.block();
+    !block.has_access_hooks() || matches!(block.device_address(), Some(ferry_core::DeviceAddress::Cuda(_)))
 }
 
 /// Checks that `item` lies in its local region and in `mapping` (writable, for a WRITE).
@@ -748,6 +802,129 @@ async fn copy_mapped(
         .collect())
 }
 
+/// Opens the GPU memory the target lent as region `key`.
+#[cfg(feature = "cuda")]
+fn open_device(key: RegionKey, lend: &wire::DeviceLend) -> Result<Mapping> {
+    let export = ferry_cuda::ipc::IpcExport {
+        handle: lend.handle,
+        offset: lend.offset,
+        pci_address: lend.pci_address.clone(),
+    };
+    Mapping::device(key, ferry_cuda::ipc::IpcWindow::open(&export, lend.len)?)
+}
+
+/// A build without the `cuda` feature never asks for device memory; a target that lends it some
+/// anyway is answered that it cannot be opened here.
+#[cfg(not(feature = "cuda"))]
+fn open_device(key: RegionKey, _: &wire::DeviceLend) -> Result<Mapping> {
+    Err(Error::Unsupported(format!(
+        "the target lent region {key:?} as GPU memory, which this build (no `cuda` feature) cannot open"
+    )))
+}
+
+/// Copies the items whose regions are the target's GPU memory opened here, by the device, in
+/// batches of at most [`COPY_CHUNK`] bytes with a yield to the runtime between two (a dropped
+/// transfer queues no further batch). Every range is checked first; each region's and window's
+/// permit is held while its bytes move. Returns the items whose window was being given back, for
+/// the control link.
+#[cfg(feature = "cuda")]
+async fn copy_device(
+    op: Op,
+    items: Vec<(TransferItem, usize)>,
+    mappings: &[Arc<Mapping>],
+) -> Result<Vec<TransferItem>> {
+    use ferry_cuda::ipc::WindowCopy;
+    if items.is_empty() {
+        return Ok(Vec::new());
+    }
+    for (item, m) in &items {
+        check_mapped(op, item, &mappings[*m])?;
+    }
+    let mut given_back = Vec::new();
+    for (m, mapping) in mappings.iter().enumerate().filter(|(_, m)| m.is_device()) {
+        let mine: Vec<&TransferItem> = items.iter().filter(|(_, i)| *i == m).map(|(item, _)| item).collect();
+        if mine.is_empty() {
+            continue;
+        }
+        let (Some(_remote), Some(window)) = (mapping.enter(), mapping.window()) else {
+            given_back.extend(mine.into_iter().cloned());
+            continue;
+        };
+        let mut local = Vec::with_capacity(mine.len());
+        let mut copies = Vec::with_capacity(mine.len());
+        for item in &mine {
+            let region = &item.local.region;
+            local.push(region.guard().enter().ok_or_else(|| region.gone())?);
+            let at = match region.block().device_address() {
+                Some(ferry_core::DeviceAddress::Cuda(ptr)) => ptr + item.local.offset,
+                _ => region.ptr_at(item.local.offset) as u64,
+            };
+            copies.push(WindowCopy {
+                local: at,
+                offset: item.remote_offset,
+                len: item.local.len,
+                into_window: op == Op::Write,
+            });
+        }
+        for (n, batch) in device_batches(&copies, COPY_CHUNK as u64).iter().enumerate() {
+            if n > 0 {
+                tokio::task::yield_now().await;
+            }
+            // SAFETY: every local range was checked against its region (`check_mapped`) and a
+            // permit of each region is held until the last batch is copied (or this future is
+            // dropped, after which no batch is queued), so the memory stays registered; `copy`
+            // waits for its copies before it returns, and regions are never handed out as Rust
+            // references, so nothing else borrows the bytes meanwhile.
+            unsafe { window.copy(batch)? };
+        }
+        if op == Op::Read {
+            for item in mine
+                .iter()
+                .filter(|i| i.local.region.block().device_address().is_none())
+            {
+                ferry_core::integrity::fault::landed(&item.local);
+            }
+        }
+        drop(local);
+    }
+    Ok(given_back)
+}
+
+/// Without the `cuda` feature no mapping is of device memory, so no item is sorted here.
+#[cfg(not(feature = "cuda"))]
+async fn copy_device(_: Op, items: Vec<(TransferItem, usize)>, _: &[Arc<Mapping>]) -> Result<Vec<TransferItem>> {
+    Ok(items.into_iter().map(|(item, _)| item).collect())
+}
+
+/// `copies` in order, cut into batches of at most `most` bytes (a copy larger than what is left of
+/// a batch is split across batches).
+#[cfg(feature = "cuda")]
+fn device_batches(copies: &[ferry_cuda::ipc::WindowCopy], most: u64) -> Vec<Vec<ferry_cuda::ipc::WindowCopy>> {
+    let mut batches = vec![Vec::new()];
+    let mut room = most;
+    for c in copies {
+        let mut done = 0;
+        while done < c.len {
+            if room == 0 {
+                batches.push(Vec::new());
+                room = most;
+            }
+            let n = (c.len - done).min(room);
+            if let Some(batch) = batches.last_mut() {
+                batch.push(ferry_cuda::ipc::WindowCopy {
+                    local: c.local + done,
+                    offset: c.offset + done,
+                    len: n,
+                    into_window: c.into_window,
+                });
+            }
+            done += n;
+            room -= n;
+        }
+    }
+    batches
+}
+
 /// `pieces` in order, cut into chunks of at most `most` bytes (a piece larger than what is left of a
 /// chunk is split across chunks).
 fn chunked(pieces: &[Piece], most: usize) -> Vec<Vec<Piece>> {
@@ -801,6 +978,34 @@ impl ShmLink {
     }
 }
 
+impl ShmLink {
+    /// How transfers to the peer's GPU memory travel: by this process's device copies once the peer
+    /// lent it, else over the control link, staged by the peer.
+    fn device_route(&self, region: &ferry_core::RegionAd) -> ferry_core::Route {
+        if !cfg!(feature = "cuda") {
+            return ferry_core::Route::declined(
+                region,
+                "shm: the peer lends this region as GPU memory (CUDA IPC), which this build (no `cuda` feature) \
+                 cannot open",
+            );
+        }
+        match self.inner.lendings.read().get(&region.key) {
+            Some(Lending::Declined) => ferry_core::Route::declined(
+                region,
+                "shm: the peer did not lend this GPU memory, or this process could not open its CUDA IPC handle \
+                 (a region that is part of a larger allocation, a grant for reading or writing only, another \
+                 process's device not visible here: the logs of both say which)",
+            ),
+            _ => ferry_core::Route::by(
+                TransportKind::Shm,
+                "the peer's GPU memory, opened in this process by its CUDA IPC handle: transfers are device \
+                 copies (cuMemcpyAsync) from and into this process's memory, GPU or host, never through the \
+                 peer's host copy (persistent writes: refused by the peer, over the control link)",
+            ),
+        }
+    }
+}
+
 impl DataLink for ShmLink {
     fn kind(&self) -> TransportKind {
         TransportKind::Shm
@@ -819,6 +1024,7 @@ impl DataLink for ShmLink {
                 op,
                 durability,
                 mapped,
+                device,
                 mappings,
                 copied,
                 control,
@@ -833,6 +1039,8 @@ impl DataLink for ShmLink {
             };
             let here = async {
                 let elsewhere = copy_mapped(op, mapped, &mappings).await?;
+                // GPU memory whose window was being given back goes over the control link.
+                let given_back = copy_device(op, device, &mappings).await?;
                 // Bytes copied into the mapping of a target whose end of the link is already seen
                 // closed reach nobody: that is no completed write.
                 if inner.closed.load(Ordering::Acquire) {
@@ -841,7 +1049,9 @@ impl DataLink for ShmLink {
                 // A transfer over mappings alone never waits: without this, a caller that transfers
                 // in a loop would hold its runtime thread and starve every other task there.
                 tokio::task::consume_budget().await;
-                inner.clone().elsewhere(op, durability, elsewhere).await
+                let mut declined = inner.clone().elsewhere(op, durability, elsewhere).await?;
+                declined.extend(Declined::items(given_back));
+                Ok(declined)
             };
             let ((), mut declined) = futures::future::try_join(to_target, here).await?;
             declined.extend(Declined::items(control));
@@ -882,6 +1092,7 @@ impl DataLink for ShmLink {
             .find(|(k, _)| *k == TransportKind::Shm)
             .map(|(_, key)| key.as_ref());
         match (key, &self.inner.copies_denied) {
+            (Some([region_key::DEVICE]), _) => self.device_route(region),
             (Some([region_key::LENDABLE]), _) => ferry_core::Route::by(
                 TransportKind::Shm,
                 "mapped into this process (the peer lends it): transfers are this process's own copies \
@@ -923,6 +1134,42 @@ mod tests {
     use ferry_core::{Access, MemoryBlock, OwnedBuffer, RegionEntry, RegionKey, Resolved};
 
     use super::*;
+
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn device_batches_cover_the_copies_in_order_and_none_is_larger_than_asked() {
+        use ferry_cuda::ipc::WindowCopy;
+        let lens = [5u64, 17, 1, 40, 3, 64, 9];
+        let mut at = 0;
+        let copies: Vec<WindowCopy> = lens
+            .iter()
+            .map(|&len| {
+                let c = WindowCopy {
+                    local: 0x1000 + at,
+                    offset: 7 * at,
+                    len,
+                    into_window: true,
+                };
+                at += len;
+                c
+            })
+            .collect();
+        for most in [1, 7, 16, 64, 1000] {
+            let mut next = 0;
+            for batch in device_batches(&copies, most) {
+                assert!(batch.iter().map(|c| c.len).sum::<u64>() <= most);
+                for c in batch {
+                    assert!(c.len > 0 && c.into_window);
+                    // The local and remote addresses advance together within each copy.
+                    let copy = copies.iter().rfind(|o| o.local <= c.local).unwrap();
+                    assert_eq!(c.offset - copy.offset, c.local - copy.local, "batches of {most}");
+                    assert_eq!(c.local, 0x1000 + next, "batches of {most}");
+                    next += c.len;
+                }
+            }
+            assert_eq!(next, at, "batches of {most} cover every byte");
+        }
+    }
 
     #[test]
     fn chunks_cover_the_pieces_in_order_and_none_is_larger_than_asked() {

@@ -1,4 +1,5 @@
-//! The initiator's mapping of a region the target lent it as a memory file.
+//! The initiator's mapping of a region the target lent it: a memory file mapped here, or (with the
+//! `cuda` feature) GPU memory opened here by its CUDA IPC handle, which only the device's copies reach.
 //!
 //! A mapping is made once per region and link; READ and WRITE are then plain copies between the
 //! caller's memory and the mapping, with no system call. Before mapping, the initiator checks that
@@ -14,14 +15,21 @@
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 
+#[cfg(feature = "cuda")]
+use std::sync::Arc;
+
 use ferry_core::{AccessGuard, Error, Permit, RegionKey, Result};
 
 /// A region of the target, mapped into this process.
 pub(crate) struct Mapping {
     /// The key the target named the region by, to this peer.
     pub key: RegionKey,
+    /// The mapping's first byte; null for device memory.
     ptr: *mut u8,
     len: usize,
+    /// The peer's GPU memory, opened here; `None` for a memory file, and once given back.
+    #[cfg(feature = "cuda")]
+    device: std::sync::Mutex<Option<Arc<ferry_cuda::ipc::IpcWindow>>>,
     writable: bool,
     users: AccessGuard,
     unmapped: AtomicBool,
@@ -79,10 +87,40 @@ impl Mapping {
             key,
             ptr: ptr.cast(),
             len,
+            #[cfg(feature = "cuda")]
+            device: std::sync::Mutex::new(None),
             writable,
             users: AccessGuard::new(),
             unmapped: AtomicBool::new(false),
         })
+    }
+
+    /// The peer's GPU memory, opened here by its handle (always writable: the target lends device
+    /// memory only to peers that may read and write it).
+    #[cfg(feature = "cuda")]
+    pub fn device(key: RegionKey, window: ferry_cuda::ipc::IpcWindow) -> Result<Self> {
+        let len = usize::try_from(window.len())
+            .map_err(|_| Error::Protocol(format!("the target lent a region of {} bytes", window.len())))?;
+        Ok(Mapping {
+            key,
+            ptr: std::ptr::null_mut(),
+            len,
+            device: std::sync::Mutex::new(Some(Arc::new(window))),
+            writable: true,
+            users: AccessGuard::new(),
+            unmapped: AtomicBool::new(false),
+        })
+    }
+
+    /// Whether this is device memory, which [`at`](Self::at) cannot reach.
+    pub fn is_device(&self) -> bool {
+        self.ptr.is_null()
+    }
+
+    /// The opened device memory, until it is given back.
+    #[cfg(feature = "cuda")]
+    pub fn window(&self) -> Option<Arc<ferry_cuda::ipc::IpcWindow>> {
+        self.device.lock().ok().and_then(|w| w.clone())
     }
 
     /// A permit to copy, while the mapping is not being given back.
@@ -108,7 +146,7 @@ impl Mapping {
     }
 
     /// The address of `offset` in this process, for a copy under a permit ([`enter`](Self::enter))
-    /// of a range [`check`](Self::check) passed.
+    /// of a range [`check`](Self::check) passed, of a memory file's mapping (not device memory).
     pub fn at(&self, offset: u64) -> *mut u8 {
         self.ptr.wrapping_add(offset as usize)
     }
@@ -121,6 +159,15 @@ impl Mapping {
     }
 
     fn unmap(&self) {
+        if self.is_device() {
+            // The window closes when the last copy holding it ends (each holds it under a permit,
+            // so none does once `users` is drained).
+            #[cfg(feature = "cuda")]
+            if let Ok(mut window) = self.device.lock() {
+                window.take();
+            }
+            return;
+        }
         if !self.unmapped.swap(true, Ordering::AcqRel) {
             // SAFETY: `ptr`/`len` are the mapping made in `new`, unmapped only here, once; every copy
             // holds a permit of `users`, which is closed and drained (or the last reference is gone).

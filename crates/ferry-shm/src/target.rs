@@ -169,16 +169,20 @@ impl Served {
                      could be used for both: the target copies for it instead"
                 )));
             }
-            if r.region.block().has_access_hooks() || r.region.block().shared_file().is_none() {
-                return Err(Error::Unsupported(format!(
-                    "region {named:?} is {}, not an engine allocation (memfd)",
-                    r.region.block().kind()
-                )));
-            }
+            let device = match r.region.block().device_address() {
+                Some(address) => Some(device_lend(address, r.region.len())?),
+                None if r.region.block().has_access_hooks() || r.region.block().shared_file().is_none() => {
+                    return Err(Error::Unsupported(format!(
+                        "region {named:?} is {}, not an engine allocation (memfd)",
+                        r.region.block().kind()
+                    )));
+                }
+                None => None,
+            };
             let permit = r.region.guard().enter_owned().ok_or_else(|| r.region.gone())?;
-            Ok((r.region, permit))
+            Ok((r.region, permit, device))
         })();
-        let (region, permit) = match decision {
+        let (region, permit, device) = match decision {
             Ok(lent) => lent,
             Err(e) => {
                 let mut bytes = Vec::new();
@@ -186,6 +190,21 @@ impl Served {
                 return self.send(&mut writer, &bytes);
             }
         };
+        if let Some(lend) = device {
+            let mut bytes = Vec::with_capacity(wire::REPLY_HEAD + wire::DEVICE_MAPPED_LEN);
+            wire::encode_device_mapped(&mut bytes, id, &lend);
+            // Recorded before the handle leaves, as for a memory file (below).
+            self.lent().insert(
+                region.key(),
+                Lent {
+                    named,
+                    asked: false,
+                    _permit: permit,
+                },
+            );
+            tracing::debug!(link = self.link, region = ?named, "lending a region of GPU memory by its IPC handle");
+            return self.send(&mut writer, &bytes);
+        }
         let (Some(stream), Some(fd)) = (writer.as_ref(), region.block().shared_file()) else {
             return Err(Error::PeerClosed("the shared-memory link is closed".into()));
         };
@@ -259,6 +278,37 @@ impl Served {
             self.given_back.send_modify(|n| *n += 1);
         }
     }
+}
+
+/// The handle of device memory at `address`, `len` bytes, for a peer of this host.
+#[cfg(feature = "cuda")]
+fn device_lend(address: ferry_core::DeviceAddress, len: u64) -> Result<wire::DeviceLend> {
+    let ferry_core::DeviceAddress::Cuda(ptr) = address else {
+        return Err(Error::Unsupported(format!(
+            "{address:?} cannot be lent to another process"
+        )));
+    };
+    let export = ferry_cuda::ipc::export(ptr, len)?;
+    if !wire::pci_address_fits(&export.pci_address) {
+        return Err(Error::Internal(format!(
+            "the CUDA driver named a device \"{}\", which is no PCI address",
+            export.pci_address
+        )));
+    }
+    Ok(wire::DeviceLend {
+        len,
+        offset: export.offset,
+        handle: export.handle,
+        pci_address: export.pci_address,
+    })
+}
+
+/// Device memory is lent only by a build with the `cuda` feature.
+#[cfg(not(feature = "cuda"))]
+fn device_lend(address: ferry_core::DeviceAddress, _len: u64) -> Result<wire::DeviceLend> {
+    Err(Error::Unsupported(format!(
+        "{address:?}: this build of ferry-shm has no `cuda` feature, so it lends no device memory"
+    )))
 }
 
 /// Listens on a fresh abstract socket; returns its name and the listener.

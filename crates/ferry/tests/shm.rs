@@ -465,3 +465,83 @@ async fn local_memory_behind_a_host_copy_moves_by_its_hooks() {
     }
     assert_eq!(device[4096..8192], want[4096..8192], "bytes between the ranges changed");
 }
+
+/// GPU memory behind a host copy, as [`Staged`] is, that names itself CUDA memory: the same-host
+/// link offers to open it by its CUDA IPC handle. The address it gives is the host copy's, which no
+/// driver knows as device memory, so the target can never lend it.
+#[cfg(feature = "cuda")]
+struct DeviceNamed(Arc<Staged>);
+
+// SAFETY: every method forwards to `Staged`, whose promises hold.
+#[cfg(feature = "cuda")]
+unsafe impl ferry::MemoryBlock for DeviceNamed {
+    fn as_ptr(&self) -> *mut u8 {
+        self.0.as_ptr()
+    }
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+    fn kind(&self) -> &str {
+        "test (staged, named CUDA memory)"
+    }
+    fn dma_view(&self) -> ferry::DmaView {
+        ferry::DmaView::Staged
+    }
+    fn device_address(&self) -> Option<ferry::DeviceAddress> {
+        Some(ferry::DeviceAddress::Cuda(self.0.as_ptr() as u64))
+    }
+    fn prepare_read(&self, offset: usize, len: usize) -> ferry::Result<()> {
+        self.0.prepare_read(offset, len)
+    }
+    fn commit_written(&self, offset: usize, len: usize, durability: ferry::Durability) -> ferry::Result<()> {
+        self.0.commit_written(offset, len, durability)
+    }
+}
+
+/// A peer's GPU memory that it cannot lend by CUDA IPC (no driver here; on a GPU host, an address
+/// the driver does not know as device memory) moves over the control link, by the target's hooks:
+/// a write lands on the "device", a read returns what the device holds, and the route names the
+/// control link and why, never the IPC path it could not take.
+#[cfg(feature = "cuda")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gpu_memory_the_peer_cannot_lend_moves_staged_and_says_so() {
+    const LEN: usize = 256 << 10;
+    let (target, initiator, peer) = shm_pair().await;
+    let staged = Staged::new(vec![0u8; LEN]);
+    let remote = target
+        .register_block(Arc::new(DeviceNamed(staged.clone())), rw())
+        .unwrap();
+    wait_for_region(&peer, &remote).await;
+    let src = initiator.register(pattern(LEN, 11), rw()).unwrap();
+    let descs: Vec<TransferDesc> = (0..4u64)
+        .map(|i| TransferDesc::new(src.addr_at(i << 16), remote.addr() + (i << 16), 1 << 16))
+        .collect();
+    initiator.transfer(&peer, Op::Write, &descs, T).await.unwrap();
+    assert_eq!(
+        *staged.device.lock().unwrap(),
+        pattern(LEN, 11),
+        "the write did not reach the device"
+    );
+
+    let fresh = pattern(LEN, 12);
+    staged.device.lock().unwrap().copy_from_slice(&fresh);
+    let back = initiator.alloc_host(LEN, rw()).unwrap();
+    let reads: Vec<TransferDesc> = (0..4u64)
+        .map(|i| TransferDesc::new(back.addr_at(i << 16), remote.addr() + (i << 16), 1 << 16))
+        .collect();
+    initiator.transfer(&peer, Op::Read, &reads, T).await.unwrap();
+    assert_eq!(
+        back.to_vec().unwrap(),
+        fresh,
+        "the read did not return what the device holds"
+    );
+
+    let (_, route) = peer
+        .routes()
+        .into_iter()
+        .find(|(ad, _)| ad.addr == remote.addr())
+        .expect("the region has a route");
+    assert_eq!(route.transport, TransportKind::Tcp, "{route:?}");
+    let why = route.passed_over.as_deref().unwrap_or_default();
+    assert!(why.contains("did not lend this GPU memory"), "{route:?}");
+}
