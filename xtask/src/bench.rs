@@ -102,6 +102,9 @@ enum Probe {
         tcp: bool,
         floor: bool,
     },
+    /// CUDA device 0's own device-to-device copies of 1 MiB, GB/s (ferry-cuda's `copy_bandwidth`
+    /// example).
+    CudaCopy,
     /// The CPU time per request that the stack added in the last `TowerOverHead` run over shared
     /// memory (no run of its own: it must follow that measure in the same round).
     TowerAddedOverShm,
@@ -145,6 +148,7 @@ const fn write(size: &'static str, batch: u32, streams: Option<u32>, depth: Opti
         integrity: false,
         two_processes: false,
         buffer_pool: None,
+        local_mem: None,
     }
 }
 
@@ -440,6 +444,19 @@ const MEASURES: &[Measure] = &[
         },
         Metric::GbPerS,
     ),
+    ferry(
+        "ferry shm write 1MiB GPU to GPU, two processes",
+        FerryCase {
+            local_mem: Some("cuda"),
+            target_mem: Some("cuda"),
+            ..two_processes(shm(WRITE_1MIB))
+        },
+        Metric::GbPerS,
+    ),
+    Measure {
+        key: "CUDA device-to-device copy 1MiB",
+        probe: Probe::CudaCopy,
+    },
     Measure {
         key: "tower stack / engine over TCP, 4KiB writes",
         probe: Probe::TowerOverHead {
@@ -1167,6 +1184,15 @@ const COMPARISONS: &[Comparison] = &[
         target: Target::RatioAtLeast(0.8),
     },
     Comparison {
+        id: "cu3",
+        name: "two processes, one GPU: shm write 1MiB GPU to GPU (CUDA IPC) / the device's own copy",
+        ferry: "ferry shm write 1MiB GPU to GPU, two processes",
+        peer: Some("CUDA device-to-device copy 1MiB"),
+        peer_scale: 1.0,
+        unit: Unit::GbPerS,
+        target: Target::RatioAtLeast(0.8),
+    },
+    Comparison {
         id: "g",
         name: "read 1MiB / write 1MiB",
         ferry: "ferry read 1MiB",
@@ -1335,11 +1361,16 @@ fn measures_for(comparisons: &[&Comparison]) -> Vec<&'static Measure> {
 
 /// Builds ferry-tower's `tower_overhead` example in release mode and returns its path.
 fn build_tower_overhead() -> Result<PathBuf> {
+    build_example("ferry-tower", "tower_overhead")
+}
+
+/// Builds `package`'s example `name` in release mode and returns its path.
+fn build_example(package: &str, name: &str) -> Result<PathBuf> {
     run_step(
-        cargo().args(["build", "--release", "-p", "ferry-tower", "--example", "tower_overhead"]),
+        cargo().args(["build", "--release", "-p", package, "--example", name]),
         Duration::from_secs(45 * 60),
     )?;
-    let bin = target_dir()?.join("release").join("examples").join("tower_overhead");
+    let bin = target_dir()?.join("release").join("examples").join(name);
     if !bin.is_file() {
         return Err(anyhow!("{} is missing after building the example", bin.display()));
     }
@@ -1370,7 +1401,7 @@ impl Bench<'_> {
     fn measure(&mut self, probe: Probe) -> Result<f64> {
         match probe {
             Probe::Ferry(case, metric) => {
-                if case.target_mem == Some("cuda") {
+                if case.target_mem == Some("cuda") || case.local_mem == Some("cuda") {
                     self.needs_cuda()?;
                 }
                 let r: FerryResult = peers::ferry(&self.ferry_bin, &case, &self.args.duration, self.duration)?;
@@ -1383,6 +1414,11 @@ impl Bench<'_> {
                 })
             }
             Probe::Iperf3 { streams } => peers::iperf3(streams, self.duration),
+            Probe::CudaCopy => {
+                self.needs_cuda()?;
+                let bin = build_example("ferry-cuda", "copy_bandwidth")?;
+                peers::cuda_copy_gb_per_s(&bin, self.duration)
+            }
             Probe::Sockperf => peers::sockperf_p50(self.duration),
             Probe::OpensslAesGcm => peers::openssl_aes_gcm(self.duration),
             Probe::DdDsync => peers::dd_dsync_gb_per_s(self.duration),
@@ -1473,6 +1509,11 @@ impl Bench<'_> {
             Probe::Ucx => peers::ucx_describe(self.ucx_tls.unwrap_or(peers::UCX_TLS_CHOICES[0])),
             Probe::UcxShm { test, size } => peers::ucx_shm_describe(test, size),
             Probe::Memcpy => "1 MiB copy_from_slice in a loop, one thread of xtask".into(),
+            Probe::CudaCopy => format!(
+                "copy_bandwidth {} {} (ferry-cuda's example: cuMemcpyDtoDAsync, 16 queued per wait, device 0)",
+                1 << 20,
+                self.duration.as_secs_f64()
+            ),
             Probe::Sockperf => peers::sockperf_describe(self.duration),
             Probe::OpensslAesGcm => peers::openssl_describe(self.duration),
             Probe::DdDsync => peers::dd_describe(self.duration),
@@ -1494,7 +1535,7 @@ impl Bench<'_> {
             } => format!(
                 "{}python -m ferry.bench --case {case}{}{} (bindings/python, in {})",
                 if two_processes {
-                    peers::serve_description()
+                    peers::serve_description(None)
                 } else {
                     String::new()
                 },

@@ -13,6 +13,7 @@
 mod bench;
 mod capi;
 mod fuzz;
+mod gpu_kit;
 mod hostile;
 mod peers;
 mod python;
@@ -48,6 +49,10 @@ enum Command {
     /// under faults: kills, hangs, netem delay and loss, partitions, etcd restarts; fails when an
     /// invariant breaks. Runs in the RDMA rig's guest, whose kernel has netem.
     Chaos(ChaosArgs),
+    /// Builds what a machine with an NVIDIA GPU and no Rust needs to run ferry's GPU checks (the
+    /// CUDA tests, two-process included, and the CUDA bench figures), stripped, with `run.sh`, into
+    /// one folder to carry there.
+    GpuKit(gpu_kit::Args),
 }
 
 #[derive(clap::Args)]
@@ -101,6 +106,13 @@ fn main() -> ExitCode {
                 }
             }
         }
+        Command::GpuKit(args) => match gpu_kit::run(&args) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("xtask gpu-kit: error: {e:#}");
+                ExitCode::FAILURE
+            }
+        },
         Command::Rig(args) => match rig::run(&args) {
             Ok(code) => code,
             Err(e) => {

@@ -54,6 +54,8 @@ pub struct FerryCase {
     pub two_processes: bool,
     /// `--buffer-pool` ("4:8", ferry bench's default, when `None`; "0:0" turns the pool off).
     pub buffer_pool: Option<&'static str>,
+    /// `--local-mem`: where the initiator's buffer lives ("host" when `None`).
+    pub local_mem: Option<&'static str>,
 }
 
 /// How a bench case authenticates its link: not at all, or mutual TLS with its data streams
@@ -79,8 +81,12 @@ impl FerryCase {
         if let Some(depth) = self.depth {
             args.extend(["--depth".into(), depth.to_string()]);
         }
-        if let Some(mem) = self.target_mem {
+        // A `ferry serve` of a two-process case allocates the target's memory (`serve_for`).
+        if let Some(mem) = self.target_mem.filter(|_| !self.two_processes) {
             args.extend(["--target-mem".into(), mem.into()]);
+        }
+        if let Some(mem) = self.local_mem {
+            args.extend(["--local-mem".into(), mem.into()]);
         }
         if let Some(durability) = self.durability {
             args.extend(["--durability".into(), durability.into()]);
@@ -113,7 +119,7 @@ impl FerryCase {
         match self.two_processes {
             true => format!(
                 "{}ferry {} --peer 127.0.0.1:PORT",
-                serve_description(),
+                serve_description(self.target_mem),
                 self.args(duration).join(" ")
             ),
             false => format!("ferry {}", self.args(duration).join(" ")),
@@ -125,23 +131,27 @@ impl FerryCase {
 /// flight (the KV shape: 16 MiB batches, 8 in flight).
 const SERVE_REGION: &str = "512MiB";
 
-/// Starts `ferry serve` (`bin`) on a free port of loopback, waits until it listens, and gives `cmd`
-/// its address (`--peer`): the target of a two-process case, serving until the guard is dropped.
-fn serve_for(bin: &Path, cmd: &mut Command) -> Result<ServerGuard> {
+/// Starts `ferry serve` (`bin`) on a free port of loopback, its region in `mem` ("host" when
+/// `None`), waits until it listens, and gives `cmd` its address (`--peer`): the target of a
+/// two-process case, serving until the guard is dropped.
+fn serve_for(bin: &Path, mem: Option<&str>, cmd: &mut Command) -> Result<ServerGuard> {
     let port = free_port()?;
     let listen = format!("127.0.0.1:{port}");
-    let mut server = ServerGuard::spawn(
-        "ferry-serve",
-        Command::new(bin).args(["serve", "--listen", &listen, "--region-size", SERVE_REGION]),
-    )?;
+    let mut serve = Command::new(bin);
+    serve.args(["serve", "--listen", &listen, "--region-size", SERVE_REGION]);
+    if let Some(mem) = mem {
+        serve.args(["--mem", mem]);
+    }
+    let mut server = ServerGuard::spawn("ferry-serve", &mut serve)?;
     server.wait_listening(port, LISTEN_TIMEOUT)?;
     cmd.args(["--peer", &listen]);
     Ok(server)
 }
 
 /// How [`serve_for`] starts a two-process case's target, for the report.
-pub fn serve_description() -> String {
-    format!("ferry serve --listen 127.0.0.1:PORT --region-size {SERVE_REGION} & ")
+pub fn serve_description(mem: Option<&str>) -> String {
+    let mem = mem.map_or_else(String::new, |m| format!(" --mem {m}"));
+    format!("ferry serve --listen 127.0.0.1:PORT --region-size {SERVE_REGION}{mem} & ")
 }
 
 /// The figures of one `ferry bench --json` case that the comparisons use.
@@ -164,7 +174,7 @@ pub fn ferry(bin: &Path, case: &FerryCase, duration_arg: &str, duration: Duratio
     cmd.args(case.args(duration_arg));
     // A two-process case's target: serving until dropped, after the measurement.
     let _server = match case.two_processes {
-        true => Some(serve_for(bin, &mut cmd)?),
+        true => Some(serve_for(bin, case.target_mem, &mut cmd)?),
         false => None,
     };
     let what = describe(&cmd);
@@ -187,6 +197,22 @@ pub fn cuda_devices(bin: &Path) -> std::result::Result<(), String> {
     let info: Value =
         serde_json::from_str(&out.stdout).map_err(|e| format!("`ferry info --json` printed no JSON: {e}"))?;
     cuda_of_info(&info)
+}
+
+/// CUDA device 0's own device-to-device copy rate for 1 MiB copies, GB/s: ferry-cuda's
+/// `copy_bandwidth` example (`bin`), which prints one JSON object.
+pub fn cuda_copy_gb_per_s(bin: &Path, duration: Duration) -> Result<f64> {
+    let mut cmd = Command::new(bin);
+    cmd.args([(1u64 << 20).to_string(), duration.as_secs_f64().to_string()]);
+    let what = describe(&cmd);
+    let out = run_captured(&mut cmd, duration * 4 + SLACK)?;
+    if !out.status.success() {
+        bail!("`{what}` failed ({}): {}", out.status, tail(&out.combined()));
+    }
+    let v: Value = serde_json::from_str(out.stdout.trim()).with_context(|| format!("reading `{what}`"))?;
+    v["gb_per_s"]
+        .as_f64()
+        .ok_or_else(|| anyhow!("`{what}` printed no gb_per_s: {}", out.stdout.trim()))
 }
 
 /// What `ferry info --json` says of CUDA: `Ok` when it lists a device.
@@ -219,7 +245,7 @@ pub fn python_bench(
     if blocking {
         cmd.arg("--blocking");
     }
-    let _server = serve.map(|bin| serve_for(bin, &mut cmd)).transpose()?;
+    let _server = serve.map(|bin| serve_for(bin, None, &mut cmd)).transpose()?;
     let v = last_json_line(&mut cmd, duration * 4 + SLACK)?;
     let num = |key: &str| {
         v[key]

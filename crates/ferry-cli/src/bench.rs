@@ -63,6 +63,10 @@ pub struct Args {
     /// memory behind a staging buffer); a path the device does not offer is an error.
     #[arg(long, default_value = "auto", value_parser = ["auto", "rdma", "host-visible", "staged"])]
     vulkan_path: String,
+    /// Memory of the initiator's buffer: host, or cuda (device memory of CUDA device 0): with
+    /// `--transport shm` against a `ferry serve --mem cuda`, GPU to GPU between two processes.
+    #[arg(long, default_value = "host", value_parser = ["host", "cuda"])]
+    local_mem: String,
     /// What a write's completion promises: completed (in the target's memory), persistent (in its
     /// persistence domain; the target registers a file), or both, side by side.
     #[arg(long, default_value = "completed", value_parser = ["completed", "persistent", "both"])]
@@ -356,7 +360,7 @@ fn target_region(
         bail!("--vulkan-path needs --target-mem vulkan");
     }
     if args.target_mem == "cuda" {
-        return cuda_target(target, len, args.json);
+        return cuda_region(target, len, args.json);
     }
     if args.target_mem != "vulkan" {
         return target
@@ -385,17 +389,18 @@ fn target_region(
     )
 }
 
-/// The target's region in CUDA device memory of device 0.
+/// A region of `len` bytes of CUDA device memory of device 0, allocated by `engine`; said on
+/// stderr unless `quiet`.
 #[cfg(feature = "cuda")]
-fn cuda_target(target: &Engine, len: usize, json: bool) -> anyhow::Result<Region> {
-    let device = ferry::cuda::CudaDevice::open(0).context("opening CUDA device 0 for --target-mem cuda")?;
+pub(crate) fn cuda_region(engine: &Engine, len: usize, quiet: bool) -> anyhow::Result<Region> {
+    let device = ferry::cuda::CudaDevice::open(0).context("opening CUDA device 0")?;
     let registry = ferry::cuda::CudaRegistry::new(device);
-    let region = target
+    let region = engine
         .alloc_from(&registry, len, Access::READ_WRITE)
-        .context("allocating CUDA target memory")?;
-    if !json {
+        .context("allocating CUDA device memory")?;
+    if !quiet {
         eprintln!(
-            "target memory: {} on {}",
+            "cuda memory: {} on {}",
             region.kind(),
             ferry::MemoryRegistry::name(&registry)
         );
@@ -404,8 +409,8 @@ fn cuda_target(target: &Engine, len: usize, json: bool) -> anyhow::Result<Region
 }
 
 #[cfg(not(feature = "cuda"))]
-fn cuda_target(_: &Engine, _: usize, _: bool) -> anyhow::Result<Region> {
-    bail!("--target-mem cuda needs a ferry built with the `cuda` feature (cargo build -p ferry-cli --features cuda)")
+pub(crate) fn cuda_region(_: &Engine, _: usize, _: bool) -> anyhow::Result<Region> {
+    bail!("CUDA memory needs a ferry built with the `cuda` feature (cargo build -p ferry-cli --features cuda)")
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
@@ -420,10 +425,13 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     });
     let max_bytes = cases.iter().map(|c| c.size * c.batch as u64).max().unwrap_or(1);
     let setup = setup(&args, max_bytes).await?;
-    let local = setup
-        .initiator
-        .alloc_host(max_bytes as usize, Access::READ_WRITE)
-        .context("allocating local memory")?;
+    let local = match args.local_mem.as_str() {
+        "cuda" => cuda_region(&setup.initiator, max_bytes as usize, args.json)?,
+        _ => setup
+            .initiator
+            .alloc_host(max_bytes as usize, Access::READ_WRITE)
+            .context("allocating local memory")?,
+    };
     let registered = max_bytes * if args.peer.is_some() { 1 } else { 2 };
 
     let bar = if args.json {

@@ -25,6 +25,11 @@ pub struct Args {
     /// mapping of it.
     #[arg(long, conflicts_with = "file")]
     caller_owned: bool,
+    /// Where the region lives: host memory, or cuda (device memory of CUDA device 0, which
+    /// `CUDA_VISIBLE_DEVICES` picks; peers of this host open it by its CUDA IPC handle, others reach
+    /// it staged through pinned host memory).
+    #[arg(long, default_value = "host", value_parser = ["host", "cuda"], conflicts_with_all = ["file", "caller_owned"])]
+    mem: String,
     /// Declare this host ADR with DDIO off, so that RDMA initiators may persist by a READ after
     /// their writes. Never assumed; a wrong declaration loses data on power loss.
     #[arg(long)]
@@ -87,6 +92,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     }
     let len = usize::try_from(args.region_size).context("region size does not fit this machine")?;
     let region = match &args.file {
+        None if args.mem == "cuda" => crate::bench::cuda_region(&engine, len, true)?,
         None if args.caller_owned => engine
             .register(vec![0u8; len], Access::READ_WRITE)
             .context("registering the region")?,

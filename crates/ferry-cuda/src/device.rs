@@ -146,6 +146,36 @@ impl CudaDevice {
     }
 }
 
+impl CudaDevice {
+    /// The device's own device-to-device copy rate, in GB/s (10^9 B/s): copies of `size` bytes
+    /// between two allocations, queued 16 at a time on one stream and waited for, for `duration`.
+    /// What a copy between two processes' GPU memory on this device is measured against.
+    pub fn copy_bandwidth(self: &Arc<Self>, size: usize, duration: std::time::Duration) -> Result<f64> {
+        const QUEUED: usize = 16;
+        let (src, dst) = (self.alloc(size)?, self.alloc(size)?);
+        let stream = self.stream()?;
+        let round = || -> Result<()> {
+            for _ in 0..QUEUED {
+                // SAFETY: both are `size` bytes of device memory of this context, alive until the
+                // stream is waited for (below, before they drop).
+                check("cuMemcpyDtoDAsync", unsafe {
+                    sys::cuMemcpyDtoDAsync_v2(dst.ptr, src.ptr, size, stream.stream)
+                })?;
+            }
+            stream.synchronize()
+        };
+        round()?;
+        let started = std::time::Instant::now();
+        let mut rounds = 0u64;
+        while started.elapsed() < duration || rounds == 0 {
+            round()?;
+            rounds += 1;
+        }
+        let bytes = (rounds * QUEUED as u64 * size as u64) as f64;
+        Ok(bytes / started.elapsed().as_secs_f64() / 1e9)
+    }
+}
+
 impl Drop for CudaDevice {
     fn drop(&mut self) {
         // SAFETY: the retain in `open` is released once, here.

@@ -12,6 +12,12 @@
 //!   are then plain copies between the two processes' memory, with no system call and no round
 //!   trip. Large copies are split over two threads (the `copy` module). Deregistration and revokes
 //!   ask for the mapping back and wait until the peer unmapped it.
+//! - **GPU memory is lent by its device's handle** (feature `cuda`): a region that is a whole CUDA
+//!   allocation goes to such a peer as the allocation's CUDA IPC handle and its device's PCI
+//!   address; the peer opens it and moves bytes with the device's own copies, GPU to GPU or GPU and
+//!   host, never through the target's host copy. It is given back as a memory file is. A handle
+//!   opens the whole allocation, so a region carved out of a larger one is not lent; it and any
+//!   GPU memory a peer cannot open go over the control link, staged by the target.
 //! - **Other regions are copied by the target** (the `target` module) with cross-memory attach
 //!   (`process_vm_readv` / `process_vm_writev`), when the target could read a probe buffer the
 //!   initiator described at setup, in the process the initiator says it is. Where the kernel refuses
@@ -118,9 +124,15 @@ impl Transport for ShmTransport {
         let (usable, detail) = match host::here() {
             Ok(_) => (
                 true,
-                "engine allocations lent as memory files, other memory by cross-memory attach \
-                 (process_vm_readv/writev), with engines of this host"
-                    .to_string(),
+                format!(
+                    "engine allocations lent as memory files{}, other memory by cross-memory attach \
+                     (process_vm_readv/writev), with engines of this host",
+                    if cfg!(feature = "cuda") {
+                        ", whole CUDA allocations by CUDA IPC"
+                    } else {
+                        ""
+                    }
+                ),
             ),
             Err(e) => (false, e.message().to_string()),
         };

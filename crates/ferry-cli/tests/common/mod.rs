@@ -23,9 +23,11 @@ impl Drop for Serve {
     }
 }
 
-/// `ferry serve --listen LISTEN --region-size SIZE`, with the binary cargo built for these tests.
+/// `ferry serve --listen LISTEN --region-size SIZE`, with the binary cargo built for these tests
+/// (or `FERRY_BIN`, where the tests run without their build tree: `cargo xtask gpu-kit`).
 pub fn serve_command(listen: &str, region_size: &str) -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ferry"));
+    let bin = std::env::var_os("FERRY_BIN").unwrap_or_else(|| env!("CARGO_BIN_EXE_ferry").into());
+    let mut cmd = Command::new(bin);
     cmd.args(["serve", "--listen", listen, "--region-size", region_size]);
     cmd
 }
