@@ -73,6 +73,15 @@ pub enum DeviceAddress {
     Cuda(u64),
 }
 
+/// A dma-buf of a block's memory (see [`MemoryBlock::dma_buf`]).
+#[derive(Debug)]
+pub struct DmaBuf {
+    /// The dma-buf.
+    pub fd: std::os::fd::OwnedFd,
+    /// Where the block's first byte lies in it.
+    pub offset: u64,
+}
+
 /// Writes into a block through the file behind it (`pwrite(2)` into the page cache) and persists
 /// what was so written. A page-cache file mapped shared gains twice: the write takes no page fault
 /// for each page the last flush cleaned, and the flush write-protects no mapped page, so no other
@@ -215,6 +224,14 @@ pub unsafe trait MemoryBlock: Send + Sync + 'static {
     /// handles) instead of through the host copy at [`as_ptr`](Self::as_ptr). `None` (the default)
     /// for memory the CPU reaches.
     fn device_address(&self) -> Option<DeviceAddress> {
+        None
+    }
+    /// A dma-buf of the block's memory, for a NIC that registers it directly (`ibv_reg_dmabuf_mr`):
+    /// device memory that no host address reaches, on drivers that export it (CUDA's
+    /// `cuMemGetHandleForAddressRange`). The RDMA transport then reaches the device with no host
+    /// copy and no hook. `None` (the default): the block has none to offer; `Some(Err(_))`: it
+    /// has, and the export failed, saying why.
+    fn dma_buf(&self) -> Option<Result<DmaBuf>> {
         None
     }
     /// The PCI device whose memory a NIC's DMA reaches when it accesses this block: a GPU, for device

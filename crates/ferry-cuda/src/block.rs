@@ -205,6 +205,15 @@ impl CudaBlock {
         queued.and(done)
     }
 
+    /// A dma-buf of the block's device memory (see [`crate::dmabuf`]).
+    fn export_dma_buf(&self) -> Result<ferry_core::DmaBuf> {
+        let ptr = self.memory.ptr();
+        let PointerKind::Device { start, size, .. } = classify(ptr, self.len as u64)? else {
+            return Err(Error::Internal(format!("{ptr:#x} is no longer CUDA device memory")));
+        };
+        crate::dmabuf::export(&self.device, ptr, self.len as u64, start, size)
+    }
+
     fn check(&self, offset: usize, len: usize) -> Result<()> {
         ferry_core::memory::check_block_range(self, offset, len)
     }
@@ -225,6 +234,12 @@ unsafe impl MemoryBlock for CudaBlock {
     /// `data_ptr()`), and so do transfer descriptors; the pinned mirror is only how the bytes move.
     fn address(&self) -> u64 {
         self.memory.ptr()
+    }
+
+    /// A dma-buf of the device memory, for a NIC that registers it directly (where the device
+    /// exports one: see [`crate::dmabuf`]).
+    fn dma_buf(&self) -> Option<Result<ferry_core::DmaBuf>> {
+        Some(self.export_dma_buf())
     }
 
     fn device_address(&self) -> Option<ferry_core::DeviceAddress> {

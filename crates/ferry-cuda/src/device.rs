@@ -77,6 +77,12 @@ impl CudaDevice {
         )))
     }
 
+    /// Whether the device exports dma-bufs of its memory (`CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED`).
+    pub fn offers_dma_buf(&self) -> Result<bool> {
+        crate::driver::attribute_of(self.dev, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED)
+            .map(|v| v != 0)
+    }
+
     /// The device's ordinal.
     pub fn ordinal(&self) -> u32 {
         self.ordinal as u32

@@ -22,6 +22,7 @@
 pub mod array;
 mod block;
 mod device;
+pub mod dmabuf;
 mod driver;
 mod error;
 pub mod ipc;

@@ -44,8 +44,8 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::Instant;
 
 use ferry_core::{
-    AcceptSetup, Access, Availability, DataLink, DmaView, Durability, Error, PersistMethod, RegionEntry, RegionKey,
-    Result, SetupExchange, Transport, TransportKind,
+    AcceptSetup, Access, Availability, DataLink, DeviceAddress, DmaView, Durability, Error, PersistMethod, RegionEntry,
+    RegionKey, Result, SetupExchange, Transport, TransportKind,
 };
 use futures::future::BoxFuture;
 use sideway::ibverbs::AccessFlags;
@@ -306,7 +306,7 @@ fn register_bounced(
 /// so the two must share their offset; device memory and a staging buffer both start on a page).
 fn register_device(shared: &RdmaShared, region: &RegionEntry, flags: AccessFlags) -> Option<mr::Registered> {
     let DmaView::Device { nic_address } = region.block().dma_view() else {
-        return None;
+        return register_gpu(shared, region, flags);
     };
     let refused = |why: &dyn std::fmt::Display| {
         tracing::warn!(
@@ -344,6 +344,71 @@ fn register_device(shared: &RdmaShared, region: &RegionEntry, flags: AccessFlags
     }
 }
 
+/// The registration of GPU memory that no host address reaches (CUDA), at the region's own address,
+/// with `flags`: through the dma-buf the block exports (`ibv_reg_dmabuf_mr`: GPUDirect RDMA through
+/// the kernel, with no module of the vendor's), else at its device address where a peer-memory
+/// module (`nvidia_peermem`) lets the NIC pin it. `None` for memory that offers neither, and when both
+/// fail, with the reasons logged: the region's host copy is registered then, where peers name the
+/// region by it, and otherwise nothing is (the region goes over TCP, staged, and its route says so).
+fn register_gpu(shared: &RdmaShared, region: &RegionEntry, flags: AccessFlags) -> Option<mr::Registered> {
+    let block = region.block();
+    let device = block.device_address();
+    let offered = block.dma_buf();
+    if device.is_none() && offered.is_none() {
+        return None;
+    }
+    let len = region.len() as usize;
+    let guard = region.guard().clone();
+    let dma_buf = match offered {
+        None => "the memory offers no dma-buf".to_string(),
+        Some(Err(e)) => format!("no dma-buf: {}", e.message()),
+        // SAFETY: the block keeps its memory, which the dma-buf exports, allocated until it drops, and
+        // the engine keeps the block alive until `deregister_region` returns, which deregisters this
+        // registration first.
+        Some(Ok(buf)) => match unsafe { mr::IovaRegion::register_dma_buf(&shared.pd, &buf, len, region.addr(), flags) }
+        {
+            Ok(mr) => {
+                tracing::info!(region = ?region.key(), kind = block.kind(), device = %shared.device.name, "registered GPU memory with the NIC by its dma-buf");
+                return Some(mr::Registered::dma_buf(mr, buf, region.addr(), guard));
+            }
+            Err(e) => format!("{} refused its dma-buf: {e}", shared.device.name),
+        },
+    };
+    let peer_memory = match (device, peer_memory_module()) {
+        (Some(DeviceAddress::Cuda(ptr)), Some(module)) => {
+            // SAFETY: as above: the block keeps `len` bytes of device memory at `ptr` until it drops.
+            match unsafe { mr::IovaRegion::register(&shared.pd, ptr as usize as *mut u8, len, region.addr(), flags) } {
+                Ok(mr) => {
+                    tracing::info!(region = ?region.key(), kind = block.kind(), device = %shared.device.name, module, "registered GPU memory with the NIC through the peer-memory module");
+                    return Some(mr::Registered::device(mr, ptr, guard));
+                }
+                Err(e) => format!(
+                    "{} refused its device address with {module} loaded: {e}",
+                    shared.device.name
+                ),
+            }
+        }
+        (Some(DeviceAddress::Cuda(_)), None) => "no peer-memory module (nvidia_peermem) is loaded".to_string(),
+        _ => "not CUDA memory, which a peer-memory module pins".to_string(),
+    };
+    tracing::warn!(
+        region = ?region.key(),
+        kind = block.kind(),
+        device = %shared.device.name,
+        %dma_buf,
+        %peer_memory,
+        "the NIC cannot reach this region's GPU memory directly"
+    );
+    None
+}
+
+/// The peer-memory module that lets a NIC pin CUDA memory by its device address, if one is loaded.
+fn peer_memory_module() -> Option<&'static str> {
+    ["nvidia_peermem", "nv_peer_mem"]
+        .into_iter()
+        .find(|m| std::path::Path::new("/sys/module").join(m).exists())
+}
+
 /// Keeps `reg` as the NIC registration of `region`, advertised as `key`; returns the key's wire form.
 fn keep_registered(
     shared: &RdmaShared,
@@ -370,6 +435,9 @@ fn register_local(shared: &Arc<RdmaShared>, region: &RegionEntry) -> Result<Opti
             ..reg.advertised()
         };
         return keep_registered(shared, region, reg, key);
+    }
+    if !region.named_by_pointer() {
+        return Ok(None);
     }
     let flushable = region.block().is_pmem() && region.access().contains(Access::WRITE) && shared.device.flush_capable;
     // SAFETY: the engine keeps the region's memory alive until `deregister_region` returns, which
@@ -574,6 +642,11 @@ fn register_on(shared: &Arc<RdmaShared>, region: &RegionEntry) -> Result<Option<
         let key = reg.advertised();
         return keep_registered(shared, region, reg, key);
     }
+    // Peers name the region by an address that is not its host copy's (CUDA device memory the NIC
+    // could not reach above): a registration of the host copy would answer them at the wrong one.
+    if !region.named_by_pointer() {
+        return Ok(None);
+    }
     // Persistent memory on a device that executes FLUSH is registered for it, so that initiators
     // can persist their writes with the verb. (DRAM refuses these flags.)
     let flushable = region.block().is_pmem() && region.access().contains(Access::WRITE) && shared.device.flush_capable;
@@ -700,17 +773,6 @@ impl Transport for RdmaTransport {
     }
 
     fn register_region(&self, region: &RegionEntry) -> Result<Option<Vec<u8>>> {
-        if !region.named_by_pointer() {
-            // Peers name the region by an address that is not its host copy's (CUDA device memory):
-            // a registration of the host copy would answer them at the wrong one. No key is
-            // advertised, and the route reports the region as declined by the NIC.
-            tracing::info!(
-                region = ?region.key(),
-                kind = region.block().kind(),
-                "not registered with the NIC: the region is named by a device address, and its host copy lies elsewhere"
-            );
-            return Ok(None);
-        }
         let rails = self.rails()?;
         if let [one] = rails {
             return register_on(one, region);
@@ -727,6 +789,10 @@ impl Transport for RdmaTransport {
                     keys.push(None);
                 }
             }
+        }
+        // GPU memory that no rail's NIC reaches (each said why): no key, and the region goes over TCP.
+        if keys.iter().all(Option::is_none) && !region.named_by_pointer() {
+            return Ok(None);
         }
         if keys.iter().all(Option::is_none) {
             return Err(Error::ResourceExhausted(format!(

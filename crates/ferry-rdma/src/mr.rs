@@ -18,13 +18,19 @@
 //! Device memory a NIC reaches by itself (`DmaView::Device`: GPU memory with
 //! `VK_NV_external_memory_rdma`) is registered at the address the NIC names it by, mapped onto the
 //! region's own (host) address with `ibv_reg_mr_iova2`: work requests and peers address it as any other
-//! region, and the NIC moves its bytes to and from the device with no host copy and no hook.
+//! region, and the NIC moves its bytes to and from the device with no host copy and no hook. GPU
+//! memory that no host address reaches (CUDA) is registered the same way through the dma-buf its
+//! driver exports (`ibv_reg_dmabuf_mr`), or at its device address where a peer-memory module lets
+//! the NIC pin it; either is reached at the region's own address, which for CUDA memory is the
+//! device address its owner names it by.
 
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex};
 
-use ferry_core::{AccessGuard, OwnedPermit};
-use rdma_mummy_sys::{ibv_dereg_mr, ibv_mr, ibv_reg_mr_iova2};
+use std::os::fd::AsRawFd;
+
+use ferry_core::{AccessGuard, DmaBuf, OwnedPermit};
+use rdma_mummy_sys::{ibv_dereg_mr, ibv_mr, ibv_reg_dmabuf_mr, ibv_reg_mr_iova2};
 use sideway::ibverbs::AccessFlags;
 use sideway::ibverbs::memory_region::MemoryRegion;
 use sideway::ibverbs::protection_domain::ProtectionDomain;
@@ -43,6 +49,9 @@ pub struct Registered {
     /// For device memory registered at the address the NIC names it by (`DmaView::Device`), that
     /// address: work requests then reach the device, never the block's host copy.
     device: Option<u64>,
+    /// For device memory registered through a dma-buf, the dma-buf: each peer's domain registers it
+    /// again (`crate::scope`).
+    dma_buf: Option<DmaBuf>,
     /// What the region's advert carries for RDMA (on an engine that authenticates its links, the
     /// template of each peer's own key: see `crate::scope`).
     advertised: RemoteKey,
@@ -91,6 +100,42 @@ impl IovaRegion {
         // SAFETY: `pd` is a live protection domain (the Arc keeps it allocated); the caller keeps the
         // memory mapped for the registration's life. The access flags are the verbs' own bits.
         let mr = unsafe { ibv_reg_mr_iova2(pd.pd().as_ptr(), addr.cast(), len, iova, access.bits() as u32) };
+        let mr = NonNull::new(mr).ok_or_else(std::io::Error::last_os_error)?;
+        // SAFETY: a registration the library just returned.
+        let (lkey, rkey) = unsafe { (mr.as_ref().lkey, mr.as_ref().rkey) };
+        Ok(IovaRegion {
+            mr,
+            lkey,
+            rkey,
+            _pd: pd.clone(),
+        })
+    }
+
+    /// Registers `len` bytes of the dma-buf `buf`, from its block's first byte, in `pd`, reached by
+    /// work requests and peers at `[iova, iova + len)`.
+    ///
+    /// # Safety
+    ///
+    /// The dma-buf's exporter must keep the memory allocated until the returned value is dropped.
+    pub(crate) unsafe fn register_dma_buf(
+        pd: &Arc<ProtectionDomain>,
+        buf: &DmaBuf,
+        len: usize,
+        iova: u64,
+        access: AccessFlags,
+    ) -> std::io::Result<Self> {
+        // SAFETY: `pd` is a live protection domain; the descriptor is open (`buf` owns it) and the
+        // kernel takes its own reference to the dma-buf; the caller keeps the memory allocated.
+        let mr = unsafe {
+            ibv_reg_dmabuf_mr(
+                pd.pd().as_ptr(),
+                buf.offset,
+                len,
+                iova,
+                buf.fd.as_raw_fd(),
+                access.bits(),
+            )
+        };
         let mr = NonNull::new(mr).ok_or_else(std::io::Error::last_os_error)?;
         // SAFETY: a registration the library just returned.
         let (lkey, rkey) = unsafe { (mr.as_ref().lkey, mr.as_ref().rkey) };
@@ -187,6 +232,7 @@ impl Registered {
             guard,
             bounce: None,
             device: None,
+            dma_buf: None,
         }
     }
 
@@ -199,6 +245,22 @@ impl Registered {
             device: Some(nic_address),
             ..Registered::with_keys(Mr::Iova(mr), lkey, rkey, guard)
         }
+    }
+
+    /// The registration of a region whose bytes lie in device memory, registered through its
+    /// dma-buf `buf` and reached at `address` (the region's own).
+    pub(crate) fn dma_buf(mr: IovaRegion, buf: DmaBuf, address: u64, guard: Arc<AccessGuard>) -> Self {
+        let (lkey, rkey) = (mr.lkey, mr.rkey);
+        Registered {
+            device: Some(address),
+            dma_buf: Some(buf),
+            ..Registered::with_keys(Mr::Iova(mr), lkey, rkey, guard)
+        }
+    }
+
+    /// The dma-buf the region's device memory was registered through, if it was.
+    pub(crate) fn registered_dma_buf(&self) -> Option<&DmaBuf> {
+        self.dma_buf.as_ref()
     }
 
     /// The registration, with what its advert carries for RDMA.

@@ -16,7 +16,8 @@ pub(crate) fn of(region: &RegionAd, remote_rails: &[usize]) -> Route {
         return Route::declined(
             region,
             "rdma: the peer did not register this region with its NIC (the registration failed, or the region is \
-             named by a device address apart from the host copy a NIC would register)",
+             GPU memory its NIC cannot reach: no dma-buf the NIC accepts and no peer-memory module; the peer's log \
+             says which)",
         );
     };
     // One key per rail of the peer (a plain key: the peer has one rail).

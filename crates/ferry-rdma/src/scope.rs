@@ -97,15 +97,19 @@ impl PeerScope for PeerDomain {
         }
         let own = reg.advertised();
         // A bounced region is reached at its bounce buffer, and device memory at the address the NIC
-        // names it by: that is what the peer is given at its base.
+        // names it by (or through its dma-buf): that is what the peer is given at its base.
         let addr = reg.nic_first().unwrap_or_else(|| region.ptr_at(0));
         let flags = remote_flags(access);
         let flush = own.flushable && access.contains(Access::WRITE);
-        // SAFETY: the region's memory (or its bounce buffer, owned by the shared registration) stays
-        // mapped until the region is deregistered, and deregistration forgets this registration first
-        // (`RdmaTransport::deregister_region` calls `forget` on every peer domain before it returns).
+        // SAFETY: the region's memory (or its bounce buffer, owned by the shared registration, or the
+        // device memory its dma-buf exports) stays mapped until the region is deregistered, and
+        // deregistration forgets this registration first (`RdmaTransport::deregister_region` calls
+        // `forget` on every peer domain before it returns).
         let registered = crate::register_for_flush(region, flags, flush, |flags| unsafe {
-            IovaRegion::register(&self.pd, addr, region.len() as usize, base, flags)
+            match reg.registered_dma_buf() {
+                Some(buf) => IovaRegion::register_dma_buf(&self.pd, buf, region.len() as usize, base, flags),
+                None => IovaRegion::register(&self.pd, addr, region.len() as usize, base, flags),
+            }
         });
         let (registered, flushable) = registered.map_err(|e| {
             Error::ResourceExhausted(format!(

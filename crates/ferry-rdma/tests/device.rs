@@ -297,6 +297,75 @@ async fn memory_named_by_its_device_address_is_declined_by_the_nic() {
     );
 }
 
+/// GPU memory named by its device address that exports a dma-buf (here udmabuf over a memory file,
+/// as CUDA memory exports one): a NIC that takes dma-bufs registers it, and RDMA reaches the device
+/// with no host copy and no hook, local and remote; a NIC that refuses (Soft-RoCE has no dma-buf
+/// registration) leaves it to TCP through the hooks, and the route says the NIC did not register
+/// it. Either way every byte lands on the device, and the test says which way it went.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gpu_memory_is_reached_through_its_dma_buf_or_over_tcp_saying_why() {
+    let Some((target, initiator, peer)) = pair().await else {
+        return;
+    };
+    let stale = pattern(LEN, 21);
+    let remote_block = EmulatedDevice::behind_dma_buf(&stale, &stale);
+    let region = target.register_block(remote_block.clone(), Access::READ_WRITE).unwrap();
+    assert_eq!(region.addr(), remote_block.device_address());
+    wait_for(&peer, &region).await;
+    let local_block = EmulatedDevice::behind_dma_buf(&stale, &pattern(LEN, 22));
+    let local = initiator
+        .register_block(local_block.clone(), Access::READ_WRITE)
+        .unwrap();
+    let (_, route) = peer
+        .routes()
+        .into_iter()
+        .find(|(ad, _)| ad.key == region.key())
+        .expect("the region's route");
+
+    initiator
+        .transfer(&peer, Op::Write, &descs(local.addr(), region.addr()), T)
+        .await
+        .unwrap();
+    assert_bytes(
+        &remote_block.device_bytes(),
+        &pattern(LEN, 22),
+        "the remote device after a write",
+    );
+    remote_block.set_device(&pattern(LEN, 23));
+    initiator
+        .transfer(&peer, Op::Read, &descs(local.addr(), region.addr()), T)
+        .await
+        .unwrap();
+    assert_bytes(
+        &local_block.device_bytes(),
+        &pattern(LEN, 23),
+        "the local device after a read",
+    );
+
+    match route.transport {
+        TransportKind::Rdma => {
+            let ad = peer.regions().iter().find(|r| r.key == region.key()).cloned().unwrap();
+            assert!(!rdma_key(&ad).hooked, "the key asks for hooks around the NIC's access");
+            assert_eq!(
+                remote_block.hook_calls() + local_block.hook_calls(),
+                0,
+                "a hook ran around the NIC"
+            );
+            assert_bytes(&remote_block.host_bytes(), &stale, "the remote host copy");
+            eprintln!("the NIC registered the dma-bufs: RDMA reached both devices directly");
+        }
+        other => {
+            let why = route.passed_over.as_deref().unwrap_or_default();
+            assert!(why.contains("did not register this region"), "{other}: {route:?}");
+            assert!(
+                remote_block.hook_calls() > 0,
+                "over {other}, the target's hooks moved the bytes"
+            );
+            eprintln!("the NIC did not register the dma-bufs: {other} through the hooks ({why})");
+        }
+    }
+}
+
 /// TCP is driven by the CPU, which reaches only the host copy: a write is committed to the device
 /// and a read is prepared from it, at both ends.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -395,10 +395,11 @@ pub fn capabilities() -> Capabilities {
     }
 }
 
-/// What every transport does with CUDA memory today: the staged path, whatever the device offers.
+/// How each transport reaches CUDA memory, best first.
 #[cfg(feature = "cuda")]
-const CUDA_PATHS: &str =
-    "staged through pinned host memory (asynchronous copies on a stream of the block's own) on every transport";
+const CUDA_PATHS: &str = "rdma: the NIC registers the device memory by its dma-buf, else through a peer-memory \
+     module (nvidia_peermem), else not at all (over TCP); shm: whole allocations opened by the peer by CUDA IPC; \
+     otherwise staged through pinned host memory (asynchronous copies on a stream of the block's own)";
 
 #[cfg(feature = "cuda")]
 fn cuda_report() -> CudaReport {

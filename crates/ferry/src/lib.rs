@@ -54,8 +54,8 @@ pub use directory::{Directory, EngineRecord, MemberEvent};
 pub use engine::{Engine, PreparedTransfer};
 pub use ferry_core::integrity;
 pub use ferry_core::{
-    Access, BufferPool, DataProtection, DeviceAddress, DmaView, Durability, Error, ErrorCode, Grants, MemoryBlock,
-    MemoryRegistry, Notification, Op, PciAddress, PeerIdentity, PersistMethod, PersistStats, RailStats,
+    Access, BufferPool, DataProtection, DeviceAddress, DmaBuf, DmaView, Durability, Error, ErrorCode, Grants,
+    MemoryBlock, MemoryRegistry, Notification, Op, PciAddress, PeerIdentity, PersistMethod, PersistStats, RailStats,
     ReceivedNotification, RegionAd, RegionKey, RemoteRegions, Result, Route, TransferDesc, TransportKind,
 };
 /// CUDA device memory: [`cuda::CudaRegistry`] for `alloc_from`, [`cuda::CudaBlock::borrow`] for a

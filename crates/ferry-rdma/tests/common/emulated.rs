@@ -3,16 +3,19 @@
 //! GPU copies a real block makes).
 
 use std::alloc::Layout;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use ferry::{DmaView, Durability, MemoryBlock};
 
-/// A page-aligned allocation holding a copy of some bytes, `skew` bytes into it; freed on drop.
+/// A page-aligned allocation holding a copy of some bytes, `skew` bytes into it; freed on drop. Or,
+/// with `memfd`, a shared mapping of that memory file, which a dma-buf can be made of (udmabuf).
 struct Buffer {
     first: *mut u8,
     layout: Layout,
     skew: usize,
+    memfd: Option<OwnedFd>,
 }
 
 impl Buffer {
@@ -25,14 +28,107 @@ impl Buffer {
         let first = unsafe { base.add(skew) };
         // SAFETY: as above; the new allocation does not overlap `bytes`.
         unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), first, bytes.len()) };
-        Buffer { first, layout, skew }
+        Buffer {
+            first,
+            layout,
+            skew,
+            memfd: None,
+        }
+    }
+
+    /// A memory file of `bytes.len()` bytes rounded up to a page, sealed against shrinking (as
+    /// udmabuf asks), mapped shared, holding a copy of `bytes`.
+    fn memfd(bytes: &[u8]) -> Self {
+        let size = bytes.len().div_ceil(PAGE) * PAGE;
+        // SAFETY: a fresh memory file; the name is a C string.
+        let fd = unsafe { libc::memfd_create(c"ferry-emulated-device".as_ptr(), libc::MFD_ALLOW_SEALING) };
+        assert!(fd >= 0, "memfd_create: {}", std::io::Error::last_os_error());
+        // SAFETY: `fd` was just returned to this process and is owned by nothing else.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        // SAFETY: resizing and sealing a memory file this process owns.
+        unsafe {
+            assert_eq!(libc::ftruncate(fd.as_raw_fd(), size as libc::off_t), 0, "ftruncate");
+            assert_eq!(
+                libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK),
+                0,
+                "F_SEAL_SHRINK"
+            );
+        }
+        // SAFETY: a fresh shared mapping of the whole file, which cannot shrink.
+        let first = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                size,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        assert_ne!(first, libc::MAP_FAILED, "mmap: {}", std::io::Error::last_os_error());
+        let first = first.cast::<u8>();
+        // SAFETY: the mapping holds `size >= bytes.len()` writable bytes.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), first, bytes.len()) };
+        Buffer {
+            first,
+            layout: Layout::from_size_align(size, PAGE).unwrap(),
+            skew: 0,
+            memfd: Some(fd),
+        }
+    }
+
+    /// A dma-buf of the whole memory file (`/dev/udmabuf`), as a GPU driver exports device memory.
+    fn dma_buf(&self) -> ferry::Result<ferry::DmaBuf> {
+        let Some(memfd) = &self.memfd else {
+            return Err(ferry::Error::Unsupported("heap memory makes no dma-buf".into()));
+        };
+        let udmabuf = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open("/dev/udmabuf")
+            .map_err(|e| ferry::Error::Unsupported(format!("opening /dev/udmabuf: {e}")))?;
+        #[repr(C)]
+        struct UdmabufCreate {
+            memfd: u32,
+            flags: u32,
+            offset: u64,
+            size: u64,
+        }
+        const UDMABUF_FLAGS_CLOEXEC: u32 = 1;
+        // _IOW('u', 0x42, struct udmabuf_create)
+        const UDMABUF_CREATE: libc::c_ulong = (1 << 30) | (24 << 16) | ((b'u' as libc::c_ulong) << 8) | 0x42;
+        let create = UdmabufCreate {
+            memfd: memfd.as_raw_fd() as u32,
+            flags: UDMABUF_FLAGS_CLOEXEC,
+            offset: 0,
+            size: self.layout.size() as u64,
+        };
+        // SAFETY: the argument is the kernel's `struct udmabuf_create`, alive for the call.
+        let fd = unsafe { libc::ioctl(udmabuf.as_raw_fd(), UDMABUF_CREATE, &create) };
+        if fd < 0 {
+            return Err(ferry::Error::Unsupported(format!(
+                "UDMABUF_CREATE: {}",
+                std::io::Error::last_os_error()
+            )));
+        }
+        Ok(ferry::DmaBuf {
+            // SAFETY: the kernel handed this process a new descriptor, owned by nothing else.
+            fd: unsafe { OwnedFd::from_raw_fd(fd) },
+            offset: 0,
+        })
     }
 }
 
 impl Drop for Buffer {
     fn drop(&mut self) {
-        // SAFETY: allocated in `new` with this layout, `skew` bytes before `first`.
-        unsafe { std::alloc::dealloc(self.first.sub(self.skew), self.layout) };
+        match self.memfd {
+            // SAFETY: the mapping made in `memfd`, of `layout.size()` bytes, unmapped once.
+            Some(_) => unsafe {
+                libc::munmap(self.first.cast(), self.layout.size());
+            },
+            // SAFETY: allocated in `new` with this layout, `skew` bytes before `first`.
+            None => unsafe { std::alloc::dealloc(self.first.sub(self.skew), self.layout) },
+        }
     }
 }
 
@@ -89,6 +185,23 @@ impl EmulatedDevice {
         let mut block = Arc::into_inner(EmulatedDevice::new(host, device)).expect("just made");
         block.named_by_device = true;
         Arc::new(block)
+    }
+
+    /// Staged memory named by its device address (as [`named_by_device`](Self::named_by_device)),
+    /// whose device memory is a memory file that the block exports as a dma-buf (udmabuf), as a GPU
+    /// driver exports CUDA memory: a NIC that takes dma-bufs reaches it directly.
+    pub fn behind_dma_buf(host: &[u8], device: &[u8]) -> Arc<Self> {
+        assert_eq!(host.len(), device.len());
+        let device = Buffer::memfd(device);
+        Arc::new(EmulatedDevice {
+            nic_address: device.first as u64,
+            len: host.len(),
+            host: Buffer::new(host, 0),
+            device,
+            hook_calls: AtomicUsize::new(0),
+            batches: AtomicUsize::new(0),
+            named_by_device: true,
+        })
     }
 
     /// The device buffer's address.
@@ -150,6 +263,9 @@ unsafe impl MemoryBlock for EmulatedDevice {
             true => self.device.first as u64,
             false => self.host.first as u64,
         }
+    }
+    fn dma_buf(&self) -> Option<ferry::Result<ferry::DmaBuf>> {
+        self.device.memfd.as_ref().map(|_| self.device.dma_buf())
     }
     fn dma_view(&self) -> DmaView {
         match self.named_by_device {
