@@ -14,9 +14,10 @@
 //! [`DmaView::Staged`](ferry_core::DmaView::Staged)): a write is on the GPU before it is
 //! acknowledged, a read sends what the GPU holds. Between two processes of one host, the shared-memory
 //! transport lends a whole allocation by CUDA IPC instead ([`ipc`]): the peer copies device to device.
-//! What a device offers beyond that (GPUDirect RDMA, dma-buf export) is reported by [`probe()`]; the
-//! paths that use them are not built yet, and nothing pretends they are: a region's `kind()` says
-//! "staged".
+//! A NIC registers the device memory itself where it can: by the dma-buf the block exports
+//! ([`dmabuf`]), or, with a peer-memory module loaded, at its device address. What each device
+//! offers is reported by [`probe()`]; a region's `kind()` names the staged path, which the CPU
+//! transports always take.
 #![deny(missing_docs)]
 
 pub mod array;

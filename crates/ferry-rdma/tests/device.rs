@@ -309,6 +309,10 @@ async fn gpu_memory_is_reached_through_its_dma_buf_or_over_tcp_saying_why() {
     };
     let stale = pattern(LEN, 21);
     let remote_block = EmulatedDevice::behind_dma_buf(&stale, &stale);
+    // The dma-buf itself must exist, so that what follows is the NIC's answer to it.
+    if let Some(Err(e)) = ferry::MemoryBlock::dma_buf(&*remote_block) {
+        panic!("no dma-buf of the emulated device (the kernel needs CONFIG_UDMABUF): {e}");
+    }
     let region = target.register_block(remote_block.clone(), Access::READ_WRITE).unwrap();
     assert_eq!(region.addr(), remote_block.device_address());
     wait_for(&peer, &region).await;
