@@ -264,6 +264,17 @@ unsafe impl MemoryBlock for VulkanBlock {
         dma_view(self.staging.is_some(), self.rdma_address, self.device.is_coherent())
     }
 
+    /// A dma-buf of the device memory behind a staging buffer (path 3), where the device exports one (`VK_EXT_external_memory_dma_buf`): a NIC
+    /// that registers it reaches the device with no staging copy. `None` for memory the NIC reaches
+    /// through a mapping, and where the device exports no dma-buf.
+    fn dma_buf(&self) -> Option<Result<ferry_core::DmaBuf>> {
+        (self.staging.is_some() && self.device.exports_dma_buf()).then(|| {
+            self.device
+                .export_dma_buf()
+                .map(|fd| ferry_core::DmaBuf { fd, offset: 0 })
+        })
+    }
+
     /// The GPU's PCI address when a NIC's DMA through this block's pointer reaches the GPU's own
     /// memory: a mapping (not a staging buffer) of device-local memory of a GPU with memory of its own,
     /// where the driver reports the address. Host-side memory (a staging buffer, host-visible system

@@ -371,6 +371,42 @@ impl DeviceBuffer {
         Ok(unsafe { OwnedFd::from_raw_fd(raw) })
     }
 
+    /// A dma-buf of this buffer's memory (`VK_EXT_external_memory_dma_buf`), for a NIC to register.
+    pub(crate) fn export_dma_buf(&self) -> Result<OwnedFd> {
+        let ht = vk::ExternalMemoryHandleTypeFlags::DMA_BUF_EXT;
+        let fns = self
+            .ctx
+            .ext
+            .memory_fd
+            .as_ref()
+            .filter(|_| self.ctx.dma_buf_enabled())
+            .ok_or_else(|| {
+                missing_extension(self.ctx.name(), "VK_EXT_external_memory_dma_buf", "exporting a dma-buf")
+            })?;
+        if !self.export.contains(ht) {
+            return Err(Error::Unsupported(
+                "this memory was not allocated exportable as a dma-buf".into(),
+            ));
+        }
+        let info = vk::MemoryGetFdInfoKHR::default().memory(self.memory).handle_type(ht);
+        // SAFETY: the extensions are enabled and `vkGetMemoryFdKHR` resolved (checked above); the
+        // memory was allocated with DMA_BUF among its export handle types.
+        let raw = unsafe { fns.get_memory_fd(&info) }.map_err(|e| vk_error("vkGetMemoryFdKHR (dma-buf)", e))?;
+        if raw < 0 {
+            return Err(Error::Io {
+                kind: std::io::ErrorKind::Other,
+                message: format!("vkGetMemoryFdKHR returned fd {raw}"),
+            });
+        }
+        // SAFETY: vkGetMemoryFdKHR returns a new descriptor that the caller owns.
+        Ok(unsafe { OwnedFd::from_raw_fd(raw) })
+    }
+
+    /// Whether this buffer's memory may be exported as a dma-buf.
+    pub(crate) fn exports_dma_buf(&self) -> bool {
+        self.export.contains(vk::ExternalMemoryHandleTypeFlags::DMA_BUF_EXT)
+    }
+
     /// The remote address of RDMA-capable memory (`vkGetMemoryRemoteAddressNV`).
     pub(crate) fn remote_address(&self) -> Result<u64> {
         let ht = vk::ExternalMemoryHandleTypeFlags::RDMA_ADDRESS_NV;

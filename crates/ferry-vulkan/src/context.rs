@@ -41,7 +41,8 @@ pub struct AllocationStats {
 /// the `Arc`, so the device outlives every object made from it. The device is created with the
 /// extensions the allocation paths need, where the device offers them: `VK_KHR_external_memory_fd`
 /// (export), `VK_EXT_external_memory_host` (import), `VK_NV_external_memory_rdma` with its feature
-/// (path 1) and `VK_EXT_memory_budget` (the heap budget check before an RDMA-capable allocation).
+/// (path 1), `VK_EXT_memory_budget` (the heap budget check before an RDMA-capable allocation) and
+/// `VK_EXT_external_memory_dma_buf` (device-local memory a NIC registers by its dma-buf).
 pub struct VulkanContext {
     facts: DeviceFacts,
     enabled: Extensions,
@@ -340,6 +341,12 @@ impl VulkanContext {
         bump(&self.live_memories, delta);
     }
 
+    /// Whether memory of this device may be exported as a dma-buf (`VK_EXT_external_memory_dma_buf`
+    /// enabled, with `vkGetMemoryFdKHR` resolved).
+    pub(crate) fn dma_buf_enabled(&self) -> bool {
+        self.enabled.memory_dma_buf && self.ext.memory_fd.is_some()
+    }
+
     /// External-memory features of buffers of [`BUFFER_USAGE`] for `handle_type`.
     pub(crate) fn external_features(
         &self,
@@ -411,6 +418,7 @@ fn buffer_types(
     };
     let fd = vk::ExternalMemoryHandleTypeFlags::OPAQUE_FD;
     let address = vk::ExternalMemoryHandleTypeFlags::RDMA_ADDRESS_NV;
+    let dma_buf = vk::ExternalMemoryHandleTypeFlags::DMA_BUF_EXT;
     BufferTypes {
         plain: probe(vk::ExternalMemoryHandleTypeFlags::empty()),
         opaque_fd: if enabled.memory_fd && exportable(fd) {
@@ -419,6 +427,11 @@ fn buffer_types(
             0
         },
         rdma: if rdma && exportable(address) { probe(address) } else { 0 },
+        dma_buf: if enabled.memory_dma_buf && exportable(dma_buf) {
+            probe(dma_buf)
+        } else {
+            0
+        },
     }
 }
 

@@ -159,6 +159,8 @@ pub(crate) struct BufferTypes {
     pub opaque_fd: u32,
     /// Exportable as an RDMA address (0 without `VK_NV_external_memory_rdma`).
     pub rdma: u32,
+    /// Exportable as a dma-buf (0 without `VK_EXT_external_memory_dma_buf`).
+    pub dma_buf: u32,
 }
 
 impl BufferTypes {
@@ -167,27 +169,35 @@ impl BufferTypes {
         plain: u32::MAX,
         opaque_fd: u32::MAX,
         rdma: u32::MAX,
+        dma_buf: u32::MAX,
     };
 
     /// The handle types a buffer for `wish` is created with, given the ones asked for: `wanted` where
     /// a buffer exportable that way may still get a type for `wish`, else none (the allocation is
-    /// served, not exportable), or `None` when neither buffer could. Only an opaque fd is dropped:
-    /// an RDMA address is what path 1 exists for.
+    /// served, not exportable), or `None` when neither buffer could. A dma-buf is dropped first,
+    /// then an opaque fd: an RDMA address is what path 1 exists for.
     pub fn export_for(
         &self,
         layout: &MemoryLayout,
         wish: &TypeWish,
         wanted: vk::ExternalMemoryHandleTypeFlags,
     ) -> Option<vk::ExternalMemoryHandleTypeFlags> {
-        let fd = vk::ExternalMemoryHandleTypeFlags::OPAQUE_FD;
+        let droppable = [
+            vk::ExternalMemoryHandleTypeFlags::DMA_BUF_EXT,
+            vk::ExternalMemoryHandleTypeFlags::OPAQUE_FD,
+        ];
         let fits = |handles| layout.pick(self.allowed(handles), wish).is_some();
-        if fits(wanted) {
-            Some(wanted)
-        } else if wanted.contains(fd) && fits(wanted & !fd) {
-            Some(wanted & !fd)
-        } else {
-            None
+        let mut handles = wanted;
+        if fits(handles) {
+            return Some(handles);
         }
+        for drop in droppable.into_iter().filter(|d| wanted.contains(*d)) {
+            handles &= !drop;
+            if fits(handles) {
+                return Some(handles);
+            }
+        }
+        None
     }
 
     /// The types a buffer created with `handles` may use.
@@ -201,6 +211,9 @@ impl BufferTypes {
         }
         if handles.contains(vk::ExternalMemoryHandleTypeFlags::RDMA_ADDRESS_NV) {
             bits &= self.rdma;
+        }
+        if handles.contains(vk::ExternalMemoryHandleTypeFlags::DMA_BUF_EXT) {
+            bits &= self.dma_buf;
         }
         bits
     }
@@ -454,8 +467,33 @@ mod tests {
             plain: 0b1_1111,
             opaque_fd: 0b1111,
             rdma: 0,
+            dma_buf: 0b1111,
         };
         (layout, types)
+    }
+
+    #[test]
+    fn a_dma_buf_is_dropped_before_an_opaque_fd_and_kept_where_it_fits() {
+        let fd = vk::ExternalMemoryHandleTypeFlags::OPAQUE_FD;
+        let dma_buf = vk::ExternalMemoryHandleTypeFlags::DMA_BUF_EXT;
+        let (l, types) = h200();
+        // VRAM behind staging: exportable both ways.
+        assert_eq!(
+            types.export_for(&l, &DEVICE_ONLY_WISH, fd | dma_buf),
+            Some(fd | dma_buf)
+        );
+        // A device whose dma-buf exports may use only system memory: VRAM keeps its opaque fd.
+        let narrow = BufferTypes {
+            dma_buf: 0b1100,
+            ..types
+        };
+        assert_eq!(narrow.export_for(&l, &DEVICE_ONLY_WISH, fd | dma_buf), Some(fd));
+        // Without the extension (no types): no dma-buf, whatever was asked.
+        let none = BufferTypes { dma_buf: 0, ..types };
+        assert_eq!(
+            none.export_for(&l, &DEVICE_ONLY_WISH, dma_buf),
+            Some(vk::ExternalMemoryHandleTypeFlags::empty())
+        );
     }
 
     #[test]

@@ -28,6 +28,9 @@ pub(crate) struct Extensions {
     pub memory_rdma: bool,
     /// `VK_EXT_memory_budget`: per-heap budget and usage.
     pub memory_budget: bool,
+    /// `VK_EXT_external_memory_dma_buf`: export memory as a dma-buf (through `vkGetMemoryFdKHR`,
+    /// so only with `memory_fd`), which a NIC registers directly.
+    pub memory_dma_buf: bool,
 }
 
 impl Extensions {
@@ -45,6 +48,9 @@ impl Extensions {
         }
         if self.memory_budget {
             v.push(ash::ext::memory_budget::NAME);
+        }
+        if self.memory_dma_buf {
+            v.push(ash::ext::external_memory_dma_buf::NAME);
         }
         v
     }
@@ -146,6 +152,7 @@ impl DeviceFacts {
             nv_rdma: self.extensions.memory_rdma && self.rdma_feature,
             external_memory_fd: self.extensions.memory_fd,
             external_memory_host: self.extensions.memory_host,
+            external_memory_dma_buf: self.extensions.memory_dma_buf,
             pci_address: self.pci_address.map(|a| a.to_string()),
             unusable: self.unusable.clone(),
         }
@@ -181,6 +188,9 @@ pub struct VulkanDeviceInfo {
     pub external_memory_fd: bool,
     /// Whether host memory can be imported (`VK_EXT_external_memory_host`).
     pub external_memory_host: bool,
+    /// Whether memory can be exported as a dma-buf (`VK_EXT_external_memory_dma_buf`), which an
+    /// RDMA NIC registers directly (GPUDirect RDMA without `VK_NV_external_memory_rdma`).
+    pub external_memory_dma_buf: bool,
     /// Its PCI address ("0000:3b:00.0"), where the driver reports one (`VK_EXT_pci_bus_info`): RDMA
     /// rails are ranked by their PCIe path to it.
     pub pci_address: Option<String>,
@@ -304,6 +314,7 @@ fn gather(loaded: &Loaded, index: usize, handle: vk::PhysicalDevice) -> Result<D
         memory_host: has(ash::ext::external_memory_host::NAME),
         memory_rdma: has(ash::nv::external_memory_rdma::NAME),
         memory_budget: has(ash::ext::memory_budget::NAME),
+        memory_dma_buf: has(ash::ext::external_memory_dma_buf::NAME) && has(ash::khr::external_memory_fd::NAME),
     };
     let driver_properties = api_version >= vk::API_VERSION_1_2 || has(ash::khr::driver_properties::NAME);
     let pci_bus_info = has(ash::ext::pci_bus_info::NAME);

@@ -138,7 +138,7 @@ impl VulkanRegistry {
                     &BufferSpec {
                         size,
                         wish: DEVICE_ONLY_WISH,
-                        export: self.export_for(&DEVICE_ONLY_WISH, self.opaque_fd()),
+                        export: self.export_for(&DEVICE_ONLY_WISH, self.opaque_fd() | self.dma_buf()),
                         map: MapMode::Never,
                         role: "device-local region",
                     },
@@ -248,6 +248,27 @@ impl VulkanRegistry {
             }
             Some(handles) => handles,
             None => wanted,
+        }
+    }
+
+    /// DMA_BUF where export is on, `VK_EXT_external_memory_dma_buf` enabled, and the device can export
+    /// such buffers, also with an opaque fd where it exports those: device-local memory behind staging
+    /// that a NIC then registers directly (GPUDirect RDMA where `VK_NV_external_memory_rdma` is not
+    /// offered).
+    fn dma_buf(&self) -> vk::ExternalMemoryHandleTypeFlags {
+        let dma_buf = vk::ExternalMemoryHandleTypeFlags::DMA_BUF_EXT;
+        let props = self.ctx.external_features(dma_buf);
+        let fd = self.opaque_fd();
+        let usable = self.exportable
+            && self.ctx.dma_buf_enabled()
+            && props
+                .external_memory_features
+                .contains(vk::ExternalMemoryFeatureFlags::EXPORTABLE)
+            && (fd.is_empty() || props.compatible_handle_types.contains(fd));
+        if usable {
+            dma_buf
+        } else {
+            vk::ExternalMemoryHandleTypeFlags::empty()
         }
     }
 

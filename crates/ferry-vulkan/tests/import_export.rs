@@ -144,3 +144,48 @@ fn export_needs_exportable_memory() {
     assert!(matches!(block.export(), Err(Error::Unsupported(_))));
     assert_eq!(block.len(), 1 << 16);
 }
+
+/// Device-local memory behind staging offers a NIC its dma-buf exactly where the device exports one
+/// (`VK_EXT_external_memory_dma_buf`; lavapipe does not): then it is a file of at least the region's
+/// size, which the RDMA transport registers in place of the staging buffer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn staged_memory_offers_a_dma_buf_exactly_where_the_device_exports_one() {
+    let Some(ctx) = context("dma-buf of staged memory") else {
+        return;
+    };
+    if !ctx.paths().staged {
+        eprintln!("skipped: {} offers no staged path", ctx.name());
+        return;
+    }
+    let exports = ctx.info().external_memory_dma_buf;
+    let block = VulkanRegistry::new(ctx.clone())
+        .with_path(Some(AllocationPath::Staged))
+        .allocate_block(LEN)
+        .unwrap();
+    match (exports, block.dma_buf()) {
+        (false, None) => eprintln!(
+            "{} exports no dma-buf: the NIC registers the staging buffer",
+            ctx.name()
+        ),
+        (true, Some(Ok(buf))) => {
+            let size = std::fs::File::from(buf.fd.try_clone().unwrap())
+                .metadata()
+                .unwrap()
+                .len();
+            assert_eq!(buf.offset, 0);
+            assert!(size as usize >= LEN, "a dma-buf of {size} bytes");
+        }
+        (exports, offered) => panic!(
+            "{} lists VK_EXT_external_memory_dma_buf: {exports}, and its staged block offers {offered:?}",
+            ctx.name()
+        ),
+    }
+    // Memory the CPU maps needs none: the NIC registers the mapping itself.
+    let mapped = VulkanRegistry::new(ctx.clone())
+        .with_path(Some(host_reachable_path(&ctx)))
+        .allocate_block(LEN)
+        .unwrap();
+    if mapped.dma_view() == ferry::DmaView::Host {
+        assert!(mapped.dma_buf().is_none());
+    }
+}
