@@ -100,8 +100,18 @@ impl IovaRegion {
         // SAFETY: `pd` is a live protection domain (the Arc keeps it allocated); the caller keeps the
         // memory mapped for the registration's life. The access flags are the verbs' own bits.
         let mr = unsafe { ibv_reg_mr_iova2(pd.pd().as_ptr(), addr.cast(), len, iova, access.bits() as u32) };
+        // SAFETY: what the library just returned for `pd`.
+        unsafe { Self::returned(pd, mr) }
+    }
+
+    /// What a registration call returned for `pd`: the registration, or the error it left in `errno`.
+    ///
+    /// # Safety
+    ///
+    /// `mr` must be null or a registration the verbs library just made in `pd`, owned by nothing else.
+    unsafe fn returned(pd: &Arc<ProtectionDomain>, mr: *mut ibv_mr) -> std::io::Result<Self> {
         let mr = NonNull::new(mr).ok_or_else(std::io::Error::last_os_error)?;
-        // SAFETY: a registration the library just returned.
+        // SAFETY: a live registration (the caller's promise).
         let (lkey, rkey) = unsafe { (mr.as_ref().lkey, mr.as_ref().rkey) };
         Ok(IovaRegion {
             mr,
@@ -136,15 +146,8 @@ impl IovaRegion {
                 access.bits(),
             )
         };
-        let mr = NonNull::new(mr).ok_or_else(std::io::Error::last_os_error)?;
-        // SAFETY: a registration the library just returned.
-        let (lkey, rkey) = unsafe { (mr.as_ref().lkey, mr.as_ref().rkey) };
-        Ok(IovaRegion {
-            mr,
-            lkey,
-            rkey,
-            _pd: pd.clone(),
-        })
+        // SAFETY: what the library just returned for `pd`.
+        unsafe { Self::returned(pd, mr) }
     }
 
     /// The key peers name.

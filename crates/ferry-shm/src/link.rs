@@ -896,60 +896,62 @@ async fn copy_device(_: Op, items: Vec<(TransferItem, usize)>, _: &[Arc<Mapping>
     Ok(items.into_iter().map(|(item, _)| item).collect())
 }
 
-/// `copies` in order, cut into batches of at most `most` bytes (a copy larger than what is left of
-/// a batch is split across batches).
+/// `copies` in order, cut into batches of at most `most` bytes (see [`cut`]).
 #[cfg(feature = "cuda")]
 fn device_batches(copies: &[ferry_cuda::ipc::WindowCopy], most: u64) -> Vec<Vec<ferry_cuda::ipc::WindowCopy>> {
+    cut(
+        copies,
+        most as usize,
+        |c| c.len as usize,
+        |c, done, n| {
+            let (done, n) = (done as u64, n as u64);
+            ferry_cuda::ipc::WindowCopy {
+                local: c.local + done,
+                offset: c.offset + done,
+                len: n,
+                into_window: c.into_window,
+            }
+        },
+    )
+}
+
+/// `pieces` in order, cut into chunks of at most `most` bytes (a piece larger than what is left of a
+/// chunk is split across chunks).
+fn chunked(pieces: &[Piece], most: usize) -> Vec<Vec<Piece>> {
+    cut(
+        pieces,
+        most,
+        |p| p.len,
+        |p, done, n| Piece {
+            src: p.src.wrapping_add(done),
+            dst: p.dst.wrapping_add(done),
+            len: n,
+        },
+    )
+}
+
+/// `items` in order, cut into batches of at most `most` bytes (`len` of each): an item larger than
+/// what is left of a batch is split across batches, `part(item, skip, take)` being its bytes
+/// `[skip, skip + take)`.
+fn cut<T>(items: &[T], most: usize, len: impl Fn(&T) -> usize, part: impl Fn(&T, usize, usize) -> T) -> Vec<Vec<T>> {
     let mut batches = vec![Vec::new()];
     let mut room = most;
-    for c in copies {
+    for item in items {
         let mut done = 0;
-        while done < c.len {
+        while done < len(item) {
             if room == 0 {
                 batches.push(Vec::new());
                 room = most;
             }
-            let n = (c.len - done).min(room);
+            let n = (len(item) - done).min(room);
             if let Some(batch) = batches.last_mut() {
-                batch.push(ferry_cuda::ipc::WindowCopy {
-                    local: c.local + done,
-                    offset: c.offset + done,
-                    len: n,
-                    into_window: c.into_window,
-                });
+                batch.push(part(item, done, n));
             }
             done += n;
             room -= n;
         }
     }
     batches
-}
-
-/// `pieces` in order, cut into chunks of at most `most` bytes (a piece larger than what is left of a
-/// chunk is split across chunks).
-fn chunked(pieces: &[Piece], most: usize) -> Vec<Vec<Piece>> {
-    let mut chunks = vec![Vec::new()];
-    let mut room = most;
-    for p in pieces {
-        let mut done = 0;
-        while done < p.len {
-            if room == 0 {
-                chunks.push(Vec::new());
-                room = most;
-            }
-            let n = (p.len - done).min(room);
-            if let Some(chunk) = chunks.last_mut() {
-                chunk.push(Piece {
-                    src: p.src.wrapping_add(done),
-                    dst: p.dst.wrapping_add(done),
-                    len: n,
-                });
-            }
-            done += n;
-            room -= n;
-        }
-    }
-    chunks
 }
 
 impl ShmLink {

@@ -190,18 +190,17 @@ impl Served {
                 return self.send(&mut writer, &bytes);
             }
         };
+        // Recorded before the file or handle leaves, under the writer's lock: an `Unmap` of it can only
+        // follow this reply on the socket.
+        let lent = Lent {
+            named,
+            asked: false,
+            _permit: permit,
+        };
         if let Some(lend) = device {
             let mut bytes = Vec::with_capacity(wire::REPLY_HEAD + wire::DEVICE_MAPPED_LEN);
             wire::encode_device_mapped(&mut bytes, id, &lend);
-            // Recorded before the handle leaves, as for a memory file (below).
-            self.lent().insert(
-                region.key(),
-                Lent {
-                    named,
-                    asked: false,
-                    _permit: permit,
-                },
-            );
+            self.lent().insert(region.key(), lent);
             tracing::debug!(link = self.link, region = ?named, "lending a region of GPU memory by its IPC handle");
             return self.send(&mut writer, &bytes);
         }
@@ -210,16 +209,7 @@ impl Served {
         };
         let mut bytes = Vec::with_capacity(wire::REPLY_HEAD + wire::MAPPED_LEN);
         wire::encode_mapped(&mut bytes, id, region.len(), true);
-        // Recorded before the file leaves, under the writer's lock: an `Unmap` of it can only follow
-        // this reply on the socket.
-        self.lent().insert(
-            region.key(),
-            Lent {
-                named,
-                asked: false,
-                _permit: permit,
-            },
-        );
+        self.lent().insert(region.key(), lent);
         if let Err(e) = fdpass::send_with_fd(stream, &bytes, fd) {
             if let Some(s) = writer.take() {
                 let _ = s.shutdown(std::net::Shutdown::Both);

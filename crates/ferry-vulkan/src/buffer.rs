@@ -342,7 +342,35 @@ impl DeviceBuffer {
     /// An opaque fd of this buffer's memory, for another Vulkan device or CUDA
     /// (`cudaImportExternalMemory` with `cudaExternalMemoryHandleTypeOpaqueFd`).
     pub(crate) fn export_opaque_fd(&self) -> Result<OwnedFd> {
-        let ht = vk::ExternalMemoryHandleTypeFlags::OPAQUE_FD;
+        if self.ctx.ext.memory_fd.is_none() {
+            return Err(missing_extension(
+                self.ctx.name(),
+                "VK_KHR_external_memory_fd",
+                "exporting an fd",
+            ));
+        }
+        self.export_fd(
+            vk::ExternalMemoryHandleTypeFlags::OPAQUE_FD,
+            "an opaque fd (the registry was made with `exportable(false)`, or this device lets exportable \
+             buffers use no memory type its allocation path needs)",
+        )
+    }
+
+    /// A dma-buf of this buffer's memory (`VK_EXT_external_memory_dma_buf`), for a NIC to register.
+    pub(crate) fn export_dma_buf(&self) -> Result<OwnedFd> {
+        if !self.ctx.dma_buf_enabled() {
+            return Err(missing_extension(
+                self.ctx.name(),
+                "VK_EXT_external_memory_dma_buf",
+                "exporting a dma-buf",
+            ));
+        }
+        self.export_fd(vk::ExternalMemoryHandleTypeFlags::DMA_BUF_EXT, "a dma-buf")
+    }
+
+    /// `vkGetMemoryFdKHR` of this buffer's memory as handle type `ht`, which it was allocated
+    /// exportable as (else `Unsupported`, saying it was not exportable as `what`).
+    fn export_fd(&self, ht: vk::ExternalMemoryHandleTypeFlags, what: &str) -> Result<OwnedFd> {
         let fns = self
             .ctx
             .ext
@@ -350,48 +378,14 @@ impl DeviceBuffer {
             .as_ref()
             .ok_or_else(|| missing_extension(self.ctx.name(), "VK_KHR_external_memory_fd", "exporting an fd"))?;
         if !self.export.contains(ht) {
-            return Err(Error::Unsupported(
-                "this memory was not allocated exportable as an opaque fd (the registry was made with \
-                 `exportable(false)`, or this device lets exportable buffers use no memory type its \
-                 allocation path needs)"
-                    .into(),
-            ));
+            return Err(Error::Unsupported(format!(
+                "this memory was not allocated exportable as {what}"
+            )));
         }
         let info = vk::MemoryGetFdInfoKHR::default().memory(self.memory).handle_type(ht);
         // SAFETY: the extension is enabled and its functions resolved (`memory_fd` is `Some`); the memory
-        // was allocated with OPAQUE_FD among its export handle types.
+        // was allocated with `ht` among its export handle types.
         let raw = unsafe { fns.get_memory_fd(&info) }.map_err(|e| vk_error("vkGetMemoryFdKHR", e))?;
-        if raw < 0 {
-            return Err(Error::Io {
-                kind: std::io::ErrorKind::Other,
-                message: format!("vkGetMemoryFdKHR returned fd {raw}"),
-            });
-        }
-        // SAFETY: vkGetMemoryFdKHR returns a new descriptor that the caller owns.
-        Ok(unsafe { OwnedFd::from_raw_fd(raw) })
-    }
-
-    /// A dma-buf of this buffer's memory (`VK_EXT_external_memory_dma_buf`), for a NIC to register.
-    pub(crate) fn export_dma_buf(&self) -> Result<OwnedFd> {
-        let ht = vk::ExternalMemoryHandleTypeFlags::DMA_BUF_EXT;
-        let fns = self
-            .ctx
-            .ext
-            .memory_fd
-            .as_ref()
-            .filter(|_| self.ctx.dma_buf_enabled())
-            .ok_or_else(|| {
-                missing_extension(self.ctx.name(), "VK_EXT_external_memory_dma_buf", "exporting a dma-buf")
-            })?;
-        if !self.export.contains(ht) {
-            return Err(Error::Unsupported(
-                "this memory was not allocated exportable as a dma-buf".into(),
-            ));
-        }
-        let info = vk::MemoryGetFdInfoKHR::default().memory(self.memory).handle_type(ht);
-        // SAFETY: the extensions are enabled and `vkGetMemoryFdKHR` resolved (checked above); the
-        // memory was allocated with DMA_BUF among its export handle types.
-        let raw = unsafe { fns.get_memory_fd(&info) }.map_err(|e| vk_error("vkGetMemoryFdKHR (dma-buf)", e))?;
         if raw < 0 {
             return Err(Error::Io {
                 kind: std::io::ErrorKind::Other,
