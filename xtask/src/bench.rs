@@ -1289,7 +1289,7 @@ pub fn run(args: &Args) -> Result<ExitCode> {
         }
     }
     let rows: Vec<Row> = comparisons.iter().map(|c| Row::new(c, &samples, &bench)).collect();
-    let table = render_table(&rows, &bench);
+    let table = render_table(&rows, &measures, &bench);
     if args.json {
         eprint!("{table}");
         for row in &rows {
@@ -1662,7 +1662,7 @@ impl Row {
     }
 }
 
-fn render_table(rows: &[Row], bench: &Bench) -> String {
+fn render_table(rows: &[Row], measures: &[&Measure], bench: &Bench) -> String {
     let header = ["comparison", "ferry", "peer", "ratio", "target", "ok"];
     let cells: Vec<[String; 6]> = rows.iter().map(|r| r.cells.clone()).collect();
     let mut out = format!(
@@ -1678,7 +1678,7 @@ fn render_table(rows: &[Row], bench: &Bench) -> String {
     );
     out += "  ferry GB/s = 10^9 B/s; iperf3 = end.sum_received.bits_per_second / 8e9.\n";
     out += "commands:\n";
-    for m in MEASURES {
+    for m in measures {
         out += &format!("  {:<26} {}\n", m.key, bench.command_of(m.key));
     }
     let missed: Vec<&str> = rows
