@@ -14,12 +14,12 @@
 
 use std::any::Any;
 use std::ffi::c_void;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 
 use cudarc::driver::sys;
 use ferry_core::{DmaView, Durability, Error, MemoryBlock, Result};
 
-use crate::device::{CudaDevice, DeviceAllocation, PinnedHost, Stream};
+use crate::device::{Copies, CudaDevice, DeviceAllocation, PinnedHost};
 use crate::error::check;
 use crate::pointer::{PointerKind, classify};
 
@@ -57,7 +57,7 @@ pub struct CudaBlock {
     memory: DeviceMemory,
     host: PinnedHost,
     /// The block's copies, one batch at a time.
-    copies: Mutex<Stream>,
+    copies: Copies,
     /// Dropped last: the fields above free driver objects in its context.
     device: Arc<CudaDevice>,
 }
@@ -129,7 +129,7 @@ impl CudaBlock {
             kind,
             len,
             host: device.alloc_pinned(len)?,
-            copies: Mutex::new(device.stream()?),
+            copies: Copies::new(device)?,
             memory,
             device: device.clone(),
         })
@@ -194,15 +194,9 @@ impl CudaBlock {
         })
     }
 
-    /// Runs `queue` with the block's stream, under its lock and with the context bound, then waits
-    /// for the stream: every copy queued is waited for even when a later one failed to queue, so
-    /// that none still reads or writes host memory once this returns. The first error wins.
+    /// Runs `queue` on the block's stream and waits for it (see [`Copies::run`]).
     fn on_stream(&self, queue: impl FnOnce(sys::CUstream) -> Result<()>) -> Result<()> {
-        let stream = self.copies.lock().unwrap_or_else(PoisonError::into_inner);
-        self.device.bind()?;
-        let queued = queue(stream.stream);
-        let done = stream.synchronize();
-        queued.and(done)
+        self.copies.run(queue)
     }
 
     /// A dma-buf of the block's device memory (see [`crate::dmabuf`]).

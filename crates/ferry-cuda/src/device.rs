@@ -191,6 +191,27 @@ impl Drop for CudaDevice {
     }
 }
 
+/// A stream for one owner's copies (a block's, a peer window's), one batch at a time.
+pub(crate) struct Copies(std::sync::Mutex<Stream>);
+
+impl Copies {
+    /// A new stream of `device` for copies.
+    pub(crate) fn new(device: &Arc<CudaDevice>) -> Result<Self> {
+        Ok(Copies(std::sync::Mutex::new(device.stream()?)))
+    }
+
+    /// Runs `queue` with the stream, under its lock and with its context bound, then waits for the
+    /// stream: every copy queued is waited for even when a later one failed to queue, so that none
+    /// still reads or writes memory once this returns. The first error wins.
+    pub(crate) fn run(&self, queue: impl FnOnce(sys::CUstream) -> Result<()>) -> Result<()> {
+        let stream = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        stream.device.bind()?;
+        let queued = queue(stream.stream);
+        let done = stream.synchronize();
+        queued.and(done)
+    }
+}
+
 /// A CUDA stream, destroyed on drop.
 pub(crate) struct Stream {
     pub(crate) stream: sys::CUstream,

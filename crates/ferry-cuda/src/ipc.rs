@@ -15,12 +15,12 @@
 //! synchronisation per batch: when [`IpcWindow::copy`] returns, a write's bytes are in the
 //! target's device memory.
 
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 
 use cudarc::driver::sys;
 use ferry_core::{Error, Result};
 
-use crate::device::{CudaDevice, Stream};
+use crate::device::{Copies, CudaDevice};
 use crate::error::check;
 use crate::pointer::{PointerKind, classify};
 
@@ -111,7 +111,7 @@ pub struct IpcWindow {
     /// The region's offset in the allocation, and its length.
     offset: u64,
     len: u64,
-    copies: Mutex<Stream>,
+    copies: Copies,
     /// Dropped last: the fields above are driver objects of its context.
     device: Arc<CudaDevice>,
 }
@@ -136,6 +136,9 @@ impl IpcWindow {
     /// Opens a peer's export of a region of `len` bytes on the device it names.
     pub fn open(export: &IpcExport, len: u64) -> Result<Self> {
         let device = CudaDevice::by_pci_address(&export.pci_address)?;
+        // Made before the handle is opened: nothing may fail between opening it and the window that
+        // closes it on drop.
+        let copies = Copies::new(&device)?;
         device.bind()?;
         let handle = sys::CUipcMemHandle {
             reserved: export.handle.map(|b| b as std::ffi::c_char),
@@ -154,7 +157,7 @@ impl IpcWindow {
             base,
             offset: export.offset,
             len,
-            copies: Mutex::new(device.stream()?),
+            copies,
             device,
         };
         let (mut start, mut size) = (0, 0usize);
@@ -196,28 +199,23 @@ impl IpcWindow {
                 )));
             }
         }
-        let stream = self.copies.lock().unwrap_or_else(PoisonError::into_inner);
-        self.device.bind()?;
-        let mut queued = Ok(());
-        for c in copies.iter().filter(|c| c.len > 0) {
-            let remote = self.base + self.offset + c.offset;
-            let (dst, src) = match c.into_window {
-                true => (remote, c.local),
-                false => (c.local, remote),
-            };
-            // SAFETY: the remote range lies in the opened allocation (checked above and in `open`),
-            // the local one is valid for the copy's length (the caller's promise); unified
-            // addressing lets the driver tell device from host memory; the stream is waited for
-            // below, before anything can be freed.
-            queued = check("cuMemcpyAsync", unsafe {
-                sys::cuMemcpyAsync(dst, src, c.len as usize, stream.stream)
-            });
-            if queued.is_err() {
-                break;
+        self.copies.run(|stream| {
+            for c in copies.iter().filter(|c| c.len > 0) {
+                let remote = self.base + self.offset + c.offset;
+                let (dst, src) = match c.into_window {
+                    true => (remote, c.local),
+                    false => (c.local, remote),
+                };
+                // SAFETY: the remote range lies in the opened allocation (checked above and in
+                // `open`), the local one is valid for the copy's length (the caller's promise);
+                // unified addressing lets the driver tell device from host memory; `run` waits for
+                // the stream before anything can be freed.
+                check("cuMemcpyAsync", unsafe {
+                    sys::cuMemcpyAsync(dst, src, c.len as usize, stream)
+                })?;
             }
-        }
-        let done = stream.synchronize();
-        queued.and(done)
+            Ok(())
+        })
     }
 }
 

@@ -10,12 +10,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use ferry::{DmaView, Durability, MemoryBlock};
 
 /// A page-aligned allocation holding a copy of some bytes, `skew` bytes into it; freed on drop. Or,
-/// with `memfd`, a shared mapping of that memory file, which a dma-buf can be made of (udmabuf).
+/// with `memfd`, an engine allocation (a memory file), which a dma-buf can be made of (udmabuf).
 struct Buffer {
     first: *mut u8,
     layout: Layout,
     skew: usize,
-    memfd: Option<OwnedFd>,
+    memfd: Option<ferry::HostAllocation>,
 }
 
 impl Buffer {
@@ -36,50 +36,24 @@ impl Buffer {
         }
     }
 
-    /// A memory file of `bytes.len()` bytes rounded up to a page, sealed against shrinking (as
-    /// udmabuf asks), mapped shared, holding a copy of `bytes`.
+    /// An engine allocation (a memory file sealed against shrinking, as udmabuf asks) of
+    /// `bytes.len()` bytes rounded up to a page, holding a copy of `bytes`.
     fn memfd(bytes: &[u8]) -> Self {
-        let size = bytes.len().div_ceil(PAGE) * PAGE;
-        // SAFETY: a fresh memory file; the name is a C string.
-        let fd = unsafe { libc::memfd_create(c"ferry-emulated-device".as_ptr(), libc::MFD_ALLOW_SEALING) };
-        assert!(fd >= 0, "memfd_create: {}", std::io::Error::last_os_error());
-        // SAFETY: `fd` was just returned to this process and is owned by nothing else.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-        // SAFETY: resizing and sealing a memory file this process owns.
-        unsafe {
-            assert_eq!(libc::ftruncate(fd.as_raw_fd(), size as libc::off_t), 0, "ftruncate");
-            assert_eq!(
-                libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK),
-                0,
-                "F_SEAL_SHRINK"
-            );
-        }
-        // SAFETY: a fresh shared mapping of the whole file, which cannot shrink.
-        let first = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                size,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd.as_raw_fd(),
-                0,
-            )
-        };
-        assert_ne!(first, libc::MAP_FAILED, "mmap: {}", std::io::Error::last_os_error());
-        let first = first.cast::<u8>();
-        // SAFETY: the mapping holds `size >= bytes.len()` writable bytes.
+        let memory = ferry::HostAllocation::new(bytes.len().div_ceil(PAGE) * PAGE).unwrap();
+        let first = memory.as_ptr();
+        // SAFETY: the allocation holds at least `bytes.len()` writable bytes.
         unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), first, bytes.len()) };
         Buffer {
             first,
-            layout: Layout::from_size_align(size, PAGE).unwrap(),
+            layout: Layout::from_size_align(memory.len(), PAGE).unwrap(),
             skew: 0,
-            memfd: Some(fd),
+            memfd: Some(memory),
         }
     }
 
     /// A dma-buf of the whole memory file (`/dev/udmabuf`), as a GPU driver exports device memory.
     fn dma_buf(&self) -> ferry::Result<ferry::DmaBuf> {
-        let Some(memfd) = &self.memfd else {
+        let Some(memfd) = self.memfd.as_ref().and_then(|m| m.shared_file()) else {
             return Err(ferry::Error::Unsupported("heap memory makes no dma-buf".into()));
         };
         let udmabuf = std::fs::OpenOptions::new()
@@ -121,13 +95,10 @@ impl Buffer {
 
 impl Drop for Buffer {
     fn drop(&mut self) {
-        match self.memfd {
-            // SAFETY: the mapping made in `memfd`, of `layout.size()` bytes, unmapped once.
-            Some(_) => unsafe {
-                libc::munmap(self.first.cast(), self.layout.size());
-            },
+        // An engine allocation frees itself.
+        if self.memfd.is_none() {
             // SAFETY: allocated in `new` with this layout, `skew` bytes before `first`.
-            None => unsafe { std::alloc::dealloc(self.first.sub(self.skew), self.layout) },
+            unsafe { std::alloc::dealloc(self.first.sub(self.skew), self.layout) };
         }
     }
 }
