@@ -89,6 +89,47 @@ pub(crate) async fn prepare_read(parts: &[Resolved]) -> Result<()> {
     Ok(())
 }
 
+/// Bytes a request moves per device copy when it overlaps those copies with the network: a large
+/// payload into or out of staged memory goes in pieces of this size, each piece's copy to the device
+/// running while the next piece arrives (a write), or its copy from the device while the piece
+/// before it is sent (a read), so that a DMA engine and the socket work at once. Each piece costs a
+/// trip to a blocking thread and a device submission with its fence: on a machine where the copies
+/// are the CPU's (lavapipe, 2 cores, 16 MiB writes and reads at depth 1), 1 MiB pieces made writes
+/// 25 % slower, 2 MiB 6 %, and 4 MiB none (reads 8 % faster).
+pub(crate) const OVERLAP_PIECE: u64 = 4 << 20;
+
+/// `parts` cut into pieces of at most `most` bytes, in order, when the request is larger than one
+/// piece and some of its memory is staged (its device copies are worth overlapping with the
+/// network); `None` otherwise. A part larger than what is left of a piece is split across pieces.
+pub(crate) fn overlap_pieces(parts: &[Resolved], most: u64) -> Option<Vec<Vec<Resolved>>> {
+    let total: u64 = parts.iter().map(|p| p.len).sum();
+    if total <= most || !parts.iter().any(|p| p.region.block().has_access_hooks()) {
+        return None;
+    }
+    let mut pieces = vec![Vec::new()];
+    let mut room = most;
+    for part in parts {
+        let mut done = 0;
+        while done < part.len {
+            if room == 0 {
+                pieces.push(Vec::new());
+                room = most;
+            }
+            let n = (part.len - done).min(room);
+            if let Some(piece) = pieces.last_mut() {
+                piece.push(Resolved {
+                    region: part.region.clone(),
+                    offset: part.offset + done,
+                    len: n,
+                });
+            }
+            done += n;
+            room -= n;
+        }
+    }
+    Some(pieces)
+}
+
 /// Whether `parts` are several and some have hooks to batch (staged memory).
 fn worth_grouping(parts: &[Resolved]) -> bool {
     parts.len() > 1 && parts.iter().any(|r| r.region.block().has_access_hooks())
@@ -160,4 +201,85 @@ pub(crate) async fn sums(parts: Vec<Resolved>) -> Result<Vec<u32>> {
     tokio::task::spawn_blocking(work)
         .await
         .map_err(|e| Error::Internal(format!("checksumming on a blocking thread panicked: {e}")))?
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use ferry_core::{Access, DmaView, MemoryBlock, OwnedBuffer, RegionEntry, RegionKey, Resolved};
+    use proptest::prelude::*;
+
+    use super::overlap_pieces;
+
+    /// Host memory that says it is staged.
+    struct Staged(OwnedBuffer);
+
+    // SAFETY: every promise is `OwnedBuffer`'s, whose pointer and length this block hands on.
+    unsafe impl MemoryBlock for Staged {
+        fn as_ptr(&self) -> *mut u8 {
+            self.0.as_ptr()
+        }
+        fn len(&self) -> usize {
+            self.0.len()
+        }
+        fn kind(&self) -> &str {
+            "staged host"
+        }
+        fn dma_view(&self) -> DmaView {
+            DmaView::Staged
+        }
+    }
+
+    fn region(key: u64, staged: bool) -> Arc<RegionEntry> {
+        let bytes = OwnedBuffer::new(vec![0u8; 1 << 16]);
+        let block: Arc<dyn MemoryBlock> = match staged {
+            true => Arc::new(Staged(bytes)),
+            false => Arc::new(bytes),
+        };
+        Arc::new(RegionEntry::new(RegionKey(key), Access::READ_WRITE, block).unwrap())
+    }
+
+    proptest! {
+        /// Pieces hold every byte of every part once, in order, each at most `most` bytes, and
+        /// come only for a request of staged memory larger than one piece.
+        #[test]
+        fn pieces_cover_the_parts_in_order(
+            lens in proptest::collection::vec(1u64..5000, 1..12),
+            most in 1u64..9000,
+            staged in proptest::collection::vec(any::<bool>(), 12),
+        ) {
+            let regions: Vec<_> = (0..lens.len()).map(|i| region(i as u64 + 1, staged[i])).collect();
+            let parts: Vec<Resolved> = lens
+                .iter()
+                .zip(&regions)
+                .map(|(&len, r)| Resolved { region: r.clone(), offset: 7, len })
+                .collect();
+            let total: u64 = lens.iter().sum();
+            let any_staged = staged[..lens.len()].iter().any(|&s| s);
+            let Some(pieces) = overlap_pieces(&parts, most) else {
+                prop_assert!(total <= most || !any_staged);
+                return Ok(());
+            };
+            prop_assert!(total > most && any_staged);
+            let flat: Vec<&Resolved> = pieces.iter().flatten().collect();
+            for piece in &pieces {
+                let bytes: u64 = piece.iter().map(|p| p.len).sum();
+                prop_assert!(bytes > 0 && bytes <= most);
+            }
+            // Walk the parts: each piece part continues where the last one of its part ended.
+            let mut next = 0usize;
+            let mut done = 0u64;
+            for p in flat {
+                prop_assert!(Arc::ptr_eq(&p.region, &parts[next].region));
+                prop_assert_eq!(p.offset, parts[next].offset + done);
+                done += p.len;
+                if done == parts[next].len {
+                    next += 1;
+                    done = 0;
+                }
+            }
+            prop_assert_eq!(next, parts.len());
+        }
+    }
 }

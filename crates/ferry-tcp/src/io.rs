@@ -735,7 +735,7 @@ impl FrameWriter {
     }
 
     /// Sends `len` zero bytes: the rest of a payload whose memory went away, to keep the stream framed.
-    async fn send_zeros(&mut self, mut len: u64) -> Result<()> {
+    pub(crate) async fn send_zeros(&mut self, mut len: u64) -> Result<()> {
         let zeros = vec![0u8; (len as usize).min(64 << 10)];
         while len > 0 {
             let n = (len as usize).min(zeros.len());

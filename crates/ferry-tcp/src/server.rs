@@ -38,7 +38,7 @@ use tokio::sync::{Notify, oneshot, watch};
 use tokio::task::AbortHandle;
 use tokio::time::Instant;
 
-use crate::blocking::Writer;
+use crate::blocking::{OVERLAP_PIECE, Writer, overlap_pieces};
 use crate::io::{Conn, FrameReader, FrameWriter, Landed, access_error};
 use crate::tls::{Session, TLS_HANDSHAKE_RECORD, TlsConfig};
 
@@ -713,8 +713,15 @@ async fn serve_requests(
             }
             Request::Read { id, segments } => {
                 match resolve_reads(ctx, who, &segments, shared.config.limits.max_payload).await {
-                    Ok(parts) => {
+                    Ok(ReadParts::Prepared(parts)) => {
                         send_read_data(&mut writer, id, &parts).await?;
+                        ctx.served
+                            .count(ferry_core::Op::Read, parts.iter().map(|p| p.len).sum());
+                        flush_past(&mut writer, max_unsent).await?;
+                        continue;
+                    }
+                    Ok(ReadParts::Overlapped(parts, pieces)) => {
+                        send_read_overlapped(&mut writer, id, &parts, &pieces).await?;
                         ctx.served
                             .count(ferry_core::Op::Read, parts.iter().map(|p| p.len).sum());
                         flush_past(&mut writer, max_unsent).await?;
@@ -884,17 +891,83 @@ fn read_status(parts: &[Resolved], copied: bool) -> ReadStatus {
     }
 }
 
-/// The memory a read sends (see [`serve::read`]), a staged block's device copies made first.
+/// The memory a read sends, and how its staged memory is brought from the device.
+enum ReadParts {
+    /// Every device copy made: the parts are sent as they are.
+    Prepared(Vec<Resolved>),
+    /// A large read of staged memory, in [`overlap_pieces`]: the first piece's device copies made,
+    /// each later piece's to be made while the piece before it is sent.
+    Overlapped(Vec<Resolved>, Vec<Vec<Resolved>>),
+}
+
+/// The memory a read sends (see [`serve::read`]), a staged block's device copies made first (of
+/// the first piece only, for a read whose copies overlap its sending). A failed copy here is the
+/// read's error, answered before any byte is sent.
 async fn resolve_reads(
     ctx: &EngineContext,
     who: &PeerView,
     segments: &[Segment],
     max_payload: u64,
-) -> Result<Vec<Resolved>> {
+) -> Result<ReadParts> {
     let parts = serve::read(ctx, who, segments, max_payload)?;
     // A staged block's device copies: off the runtime, under a permit.
-    crate::blocking::prepare_read(&parts).await?;
-    Ok(parts)
+    match overlap_pieces(&parts, OVERLAP_PIECE) {
+        None => {
+            crate::blocking::prepare_read(&parts).await?;
+            Ok(ReadParts::Prepared(parts))
+        }
+        Some(pieces) => {
+            crate::blocking::prepare_read(&pieces[0]).await?;
+            Ok(ReadParts::Overlapped(parts, pieces))
+        }
+    }
+}
+
+/// Answers a read of staged memory piece by piece, as [`send_read_data`] answers any read, each
+/// piece's copies from the device made while the piece before it is sent (the first piece's were
+/// made already). A copy that fails once the header is out cannot be the read's error any more: the
+/// rest of the payload goes out as zeros and the status says that the bytes are not the region's
+/// ([`ReadStatus::Unbacked`]), which fails the read at the initiator.
+async fn send_read_overlapped(
+    writer: &mut FrameWriter,
+    id: OpId,
+    parts: &[Resolved],
+    pieces: &[Vec<Resolved>],
+) -> Result<()> {
+    let total: u64 = parts.iter().map(|p| p.len).sum();
+    writer.push(&Frame::ReadData { id: id.0 }, total + ReadStatus::LEN)?;
+    let mut copied = true;
+    let mut failed = None;
+    for (k, piece) in pieces.iter().enumerate() {
+        if failed.is_some() {
+            writer.send_zeros(piece.iter().map(|p| p.len).sum()).await?;
+            continue;
+        }
+        let sent = match pieces.get(k + 1) {
+            Some(next) => {
+                let (sent, prepared) = tokio::join!(writer.write_parts(piece), crate::blocking::prepare_read(next));
+                failed = prepared.err();
+                sent?
+            }
+            None => writer.write_parts(piece).await?,
+        };
+        copied &= sent;
+    }
+    let status = match failed {
+        Some(e) => {
+            tracing::warn!(error = %e, "a device copy failed while a read was sent: the read is reported as failed");
+            ReadStatus::Unbacked
+        }
+        None => read_status(parts, copied),
+    };
+    if status != ReadStatus::Intact {
+        tracing::warn!(
+            ?status,
+            "a region changed while it was read: the read is reported as failed"
+        );
+    }
+    writer.push_bytes(&[status as u8]);
+    Ok(())
 }
 
 /// The CRC32C of each range a transfer with integrity wrote or read here, as memory holds it now (for
@@ -912,6 +985,9 @@ async fn serve_sums(ctx: &EngineContext, who: &PeerView, op: Op, segments: &[Seg
 /// Reads a write's payload into the resolved `parts` and commits them (a staged block's device
 /// copy). The outer error breaks the stream; the inner result is the operation's.
 async fn land(reader: &mut FrameReader, parts: &[Resolved]) -> Result<Result<()>> {
+    if let Some(pieces) = overlap_pieces(parts, OVERLAP_PIECE) {
+        return land_overlapped(reader, &pieces).await;
+    }
     // A target's copies have no caller guard, so only `Written` means the bytes are in.
     if reader.read_parts(parts, None).await? != Landed::Written {
         return Ok(Err(access_error(parts)));
@@ -919,6 +995,41 @@ async fn land(reader: &mut FrameReader, parts: &[Resolved]) -> Result<Result<()>
     parts.iter().for_each(ferry_core::integrity::fault::landed);
     // A staged block's device copies: off the runtime, under a permit.
     Ok(crate::blocking::commit_written(parts).await)
+}
+
+/// [`land`] for a large write into staged memory, in [`overlap_pieces`]: each piece's copies to
+/// the device run while the next piece arrives, so that the device's copies and the network's
+/// overlap instead of following each other. Every piece that landed is committed, whatever happens
+/// to the others, before this returns: the write is acknowledged only after the last copy. Once a
+/// piece does not land (its region deregistered, its memory unbacked), the rest of the payload is
+/// read and dropped.
+async fn land_overlapped(reader: &mut FrameReader, pieces: &[Vec<Resolved>]) -> Result<Result<()>> {
+    let mut result = Ok(());
+    let mut committing: Option<&[Resolved]> = None;
+    for (k, piece) in pieces.iter().enumerate() {
+        let (landed, committed) = match committing.take() {
+            Some(before) => tokio::join!(reader.read_parts(piece, None), crate::blocking::commit_written(before)),
+            None => (reader.read_parts(piece, None).await, Ok(())),
+        };
+        if result.is_ok() {
+            result = committed;
+        }
+        // A target's copies have no caller guard, so only `Written` means the bytes are in.
+        if landed? != Landed::Written {
+            let rest: u64 = pieces[k + 1..].iter().flatten().map(|p| p.len).sum();
+            reader.discard(rest).await?;
+            return Ok(Err(access_error(piece)));
+        }
+        piece.iter().for_each(ferry_core::integrity::fault::landed);
+        committing = Some(piece);
+    }
+    if let Some(last) = committing {
+        let committed = crate::blocking::commit_written(last).await;
+        if result.is_ok() {
+            result = committed;
+        }
+    }
+    Ok(result)
 }
 
 /// Reads a write's payload into `bounce`, in pieces ([`file_pieces`]), and writes each piece into

@@ -167,3 +167,162 @@ async fn a_dropped_batch_leaves_nothing_waiting_and_its_late_answer_lands_nowher
     assert!(local[..4096].iter().all(|&b| b == 0), "the dropped read's data landed");
     assert_eq!(p.link.waiting_operations(), 0);
 }
+
+/// Device memory behind a host copy, emulated: the "device" is a second buffer that only the
+/// block's hooks reach, as a GPU's memory is reached only by its copies. Each hook call's range is
+/// recorded; the first copy to the device also records whether the write's last byte had arrived
+/// in the host copy by then; a copy from the device can be made to fail at its `n`th call.
+struct Device {
+    mirror: OwnedBuffer,
+    device: Mutex<Vec<u8>>,
+    commits: Mutex<Vec<(usize, usize)>>,
+    prepares: Mutex<Vec<(usize, usize)>>,
+    last_byte_in_at_first_commit: Mutex<Option<bool>>,
+    fail_prepare_at: Option<usize>,
+    prepare_calls: std::sync::atomic::AtomicUsize,
+}
+
+impl Device {
+    fn new(len: usize, fail_prepare_at: Option<usize>) -> Self {
+        Device {
+            mirror: OwnedBuffer::new(vec![0u8; len]),
+            device: Mutex::new(vec![0u8; len]),
+            commits: Mutex::new(Vec::new()),
+            prepares: Mutex::new(Vec::new()),
+            last_byte_in_at_first_commit: Mutex::new(None),
+            fail_prepare_at,
+            prepare_calls: Default::default(),
+        }
+    }
+}
+
+// SAFETY: every promise about the host copy is `OwnedBuffer`'s, whose pointer and length this
+// block hands on unchanged; the hooks copy within its bounds (the transport checked the ranges).
+unsafe impl MemoryBlock for Device {
+    fn as_ptr(&self) -> *mut u8 {
+        self.mirror.as_ptr()
+    }
+    fn len(&self) -> usize {
+        self.mirror.len()
+    }
+    fn kind(&self) -> &str {
+        "emulated device (staged)"
+    }
+    fn dma_view(&self) -> DmaView {
+        DmaView::Staged
+    }
+    fn commit_written(&self, offset: usize, len: usize, _: ferry_core::Durability) -> Result<()> {
+        let last = self.len() - 1;
+        // SAFETY: `last` and `offset..offset + len` lie in the host copy; nothing holds a Rust
+        // reference to its bytes.
+        unsafe {
+            self.last_byte_in_at_first_commit
+                .lock()
+                .unwrap()
+                .get_or_insert(self.as_ptr().add(last).read() != 0);
+            let written = std::slice::from_raw_parts(self.as_ptr().add(offset), len);
+            self.device.lock().unwrap()[offset..offset + len].copy_from_slice(written);
+        }
+        self.commits.lock().unwrap().push((offset, len));
+        Ok(())
+    }
+    fn prepare_read(&self, offset: usize, len: usize) -> Result<()> {
+        let call = self.prepare_calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        if self.fail_prepare_at == Some(call) {
+            return Err(Error::Internal("the emulated device's copy failed".into()));
+        }
+        self.prepares.lock().unwrap().push((offset, len));
+        let device = self.device.lock().unwrap();
+        // SAFETY: `offset..offset + len` lies in the host copy; nothing holds a Rust reference to
+        // its bytes.
+        unsafe { std::ptr::copy_nonoverlapping(device[offset..].as_ptr(), self.as_ptr().add(offset), len) };
+        Ok(())
+    }
+}
+
+const DEVICE_LEN: usize = 16 << 20;
+
+/// A pair whose target serves an emulated [`Device`] of [`DEVICE_LEN`] bytes, the local region as
+/// long, over one stream: a descriptor of the whole region is one request, of four pieces.
+async fn device_pair(fail_prepare_at: Option<usize>) -> (common::Pair, Arc<Device>) {
+    let device = Arc::new(Device::new(DEVICE_LEN, fail_prepare_at));
+    let remote = Arc::new(RegionEntry::new(RegionKey(0x51), Access::READ_WRITE, device.clone()).unwrap());
+    let mut p = pair_with(remote, 1).await;
+    let local: Arc<dyn MemoryBlock> = Arc::new(OwnedBuffer::new(vec![0u8; DEVICE_LEN]));
+    p.local = Arc::new(RegionEntry::new(RegionKey(0x11), Access::READ_WRITE, local).unwrap());
+    (p, device)
+}
+
+/// Bytes none of which is zero, so that a zero says "not arrived".
+fn nonzero(len: usize, seed: usize) -> Vec<u8> {
+    (0..len).map(|i| ((i * 7 + seed) % 251) as u8 + 1).collect()
+}
+
+/// `ranges` sorted tile `[0, len)`: every byte in exactly one.
+fn tiles(mut ranges: Vec<(usize, usize)>, len: usize) -> bool {
+    ranges.sort();
+    let mut at = 0;
+    for (offset, n) in ranges {
+        if offset != at {
+            return false;
+        }
+        at += n;
+    }
+    at == len
+}
+
+/// A large write into staged memory is copied to the device piece by piece while the rest of its
+/// payload still arrives: the first copy ran before the last byte had come, every byte reached the
+/// device exactly once, and the write completed only after the last copy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_write_into_staged_memory_overlaps_its_device_copies_with_the_network() {
+    let (p, device) = device_pair(None).await;
+    let src = nonzero(DEVICE_LEN, 3);
+    p.local.copy_in(0, &src).unwrap();
+    p.run(p.request(Op::Write, &[(0, DEVICE_LEN as u64)])).await.unwrap();
+    assert!(*device.device.lock().unwrap() == src, "every byte is on the device");
+    let commits = device.commits.lock().unwrap().clone();
+    assert!(commits.len() > 1, "one copy for the whole write: {commits:?}");
+    assert!(tiles(commits, DEVICE_LEN), "each byte copied to the device once");
+    assert_eq!(
+        *device.last_byte_in_at_first_commit.lock().unwrap(),
+        Some(false),
+        "the first copy to the device waited for the whole payload"
+    );
+}
+
+/// A large read of staged memory sends each piece once its copy from the device is made, the next
+/// piece's copy running meanwhile: what arrives is the device's bytes, every one of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_read_of_staged_memory_sends_the_devices_bytes_piece_by_piece() {
+    let (p, device) = device_pair(None).await;
+    let on_device = nonzero(DEVICE_LEN, 5);
+    device.device.lock().unwrap().copy_from_slice(&on_device);
+    p.run(p.request(Op::Read, &[(0, DEVICE_LEN as u64)])).await.unwrap();
+    let mut got = vec![0u8; DEVICE_LEN];
+    p.local.copy_out(0, &mut got).unwrap();
+    assert!(got == on_device, "the read carried the device's bytes");
+    let prepares = device.prepares.lock().unwrap().clone();
+    assert!(prepares.len() > 1, "one copy for the whole read: {prepares:?}");
+    assert!(tiles(prepares, DEVICE_LEN), "each byte copied from the device once");
+}
+
+/// A copy from the device that fails fails the read, whether it was the first piece's (before any
+/// byte was sent) or a later one's (after the header went out), and the link serves on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_device_copy_fails_the_read_before_or_after_its_first_byte() {
+    for fail_at in [0, 3] {
+        let (p, device) = device_pair(Some(fail_at)).await;
+        device.device.lock().unwrap().copy_from_slice(&nonzero(DEVICE_LEN, 1));
+        let err = p.run(p.request(Op::Read, &[(0, DEVICE_LEN as u64)])).await.unwrap_err();
+        match fail_at {
+            0 => assert!(matches!(&err, Error::Internal(m) if m.contains("emulated")), "{err:?}"),
+            _ => assert!(matches!(err, Error::Io { .. }), "{err:?}"),
+        }
+        // The stream is still in step: a small read goes through.
+        p.run(p.request(Op::Read, &[(0, 4096)])).await.unwrap();
+        let mut got = vec![0u8; 4096];
+        p.local.copy_out(0, &mut got).unwrap();
+        assert_eq!(got, nonzero(DEVICE_LEN, 1)[..4096], "fail at {fail_at}");
+    }
+}
