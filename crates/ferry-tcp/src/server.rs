@@ -864,15 +864,19 @@ async fn send_read_data(writer: &mut FrameWriter, id: OpId, parts: &[Resolved]) 
     } else {
         writer.write_parts(parts).await?
     };
-    let status = read_status(parts, copied);
+    end_read(writer, read_status(parts, copied));
+    Ok(())
+}
+
+/// Ends a read's payload with its status byte, saying in the log why a read failed.
+fn end_read(writer: &mut FrameWriter, status: ReadStatus) {
     if status != ReadStatus::Intact {
         tracing::warn!(
             ?status,
-            "a region changed while it was read: the read is reported as failed"
+            "the bytes a read sent are not all the region's: the read is reported as failed"
         );
     }
     writer.push_bytes(&[status as u8]);
-    Ok(())
 }
 
 /// Whether the bytes just sent for `parts` are the regions': `copied` is false when a copy was cut
@@ -955,18 +959,12 @@ async fn send_read_overlapped(
     }
     let status = match failed {
         Some(e) => {
-            tracing::warn!(error = %e, "a device copy failed while a read was sent: the read is reported as failed");
+            tracing::warn!(error = %e, "a copy from the device failed while a read was sent");
             ReadStatus::Unbacked
         }
         None => read_status(parts, copied),
     };
-    if status != ReadStatus::Intact {
-        tracing::warn!(
-            ?status,
-            "a region changed while it was read: the read is reported as failed"
-        );
-    }
-    writer.push_bytes(&[status as u8]);
+    end_read(writer, status);
     Ok(())
 }
 
