@@ -1163,7 +1163,7 @@ const COMPARISONS: &[Comparison] = &[
         unit: Unit::Micros,
         target: Target::Info,
     },
-    // CUDA device memory, staged through pinned host memory: what a GPU region costs over the host
+    // CUDA device memory, staged: what a GPU region costs over the host
     // memory the same link reaches. Rows of a host without a CUDA device say so and are not run.
     Comparison {
         id: "cu",

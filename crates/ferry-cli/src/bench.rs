@@ -55,7 +55,7 @@ pub struct Args {
     json: bool,
     /// Memory of the in-process target: host (memfd), vulkan (GPU memory, the best path the device
     /// offers; `FERRY_VULKAN_DEVICE` picks the device; needs the `vulkan` feature) or cuda (device
-    /// memory of CUDA device 0, staged through pinned host memory; `CUDA_VISIBLE_DEVICES` picks it).
+    /// memory of CUDA device 0, staged; `CUDA_VISIBLE_DEVICES` picks it).
     #[arg(long, default_value = "host", value_parser = ["host", "vulkan", "cuda"])]
     target_mem: String,
     /// With `--target-mem vulkan`: the allocation path, auto (the best the device offers), rdma

@@ -27,7 +27,7 @@ pub struct Args {
     caller_owned: bool,
     /// Where the region lives: host memory, or cuda (device memory of CUDA device 0, which
     /// `CUDA_VISIBLE_DEVICES` picks; peers of this host open it by its CUDA IPC handle, others reach
-    /// it staged through pinned host memory).
+    /// it staged).
     #[arg(long, default_value = "host", value_parser = ["host", "cuda"], conflicts_with_all = ["file", "caller_owned"])]
     mem: String,
     /// Declare this host ADR with DDIO off, so that RDMA initiators may persist by a READ after

@@ -1,5 +1,5 @@
 //! CUDA memory between two processes, against `ferry serve --mem cuda`: the served region is GPU
-//! memory, written by this process over TCP (staged through the server's pinned host copy) and over
+//! memory, written by this process over TCP (copied between the server's own buffers and the GPU) and over
 //! shared memory (the region opened here by its CUDA IPC handle), and each write is read back over
 //! the other path. Both paths reach the GPU itself, not a host copy the other could see (a TCP read
 //! makes the server copy from the device before it answers; IPC copies are the device's), so the

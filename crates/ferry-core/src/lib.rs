@@ -36,7 +36,9 @@ pub mod wire;
 pub use error::{Error, ErrorCode, Result, WireError};
 pub use grants::{AccessEpochs, EpochTicket, Grants};
 pub use guard::{AccessGuard, OwnedPermit, Permit};
-pub use memory::{DeviceAddress, DmaBuf, DmaView, FileWriter, MemoryBlock, MemoryRegistry, OwnedBuffer, RawMemory};
+pub use memory::{
+    DeviceAddress, DeviceCopies, DmaBuf, DmaView, FileWriter, MemoryBlock, MemoryRegistry, OwnedBuffer, RawMemory,
+};
 pub use options::BufferPool;
 pub use pci::PciAddress;
 pub use peer_view::{PeerNames, PeerScope, PeerView};

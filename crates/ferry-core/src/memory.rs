@@ -101,6 +101,17 @@ pub trait FileWriter: Send + Sync {
     fn flushed(&self) -> bool;
 }
 
+/// Copies between a block's device memory and any host buffer, past the host copy at the block's
+/// pointer (see [`MemoryBlock::device_copies`]).
+pub trait DeviceCopies: Send + Sync {
+    /// Copies `src` onto the device at `offset` of the block, and returns once the bytes are there.
+    /// The caller holds a permit of the region's access guard and has checked the range.
+    fn copy_to_device(&self, offset: usize, src: &[u8]) -> Result<()>;
+    /// Copies `dst.len()` bytes at `offset` of the block from the device into `dst`. The caller holds
+    /// a permit of the region's access guard and has checked the range.
+    fn copy_from_device(&self, offset: usize, dst: &mut [u8]) -> Result<()>;
+}
+
 /// A contiguous range of memory the engine may register.
 ///
 /// # Safety
@@ -224,6 +235,14 @@ pub unsafe trait MemoryBlock: Send + Sync + 'static {
     /// handles) instead of through the host copy at [`as_ptr`](Self::as_ptr). `None` (the default)
     /// for memory the CPU reaches.
     fn device_address(&self) -> Option<DeviceAddress> {
+        None
+    }
+    /// Copies between the device memory a [`Staged`](DmaView::Staged) block stands for and a
+    /// transport's own buffers, past the host copy at [`as_ptr`](Self::as_ptr): a transport whose
+    /// payloads pass through buffers of its own anyway (TCP) moves them through a bounded buffer
+    /// instead of the host copy, whose pages are then never touched and cost no memory. `None` (the
+    /// default): the block copies only between the host copy and the device, in its hooks.
+    fn device_copies(&self) -> Option<&dyn DeviceCopies> {
         None
     }
     /// A dma-buf of the block's memory, for a NIC that registers it directly (`ibv_reg_dmabuf_mr`):

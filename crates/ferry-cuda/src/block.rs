@@ -1,13 +1,25 @@
-//! [`CudaBlock`]: CUDA device memory as a ferry [`MemoryBlock`], staged through pinned host memory.
+//! [`CudaBlock`]: CUDA device memory as a ferry [`MemoryBlock`].
 //!
-//! The engine's CPU transports (TCP, shared memory) move bytes through host pointers, and a NIC
-//! without a path to the GPU registers host memory. So the block's pointer is a page-locked host
-//! mirror as long as the region, and its hooks keep the two coherent, as the staged contract asks:
-//! [`commit_written_ranges`](MemoryBlock::commit_written_ranges) copies the written ranges to the
-//! device before the write is acknowledged, [`prepare_read_ranges`](MemoryBlock::prepare_read_ranges)
-//! copies the ranges to be read from the device before they are sent. Each batch is queued on the
-//! block's own stream as asynchronous copies and waited for once: a request of many ranges pays
-//! one synchronisation, not one per range.
+//! The engine's transports reach memory through host pointers, so the block has a host copy as long
+//! as the region: an anonymous mapping that reserves nothing (`MAP_NORESERVE`), whose pages exist
+//! only once something touches them. Two ways move the bytes, and the second leaves the host copy
+//! untouched:
+//!
+//! - **Through the host copy**, as the staged contract asks of any device memory:
+//!   [`commit_written_ranges`](MemoryBlock::commit_written_ranges) copies the written ranges to the
+//!   device before the write is acknowledged, [`prepare_read_ranges`](MemoryBlock::prepare_read_ranges)
+//!   copies the ranges to be read from the device before they are sent. Each batch is queued on the
+//!   block's own stream as asynchronous copies and waited for once: a request of many ranges pays
+//!   one synchronisation, not one per range. The initiator's side of a transfer from or into CUDA
+//!   memory goes this way.
+//! - **Past it** ([`DeviceCopies`]): a transport that receives or sends payloads through buffers of
+//!   its own (a TCP target, and so a shared-memory target's control link) copies between those and
+//!   the device directly, a piece at a time, so that serving a 40 GB KV cache costs a few pieces'
+//!   worth of host memory, not 40 GB.
+//!
+//! Copies from and to pageable memory are the driver's to stage: it moves them through page-locked
+//! buffers of its own, and an asynchronous copy of pageable memory has left the host buffer (or
+//! filled it) by the time the stream is synchronised, which every copy here waits for.
 //!
 //! The memory is either ferry's ([`CudaRegistry`](crate::CudaRegistry)) or the caller's, borrowed
 //! from a pointer the driver vouched for ([`CudaBlock::borrow`]): a PyTorch tensor's storage.
@@ -17,9 +29,9 @@ use std::ffi::c_void;
 use std::sync::Arc;
 
 use cudarc::driver::sys;
-use ferry_core::{DmaView, Durability, Error, MemoryBlock, Result};
+use ferry_core::{DeviceCopies, DmaView, Durability, Error, MemoryBlock, Result};
 
-use crate::device::{Copies, CudaDevice, DeviceAllocation, PinnedHost};
+use crate::device::{Copies, CudaDevice, DeviceAllocation};
 use crate::error::check;
 use crate::pointer::{PointerKind, classify};
 
@@ -50,12 +62,51 @@ enum Direction {
     ToHost,
 }
 
-/// CUDA device memory behind a pinned host mirror (see the module's documentation).
+/// The host copy in front of a block's device memory: an anonymous private mapping of `len` bytes
+/// that reserves no memory (`MAP_NORESERVE`), so that pages exist only where something touched them.
+struct HostCopy {
+    ptr: *mut u8,
+    len: usize,
+}
+
+impl HostCopy {
+    fn new(len: usize) -> Result<Self> {
+        // SAFETY: a new anonymous mapping at an address the kernel picks: no existing memory is
+        // affected, and the result is checked before use.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(Error::io(
+                format_args!("mapping the {len}-byte host copy of a CUDA region"),
+                std::io::Error::last_os_error(),
+            ));
+        }
+        Ok(HostCopy { ptr: ptr.cast(), len })
+    }
+}
+
+impl Drop for HostCopy {
+    fn drop(&mut self) {
+        // SAFETY: `ptr` and `len` are the mapping made in `new`, unmapped once, here; the block that
+        // owns it drops only after its accesses ended.
+        unsafe { libc::munmap(self.ptr.cast(), self.len) };
+    }
+}
+
+/// CUDA device memory behind a host copy (see the module's documentation).
 pub struct CudaBlock {
     kind: &'static str,
     len: usize,
     memory: DeviceMemory,
-    host: PinnedHost,
+    host: HostCopy,
     /// The block's copies, one batch at a time.
     copies: Copies,
     /// Dropped last: the fields above free driver objects in its context.
@@ -63,8 +114,8 @@ pub struct CudaBlock {
 }
 
 // SAFETY: the fields are driver handles (usable from any thread once the context is bound), an
-// `Arc` of a `Send + Sync` device, an owner that is `Send + Sync`, and a pointer to pinned host
-// memory only reached through raw pointers.
+// `Arc` of a `Send + Sync` device, an owner that is `Send + Sync`, and a pointer to the block's own
+// host mapping, only reached through raw pointers.
 unsafe impl Send for CudaBlock {}
 // SAFETY: as above; copies are serialised by `copies`' lock.
 unsafe impl Sync for CudaBlock {}
@@ -128,7 +179,7 @@ impl CudaBlock {
         Ok(CudaBlock {
             kind,
             len,
-            host: device.alloc_pinned(len)?,
+            host: HostCopy::new(len)?,
             copies: Copies::new(device)?,
             memory,
             device: device.clone(),
@@ -145,7 +196,7 @@ impl CudaBlock {
         self.memory.ptr()
     }
 
-    /// Copies `len(dst)` bytes at `offset` from the device itself into `dst`, past the host mirror:
+    /// Copies `len(dst)` bytes at `offset` from the device itself into `dst`, past the host copy:
     /// what the GPU holds.
     pub fn read_device(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
         self.check(offset, dst.len())?;
@@ -158,7 +209,7 @@ impl CudaBlock {
         })
     }
 
-    /// Copies `src` onto the device at `offset`, past the host mirror, as a GPU kernel's writes
+    /// Copies `src` onto the device at `offset`, past the host copy, as a GPU kernel's writes
     /// would land: a later peer READ must see them.
     pub fn write_device(&self, offset: usize, src: &[u8]) -> Result<()> {
         self.check(offset, src.len())?;
@@ -170,7 +221,7 @@ impl CudaBlock {
         })
     }
 
-    /// Queues one copy per range between the mirror and the device on the block's stream, and
+    /// Queues one copy per range between the host copy and the device on the block's stream, and
     /// waits for all of them.
     fn copy(&self, ranges: &[(usize, usize)], direction: Direction) -> Result<()> {
         ranges.iter().try_for_each(|&(offset, len)| self.check(offset, len))?;
@@ -178,8 +229,8 @@ impl CudaBlock {
             for &(offset, len) in ranges.iter().filter(|&&(_, len)| len > 0) {
                 let device = self.memory.ptr() + offset as u64;
                 // SAFETY: `offset + len` lies in the block (checked above), so both the device range
-                // and `len` bytes of the mirror at `offset` are valid; the mirror is pinned, as
-                // asynchronous copies need, and outlives the copy, which `on_stream` waits for.
+                // and `len` bytes of the host copy at `offset` are valid; the host copy outlives the
+                // copy, which `on_stream` waits for (the driver stages pageable memory itself).
                 let host = unsafe { self.host.ptr.add(offset) }.cast::<c_void>();
                 // SAFETY: as above.
                 let code = unsafe {
@@ -188,7 +239,7 @@ impl CudaBlock {
                         Direction::ToHost => sys::cuMemcpyDtoHAsync_v2(host, device, len, stream),
                     }
                 };
-                check("queueing a copy between pinned host memory and the device", code)?;
+                check("queueing a copy between the host copy and the device", code)?;
             }
             Ok(())
         })
@@ -213,8 +264,8 @@ impl CudaBlock {
     }
 }
 
-// SAFETY: `as_ptr` is the pinned mirror, `len` bytes, readable and writable from any thread, freed
-// only when the block drops, never moved.
+// SAFETY: `as_ptr` is the host copy, a mapping of `len` bytes, readable and writable from any
+// thread, unmapped only when the block drops, never moved.
 unsafe impl MemoryBlock for CudaBlock {
     fn as_ptr(&self) -> *mut u8 {
         self.host.ptr
@@ -225,7 +276,7 @@ unsafe impl MemoryBlock for CudaBlock {
     }
 
     /// The device pointer: the program that allocated the memory names it so (a tensor's
-    /// `data_ptr()`), and so do transfer descriptors; the pinned mirror is only how the bytes move.
+    /// `data_ptr()`), and so do transfer descriptors; the host copy is only how some bytes move.
     fn address(&self) -> u64 {
         self.memory.ptr()
     }
@@ -267,5 +318,20 @@ unsafe impl MemoryBlock for CudaBlock {
 
     fn prepare_read_ranges(&self, ranges: &[(usize, usize)]) -> Result<()> {
         self.copy(ranges, Direction::ToHost)
+    }
+
+    fn device_copies(&self) -> Option<&dyn DeviceCopies> {
+        Some(self)
+    }
+}
+
+/// Copies between the device and a transport's buffers, past the host copy.
+impl DeviceCopies for CudaBlock {
+    fn copy_to_device(&self, offset: usize, src: &[u8]) -> Result<()> {
+        self.write_device(offset, src)
+    }
+
+    fn copy_from_device(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        self.read_device(offset, dst)
     }
 }

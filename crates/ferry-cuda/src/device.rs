@@ -1,7 +1,6 @@
 //! A CUDA device opened for ferry: its primary context (the one the CUDA runtime, and so PyTorch,
 //! allocates in), and the driver objects that live in it.
 
-use std::ffi::c_void;
 use std::sync::Arc;
 
 use cudarc::driver::result;
@@ -135,21 +134,6 @@ impl CudaDevice {
         unsafe { result::memset_d8_sync(ptr, 0, len) }.map_err(|e| cu_error("cuMemsetD8", e))?;
         Ok(allocation)
     }
-
-    /// `len` bytes of page-locked host memory that any context may copy to and from at full
-    /// speed (`CU_MEMHOSTALLOC_PORTABLE`), zeroed.
-    pub(crate) fn alloc_pinned(self: &Arc<Self>, len: usize) -> Result<PinnedHost> {
-        self.bind()?;
-        // SAFETY: the context is current; the memory is freed in `PinnedHost::drop`.
-        let ptr = unsafe { result::malloc_host(len, sys::CU_MEMHOSTALLOC_PORTABLE) }
-            .map_err(|e| cu_error(&format!("cuMemHostAlloc({len})"), e))?;
-        // SAFETY: the driver returned `len` writable bytes at `ptr`.
-        unsafe { std::ptr::write_bytes(ptr.cast::<u8>(), 0, len) };
-        Ok(PinnedHost {
-            ptr: ptr.cast(),
-            device: self.clone(),
-        })
-    }
 }
 
 impl CudaDevice {
@@ -249,22 +233,6 @@ impl Drop for DeviceAllocation {
         // that owns the allocation synchronises every copy before its hooks return).
         if let Err(e) = unsafe { result::free_sync(self.ptr) } {
             tracing::warn!(error = %e, "freeing CUDA device memory failed");
-        }
-    }
-}
-
-/// Page-locked host memory, freed on drop.
-pub(crate) struct PinnedHost {
-    pub(crate) ptr: *mut u8,
-    device: Arc<CudaDevice>,
-}
-
-impl Drop for PinnedHost {
-    fn drop(&mut self) {
-        let _ = self.device.bind();
-        // SAFETY: `ptr` came from `cuMemHostAlloc` and is freed once.
-        if let Err(e) = unsafe { result::free_host(self.ptr.cast::<c_void>()) } {
-            tracing::warn!(error = %e, "freeing pinned host memory failed");
         }
     }
 }

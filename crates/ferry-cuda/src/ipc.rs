@@ -1,6 +1,6 @@
 //! CUDA IPC: device memory of one process opened by another process of the same host, so that a
 //! same-host transfer into a GPU region is one device-to-device copy (or one copy between the GPU
-//! and the caller's host memory), never a bounce through the target's pinned mirror.
+//! and the caller's host memory), never a bounce through host memory.
 //!
 //! The target exports an allocation (`cuIpcGetMemHandle`): 64 opaque bytes that open the *whole*
 //! allocation, for reading and writing, in any process of the host that reaches the device. So a

@@ -7,8 +7,7 @@ use ferry_core::{Error, MemoryBlock, MemoryRegistry, Result};
 use crate::block::CudaBlock;
 use crate::device::CudaDevice;
 
-/// Allocates device memory on one device, each block staged through a pinned host mirror of its
-/// size ([`CudaBlock`]).
+/// Allocates device memory on one device, as [`CudaBlock`]s.
 #[derive(Debug, Clone)]
 pub struct CudaRegistry {
     device: Arc<CudaDevice>,

@@ -1,5 +1,5 @@
 //! CUDA memory written and read by a remote engine, every byte checked on the device (copied out of
-//! device memory past the host mirror). Without a CUDA driver and device each test prints that it
+//! device memory past the host copy). Without a CUDA driver and device each test prints that it
 //! did not run and why; with `FERRY_REQUIRE_CUDA=1` (the GPU machine's script) it fails instead.
 
 use std::sync::Arc;
@@ -81,7 +81,7 @@ async fn wait_for_region(peer: &Peer, region: &Region) {
 }
 
 /// A peer's WRITE is on the device when it completes, and a peer's READ returns what the device
-/// holds (written there past the mirror), over `transport`.
+/// holds (written there past the host copy), over `transport`.
 async fn round_trip(block: Arc<CudaBlock>, transport: TransportKind, what: &str) {
     let (target, initiator, peer) = pair(transport).await;
     let len = block.len();
@@ -131,6 +131,14 @@ async fn round_trip(block: Arc<CudaBlock>, transport: TransportKind, what: &str)
         &on_device[..64],
         &fresh[..64],
         &format!("{what}: nothing written after a refused persistent write"),
+    );
+    // A target copies between the GPU and its own buffers (TCP, and the shared-memory control
+    // link) or lends the allocation (CUDA IPC): its host copy never sees a byte.
+    // SAFETY: the block's host copy, `len` bytes, read while no transfer runs.
+    let host_copy = unsafe { std::slice::from_raw_parts(block.as_ptr(), len) };
+    assert!(
+        host_copy.iter().all(|&b| b == 0),
+        "{what}: the target's transfers went through its host copy"
     );
 }
 

@@ -106,6 +106,12 @@ pub(crate) fn overlap_pieces(parts: &[Resolved], most: u64) -> Option<Vec<Vec<Re
     if total <= most || !parts.iter().any(|p| p.region.block().has_access_hooks()) {
         return None;
     }
+    Some(pieces(parts, most))
+}
+
+/// `parts` cut into pieces of at most `most` bytes, in order (one piece at least); a part larger
+/// than what is left of a piece is split across pieces.
+pub(crate) fn pieces(parts: &[Resolved], most: u64) -> Vec<Vec<Resolved>> {
     let mut pieces = vec![Vec::new()];
     let mut room = most;
     for part in parts {
@@ -127,7 +133,115 @@ pub(crate) fn overlap_pieces(parts: &[Resolved], most: u64) -> Option<Vec<Vec<Re
             room -= n;
         }
     }
-    Some(pieces)
+    pieces
+}
+
+/// Whether every part's block copies between its device and any buffer
+/// ([`MemoryBlock::device_copies`](ferry_core::MemoryBlock::device_copies)): the target then moves
+/// the request through its stream's [`Bounces`], never through the blocks' host copies.
+pub(crate) fn through_device(parts: &[Resolved]) -> bool {
+    !parts.is_empty() && parts.iter().all(|p| p.region.block().device_copies().is_some())
+}
+
+/// A stream's buffers for payloads that do not go straight into region memory: a write into a
+/// page-cache file, and a request through devices' copies ([`through_device`]), whose pieces take
+/// turns in two buffers (one filled from or sent to the socket while the other is copied). They
+/// grow to the largest piece and stay: a stream holds at most two pieces' worth.
+#[derive(Default)]
+pub(crate) struct Bounces(Vec<Vec<u8>>);
+
+impl Bounces {
+    /// The first buffer, for a user that needs one at a time.
+    pub(crate) fn first(&mut self) -> &mut Vec<u8> {
+        if self.0.is_empty() {
+            self.0.push(Vec::new());
+        }
+        &mut self.0[0]
+    }
+
+    /// A buffer of `len` bytes, taken until it is [given back](Self::give).
+    pub(crate) fn take(&mut self, len: usize) -> Vec<u8> {
+        let mut buf = self.0.pop().unwrap_or_default();
+        buf.resize(len, 0);
+        buf
+    }
+
+    /// Keeps `buf` for the next [`take`](Self::take).
+    pub(crate) fn give(&mut self, buf: Vec<u8>) {
+        if self.0.len() < 2 {
+            self.0.push(buf);
+        }
+    }
+}
+
+/// Where a piece's copy between its devices and a buffer runs: a blocking thread, which hands the
+/// buffer back with the outcome.
+pub(crate) type DeviceCopy = tokio::task::JoinHandle<(Vec<u8>, Result<()>)>;
+
+/// Starts copying `buf`, the bytes of `piece` back to back, onto the parts' devices, each part
+/// under a permit of its region (its `PermissionDenied` once the region is being deregistered).
+pub(crate) fn to_device(piece: Vec<Resolved>, buf: Vec<u8>) -> DeviceCopy {
+    tokio::task::spawn_blocking(move || {
+        let mut at = 0usize;
+        let mut result = Ok(());
+        for p in &piece {
+            let n = p.len as usize;
+            let copied = device_copy(p, |copies, offset| copies.copy_to_device(offset, &buf[at..at + n]));
+            if result.is_ok() {
+                result = copied;
+            }
+            at += n;
+        }
+        (buf, result)
+    })
+}
+
+/// Starts copying the bytes of `piece` from the parts' devices into `buf` (as long as the piece),
+/// back to back, each part under a permit of its region; stops at the first error.
+pub(crate) fn from_device(piece: Vec<Resolved>, mut buf: Vec<u8>) -> DeviceCopy {
+    tokio::task::spawn_blocking(move || {
+        let mut at = 0usize;
+        for p in &piece {
+            let n = p.len as usize;
+            let dst = &mut buf[at..at + n];
+            if let Err(e) = device_copy(p, |copies, offset| copies.copy_from_device(offset, dst)) {
+                return (buf, Err(e));
+            }
+            at += n;
+        }
+        (buf, Ok(()))
+    })
+}
+
+/// Runs `copy` with `part`'s device copies and its offset in the block, under a permit.
+fn device_copy(part: &Resolved, copy: impl FnOnce(&dyn ferry_core::DeviceCopies, usize) -> Result<()>) -> Result<()> {
+    let region = &part.region;
+    let Some(_permit) = region.guard().enter() else {
+        return Err(region.gone());
+    };
+    region.check_range(part.offset, part.len)?;
+    match region.block().device_copies() {
+        Some(copies) => copy(copies, part.offset as usize),
+        None => Err(Error::Internal(format!(
+            "region {:?} ({}) has no device copies",
+            region.key(),
+            region.block().kind()
+        ))),
+    }
+}
+
+/// The outcome of a [`DeviceCopy`]: its buffer (empty if its thread panicked) and result.
+pub(crate) fn copied(
+    joined: std::result::Result<(Vec<u8>, Result<()>), tokio::task::JoinError>,
+) -> (Vec<u8>, Result<()>) {
+    joined.unwrap_or_else(|e| {
+        (
+            Vec::new(),
+            Err(Error::Internal(format!(
+                "a device copy on a blocking thread panicked: {e}"
+            ))),
+        )
+    })
 }
 
 /// Whether `parts` are several and some have hooks to batch (staged memory).

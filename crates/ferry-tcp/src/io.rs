@@ -734,6 +734,13 @@ impl FrameWriter {
         Ok(intact)
     }
 
+    /// Sends `bytes`, after whatever is queued: a payload from a buffer of the transport's own.
+    pub(crate) async fn send_bytes(&mut self, bytes: &[u8]) -> Result<()> {
+        self.flush().await?;
+        self.half.write_all(bytes).await.map_err(|e| self.io_error(e))?;
+        self.half.flush().await.map_err(|e| self.io_error(e))
+    }
+
     /// Sends `len` zero bytes: the rest of a payload whose memory went away, to keep the stream framed.
     pub(crate) async fn send_zeros(&mut self, mut len: u64) -> Result<()> {
         let zeros = vec![0u8; (len as usize).min(64 << 10)];

@@ -38,7 +38,7 @@ use tokio::sync::{Notify, oneshot, watch};
 use tokio::task::AbortHandle;
 use tokio::time::Instant;
 
-use crate::blocking::{OVERLAP_PIECE, Writer, overlap_pieces};
+use crate::blocking::{Bounces, OVERLAP_PIECE, Writer, copied, from_device, overlap_pieces, through_device, to_device};
 use crate::io::{Conn, FrameReader, FrameWriter, Landed, access_error};
 use crate::tls::{Session, TLS_HANDSHAKE_RECORD, TlsConfig};
 
@@ -645,7 +645,7 @@ async fn serve_requests(
     // What this stream wrote into persistent regions and no commit has persisted yet.
     let mut written = WrittenRanges::default();
     // What writes into files pass through (see `land_in_files`), kept for the stream.
-    let mut bounce = Vec::new();
+    let mut bounces = Bounces::default();
     loop {
         // Answer what is already in hand before waiting for more.
         if !reader.has_frame() {
@@ -682,7 +682,7 @@ async fn serve_requests(
                     len: payload_len,
                 };
                 let write = (id, &[seg][..], payload_len, durability);
-                serve_write(ctx, who, &mut reader, &mut written, &mut bounce, write).await?
+                serve_write(ctx, who, &mut reader, &mut written, &mut bounces, write).await?
             }
             Request::WriteBatch {
                 id,
@@ -691,7 +691,7 @@ async fn serve_requests(
                 payload_len,
             } => {
                 let write = (id, &segments[..], payload_len, durability);
-                serve_write(ctx, who, &mut reader, &mut written, &mut bounce, write).await?
+                serve_write(ctx, who, &mut reader, &mut written, &mut bounces, write).await?
             }
             Request::Commit {
                 id,
@@ -712,7 +712,14 @@ async fn serve_requests(
                 ack(id, &result)
             }
             Request::Read { id, segments } => {
-                match resolve_reads(ctx, who, &segments, shared.config.limits.max_payload).await {
+                match resolve_reads(ctx, who, &segments, shared.config.limits.max_payload, &mut bounces).await {
+                    Ok(ReadParts::Device(parts, pieces, first)) => {
+                        send_read_through_device(&mut writer, id, &parts, &pieces, first, &mut bounces).await?;
+                        ctx.served
+                            .count(ferry_core::Op::Read, parts.iter().map(|p| p.len).sum());
+                        flush_past(&mut writer, max_unsent).await?;
+                        continue;
+                    }
                     Ok(ReadParts::Prepared(parts)) => {
                         send_read_data(&mut writer, id, &parts).await?;
                         ctx.served
@@ -770,14 +777,15 @@ async fn serve_write(
     who: &PeerView,
     reader: &mut FrameReader,
     written: &mut WrittenRanges,
-    bounce: &mut Vec<u8>,
+    bounces: &mut Bounces,
     (id, segments, payload_len, durability): (OpId, &[Segment], u64, Durability),
 ) -> Result<Frame> {
     let result = match serve::write(ctx, who, segments, payload_len, durability) {
         Landing::Land(parts) => {
-            let landed = match into_files(&parts, durability) {
-                true => land_in_files(reader, &parts, bounce).await?,
-                false => land(reader, &parts).await?,
+            let landed = match (into_files(&parts, durability), through_device(&parts)) {
+                (true, _) => land_in_files(reader, &parts, bounces.first()).await?,
+                (false, true) => land_through_device(reader, &parts, bounces).await?,
+                (false, false) => land(reader, &parts).await?,
             };
             match landed {
                 // The stream's own copies wrote every byte.
@@ -902,6 +910,10 @@ enum ReadParts {
     /// A large read of staged memory, in [`overlap_pieces`]: the first piece's device copies made,
     /// each later piece's to be made while the piece before it is sent.
     Overlapped(Vec<Resolved>, Vec<Vec<Resolved>>),
+    /// A read of memory whose devices copy into any buffer ([`through_device`]), in pieces: the
+    /// first piece's bytes copied into the buffer given, each later piece's to be copied into a
+    /// stream's bounce buffer while the piece before it is sent.
+    Device(Vec<Resolved>, Vec<Vec<Resolved>>, Vec<u8>),
 }
 
 /// The memory a read sends (see [`serve::read`]), a staged block's device copies made first (of
@@ -912,8 +924,18 @@ async fn resolve_reads(
     who: &PeerView,
     segments: &[Segment],
     max_payload: u64,
+    bounces: &mut Bounces,
 ) -> Result<ReadParts> {
     let parts = serve::read(ctx, who, segments, max_payload)?;
+    if through_device(&parts) {
+        let pieces = crate::blocking::pieces(&parts, OVERLAP_PIECE);
+        let (buf, first) = copied(from_device(pieces[0].clone(), bounces.take(bytes_of(&pieces[0]))).await);
+        if let Err(e) = first {
+            bounces.give(buf);
+            return Err(e);
+        }
+        return Ok(ReadParts::Device(parts, pieces, buf));
+    }
     // A staged block's device copies: off the runtime, under a permit.
     match overlap_pieces(&parts, OVERLAP_PIECE) {
         None => {
@@ -966,6 +988,50 @@ async fn send_read_overlapped(
     };
     end_read(writer, status);
     Ok(())
+}
+
+/// Answers a read of memory whose devices copy into any buffer ([`ReadParts::Device`]): each
+/// piece is sent from a bounce buffer while the next piece is copied from the devices into the
+/// other, so that the blocks' host copies are never touched. A copy that fails once the header is
+/// out fails the read by its status, as in [`send_read_overlapped`].
+async fn send_read_through_device(
+    writer: &mut FrameWriter,
+    id: OpId,
+    parts: &[Resolved],
+    pieces: &[Vec<Resolved>],
+    first: Vec<u8>,
+    bounces: &mut Bounces,
+) -> Result<()> {
+    let total: u64 = parts.iter().map(|p| p.len).sum();
+    writer.push(&Frame::ReadData { id: id.0 }, total + ReadStatus::LEN)?;
+    let mut ready = first;
+    for k in 0..pieces.len() {
+        let next = pieces
+            .get(k + 1)
+            .map(|p| from_device(p.clone(), bounces.take(bytes_of(p))));
+        let sent = writer.send_bytes(&ready).await;
+        bounces.give(std::mem::take(&mut ready));
+        sent?;
+        let Some(next) = next else { break };
+        let (buf, result) = copied(next.await);
+        if let Err(e) = result {
+            bounces.give(buf);
+            tracing::warn!(error = %e, "a copy from the device failed while a read was sent");
+            writer
+                .send_zeros(pieces[k + 1..].iter().map(|p| bytes_of(p) as u64).sum())
+                .await?;
+            end_read(writer, ReadStatus::Unbacked);
+            return Ok(());
+        }
+        ready = buf;
+    }
+    end_read(writer, read_status(parts, true));
+    Ok(())
+}
+
+/// How many bytes `parts` hold.
+fn bytes_of(parts: &[Resolved]) -> usize {
+    parts.iter().map(|p| p.len as usize).sum()
 }
 
 /// The CRC32C of each range a transfer with integrity wrote or read here, as memory holds it now (for
@@ -1026,6 +1092,48 @@ async fn land_overlapped(reader: &mut FrameReader, pieces: &[Vec<Resolved>]) -> 
         if result.is_ok() {
             result = committed;
         }
+    }
+    Ok(result)
+}
+
+/// [`land`] for memory whose devices copy from any buffer ([`through_device`]): the payload is read
+/// in pieces into a stream's bounce buffers, each piece copied onto the devices while the next one
+/// arrives, so that the blocks' host copies are never touched. Every piece is read whatever
+/// happens to the copies (the stream stays framed) and every copy is waited for before this
+/// returns; the first failed copy is the write's error.
+async fn land_through_device(
+    reader: &mut FrameReader,
+    parts: &[Resolved],
+    bounces: &mut Bounces,
+) -> Result<Result<()>> {
+    let mut result = Ok(());
+    let mut keep_first = |outcome: Result<()>| {
+        if result.is_ok() {
+            result = outcome;
+        }
+    };
+    let mut copying: Option<crate::blocking::DeviceCopy> = None;
+    for piece in crate::blocking::pieces(parts, OVERLAP_PIECE) {
+        let mut buf = bounces.take(bytes_of(&piece));
+        let read = match copying.take() {
+            Some(copy) => {
+                let (read, joined) = tokio::join!(reader.read_exact(&mut buf), copy);
+                let (before, outcome) = copied(joined);
+                bounces.give(before);
+                keep_first(outcome);
+                read
+            }
+            None => reader.read_exact(&mut buf).await,
+        };
+        read?;
+        // SAFETY: `buf` is this function's own buffer, just filled.
+        unsafe { ferry_core::integrity::fault::landed_raw(buf.as_mut_ptr(), buf.len()) };
+        copying = Some(to_device(piece, buf));
+    }
+    if let Some(copy) = copying {
+        let (last, outcome) = copied(copy.await);
+        bounces.give(last);
+        keep_first(outcome);
     }
     Ok(result)
 }

@@ -11,7 +11,8 @@ use std::time::Duration;
 
 use common::{LEN, T, bytes, pair, pair_with, pattern};
 use ferry_core::{
-    Access, DataLink, DmaView, Error, MemoryBlock, Notification, Op, OwnedBuffer, RegionEntry, RegionKey, Result,
+    Access, DataLink, DeviceCopies, DmaView, Error, MemoryBlock, Notification, Op, OwnedBuffer, RegionEntry, RegionKey,
+    Result,
 };
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -180,11 +181,15 @@ struct Device {
     last_byte_in_at_first_commit: Mutex<Option<bool>>,
     fail_prepare_at: Option<usize>,
     prepare_calls: std::sync::atomic::AtomicUsize,
+    /// Whether it also copies between the device and any buffer (`MemoryBlock::device_copies`),
+    /// as CUDA memory does, or only between the device and its host copy.
+    any_buffer: bool,
 }
 
 impl Device {
-    fn new(len: usize, fail_prepare_at: Option<usize>) -> Self {
+    fn new(len: usize, fail_prepare_at: Option<usize>, any_buffer: bool) -> Self {
         Device {
+            any_buffer,
             mirror: OwnedBuffer::new(vec![0u8; len]),
             device: Mutex::new(vec![0u8; len]),
             commits: Mutex::new(Vec::new()),
@@ -227,15 +232,47 @@ unsafe impl MemoryBlock for Device {
         Ok(())
     }
     fn prepare_read(&self, offset: usize, len: usize) -> Result<()> {
+        self.counted_prepare(offset, len)?;
+        let device = self.device.lock().unwrap();
+        // SAFETY: `offset..offset + len` lies in the host copy; nothing holds a Rust reference to
+        // its bytes.
+        unsafe { std::ptr::copy_nonoverlapping(device[offset..].as_ptr(), self.as_ptr().add(offset), len) };
+        Ok(())
+    }
+    fn device_copies(&self) -> Option<&dyn DeviceCopies> {
+        self.any_buffer.then_some(self as &dyn DeviceCopies)
+    }
+}
+
+impl Device {
+    /// Counts a copy from the device, failing the one asked to fail.
+    fn counted_prepare(&self, offset: usize, len: usize) -> Result<()> {
         let call = self.prepare_calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         if self.fail_prepare_at == Some(call) {
             return Err(Error::Internal("the emulated device's copy failed".into()));
         }
         self.prepares.lock().unwrap().push((offset, len));
-        let device = self.device.lock().unwrap();
-        // SAFETY: `offset..offset + len` lies in the host copy; nothing holds a Rust reference to
-        // its bytes.
-        unsafe { std::ptr::copy_nonoverlapping(device[offset..].as_ptr(), self.as_ptr().add(offset), len) };
+        Ok(())
+    }
+
+    /// Whether the host copy is all zeros: nothing ever went through it.
+    fn host_copy_untouched(&self) -> bool {
+        // SAFETY: the host copy's bytes, read while no transfer runs.
+        unsafe { std::slice::from_raw_parts(self.as_ptr(), self.len()) }
+            .iter()
+            .all(|&b| b == 0)
+    }
+}
+
+impl DeviceCopies for Device {
+    fn copy_to_device(&self, offset: usize, src: &[u8]) -> Result<()> {
+        self.device.lock().unwrap()[offset..offset + src.len()].copy_from_slice(src);
+        self.commits.lock().unwrap().push((offset, src.len()));
+        Ok(())
+    }
+    fn copy_from_device(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        self.counted_prepare(offset, dst.len())?;
+        dst.copy_from_slice(&self.device.lock().unwrap()[offset..offset + dst.len()]);
         Ok(())
     }
 }
@@ -244,8 +281,8 @@ const DEVICE_LEN: usize = 16 << 20;
 
 /// A pair whose target serves an emulated [`Device`] of [`DEVICE_LEN`] bytes, the local region as
 /// long, over one stream: a descriptor of the whole region is one request, of four pieces.
-async fn device_pair(fail_prepare_at: Option<usize>) -> (common::Pair, Arc<Device>) {
-    let device = Arc::new(Device::new(DEVICE_LEN, fail_prepare_at));
+async fn device_pair(fail_prepare_at: Option<usize>, any_buffer: bool) -> (common::Pair, Arc<Device>) {
+    let device = Arc::new(Device::new(DEVICE_LEN, fail_prepare_at, any_buffer));
     let remote = Arc::new(RegionEntry::new(RegionKey(0x51), Access::READ_WRITE, device.clone()).unwrap());
     let mut p = pair_with(remote, 1).await;
     let local: Arc<dyn MemoryBlock> = Arc::new(OwnedBuffer::new(vec![0u8; DEVICE_LEN]));
@@ -276,7 +313,7 @@ fn tiles(mut ranges: Vec<(usize, usize)>, len: usize) -> bool {
 /// device exactly once, and the write completed only after the last copy.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_large_write_into_staged_memory_overlaps_its_device_copies_with_the_network() {
-    let (p, device) = device_pair(None).await;
+    let (p, device) = device_pair(None, false).await;
     let src = nonzero(DEVICE_LEN, 3);
     p.local.copy_in(0, &src).unwrap();
     p.run(p.request(Op::Write, &[(0, DEVICE_LEN as u64)])).await.unwrap();
@@ -295,7 +332,7 @@ async fn a_large_write_into_staged_memory_overlaps_its_device_copies_with_the_ne
 /// piece's copy running meanwhile: what arrives is the device's bytes, every one of them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_large_read_of_staged_memory_sends_the_devices_bytes_piece_by_piece() {
-    let (p, device) = device_pair(None).await;
+    let (p, device) = device_pair(None, false).await;
     let on_device = nonzero(DEVICE_LEN, 5);
     device.device.lock().unwrap().copy_from_slice(&on_device);
     p.run(p.request(Op::Read, &[(0, DEVICE_LEN as u64)])).await.unwrap();
@@ -308,11 +345,12 @@ async fn a_large_read_of_staged_memory_sends_the_devices_bytes_piece_by_piece() 
 }
 
 /// A copy from the device that fails fails the read, whether it was the first piece's (before any
-/// byte was sent) or a later one's (after the header went out), and the link serves on.
+/// byte was sent) or a later one's (after the header went out), through the host copy or past it,
+/// and the link serves on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_device_copy_fails_the_read_before_or_after_its_first_byte() {
-    for fail_at in [0, 3] {
-        let (p, device) = device_pair(Some(fail_at)).await;
+    for (fail_at, any_buffer) in [(0, false), (3, false), (0, true), (3, true)] {
+        let (p, device) = device_pair(Some(fail_at), any_buffer).await;
         device.device.lock().unwrap().copy_from_slice(&nonzero(DEVICE_LEN, 1));
         let err = p.run(p.request(Op::Read, &[(0, DEVICE_LEN as u64)])).await.unwrap_err();
         match fail_at {
@@ -323,6 +361,40 @@ async fn a_failed_device_copy_fails_the_read_before_or_after_its_first_byte() {
         p.run(p.request(Op::Read, &[(0, 4096)])).await.unwrap();
         let mut got = vec![0u8; 4096];
         p.local.copy_out(0, &mut got).unwrap();
-        assert_eq!(got, nonzero(DEVICE_LEN, 1)[..4096], "fail at {fail_at}");
+        assert_eq!(
+            got,
+            nonzero(DEVICE_LEN, 1)[..4096],
+            "fail at {fail_at}, any buffer: {any_buffer}"
+        );
     }
+}
+
+/// Memory whose device copies to and from any buffer (CUDA's) is moved by the target through its
+/// stream's own buffers, large requests and small, in pieces: every byte reaches the device, or
+/// comes from it, and the host copy in front of the device is never touched, so that it costs no
+/// memory however large the region.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_a_device_copies_from_any_buffer_never_goes_through_its_host_copy() {
+    let (p, device) = device_pair(None, true).await;
+    let src = nonzero(DEVICE_LEN, 9);
+    p.local.copy_in(0, &src).unwrap();
+    p.run(p.request(Op::Write, &[(0, DEVICE_LEN as u64)])).await.unwrap();
+    assert!(*device.device.lock().unwrap() == src, "every byte is on the device");
+    let commits = device.commits.lock().unwrap().clone();
+    assert!(commits.len() > 1, "one copy for the whole write: {commits:?}");
+    assert!(tiles(commits, DEVICE_LEN), "each byte copied to the device once");
+
+    // A small write, and reads large and small, of what the device holds.
+    p.local.copy_in(4096, &[0xee; 4096]).unwrap();
+    p.run(p.request(Op::Write, &[(4096, 4096)])).await.unwrap();
+    assert_eq!(device.device.lock().unwrap()[4096..8192], [0xee; 4096]);
+    let on_device = nonzero(DEVICE_LEN, 11);
+    device.device.lock().unwrap().copy_from_slice(&on_device);
+    p.local.copy_in(0, &vec![0u8; DEVICE_LEN]).unwrap();
+    p.run(p.request(Op::Read, &[(0, DEVICE_LEN as u64)])).await.unwrap();
+    let mut got = vec![0u8; DEVICE_LEN];
+    p.local.copy_out(0, &mut got).unwrap();
+    assert!(got == on_device, "the read carried the device's bytes");
+    p.run(p.request(Op::Read, &[(100, 10)])).await.unwrap();
+    assert!(device.host_copy_untouched(), "a byte went through the host copy");
 }

@@ -111,10 +111,15 @@ impl Region {
         self.entry.block().persistent()
     }
 
-    /// Copies `src` into the region at `offset` (and on to the device, for staged GPU memory).
+    /// Copies `src` into the region at `offset` (and on to the device, for staged GPU memory; straight
+    /// onto it where the block copies from any buffer).
     pub fn write_at(&self, offset: u64, src: &[u8]) -> Result<()> {
         // One permit across the copy and the hook (the staged block's device copy).
         let _permit = self.entry.guard().enter().ok_or_else(|| self.entry.gone())?;
+        if let Some(copies) = self.entry.block().device_copies() {
+            self.entry.check_range(offset, src.len() as u64)?;
+            return copies.copy_to_device(offset as usize, src);
+        }
         self.entry.copy_in(offset, src)?;
         // A mapped file that shrank meanwhile took the bytes into zero pages: say so.
         self.entry.block().check_backing()?;
@@ -135,11 +140,14 @@ impl Region {
     }
 
     /// Copies from the region at `offset` into `dst` (fetching from the device first, for staged GPU
-    /// memory).
+    /// memory; straight from it where the block copies into any buffer).
     pub fn read_at(&self, offset: u64, dst: &mut [u8]) -> Result<()> {
         self.entry.check_range(offset, dst.len() as u64)?;
         // One permit across the hook (the staged block's device copy) and the copy.
         let _permit = self.entry.guard().enter().ok_or_else(|| self.entry.gone())?;
+        if let Some(copies) = self.entry.block().device_copies() {
+            return copies.copy_from_device(offset as usize, dst);
+        }
         self.entry.block().prepare_read(offset as usize, dst.len())?;
         self.entry.copy_out(offset, dst)?;
         self.entry.block().check_backing()
