@@ -308,19 +308,25 @@ fn tiles(mut ranges: Vec<(usize, usize)>, len: usize) -> bool {
     at == len
 }
 
-/// A large write into staged memory is copied to the device piece by piece while the rest of its
-/// payload still arrives: the first copy ran before the last byte had come, every byte reached the
-/// device exactly once, and the write completed only after the last copy.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_large_write_into_staged_memory_overlaps_its_device_copies_with_the_network() {
-    let (p, device) = device_pair(None, false).await;
-    let src = nonzero(DEVICE_LEN, 3);
+/// Writes the whole region from the local one: every byte reaches the device, each copied there
+/// once, in more than one copy.
+async fn write_whole_region(p: &common::Pair, device: &Device, seed: usize) {
+    let src = nonzero(DEVICE_LEN, seed);
     p.local.copy_in(0, &src).unwrap();
     p.run(p.request(Op::Write, &[(0, DEVICE_LEN as u64)])).await.unwrap();
     assert!(*device.device.lock().unwrap() == src, "every byte is on the device");
     let commits = device.commits.lock().unwrap().clone();
     assert!(commits.len() > 1, "one copy for the whole write: {commits:?}");
     assert!(tiles(commits, DEVICE_LEN), "each byte copied to the device once");
+}
+
+/// A large write into staged memory is copied to the device piece by piece while the rest of its
+/// payload still arrives: the first copy ran before the last byte had come, every byte reached the
+/// device exactly once, and the write completed only after the last copy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_write_into_staged_memory_overlaps_its_device_copies_with_the_network() {
+    let (p, device) = device_pair(None, false).await;
+    write_whole_region(&p, &device, 3).await;
     assert_eq!(
         *device.last_byte_in_at_first_commit.lock().unwrap(),
         Some(false),
@@ -376,13 +382,7 @@ async fn a_failed_device_copy_fails_the_read_before_or_after_its_first_byte() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn memory_a_device_copies_from_any_buffer_never_goes_through_its_host_copy() {
     let (p, device) = device_pair(None, true).await;
-    let src = nonzero(DEVICE_LEN, 9);
-    p.local.copy_in(0, &src).unwrap();
-    p.run(p.request(Op::Write, &[(0, DEVICE_LEN as u64)])).await.unwrap();
-    assert!(*device.device.lock().unwrap() == src, "every byte is on the device");
-    let commits = device.commits.lock().unwrap().clone();
-    assert!(commits.len() > 1, "one copy for the whole write: {commits:?}");
-    assert!(tiles(commits, DEVICE_LEN), "each byte copied to the device once");
+    write_whole_region(&p, &device, 9).await;
 
     // A small write, and reads large and small, of what the device holds.
     p.local.copy_in(4096, &[0xee; 4096]).unwrap();
