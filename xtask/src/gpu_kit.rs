@@ -2,7 +2,8 @@
 //! here, because such a machine may have no Rust toolchain: the `ferry` binary, the CUDA test
 //! programs (ferry-cuda's `gpu` tests and ferry-cli's two-process `cuda` tests), ferry-cuda's
 //! `copy_bandwidth` example, all stripped, and `run.sh`, which runs them as one script with
-//! `FERRY_REQUIRE_CUDA=1` (a missing device fails) and prints the bench figures and their ratios.
+//! `FERRY_REQUIRE_CUDA=1` (a missing device fails) and prints the bench figures and their ratios, and
+//! the host memory a server of 8 GiB of CUDA memory holds after transfers over TCP.
 //!
 //! Carry the folder there and run `bash target/gpu-kit/run.sh`; what it writes goes to `$OUT` (or
 //! `out/` beside it).
@@ -139,6 +140,18 @@ bench() { "$kit/ferry" bench --op "$1" --size 1MiB --batch 1 --duration 3s --jso
     echo "gpu_to_gpu $(bench write --transport shm --local-mem cuda --peer 127.0.0.1:$port)"
     kill $serve 2>/dev/null; wait $serve 2>/dev/null
     echo "device_copy $("$kit/copy_bandwidth" 1048576 3 2>>"$errors")"
+    # What serving GPU memory over TCP costs in host memory: an 8 GiB CUDA region, 16 MiB writes and
+    # reads into it, then the server's resident set (its transfers go through bounded buffers).
+    port=$((20000 + RANDOM % 20000))
+    "$kit/ferry" serve --listen 127.0.0.1:$port --region-size 8GiB --mem cuda >"$out/serve-8g.log" 2>&1 &
+    serve=$!
+    for _ in $(seq 100); do grep -q listening "$out/serve-8g.log" && break; sleep 0.2; done
+    for op in write read; do
+        "$kit/ferry" bench --op $op --size 16MiB --batch 4 --duration 3s --transport tcp \
+            --peer 127.0.0.1:$port --json 2>>"$errors" | tail -1 | sed "s/^/served_$op /"
+    done
+    echo "served_rss {\"kib\": $(awk '/^VmRSS/ {print $2}' /proc/$serve/status 2>/dev/null || echo null)}"
+    kill $serve 2>/dev/null; wait $serve 2>/dev/null
 } | tee "$out/bench"
 cat "$errors" 2>/dev/null
 python3 - "$out/bench" <<'PY' | tee "$out/ratios"
@@ -146,10 +159,15 @@ import json, sys
 gb = {}
 for line in open(sys.argv[1]):
     name, _, rest = line.partition(" ")
+    if name == "served_rss":
+        continue
     try:
         gb[name] = json.loads(rest)["gb_per_s"]
     except (ValueError, KeyError):
         print(f"{name}: no figure (see bench-errors)")
+for name in ("served_write", "served_read"):
+    if name in gb:
+        print(f"{name}: 16 MiB transfers with a server of an 8 GiB CUDA region, over TCP: {gb[name]:.2f} GB/s")
 def ratio(row, a, b, target):
     if a in gb and b in gb and gb[b] > 0:
         r = gb[a] / gb[b]
@@ -157,6 +175,13 @@ def ratio(row, a, b, target):
 ratio("cu", "cuda_write", "host_write", 0.8)
 ratio("cu2", "cuda_read", "cuda_write", 0.8)
 ratio("cu3", "gpu_to_gpu", "device_copy", 0.8)
+try:
+    kib = json.loads(next(l for l in open(sys.argv[1]) if l.startswith("served_rss ")).split(" ", 1)[1])["kib"]
+    mib = kib / 1024
+    print(f"host memory of a server of 8 GiB of CUDA memory over TCP: {mib:.0f} MiB resident "
+          f"(bounded: < 1024) {'ok' if mib < 1024 else 'MISSED'}")
+except (StopIteration, ValueError, KeyError, TypeError):
+    print("served_rss: no figure (see bench-errors)")
 PY
 if [ ${#failed[@]} -gt 0 ]; then echo "failed: ${failed[*]}"; exit 1; fi
 echo "all GPU checks passed"
@@ -165,6 +190,23 @@ echo "all GPU checks passed"
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The script is only run on a GPU machine, where a syntax error would cost its whole turn:
+    /// `bash -n` reads it here.
+    #[test]
+    fn the_script_parses() {
+        let dir = std::env::temp_dir().join(format!("ferry-gpu-kit-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let script = dir.join("run.sh");
+        std::fs::write(&script, RUN_SH).unwrap();
+        let checked = Command::new("bash").arg("-n").arg(&script).output().unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(
+            checked.status.success(),
+            "bash -n: {}",
+            String::from_utf8_lossy(&checked.stderr)
+        );
+    }
 
     #[test]
     fn the_test_program_is_read_from_cargos_messages() {
