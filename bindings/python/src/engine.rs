@@ -318,8 +318,8 @@ impl Engine {
     /// Registers `length` bytes at the raw address `addr`, memory Python cannot see (a tensor's
     /// `data_ptr()`). The caller keeps it valid until the region is deregistered; pass the object
     /// that owns it as `owner` and the engine keeps that alive until then. CUDA device memory (a
-    /// CUDA tensor's, asked of the driver) is registered as such, staged through pinned host
-    /// memory; an address that is neither mapped host memory nor one CUDA allocation is refused.
+    /// CUDA tensor's, asked of the driver) is registered as such, staged (`Region.kind` says so);
+    /// an address that is neither mapped host memory nor one CUDA allocation is refused.
     #[pyo3(signature = (addr, length, access = 3, owner = None))]
     fn register_ptr(
         slf: &Bound<'_, Self>,

@@ -163,7 +163,7 @@ class Engine:
     def register_ptr(self, addr: int, length: int, access: int = 3, owner: Any = None) -> Region:
         """Registers raw memory (``tensor.data_ptr()``) the caller keeps valid; ``owner`` is kept
         alive until deregistered. CUDA device memory (asked of the driver) is registered as such,
-        staged through pinned host memory (``Region.kind`` says so); an unmapped range is refused."""
+        staged (``Region.kind`` says so); an unmapped range is refused."""
     def alloc_host(self, length: int, access: int = 3) -> Region: ...
     def register_file(
         self, path: Union[str, "os.PathLike[str]"], length: int, offset: int = 0, access: int = 3

@@ -8,8 +8,8 @@ resolve to this package's modules in that program (and in Python processes it st
 ``import nixl`` still finds a real NIXL installation. Code written for ferry can use the agent
 directly: ``from ferry.nixl import nixl_agent, nixl_agent_config``.
 
-Host memory (``"DRAM"``) and CUDA device memory (``"VRAM"``, named by device pointers, staged through
-pinned host memory). Everything exchanged between processes
+Host memory (``"DRAM"``) and CUDA device memory (``"VRAM"``, named by device pointers, staged
+between the GPU and host buffers). Everything exchanged between processes
 (agent metadata, serialized descriptor lists, notifications) is in ferry.nixl's own versioned,
 bounds-checked formats, never pickled.
 """
