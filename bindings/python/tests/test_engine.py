@@ -730,8 +730,8 @@ def test_cpu_tensors_move_by_data_ptr(pair, torch):
 
 
 def test_cuda_tensors_move_by_data_ptr(pair, torch):
-    """A CUDA tensor registered by `data_ptr()` is device memory (the driver says so), staged
-    through pinned host memory: a peer's write is on the GPU when it completes, and a peer's read
+    """A CUDA tensor registered by `data_ptr()` is device memory (the driver says so), staged:
+    a peer's write is on the GPU when it completes, and a peer's read
     returns what the GPU holds. Needs a CUDA device; FERRY_REQUIRE_CUDA=1 makes its absence a
     failure (the GPU machine's script sets it)."""
     if not torch.cuda.is_available():
