@@ -136,7 +136,7 @@ bench() { "$kit/ferry" bench --op "$1" --size 1MiB --batch 1 --duration 3s --jso
     port=$((20000 + RANDOM % 20000))
     "$kit/ferry" serve --listen 127.0.0.1:$port --region-size 512MiB --mem cuda >"$out/serve.log" 2>&1 &
     serve=$!
-    for _ in $(seq 50); do grep -q listening "$out/serve.log" && break; sleep 0.2; done
+    for _ in $(seq 50); do grep -q listening "$out/serve.log" && break; kill -0 $serve 2>/dev/null || break; sleep 0.2; done
     echo "gpu_to_gpu $(bench write --transport shm --local-mem cuda --peer 127.0.0.1:$port)"
     kill $serve 2>/dev/null; wait $serve 2>/dev/null
     echo "device_copy $("$kit/copy_bandwidth" 1048576 3 2>>"$errors")"
@@ -145,7 +145,7 @@ bench() { "$kit/ferry" bench --op "$1" --size 1MiB --batch 1 --duration 3s --jso
     port=$((20000 + RANDOM % 20000))
     "$kit/ferry" serve --listen 127.0.0.1:$port --region-size 8GiB --mem cuda >"$out/serve-8g.log" 2>&1 &
     serve=$!
-    for _ in $(seq 100); do grep -q listening "$out/serve-8g.log" && break; sleep 0.2; done
+    for _ in $(seq 100); do grep -q listening "$out/serve-8g.log" && break; kill -0 $serve 2>/dev/null || break; sleep 0.2; done
     for op in write read; do
         "$kit/ferry" bench --op $op --size 16MiB --batch 4 --duration 3s --transport tcp \
             --peer 127.0.0.1:$port --json 2>>"$errors" | tail -1 | sed "s/^/served_$op /"
