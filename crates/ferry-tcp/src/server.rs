@@ -713,24 +713,9 @@ async fn serve_requests(
             }
             Request::Read { id, segments } => {
                 match resolve_reads(ctx, who, &segments, shared.config.limits.max_payload, &mut bounces).await {
-                    Ok(ReadParts::Device(parts, pieces, first)) => {
-                        send_read_through_device(&mut writer, id, &parts, &pieces, first, &mut bounces).await?;
-                        ctx.served
-                            .count(ferry_core::Op::Read, parts.iter().map(|p| p.len).sum());
-                        flush_past(&mut writer, max_unsent).await?;
-                        continue;
-                    }
-                    Ok(ReadParts::Prepared(parts)) => {
-                        send_read_data(&mut writer, id, &parts).await?;
-                        ctx.served
-                            .count(ferry_core::Op::Read, parts.iter().map(|p| p.len).sum());
-                        flush_past(&mut writer, max_unsent).await?;
-                        continue;
-                    }
-                    Ok(ReadParts::Overlapped(parts, pieces)) => {
-                        send_read_overlapped(&mut writer, id, &parts, &pieces).await?;
-                        ctx.served
-                            .count(ferry_core::Op::Read, parts.iter().map(|p| p.len).sum());
+                    Ok(read) => {
+                        let sent = send_read(&mut writer, id, read, &mut bounces).await?;
+                        ctx.served.count(ferry_core::Op::Read, sent);
                         flush_past(&mut writer, max_unsent).await?;
                         continue;
                     }
@@ -914,6 +899,25 @@ enum ReadParts {
     /// first piece's bytes copied into the buffer given, each later piece's to be copied into a
     /// stream's bounce buffer while the piece before it is sent.
     Device(Vec<Resolved>, Vec<Vec<Resolved>>, Vec<u8>),
+}
+
+/// Answers a read the way its memory is brought from the device; the bytes it sent.
+async fn send_read(writer: &mut FrameWriter, id: OpId, read: ReadParts, bounces: &mut Bounces) -> Result<u64> {
+    let parts = match read {
+        ReadParts::Prepared(parts) => {
+            send_read_data(writer, id, &parts).await?;
+            parts
+        }
+        ReadParts::Overlapped(parts, pieces) => {
+            send_read_overlapped(writer, id, &parts, &pieces).await?;
+            parts
+        }
+        ReadParts::Device(parts, pieces, first) => {
+            send_read_through_device(writer, id, &parts, &pieces, first, bounces).await?;
+            parts
+        }
+    };
+    Ok(parts.iter().map(|p| p.len).sum())
 }
 
 /// The memory a read sends (see [`serve::read`]), a staged block's device copies made first (of
