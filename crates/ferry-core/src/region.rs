@@ -348,6 +348,31 @@ pub fn file_pieces(len: u64) -> impl Iterator<Item = (u64, usize)> {
         .map(move |at| (at, (len - at).min(FILE_WRITE_CHUNK as u64) as usize))
 }
 
+/// `items` in order, cut into batches of at most `most` bytes (`len` of each; one batch at least):
+/// an item larger than what is left of a batch is split across batches, `part(item, skip, take)`
+/// being its bytes `[skip, skip + take)`. What bounds a device copy, a chunk of a shared-memory copy
+/// or a piece of a payload overlapped with the network.
+pub fn cut<T>(items: &[T], most: u64, len: impl Fn(&T) -> u64, part: impl Fn(&T, u64, u64) -> T) -> Vec<Vec<T>> {
+    let mut batches = vec![Vec::new()];
+    let mut room = most;
+    for item in items {
+        let mut done = 0;
+        while done < len(item) {
+            if room == 0 {
+                batches.push(Vec::new());
+                room = most;
+            }
+            let n = (len(item) - done).min(room);
+            if let Some(batch) = batches.last_mut() {
+                batch.push(part(item, done, n));
+            }
+            done += n;
+            room -= n;
+        }
+    }
+    batches
+}
+
 /// The first `n` bytes of `bounce`, grown to hold them.
 pub fn bounce_piece(bounce: &mut Vec<u8>, n: usize) -> &mut [u8] {
     if bounce.len() < n {

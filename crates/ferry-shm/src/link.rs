@@ -896,21 +896,18 @@ async fn copy_device(_: Op, items: Vec<(TransferItem, usize)>, _: &[Arc<Mapping>
     Ok(items.into_iter().map(|(item, _)| item).collect())
 }
 
-/// `copies` in order, cut into batches of at most `most` bytes (see [`cut`]).
+/// `copies` in order, cut into batches of at most `most` bytes (see [`ferry_core::region::cut`]).
 #[cfg(feature = "cuda")]
 fn device_batches(copies: &[ferry_cuda::ipc::WindowCopy], most: u64) -> Vec<Vec<ferry_cuda::ipc::WindowCopy>> {
-    cut(
+    ferry_core::region::cut(
         copies,
-        most as usize,
-        |c| c.len as usize,
-        |c, done, n| {
-            let (done, n) = (done as u64, n as u64);
-            ferry_cuda::ipc::WindowCopy {
-                local: c.local + done,
-                offset: c.offset + done,
-                len: n,
-                into_window: c.into_window,
-            }
+        most,
+        |c| c.len,
+        |c, done, n| ferry_cuda::ipc::WindowCopy {
+            local: c.local + done,
+            offset: c.offset + done,
+            len: n,
+            into_window: c.into_window,
         },
     )
 }
@@ -918,40 +915,16 @@ fn device_batches(copies: &[ferry_cuda::ipc::WindowCopy], most: u64) -> Vec<Vec<
 /// `pieces` in order, cut into chunks of at most `most` bytes (a piece larger than what is left of a
 /// chunk is split across chunks).
 fn chunked(pieces: &[Piece], most: usize) -> Vec<Vec<Piece>> {
-    cut(
+    ferry_core::region::cut(
         pieces,
-        most,
-        |p| p.len,
+        most as u64,
+        |p| p.len as u64,
         |p, done, n| Piece {
-            src: p.src.wrapping_add(done),
-            dst: p.dst.wrapping_add(done),
-            len: n,
+            src: p.src.wrapping_add(done as usize),
+            dst: p.dst.wrapping_add(done as usize),
+            len: n as usize,
         },
     )
-}
-
-/// `items` in order, cut into batches of at most `most` bytes (`len` of each): an item larger than
-/// what is left of a batch is split across batches, `part(item, skip, take)` being its bytes
-/// `[skip, skip + take)`.
-fn cut<T>(items: &[T], most: usize, len: impl Fn(&T) -> usize, part: impl Fn(&T, usize, usize) -> T) -> Vec<Vec<T>> {
-    let mut batches = vec![Vec::new()];
-    let mut room = most;
-    for item in items {
-        let mut done = 0;
-        while done < len(item) {
-            if room == 0 {
-                batches.push(Vec::new());
-                room = most;
-            }
-            let n = (len(item) - done).min(room);
-            if let Some(batch) = batches.last_mut() {
-                batch.push(part(item, done, n));
-            }
-            done += n;
-            room -= n;
-        }
-    }
-    batches
 }
 
 impl ShmLink {

@@ -112,28 +112,16 @@ pub(crate) fn overlap_pieces(parts: &[Resolved], most: u64) -> Option<Vec<Vec<Re
 /// `parts` cut into pieces of at most `most` bytes, in order (one piece at least); a part larger
 /// than what is left of a piece is split across pieces.
 pub(crate) fn pieces(parts: &[Resolved], most: u64) -> Vec<Vec<Resolved>> {
-    let mut pieces = vec![Vec::new()];
-    let mut room = most;
-    for part in parts {
-        let mut done = 0;
-        while done < part.len {
-            if room == 0 {
-                pieces.push(Vec::new());
-                room = most;
-            }
-            let n = (part.len - done).min(room);
-            if let Some(piece) = pieces.last_mut() {
-                piece.push(Resolved {
-                    region: part.region.clone(),
-                    offset: part.offset + done,
-                    len: n,
-                });
-            }
-            done += n;
-            room -= n;
-        }
-    }
-    pieces
+    ferry_core::region::cut(
+        parts,
+        most,
+        |p| p.len,
+        |p, done, n| Resolved {
+            region: p.region.clone(),
+            offset: p.offset + done,
+            len: n,
+        },
+    )
 }
 
 /// Whether every part's block copies between its device and any buffer
@@ -213,13 +201,13 @@ pub(crate) fn from_device(piece: Vec<Resolved>, mut buf: Vec<u8>) -> DeviceCopy 
     })
 }
 
-/// Runs `copy` with `part`'s device copies and its offset in the block, under a permit.
+/// Runs `copy` with `part`'s device copies and its offset in the block, under a permit (its range
+/// was checked when the part was resolved).
 fn device_copy(part: &Resolved, copy: impl FnOnce(&dyn ferry_core::DeviceCopies, usize) -> Result<()>) -> Result<()> {
     let region = &part.region;
     let Some(_permit) = region.guard().enter() else {
         return Err(region.gone());
     };
-    region.check_range(part.offset, part.len)?;
     match region.block().device_copies() {
         Some(copies) => copy(copies, part.offset as usize),
         None => Err(Error::Internal(format!(
