@@ -30,6 +30,58 @@ pub fn crc32c(bytes: &[u8]) -> u32 {
     crc_fast::checksum(crc_fast::CrcAlgorithm::Crc32Iscsi, bytes) as u32
 }
 
+/// The CRC32C of `a` followed by `bytes`, given `sum`, the CRC32C of `a`.
+pub fn crc32c_append(sum: u32, bytes: &[u8]) -> u32 {
+    let next = crc32c(bytes) as u64;
+    crc_fast::checksum_combine(crc_fast::CrcAlgorithm::Crc32Iscsi, sum as u64, next, bytes.len() as u64) as u32
+}
+
+/// The CRC32C of each of a list of ranges, taken from their bytes as they pass back to back in
+/// pieces that need not start or end where a range does (a payload moved through a buffer of its
+/// own rather than read in place).
+#[derive(Debug, Clone)]
+pub struct RunningSums {
+    lens: Vec<u64>,
+    sums: Vec<u32>,
+    /// The range the next byte belongs to, and how many of its bytes have passed.
+    index: usize,
+    done: u64,
+}
+
+impl RunningSums {
+    /// Sums for ranges of `lens` bytes, in order.
+    pub fn new(lens: impl IntoIterator<Item = u64>) -> Self {
+        let lens: Vec<u64> = lens.into_iter().collect();
+        let sums = vec![0; lens.len()];
+        Self {
+            lens,
+            sums,
+            index: 0,
+            done: 0,
+        }
+    }
+
+    /// Takes in the next `bytes` of the ranges; bytes past the last range are ignored.
+    pub fn feed(&mut self, mut bytes: &[u8]) {
+        while let Some(&len) = self.lens.get(self.index) {
+            let n = (len - self.done).min(bytes.len() as u64) as usize;
+            self.sums[self.index] = crc32c_append(self.sums[self.index], &bytes[..n]);
+            self.done += n as u64;
+            bytes = &bytes[n..];
+            if self.done < len {
+                return;
+            }
+            self.index += 1;
+            self.done = 0;
+        }
+    }
+
+    /// Each range's sum (of the bytes that passed).
+    pub fn finish(self) -> Vec<u32> {
+        self.sums
+    }
+}
+
 /// The CRC32C of a resolved range, read in place under a permit of its region's guard. Memory staged
 /// in front of a device holds the device's bytes only after the block's `prepare_read` hook ran for
 /// the range: the caller runs it first.
@@ -215,6 +267,34 @@ pub mod fault {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    proptest::proptest! {
+        /// Fed in pieces cut anywhere, each range's sum is the one taken of it whole.
+        #[test]
+        fn running_sums_match_sums_taken_whole(
+            lens in proptest::collection::vec(0u64..300, 0..8),
+            cuts in proptest::collection::vec(0usize..400, 0..8),
+            seed in proptest::prelude::any::<u8>(),
+        ) {
+            let total: u64 = lens.iter().sum();
+            let bytes: Vec<u8> = (0..total).map(|i| (i as u8).wrapping_mul(31) ^ seed).collect();
+            let mut running = RunningSums::new(lens.iter().copied());
+            let mut at = 0usize;
+            for cut in cuts {
+                let n = cut.min(bytes.len() - at);
+                running.feed(&bytes[at..at + n]);
+                at += n;
+            }
+            running.feed(&bytes[at..]);
+            let mut start = 0usize;
+            let whole: Vec<u32> = lens.iter().map(|&len| {
+                let sum = crc32c(&bytes[start..start + len as usize]);
+                start += len as usize;
+                sum
+            }).collect();
+            proptest::prop_assert_eq!(running.finish(), whole);
+        }
+    }
 
     #[test]
     fn crc32c_is_castagnoli() {

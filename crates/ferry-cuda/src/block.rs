@@ -10,12 +10,11 @@
 //!   device before the write is acknowledged, [`prepare_read_ranges`](MemoryBlock::prepare_read_ranges)
 //!   copies the ranges to be read from the device before they are sent. Each batch is queued on the
 //!   block's own stream as asynchronous copies and waited for once: a request of many ranges pays
-//!   one synchronisation, not one per range. The initiator's side of a transfer from or into CUDA
-//!   memory goes this way.
+//!   one synchronisation, not one per range.
 //! - **Past it** ([`DeviceCopies`]): a transport that receives or sends payloads through buffers of
-//!   its own (a TCP target, and so a shared-memory target's control link) copies between those and
-//!   the device directly, a piece at a time, so that serving a 40 GB KV cache costs a few pieces'
-//!   worth of host memory, not 40 GB.
+//!   its own copies between those and the device directly, a piece at a time, so that serving or
+//!   sending a 40 GB KV cache costs a few pieces' worth of host memory, not 40 GB. Both ends of a
+//!   TCP link do (and so a shared-memory link's control link), integrity sums included.
 //!
 //! Copies from and to pageable memory are the driver's to stage: it moves them through page-locked
 //! buffers of its own, and an asynchronous copy of pageable memory has left the host buffer (or

@@ -11,9 +11,10 @@
 //! `ferry info` and `capabilities()` report ([`probe()`]).
 //!
 //! Every transport reaches a [`CudaBlock`] as staged memory ([`DmaView::Staged`](ferry_core::DmaView::Staged)):
-//! a write is on the GPU before it is acknowledged, a read sends what the GPU holds. A TCP target
-//! copies between its own bounded buffers and the GPU ([`DeviceCopies`](ferry_core::DeviceCopies));
-//! other paths go through the block's host copy, a mapping whose pages exist only once touched. Between two processes of one host, the shared-memory
+//! a write is on the GPU before it is acknowledged, a read sends what the GPU holds. Both ends of a
+//! TCP link copy between their own bounded buffers and the GPU ([`DeviceCopies`](ferry_core::DeviceCopies));
+//! other paths go through the block's host copy, a mapping whose pages exist only once touched.
+//! Between two processes of one host, the shared-memory
 //! transport lends a whole allocation by CUDA IPC instead ([`ipc`]): the peer copies device to device.
 //! A NIC registers the device memory itself where it can: by the dma-buf the block exports
 //! ([`dmabuf`]), or, with a peer-memory module loaded, at its device address. What each device

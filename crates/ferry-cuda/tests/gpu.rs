@@ -154,6 +154,53 @@ async fn allocated_memory_over_tcp_and_shared_memory() {
     }
 }
 
+/// An initiator's own CUDA memory written to a peer's host memory, and read back into it, over TCP
+/// and over shared memory (whose control link carries it): every byte checked on the device and at
+/// the peer, and the initiator's host copy never sees a byte (its link copies between the GPU and
+/// its own buffers).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_initiators_own_cuda_memory_goes_past_its_host_copy() {
+    let Some(device) = device("an initiator's own CUDA memory, written to and read from a peer") else {
+        return;
+    };
+    let registry = CudaRegistry::new(device);
+    for transport in [TransportKind::Tcp, TransportKind::Shm] {
+        let what = format!("initiator's CUDA memory, {transport:?}");
+        let (target, initiator, peer) = pair(transport).await;
+        let remote = target.register(vec![0u8; LEN], Access::READ_WRITE).unwrap();
+        wait_for_region(&peer, &remote).await;
+        let block = registry.allocate_block(LEN).unwrap();
+        let local = initiator.register_block(block.clone(), Access::READ_WRITE).unwrap();
+
+        let want = pattern(LEN, 41);
+        block.write_device(0, &want).unwrap();
+        initiator
+            .transfer(&peer, Op::Write, &descs(local.addr(), remote.addr(), LEN), T)
+            .await
+            .unwrap();
+        let mut at_peer = vec![0u8; LEN];
+        remote.read_at(0, &mut at_peer).unwrap();
+        assert_bytes(&at_peer, &want, &format!("{what}: written from the device"));
+
+        let fresh = pattern(LEN, 43);
+        remote.write_at(0, &fresh).unwrap();
+        initiator
+            .transfer(&peer, Op::Read, &descs(local.addr(), remote.addr(), LEN), T)
+            .await
+            .unwrap();
+        let mut on_device = vec![0u8; LEN];
+        block.read_device(0, &mut on_device).unwrap();
+        assert_bytes(&on_device, &fresh, &format!("{what}: read onto the device"));
+
+        // SAFETY: the block's host copy, `LEN` bytes, read while no transfer runs.
+        let host_copy = unsafe { std::slice::from_raw_parts(block.as_ptr(), LEN) };
+        assert!(
+            host_copy.iter().all(|&b| b == 0),
+            "{what}: the initiator's transfers went through its host copy"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn borrowed_memory_of_the_runtime_context() {
     let Some(_device) = device("CUDA memory borrowed from a pointer, written and read by a peer") else {

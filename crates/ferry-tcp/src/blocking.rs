@@ -124,6 +124,11 @@ pub(crate) fn pieces(parts: &[Resolved], most: u64) -> Vec<Vec<Resolved>> {
     )
 }
 
+/// How many bytes `parts` hold.
+pub(crate) fn bytes_of(parts: &[Resolved]) -> usize {
+    parts.iter().map(|p| p.len as usize).sum()
+}
+
 /// Whether every part's block copies between its device and any buffer
 /// ([`MemoryBlock::device_copies`](ferry_core::MemoryBlock::device_copies)): the target then moves
 /// the request through its stream's [`Bounces`], never through the blocks' host copies.
@@ -166,56 +171,57 @@ impl Bounces {
 /// buffer back with the outcome.
 pub(crate) type DeviceCopy = tokio::task::JoinHandle<(Vec<u8>, Result<()>)>;
 
-/// Starts copying `buf`, the bytes of `piece` back to back, onto the parts' devices, each part
-/// under a permit of its region (its `PermissionDenied` once the region is being deregistered).
-pub(crate) fn to_device(piece: Vec<Resolved>, buf: Vec<u8>) -> DeviceCopy {
+/// Starts copying `buf`, the bytes of `piece` back to back, onto the parts' devices (into the
+/// memory of a part whose block has no device copies), each part under a permit of its region (its
+/// `PermissionDenied` once the region is being deregistered). `held` is dropped once the copies
+/// ended: an initiator's permit of the transfer that waits for them.
+pub(crate) fn to_device(piece: Vec<Resolved>, buf: Vec<u8>, held: impl Send + 'static) -> DeviceCopy {
     tokio::task::spawn_blocking(move || {
         let mut at = 0usize;
         let mut result = Ok(());
         for p in &piece {
-            let n = p.len as usize;
-            let copied = device_copy(p, |copies, offset| copies.copy_to_device(offset, &buf[at..at + n]));
+            let src = &buf[at..at + p.len as usize];
+            let copied = match p.region.block().device_copies() {
+                Some(copies) => with_permit(p, || copies.copy_to_device(p.offset as usize, src)),
+                None => p.region.copy_in(p.offset, src),
+            };
             if result.is_ok() {
                 result = copied;
             }
-            at += n;
+            at += src.len();
         }
+        drop(held);
         (buf, result)
     })
 }
 
-/// Starts copying the bytes of `piece` from the parts' devices into `buf` (as long as the piece),
-/// back to back, each part under a permit of its region; stops at the first error.
+/// Starts copying the bytes of `piece` from the parts' devices (from the memory of a part whose
+/// block has no device copies) into `buf` (as long as the piece), back to back, each part under a
+/// permit of its region; stops at the first error.
 pub(crate) fn from_device(piece: Vec<Resolved>, mut buf: Vec<u8>) -> DeviceCopy {
     tokio::task::spawn_blocking(move || {
         let mut at = 0usize;
         for p in &piece {
-            let n = p.len as usize;
-            let dst = &mut buf[at..at + n];
-            if let Err(e) = device_copy(p, |copies, offset| copies.copy_from_device(offset, dst)) {
+            let dst = &mut buf[at..at + p.len as usize];
+            let copied = match p.region.block().device_copies() {
+                Some(copies) => with_permit(p, || copies.copy_from_device(p.offset as usize, dst)),
+                None => p.region.copy_out(p.offset, dst),
+            };
+            if let Err(e) = copied {
                 return (buf, Err(e));
             }
-            at += n;
+            at += p.len as usize;
         }
         (buf, Ok(()))
     })
 }
 
-/// Runs `copy` with `part`'s device copies and its offset in the block, under a permit (its range
-/// was checked when the part was resolved).
-fn device_copy(part: &Resolved, copy: impl FnOnce(&dyn ferry_core::DeviceCopies, usize) -> Result<()>) -> Result<()> {
-    let region = &part.region;
-    let Some(_permit) = region.guard().enter() else {
-        return Err(region.gone());
+/// Runs `copy` under a permit of `part`'s region (its range was checked when the part was resolved).
+fn with_permit(part: &Resolved, copy: impl FnOnce() -> Result<()>) -> Result<()> {
+    let Some(_permit) = part.region.guard().enter() else {
+        return Err(part.region.gone());
     };
-    match region.block().device_copies() {
-        Some(copies) => copy(copies, part.offset as usize),
-        None => Err(Error::Internal(format!(
-            "region {:?} ({}) has no device copies",
-            region.key(),
-            region.block().kind()
-        ))),
-    }
+    copy()
 }
 
 /// The outcome of a [`DeviceCopy`]: its buffer (empty if its thread panicked) and result.
@@ -288,21 +294,42 @@ pub(crate) async fn persist(parts: &[Resolved], durability: Durability, writer: 
     Ok(())
 }
 
-/// The CRC32C of each part, in order (`prepare_read` ran first where the memory is staged).
+/// The CRC32C of each part, in order: in place (`prepare_read` ran first where the memory is
+/// staged), or, for a block whose device copies into any buffer, of its bytes copied from the
+/// device a piece at a time, past its host copy.
 pub(crate) async fn sums(parts: Vec<Resolved>) -> Result<Vec<u32>> {
     let total: u64 = parts.iter().map(|p| p.len).sum();
+    let any_device = parts.iter().any(|p| p.region.block().device_copies().is_some());
     let work = move || {
+        let mut scratch = Vec::new();
         parts
             .iter()
-            .map(ferry_core::integrity::sum)
+            .map(|p| match p.region.block().device_copies() {
+                Some(copies) => sum_from_device(p, copies, &mut scratch),
+                None => ferry_core::integrity::sum(p),
+            })
             .collect::<Result<Vec<u32>>>()
     };
-    if total <= ferry_core::integrity::SUM_INLINE_BYTES {
+    if total <= ferry_core::integrity::SUM_INLINE_BYTES && !any_device {
         return work();
     }
     tokio::task::spawn_blocking(work)
         .await
         .map_err(|e| Error::Internal(format!("checksumming on a blocking thread panicked: {e}")))?
+}
+
+/// The CRC32C of `part`, copied from its device through `scratch` ([`OVERLAP_PIECE`] at a time).
+fn sum_from_device(part: &Resolved, copies: &dyn ferry_core::DeviceCopies, scratch: &mut Vec<u8>) -> Result<u32> {
+    let mut sum = 0;
+    let mut done = 0u64;
+    while done < part.len {
+        let n = (part.len - done).min(OVERLAP_PIECE) as usize;
+        let buf = ferry_core::region::bounce_piece(scratch, n);
+        with_permit(part, || copies.copy_from_device((part.offset + done) as usize, buf))?;
+        sum = ferry_core::integrity::crc32c_append(sum, buf);
+        done += n as u64;
+    }
+    Ok(sum)
 }
 
 #[cfg(test)]

@@ -24,6 +24,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use ferry_core::codec::{Frame, Hello, HelloAck, Limits, ReadStatus, Segment};
+use ferry_core::integrity::RunningSums;
 use ferry_core::sync::{Handoff, ShardedLock};
 use ferry_core::{
     AccessGuard, DataLink, DataProtection, Declined, Error, Notification, Op, PeerIdentity, PersistMethod, RegionEntry,
@@ -41,6 +42,7 @@ use tokio::net::TcpStream;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, TryAcquireError, mpsc, oneshot};
 use tokio::task::AbortHandle;
 
+use crate::blocking::{Bounces, DeviceCopy, OVERLAP_PIECE, bytes_of, copied, from_device, pieces, to_device};
 use crate::coalesce::{CoalesceBuf, CoalescePool};
 use crate::io::{Conn, DIRECT_THRESHOLD, FrameReader, FrameWriter, Landed, access_error, unbacked};
 use crate::tls::{Session, TlsConfig};
@@ -87,6 +89,13 @@ enum ReadDest {
     Scatter {
         parts: Vec<Resolved>,
         buffer: Option<CoalesceBuf>,
+        caller: Arc<AccessGuard>,
+        sums: Option<Arc<FrameSums>>,
+    },
+    /// Parts of which some are memory whose device copies from any buffer (CUDA's): the data lands
+    /// through the stream's bounce buffers ([`land_read_through_device`]).
+    Device {
+        parts: Vec<Resolved>,
         caller: Arc<AccessGuard>,
         sums: Option<Arc<FrameSums>>,
     },
@@ -237,12 +246,15 @@ struct Pending {
 enum Outgoing {
     Frame(Frame),
     /// A write frame (operation `id`) whose payload is the region ranges `parts`, back to back;
-    /// summed into `sums` as it leaves, where it is checked.
+    /// summed into `sums` as it leaves, where it is checked. `through_device` when some part's
+    /// block copies from its device into any buffer: the payload then goes out through the stream's
+    /// bounce buffers ([`write_through_device`]).
     Write {
         id: OpId,
         frame: Frame,
         parts: Vec<Resolved>,
         sums: Option<Arc<FrameSums>>,
+        through_device: bool,
     },
     /// Send what the writer holds (left there by a caller's write that the socket did not take whole).
     Flush,
@@ -254,7 +266,9 @@ impl Outgoing {
     fn is_inline(&self) -> bool {
         match self {
             Outgoing::Frame(_) | Outgoing::Flush => true,
-            Outgoing::Write { parts, .. } => parts.iter().map(|p| p.len).sum::<u64>() <= INLINE_PAYLOAD,
+            Outgoing::Write {
+                parts, through_device, ..
+            } => !through_device && parts.iter().map(|p| p.len).sum::<u64>() <= INLINE_PAYLOAD,
             Outgoing::Shutdown => false,
         }
     }
@@ -766,11 +780,15 @@ async fn run_batch(shared: Arc<Shared>, request: TransferRequest) -> Result<()> 
     }
     if request.op == Op::Write {
         // A staged block (device-local GPU memory behind a host copy) is brought to the host first,
-        // off the runtime, each region's ranges as one batch.
+        // off the runtime, each region's ranges as one batch; one whose device copies into any
+        // buffer is copied piece by piece as its frames are sent ([`write_through_device`]).
         let staged: Vec<Resolved> = request
             .items
             .iter()
-            .filter(|i| i.local.region.block().has_access_hooks())
+            .filter(|i| {
+                let block = i.local.region.block();
+                block.has_access_hooks() && block.device_copies().is_none()
+            })
             .map(|i| i.local.clone())
             .collect();
         if !staged.is_empty() {
@@ -839,7 +857,13 @@ async fn submit_write(shared: &Shared, send: Send, sums: Option<Arc<FrameSums>>)
         let (frame, parts) = send.into_frame(id);
         match parts.is_empty() {
             true => Outgoing::Frame(frame),
-            false => Outgoing::Write { id, frame, parts, sums },
+            false => Outgoing::Write {
+                through_device: parts.iter().any(|p| p.region.block().device_copies().is_some()),
+                id,
+                frame,
+                parts,
+                sums,
+            },
         }
     })
 }
@@ -872,12 +896,20 @@ async fn submit_read(
 ) -> Result<Submitted> {
     let bytes = send.bytes();
     let budget = Some(shared.budget(bytes).await?);
-    let buffer = match (send.is_coalesced(), shared.pool.as_ref()) {
+    let coalesced = send.is_coalesced();
+    let (mut parts, frame) = send.split();
+    if parts.iter().any(|p| p.region.block().device_copies().is_some()) {
+        let dest = ReadDest::Device {
+            parts,
+            caller: caller.clone(),
+            sums,
+        };
+        return shared.submit(None, bytes, Some(dest), budget, |id| Outgoing::Frame(frame.frame(id)));
+    }
+    let buffer = match (coalesced, shared.pool.as_ref()) {
         (true, Some(pool)) => Some(pool.acquire().await),
         _ => None,
     };
-    let coalesced = send.is_coalesced();
-    let (mut parts, frame) = send.split();
     let dest = match (coalesced, parts.pop()) {
         (false, Some(part)) if parts.is_empty() => ReadDest::Direct {
             part,
@@ -902,7 +934,9 @@ async fn submit_read(
 fn push_inline(shared: &Shared, stream: StreamIndex, writer: &mut FrameWriter, out: Outgoing) -> Result<()> {
     match out {
         Outgoing::Frame(f) => writer.push(&f, 0)?,
-        Outgoing::Write { id, frame, parts, sums } => {
+        Outgoing::Write {
+            id, frame, parts, sums, ..
+        } => {
             if let Some(sums) = sums {
                 sums.take(&parts);
             }
@@ -920,13 +954,34 @@ fn push_inline(shared: &Shared, stream: StreamIndex, writer: &mut FrameWriter, o
     Ok(())
 }
 
-/// Puts one queued item into the writer, sending large payloads straight from their memory.
-async fn write_one(shared: &Shared, stream: StreamIndex, writer: &mut FrameWriter, out: Outgoing) -> Result<()> {
+/// Puts one queued item into the writer, sending large payloads straight from their memory (or
+/// through `bounces`, from a device).
+async fn write_one(
+    shared: &Shared,
+    stream: StreamIndex,
+    writer: &mut FrameWriter,
+    bounces: &mut Bounces,
+    out: Outgoing,
+) -> Result<()> {
     if out.is_inline() {
         return push_inline(shared, stream, writer, out);
     }
     match out {
-        Outgoing::Write { id, frame, parts, sums } => {
+        Outgoing::Write {
+            id,
+            frame,
+            parts,
+            sums,
+            through_device: true,
+        } => {
+            let sent = write_through_device(writer, bounces, &frame, &parts, sums.as_deref()).await?;
+            if let Err(e) = sent {
+                shared.complete(stream, id, Err(e));
+            }
+        }
+        Outgoing::Write {
+            id, frame, parts, sums, ..
+        } => {
             if let Some(sums) = sums {
                 sums.take(&parts);
             }
@@ -940,16 +995,69 @@ async fn write_one(shared: &Shared, stream: StreamIndex, writer: &mut FrameWrite
     Ok(())
 }
 
+/// Sends a write frame whose payload comes, in part at least, from memory whose device copies into
+/// any buffer (CUDA's), through two of the stream's bounce buffers: each piece ([`OVERLAP_PIECE`])
+/// is sent from one while the next is copied from the devices into the other, so that the device's
+/// copies overlap the network and the blocks' host copies are never touched. The frame's sums, where
+/// it is checked, are taken of the bytes as they leave. The outer error breaks the stream; the inner
+/// result is the operation's: a first piece that cannot be copied fails it before any of the frame
+/// goes out, a later one sends zeros for the rest (the stream stays framed).
+async fn write_through_device(
+    writer: &mut FrameWriter,
+    bounces: &mut Bounces,
+    frame: &Frame,
+    parts: &[Resolved],
+    sums: Option<&FrameSums>,
+) -> Result<Result<()>> {
+    let pieces = pieces(parts, OVERLAP_PIECE);
+    let Some(first) = pieces.first() else {
+        return Ok(Ok(()));
+    };
+    let (mut ready, result) = copied(from_device(first.clone(), bounces.take(bytes_of(first))).await);
+    if let Err(e) = result {
+        bounces.give(ready);
+        return Ok(Err(e));
+    }
+    let mut summed = sums.map(|_| RunningSums::new(parts.iter().map(|p| p.len)));
+    writer.push(frame, parts.iter().map(|p| p.len).sum())?;
+    for k in 0..pieces.len() {
+        let next = pieces
+            .get(k + 1)
+            .map(|p| from_device(p.clone(), bounces.take(bytes_of(p))));
+        if let Some(summed) = summed.as_mut() {
+            summed.feed(&ready);
+        }
+        let sent = writer.send_bytes(&ready).await;
+        bounces.give(std::mem::take(&mut ready));
+        sent?;
+        let Some(next) = next else { break };
+        let (buf, result) = copied(next.await);
+        if let Err(e) = result {
+            bounces.give(buf);
+            tracing::warn!(error = %e, "a copy from the device failed while a write was sent");
+            let rest = pieces[k + 1..].iter().map(|p| bytes_of(p) as u64).sum();
+            writer.send_zeros(rest).await?;
+            return Ok(Err(e));
+        }
+        ready = buf;
+    }
+    if let (Some(sums), Some(summed)) = (sums, summed) {
+        let _ = sums.0.set(summed.finish());
+    }
+    Ok(Ok(()))
+}
+
 /// Sends what callers queued on one stream, in order, several frames to a system call.
 async fn write_loop(shared: Arc<Shared>, stream: StreamIndex, mut rx: mpsc::UnboundedReceiver<Outgoing>) {
     let s = &shared.streams[stream.get()];
+    let mut bounces = Bounces::default();
     let result: Result<()> = async {
         while let Some(first) = rx.recv().await {
             let mut writer = s.writer.lock().await;
             let mut next = Some(first);
             while let Some(out) = next.take() {
                 let shutdown = matches!(out, Outgoing::Shutdown);
-                let written = write_one(&shared, stream, &mut writer, out).await;
+                let written = write_one(&shared, stream, &mut writer, &mut bounces, out).await;
                 s.queued.placed();
                 written?;
                 if shutdown {
@@ -974,6 +1082,7 @@ async fn write_loop(shared: Arc<Shared>, stream: StreamIndex, mut rx: mpsc::Unbo
 }
 
 async fn read_loop(shared: Arc<Shared>, stream: StreamIndex, mut reader: FrameReader) {
+    let mut bounces = Bounces::default();
     let error = loop {
         let decoded = match reader.next().await {
             Ok(Some(d)) => d,
@@ -990,7 +1099,7 @@ async fn read_loop(shared: Arc<Shared>, stream: StreamIndex, mut reader: FrameRe
                 }
                 Ok(())
             }
-            Ok(Event::Data { op, payload_len }) => land_read(&shared, op, payload_len, &mut reader).await,
+            Ok(Event::Data { op, payload_len }) => land_read(&shared, op, payload_len, &mut reader, &mut bounces).await,
             Ok(Event::SetupAnswered { op, result }) => {
                 if let Waiter::Setup(s) = op {
                     let _ = s.send(result);
@@ -1023,7 +1132,13 @@ async fn read_loop(shared: Arc<Shared>, stream: StreamIndex, mut reader: FrameRe
 /// Puts a read's data where it belongs, then reads the status byte that says whether the data is the
 /// source region's. Errors returned here break the stream; errors of the read itself (a region
 /// deregistered meanwhile, at either end) complete the read.
-async fn land_read(shared: &Shared, op: Waiter, payload_len: u64, reader: &mut FrameReader) -> Result<()> {
+async fn land_read(
+    shared: &Shared,
+    op: Waiter,
+    payload_len: u64,
+    reader: &mut FrameReader,
+    bounces: &mut Bounces,
+) -> Result<()> {
     let Waiter::Op(pending) = op else {
         return Err(Error::Internal("read data matched a data-path setup".into()));
     };
@@ -1080,6 +1195,11 @@ async fn land_read(shared: &Shared, op: Waiter, payload_len: u64, reader: &mut F
                 Err(e) => Err(e),
             }
         }
+        Some(ReadDest::Device { parts, caller, sums })
+            if Some(parts.iter().map(|p| p.len).sum::<u64>()) == data_len =>
+        {
+            land_read_through_device(shared, reader, bounces, &parts, &caller, sums.as_deref()).await?
+        }
         _ => {
             return Err(Error::Protocol(format!(
                 "{} sent {payload_len} bytes for a read of another size",
@@ -1089,6 +1209,63 @@ async fn land_read(shared: &Shared, op: Waiter, payload_len: u64, reader: &mut F
     };
     let _ = pending.done.send(landed);
     Ok(())
+}
+
+/// Lands a read's data where some parts are memory whose device copies from any buffer (CUDA's),
+/// through two of the stream's bounce buffers: each piece ([`OVERLAP_PIECE`]) is read from the
+/// socket while the one before it is copied to the devices (into memory, for the other parts), so
+/// that the device's copies overlap the network and the blocks' host copies are never touched.
+/// Every copy holds a permit of the transfer's guard: none starts once it returned. As with a
+/// direct read, bytes land before the status byte that vouches for them, which then decides the
+/// read's result. Errors returned break the stream; the inner result is the read's.
+async fn land_read_through_device(
+    shared: &Shared,
+    reader: &mut FrameReader,
+    bounces: &mut Bounces,
+    parts: &[Resolved],
+    caller: &Arc<AccessGuard>,
+    sums: Option<&FrameSums>,
+) -> Result<Result<()>> {
+    let mut summed = sums.map(|_| RunningSums::new(parts.iter().map(|p| p.len)));
+    let mut copying: Option<DeviceCopy> = None;
+    let mut landed = Ok(());
+    for piece in pieces(parts, OVERLAP_PIECE) {
+        let mut buf = bounces.take(bytes_of(&piece));
+        reader.read_exact(&mut buf).await?;
+        if let Some(copy) = copying.take() {
+            let (done, result) = copied(copy.await);
+            bounces.give(done);
+            landed = landed.and(result);
+        }
+        if landed.is_err() {
+            bounces.give(buf);
+            continue;
+        }
+        let Some(held) = caller.enter_owned() else {
+            landed = Err(abandoned());
+            bounces.give(buf);
+            continue;
+        };
+        if let Some(summed) = summed.as_mut() {
+            summed.feed(&buf);
+        }
+        copying = Some(to_device(piece, buf, held));
+    }
+    if let Some(copy) = copying.take() {
+        let (done, result) = copied(copy.await);
+        bounces.give(done);
+        landed = landed.and(result);
+    }
+    let status = read_status_byte(reader).await?;
+    let result = source_intact(shared, status).and(landed);
+    if result.is_err() {
+        return Ok(result);
+    }
+    if let (Some(sums), Some(summed)) = (sums, summed) {
+        let _ = sums.0.set(summed.finish());
+    }
+    // Parts of staged memory without device copies landed in their host copies.
+    Ok(commit_for_caller(caller, parts).await)
 }
 
 /// Whether a direct read's data is in its region.
@@ -1102,12 +1279,16 @@ fn landed_in(region: &RegionEntry, landed: Landed) -> Result<()> {
     }
 }
 
-/// A coalesced block's copy to the device of the read data that landed in `parts` (off the runtime),
-/// while the transfer that asked for it still waits: none once it returned.
+/// A staged block's copy to the device of the read data that landed in `parts` (off the runtime),
+/// while the transfer that asked for it still waits: none once it returned. Blocks with device
+/// copies of their own took their bytes already ([`land_read_through_device`]).
 async fn commit_for_caller(caller: &Arc<AccessGuard>, parts: &[Resolved]) -> Result<()> {
     let hooked: Vec<Resolved> = parts
         .iter()
-        .filter(|p| p.region.block().has_access_hooks())
+        .filter(|p| {
+            let block = p.region.block();
+            block.has_access_hooks() && block.device_copies().is_none()
+        })
         .cloned()
         .collect();
     if hooked.is_empty() {

@@ -38,7 +38,9 @@ use tokio::sync::{Notify, oneshot, watch};
 use tokio::task::AbortHandle;
 use tokio::time::Instant;
 
-use crate::blocking::{Bounces, OVERLAP_PIECE, Writer, copied, from_device, overlap_pieces, through_device, to_device};
+use crate::blocking::{
+    Bounces, OVERLAP_PIECE, Writer, bytes_of, copied, from_device, overlap_pieces, through_device, to_device,
+};
 use crate::io::{Conn, FrameReader, FrameWriter, Landed, access_error};
 use crate::tls::{Session, TLS_HANDSHAKE_RECORD, TlsConfig};
 
@@ -1033,11 +1035,6 @@ async fn send_read_through_device(
     Ok(())
 }
 
-/// How many bytes `parts` hold.
-fn bytes_of(parts: &[Resolved]) -> usize {
-    parts.iter().map(|p| p.len as usize).sum()
-}
-
 /// The CRC32C of each range a transfer with integrity wrote or read here, as memory holds it now (for
 /// memory staged in front of a device, after a copy from the device); see [`serve::sums`].
 async fn serve_sums(ctx: &EngineContext, who: &PeerView, op: Op, segments: &[Segment]) -> Result<Vec<u32>> {
@@ -1046,7 +1043,13 @@ async fn serve_sums(ctx: &EngineContext, who: &PeerView, op: Op, segments: &[Seg
         // A path that bypasses this engine's CPU (RDMA) landed the bytes without a hook of its own.
         parts.iter().for_each(ferry_core::integrity::fault::landed);
     }
-    crate::blocking::prepare_read(&parts).await?;
+    // Blocks with device copies of their own are summed past their host copies.
+    let staged: Vec<Resolved> = parts
+        .iter()
+        .filter(|p| p.region.block().device_copies().is_none())
+        .cloned()
+        .collect();
+    crate::blocking::prepare_read(&staged).await?;
     crate::blocking::sums(parts).await
 }
 
@@ -1132,7 +1135,7 @@ async fn land_through_device(
         read?;
         // SAFETY: `buf` is this function's own buffer, just filled.
         unsafe { ferry_core::integrity::fault::landed_raw(buf.as_mut_ptr(), buf.len()) };
-        copying = Some(to_device(piece, buf));
+        copying = Some(to_device(piece, buf, ()));
     }
     if let Some(copy) = copying {
         let (last, outcome) = copied(copy.await);

@@ -396,5 +396,108 @@ async fn memory_a_device_copies_from_any_buffer_never_goes_through_its_host_copy
     p.local.copy_out(0, &mut got).unwrap();
     assert!(got == on_device, "the read carried the device's bytes");
     p.run(p.request(Op::Read, &[(100, 10)])).await.unwrap();
+    // Checked ones: the target sums what the device holds.
+    for op in [Op::Write, Op::Read] {
+        let mut checked = p.request(op, &[(0, DEVICE_LEN as u64), (8192, 100)]);
+        checked.checked = true;
+        p.run(checked).await.unwrap();
+    }
     assert!(device.host_copy_untouched(), "a byte went through the host copy");
+}
+
+/// A pair whose initiator's own region is an emulated [`Device`] of [`DEVICE_LEN`] bytes whose
+/// device copies from any buffer, the target's host memory as long, over one stream.
+async fn initiator_device_pair(fail_prepare_at: Option<usize>) -> (common::Pair, Arc<Device>) {
+    let remote: Arc<dyn MemoryBlock> = Arc::new(OwnedBuffer::new(vec![0u8; DEVICE_LEN]));
+    let remote = Arc::new(RegionEntry::new(RegionKey(0x51), Access::READ_WRITE, remote).unwrap());
+    let mut p = pair_with(remote, 1).await;
+    let device = Arc::new(Device::new(DEVICE_LEN, fail_prepare_at, true));
+    p.local = Arc::new(RegionEntry::new(RegionKey(0x11), Access::READ_WRITE, device.clone()).unwrap());
+    (p, device)
+}
+
+/// An initiator's own memory whose device copies to and from any buffer (CUDA's) goes out of and
+/// lands in the device through the link's stream buffers, piece by piece, checked transfers too:
+/// every byte arrives, each copied once, and the host copy in front of the device is never touched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_initiators_device_memory_moves_piece_by_piece_never_through_its_host_copy() {
+    let (p, device) = initiator_device_pair(None).await;
+    let whole = [(0, DEVICE_LEN as u64)];
+    for checked in [false, true] {
+        let seed = 20 + checked as usize;
+        let on_device = nonzero(DEVICE_LEN, seed);
+        device.device.lock().unwrap().copy_from_slice(&on_device);
+        device.prepares.lock().unwrap().clear();
+        let mut write = p.request(Op::Write, &whole);
+        write.checked = checked;
+        p.run(write).await.unwrap();
+        let mut at_target = vec![0u8; DEVICE_LEN];
+        p.remote.copy_out(0, &mut at_target).unwrap();
+        assert!(
+            at_target == on_device,
+            "the write carried the device's bytes (checked: {checked})"
+        );
+        let prepares = device.prepares.lock().unwrap().clone();
+        assert!(
+            prepares.len() > 1,
+            "one copy from the device for the whole write: {prepares:?}"
+        );
+        assert!(tiles(prepares, DEVICE_LEN), "each byte copied from the device once");
+
+        let at_target = nonzero(DEVICE_LEN, seed + 10);
+        p.remote.copy_in(0, &at_target).unwrap();
+        device.commits.lock().unwrap().clear();
+        let mut read = p.request(Op::Read, &whole);
+        read.checked = checked;
+        p.run(read).await.unwrap();
+        assert!(
+            *device.device.lock().unwrap() == at_target,
+            "the read landed on the device (checked: {checked})"
+        );
+        let commits = device.commits.lock().unwrap().clone();
+        assert!(
+            commits.len() > 1,
+            "one copy to the device for the whole read: {commits:?}"
+        );
+        assert!(tiles(commits, DEVICE_LEN), "each byte copied to the device once");
+    }
+    // Small ones, inline-sized, take the same way.
+    device.device.lock().unwrap()[..64].fill(0xab);
+    p.run(p.request(Op::Write, &[(0, 64)])).await.unwrap();
+    let mut got = [0u8; 64];
+    p.remote.copy_out(0, &mut got).unwrap();
+    assert_eq!(got, [0xab; 64]);
+    p.remote.copy_in(64, &[0xcd; 64]).unwrap();
+    p.run(p.request(Op::Read, &[(64, 64)])).await.unwrap();
+    assert_eq!(device.device.lock().unwrap()[64..128], [0xcd; 64]);
+    assert!(device.host_copy_untouched(), "a byte went through the host copy");
+}
+
+/// A copy from the initiator's device that fails fails the write by the device's error: the first
+/// piece's before any byte of the frame left (the target's memory keeps what it held), a later
+/// one's after, with the rest of the payload sent as zeros; either way the stream stays in step.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_copy_from_the_initiators_device_fails_the_write() {
+    for fail_at in [0, 2] {
+        let (p, device) = initiator_device_pair(Some(fail_at)).await;
+        device.device.lock().unwrap().copy_from_slice(&nonzero(DEVICE_LEN, 4));
+        p.remote.copy_in(0, &vec![0x5a; DEVICE_LEN]).unwrap();
+        let err = p
+            .run(p.request(Op::Write, &[(0, DEVICE_LEN as u64)]))
+            .await
+            .unwrap_err();
+        assert!(matches!(&err, Error::Internal(m) if m.contains("emulated")), "{err:?}");
+        let mut at_target = vec![0u8; DEVICE_LEN];
+        p.remote.copy_out(0, &mut at_target).unwrap();
+        if fail_at == 0 {
+            assert!(
+                at_target.iter().all(|&b| b == 0x5a),
+                "a write that sent nothing changed the target"
+            );
+        }
+        // The stream is still in step: a small write goes through.
+        p.run(p.request(Op::Write, &[(0, 4096)])).await.unwrap();
+        p.remote.copy_out(0, &mut at_target[..4096]).unwrap();
+        assert_eq!(at_target[..4096], nonzero(DEVICE_LEN, 4)[..4096], "fail at {fail_at}");
+    }
 }

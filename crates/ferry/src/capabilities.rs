@@ -399,8 +399,9 @@ pub fn capabilities() -> Capabilities {
 #[cfg(feature = "cuda")]
 const CUDA_PATHS: &str = "rdma: the NIC registers the device memory by its dma-buf, else through a peer-memory \
      module (nvidia_peermem), else not at all (over TCP); shm: whole allocations opened by the peer by CUDA IPC; \
-     otherwise staged: a TCP target copies between the GPU and its streams' own buffers, other paths through the \
-     block's host copy (asynchronous copies on a stream of the block's own)";
+     otherwise staged: both ends of a TCP link copy between the GPU and their streams' own buffers, in pieces \
+     overlapped with the network; other paths through the block's host copy (asynchronous copies on a stream of \
+     the block's own)";
 
 #[cfg(feature = "cuda")]
 fn cuda_report() -> CudaReport {
