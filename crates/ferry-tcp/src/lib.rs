@@ -15,6 +15,7 @@
 
 mod blocking;
 mod coalesce;
+mod device;
 mod io;
 mod link;
 mod sealed;

@@ -42,7 +42,7 @@ use tokio::net::TcpStream;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, TryAcquireError, mpsc, oneshot};
 use tokio::task::AbortHandle;
 
-use crate::blocking::{Bounces, DeviceCopy, OVERLAP_PIECE, bytes_of, copied, from_device, pieces, to_device};
+use crate::blocking::{Bounces, OVERLAP_PIECE, bytes_of, copied, from_device, pieces};
 use crate::coalesce::{CoalesceBuf, CoalescePool};
 use crate::io::{Conn, DIRECT_THRESHOLD, FrameReader, FrameWriter, Landed, access_error, unbacked};
 use crate::tls::{Session, TlsConfig};
@@ -996,12 +996,10 @@ async fn write_one(
 }
 
 /// Sends a write frame whose payload comes, in part at least, from memory whose device copies into
-/// any buffer (CUDA's), through two of the stream's bounce buffers: each piece ([`OVERLAP_PIECE`])
-/// is sent from one while the next is copied from the devices into the other, so that the device's
-/// copies overlap the network and the blocks' host copies are never touched. The frame's sums, where
-/// it is checked, are taken of the bytes as they leave. The outer error breaks the stream; the inner
-/// result is the operation's: a first piece that cannot be copied fails it before any of the frame
-/// goes out, a later one sends zeros for the rest (the stream stays framed).
+/// any buffer (CUDA's), through the stream's bounce buffers ([`crate::device`]); where the frame is
+/// checked, its sums are taken of the bytes as they leave. The outer error breaks the stream; the
+/// inner result is the operation's: a first piece that cannot be copied fails it before any of the
+/// frame goes out, a later one after the rest of the payload went out as zeros.
 async fn write_through_device(
     writer: &mut FrameWriter,
     bounces: &mut Bounces,
@@ -1013,38 +1011,18 @@ async fn write_through_device(
     let Some(first) = pieces.first() else {
         return Ok(Ok(()));
     };
-    let (mut ready, result) = copied(from_device(first.clone(), bounces.take(bytes_of(first))).await);
+    let (first, result) = copied(from_device(first.clone(), bounces.take(bytes_of(first))).await);
     if let Err(e) = result {
-        bounces.give(ready);
+        bounces.give(first);
         return Ok(Err(e));
     }
     let mut summed = sums.map(|_| RunningSums::new(parts.iter().map(|p| p.len)));
     writer.push(frame, parts.iter().map(|p| p.len).sum())?;
-    for k in 0..pieces.len() {
-        let next = pieces
-            .get(k + 1)
-            .map(|p| from_device(p.clone(), bounces.take(bytes_of(p))));
-        if let Some(summed) = summed.as_mut() {
-            summed.feed(&ready);
-        }
-        let sent = writer.send_bytes(&ready).await;
-        bounces.give(std::mem::take(&mut ready));
-        sent?;
-        let Some(next) = next else { break };
-        let (buf, result) = copied(next.await);
-        if let Err(e) = result {
-            bounces.give(buf);
-            tracing::warn!(error = %e, "a copy from the device failed while a write was sent");
-            let rest = pieces[k + 1..].iter().map(|p| bytes_of(p) as u64).sum();
-            writer.send_zeros(rest).await?;
-            return Ok(Err(e));
-        }
-        ready = buf;
-    }
-    if let (Some(sums), Some(summed)) = (sums, summed) {
+    let sent = crate::device::send_pieces(writer, &pieces, first, bounces, summed.as_mut()).await?;
+    if let (Ok(()), Some(sums), Some(summed)) = (&sent, sums, summed) {
         let _ = sums.0.set(summed.finish());
     }
-    Ok(Ok(()))
+    Ok(sent)
 }
 
 /// Sends what callers queued on one stream, in order, several frames to a system call.
@@ -1211,13 +1189,11 @@ async fn land_read(
     Ok(())
 }
 
-/// Lands a read's data where some parts are memory whose device copies from any buffer (CUDA's),
-/// through two of the stream's bounce buffers: each piece ([`OVERLAP_PIECE`]) is read from the
-/// socket while the one before it is copied to the devices (into memory, for the other parts), so
-/// that the device's copies overlap the network and the blocks' host copies are never touched.
-/// Every copy holds a permit of the transfer's guard: none starts once it returned. As with a
-/// direct read, bytes land before the status byte that vouches for them, which then decides the
-/// read's result. Errors returned break the stream; the inner result is the read's.
+/// Lands a read's data where some parts are memory whose device copies from any buffer (CUDA's)
+/// through the stream's bounce buffers ([`crate::device`]), each piece's copy holding a permit of
+/// the transfer's guard: none starts once it returned. As with a direct read, bytes land before the
+/// status byte that vouches for them, which then decides the read's result. Errors returned break
+/// the stream; the inner result is the read's.
 async fn land_read_through_device(
     shared: &Shared,
     reader: &mut FrameReader,
@@ -1227,35 +1203,8 @@ async fn land_read_through_device(
     sums: Option<&FrameSums>,
 ) -> Result<Result<()>> {
     let mut summed = sums.map(|_| RunningSums::new(parts.iter().map(|p| p.len)));
-    let mut copying: Option<DeviceCopy> = None;
-    let mut landed = Ok(());
-    for piece in pieces(parts, OVERLAP_PIECE) {
-        let mut buf = bounces.take(bytes_of(&piece));
-        reader.read_exact(&mut buf).await?;
-        if let Some(copy) = copying.take() {
-            let (done, result) = copied(copy.await);
-            bounces.give(done);
-            landed = landed.and(result);
-        }
-        if landed.is_err() {
-            bounces.give(buf);
-            continue;
-        }
-        let Some(held) = caller.enter_owned() else {
-            landed = Err(abandoned());
-            bounces.give(buf);
-            continue;
-        };
-        if let Some(summed) = summed.as_mut() {
-            summed.feed(&buf);
-        }
-        copying = Some(to_device(piece, buf, held));
-    }
-    if let Some(copy) = copying.take() {
-        let (done, result) = copied(copy.await);
-        bounces.give(done);
-        landed = landed.and(result);
-    }
+    let hold = || caller.enter_owned().ok_or_else(abandoned);
+    let landed = crate::device::land_pieces(reader, parts, bounces, hold, summed.as_mut()).await?;
     let status = read_status_byte(reader).await?;
     let result = source_intact(shared, status).and(landed);
     if result.is_err() {

@@ -38,9 +38,7 @@ use tokio::sync::{Notify, oneshot, watch};
 use tokio::task::AbortHandle;
 use tokio::time::Instant;
 
-use crate::blocking::{
-    Bounces, OVERLAP_PIECE, Writer, bytes_of, copied, from_device, overlap_pieces, through_device, to_device,
-};
+use crate::blocking::{Bounces, OVERLAP_PIECE, Writer, bytes_of, copied, from_device, overlap_pieces, through_device};
 use crate::io::{Conn, FrameReader, FrameWriter, Landed, access_error};
 use crate::tls::{Session, TLS_HANDSHAKE_RECORD, TlsConfig};
 
@@ -996,10 +994,9 @@ async fn send_read_overlapped(
     Ok(())
 }
 
-/// Answers a read of memory whose devices copy into any buffer ([`ReadParts::Device`]): each
-/// piece is sent from a bounce buffer while the next piece is copied from the devices into the
-/// other, so that the blocks' host copies are never touched. A copy that fails once the header is
-/// out fails the read by its status, as in [`send_read_overlapped`].
+/// Answers a read of memory whose devices copy into any buffer ([`ReadParts::Device`]) through
+/// the stream's bounce buffers ([`crate::device`]). A copy that fails once the header is out fails
+/// the read by its status, as in [`send_read_overlapped`].
 async fn send_read_through_device(
     writer: &mut FrameWriter,
     id: OpId,
@@ -1010,28 +1007,11 @@ async fn send_read_through_device(
 ) -> Result<()> {
     let total: u64 = parts.iter().map(|p| p.len).sum();
     writer.push(&Frame::ReadData { id: id.0 }, total + ReadStatus::LEN)?;
-    let mut ready = first;
-    for k in 0..pieces.len() {
-        let next = pieces
-            .get(k + 1)
-            .map(|p| from_device(p.clone(), bounces.take(bytes_of(p))));
-        let sent = writer.send_bytes(&ready).await;
-        bounces.give(std::mem::take(&mut ready));
-        sent?;
-        let Some(next) = next else { break };
-        let (buf, result) = copied(next.await);
-        if let Err(e) = result {
-            bounces.give(buf);
-            tracing::warn!(error = %e, "a copy from the device failed while a read was sent");
-            writer
-                .send_zeros(pieces[k + 1..].iter().map(|p| bytes_of(p) as u64).sum())
-                .await?;
-            end_read(writer, ReadStatus::Unbacked);
-            return Ok(());
-        }
-        ready = buf;
-    }
-    end_read(writer, read_status(parts, true));
+    let status = match crate::device::send_pieces(writer, pieces, first, bounces, None).await? {
+        Ok(()) => read_status(parts, true),
+        Err(_) => ReadStatus::Unbacked,
+    };
+    end_read(writer, status);
     Ok(())
 }
 
@@ -1103,46 +1083,14 @@ async fn land_overlapped(reader: &mut FrameReader, pieces: &[Vec<Resolved>]) -> 
     Ok(result)
 }
 
-/// [`land`] for memory whose devices copy from any buffer ([`through_device`]): the payload is read
-/// in pieces into a stream's bounce buffers, each piece copied onto the devices while the next one
-/// arrives, so that the blocks' host copies are never touched. Every piece is read whatever
-/// happens to the copies (the stream stays framed) and every copy is waited for before this
-/// returns; the first failed copy is the write's error.
+/// [`land`] for memory whose devices copy from any buffer ([`through_device`]), through the
+/// stream's bounce buffers ([`crate::device`]); the first failed copy is the write's error.
 async fn land_through_device(
     reader: &mut FrameReader,
     parts: &[Resolved],
     bounces: &mut Bounces,
 ) -> Result<Result<()>> {
-    let mut result = Ok(());
-    let mut keep_first = |outcome: Result<()>| {
-        if result.is_ok() {
-            result = outcome;
-        }
-    };
-    let mut copying: Option<crate::blocking::DeviceCopy> = None;
-    for piece in crate::blocking::pieces(parts, OVERLAP_PIECE) {
-        let mut buf = bounces.take(bytes_of(&piece));
-        let read = match copying.take() {
-            Some(copy) => {
-                let (read, joined) = tokio::join!(reader.read_exact(&mut buf), copy);
-                let (before, outcome) = copied(joined);
-                bounces.give(before);
-                keep_first(outcome);
-                read
-            }
-            None => reader.read_exact(&mut buf).await,
-        };
-        read?;
-        // SAFETY: `buf` is this function's own buffer, just filled.
-        unsafe { ferry_core::integrity::fault::landed_raw(buf.as_mut_ptr(), buf.len()) };
-        copying = Some(to_device(piece, buf, ()));
-    }
-    if let Some(copy) = copying {
-        let (last, outcome) = copied(copy.await);
-        bounces.give(last);
-        keep_first(outcome);
-    }
-    Ok(result)
+    crate::device::land_pieces(reader, parts, bounces, || Ok(()), None).await
 }
 
 /// Reads a write's payload into `bounce`, in pieces ([`file_pieces`]), and writes each piece into
