@@ -37,7 +37,8 @@ pub use error::{Error, ErrorCode, Result, WireError};
 pub use grants::{AccessEpochs, EpochTicket, Grants};
 pub use guard::{AccessGuard, OwnedPermit, Permit};
 pub use memory::{
-    DeviceAddress, DeviceCopies, DmaBuf, DmaView, FileWriter, MemoryBlock, MemoryRegistry, OwnedBuffer, RawMemory,
+    DeviceAddress, DeviceCopies, DmaBuf, DmaView, FileWriter, MemoryBlock, MemoryRegistry, OwnedBuffer, RawCopy,
+    RawMemory,
 };
 pub use options::BufferPool;
 pub use pci::PciAddress;

@@ -110,7 +110,36 @@ pub trait DeviceCopies: Send + Sync {
     /// Copies `dst.len()` bytes at `offset` of the block from the device into `dst`. The caller holds
     /// a permit of the region's access guard and has checked the range.
     fn copy_from_device(&self, offset: usize, dst: &mut [u8]) -> Result<()>;
+    /// Makes `copies` between the device and host memory that no Rust reference may cover (a
+    /// mapping another process writes), as one batch, and returns once all of them are done. The
+    /// caller holds a permit of the region's access guard and has checked the block's ranges.
+    ///
+    /// # Safety
+    ///
+    /// Each copy's `host` range must be memory of this process, readable (and, for a copy from the
+    /// device, writable) for `len` bytes until this returns.
+    unsafe fn copy_raw(&self, copies: &[RawCopy]) -> Result<()>;
 }
+
+/// One copy of [`DeviceCopies::copy_raw`]: `len` bytes between `offset` of the block's device
+/// memory and `host`.
+#[derive(Debug, Clone, Copy)]
+pub struct RawCopy {
+    /// Where in the block.
+    pub offset: usize,
+    /// Where in host memory.
+    pub host: *mut u8,
+    /// How many bytes.
+    pub len: usize,
+    /// From `host` onto the device (else from the device into `host`).
+    pub to_device: bool,
+}
+
+// SAFETY: a `RawCopy` only names memory; whoever dereferences `host` answers for it
+// (`DeviceCopies::copy_raw`'s contract).
+unsafe impl Send for RawCopy {}
+// SAFETY: as above.
+unsafe impl Sync for RawCopy {}
 
 /// A contiguous range of memory the engine may register.
 ///

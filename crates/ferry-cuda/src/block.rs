@@ -333,4 +333,24 @@ impl DeviceCopies for CudaBlock {
     fn copy_from_device(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
         self.read_device(offset, dst)
     }
+
+    unsafe fn copy_raw(&self, copies: &[ferry_core::RawCopy]) -> Result<()> {
+        copies.iter().try_for_each(|c| self.check(c.offset, c.len))?;
+        self.on_stream(|stream| {
+            for c in copies.iter().filter(|c| c.len > 0) {
+                let device = self.memory.ptr() + c.offset as u64;
+                // SAFETY: the device range lies in the block (checked above); the host range is
+                // memory of this process valid for `len` bytes until this returns (the caller's
+                // promise), and `on_stream` waits for every copy queued here before it returns.
+                let code = unsafe {
+                    match c.to_device {
+                        true => sys::cuMemcpyHtoDAsync_v2(device, c.host.cast_const().cast(), c.len, stream),
+                        false => sys::cuMemcpyDtoHAsync_v2(c.host.cast(), device, c.len, stream),
+                    }
+                };
+                check("cuMemcpyAsync between the device and a peer's mapping", code)?;
+            }
+            Ok(())
+        })
+    }
 }

@@ -15,7 +15,9 @@
 //! TCP link copy between their own bounded buffers and the GPU ([`DeviceCopies`](ferry_core::DeviceCopies));
 //! other paths go through the block's host copy, a mapping whose pages exist only once touched.
 //! Between two processes of one host, the shared-memory
-//! transport lends a whole allocation by CUDA IPC instead ([`ipc`]): the peer copies device to device.
+//! transport lends a whole allocation by CUDA IPC instead ([`ipc`]): the peer copies device to device;
+//! and the device copies between a block and host memory a peer lent this process, past the host
+//! copy ([`DeviceCopies::copy_raw`](ferry_core::DeviceCopies::copy_raw)).
 //! A NIC registers the device memory itself where it can: by the dma-buf the block exports
 //! ([`dmabuf`]), or, with a peer-memory module loaded, at its device address. What each device
 //! offers is reported by [`probe()`]; a region's `kind()` names the staged path, which the CPU

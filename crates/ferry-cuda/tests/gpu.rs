@@ -154,20 +154,28 @@ async fn allocated_memory_over_tcp_and_shared_memory() {
     }
 }
 
-/// An initiator's own CUDA memory written to a peer's host memory, and read back into it, over TCP
-/// and over shared memory (whose control link carries it): every byte checked on the device and at
-/// the peer, and the initiator's host copy never sees a byte (its link copies between the GPU and
-/// its own buffers).
+/// An initiator's own CUDA memory written to a peer's host memory, and read back into it: over TCP
+/// (through the link's own buffers), over shared memory into memory the peer allocated (the device
+/// copies straight into the peer's memory lent here) and into memory the peer registered (over the
+/// control link). Every byte is checked on the device and at the peer, and the initiator's host
+/// copy never sees a byte.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_initiators_own_cuda_memory_goes_past_its_host_copy() {
     let Some(device) = device("an initiator's own CUDA memory, written to and read from a peer") else {
         return;
     };
     let registry = CudaRegistry::new(device);
-    for transport in [TransportKind::Tcp, TransportKind::Shm] {
-        let what = format!("initiator's CUDA memory, {transport:?}");
+    for (transport, lent) in [
+        (TransportKind::Tcp, false),
+        (TransportKind::Shm, true),
+        (TransportKind::Shm, false),
+    ] {
+        let what = format!("initiator's CUDA memory, {transport:?}, lent: {lent}");
         let (target, initiator, peer) = pair(transport).await;
-        let remote = target.register(vec![0u8; LEN], Access::READ_WRITE).unwrap();
+        let remote = match lent {
+            true => target.alloc_host(LEN, Access::READ_WRITE).unwrap(),
+            false => target.register(vec![0u8; LEN], Access::READ_WRITE).unwrap(),
+        };
         wait_for_region(&peer, &remote).await;
         let block = registry.allocate_block(LEN).unwrap();
         let local = initiator.register_block(block.clone(), Access::READ_WRITE).unwrap();

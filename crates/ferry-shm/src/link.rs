@@ -7,11 +7,15 @@
 //!   copy returns: its bytes are then in the target's memory. The target's GPU memory (CUDA, with
 //!   the `cuda` feature) is lent the same way, as the allocation's CUDA IPC handle, which this
 //!   process opens; its copies are the device's (`cuMemcpyAsync` between the caller's memory, on the
-//!   host or a GPU, and the peer's), waited for before the transfer completes.
+//!   host or a GPU, and the peer's), waited for before the transfer completes. Local GPU memory
+//!   whose device copies into any host memory (CUDA's) is copied by its device into and out of a
+//!   lent host region's mapping the same way ([`DeviceCopies::copy_raw`](ferry_core::DeviceCopies)),
+//!   past the host copy in front of it.
 //! - **Copied regions** (memory the target did not allocate, persistent writes): requests go over the
 //!   link's Unix socket, each with the local addresses the target copies from or into, and complete
 //!   when the target replies (after its copy).
-//! - **Everything else** (memory staged by its owner, or copied regions when the kernel denies the
+//! - **Everything else** (memory staged by its owner that no device copy here reaches, or copied
+//!   regions when the kernel denies the
 //!   target cross-memory attach) is declined: the transfer hands it back to the engine
 //!   ([`Declined`]), which sends it over the control link.
 //!
@@ -31,7 +35,7 @@ use std::sync::{Arc, Mutex};
 
 use ferry_core::sync::{Lending, Lendings, LendingsRead};
 use ferry_core::{
-    DataLink, Declined, Durability, Error, Notification, Op, OwnedPermit, PersistMethod, RegionKey, Result,
+    DataLink, Declined, Durability, Error, Notification, Op, OwnedPermit, PersistMethod, RawCopy, RegionKey, Result,
     TransferItem, TransferRequest, TransportKind,
 };
 use futures::future::BoxFuture;
@@ -509,6 +513,7 @@ impl Inner {
             durability,
             mapped: Vec::with_capacity(request.items.len()),
             device: Vec::new(),
+            local_device: Vec::new(),
             mappings: Vec::new(),
             copied: Vec::new(),
             control: Vec::new(),
@@ -529,6 +534,7 @@ impl Inner {
                     true => sorted.device.push((item, i)),
                     false => sorted.control.push(item),
                 },
+                Way::Mapped(i) if copies_by_device(&item) => sorted.local_device.push((item, i)),
                 _ if stages_locally(&item) => sorted.control.push(item),
                 Way::Mapped(i) => sorted.mapped.push((item, i)),
                 Way::Copied => sorted.copied.push(item),
@@ -657,6 +663,9 @@ struct Sorted {
     mapped: Vec<(TransferItem, usize)>,
     /// Items copied here by the device, into or out of the GPU memory of the mapping at this index.
     device: Vec<(TransferItem, usize)>,
+    /// Items of local device memory copied by its own device into or out of the host memory of the
+    /// mapping at this index.
+    local_device: Vec<(TransferItem, usize)>,
     mappings: Vec<Arc<Mapping>>,
     copied: Vec<TransferItem>,
     control: Vec<TransferItem>,
@@ -669,6 +678,12 @@ struct Sorted {
 /// `register_region`.)
 fn stages_locally(item: &TransferItem) -> bool {
     item.local.region.block().has_access_hooks()
+}
+
+/// Whether `item`'s local memory is a device's that copies into and out of any host memory (CUDA's):
+/// its device then copies into or out of a lent host region's mapping, past the host copy.
+fn copies_by_device(item: &TransferItem) -> bool {
+    item.local.region.block().device_copies().is_some()
 }
 
 /// How the target said it lends `item`'s region ([`region_key`]), if it reaches it over this link.
@@ -800,6 +815,93 @@ async fn copy_mapped(
         .filter(|(n, _)| given_back.binary_search(n).is_ok())
         .map(|(_, (item, _))| item)
         .collect())
+}
+
+/// Copies the items whose local memory is a device's that copies into and out of any host memory
+/// ([`copies_by_device`]) into or out of the host memory the target lent here, by their devices
+/// ([`DeviceCopies::copy_raw`](ferry_core::DeviceCopies::copy_raw)), in batches of at most
+/// [`COPY_CHUNK`] bytes a region with a yield to the runtime between two (a dropped transfer queues
+/// no further batch). Every range is checked first; each region's and mapping's permit is held
+/// until its last batch is copied. Returns the items whose mapping was being given back, for the
+/// control link (never for the target's copies: they would read the host copy).
+async fn copy_local_device(
+    op: Op,
+    items: Vec<(TransferItem, usize)>,
+    mappings: &[Arc<Mapping>],
+) -> Result<Vec<TransferItem>> {
+    if items.is_empty() {
+        return Ok(Vec::new());
+    }
+    for (item, m) in &items {
+        check_mapped(op, item, &mappings[*m])?;
+    }
+    let remote: Vec<_> = mappings.iter().map(|m| m.enter()).collect();
+    let mut given_back = Vec::new();
+    // Each local region's permit and copies, in the order regions first appear.
+    let mut regions: Vec<(&TransferItem, ferry_core::Permit<'_>, Vec<RawCopy>)> = Vec::new();
+    for (item, m) in &items {
+        if remote[*m].is_none() {
+            given_back.push(item.clone());
+            continue;
+        }
+        let copy = RawCopy {
+            offset: item.local.offset as usize,
+            host: mappings[*m].at(item.remote_offset),
+            len: item.local.len as usize,
+            to_device: op == Op::Read,
+        };
+        let region = &item.local.region;
+        match regions
+            .iter_mut()
+            .find(|(first, ..)| Arc::ptr_eq(&first.local.region, region))
+        {
+            Some((.., copies)) => copies.push(copy),
+            None => regions.push((item, region.guard().enter().ok_or_else(|| region.gone())?, vec![copy])),
+        }
+    }
+    let mut batches = 0;
+    for (first, _permit, copies) in &regions {
+        let Some(device) = first.local.region.block().device_copies() else {
+            return Err(Error::Internal(format!(
+                "region {:?} ({}) no longer copies by its device",
+                first.local.region.key(),
+                first.local.region.block().kind()
+            )));
+        };
+        let cut = ferry_core::region::cut(
+            copies,
+            COPY_CHUNK as u64,
+            |c| c.len as u64,
+            |c, done, n| RawCopy {
+                offset: c.offset + done as usize,
+                host: c.host.wrapping_add(done as usize),
+                len: n as usize,
+                to_device: c.to_device,
+            },
+        );
+        for batch in cut {
+            if batches > 0 {
+                tokio::task::yield_now().await;
+            }
+            batches += 1;
+            // SAFETY: every host range lies in its mapping and every device range in its region
+            // (`check_mapped`), and a permit of each region and mapping is held until the last
+            // batch is copied (or this future is dropped, after which no batch is), so the mapping
+            // stays mapped; `copy_raw` returns once its copies are done.
+            unsafe { device.copy_raw(&batch)? };
+        }
+    }
+    if op == Op::Write {
+        for (.., copies) in &regions {
+            for c in copies {
+                // SAFETY: each destination is writable mapped memory, inside its checked range,
+                // under a permit still held.
+                unsafe { ferry_core::integrity::fault::landed_raw(c.host, c.len) };
+            }
+        }
+    }
+    drop((regions, remote));
+    Ok(given_back)
 }
 
 /// Opens the GPU memory the target lent as region `key`.
@@ -1000,6 +1102,7 @@ impl DataLink for ShmLink {
                 durability,
                 mapped,
                 device,
+                local_device,
                 mappings,
                 copied,
                 control,
@@ -1014,8 +1117,10 @@ impl DataLink for ShmLink {
             };
             let here = async {
                 let elsewhere = copy_mapped(op, mapped, &mappings).await?;
-                // GPU memory whose window was being given back goes over the control link.
-                let given_back = copy_device(op, device, &mappings).await?;
+                // GPU memory whose window was being given back goes over the control link, as does
+                // local GPU memory whose mapping was.
+                let mut given_back = copy_device(op, device, &mappings).await?;
+                given_back.extend(copy_local_device(op, local_device, &mappings).await?);
                 // Bytes copied into the mapping of a target whose end of the link is already seen
                 // closed reach nobody: that is no completed write.
                 if inner.closed.load(Ordering::Acquire) {

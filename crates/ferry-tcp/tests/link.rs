@@ -275,6 +275,9 @@ impl DeviceCopies for Device {
         dst.copy_from_slice(&self.device.lock().unwrap()[offset..offset + dst.len()]);
         Ok(())
     }
+    unsafe fn copy_raw(&self, _: &[ferry_core::RawCopy]) -> Result<()> {
+        unreachable!("a TCP link copies through buffers of its own")
+    }
 }
 
 const DEVICE_LEN: usize = 16 << 20;

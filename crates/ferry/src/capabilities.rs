@@ -398,7 +398,8 @@ pub fn capabilities() -> Capabilities {
 /// How each transport reaches CUDA memory, best first.
 #[cfg(feature = "cuda")]
 const CUDA_PATHS: &str = "rdma: the NIC registers the device memory by its dma-buf, else through a peer-memory \
-     module (nvidia_peermem), else not at all (over TCP); shm: whole allocations opened by the peer by CUDA IPC; \
+     module (nvidia_peermem), else not at all (over TCP); shm: whole allocations opened by the peer by CUDA IPC, and a \
+     peer's lent host memory copied by the device; \
      otherwise staged: both ends of a TCP link copy between the GPU and their streams' own buffers, in pieces \
      overlapped with the network; other paths through the block's host copy (asynchronous copies on a stream of \
      the block's own)";

@@ -56,7 +56,8 @@ pub use ferry_core::integrity;
 pub use ferry_core::{
     Access, BufferPool, DataProtection, DeviceAddress, DeviceCopies, DmaBuf, DmaView, Durability, Error, ErrorCode,
     Grants, MemoryBlock, MemoryRegistry, Notification, Op, PciAddress, PeerIdentity, PersistMethod, PersistStats,
-    RailStats, ReceivedNotification, RegionAd, RegionKey, RemoteRegions, Result, Route, TransferDesc, TransportKind,
+    RailStats, RawCopy, ReceivedNotification, RegionAd, RegionKey, RemoteRegions, Result, Route, TransferDesc,
+    TransportKind,
 };
 /// CUDA device memory: [`cuda::CudaRegistry`] for `alloc_from`, [`cuda::CudaBlock::borrow`] for a
 /// pointer the caller holds (a PyTorch tensor's), [`cuda::classify`] for what an address is.

@@ -545,3 +545,128 @@ async fn gpu_memory_the_peer_cannot_lend_moves_staged_and_says_so() {
     let why = route.passed_over.as_deref().unwrap_or_default();
     assert!(why.contains("did not lend this GPU memory"), "{route:?}");
 }
+
+/// Device memory that copies into and out of any host memory, as CUDA's does: the bytes that count
+/// are in the [`Staged`] block's `device`, and its host copy stays zero unless a path goes through
+/// it. Counts the copies of each kind: through a transport's buffers (`copy_to_device`,
+/// `copy_from_device`) and straight into or out of other memory (`copy_raw`).
+struct AnyBuffer {
+    staged: Arc<Staged>,
+    buffer_copies: std::sync::atomic::AtomicUsize,
+    raw_copies: std::sync::atomic::AtomicUsize,
+}
+
+// SAFETY: every promise about the host copy is `Staged`'s, whose pointer and length this forwards.
+unsafe impl ferry::MemoryBlock for AnyBuffer {
+    fn as_ptr(&self) -> *mut u8 {
+        self.staged.as_ptr()
+    }
+    fn len(&self) -> usize {
+        self.staged.len()
+    }
+    fn kind(&self) -> &str {
+        "test (device copies into any buffer)"
+    }
+    fn dma_view(&self) -> ferry::DmaView {
+        ferry::DmaView::Staged
+    }
+    fn prepare_read(&self, offset: usize, len: usize) -> ferry::Result<()> {
+        self.staged.prepare_read(offset, len)
+    }
+    fn commit_written(&self, offset: usize, len: usize, durability: ferry::Durability) -> ferry::Result<()> {
+        self.staged.commit_written(offset, len, durability)
+    }
+    fn device_copies(&self) -> Option<&dyn ferry::DeviceCopies> {
+        Some(self)
+    }
+}
+
+impl ferry::DeviceCopies for AnyBuffer {
+    fn copy_to_device(&self, offset: usize, src: &[u8]) -> ferry::Result<()> {
+        self.buffer_copies.fetch_add(1, Ordering::SeqCst);
+        self.staged.device.lock().unwrap()[offset..offset + src.len()].copy_from_slice(src);
+        Ok(())
+    }
+    fn copy_from_device(&self, offset: usize, dst: &mut [u8]) -> ferry::Result<()> {
+        self.buffer_copies.fetch_add(1, Ordering::SeqCst);
+        dst.copy_from_slice(&self.staged.device.lock().unwrap()[offset..offset + dst.len()]);
+        Ok(())
+    }
+    unsafe fn copy_raw(&self, copies: &[ferry::RawCopy]) -> ferry::Result<()> {
+        self.raw_copies.fetch_add(1, Ordering::SeqCst);
+        let mut device = self.staged.device.lock().unwrap();
+        for c in copies {
+            let on_device = device[c.offset..c.offset + c.len].as_mut_ptr();
+            // SAFETY: the host range is valid for `len` bytes (the caller's promise); the device
+            // range lies in `device` (the caller checked it), which the lock keeps to this copy.
+            unsafe {
+                match c.to_device {
+                    true => std::ptr::copy_nonoverlapping(c.host.cast_const(), on_device, c.len),
+                    false => std::ptr::copy_nonoverlapping(on_device.cast_const(), c.host, c.len),
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Local device memory whose device copies into any host memory (CUDA's) is copied by the device
+/// straight into and out of the host region the peer lent, in batches: every byte arrives, no byte
+/// goes through the control link's buffers, and the host copy in front of the device stays zero.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn local_device_memory_copies_by_its_device_into_the_peers_lent_memory() {
+    const LEN: usize = 20 << 20;
+    let (target, initiator, peer) = shm_pair().await;
+    let remote = target.alloc_host(LEN, rw()).unwrap();
+    wait_for_region(&peer, &remote).await;
+    let block = Arc::new(AnyBuffer {
+        staged: Staged::new(pattern(LEN, 21)),
+        buffer_copies: Default::default(),
+        raw_copies: Default::default(),
+    });
+    let local = initiator.register_block(block.clone(), rw()).unwrap();
+    // One range of most of the region, and small ones after it.
+    let big = LEN - (64 << 10);
+    let mut descs = vec![TransferDesc::new(local.addr(), remote.addr(), big as u64)];
+    descs.extend((0..4u64).map(|i| {
+        let at = big as u64 + i * 16384;
+        TransferDesc::new(local.addr() + at, remote.addr() + at, 4096)
+    }));
+
+    initiator.transfer(&peer, Op::Write, &descs, T).await.unwrap();
+    let at_peer = remote.to_vec().unwrap();
+    let want = pattern(LEN, 21);
+    for d in &descs {
+        let (at, n) = ((d.remote_addr - remote.addr()) as usize, d.len as usize);
+        assert!(
+            at_peer[at..at + n] == want[at..at + n],
+            "a write at {at} did not carry the device's bytes"
+        );
+    }
+    assert!(
+        block.raw_copies.load(Ordering::SeqCst) >= 3,
+        "{} MiB went in fewer batches than 8 MiB each",
+        LEN >> 20
+    );
+
+    let fresh = pattern(LEN, 22);
+    remote.write_at(0, &fresh).unwrap();
+    initiator.transfer(&peer, Op::Read, &descs, T).await.unwrap();
+    let device = block.staged.device.lock().unwrap().clone();
+    for d in &descs {
+        let (at, n) = ((d.local_addr - local.addr()) as usize, d.len as usize);
+        assert!(
+            device[at..at + n] == fresh[at..at + n],
+            "a read at {at} did not reach the device"
+        );
+    }
+    assert_eq!(
+        block.buffer_copies.load(Ordering::SeqCst),
+        0,
+        "bytes went over the control link"
+    );
+    assert!(
+        block.staged.host.lock().unwrap().iter().all(|&b| b == 0),
+        "bytes went through the host copy"
+    );
+}
