@@ -133,6 +133,10 @@ bench() { "$kit/ferry" bench --op "$1" --size 1MiB --batch 1 --duration 3s --jso
     echo "host_write $(bench write)"
     echo "cuda_write $(bench write --target-mem cuda)"
     echo "cuda_read $(bench read --target-mem cuda)"
+    # The initiator's own CUDA memory over TCP, through its link's buffers, beside host memory.
+    echo "host_write_tcp $(bench write --transport tcp)"
+    echo "local_cuda_write $(bench write --transport tcp --local-mem cuda)"
+    echo "local_cuda_read $(bench read --transport tcp --local-mem cuda)"
     port=$((20000 + RANDOM % 20000))
     "$kit/ferry" serve --listen 127.0.0.1:$port --region-size 512MiB --mem cuda >"$out/serve.log" 2>&1 &
     serve=$!
@@ -175,6 +179,8 @@ def ratio(row, a, b, target):
 ratio("cu", "cuda_write", "host_write", 0.8)
 ratio("cu2", "cuda_read", "cuda_write", 0.8)
 ratio("cu3", "gpu_to_gpu", "device_copy", 0.8)
+ratio("cu4", "local_cuda_write", "host_write_tcp", 0.8)
+ratio("cu5", "local_cuda_read", "local_cuda_write", 0.8)
 try:
     kib = json.loads(next(l for l in open(sys.argv[1]) if l.startswith("served_rss ")).split(" ", 1)[1])["kib"]
     mib = kib / 1024
