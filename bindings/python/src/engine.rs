@@ -288,8 +288,9 @@ impl Engine {
     /// (bytearray, memoryview, numpy array, mmap), for peers to access as `access` says (HIXL
     /// `RegisterMem`). `obj` is kept alive, and its buffer exported, until the region is
     /// deregistered: a bytearray cannot be resized nor an mmap closed meanwhile. A C-contiguous
-    /// CUDA array (`__cuda_array_interface__`: a CUDA tensor, a CuPy or Numba array) is registered
-    /// as CUDA device memory, named by its device pointer, `obj` kept alive likewise.
+    /// CUDA array (`__cuda_array_interface__`: a CUDA tensor, a CuPy or Numba array; or DLPack's
+    /// `__dlpack__` on a CUDA device: a JAX or TensorFlow array) is registered as CUDA device
+    /// memory, named by its device pointer, `obj` (or its DLPack capsule) kept alive likewise.
     #[pyo3(signature = (obj, access = 3))]
     fn register(slf: &Bound<'_, Self>, obj: &Bound<'_, PyAny>, access: u8) -> PyResult<Region> {
         let py = slf.py();
@@ -302,6 +303,14 @@ impl Engine {
             let block = unsafe { ferry::cuda::CudaBlock::borrow(addr, len, None) }.py(py)?;
             let region = py.detach(|| engine.register_block(block, access)).py(py)?;
             return Engine::insert(slf, region, Owner::Object(obj.clone().unbind()));
+        }
+        if let Some(array) = crate::dlpack::cuda_array(obj)? {
+            let _rt = runtime().enter();
+            // SAFETY: the capsule keeps the tensor, and so its device memory, alive; the engine
+            // keeps the capsule alive until the region is deregistered (`Owner::Object`).
+            let block = unsafe { ferry::cuda::CudaBlock::borrow(array.addr, array.len, None) }.py(py)?;
+            let region = py.detach(|| engine.register_block(block, access)).py(py)?;
+            return Engine::insert(slf, region, Owner::Object(array.capsule));
         }
         let export = BufferExport::of(obj)?;
         let _rt = runtime().enter();

@@ -14,6 +14,7 @@ use pyo3::prelude::*;
 mod bridge;
 mod descs;
 mod directory;
+mod dlpack;
 mod engine;
 mod errors;
 mod notify;

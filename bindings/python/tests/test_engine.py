@@ -807,3 +807,90 @@ def test_cuda_array_interface_is_checked_before_anything_is_registered(pair):
     with pytest.raises(refusal, match=why):
         target.register(FakeCudaArray(addr, (1024,), "<f4", strides=(4,)), access=ferry.READ)
     assert target.region_count == 0
+
+
+class _DlDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DlDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DlManagedTensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device", _DlDevice),
+        ("ndim", ctypes.c_int32),
+        ("dtype", _DlDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+        ("manager_ctx", ctypes.c_void_p),
+        ("deleter", ctypes.c_void_p),
+    ]
+
+
+_capsule_new = ctypes.pythonapi.PyCapsule_New
+_capsule_new.restype = ctypes.py_object
+_capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+
+
+class FakeDlpack:
+    """An object that describes memory as a DLPack producer does (`__dlpack_device__`,
+    `__dlpack__`), as JAX and TensorFlow arrays do on a GPU. The capsule points into this object,
+    which outlives it in these tests."""
+
+    def __init__(self, addr, shape, bits=8, strides=None, device_type=2, name=b"dltensor"):
+        self._shape = (ctypes.c_int64 * len(shape))(*shape)
+        self._strides = (ctypes.c_int64 * len(strides))(*strides) if strides else None
+        self._tensor = _DlManagedTensor(
+            data=addr,
+            device=_DlDevice(device_type, 0),
+            ndim=len(shape),
+            dtype=_DlDataType(2, bits, 1),
+            shape=ctypes.cast(self._shape, ctypes.POINTER(ctypes.c_int64)),
+            strides=ctypes.cast(self._strides, ctypes.POINTER(ctypes.c_int64)) if strides else None,
+        )
+        self._device_type = device_type
+        self._name = name
+
+    def __dlpack_device__(self):
+        return (self._device_type, 0)
+
+    def __dlpack__(self, stream=None):
+        return _capsule_new(ctypes.addressof(self._tensor), self._name, None)
+
+
+def test_dlpack_arrays_are_checked_before_anything_is_registered(pair):
+    """`register` takes CUDA arrays by DLPack too: the capsule must be an unused `dltensor`, the
+    layout one C-contiguous range of whole bytes, and the pointer CUDA device memory, as the driver
+    says (`Unsupported`, naming the missing driver, where there is none). An array on another
+    device goes by the buffer protocol, as numpy's (which also speaks DLPack) does."""
+    target, _ = pair
+    host = np.zeros(4096, dtype=np.uint8)
+    addr = host.ctypes.data
+    with pytest.raises(ferry.InvalidArgument, match="not C-contiguous"):
+        target.register(FakeDlpack(addr, (32, 32), bits=32, strides=(1, 32)))
+    with pytest.raises(ferry.InvalidArgument, match="no whole number of bytes"):
+        target.register(FakeDlpack(addr, (16,), bits=12))
+    with pytest.raises(ferry.InvalidArgument, match="no bytes"):
+        target.register(FakeDlpack(addr, (0, 4)))
+    with pytest.raises(ferry.InvalidArgument, match="not an unused"):
+        target.register(FakeDlpack(addr, (4096,), name=b"used_dltensor"))
+    if ferry.capabilities()["cuda"]["unavailable"]:
+        refusal, why = ferry.Unsupported, "no CUDA driver"
+    else:
+        refusal, why = ferry.InvalidArgument, "not CUDA device memory"
+    with pytest.raises(refusal, match=why):
+        target.register(FakeDlpack(addr, (4096,)))
+    with pytest.raises(refusal, match=why):
+        target.register(FakeDlpack(addr, (1024,), bits=32, strides=(1,)), access=ferry.READ)
+    # Not a GPU's: the buffer protocol decides (this object has none).
+    with pytest.raises(ferry.InvalidArgument, match="buffer protocol"):
+        target.register(FakeDlpack(addr, (4096,), device_type=1))
+    assert target.region_count == 0
+    assert np.asarray(host).__dlpack_device__()[0] == 1
+    region = target.register(host)
+    assert not region.kind.startswith("cuda"), region.kind
+    target.deregister(region)

@@ -158,8 +158,9 @@ class Engine:
     def link_count(self) -> int: ...
     def register(self, obj: Any, access: int = 3) -> Region:
         """Registers a writable C-contiguous buffer (bytearray, numpy array, mmap), or a
-        C-contiguous CUDA array (``__cuda_array_interface__``: a CUDA tensor) as CUDA device
-        memory, kept alive until deregistered."""
+        C-contiguous CUDA array (``__cuda_array_interface__``: a CUDA tensor; or DLPack's
+        ``__dlpack__`` on a CUDA device: a JAX or TensorFlow array) as CUDA device memory, kept
+        alive until deregistered."""
     def register_ptr(self, addr: int, length: int, access: int = 3, owner: Any = None) -> Region:
         """Registers raw memory (``tensor.data_ptr()``) the caller keeps valid; ``owner`` is kept
         alive until deregistered. CUDA device memory (asked of the driver) is registered as such,
