@@ -82,12 +82,31 @@ impl RunningSums {
     }
 }
 
-/// The CRC32C of a resolved range, read in place under a permit of its region's guard. Memory staged
-/// in front of a device holds the device's bytes only after the block's `prepare_read` hook ran for
+/// The CRC32C of a resolved range, under a permit of its region's guard: read in place, or, for a
+/// block whose device copies into any buffer ([`device_copies`](crate::MemoryBlock::device_copies):
+/// CUDA's), copied from the device a piece at a time, past its host copy. Other memory staged in
+/// front of a device holds the device's bytes only after the block's `prepare_read` hook ran for
 /// the range: the caller runs it first.
 pub fn sum(range: &Resolved) -> Result<u32> {
-    range.region.crc32c(range.offset, range.len)
+    let region = &range.region;
+    let Some(copies) = region.block().device_copies() else {
+        return region.crc32c(range.offset, range.len);
+    };
+    region.check_range(range.offset, range.len)?;
+    let _permit = region.guard().enter().ok_or_else(|| region.gone())?;
+    let mut piece = vec![0u8; range.len.min(DEVICE_SUM_PIECE) as usize];
+    let (mut sum, mut done) = (0, 0u64);
+    while done < range.len {
+        let n = (range.len - done).min(DEVICE_SUM_PIECE) as usize;
+        copies.copy_from_device((range.offset + done) as usize, &mut piece[..n])?;
+        sum = crc32c_append(sum, &piece[..n]);
+        done += n as u64;
+    }
+    Ok(sum)
 }
+
+/// Most bytes [`sum`] copies from a device at a time.
+const DEVICE_SUM_PIECE: u64 = 4 << 20;
 
 /// `Ok` when the sums of every range agree: `ours`, taken of this engine's ranges, and `theirs`,
 /// the peer's of its ranges `remote` (in the same order), for a transfer of `op` with `peer`. Else

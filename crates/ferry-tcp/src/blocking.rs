@@ -294,20 +294,16 @@ pub(crate) async fn persist(parts: &[Resolved], durability: Durability, writer: 
     Ok(())
 }
 
-/// The CRC32C of each part, in order: in place (`prepare_read` ran first where the memory is
-/// staged), or, for a block whose device copies into any buffer, of its bytes copied from the
-/// device a piece at a time, past its host copy.
+/// The CRC32C of each part, in order ([`ferry_core::integrity::sum`]: `prepare_read` ran first
+/// where the memory is staged without device copies of its own); off the runtime when large or
+/// copied from a device.
 pub(crate) async fn sums(parts: Vec<Resolved>) -> Result<Vec<u32>> {
     let total: u64 = parts.iter().map(|p| p.len).sum();
     let any_device = parts.iter().any(|p| p.region.block().device_copies().is_some());
     let work = move || {
-        let mut scratch = Vec::new();
         parts
             .iter()
-            .map(|p| match p.region.block().device_copies() {
-                Some(copies) => sum_from_device(p, copies, &mut scratch),
-                None => ferry_core::integrity::sum(p),
-            })
+            .map(ferry_core::integrity::sum)
             .collect::<Result<Vec<u32>>>()
     };
     if total <= ferry_core::integrity::SUM_INLINE_BYTES && !any_device {
@@ -316,20 +312,6 @@ pub(crate) async fn sums(parts: Vec<Resolved>) -> Result<Vec<u32>> {
     tokio::task::spawn_blocking(work)
         .await
         .map_err(|e| Error::Internal(format!("checksumming on a blocking thread panicked: {e}")))?
-}
-
-/// The CRC32C of `part`, copied from its device through `scratch` ([`OVERLAP_PIECE`] at a time).
-fn sum_from_device(part: &Resolved, copies: &dyn ferry_core::DeviceCopies, scratch: &mut Vec<u8>) -> Result<u32> {
-    let mut sum = 0;
-    let mut done = 0u64;
-    while done < part.len {
-        let n = (part.len - done).min(OVERLAP_PIECE) as usize;
-        let buf = ferry_core::region::bounce_piece(scratch, n);
-        with_permit(part, || copies.copy_from_device((part.offset + done) as usize, buf))?;
-        sum = ferry_core::integrity::crc32c_append(sum, buf);
-        done += n as u64;
-    }
-    Ok(sum)
 }
 
 #[cfg(test)]

@@ -94,12 +94,14 @@ fn inline(ranges: &[Resolved]) -> bool {
         && !ranges.iter().any(|r| r.region.block().has_access_hooks())
 }
 
-/// The CRC32C of each range, after the device's copy for staged memory.
+/// The CRC32C of each range, after the device's copy for staged memory (past the host copy where
+/// the device copies into any buffer, as [`ferry_core::integrity::sum`] does).
 fn sum_all(ranges: &[Resolved]) -> Result<Vec<u32>> {
     ranges
         .iter()
         .map(|r| {
-            if r.region.block().has_access_hooks() {
+            let block = r.region.block();
+            if block.has_access_hooks() && block.device_copies().is_none() {
                 let (offset, len) = (r.offset, r.len);
                 let prepare = r
                     .region

@@ -612,7 +612,8 @@ impl ferry::DeviceCopies for AnyBuffer {
 
 /// Local device memory whose device copies into any host memory (CUDA's) is copied by the device
 /// straight into and out of the host region the peer lent, in batches: every byte arrives, no byte
-/// goes through the control link's buffers, and the host copy in front of the device stays zero.
+/// goes through the control link's buffers, and the host copy in front of the device stays zero,
+/// transfers with integrity included.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn local_device_memory_copies_by_its_device_into_the_peers_lent_memory() {
     const LEN: usize = 20 << 20;
@@ -665,6 +666,12 @@ async fn local_device_memory_copies_by_its_device_into_the_peers_lent_memory() {
         0,
         "bytes went over the control link"
     );
+
+    // With integrity, this side's sums are taken of what the device holds, also past the host copy.
+    for op in [Op::Write, Op::Read] {
+        let options = ferry::TransferOptions::within(T).integrity(true);
+        initiator.start(&peer, op, &descs, options).unwrap().await.unwrap();
+    }
     assert!(
         block.staged.host.lock().unwrap().iter().all(|&b| b == 0),
         "bytes went through the host copy"
