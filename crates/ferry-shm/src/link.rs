@@ -701,6 +701,15 @@ fn device_reaches(item: &TransferItem) -> bool {
     !block.has_access_hooks() || matches!(block.device_address(), Some(ferry_core::DeviceAddress::Cuda(_)))
 }
 
+/// Checks every item against its region's mapping in `mappings` ([`check_mapped`]) before any byte
+/// moves; whether there is any item to copy.
+fn check_all_mapped(op: Op, items: &[(TransferItem, usize)], mappings: &[Arc<Mapping>]) -> Result<bool> {
+    for (item, m) in items {
+        check_mapped(op, item, &mappings[*m])?;
+    }
+    Ok(!items.is_empty())
+}
+
 /// Checks that `item` lies in its local region and in `mapping` (writable, for a WRITE).
 fn check_mapped(op: Op, item: &TransferItem, mapping: &Mapping) -> Result<()> {
     mapping.check(item.remote_offset, item.len(), op == Op::Write)?;
@@ -769,11 +778,8 @@ async fn copy_mapped(
     items: Vec<(TransferItem, usize)>,
     mappings: &[Arc<Mapping>],
 ) -> Result<Vec<TransferItem>> {
-    if items.is_empty() {
+    if !check_all_mapped(op, &items, mappings)? {
         return Ok(Vec::new());
-    }
-    for (item, m) in &items {
-        check_mapped(op, item, &mappings[*m])?;
     }
     let remote: Vec<_> = mappings.iter().map(|m| m.enter()).collect();
     // Each local region's permit, by the region's address.
@@ -829,11 +835,8 @@ async fn copy_local_device(
     items: Vec<(TransferItem, usize)>,
     mappings: &[Arc<Mapping>],
 ) -> Result<Vec<TransferItem>> {
-    if items.is_empty() {
+    if !check_all_mapped(op, &items, mappings)? {
         return Ok(Vec::new());
-    }
-    for (item, m) in &items {
-        check_mapped(op, item, &mappings[*m])?;
     }
     let remote: Vec<_> = mappings.iter().map(|m| m.enter()).collect();
     let mut given_back = Vec::new();
@@ -936,11 +939,8 @@ async fn copy_device(
     mappings: &[Arc<Mapping>],
 ) -> Result<Vec<TransferItem>> {
     use ferry_cuda::ipc::WindowCopy;
-    if items.is_empty() {
+    if !check_all_mapped(op, &items, mappings)? {
         return Ok(Vec::new());
-    }
-    for (item, m) in &items {
-        check_mapped(op, item, &mappings[*m])?;
     }
     let mut given_back = Vec::new();
     for (m, mapping) in mappings.iter().enumerate().filter(|(_, m)| m.is_device()) {
