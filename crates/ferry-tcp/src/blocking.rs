@@ -129,15 +129,34 @@ pub(crate) fn bytes_of(parts: &[Resolved]) -> usize {
     parts.iter().map(|p| p.len as usize).sum()
 }
 
-/// Whether every part's block copies between its device and any buffer
-/// ([`MemoryBlock::device_copies`](ferry_core::MemoryBlock::device_copies)): the target then moves
-/// the request through its stream's [`Bounces`], never through the blocks' host copies.
-pub(crate) fn through_device(parts: &[Resolved]) -> bool {
-    !parts.is_empty() && parts.iter().all(|p| p.region.block().device_copies().is_some())
+/// Whether a payload moves through a stream's [`Bounces`] ([`crate::device`]): some part's block
+/// copies between its device and any buffer
+/// ([`MemoryBlock::device_copies`](ferry_core::MemoryBlock::device_copies)), so that its bytes
+/// never pass through the block's host copy. Both ends decide by this one rule, for writes and
+/// reads alike; the payload's other parts go through the same buffers, host memory by a plain copy
+/// and staged memory without device copies through its host copy, brought from or committed to
+/// its device around the pieces ([`staged_in_host_copy`]).
+pub(crate) fn through_device<'a>(parts: impl IntoIterator<Item = &'a Resolved>) -> bool {
+    parts.into_iter().any(|p| p.region.block().device_copies().is_some())
+}
+
+/// The parts of staged memory whose blocks have no device copies of their own (Vulkan's): their
+/// bytes pass through the host copy, which [`prepare_read`] fills from the device before a read
+/// and [`commit_written`] copies to the device after a write. Blocks with device copies are left
+/// out: for them both hooks would move the whole range through the host copy.
+pub(crate) fn staged_in_host_copy<'a>(parts: impl IntoIterator<Item = &'a Resolved>) -> Vec<Resolved> {
+    parts
+        .into_iter()
+        .filter(|p| {
+            let block = p.region.block();
+            block.has_access_hooks() && block.device_copies().is_none()
+        })
+        .cloned()
+        .collect()
 }
 
 /// A stream's buffers for payloads that do not go straight into region memory: a write into a
-/// page-cache file, and a request through devices' copies ([`through_device`]), whose pieces take
+/// page-cache file, and a payload through devices' copies ([`through_device`]), whose pieces take
 /// turns in two buffers (one filled from or sent to the socket while the other is copied). They
 /// grow to the largest piece and stay: a stream holds at most two pieces' worth.
 #[derive(Default)]

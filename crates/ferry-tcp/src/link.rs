@@ -42,7 +42,9 @@ use tokio::net::TcpStream;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, TryAcquireError, mpsc, oneshot};
 use tokio::task::AbortHandle;
 
-use crate::blocking::{Bounces, OVERLAP_PIECE, bytes_of, copied, from_device, pieces};
+use crate::blocking::{
+    Bounces, OVERLAP_PIECE, bytes_of, copied, from_device, pieces, staged_in_host_copy, through_device,
+};
 use crate::coalesce::{CoalesceBuf, CoalescePool};
 use crate::io::{Conn, DIRECT_THRESHOLD, FrameReader, FrameWriter, Landed, access_error, unbacked};
 use crate::tls::{Session, TlsConfig};
@@ -778,19 +780,14 @@ async fn run_batch(shared: Arc<Shared>, request: TransferRequest) -> Result<()> 
     if shared.closed.load(Ordering::Acquire) {
         return Err(shared.closed_error());
     }
+    // Whether any frame may move memory whose device copies into any buffer (CUDA's) through the
+    // streams' bounce buffers ([`crate::device`]): decided once here, so that a request of host
+    // memory asks no block of any frame again.
+    let device = through_device(request.items.iter().map(|i| &i.local));
     if request.op == Op::Write {
-        // A staged block (device-local GPU memory behind a host copy) is brought to the host first,
-        // off the runtime, each region's ranges as one batch; one whose device copies into any
-        // buffer is copied piece by piece as its frames are sent ([`write_through_device`]).
-        let staged: Vec<Resolved> = request
-            .items
-            .iter()
-            .filter(|i| {
-                let block = i.local.region.block();
-                block.has_access_hooks() && block.device_copies().is_none()
-            })
-            .map(|i| i.local.clone())
-            .collect();
+        // A staged block without device copies of its own (Vulkan's) is brought to its host copy
+        // first, off the runtime, each region's ranges as one batch.
+        let staged = staged_in_host_copy(request.items.iter().map(|i| &i.local));
         if !staged.is_empty() {
             crate::blocking::prepare_read(&staged).await?;
         }
@@ -813,12 +810,12 @@ async fn run_batch(shared: Arc<Shared>, request: TransferRequest) -> Result<()> 
         let submitted = match send.kind() {
             OpKind::Read => {
                 frame_sums = checked.then(Arc::default);
-                submit_read(shared, send, &caller.0, frame_sums.clone()).await
+                submit_read(shared, send, device, &caller.0, frame_sums.clone()).await
             }
             OpKind::Sum => submit_check(shared, request.op, send, frame_sums.take()),
             _ => {
                 frame_sums = (checked && send.bytes() > 0).then(Arc::default);
-                submit_write(shared, send, frame_sums.clone()).await
+                submit_write(shared, send, device, frame_sums.clone()).await
             }
         };
         match submitted {
@@ -846,8 +843,9 @@ async fn run_batch(shared: Arc<Shared>, request: TransferRequest) -> Result<()> 
 }
 
 /// Sends one write frame (or a commit, which moves no payload) under its share of the byte budget,
-/// its payload straight from the regions.
-async fn submit_write(shared: &Shared, send: Send, sums: Option<Arc<FrameSums>>) -> Result<Submitted> {
+/// its payload straight from the regions, or through the stream's bounce buffers where `device`
+/// (the request's memory may go through them) and the frame's memory does.
+async fn submit_write(shared: &Shared, send: Send, device: bool, sums: Option<Arc<FrameSums>>) -> Result<Submitted> {
     let bytes = send.bytes();
     let budget = match bytes {
         0 => None,
@@ -858,7 +856,7 @@ async fn submit_write(shared: &Shared, send: Send, sums: Option<Arc<FrameSums>>)
         match parts.is_empty() {
             true => Outgoing::Frame(frame),
             false => Outgoing::Write {
-                through_device: parts.iter().any(|p| p.region.block().device_copies().is_some()),
+                through_device: device && through_device(&parts),
                 id,
                 frame,
                 parts,
@@ -886,11 +884,13 @@ fn submit_check(shared: &Shared, op: Op, send: Send, ours: Option<Arc<FrameSums>
 }
 
 /// Asks for one read frame's data, under its share of the byte budget; its data lands straight in
-/// the region, or through a pool buffer that is scattered over its parts. A checked read's sums of
-/// what landed go to `sums`.
+/// the region, through a pool buffer that is scattered over its parts, or through the stream's
+/// bounce buffers where `device` (the request's memory may go through them) and the frame's memory
+/// does. A checked read's sums of what landed go to `sums`.
 async fn submit_read(
     shared: &Shared,
     send: Send,
+    device: bool,
     caller: &Arc<AccessGuard>,
     sums: Option<Arc<FrameSums>>,
 ) -> Result<Submitted> {
@@ -898,7 +898,7 @@ async fn submit_read(
     let budget = Some(shared.budget(bytes).await?);
     let coalesced = send.is_coalesced();
     let (mut parts, frame) = send.split();
-    if parts.iter().any(|p| p.region.block().device_copies().is_some()) {
+    if device && through_device(&parts) {
         let dest = ReadDest::Device {
             parts,
             caller: caller.clone(),
@@ -1232,14 +1232,7 @@ fn landed_in(region: &RegionEntry, landed: Landed) -> Result<()> {
 /// while the transfer that asked for it still waits: none once it returned. Blocks with device
 /// copies of their own took their bytes already ([`land_read_through_device`]).
 async fn commit_for_caller(caller: &Arc<AccessGuard>, parts: &[Resolved]) -> Result<()> {
-    let hooked: Vec<Resolved> = parts
-        .iter()
-        .filter(|p| {
-            let block = p.region.block();
-            block.has_access_hooks() && block.device_copies().is_none()
-        })
-        .cloned()
-        .collect();
+    let hooked = staged_in_host_copy(parts);
     if hooked.is_empty() {
         return Ok(());
     }

@@ -38,7 +38,9 @@ use tokio::sync::{Notify, oneshot, watch};
 use tokio::task::AbortHandle;
 use tokio::time::Instant;
 
-use crate::blocking::{Bounces, OVERLAP_PIECE, Writer, bytes_of, copied, from_device, overlap_pieces, through_device};
+use crate::blocking::{
+    Bounces, OVERLAP_PIECE, Writer, bytes_of, copied, from_device, overlap_pieces, staged_in_host_copy, through_device,
+};
 use crate::io::{Conn, FrameReader, FrameWriter, Landed, access_error};
 use crate::tls::{Session, TLS_HANDSHAKE_RECORD, TlsConfig};
 
@@ -895,7 +897,7 @@ enum ReadParts {
     /// A large read of staged memory, in [`overlap_pieces`]: the first piece's device copies made,
     /// each later piece's to be made while the piece before it is sent.
     Overlapped(Vec<Resolved>, Vec<Vec<Resolved>>),
-    /// A read of memory whose devices copy into any buffer ([`through_device`]), in pieces: the
+    /// A read some of whose memory its device copies into any buffer ([`through_device`]), in pieces: the
     /// first piece's bytes copied into the buffer given, each later piece's to be copied into a
     /// stream's bounce buffer while the piece before it is sent.
     Device(Vec<Resolved>, Vec<Vec<Resolved>>, Vec<u8>),
@@ -932,6 +934,8 @@ async fn resolve_reads(
 ) -> Result<ReadParts> {
     let parts = serve::read(ctx, who, segments, max_payload)?;
     if through_device(&parts) {
+        // Staged parts without device copies of their own are read from their host copies.
+        crate::blocking::prepare_read(&staged_in_host_copy(&parts)).await?;
         let pieces = crate::blocking::pieces(&parts, OVERLAP_PIECE);
         let (buf, first) = copied(from_device(pieces[0].clone(), bounces.take(bytes_of(&pieces[0]))).await);
         if let Err(e) = first {
@@ -1024,12 +1028,7 @@ async fn serve_sums(ctx: &EngineContext, who: &PeerView, op: Op, segments: &[Seg
         parts.iter().for_each(ferry_core::integrity::fault::landed);
     }
     // Blocks with device copies of their own are summed past their host copies.
-    let staged: Vec<Resolved> = parts
-        .iter()
-        .filter(|p| p.region.block().device_copies().is_none())
-        .cloned()
-        .collect();
-    crate::blocking::prepare_read(&staged).await?;
+    crate::blocking::prepare_read(&staged_in_host_copy(&parts)).await?;
     crate::blocking::sums(parts).await
 }
 
@@ -1083,14 +1082,20 @@ async fn land_overlapped(reader: &mut FrameReader, pieces: &[Vec<Resolved>]) -> 
     Ok(result)
 }
 
-/// [`land`] for memory whose devices copy from any buffer ([`through_device`]), through the
-/// stream's bounce buffers ([`crate::device`]); the first failed copy is the write's error.
+/// [`land`] for a payload some of whose memory its device copies from any buffer
+/// ([`through_device`]), through the stream's bounce buffers ([`crate::device`]); staged parts
+/// without device copies of their own landed in their host copies and are committed after. The
+/// first failed copy is the write's error.
 async fn land_through_device(
     reader: &mut FrameReader,
     parts: &[Resolved],
     bounces: &mut Bounces,
 ) -> Result<Result<()>> {
-    crate::device::land_pieces(reader, parts, bounces, || Ok(()), None).await
+    let landed = crate::device::land_pieces(reader, parts, bounces, || Ok(()), None).await?;
+    if landed.is_err() {
+        return Ok(landed);
+    }
+    Ok(crate::blocking::commit_written(&staged_in_host_copy(parts)).await)
 }
 
 /// Reads a write's payload into `bounce`, in pieces ([`file_pieces`]), and writes each piece into

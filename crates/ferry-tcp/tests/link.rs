@@ -408,6 +408,63 @@ async fn memory_a_device_copies_from_any_buffer_never_goes_through_its_host_copy
     assert!(device.host_copy_untouched(), "a byte went through the host copy");
 }
 
+/// One coalesced frame whose parts are memory a device copies from any buffer (CUDA's), staged
+/// memory without such copies (Vulkan's) and host memory: the target moves the whole payload
+/// through its stream's buffers, so that the first device's host copy is never touched, while the
+/// staged block's host copy is committed to its device after a write and brought from it before a
+/// read. Checked transfers too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frame_mixing_device_staged_and_host_memory_keeps_each_on_its_own_path() {
+    const N: u64 = 16 << 10;
+    let cuda = Arc::new(Device::new(LEN, None, true));
+    let staged = Arc::new(Device::new(LEN, None, false));
+    let remotes = [
+        Arc::new(RegionEntry::new(RegionKey(0x51), Access::READ_WRITE, cuda.clone()).unwrap()),
+        Arc::new(RegionEntry::new(RegionKey(0x52), Access::READ_WRITE, staged.clone()).unwrap()),
+        common::region(0x53, 0),
+    ];
+    let pool = ferry_tcp::CoalescePool::new("2:1".parse().unwrap());
+    let p = common::pair_serving(&remotes, 1, pool).await;
+    let items = |op| {
+        (0..3)
+            .map(|k| p.item(op, k as u64 * N, &remotes[k], 0, N))
+            .collect::<Vec<_>>()
+    };
+    for checked in [false, true] {
+        let src = nonzero(3 * N as usize, 30 + checked as usize);
+        p.local.copy_in(0, &src).unwrap();
+        let mut write = p.request_of(Op::Write, items(Op::Write));
+        write.checked = checked;
+        p.run(write).await.unwrap();
+        let n = N as usize;
+        assert_eq!(cuda.device.lock().unwrap()[..n], src[..n], "checked: {checked}");
+        assert_eq!(
+            staged.device.lock().unwrap()[..n],
+            src[n..2 * n],
+            "staged not committed"
+        );
+        let mut at_host = vec![0u8; n];
+        remotes[2].copy_out(0, &mut at_host).unwrap();
+        assert_eq!(at_host, src[2 * n..]);
+
+        let on_device = nonzero(3 * n, 40 + checked as usize);
+        cuda.device.lock().unwrap()[..n].copy_from_slice(&on_device[..n]);
+        staged.device.lock().unwrap()[..n].copy_from_slice(&on_device[n..2 * n]);
+        remotes[2].copy_in(0, &on_device[2 * n..]).unwrap();
+        p.local.copy_in(0, &vec![0u8; 3 * n]).unwrap();
+        let mut read = p.request_of(Op::Read, items(Op::Read));
+        read.checked = checked;
+        p.run(read).await.unwrap();
+        let mut got = vec![0u8; 3 * n];
+        p.local.copy_out(0, &mut got).unwrap();
+        assert!(
+            got == on_device,
+            "the read carried each memory's bytes (checked: {checked})"
+        );
+    }
+    assert!(cuda.host_copy_untouched(), "a byte went through the device's host copy");
+}
+
 /// A pair whose initiator's own region is an emulated [`Device`] of [`DEVICE_LEN`] bytes whose
 /// device copies from any buffer, the target's host memory as long, over one stream.
 async fn initiator_device_pair(fail_prepare_at: Option<usize>) -> (common::Pair, Arc<Device>) {

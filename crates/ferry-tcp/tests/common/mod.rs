@@ -10,7 +10,7 @@ use ferry_core::{
     Access, DataLink, Durability, EngineContext, LinkSlots, MemoryBlock, Notification, Notifier, Op, OwnedBuffer,
     PeerIdentity, PeerNames, RegionEntry, RegionKey, RegionTable, Result, TransferItem, TransferRequest, TransportKind,
 };
-use ferry_tcp::{LinkConfig, LocalIdentity, ServerConfig, TcpLink, TcpServer};
+use ferry_tcp::{CoalescePool, LinkConfig, LocalIdentity, ServerConfig, TcpLink, TcpServer};
 
 pub const T: Duration = Duration::from_secs(10);
 pub const LEN: usize = 1 << 20;
@@ -69,11 +69,18 @@ pub async fn pair(streams: usize) -> Pair {
 
 /// A pair whose target serves `remote` (key and length as [`region`]'s).
 pub async fn pair_with(remote: Arc<RegionEntry>, streams: usize) -> Pair {
+    pair_serving(&[remote], streams, None).await
+}
+
+/// A pair whose target serves `remotes` (the first is the pair's `remote`), its link coalescing
+/// small descriptors through `pool` if given.
+pub async fn pair_serving(remotes: &[Arc<RegionEntry>], streams: usize, pool: Option<Arc<CoalescePool>>) -> Pair {
+    let remote = remotes[0].clone();
     let inbox = Arc::new(Inbox {
         region: remote.clone(),
         seen: Mutex::new(Vec::new()),
     });
-    let target = context(2, std::slice::from_ref(&remote), inbox.clone());
+    let target = context(2, remotes, inbox.clone());
     let server = TcpServer::bind("127.0.0.1:0".parse().unwrap(), target, ServerConfig::default())
         .await
         .unwrap();
@@ -86,7 +93,7 @@ pub async fn pair_with(remote: Arc<RegionEntry>, streams: usize) -> Pair {
         streams,
         max_inflight_bytes: 64 << 20,
         limits: Default::default(),
-        pool: None,
+        pool,
         link_limits: Default::default(),
         send_timeout: T,
         tls: None,
@@ -108,31 +115,38 @@ impl Pair {
     /// `(offset, len)` ranges at the same offsets of the local and the remote region, resolved
     /// against the table the target advertised.
     pub fn request(&self, op: Op, ranges: &[(u64, u64)]) -> TransferRequest {
-        let items = self
-            .link
+        let items = ranges
+            .iter()
+            .map(|&(offset, len)| self.item(op, offset, &self.remote, offset, len))
+            .collect();
+        self.request_of(op, items)
+    }
+
+    /// `len` bytes at `local_offset` of the local region and `remote_offset` of `remote` (one the
+    /// target serves), resolved against the table the target advertised.
+    pub fn item(&self, op: Op, local_offset: u64, remote: &RegionEntry, remote_offset: u64, len: u64) -> TransferItem {
+        let addr = remote.addr() + remote_offset;
+        self.link
             .with_remote_regions(|table| {
-                ranges
-                    .iter()
-                    .map(|&(offset, len)| {
-                        let (ad, _) = table
-                            .find(self.remote.addr() + offset, len, op.required_access())
-                            .unwrap();
-                        TransferItem {
-                            local: ferry_core::Resolved {
-                                region: self.local.clone(),
-                                offset,
-                                len,
-                            },
-                            remote_key: ad.key,
-                            remote_offset: self.remote.addr() + offset - ad.addr,
-                            remote_addr: self.remote.addr() + offset,
-                            remote_transport_key: None,
-                            remote_access: ad.access,
-                        }
-                    })
-                    .collect()
+                let (ad, _) = table.find(addr, len, op.required_access()).unwrap();
+                TransferItem {
+                    local: ferry_core::Resolved {
+                        region: self.local.clone(),
+                        offset: local_offset,
+                        len,
+                    },
+                    remote_key: ad.key,
+                    remote_offset: addr - ad.addr,
+                    remote_addr: addr,
+                    remote_transport_key: None,
+                    remote_access: ad.access,
+                }
             })
-            .unwrap();
+            .unwrap()
+    }
+
+    /// A request of `items`.
+    pub fn request_of(&self, op: Op, items: Vec<TransferItem>) -> TransferRequest {
         TransferRequest {
             op,
             durability: Durability::Completed,
