@@ -1114,7 +1114,7 @@ const COMPARISONS: &[Comparison] = &[
         peer: Some("ferry shm write 1MiB"),
         peer_scale: 1.0,
         unit: Unit::GbPerS,
-        target: Target::RatioAtLeast(0.5),
+        target: Target::RatioAtLeast(0.8),
     },
     // The pool exists for small descriptors over TCP (one frame for many); on a transport that copies
     // each descriptor where it goes it must cost nothing. Never slower than off, up to noise.

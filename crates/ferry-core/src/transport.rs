@@ -343,8 +343,8 @@ pub trait DataLink: Send + Sync + 'static {
     /// takes back at once where it can (TCP), else releases when the answer comes or the link ends.
     /// What a link times is itself: a silent peer, which fails every batch on the link.
     fn transfer(&self, request: TransferRequest) -> BoxFuture<'static, Result<Declined>>;
-    /// Runs `request` at once, on the calling thread, if it needs no waiting at all (one range of a
-    /// region this process has mapped, copied with no system call), and says how it ended; `None`,
+    /// Runs `request` at once, on the calling thread, if it needs no waiting at all (ranges of
+    /// regions this process has mapped, copied with no system call), and says how it ended; `None`,
     /// with nothing done, when it must go through [`transfer`](Self::transfer) (so also whenever it
     /// would decline any of it). It is called from a
     /// future's `poll`, so it must never block. The default runs nothing inline.

@@ -3,7 +3,9 @@
 //! - **Lent regions** (the target's engine allocations, on a link whose peer may read and write
 //!   them): the first use asks the target for the region's memory file and maps it
 //!   ([`Mapping`]); from then on READ and WRITE are copies between the caller's memory and the
-//!   mapping, done by the transfer's own future, with no system call. A write is complete when the
+//!   mapping, done by the transfer's own future, with no system call (a batch of host memory and
+//!   mapped regions alone, up to [`COPY_CHUNK`] bytes, right in the caller's first poll, before any
+//!   future of the link's own exists: `Inner::batch_now`). A write is complete when the
 //!   copy returns: its bytes are then in the target's memory. The target's GPU memory (CUDA, with
 //!   the `cuda` feature) is lent the same way, as the allocation's CUDA IPC handle, which this
 //!   process opens; its copies are the device's (`cuMemcpyAsync` between the caller's memory, on the
@@ -409,14 +411,16 @@ impl Inner {
         }
     }
 
-    /// The mapping of the region the peer knows as `key`, if this link holds one.
     /// One range of a region already mapped (a small synchronous write, say), copied here and now,
-    /// without sorting the batch; `None` for anything else. A link already seen down fails at once.
+    /// or a batch of them ([`batch_now`](Self::batch_now)); `None` for anything else. A link already
+    /// seen down fails at once.
     fn transfer_now(&self, request: &TransferRequest) -> Option<Result<()>> {
         if self.closed.load(Ordering::Acquire) {
             return Some(Err(self.down()));
         }
-        let [item] = &request.items[..] else { return None };
+        let [item] = &request.items[..] else {
+            return self.batch_now(request);
+        };
         // A large copy goes in chunks, in the transfer's future (see `COPY_CHUNK`).
         if !Inner::lendable(item, request.durability)
             || lent_as(item) != Some(region_key::LENDABLE)
@@ -442,6 +446,84 @@ impl Inner {
         Some(done)
     }
 
+    /// A batch of ranges of host memory here and of regions already mapped, [`COPY_CHUNK`] bytes
+    /// at most, copied here and now, the way [`copy_mapped`] copies them but without sorting the
+    /// batch into ways first: a batch of many small ranges spent as long sorting and gathering them
+    /// as copying them. `None`, with nothing done, for any other batch, or one whose mappings are
+    /// not all lent now (being given back, say): it goes through [`DataLink::transfer`].
+    fn batch_now(&self, request: &TransferRequest) -> Option<Result<()>> {
+        if request.durability != Durability::Completed {
+            return None;
+        }
+        // The mapping of each run of items of one region, the items' own checks made first: a
+        // region's memory and its lending are looked at once a run.
+        let mut mappings: Vec<Arc<Mapping>> = Vec::new();
+        let mut total = 0u64;
+        {
+            let lendings = self.lendings.read();
+            let (mut last_remote, mut last_local) = (None, None);
+            for item in &request.items {
+                if last_remote != Some(item.remote_key) {
+                    match (lent_as(item), lendings.get(&item.remote_key)) {
+                        (Some(region_key::LENDABLE), Some(Lending::Lent(m))) => mappings.push(m.clone()),
+                        _ => return None,
+                    }
+                    last_remote = Some(item.remote_key);
+                }
+                let local = Arc::as_ptr(&item.local.region);
+                if last_local != Some(local) {
+                    if stages_locally(item) || copies_by_device(item) {
+                        return None;
+                    }
+                    last_local = Some(local);
+                }
+                total += item.len();
+            }
+        }
+        if total > COPY_CHUNK as u64 {
+            return None;
+        }
+        let remote: Vec<ferry_core::Permit<'_>> = mappings.iter().map(|m| m.enter()).collect::<Option<_>>()?;
+        let mut local: Vec<ferry_core::Permit<'_>> = Vec::new();
+        let mut pieces = Vec::with_capacity(request.items.len());
+        let (mut m, mut last_remote, mut last_local) = (0, None, None);
+        for item in &request.items {
+            if last_remote.is_some_and(|key| key != item.remote_key) {
+                m += 1;
+            }
+            last_remote = Some(item.remote_key);
+            if let Err(e) = check_mapped(request.op, item, &mappings[m]) {
+                return Some(Err(e));
+            }
+            let region = &item.local.region;
+            if last_local != Some(Arc::as_ptr(region)) {
+                match region.guard().enter() {
+                    Some(permit) => local.push(permit),
+                    None => return Some(Err(region.gone())),
+                }
+                last_local = Some(Arc::as_ptr(region));
+            }
+            pieces.push(piece(request.op, item, &mappings[m]));
+        }
+        // SAFETY: every range was checked against its mapping and region above, and a permit of each
+        // mapping and region is held until the copies end (and the fault hook's writes into the
+        // destinations, just written); regions are never handed out as Rust references.
+        unsafe {
+            copy_all(&pieces);
+            for p in &pieces {
+                ferry_core::integrity::fault::landed_raw(p.dst, p.len);
+            }
+        }
+        drop((local, remote));
+        // Bytes copied into the mapping of a target whose end of the link is already seen closed
+        // reach nobody: that is no completed write.
+        if self.closed.load(Ordering::Acquire) {
+            return Some(Err(self.down()));
+        }
+        Some(Ok(()))
+    }
+
+    /// The mapping of the region the peer knows as `key`, if this link holds one.
     fn mapping_of(&self, key: RegionKey) -> Option<Arc<Mapping>> {
         self.lendings.lent_of(&key)
     }

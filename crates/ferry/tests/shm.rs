@@ -199,7 +199,8 @@ async fn narrowing_a_grant_to_read_takes_the_writable_mapping_back() {
 }
 
 /// A batch with one range past the end of the target's region: refused whole, and none of its other
-/// ranges was copied.
+/// ranges was copied, whether the region was not mapped here yet (the batch goes to the link's
+/// future, which maps it) or was already (the batch is copied inline, on its first poll).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_with_a_bad_range_moves_nothing() {
     let (target, initiator, peer) = shm_pair().await;
@@ -212,12 +213,86 @@ async fn a_batch_with_a_bad_range_moves_nothing() {
         TransferDesc::new(src.addr(), dst.addr(), 4096),
         TransferDesc::new(src.addr_at(4096), dst.addr_at((1 << 20) - 100), 4096),
     ];
-    let err = initiator.transfer(&peer, Op::Write, &descs, T).await.unwrap_err();
-    assert!(matches!(err, Error::OutOfBounds(_)), "{err:?}");
-    assert!(
-        dst.to_vec().unwrap().iter().all(|&b| b == 0),
-        "a byte of the batch was written"
-    );
+    for mapped in [false, true] {
+        let err = initiator.transfer(&peer, Op::Write, &descs, T).await.unwrap_err();
+        assert!(matches!(err, Error::OutOfBounds(_)), "{err:?}");
+        assert!(
+            dst.to_vec().unwrap()[..(1 << 20) - 8192].iter().all(|&b| b == 0),
+            "a byte of the batch was written (mapped: {mapped})"
+        );
+        // A good write at the end maps the region for the next round.
+        let good = [TransferDesc::new(src.addr(), dst.addr_at((1 << 20) - 8192), 4096)];
+        initiator.transfer(&peer, Op::Write, &good, T).await.unwrap();
+    }
+}
+
+/// A batch of many small ranges of regions already mapped, alternating between two target regions
+/// and two local ones, copied inline on its first poll: every byte lands where its range says, for
+/// writes and reads, and a batch that names a region the target does not lend (or no longer lends)
+/// still goes the whole way, through the link's future.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_over_several_mapped_regions_lands_each_range_in_place() {
+    const N: u64 = 64;
+    const LEN: u64 = 1024;
+    let (target, initiator, peer) = shm_pair().await;
+    let dst = [
+        target.alloc_host(1 << 20, rw()).unwrap(),
+        target.alloc_host(1 << 20, rw()).unwrap(),
+    ];
+    for d in &dst {
+        wait_for_region(&peer, d).await;
+    }
+    let src = [
+        initiator.register(pattern(1 << 20, 8), rw()).unwrap(),
+        initiator.register(pattern(1 << 20, 9), rw()).unwrap(),
+    ];
+    // Range k goes from local region k % 2 to target region (k / 3) % 2, at offsets that differ.
+    let descs: Vec<_> = (0..N)
+        .map(|k| {
+            let (s, d) = (&src[(k % 2) as usize], &dst[((k / 3) % 2) as usize]);
+            TransferDesc::new(s.addr_at(k * LEN), d.addr_at((N - 1 - k) * LEN), LEN)
+        })
+        .collect();
+    let expect = |dst_index: usize| {
+        let mut bytes = vec![0u8; 1 << 20];
+        for k in (0..N).filter(|k| ((k / 3) % 2) as usize == dst_index) {
+            let from = pattern(1 << 20, 8 + (k % 2) as u8);
+            let at = ((N - 1 - k) * LEN) as usize;
+            bytes[at..at + LEN as usize].copy_from_slice(&from[(k * LEN) as usize..((k + 1) * LEN) as usize]);
+        }
+        bytes
+    };
+    // The first batch maps both regions; the second is copied inline.
+    for _ in 0..2 {
+        initiator.transfer(&peer, Op::Write, &descs, T).await.unwrap();
+        for (i, d) in dst.iter().enumerate() {
+            assert!(d.to_vec().unwrap() == expect(i), "target region {i}");
+        }
+    }
+    // Reads bring the same bytes back into zeroed local memory.
+    for s in &src {
+        s.write_at(0, &vec![0u8; 1 << 20]).unwrap();
+    }
+    initiator.transfer(&peer, Op::Read, &descs, T).await.unwrap();
+    for (k, d) in descs.iter().enumerate() {
+        let s = &src[k % 2];
+        let mut got = vec![0u8; LEN as usize];
+        s.read_at(d.local_addr - s.addr(), &mut got).unwrap();
+        let from = pattern(1 << 20, 8 + (k % 2) as u8);
+        let at = k * LEN as usize;
+        assert_eq!(got, from[at..at + LEN as usize], "range {k} read back");
+    }
+    // A region the target registered rather than allocated is not lent: the batch that names it
+    // with a lent one goes through the link's future, the whole of it.
+    let registered = target.register(vec![0u8; 4096], rw()).unwrap();
+    wait_for_region(&peer, &registered).await;
+    let mixed = [
+        TransferDesc::new(src[0].addr(), dst[0].addr(), 512),
+        TransferDesc::new(src[0].addr_at(512), registered.addr(), 512),
+    ];
+    initiator.transfer(&peer, Op::Write, &mixed, T).await.unwrap();
+    assert_eq!(registered.to_vec().unwrap()[..512], src[0].to_vec().unwrap()[512..1024]);
+    assert_eq!(dst[0].to_vec().unwrap()[..512], src[0].to_vec().unwrap()[..512]);
 }
 
 /// Writes into a lent region complete on their first poll, with no system call and no future of the
@@ -228,8 +303,8 @@ async fn a_loop_of_inline_writes_lets_other_tasks_run() {
     a_loop_of_writes_lets_other_tasks_run(1, 64).await;
 }
 
-/// The same with batches of two ranges, which the link copies in a future of its own that completes on
-/// its first poll: no less a loop that never waits.
+/// The same with batches of two ranges, which the link copies inline too, on the batch's first
+/// poll: no less a loop that never waits.
 #[tokio::test(flavor = "current_thread")]
 async fn a_loop_of_batched_writes_lets_other_tasks_run() {
     a_loop_of_writes_lets_other_tasks_run(2, 64).await;
@@ -237,7 +312,8 @@ async fn a_loop_of_batched_writes_lets_other_tasks_run() {
 
 /// Large copies are charged to the task's budget by their size, not one unit each as a small one is:
 /// a loop of 16 MiB writes (about half a millisecond each) yields after a few of them, not after the
-/// 128 (2 GiB) that a unit each allows. Inline (one range) and in the link's future (two).
+/// 128 (2 GiB) that a unit each allows. Inline (one range) and in the link's future (two, more than
+/// the link copies inline in one batch).
 #[tokio::test(flavor = "current_thread")]
 async fn a_loop_of_large_writes_yields_by_the_bytes_it_copied() {
     const MIB: u64 = 1 << 20;
