@@ -813,7 +813,7 @@ const COMPARISONS: &[Comparison] = &[
         peer: Some("ferry write 1MiB"),
         peer_scale: 1.0,
         unit: Unit::GbPerS,
-        target: Target::RatioAtLeast(0.9),
+        target: Target::RatioAtLeast(0.95),
     },
     Comparison {
         id: "pb",

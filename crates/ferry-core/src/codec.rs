@@ -875,7 +875,7 @@ impl CodecReads for WireReader<'_> {
         let mut transport_keys = Vec::with_capacity(n);
         for _ in 0..n {
             let kind = self.u8()?;
-            let key: std::sync::Arc<[u8]> = self.bytes()?.into();
+            let key = crate::TransportKey::from(self.bytes()?);
             if let Some(kind) = TransportKind::from_u8(kind) {
                 transport_keys.push((kind, key));
             }

@@ -30,6 +30,7 @@ pub mod peer_view;
 pub mod region;
 pub mod sync;
 pub mod transport;
+pub mod transport_key;
 pub mod types;
 pub mod wire;
 
@@ -48,4 +49,5 @@ pub use transport::{
     AcceptSetup, AcceptedPath, Availability, DataLink, Declined, EngineContext, LinkSlot, LinkSlots, NoControlLink,
     Notifier, RailPlace, RailStats, RegionChange, Route, SetupExchange, TransferItem, TransferRequest, Transport,
 };
+pub use transport_key::TransportKey;
 pub use types::*;

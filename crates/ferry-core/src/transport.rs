@@ -194,7 +194,7 @@ pub struct TransferItem {
     /// remote memory directly.
     pub remote_addr: u64,
     /// The remote region's key for the link's transport (an RDMA rkey), if it advertised one.
-    pub remote_transport_key: Option<Arc<[u8]>>,
+    pub remote_transport_key: Option<crate::TransportKey>,
     /// What the remote region grants.
     pub remote_access: Access,
 }

@@ -317,9 +317,9 @@ pub struct RegionAd {
     /// Whether its owner keeps it in device memory behind a host copy (GPU memory a CPU transport
     /// reaches only through a staging buffer, which the owner copies to and from the device).
     pub staged: bool,
-    /// Transport-specific remote keys, at most one per transport kind. Shared, so that every
-    /// transfer to the region can carry its key without a copy.
-    pub transport_keys: Vec<(TransportKind, std::sync::Arc<[u8]>)>,
+    /// Transport-specific remote keys, at most one per transport kind, each as cheap to clone as
+    /// every transfer to the region needs ([`TransportKey`](crate::TransportKey)).
+    pub transport_keys: Vec<(TransportKind, crate::TransportKey)>,
 }
 
 impl RegionAd {

@@ -39,7 +39,7 @@ use std::time::{Duration, Instant};
 
 use ferry_core::{
     DataLink, Declined, Durability, Error, Notification, Op, PersistMethod, RailStats, Result, SetupExchange,
-    TransferItem, TransferRequest, TransportKind,
+    TransferItem, TransferRequest, TransportKey, TransportKind,
 };
 use futures::future::BoxFuture;
 
@@ -187,10 +187,10 @@ fn rail_failure(e: &Error) -> bool {
 
 /// The key of `item`'s region on the peer's rail `remote`: from the region's rail list, or its plain
 /// key (a peer of one rail). `None` where the region has no key on that rail.
-fn key_on(item: &TransferItem, remote: usize) -> Option<Arc<[u8]>> {
+fn key_on(item: &TransferItem, remote: usize) -> Option<TransportKey> {
     let key = item.remote_transport_key.as_ref()?;
     match RailKeys::decode(key) {
-        Ok(Some(keys)) => keys.0.get(remote)?.as_deref().map(Arc::from),
+        Ok(Some(keys)) => keys.0.get(remote)?.as_deref().map(TransportKey::from),
         // A plain key; or a key list that does not parse, which goes on to the rail link as it is,
         // whose key decoding fails the transfer with the protocol error (never a silent detour).
         Ok(None) | Err(_) => (remote == 0).then(|| key.clone()),
@@ -270,20 +270,17 @@ impl Inner {
     /// `items` with each region's key on rail `rail`.
     fn keyed(&self, items: &[TransferItem], rail: usize) -> Vec<TransferItem> {
         let remote = self.rails[rail].remote;
-        let mut last: Option<(*const u8, Option<Arc<[u8]>>)> = None;
+        // The key on the rail of the last item's key, for the run of items with the same key.
+        let mut last: Option<(Option<TransportKey>, Option<TransportKey>)> = None;
         items
             .iter()
             .map(|item| {
                 let mut item = item.clone();
-                let id = item
-                    .remote_transport_key
-                    .as_ref()
-                    .map_or(std::ptr::null(), |k| k.as_ptr());
                 let key = match &last {
-                    Some((p, key)) if *p == id => key.clone(),
+                    Some((of, key)) if *of == item.remote_transport_key => key.clone(),
                     _ => {
                         let key = key_on(&item, remote);
-                        last = Some((id, key.clone()));
+                        last = Some((item.remote_transport_key.clone(), key.clone()));
                         key
                     }
                 };
@@ -511,7 +508,7 @@ mod tests {
             remote_key: RegionKey(2),
             remote_offset: offset + 3,
             remote_addr: 0x1000 + offset + 3,
-            remote_transport_key: key.map(Arc::from),
+            remote_transport_key: key.map(TransportKey::from),
             remote_access: Access::READ_WRITE,
         }
     }

@@ -75,7 +75,6 @@ pub(crate) fn of(region: &RegionAd, remote_rails: &[usize]) -> Route {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
 
     use ferry_core::{Access, RegionKey};
 
@@ -90,7 +89,7 @@ mod tests {
             persistent: false,
             staged: false,
             transport_keys: key
-                .map(|k| vec![(TransportKind::Rdma, Arc::from(k))])
+                .map(|k| vec![(TransportKind::Rdma, ferry_core::TransportKey::from(k))])
                 .unwrap_or_default(),
         }
     }
