@@ -484,9 +484,11 @@ impl Inner {
             return None;
         }
         let remote: Vec<ferry_core::Permit<'_>> = mappings.iter().map(|m| m.enter()).collect::<Option<_>>()?;
-        let mut local: Vec<ferry_core::Permit<'_>> = Vec::new();
+        // Each local region's permit, by the region's address: one a region, however its items
+        // alternate with another's.
+        let mut local: Vec<(*const ferry_core::RegionEntry, ferry_core::Permit<'_>)> = Vec::new();
         let mut pieces = Vec::with_capacity(request.items.len());
-        let (mut m, mut last_remote, mut last_local) = (0, None, None);
+        let (mut m, mut last_remote) = (0, None);
         for item in &request.items {
             if last_remote.is_some_and(|key| key != item.remote_key) {
                 m += 1;
@@ -496,24 +498,18 @@ impl Inner {
                 return Some(Err(e));
             }
             let region = &item.local.region;
-            if last_local != Some(Arc::as_ptr(region)) {
+            if !local.iter().any(|(r, _)| *r == Arc::as_ptr(region)) {
                 match region.guard().enter() {
-                    Some(permit) => local.push(permit),
+                    Some(permit) => local.push((Arc::as_ptr(region), permit)),
                     None => return Some(Err(region.gone())),
                 }
-                last_local = Some(Arc::as_ptr(region));
             }
             pieces.push(piece(request.op, item, &mappings[m]));
         }
         // SAFETY: every range was checked against its mapping and region above, and a permit of each
         // mapping and region is held until the copies end (and the fault hook's writes into the
         // destinations, just written); regions are never handed out as Rust references.
-        unsafe {
-            copy_all(&pieces);
-            for p in &pieces {
-                ferry_core::integrity::fault::landed_raw(p.dst, p.len);
-            }
-        }
+        unsafe { copy_landing(&pieces) };
         drop((local, remote));
         // Bytes copied into the mapping of a target whose end of the link is already seen closed
         // reach nobody: that is no completed write.
@@ -835,11 +831,22 @@ fn copy_one(op: Op, item: &TransferItem, mapping: &Mapping) -> Option<Result<()>
     // SAFETY: both ranges were checked against the mapping and the region, and a permit of each is
     // held until the copy ends (and the fault hook's write into the destination, which was just
     // written); regions are never handed out as Rust references.
-    unsafe {
-        copy_all(std::slice::from_ref(&piece));
-        ferry_core::integrity::fault::landed_raw(piece.dst, piece.len);
-    }
+    unsafe { copy_landing(std::slice::from_ref(&piece)) };
     Some(Ok(()))
+}
+
+/// Copies `pieces` ([`copy_all`]), then shows each destination to the integrity fault hook as
+/// landed, as every copy that completes a transfer here does.
+///
+/// # Safety
+/// As [`copy_all`]'s, and each destination stays writable until this returns (its permit held).
+unsafe fn copy_landing(pieces: &[Piece]) {
+    // SAFETY: per this function's contract.
+    unsafe { copy_all(pieces) };
+    for p in pieces {
+        // SAFETY: each destination was just written and is still writable, per the contract.
+        unsafe { ferry_core::integrity::fault::landed_raw(p.dst, p.len) };
+    }
 }
 
 /// Most bytes copied into or out of mappings between two yields to the runtime: a transfer's future
