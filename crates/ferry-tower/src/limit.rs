@@ -13,7 +13,7 @@ use tokio::sync::Notify;
 
 /// Holders take units with [`Limit::try_take`] or [`Limit::take`] and give each back with
 /// [`Limit::give_back`]. No handle is returned: the holder (the service's reservation, a request's
-/// claim on a peer) already keeps the pool alive, so a unit needs no reference count of its own,
+/// claim on a peer) already keeps the limit alive, so a unit needs no reference count of its own,
 /// and every `Arc` clone saved is one less cache line moved between cores per request.
 pub(crate) struct Limit {
     used: AtomicUsize,

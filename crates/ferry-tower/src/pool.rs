@@ -17,7 +17,7 @@ use std::task::Poll;
 use std::time::Duration;
 
 use crossbeam_utils::sync::{ShardedLock, ShardedLockReadGuard, ShardedLockWriteGuard};
-use ferry::{Engine, Error, Peer, Result};
+use ferry::{Engine, Error, Peer, Result, TransportKind};
 use rustc_hash::FxHashMap;
 use tokio::time::Instant;
 
@@ -166,11 +166,31 @@ struct Counters {
     evicted: AtomicU64,
 }
 
-pub(crate) struct Pool {
+/// What the pool's entries share with it: a request's lease reaches the engine, the settings, the
+/// in-flight limit and the counters through its entry, so that it holds one reference count (the
+/// entry's) rather than one for the entry and one for the pool.
+pub(crate) struct Shared {
     pub(crate) engine: Engine,
     pub(crate) config: PoolConfig,
     /// The total in-flight bound that `poll_ready` takes from.
     pub(crate) in_flight: Limit,
+    counters: Counters,
+}
+
+impl Shared {
+    fn close_in_background(&self, peer: Peer) {
+        let engine = self.engine.clone();
+        let timeout = self.config.connect_timeout;
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                let _ = engine.disconnect(&peer, timeout).await;
+            });
+        }
+    }
+}
+
+pub(crate) struct Pool {
+    pub(crate) shared: Arc<Shared>,
     /// Read by every request, written only when a peer comes or goes: a sharded lock lets requests
     /// on every core look their peer up at once without passing a lock word between cores. Keyed with FxHash: the addresses are the application's
     /// own, not a remote party's, so SipHash's defence against chosen keys would only cost time.
@@ -180,7 +200,6 @@ pub(crate) struct Pool {
     /// can read without asking the OS, precise enough for idle and least-recently-used decisions.
     clock: Arc<AtomicU64>,
     reaper_started: AtomicBool,
-    counters: Counters,
     jitter: RandomState,
 }
 
@@ -188,6 +207,8 @@ pub(crate) struct Pool {
 struct PeerEntry {
     addr: SocketAddr,
     permits: Limit,
+    /// The pool's engine, settings, in-flight limit and counters.
+    shared: Arc<Shared>,
     /// The pool's coarse clock.
     clock: Arc<AtomicU64>,
     /// The pool's coarse clock at the last release (or creation).
@@ -220,29 +241,61 @@ struct LinkState {
     last_error: Option<Error>,
 }
 
-/// A request's unit of the pool's in-flight limit, given back when the request ends, however it
-/// ends (its future may be dropped at any point).
-pub(crate) struct InFlight(pub(crate) Arc<Pool>);
+/// A waiting request's unit of the pool's in-flight limit, given back when the request ends, however
+/// it ends (its future may be dropped at any point). It holds the pool, which waiting may need to
+/// connect; once the request has a link, the unit passes to its [`Lease`].
+pub(crate) struct InFlight {
+    pool: Arc<Pool>,
+    held: bool,
+}
 
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        self.0.in_flight.give_back();
+impl InFlight {
+    /// Passes the unit to `claim`, which gives it back when the request ends.
+    fn hand_to(mut self, claim: &mut EntryUse) {
+        self.held = false;
+        claim.holds_in_flight = true;
     }
 }
 
-/// A request's hold on a peer's link, for one attempt, and on its unit of the pool's in-flight limit.
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        if self.held {
+            self.pool.shared.in_flight.give_back();
+        }
+    }
+}
+
+/// A unit of the pool's in-flight limit, borrowed from the service that reserved it, on its way to
+/// the request's lease (or its [`InFlight`]); given back if it gets to neither.
+struct Unit<'a>(&'a Limit);
+
+impl Unit<'_> {
+    /// The unit has a new owner, who gives it back.
+    fn passed_on(self) {
+        std::mem::forget(self);
+    }
+}
+
+impl Drop for Unit<'_> {
+    fn drop(&mut self) {
+        self.0.give_back();
+    }
+}
+
+/// A request's hold, for one attempt, on a peer's link and on its units of the per-peer and the
+/// pool's in-flight limits. It holds one reference count (its entry's) and no handle to the link:
+/// each shared count taken and dropped per request is a cache line moved between cores.
 pub(crate) struct Lease {
-    pub(crate) peer: Peer,
     pub(crate) new_link: bool,
+    /// The data path of the link, for the response.
+    pub(crate) transport: TransportKind,
     generation: u64,
     settled: bool,
     claim: EntryUse,
-    /// Last, so that the pool's unit goes back after the peer's (fields drop in order).
-    held: InFlight,
 }
 
-/// What starting a transfer on a fresh [`Lease`] needs to know, and the transfer's future then does
-/// not: kept apart from the lease, which that future carries.
+/// What starting a transfer on a link needs to know, and the transfer's future then does not: kept
+/// apart from the lease, which that future carries.
 #[derive(Clone, Copy)]
 pub(crate) struct LeaseStart {
     /// The link's primary region as the pool knows it (see [`LinkState::primary`]).
@@ -250,9 +303,10 @@ pub(crate) struct LeaseStart {
 }
 
 /// What [`Pool::try_checkout`] found.
-pub(crate) enum Checkout {
-    /// A live link with a unit free on it: the common case, with nothing to wait for.
-    Ready(Lease, LeaseStart),
+pub(crate) enum Checkout<R> {
+    /// A live link with a unit free on it: the common case, with nothing to wait for. The lease,
+    /// and what the caller's `begin` made of the link.
+    Ready(Lease, R),
     /// The request must wait, for a unit of the peer's limit or for a link:
     /// [`Pool::wait_for_link`] does.
     Wait(InFlight, EntryUse),
@@ -265,6 +319,8 @@ pub(crate) enum Checkout {
 pub(crate) struct EntryUse {
     entry: Arc<PeerEntry>,
     holds_unit: bool,
+    /// Whether the request's unit of the pool's in-flight limit is held here (once it has a link).
+    holds_in_flight: bool,
 }
 
 impl EntryUse {
@@ -287,19 +343,24 @@ impl EntryUse {
 
 impl Drop for EntryUse {
     fn drop(&mut self) {
-        // The unit goes back before the reference does, so that an entry seen unused has none out.
+        // The units go back before the reference does, so that an entry seen unused has none out;
+        // the peer's before the pool's, so that a pool with nothing in flight has no peer unit out.
         if self.holds_unit {
             self.entry.permits.give_back();
+        }
+        if self.holds_in_flight {
+            self.entry.shared.in_flight.give_back();
         }
         self.entry.touch();
     }
 }
 
 impl PeerEntry {
-    fn new(addr: SocketAddr, per_peer: usize, clock: Arc<AtomicU64>) -> Self {
+    fn new(addr: SocketAddr, shared: Arc<Shared>, clock: Arc<AtomicU64>) -> Self {
         PeerEntry {
             addr,
-            permits: Limit::new(per_peer),
+            permits: Limit::new(shared.config.max_in_flight_per_peer),
+            shared,
             last_used: AtomicU64::new(clock.load(Ordering::Relaxed)),
             clock,
             strikes: AtomicU32::new(0),
@@ -327,7 +388,7 @@ impl PeerEntry {
     }
 
     /// The live link. A link the engine reports closed is retired here.
-    fn live(&self, pool: &Pool) -> Result<Option<Link>> {
+    fn live(&self) -> Result<Option<Link>> {
         {
             let st = self.read_state()?;
             match &st.peer {
@@ -353,7 +414,7 @@ impl PeerEntry {
             Some(_) => {
                 if let Some(p) = st.peer.take() {
                     tracing::warn!(peer = %self.addr, "the link is closed; reconnecting on next use");
-                    pool.counters.links_dropped.fetch_add(1, Ordering::Relaxed);
+                    self.shared.counters.links_dropped.fetch_add(1, Ordering::Relaxed);
                     st.retired.push(p);
                 }
                 Ok(None)
@@ -363,7 +424,7 @@ impl PeerEntry {
     }
 
     /// Drops the link of `generation` if it is still the current one.
-    fn invalidate(&self, generation: u64, why: &str, pool: &Pool) {
+    fn invalidate(&self, generation: u64, why: &str) {
         self.strikes.store(0, Ordering::Relaxed);
         let Ok(mut st) = self.state.write() else { return };
         if st.generation != generation {
@@ -371,9 +432,26 @@ impl PeerEntry {
         }
         if let Some(p) = st.peer.take() {
             tracing::warn!(peer = %self.addr, reason = why, "dropping the link; reconnecting on next use");
-            pool.counters.links_dropped.fetch_add(1, Ordering::Relaxed);
+            self.shared.counters.links_dropped.fetch_add(1, Ordering::Relaxed);
             st.retired.push(p);
         }
+    }
+
+    /// Runs `begin` on the live link, under the state's (sharded) read lock, so that the request
+    /// borrows the link rather than counting a reference to it; `None` if there is no live link now
+    /// (then [`live`](Self::live) retires a closed one).
+    fn with_live<R>(&self, begin: impl FnOnce(&Peer, u64, LeaseStart) -> R) -> Result<Option<R>> {
+        let st = self.read_state()?;
+        Ok(match &st.peer {
+            Some(peer) if !peer.is_closed() => Some(begin(peer, st.generation, LeaseStart { primary: st.primary })),
+            _ => None,
+        })
+    }
+
+    /// Whether the link of `generation` is still this entry's and the engine has closed it.
+    fn closed(&self, generation: u64) -> bool {
+        self.read_state()
+            .is_ok_and(|st| st.generation == generation && st.peer.as_ref().is_some_and(Peer::is_closed))
     }
 
     /// Takes every link out of this entry and returns those the pool must close: the retired ones, and
@@ -395,6 +473,16 @@ impl PeerEntry {
     }
 }
 
+impl Drop for PeerEntry {
+    /// An entry leaves the pool with its links taken out (idle, evicted), or is dropped with the
+    /// pool: then, or when the last request on it ends if some were running, its links close.
+    fn drop(&mut self) {
+        for peer in self.take_links() {
+            self.shared.close_in_background(peer);
+        }
+    }
+}
+
 impl Pool {
     pub(crate) fn new(engine: Engine, config: PoolConfig) -> Result<Self> {
         config.validate()?;
@@ -404,14 +492,16 @@ impl Pool {
     /// A pool with settings known to be valid.
     pub(crate) fn unchecked(engine: Engine, config: PoolConfig) -> Self {
         Pool {
-            engine,
-            in_flight: Limit::new(config.max_in_flight),
-            config,
+            shared: Arc::new(Shared {
+                engine,
+                in_flight: Limit::new(config.max_in_flight),
+                config,
+                counters: Counters::default(),
+            }),
             entries: ShardedLock::new(FxHashMap::default()),
             epoch: Instant::now(),
             clock: Arc::new(AtomicU64::new(0)),
             reaper_started: AtomicBool::new(false),
-            counters: Counters::default(),
             jitter: RandomState::new(),
         }
     }
@@ -431,11 +521,11 @@ impl Pool {
             }
             Err(_) => (0, 0),
         };
-        let c = &self.counters;
+        let c = &self.shared.counters;
         PoolStats {
             peers,
             links,
-            in_flight: self.in_flight.used(),
+            in_flight: self.shared.in_flight.used(),
             connects: c.connects.load(Ordering::Relaxed),
             connect_failures: c.connect_failures.load(Ordering::Relaxed),
             links_dropped: c.links_dropped.load(Ordering::Relaxed),
@@ -444,26 +534,43 @@ impl Pool {
         }
     }
 
-    /// A live link to `addr` with a unit of its per-peer limit, if both are at hand now; otherwise
-    /// the claim on the peer's entry, for [`wait_for_link`](Self::wait_for_link).
-    pub(crate) fn try_checkout(held: InFlight, addr: SocketAddr) -> Result<Checkout> {
-        let pool = &held.0;
-        let (entry, evicted) = pool.claim(addr)?;
+    /// A live link to `addr` with a unit of its per-peer limit, if both are at hand now: then the
+    /// lease, and what `begin` made of the link (it runs with the link borrowed, the entry's lock
+    /// held for reading). Otherwise the claim on the peer's entry, for
+    /// [`wait_for_link`](Self::wait_for_link).
+    ///
+    /// The caller holds a unit of the pool's in-flight limit (the service reserved it); the lease or
+    /// the claim takes it over, and it goes back if this fails.
+    pub(crate) fn try_checkout<R>(
+        self: &Arc<Self>,
+        addr: SocketAddr,
+        begin: impl FnOnce(&Peer, u64, LeaseStart) -> R,
+    ) -> Result<Checkout<R>> {
+        let unit = Unit(&self.shared.in_flight);
+        let (entry, evicted) = self.claim(addr)?;
         let mut claim = EntryUse {
             entry,
             holds_unit: false,
+            holds_in_flight: false,
         };
-        if !evicted.is_empty() {
-            for peer in evicted {
-                pool.close_in_background(peer);
+        for peer in evicted {
+            self.shared.close_in_background(peer);
+        }
+        if claim.try_take_unit() {
+            let begun = claim
+                .entry
+                .with_live(|peer, generation, start| (begin(peer, generation, start), generation, peer.transport()))?;
+            if let Some((begun, generation, transport)) = begun {
+                unit.passed_on();
+                claim.holds_in_flight = true;
+                return Ok(Checkout::Ready(Lease::new(claim, generation, transport, false), begun));
             }
         }
-        if claim.try_take_unit()
-            && let Some(link) = claim.entry.live(pool)?
-        {
-            let (lease, start) = Lease::new(held, claim, link, false);
-            return Ok(Checkout::Ready(lease, start));
-        }
+        unit.passed_on();
+        let held = InFlight {
+            pool: self.clone(),
+            held: true,
+        };
         Ok(Checkout::Wait(held, claim))
     }
 
@@ -474,7 +581,7 @@ impl Pool {
         held: InFlight,
         claim: EntryUse,
         deadline: Option<Instant>,
-    ) -> Result<(Lease, LeaseStart)> {
+    ) -> Result<(Lease, Link)> {
         let addr = claim.entry.addr;
         let waiting = Pool::wait_unbounded(held, claim);
         match deadline {
@@ -485,24 +592,24 @@ impl Pool {
         }
     }
 
-    async fn wait_unbounded(held: InFlight, mut claim: EntryUse) -> Result<(Lease, LeaseStart)> {
-        let pool = &held.0;
+    async fn wait_unbounded(held: InFlight, mut claim: EntryUse) -> Result<(Lease, Link)> {
         claim.take_unit().await;
-        if let Some(link) = claim.entry.live(pool)? {
-            return Ok(Lease::new(held, claim, link, false));
-        }
-        let dialled = {
-            let _dialling = claim.entry.connecting.lock().await;
-            // Someone else may have connected while this request waited.
-            match claim.entry.live(pool)? {
-                Some(link) => Ok((link, false)),
-                // Boxed: connecting is rarer than waiting, and its future is large; inline it would
-                // grow every wait's future.
-                None => Box::pin(pool.dial(&claim.entry)).await.map(|link| (link, true)),
+        let (link, new_link) = match claim.entry.live()? {
+            Some(link) => (link, false),
+            None => {
+                let _dialling = claim.entry.connecting.lock().await;
+                // Someone else may have connected while this request waited.
+                match claim.entry.live()? {
+                    Some(link) => (link, false),
+                    // Boxed: connecting is rarer than waiting, and its future is large; inline it
+                    // would grow every wait's future.
+                    None => (Box::pin(held.pool.dial(&claim.entry)).await?, true),
+                }
             }
         };
-        let (link, new_link) = dialled?;
-        Ok(Lease::new(held, claim, link, new_link))
+        held.hand_to(&mut claim);
+        let lease = Lease::new(claim, link.generation, link.peer.transport(), new_link);
+        Ok((lease, link))
     }
 
     /// Connects `entry`'s address (its `connecting` lock held), or says why not.
@@ -529,16 +636,22 @@ impl Pool {
         };
         for old in retired {
             // Frees the engine's entry for this address; it may already be gone.
-            let _ = self.engine.disconnect(&old, self.config.connect_timeout).await;
+            let _ = self
+                .shared
+                .engine
+                .disconnect(&old, self.shared.config.connect_timeout)
+                .await;
         }
         let connected = match self
+            .shared
             .engine
-            .connect(&addr.to_string(), self.config.connect_timeout)
+            .connect(&addr.to_string(), self.shared.config.connect_timeout)
             .await
         {
             // A link the application (or another pool) made itself through the engine: use it,
             // and leave closing it to its maker.
             Err(Error::AlreadyConnected(msg)) => self
+                .shared
                 .engine
                 .peer_at(addr)
                 .filter(|p| !p.is_closed())
@@ -551,7 +664,7 @@ impl Pool {
         let mut st = entry.state()?;
         match connected {
             Ok((peer, adopted)) => {
-                self.counters.connects.fetch_add(1, Ordering::Relaxed);
+                self.shared.counters.connects.fetch_add(1, Ordering::Relaxed);
                 if st.failures > 0 {
                     tracing::info!(peer = %addr, failures = st.failures, "reconnected");
                 } else {
@@ -587,7 +700,7 @@ impl Pool {
     }
 
     fn connect_failed(&self, addr: SocketAddr, st: &mut LinkState, e: &Error) {
-        self.counters.connect_failures.fetch_add(1, Ordering::Relaxed);
+        self.shared.counters.connect_failures.fetch_add(1, Ordering::Relaxed);
         st.failures = st.failures.saturating_add(1);
         let pause = self.reconnect_pause(st.failures);
         st.retry_at = Some(Instant::now() + pause);
@@ -609,7 +722,7 @@ impl Pool {
             return Ok((entry.clone(), Vec::new()));
         }
         let mut evicted = Vec::new();
-        if entries.len() >= self.config.max_links {
+        if entries.len() >= self.shared.config.max_links {
             let victim = entries
                 .values()
                 .filter(|s| EntryUse::unused(s))
@@ -618,27 +731,23 @@ impl Pool {
             let Some(victim) = victim.and_then(|a| entries.remove(&a)) else {
                 return Err(Error::ResourceExhausted(format!(
                     "the pool holds links to {} peers, all busy (PoolConfig::max_links); {addr} must wait",
-                    self.config.max_links
+                    self.shared.config.max_links
                 )));
             };
             tracing::debug!(peer = %victim.addr, "closing the least recently used idle link to make room");
-            self.counters.evicted.fetch_add(1, Ordering::Relaxed);
+            self.shared.counters.evicted.fetch_add(1, Ordering::Relaxed);
             evicted = victim.take_links();
         }
         self.tick_clock();
-        let entry = Arc::new(PeerEntry::new(
-            addr,
-            self.config.max_in_flight_per_peer,
-            self.clock.clone(),
-        ));
+        let entry = Arc::new(PeerEntry::new(addr, self.shared.clone(), self.clock.clone()));
         entries.insert(addr, entry.clone());
         Ok((entry, evicted))
     }
 
     /// Exponential pause with "equal jitter": half fixed, half random.
     fn reconnect_pause(&self, failures: u32) -> Duration {
-        let min = self.config.reconnect_backoff_min;
-        let max = self.config.reconnect_backoff_max;
+        let min = self.shared.config.reconnect_backoff_min;
+        let max = self.shared.config.reconnect_backoff_max;
         let base = min
             .checked_mul(1u32 << failures.saturating_sub(1).min(20))
             .unwrap_or(max)
@@ -658,7 +767,7 @@ impl Pool {
             return;
         };
         let pool = Arc::downgrade(self);
-        let tick = (self.config.idle_timeout / 4).clamp(Duration::from_millis(10), Duration::from_secs(1));
+        let tick = (self.shared.config.idle_timeout / 4).clamp(Duration::from_millis(10), Duration::from_secs(1));
         runtime.spawn(async move {
             let mut interval = tokio::time::interval(tick);
             interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -667,7 +776,11 @@ impl Pool {
                 let Some(pool) = pool.upgrade() else { break };
                 pool.tick_clock();
                 for peer in pool.take_idle(tick) {
-                    let _ = pool.engine.disconnect(&peer, pool.config.connect_timeout).await;
+                    let _ = pool
+                        .shared
+                        .engine
+                        .disconnect(&peer, pool.shared.config.connect_timeout)
+                        .await;
                 }
             }
         });
@@ -677,7 +790,7 @@ impl Pool {
     /// lag by up to one `tick` of the coarse clock, so that much is added before judging.
     fn take_idle(&self, tick: Duration) -> Vec<Peer> {
         let now = nanos_since(self.epoch);
-        let idle = u64::try_from((self.config.idle_timeout + tick).as_nanos()).unwrap_or(u64::MAX);
+        let idle = u64::try_from((self.shared.config.idle_timeout + tick).as_nanos()).unwrap_or(u64::MAX);
         let Ok(mut entries) = self.entries.write() else {
             return Vec::new();
         };
@@ -688,7 +801,7 @@ impl Pool {
                 let links = entry.take_links();
                 if !links.is_empty() {
                     tracing::debug!(peer = %addr, "closing an idle link");
-                    self.counters.idle_closed.fetch_add(1, Ordering::Relaxed);
+                    self.shared.counters.idle_closed.fetch_add(1, Ordering::Relaxed);
                 }
                 closing.extend(links);
             }
@@ -696,33 +809,9 @@ impl Pool {
         });
         closing
     }
-
-    fn close_in_background(&self, peer: Peer) {
-        let engine = self.engine.clone();
-        let timeout = self.config.connect_timeout;
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(async move {
-                let _ = engine.disconnect(&peer, timeout).await;
-            });
-        }
-    }
 }
 
-impl Drop for Pool {
-    fn drop(&mut self) {
-        let entries = match self.entries.get_mut() {
-            Ok(entries) => std::mem::take(entries),
-            Err(_) => return,
-        };
-        for entry in entries.into_values() {
-            for peer in entry.take_links() {
-                self.close_in_background(peer);
-            }
-        }
-    }
-}
-
-/// A connect in progress; see [`Pool::checkout`].
+/// A connect in progress; see [`Pool::wait_for_link`].
 struct Dial<'a> {
     pool: &'a Pool,
     entry: &'a PeerEntry,
@@ -745,17 +834,14 @@ impl Drop for Dial<'_> {
 }
 
 impl Lease {
-    fn new(held: InFlight, claim: EntryUse, link: Link, new_link: bool) -> (Self, LeaseStart) {
-        let lease = Lease {
-            held,
-            peer: link.peer,
+    fn new(claim: EntryUse, generation: u64, transport: TransportKind, new_link: bool) -> Self {
+        Lease {
             new_link,
-            generation: link.generation,
+            transport,
+            generation,
             settled: false,
             claim,
-        };
-        let start = LeaseStart { primary: link.primary };
-        (lease, start)
+        }
     }
 
     /// The address the lease is for.
@@ -763,9 +849,9 @@ impl Lease {
         self.claim.entry.addr
     }
 
-    /// The pool the lease is from.
-    pub(crate) fn pool(&self) -> &Pool {
-        &self.held.0
+    /// The pool's engine, settings and limits.
+    pub(crate) fn shared(&self) -> &Shared {
+        &self.claim.entry.shared
     }
 
     /// Records how the attempt on this link ended.
@@ -786,8 +872,8 @@ impl Lease {
     pub(crate) fn settle_failed(&mut self, e: &Error) {
         self.settled = true;
         match e {
-            e if breaks_link(e) || self.peer.is_closed() => {
-                self.claim.entry.invalidate(self.generation, e.message(), &self.held.0);
+            e if breaks_link(e) || self.claim.entry.closed(self.generation) => {
+                self.claim.entry.invalidate(self.generation, e.message());
             }
             Error::Timeout(_) => self.strike("transfers on it time out"),
             _ => {}
@@ -802,8 +888,8 @@ impl Lease {
     fn strike(&self, why: &str) {
         let entry = &self.claim.entry;
         let n = entry.strikes.fetch_add(1, Ordering::AcqRel) + 1;
-        if n >= self.held.0.config.timeouts_before_reconnect {
-            entry.invalidate(self.generation, why, &self.held.0);
+        if n >= entry.shared.config.timeouts_before_reconnect {
+            entry.invalidate(self.generation, why);
         }
     }
 }
@@ -817,11 +903,17 @@ impl Drop for Lease {
     }
 }
 
-/// A link as a request sees it.
-struct Link {
-    peer: Peer,
+/// A link as a waiting request sees it.
+pub(crate) struct Link {
+    pub(crate) peer: Peer,
     generation: u64,
-    primary: Option<Option<(u64, u64)>>,
+    pub(crate) primary: Option<Option<(u64, u64)>>,
+}
+
+impl Link {
+    pub(crate) fn start(&self) -> LeaseStart {
+        LeaseStart { primary: self.primary }
+    }
 }
 
 /// How often [`watch_regions`] re-reads a peer's table without being told of a change.

@@ -10,10 +10,10 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 
-use ferry::{Engine, Error, Result};
+use ferry::{Engine, Error, Peer, Result};
 use tokio::time::Instant;
 
-use crate::pool::{Checkout, InFlight, Lease, LeaseStart, Pool, PoolConfig, PoolStats, past_deadline};
+use crate::pool::{Checkout, Lease, LeaseStart, Pool, PoolConfig, PoolStats, Shared, past_deadline};
 use crate::request::{TransferRequest, TransferResponse, primary_region};
 
 /// The future a [`TransferService`] returns.
@@ -100,7 +100,7 @@ impl Clone for TransferService {
 impl Drop for TransferService {
     fn drop(&mut self) {
         if self.reserved {
-            self.pool.in_flight.give_back();
+            self.pool.shared.in_flight.give_back();
         }
     }
 }
@@ -108,7 +108,7 @@ impl Drop for TransferService {
 impl std::fmt::Debug for TransferService {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TransferService")
-            .field("engine", &self.pool.engine)
+            .field("engine", &self.pool.shared.engine)
             .field("stats", &self.pool.stats())
             .finish()
     }
@@ -137,12 +137,12 @@ impl TransferService {
 
     /// The engine the service transfers with (to register local memory on, for example).
     pub fn engine(&self) -> &Engine {
-        &self.pool.engine
+        &self.pool.shared.engine
     }
 
     /// The pool's settings.
     pub fn config(&self) -> &PoolConfig {
-        &self.pool.config
+        &self.pool.shared.config
     }
 
     /// The pool's state and counters, now.
@@ -158,11 +158,11 @@ impl tower::Service<TransferRequest> for TransferService {
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<()>> {
         if !self.reserved {
-            if !self.pool.in_flight.try_take() {
+            if !self.pool.shared.in_flight.try_take() {
                 let pool = &self.pool;
                 let waiting = self.waiting.get_or_insert_with(|| {
                     let pool = pool.clone();
-                    Box::pin(async move { pool.in_flight.take().await })
+                    Box::pin(async move { pool.shared.in_flight.take().await })
                 });
                 ready!(waiting.as_mut().poll(cx));
                 self.waiting = None;
@@ -179,15 +179,15 @@ impl tower::Service<TransferRequest> for TransferService {
             ))));
         }
         // The lease, or the future, owns the unit: it goes back when the request ends, or when
-        // the future is dropped. The future holds the pool too, so that its links stay up while the
-        // request runs, even once the last clone of the service is gone.
-        let held = InFlight(self.pool.clone());
-        match Pool::try_checkout(held, request.peer()) {
-            // The engine bounds the transfer by the request's deadline and reads the clock for it:
-            // none read here.
-            Ok(Checkout::Ready(lease, start)) => {
-                TransferFuture(Running::start(lease, start, &request, request.deadline()))
-            }
+        // the future is dropped. The lease holds the peer's entry, and through it the engine, so
+        // that the link stays up while the request runs, even once the last clone of the service
+        // is gone. The engine bounds the transfer by the request's deadline and reads the clock for
+        // it: none read here.
+        let deadline = request.deadline();
+        match Pool::try_checkout(&self.pool, request.peer(), |peer, _, start| {
+            Running::begin(&self.pool.shared, peer, start, &request, deadline)
+        }) {
+            Ok(Checkout::Ready(lease, begun)) => TransferFuture(Running::started(lease, begun, request, deadline)),
             Ok(Checkout::Wait(held, claim)) => {
                 // Waiting needs the attempt's end as an instant: the clock is read on this path only.
                 let now = Instant::now();
@@ -199,8 +199,9 @@ impl tower::Service<TransferRequest> for TransferService {
                     ))));
                 }
                 TransferFuture(State::Waiting(Box::pin(async move {
-                    let (lease, start) = Pool::wait_for_link(held, claim, deadline).await?;
-                    TransferFuture(Running::start(lease, start, &request, deadline)).await
+                    let (lease, link) = Pool::wait_for_link(held, claim, deadline).await?;
+                    let begun = Running::begin(lease.shared(), &link.peer, link.start(), &request, deadline);
+                    TransferFuture(Running::started(lease, begun, request, deadline)).await
                 })))
             }
             Err(e) => TransferFuture(State::Failed(Some(e))),
@@ -236,27 +237,37 @@ impl Drop for Running {
     }
 }
 
+/// How handing a request to the engine went, on a link borrowed for the purpose: what the lease,
+/// made afterwards, needs to settle.
+enum Begun {
+    Started(ferry::Transfer),
+    /// The request was wrong (or late): no verdict on the link.
+    Refused(Error),
+    /// The engine refused it for a reason that may be the link's.
+    Failed(Error),
+    /// The peer advertises no region yet: wait for its first, on this link.
+    AwaitAdvert(Peer, Error),
+}
+
 impl Running {
-    /// Resolves `request` against the lease's link and hands it to the engine: the future's state,
-    /// running or failed. A request the engine refuses settles the lease with that error, as a
-    /// failed transfer would.
+    /// Resolves `request` against `peer`'s regions and hands it to the engine.
     ///
-    /// Inlined so that the running state is built where the caller's future lives: a transfer's
+    /// Inlined so that the transfer's state is built where the caller's future lives: a transfer's
     /// state is some 260 bytes, and each move of it costs a `memcpy` on every request.
     #[inline(always)]
-    fn start(mut lease: Lease, start: LeaseStart, request: &TransferRequest, deadline: Option<Instant>) -> State {
-        let descs = match request.resolve(&lease.peer, start.primary) {
+    fn begin(
+        shared: &Shared,
+        peer: &Peer,
+        start: LeaseStart,
+        request: &TransferRequest,
+        deadline: Option<Instant>,
+    ) -> Begun {
+        let descs = match request.resolve(peer, start.primary) {
             Ok(descs) => descs,
-            Err(e) if awaits_first_advert(&lease.peer, request) => {
-                return State::Waiting(Box::pin(Self::after_first_advert(lease, request.clone(), deadline, e)));
-            }
-            Err(e) => {
-                lease.settle_neutral();
-                return State::Failed(Some(e));
-            }
+            Err(e) if awaits_first_advert(peer, request) => return Begun::AwaitAdvert(peer.clone(), e),
+            Err(e) => return Begun::Refused(e),
         };
-        let pool = lease.pool();
-        let mut timeout = request.timeout().unwrap_or(pool.config.transfer_timeout);
+        let mut timeout = request.timeout().unwrap_or(shared.config.transfer_timeout);
         if let Some(limit) = request.attempt_limit() {
             timeout = timeout.min(limit);
         }
@@ -264,48 +275,58 @@ impl Running {
         let options = ferry::TransferOptions::within(timeout)
             .durability(request.durability())
             .deadline(deadline.map(Instant::into_std));
-        let transfer = pool.engine.start(&lease.peer, request.op(), descs.as_slice(), options);
-        match transfer {
-            Ok(transfer) => State::Running(Running {
+        match shared.engine.start(peer, request.op(), descs.as_slice(), options) {
+            Ok(transfer) => Begun::Started(transfer),
+            // Before sending anything the engine answers `Timeout` only for a deadline already
+            // passed: the request was late, which says nothing of the link.
+            Err(e @ Error::Timeout(_)) => Begun::Refused(e),
+            Err(e) => Begun::Failed(e),
+        }
+    }
+
+    /// The future's state once `begun` is known, the lease settled where it already can be.
+    #[inline(always)]
+    fn started(mut lease: Lease, begun: Begun, request: TransferRequest, deadline: Option<Instant>) -> State {
+        match begun {
+            Begun::Started(transfer) => State::Running(Running {
                 transfer,
                 lease,
                 op: request.op(),
                 bytes: request.bytes(),
                 polled: false,
             }),
-            // Before sending anything the engine answers `Timeout` only for a deadline already
-            // passed: the request was late, which says nothing of the link.
-            Err(e @ Error::Timeout(_)) => {
+            Begun::Refused(e) => {
                 lease.settle_neutral();
                 State::Failed(Some(e))
             }
-            Err(e) => {
+            Begun::Failed(e) => {
                 lease.settle_failed(&e);
                 State::Failed(Some(e))
             }
+            Begun::AwaitAdvert(peer, e) => {
+                State::Waiting(Box::pin(Self::after_first_advert(lease, peer, request, deadline, e)))
+            }
         }
     }
-}
 
-impl Running {
     /// A peer that advertises no region at all has just started (or restarted) and not registered
     /// its memory yet, or is going away: waits, within the attempt, for its first region and starts
     /// the transfer then. `PeerClosed` (retried on a new link) if the link ends first, `Timeout` if
     /// the attempt's time runs out first; `refused` says what resolving found.
     async fn after_first_advert(
         mut lease: Lease,
+        peer: Peer,
         request: TransferRequest,
         deadline: Option<Instant>,
         refused: Error,
     ) -> Result<TransferResponse> {
-        let pool = lease.pool();
-        let limit = request.timeout().unwrap_or(pool.config.transfer_timeout);
+        let limit = request.timeout().unwrap_or(lease.shared().config.transfer_timeout);
         let until = deadline.unwrap_or_else(|| Instant::now() + limit);
         // In short slices: an update that lands between the check and the wait is not lost for long,
         // and a link that ends meanwhile is seen.
         const SLICE: std::time::Duration = std::time::Duration::from_millis(100);
-        while lease.peer.with_regions(primary_region).ok().flatten().is_none() {
-            if lease.peer.is_closed() {
+        while peer.with_regions(primary_region).ok().flatten().is_none() {
+            if peer.is_closed() {
                 let e = Error::PeerClosed(format!("{refused}; the link ended before it advertised one"));
                 lease.settle_failed(&e);
                 return Err(e);
@@ -317,9 +338,10 @@ impl Running {
                     "{refused}, and advertised none before the attempt's deadline"
                 )));
             }
-            lease.peer.regions_changed((until - now).min(SLICE)).await;
+            peer.regions_changed((until - now).min(SLICE)).await;
         }
-        TransferFuture(Running::start(lease, LeaseStart { primary: None }, &request, deadline)).await
+        let begun = Self::begin(lease.shared(), &peer, LeaseStart { primary: None }, &request, deadline);
+        TransferFuture(Self::started(lease, begun, request, deadline)).await
     }
 }
 
@@ -345,7 +367,7 @@ impl Future for Running {
             peer: this.lease.addr(),
             op: this.op,
             bytes: this.bytes,
-            transport: this.lease.peer.transport(),
+            transport: this.lease.transport,
             new_link: this.lease.new_link,
         }))
     }

@@ -933,3 +933,43 @@ async fn futures_dropped_unpolled_send_nothing_and_leave_the_link_alone() {
     dst.read_at(0, &mut got).unwrap();
     assert_eq!(got, pattern(4096, 7));
 }
+
+/// A request holds its link, not the service: dropping every clone of the service while requests
+/// are under way leaves their link up until the last of them ends, and it closes then.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_outlive_the_service_and_its_link_closes_after_them() {
+    let (_target, dst, addr) = target().await;
+    let engine = initiator().await;
+    let src = engine.alloc_host(64 << 10, Access::READ_WRITE).unwrap();
+    src.write_at(0, &pattern(64 << 10, 9)).unwrap();
+    let mut service = TransferService::new(engine.clone());
+    // The first request connects; the next two find the link and are started inside `call`.
+    let first = TransferRequest::write(addr, [Descriptor::at_offset(src.addr(), 0, 4096)]);
+    tokio::time::timeout(T, service.clone().oneshot(first))
+        .await
+        .unwrap()
+        .unwrap();
+    let mut pending = Vec::new();
+    for i in 1..3u64 {
+        let req = TransferRequest::write(addr, [Descriptor::at_offset(src.addr_at(i * 16384), i * 16384, 16384)]);
+        poll_fn(|cx| service.poll_ready(cx)).await.unwrap();
+        pending.push(service.call(req));
+    }
+    drop(service);
+    // The pool is gone; a close it started would be done within this pause.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(engine.link_count(), 1, "the link closed under requests still to run");
+    let last = pending.pop().unwrap();
+    let resp = tokio::time::timeout(T, pending.pop().unwrap()).await.unwrap().unwrap();
+    assert_eq!(resp.bytes, 16384);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(engine.link_count(), 1, "the link closed with a request still to run");
+    tokio::time::timeout(T, last).await.unwrap().unwrap();
+    let mut got = vec![0u8; 2 * 16384];
+    dst.read_at(16384, &mut got).unwrap();
+    assert_eq!(got, pattern(64 << 10, 9)[16384..3 * 16384], "bytes at the target");
+    eventually("the pool's link closes after its last request", || {
+        engine.link_count() == 0
+    })
+    .await;
+}
