@@ -25,6 +25,12 @@
 //! `RetryBudget` (taking turns as above). Prints
 //! `{"case":"retry_budget_deposit_4KiB","stack_ops_per_s":..,"tps_budget_ratio":..,"retry_budget_ratio":..}`.
 //!
+//! With `-- --layers` it measures where the stack's cost goes: the pool alone (a bare
+//! [`TransferService`]), then with `tower::retry` over it, then with the per-attempt deadline, then
+//! the whole stack, each beside the engine in the same turns. Prints one JSON line per step:
+//! `{"case":"tower_layers_4KiB","layers":..,"ratio":..,"added_cpu_us":..}`; the differences between
+//! successive lines are what each layer adds.
+//!
 //! With `-- --floor` it measures the least that any `tower::Service` over the engine costs, whatever
 //! its layers: a service that holds the engine and the link and hands back the engine's own named
 //! future ([`ferry::Transfer`]), called the way the stack is (a clone of the service per request,
@@ -232,6 +238,59 @@ async fn floor(engine: &Engine, target: std::net::SocketAddr, base: u64, src: &A
     Ok(())
 }
 
+/// The `--layers` measurement (see the module documentation).
+async fn layers(engine: &Engine, peer: &Peer, target: std::net::SocketAddr, base: u64, src: &Arc<Region>) {
+    let pool = TransferService::new(engine.clone());
+    let retry = ServiceBuilder::new()
+        .retry(RetryPolicy::default())
+        .service(TransferService::new(engine.clone()));
+    let attempt = ServiceBuilder::new()
+        .retry(RetryPolicy::default())
+        .layer(DeadlineLayer::per_attempt(TIMEOUT))
+        .service(TransferService::new(engine.clone()));
+    let stack = ServiceBuilder::new()
+        .layer(DeadlineLayer::new(TIMEOUT))
+        .retry(RetryPolicy::default())
+        .layer(DeadlineLayer::per_attempt(TIMEOUT))
+        .service(TransferService::new(engine.clone()));
+    let rates = take_turns(&[
+        &|| Box::pin(direct(engine, peer, src, base)),
+        &|| Box::pin(through_tower(&pool, target, src)),
+        &|| Box::pin(through_tower(&retry, target, src)),
+        &|| Box::pin(through_tower(&attempt, target, src)),
+        &|| Box::pin(through_tower(&stack, target, src)),
+    ])
+    .await;
+    let direct_ops = median(rates[0].clone());
+    let steps = [
+        "pool",
+        "pool+retry",
+        "pool+retry+per_attempt",
+        "pool+retry+per_attempt+deadline",
+    ];
+    for (layers, ops) in steps.iter().zip(&rates[1..]) {
+        let ratio = ratio_per_turn(ops, &rates[0]);
+        println!(
+            "{}",
+            serde_json::json!({
+                "case": "tower_layers_4KiB",
+                "transport": peer.transport().to_string(),
+                "layers": layers,
+                "ratio": ratio,
+                "added_cpu_us": (added_cpu_us(ratio, direct_ops) * 1000.0).round() / 1000.0,
+            })
+        );
+    }
+}
+
+/// The CPU time a request through a service with `ratio` of the engine's rate costs beyond a direct
+/// call, from that ratio and the direct rate: both taken with every worker thread busy (16 callers,
+/// one worker per CPU), so that a CPU-second is worth `workers / rate` per request.
+fn added_cpu_us(ratio: f64, direct_ops: f64) -> f64 {
+    let workers = std::thread::available_parallelism().map_or(1, usize::from) as f64;
+    workers * 1e6 * (1.0 / ratio - 1.0) / direct_ops
+}
+
 /// One case: a slice of callers, to its rate in operations a second.
 type Case<'a> = &'a dyn Fn() -> Pin<Box<dyn Future<Output = f64> + 'a>>;
 
@@ -270,6 +329,7 @@ async fn main() -> ferry::Result<()> {
     let tcp = std::env::args().skip(1).any(|a| a == "--tcp");
     let budget_costs = std::env::args().skip(1).any(|a| a == "--budgets");
     let floor_only = std::env::args().skip(1).any(|a| a == "--floor");
+    let by_layer = std::env::args().skip(1).any(|a| a == "--layers");
     let builder = || match tcp {
         true => Engine::builder().transports([ferry::TransportKind::Tcp]),
         false => Engine::builder(),
@@ -290,6 +350,10 @@ async fn main() -> ferry::Result<()> {
     }
     // One link for both: the pool adopts the link the direct case made.
     let peer = engine.connect(&addr.to_string(), TIMEOUT).await?;
+    if by_layer {
+        layers(&engine, &peer, addr, region.addr(), &src).await;
+        return Ok(());
+    }
     // Every layer of this stack answers with ferry::Error: nothing to map back.
     let service = ServiceBuilder::new()
         .layer(DeadlineLayer::new(TIMEOUT))
@@ -319,8 +383,7 @@ async fn main() -> ferry::Result<()> {
     );
     let tower_ratio = ratio_per_turn(&rates[1], &rates[0]);
     // From the ratio rather than the two medians, which come from different turns.
-    let workers = std::thread::available_parallelism().map_or(1, usize::from) as f64;
-    let added_cpu_us = workers * 1e6 * (1.0 / tower_ratio - 1.0) / direct_ops;
+    let added_cpu_us = added_cpu_us(tower_ratio, direct_ops);
     println!(
         "{}",
         serde_json::json!({

@@ -1,7 +1,7 @@
 //! A counting limit for the pool's in-flight bounds (in total, and per peer).
 //!
 //! It does what `tokio::sync::Semaphore` does for one permit at a time, but more cheaply on the path
-//! every request takes: acquiring is one compare-and-swap and releasing one atomic subtraction, where
+//! every request takes: acquiring is one atomic addition and releasing one subtraction, where
 //! tokio's semaphore locks a mutex on every release. A request through the pool takes and returns
 //! two such units, and at 4 KiB transfer rates that difference shows in the middleware's overhead
 //! (see `examples/tower_overhead.rs`). Waiting, the slow path, goes through a `tokio::sync::Notify`,
@@ -42,16 +42,34 @@ impl Limit {
         }
     }
 
-    /// Units held now.
+    /// Units held now (never more than the limit).
     pub(crate) fn used(&self) -> usize {
-        self.used.load(Ordering::Relaxed)
+        // A failed `try_take` counts itself for a moment before it backs out.
+        self.used.load(Ordering::Relaxed).min(self.max)
     }
 
     /// Takes a unit if one is free; the caller then owes one [`give_back`](Self::give_back).
+    ///
+    /// One atomic add, not a read and a compare-and-swap: where the count's cache line is on
+    /// another core, a read fetches it shared and the swap must then fetch it again to own it. A
+    /// take that finds the limit reached backs out (see [`back_out`](Self::back_out)).
     pub(crate) fn try_take(&self) -> bool {
-        self.used
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| (n < self.max).then_some(n + 1))
-            .is_ok()
+        if self.used.fetch_add(1, Ordering::SeqCst) < self.max {
+            return true;
+        }
+        self.back_out();
+        false
+    }
+
+    /// Undoes the add of a take that found the limit reached. While it stood, another take may have
+    /// failed only because of it; if backing out leaves a unit free, a waiter is woken, as a
+    /// release would. A take that failed on a limit still reached without it wakes nobody: a waiter
+    /// re-checking its own take does not wake itself.
+    fn back_out(&self) {
+        let before = self.used.fetch_sub(1, Ordering::SeqCst);
+        if before - 1 < self.max && self.waiting.load(Ordering::SeqCst) > 0 {
+            self.released.notify_one();
+        }
     }
 
     /// Returns a unit taken by [`try_take`](Self::try_take) or [`take`](Self::take).
@@ -131,6 +149,60 @@ mod tests {
         }
         assert_eq!(limit.used(), 0);
         assert_eq!(limit.waiting.load(Ordering::SeqCst), 0);
+    }
+
+    /// Takers racing on a small limit, some with `try_take` and falling back to `take`: never more
+    /// holders than the limit, and every taker gets through (a take that failed on another's passing
+    /// excess is woken when it backs out).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn racing_takers_never_exceed_the_limit_and_none_is_stranded() {
+        let limit = Arc::new(Limit::new(2));
+        let holders = Arc::new(AtomicUsize::new(0));
+        let takers: Vec<_> = (0..8)
+            .map(|t| {
+                let (limit, holders) = (limit.clone(), holders.clone());
+                tokio::spawn(async move {
+                    for i in 0..2000 {
+                        if (t + i) % 3 == 0 || !limit.try_take() {
+                            limit.take().await;
+                        }
+                        assert!(
+                            holders.fetch_add(1, Ordering::SeqCst) < 2,
+                            "more holders than the limit"
+                        );
+                        if i % 7 == 0 {
+                            tokio::task::yield_now().await;
+                        }
+                        holders.fetch_sub(1, Ordering::SeqCst);
+                        limit.give_back();
+                    }
+                })
+            })
+            .collect();
+        for t in takers {
+            tokio::time::timeout(Duration::from_secs(30), t)
+                .await
+                .expect("a taker was stranded")
+                .unwrap();
+        }
+        assert_eq!(limit.used(), 0);
+        assert_eq!(limit.used.load(Ordering::SeqCst), 0, "every failed take backed out");
+    }
+
+    /// The interleaving that `back_out` wakes for, step by step: one take's add stands past the
+    /// limit while the holder releases, so another take fails and waits; backing out must wake it.
+    #[test]
+    fn a_take_that_fails_on_anothers_excess_is_woken_when_that_backs_out() {
+        let limit = Limit::new(1);
+        assert!(limit.try_take(), "the holder");
+        // Another take's add, which found the limit reached and has not backed out yet.
+        limit.used.fetch_add(1, Ordering::SeqCst);
+        limit.give_back();
+        let mut waiting = Box::pin(limit.take());
+        assert!(waiting.as_mut().now_or_never().is_none(), "the excess still counts");
+        limit.back_out();
+        assert!(waiting.as_mut().now_or_never().is_some(), "the waiter was not woken");
+        assert_eq!(limit.used(), 1);
     }
 
     #[test]

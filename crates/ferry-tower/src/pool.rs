@@ -16,6 +16,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::task::Poll;
 use std::time::Duration;
 
+use crossbeam_utils::CachePadded;
 use crossbeam_utils::sync::{ShardedLock, ShardedLockReadGuard, ShardedLockWriteGuard};
 use ferry::{Engine, Error, Peer, Result, TransportKind};
 use rustc_hash::FxHashMap;
@@ -172,8 +173,10 @@ struct Counters {
 pub(crate) struct Shared {
     pub(crate) engine: Engine,
     pub(crate) config: PoolConfig,
-    /// The total in-flight bound that `poll_ready` takes from.
-    pub(crate) in_flight: Limit,
+    /// The total in-flight bound that `poll_ready` takes from. Written twice by every request: on
+    /// lines of its own, so that reading the settings beside it does not wait for the line to
+    /// come back from another core.
+    pub(crate) in_flight: CachePadded<Limit>,
     counters: Counters,
 }
 
@@ -189,6 +192,10 @@ impl Shared {
     }
 }
 
+/// Aligned to two cache lines: the `Arc` around a pool has its reference count written by every
+/// clone of the service (tower clones it per request, `Retry` once more), and with the alignment the
+/// count sits on lines of its own, apart from the fields every request reads.
+#[repr(align(128))]
 pub(crate) struct Pool {
     pub(crate) shared: Arc<Shared>,
     /// Read by every request, written only when a peer comes or goes: a sharded lock lets requests
@@ -204,9 +211,14 @@ pub(crate) struct Pool {
 }
 
 /// One peer address: its link (if any), its in-flight bound, and its reconnect state.
+///
+/// Aligned to two cache lines, so that the `Arc`'s reference count, which every request writes, is
+/// on lines of its own; the per-peer limit, written by every request too, is padded for the same
+/// reason.
+#[repr(align(128))]
 struct PeerEntry {
     addr: SocketAddr,
-    permits: Limit,
+    permits: CachePadded<Limit>,
     /// The pool's engine, settings, in-flight limit and counters.
     shared: Arc<Shared>,
     /// The pool's coarse clock.
@@ -359,7 +371,7 @@ impl PeerEntry {
     fn new(addr: SocketAddr, shared: Arc<Shared>, clock: Arc<AtomicU64>) -> Self {
         PeerEntry {
             addr,
-            permits: Limit::new(shared.config.max_in_flight_per_peer),
+            permits: CachePadded::new(Limit::new(shared.config.max_in_flight_per_peer)),
             shared,
             last_used: AtomicU64::new(clock.load(Ordering::Relaxed)),
             clock,
@@ -494,7 +506,7 @@ impl Pool {
         Pool {
             shared: Arc::new(Shared {
                 engine,
-                in_flight: Limit::new(config.max_in_flight),
+                in_flight: CachePadded::new(Limit::new(config.max_in_flight)),
                 config,
                 counters: Counters::default(),
             }),

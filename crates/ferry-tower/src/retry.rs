@@ -87,7 +87,10 @@ pub struct RetryPolicy {
     backoff: Option<Box<ExponentialBackoff<HasherRng>>>,
 }
 
+/// Aligned to two cache lines, so that the `Arc`'s reference count, which every request writes
+/// (`Retry` clones the policy per request), is apart from the settings every request reads.
 #[derive(Debug)]
+#[repr(align(128))]
 struct Shared {
     max_retries: u32,
     backoff_min: Duration,
