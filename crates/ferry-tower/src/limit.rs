@@ -1,7 +1,7 @@
 //! A counting limit for the pool's in-flight bounds (in total, and per peer).
 //!
 //! It does what `tokio::sync::Semaphore` does for one permit at a time, but more cheaply on the path
-//! every request takes: acquiring is one atomic addition and releasing one subtraction, where
+//! every request takes: acquiring is one compare-and-swap and releasing one atomic subtraction, where
 //! tokio's semaphore locks a mutex on every release. A request through the pool takes and returns
 //! two such units, and at 4 KiB transfer rates that difference shows in the middleware's overhead
 //! (see `examples/tower_overhead.rs`). Waiting, the slow path, goes through a `tokio::sync::Notify`,
@@ -42,34 +42,16 @@ impl Limit {
         }
     }
 
-    /// Units held now (never more than the limit).
+    /// Units held now.
     pub(crate) fn used(&self) -> usize {
-        // A failed `try_take` counts itself for a moment before it backs out.
-        self.used.load(Ordering::Relaxed).min(self.max)
+        self.used.load(Ordering::Relaxed)
     }
 
     /// Takes a unit if one is free; the caller then owes one [`give_back`](Self::give_back).
-    ///
-    /// One atomic add, not a read and a compare-and-swap: where the count's cache line is on
-    /// another core, a read fetches it shared and the swap must then fetch it again to own it. A
-    /// take that finds the limit reached backs out (see [`back_out`](Self::back_out)).
     pub(crate) fn try_take(&self) -> bool {
-        if self.used.fetch_add(1, Ordering::SeqCst) < self.max {
-            return true;
-        }
-        self.back_out();
-        false
-    }
-
-    /// Undoes the add of a take that found the limit reached. While it stood, another take may have
-    /// failed only because of it; if backing out leaves a unit free, a waiter is woken, as a
-    /// release would. A take that failed on a limit still reached without it wakes nobody: a waiter
-    /// re-checking its own take does not wake itself.
-    fn back_out(&self) {
-        let before = self.used.fetch_sub(1, Ordering::SeqCst);
-        if before - 1 < self.max && self.waiting.load(Ordering::SeqCst) > 0 {
-            self.released.notify_one();
-        }
+        self.used
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| (n < self.max).then_some(n + 1))
+            .is_ok()
     }
 
     /// Returns a unit taken by [`try_take`](Self::try_take) or [`take`](Self::take).
@@ -152,8 +134,7 @@ mod tests {
     }
 
     /// Takers racing on a small limit, some with `try_take` and falling back to `take`: never more
-    /// holders than the limit, and every taker gets through (a take that failed on another's passing
-    /// excess is woken when it backs out).
+    /// holders than the limit, and every taker gets through.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn racing_takers_never_exceed_the_limit_and_none_is_stranded() {
         let limit = Arc::new(Limit::new(2));
@@ -186,23 +167,6 @@ mod tests {
                 .unwrap();
         }
         assert_eq!(limit.used(), 0);
-        assert_eq!(limit.used.load(Ordering::SeqCst), 0, "every failed take backed out");
-    }
-
-    /// The interleaving that `back_out` wakes for, step by step: one take's add stands past the
-    /// limit while the holder releases, so another take fails and waits; backing out must wake it.
-    #[test]
-    fn a_take_that_fails_on_anothers_excess_is_woken_when_that_backs_out() {
-        let limit = Limit::new(1);
-        assert!(limit.try_take(), "the holder");
-        // Another take's add, which found the limit reached and has not backed out yet.
-        limit.used.fetch_add(1, Ordering::SeqCst);
-        limit.give_back();
-        let mut waiting = Box::pin(limit.take());
-        assert!(waiting.as_mut().now_or_never().is_none(), "the excess still counts");
-        limit.back_out();
-        assert!(waiting.as_mut().now_or_never().is_some(), "the waiter was not woken");
-        assert_eq!(limit.used(), 1);
     }
 
     #[test]
