@@ -401,28 +401,19 @@ impl PeerEntry {
 
     /// The live link. A link the engine reports closed is retired here.
     fn live(&self) -> Result<Option<Link>> {
-        {
-            let st = self.read_state()?;
-            match &st.peer {
-                Some(p) if !p.is_closed() => {
-                    return Ok(Some(Link {
-                        peer: p.clone(),
-                        generation: st.generation,
-                        primary: st.primary,
-                    }));
-                }
-                None => return Ok(None),
-                Some(_) => {}
-            }
+        let held = |peer: &Peer, generation, start: LeaseStart| Link {
+            peer: peer.clone(),
+            generation,
+            primary: start.primary,
+        };
+        if let Some(link) = self.with_live(held)? {
+            return Ok(Some(link));
         }
-        // Closed: retire it, unless another request did so (or reconnected) meanwhile.
+        // None, or closed: retire a closed one, unless another request did so (or reconnected)
+        // meanwhile.
         let mut st = self.state()?;
         match &st.peer {
-            Some(p) if !p.is_closed() => Ok(Some(Link {
-                peer: p.clone(),
-                generation: st.generation,
-                primary: st.primary,
-            })),
+            Some(p) if !p.is_closed() => Ok(Some(held(p, st.generation, LeaseStart { primary: st.primary }))),
             Some(_) => {
                 if let Some(p) = st.peer.take() {
                     tracing::warn!(peer = %self.addr, "the link is closed; reconnecting on next use");
@@ -556,7 +547,7 @@ impl Pool {
     pub(crate) fn try_checkout<R>(
         self: &Arc<Self>,
         addr: SocketAddr,
-        begin: impl FnOnce(&Peer, u64, LeaseStart) -> R,
+        begin: impl FnOnce(&Peer, LeaseStart) -> R,
     ) -> Result<Checkout<R>> {
         let unit = Unit(&self.shared.in_flight);
         let (entry, evicted) = self.claim(addr)?;
@@ -571,7 +562,7 @@ impl Pool {
         if claim.try_take_unit() {
             let begun = claim
                 .entry
-                .with_live(|peer, generation, start| (begin(peer, generation, start), generation, peer.transport()))?;
+                .with_live(|peer, generation, start| (begin(peer, start), generation, peer.transport()))?;
             if let Some((begun, generation, transport)) = begun {
                 unit.passed_on();
                 claim.holds_in_flight = true;

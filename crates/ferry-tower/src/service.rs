@@ -184,7 +184,7 @@ impl tower::Service<TransferRequest> for TransferService {
         // is gone. The engine bounds the transfer by the request's deadline and reads the clock for
         // it: none read here.
         let deadline = request.deadline();
-        match Pool::try_checkout(&self.pool, request.peer(), |peer, _, start| {
+        match Pool::try_checkout(&self.pool, request.peer(), |peer, start| {
             Running::begin(&self.pool.shared, peer, start, &request, deadline)
         }) {
             Ok(Checkout::Ready(lease, begun)) => TransferFuture(Running::started(lease, begun, request, deadline)),
